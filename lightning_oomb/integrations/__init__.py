@@ -1,0 +1,1 @@
+"""Model-library adapters (at the side of the engine)."""
