@@ -1,1 +1,16 @@
-"""lightning_oomb"""
+"""lightning_oomb: exact long-context training of Hugging Face LLMs as a PyTorch Lightning strategy.
+
+``import lightning_oomb`` registers the strategy name ``"oomb"`` (``Trainer(strategy="oomb")``).
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_oomb.engine import OOMBConfig, OOMBConfigError, OOMBEngine
+from lightning_oomb.precision import OOMBPrecision
+from lightning_oomb.strategy import OOMBStrategy
+
+__version__ = "0.1.0.dev0"
+
+OOMBStrategy.register_strategies(StrategyRegistry)
+
+__all__ = ["OOMBConfig", "OOMBConfigError", "OOMBEngine", "OOMBPrecision", "OOMBStrategy", "__version__"]

@@ -1,0 +1,117 @@
+"""The HF adapter: refusals at setup, attention switched only inside OOMB calls, bad calls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+from conftest import build_causal_lm
+
+from lightning_oomb.engine import OOMBConfig, OOMBConfigError, OOMBEngine
+from lightning_oomb.integrations.hf import HFChunkModel, register_attention
+
+TINY = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4, vocab_size=64)
+
+
+def unsupported_models():
+    yield "RoPE type", tf.Phi3ForCausalLM(
+        tf.Phi3Config(
+            **TINY,
+            max_position_embeddings=64,
+            rope_parameters={
+                "rope_type": "longrope",
+                "short_factor": [1.0] * 4,
+                "long_factor": [2.0] * 4,
+                "original_max_position_embeddings": 16,
+                "rope_theta": 1e4,
+            },
+            pad_token_id=0,
+            eos_token_id=0,
+            bos_token_id=0,
+        )
+    )
+    yield "RoPE type", tf.LlamaForCausalLM(
+        tf.LlamaConfig(**TINY, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
+    )
+    yield "latent attention", tf.DeepseekV3ForCausalLM(
+        tf.DeepseekV3Config(
+            **TINY,
+            kv_lora_rank=16,
+            q_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+        )
+    )
+    yield "soft-caps", tf.Gemma2ForCausalLM(tf.Gemma2Config(**TINY, head_dim=8))
+    yield "sink", tf.GptOssForCausalLM(
+        tf.GptOssConfig(**TINY, head_dim=8, num_local_experts=2, num_experts_per_tok=1, num_key_value_heads=2)
+    )
+    yield "attention_dropout", build_causal_lm("qwen2", attention_dropout=0.1)
+
+
+@pytest.mark.parametrize(("reason", "model"), list(unsupported_models()), ids=lambda x: str(x)[:20])
+def test_unsupported_models_are_refused_with_the_reason(reason, model):
+    with pytest.raises(OOMBConfigError, match=reason) as err:
+        HFChunkModel(model)
+    assert "another strategy" in str(err.value)
+
+
+def test_non_hf_module_is_refused():
+    with pytest.raises(OOMBConfigError, match="AutoModelForCausalLM"):
+        HFChunkModel(torch.nn.Linear(2, 2))
+
+
+def test_attention_is_oomb_only_inside_engine_calls():
+    model = build_causal_lm("qwen2", dtype=torch.float32)
+    engine = OOMBEngine(HFChunkModel(model), OOMBConfig(16, 8))
+    ids = torch.randint(0, 97, (1, 40))
+    engine.loss(ids).backward()
+    assert model.config._attn_implementation == "sdpa"
+    model(input_ids=ids)  # ordinary use of the model keeps working
+
+
+def test_oomb_attention_outside_a_step_says_what_to_do():
+    register_attention()
+    model = build_causal_lm("llama", dtype=torch.float32, attn_implementation="oomb")
+    with pytest.raises(OOMBConfigError, match="attn_implementation='sdpa'"):
+        model(input_ids=torch.randint(0, 97, (1, 8)))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(chunk_size=100, page_size=64), "multiple of page_size"),
+        (dict(page_size=0), "positive integer"),
+        (dict(kv_grad_dtype="float16"), "kv_grad_dtype"),
+        (dict(attention_backend="cuda"), "backend"),
+    ],
+)
+def test_bad_config_is_rejected(kwargs, match):
+    with pytest.raises(OOMBConfigError, match=match):
+        OOMBConfig(**kwargs)
+
+
+def test_bad_inputs_are_rejected_before_any_work():
+    engine = OOMBEngine(HFChunkModel(build_causal_lm("qwen2")), OOMBConfig(16, 8))
+    with pytest.raises(OOMBConfigError, match="integer tensor"):
+        engine.loss(torch.randn(1, 8))
+    with pytest.raises(OOMBConfigError, match="one label per input token"):
+        engine.loss(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 7, dtype=torch.long))
+    assert engine.pool.allocated_bytes == 0
+
+
+def test_no_target_tokens_give_zero_loss_and_zero_gradients():
+    model = build_causal_lm("qwen2")
+    engine = OOMBEngine(HFChunkModel(model), OOMBConfig(16, 8))
+    ids = torch.randint(0, 97, (1, 24))
+    loss = engine.loss(ids, torch.full_like(ids, -100))
+    loss.backward()
+    assert loss.item() == 0.0
+    assert all((p.grad == 0).all() for p in model.parameters() if p.grad is not None)

@@ -1,0 +1,223 @@
+"""OOMBStrategy inside a real Trainer: parity with strategy="auto", hooks, logging, resume, errors."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import lightning as L
+import pytest
+import torch
+from conftest import build_causal_lm
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.strategies import StrategyRegistry
+from torch.utils.data import DataLoader
+
+import lightning_oomb
+from lightning_oomb import OOMBConfigError, OOMBPrecision, OOMBStrategy
+
+
+class TinyLM(L.LightningModule):
+    def __init__(self, lr: float = 0.5):
+        super().__init__()
+        self.model = build_causal_lm("qwen2", dtype=torch.float32)
+        self.lr = lr
+
+    def training_step(self, batch):
+        loss = self.model(**batch).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch):
+        self.log("val_loss", self.model(**batch).loss)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)  # state that resume must restore
+
+
+class CountHooks(Callback):
+    def __init__(self):
+        self.calls = {"before": 0, "after": 0, "batches": 0}
+
+    def on_train_batch_start(self, *_):
+        self.calls["batches"] += 1
+
+    def on_before_backward(self, *_):
+        self.calls["before"] += 1
+
+    def on_after_backward(self, *_):
+        self.calls["after"] += 1
+
+
+def batches(n=6, seq=40, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        ids = torch.randint(0, 97, (seq,), generator=gen)
+        rows.append({"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)})
+    return DataLoader(rows, batch_size=2)
+
+
+def fit(strategy, module=None, steps=3, rows=6, **trainer_kwargs):
+    module = module or TinyLM()
+    trainer_kwargs.setdefault("enable_checkpointing", False)
+    if "plugins" not in trainer_kwargs:
+        trainer_kwargs.setdefault("precision", "32-true")
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **trainer_kwargs,
+    )
+    trainer.fit(module, batches(rows))
+    return module, trainer
+
+
+def oomb():
+    return OOMBStrategy(chunk_size=16, page_size=8)
+
+
+def max_param_diff(a, b):
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_import_registers_the_strategy():
+    assert "oomb" in StrategyRegistry
+    trainer = L.Trainer(strategy="oomb", accelerator="cpu", logger=False)
+    assert isinstance(trainer.strategy, OOMBStrategy)
+    lightning_oomb.OOMBStrategy.register_strategies(StrategyRegistry)  # idempotent
+
+
+@pytest.mark.parametrize(
+    ("flag", "inner"),
+    [
+        ("32-true", Precision),
+        ("64-true", DoublePrecision),
+        ("bf16-mixed", MixedPrecision),
+        ("bf16-true", HalfPrecision),
+    ],
+)
+def test_every_stock_precision_is_wrapped(flag, inner):
+    trainer = L.Trainer(strategy=oomb(), precision=flag, accelerator="cpu", logger=False)
+    plugin = trainer.strategy.precision_plugin
+    assert isinstance(plugin, OOMBPrecision) and type(plugin.inner) is inner
+
+
+def test_accelerator_auto_resolves_to_the_gpu():
+    """pytorch-lightning#18902: a registry-built SingleDeviceStrategy would stay on cpu."""
+    with (
+        mock.patch("lightning.fabric.accelerators.cuda.num_cuda_devices", return_value=1),
+        mock.patch("lightning.pytorch.accelerators.cuda.num_cuda_devices", return_value=1),
+    ):
+        trainer = L.Trainer(strategy="oomb", accelerator="auto", devices=1, logger=False)
+    assert trainer.strategy.root_device == torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize(
+    ("precision", "tol"),
+    [("32-true", 1e-6), ("bf16-mixed", 2e-3), (MixedPrecision("16-mixed", "cpu"), 2e-3)],
+    ids=["32-true", "bf16-mixed", "16-mixed-scaler"],
+)
+def test_parity_with_auto_strategy(precision, tol):
+    def kwargs():
+        p = precision if isinstance(precision, str) else MixedPrecision("16-mixed", "cpu")
+        key = "precision" if isinstance(p, str) else "plugins"
+        return {key: p, "accumulate_grad_batches": 2, "gradient_clip_val": 0.05}
+
+    hooks = CountHooks()
+    want, t_auto = fit("auto", **kwargs())
+    got, t_oomb = fit(oomb(), callbacks=[hooks], **kwargs())
+    assert max_param_diff(got, want) <= tol
+    assert max_param_diff(got, TinyLM()) > 1e-3  # training moved the weights (clipped steps)
+    assert hooks.calls["before"] == hooks.calls["after"] == hooks.calls["batches"] == 5  # 3 steps, accumulate 2
+    torch.testing.assert_close(
+        t_oomb.callback_metrics["train_loss"], t_auto.callback_metrics["train_loss"], rtol=tol, atol=tol
+    )
+    if not isinstance(precision, str):
+        assert t_oomb.strategy.precision_plugin.scaler is not None
+
+
+def test_validation_loss_matches_auto():
+    def validate(strategy):
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", logger=False, enable_progress_bar=False)
+        return trainer.validate(TinyLM(), batches(2, seed=9), verbose=False)[0]["val_loss"]
+
+    assert validate(oomb()) == pytest.approx(validate("auto"), rel=1e-6)
+
+
+def test_resume_gives_the_uninterrupted_next_loss(tmp_path):
+    class LossRecorder(Callback):
+        def __init__(self):
+            self.losses = []
+
+        def on_train_batch_end(self, trainer, module, outputs, *_):
+            self.losses.append(outputs["loss"].item())
+
+    straight = LossRecorder()
+    fit(oomb(), steps=3, rows=2, callbacks=[straight])  # one batch per epoch: resume at an epoch boundary
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    fit(oomb(), steps=2, rows=2, callbacks=[ckpt], enable_checkpointing=True)
+    resumed = LossRecorder()
+    module = TinyLM()
+    trainer = L.Trainer(
+        strategy=oomb(),
+        accelerator="cpu",
+        max_steps=3,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[resumed],
+    )
+    trainer.fit(module, batches(2), ckpt_path=str(tmp_path / "last.ckpt"))
+    assert resumed.losses == pytest.approx(straight.losses[2:], rel=1e-6)
+
+
+class ManualLM(TinyLM):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+
+class NoModelCallLM(TinyLM):
+    def training_step(self, batch):
+        return self.model.lm_head.weight.sum()
+
+
+class TwoCallsLM(TinyLM):
+    def training_step(self, batch):
+        return self.model(**batch).loss + self.model(**batch).loss
+
+
+class PaddedLM(TinyLM):
+    def training_step(self, batch):
+        batch["attention_mask"][:, -3:] = 0
+        return self.model(**batch).loss
+
+
+@pytest.mark.parametrize(
+    ("module", "match"),
+    [
+        (ManualLM, "manual optimization"),
+        (NoModelCallLM, "did not call the OOMB-managed model"),
+        (TwoCallsLM, "twice"),
+        (PaddedLM, "padding"),
+    ],
+)
+def test_bad_use_is_refused_with_the_fix(module, match):
+    with pytest.raises(OOMBConfigError, match=match):
+        fit(oomb(), module=module(), steps=1)
+
+
+def test_more_than_one_device_is_refused():
+    trainer = L.Trainer(strategy=oomb(), accelerator="cpu", devices=2, logger=False, max_steps=1)
+    with pytest.raises(OOMBConfigError, match="devices=1"):
+        trainer.fit(TinyLM(), batches())
+
+
+def test_bad_strategy_arguments_fail_at_construction():
+    with pytest.raises(OOMBConfigError, match="multiple of page_size"):
+        OOMBStrategy(chunk_size=100, page_size=64)
