@@ -160,6 +160,8 @@ class OOMBStrategy(_OOMBStrategyMixin, SingleDeviceStrategy):
         attention_backend: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"torch"`` or ``"triton"``.
         offload: keep KV pages beyond ``hbm_budget`` in pinned host memory.
         hbm_budget: device bytes for KV pages when offloading (``"auto"``: free memory minus a headroom).
+        staging_buffers: device buffers (one layer's pages each) that host-tier layers stream through when
+            offloading; 2 = double buffering, 3 also overlaps write-backs with prefetches.
         target_module: attribute path of the HF model in the LightningModule (default: the unique one).
         device: explicit device; by default the Trainer's accelerator decides (``accelerator="auto"`` works).
     """
@@ -175,6 +177,7 @@ class OOMBStrategy(_OOMBStrategyMixin, SingleDeviceStrategy):
         attention_backend: str = "auto",
         offload: bool = False,
         hbm_budget: int | str = "auto",
+        staging_buffers: int = 2,
         target_module: str | None = None,
         device: str | torch.device | None = None,
         accelerator: Accelerator | None = None,
@@ -189,6 +192,7 @@ class OOMBStrategy(_OOMBStrategyMixin, SingleDeviceStrategy):
             attention_backend=attention_backend,
             offload=offload,
             hbm_budget=hbm_budget,
+            staging_buffers=staging_buffers,
         )
         self._target_module = target_module
         self._explicit_device = None if device is None else torch.device(device)

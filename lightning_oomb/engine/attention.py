@@ -118,7 +118,7 @@ class PagedAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, out, lse = ctx.saved_tensors
         chunk, layer, scale, window, kv_dtype = ctx.args
-        kv = chunk.pool.view(layer, chunk.start + q.shape[2])
+        kv = chunk.pool.view(layer, chunk.start + q.shape[2], grads=True)  # the kernel adds into kv.dk, kv.dv
         with torch.autocast(q.device.type, enabled=False):
             dq = _backward(chunk.backend, q, out, lse, dout.contiguous(), kv, chunk.start, scale, window)
         dk, dv = chunk.pool.read_grad(layer, chunk.start, q.shape[2])

@@ -1,28 +1,47 @@
-"""Paged KV + KV-gradient pool.
+"""Paged KV + KV-gradient pool, in an HBM tier and (with offload) a pinned host tier.
 
-One *page* holds ``page_size`` consecutive tokens of K (and V) for one layer and one batch row, laid out
-``[kv_heads, page_size, head_dim]``. All pages of a tier live in one arena tensor ``[slots, kv_heads, page_size,
-head_dim]`` (never one tensor per page); a page table ``[layers, batch, pages] -> slot`` addresses them, so kernels
-index pages through the table and know nothing about where a page came from.
+**Pages.** One *page* holds ``page_size`` consecutive tokens of K (and V) for one layer and one batch row, laid out
+``[kv_heads, page_size, head_dim]``. Gradient pages mirror the K/V pages (same slots) in ``grad_dtype``: float32 by
+default, bfloat16 opt-in; never narrower than the K/V dtype (float64 models get float64 gradient pages, which the
+exactness tests use).
 
-Gradient pages mirror the K/V pages (same slots) in ``grad_dtype``: float32 by default, bfloat16 opt-in; they
-are never kept below the K/V dtype (float64 models get float64 gradient pages, which the exactness tests use).
+**Arenas.** A tier keeps all its pages in one :class:`Arena`: one allocation viewed as K, V, dK, dV
+``[slots, kv_heads, page_size, head_dim]`` (never one tensor per page). Within a tier, layer ``i`` owns slots
+``[i * layer_slots, (i + 1) * layer_slots)`` laid out page-major: page ``j`` of row ``b`` is slot
+``i * layer_slots + j * batch + b``, so the first ``n`` pages of a layer (all rows) are one contiguous range that a
+single copy moves. A page table ``[batch, pages] -> slot`` (int32) addresses a layer's pages; kernels index pages
+through it and know nothing about tiers.
 
-The pool is sized per step from the sequence length and reused across steps: arenas only grow. Today there is
-one tier (the device the model runs on); the offload issue adds a pinned host tier behind :meth:`KVPool.view`,
-which is the only way attention reads pages, so callers do not change.
+**Tiers.** Without offload every layer lives in the HBM tier (the device the model runs on). With offload,
+:func:`plan_tiers` fills ``hbm_budget`` with whole layers; the other layers live in the host tier (pinned when CUDA
+is available) and are used through ``staging_buffers`` device buffers that each hold one whole layer
+(:mod:`lightning_oomb.engine.offload` decides what is copied when). The pool's device bytes are at most
+``max(hbm_budget, staging_buffers * layer_bytes)``; see :class:`PoolShape` for ``layer_bytes``.
+
+**Access contract** (what the attention op does; the order drives prefetch): a layer is filled in order —
+:meth:`KVPool.write` at ``start`` makes the layer's content tokens ``[0, start + L)`` and zeroes their gradient
+pages; :meth:`KVPool.view` hands out the pages of ``[0, num_tokens)`` (``grads=True`` when the caller adds into the
+gradient pages); :meth:`KVPool.read_grad` returns a chunk's accumulated gradients and, in the backward sweep,
+frees the chunk's gradient pages (their later content is undefined). :meth:`KVPool.begin_sweep` /
+:meth:`KVPool.end_sweep` bracket each sweep. The pool is sized per step from the sequence length and reused across
+steps: arenas only grow.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from lightning_oomb.engine.errors import OOMBConfigError
+from lightning_oomb.engine.offload import Offloader, Transfer
 
 GRAD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+AUTO_HEADROOM = 0.25  # hbm_budget="auto" leaves this fraction of the device for params, grads and activations
+HOST_RESERVE_BYTES = 2 << 30  # host memory never pinned: left to the OS, the data loader and Python
+_ALIGN = 512  # byte alignment of the four views inside an arena (DMA friendly, divisible by every itemsize)
 
 
 @dataclass(frozen=True)
@@ -43,8 +62,13 @@ class PoolShape:
         return math.ceil(self.seq_len / self.page_size)
 
     @property
+    def layer_slots(self) -> int:
+        """Pages of one layer, all rows."""
+        return self.batch * self.pages_per_row
+
+    @property
     def num_slots(self) -> int:
-        return self.num_layers * self.batch * self.pages_per_row
+        return self.num_layers * self.layer_slots
 
     @property
     def page_numel(self) -> int:
@@ -59,6 +83,11 @@ class PoolShape:
     def grad_bytes(self) -> int:
         """Bytes of the dK and dV gradient pages."""
         return 2 * self.num_slots * self.page_numel * self.grad_dtype.itemsize
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of one layer's K, V, dK and dV pages (the unit of tier placement and staging)."""
+        return (self.kv_bytes + self.grad_bytes) // self.num_layers
 
 
 @dataclass
@@ -91,56 +120,302 @@ def resolve_grad_dtype(name: str, kv_dtype: torch.dtype) -> torch.dtype:
     return kv_dtype if kv_dtype.itemsize > grad.itemsize else grad
 
 
-class KVPool:
-    """Paged K/V and dK/dV storage for one sequence batch (see the module docstring)."""
+# ------------------------------------------------------------------------------------------------------ tiers
+@dataclass(frozen=True)
+class TierPlan:
+    """Which layers live where for one step; ``staging_buffers`` is 0 when no layer is on the host."""
 
-    def __init__(self) -> None:
+    hbm_layers: tuple[int, ...]
+    host_layers: tuple[int, ...]
+    staging_buffers: int
+
+
+def plan_tiers(num_layers: int, layer_bytes: int, budget: int | None, staging_buffers: int) -> TierPlan:
+    """Split layers between tiers so the pool's device bytes stay within ``budget`` (``None``: no limit).
+
+    Device bytes = ``(len(hbm_layers) + staging_buffers) * layer_bytes``; the most HBM layers that fit win. Host
+    layers are spread evenly over depth (not the last ones), so each host layer's copies overlap the compute of the
+    HBM layers before it. A budget below ``staging_buffers`` layers puts every layer on the host: the staging
+    buffers are the floor of offload's device memory.
+    """
+    everything = tuple(range(num_layers))
+    if budget is None or num_layers * layer_bytes <= budget:
+        return TierPlan(everything, (), 0)
+    hbm = num_layers - 1
+    while hbm > 0 and (hbm + min(staging_buffers, num_layers - hbm)) * layer_bytes > budget:
+        hbm -= 1
+    n_host = num_layers - hbm
+    host = tuple(i for i in everything if (i + 1) * n_host // num_layers > i * n_host // num_layers)
+    return TierPlan(tuple(i for i in everything if i not in host), host, min(staging_buffers, n_host))
+
+
+def host_memory_available() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes; ``None`` where it cannot be read (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+# ----------------------------------------------------------------------------------------------------- arenas
+class Arena:
+    """One tier's pages: a single byte allocation viewed as ``k, v [slots, H, P, D]`` (K/V dtype) and
+    ``dk, dv`` (gradient dtype).
+
+    Device arenas start zeroed (a masked key of a ragged page is never NaN). The ``host`` arena lives in CPU
+    memory, uninitialised (its pages are always written before they are read) and, when CUDA is available,
+    page-locked with ``cudaHostRegister`` — not ``pin_memory=True``, whose caching allocator rounds sizes up to a
+    power of two (a 70 GiB tier would lock 128 GiB).
+    """
+
+    def __init__(self, slots: int, shape: PoolShape, device: torch.device, host: bool = False):
+        page = (shape.kv_heads, shape.page_size, shape.head_dim)
+        kv, grad = (slots * shape.page_numel * t.itemsize for t in (shape.dtype, shape.grad_dtype))
+        sizes = (kv, kv, grad, grad)
+        offsets = [0]
+        for size in sizes[:-1]:
+            offsets.append(offsets[-1] + math.ceil(size / _ALIGN) * _ALIGN)
+        total = offsets[-1] + sizes[-1]
+        if host:
+            storage = torch.empty(total, dtype=torch.uint8)
+        else:
+            storage = torch.zeros(total, dtype=torch.uint8, device=device)
+        self._unpin = None
+        if host and torch.cuda.is_available():
+            _check_cuda(
+                torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), total, 0), "cudaHostRegister"
+            )
+            # unregister before the bytes go back to malloc, even if the arena is dropped without free()
+            self._unpin = weakref.finalize(self, _unregister, storage.data_ptr())
+            self._unpin.atexit = False
+        dtypes = (shape.dtype, shape.dtype, shape.grad_dtype, shape.grad_dtype)
+        self.k, self.v, self.dk, self.dv = (
+            storage[o : o + n].view(t).view(slots, *page)
+            for o, n, t in zip(offsets, sizes, dtypes, strict=True)
+        )
+        self.slots, self.nbytes, self.device = slots, total, storage.device
+        self._storage = storage
+
+    def fits(self, slots: int, shape: PoolShape, device: torch.device) -> bool:
+        return (
+            self.device == device
+            and self.k.dtype == shape.dtype
+            and self.dk.dtype == shape.grad_dtype
+            and self.k.shape[1:] == (shape.kv_heads, shape.page_size, shape.head_dim)
+            and self.slots >= slots
+        )
+
+    def free(self) -> None:
+        """Unpin and drop the memory; the caller made sure no copy still uses it."""
+        if self._unpin is not None:
+            self._unpin()
+        self.k = self.v = self.dk = self.dv = self._storage = None
+
+
+def _check_cuda(code, what: str) -> None:
+    if int(code) != 0:
+        raise RuntimeError(f"{what} failed with cudaError {int(code)}")
+
+
+def _unregister(ptr: int) -> None:
+    torch.cuda.synchronize()  # no copy may still read or write pages that stop being page-locked
+    _check_cuda(torch.cuda.cudart().cudaHostUnregister(ptr), "cudaHostUnregister")
+
+
+def _page_tables(shape: PoolShape, count: int, device: torch.device) -> torch.Tensor:
+    """int32 ``[count, batch, pages_per_row]``: layer ``i`` of a tier -> its slots (page-major, see above)."""
+    grid = torch.arange(shape.pages_per_row)[None] * shape.batch + torch.arange(shape.batch)[:, None]
+    base = torch.arange(count)[:, None, None] * shape.layer_slots
+    return (base + grid).to(device=device, dtype=torch.int32)
+
+
+# ------------------------------------------------------------------------------------------------------- pool
+class KVPool:
+    """Paged K/V and dK/dV storage for one sequence batch (see the module docstring).
+
+    Args:
+        offload: keep layers beyond ``hbm_budget`` in the host tier.
+        hbm_budget: device bytes for pages (int) or ``"auto"``: on CUDA the free device memory (cached blocks
+            and the pool's own arenas included) minus ``AUTO_HEADROOM`` of the device; elsewhere no limit (the
+            device is host memory already).
+        staging_buffers: device buffers of one layer each through which host layers stream.
+    """
+
+    def __init__(
+        self, offload: bool = False, hbm_budget: int | str = "auto", staging_buffers: int = 2
+    ) -> None:
+        self.offload, self.hbm_budget, self.staging_buffers = offload, hbm_budget, staging_buffers
         self.shape: PoolShape | None = None
-        self._k = self._v = self._dk = self._dv = None
-        self._table: torch.Tensor | None = None
+        self.plan: TierPlan | None = None
+        self._hbm: Arena | None = None
+        self._host: Arena | None = None
+        self._staging: Arena | None = None
+        self._tables: torch.Tensor | None = None  # HBM layers' page tables [hbm layers, batch, pages]
+        self._rank: dict[int, int] = {}  # layer -> its index in the HBM tier
+        self._offload: Offloader | None = None
+        self._sweep = "forward"
 
     # ----------------------------------------------------------------------------------------------- sizing
     def reserve(self, shape: PoolShape, device: torch.device) -> None:
-        """Make room for ``shape``; arenas are reallocated only when they must grow (or change dtype/device)."""
-        if self._k is not None and not self._fits(shape, device):
-            self.release()
-        if self._k is None:
-            arena = (shape.num_slots, shape.kv_heads, shape.page_size, shape.head_dim)
-            # zeros, not empty: a masked-out key in a ragged last page must never be NaN (0 * NaN = NaN).
-            self._k = torch.zeros(arena, dtype=shape.dtype, device=device)
-            self._v = torch.zeros_like(self._k)
-            self._dk = torch.zeros(arena, dtype=shape.grad_dtype, device=device)
-            self._dv = torch.zeros_like(self._dk)
-        slots = torch.arange(shape.num_slots, dtype=torch.int32, device=device)
-        self._table = slots.view(shape.num_layers, shape.batch, shape.pages_per_row)
-        self.shape = shape
+        """Place layers in tiers for ``shape`` and make room; an arena is reallocated only when it must grow (or
+        change dtype, page geometry or device). Raises :class:`OOMBConfigError` before allocating if the host tier
+        would not fit in the available host memory."""
+        self._synchronize()  # copies in flight may still use arenas that get replaced below
+        plan = plan_tiers(
+            shape.num_layers, shape.layer_bytes, self._budget(shape, device), self.staging_buffers
+        )
+        per_layer = shape.layer_slots
+        host_device = torch.device("cpu")
+        host_slots = len(plan.host_layers) * per_layer
+        if host_slots and not (self._host and self._host.fits(host_slots, shape, host_device)):
+            self._check_host_memory(shape, plan)
+        self._hbm = self._grow(self._hbm, len(plan.hbm_layers) * per_layer, shape, device)
+        self._staging = self._grow(self._staging, plan.staging_buffers * per_layer, shape, device)
+        self._host = self._grow(self._host, host_slots, shape, host_device, host=True)
+        self._rank = {layer: i for i, layer in enumerate(plan.hbm_layers)}
+        self._tables = _page_tables(shape, len(plan.hbm_layers), device)
+        self._offload = None
+        if plan.host_layers:
+            tables = _page_tables(shape, plan.staging_buffers, device)
+            self._offload = Offloader(shape, plan.host_layers, self._host, self._staging, tables, self._sweep)
+        self.shape, self.plan = shape, plan
 
-    def _fits(self, shape: PoolShape, device: torch.device) -> bool:
-        k = self._k
-        return (
-            k.device == device
-            and k.dtype == shape.dtype
-            and self._dk.dtype == shape.grad_dtype
-            and k.shape[1:] == (shape.kv_heads, shape.page_size, shape.head_dim)
-            and k.shape[0] >= shape.num_slots
+    def _budget(self, shape: PoolShape, device: torch.device) -> int | None:
+        if not self.offload:
+            return None
+        if self.hbm_budget != "auto":
+            return int(self.hbm_budget)
+        if device.type != "cuda":
+            return None
+        free, total = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return max(0, free + cached + self.device_bytes - int(AUTO_HEADROOM * total))
+
+    def _check_host_memory(self, shape: PoolShape, plan: TierPlan) -> None:
+        available = host_memory_available()
+        if available is None:
+            return
+        available += self._host.nbytes if self._host else 0  # freed before the new arena is allocated
+        usable = available - HOST_RESERVE_BYTES
+        needed = len(plan.host_layers) * shape.layer_bytes
+        if needed <= usable:
+            return
+        ways = []
+        kv_size, grad_size = shape.dtype.itemsize, shape.grad_dtype.itemsize
+        if grad_size > max(2, kv_size):  # bfloat16 gradient pages are allowed (never narrower than K/V)
+            smaller = needed * (kv_size + 2) // (kv_size + grad_size)
+            ways.append(f"kv_grad_dtype='bfloat16' (needs {_gib(smaller)})")
+        ways += [
+            "a shorter context or a smaller batch",
+            "a larger hbm_budget (more layers stay on the device)",
+            "sparse attention once available",
+        ]
+        raise OOMBConfigError(
+            f"offload needs {_gib(needed)} of host memory for the K/V and gradient pages of "
+            f"{len(plan.host_layers)} host-tier layers ({shape.batch} x {shape.seq_len} tokens) but only "
+            f"{_gib(max(usable, 0))} is available (MemAvailable minus {_gib(HOST_RESERVE_BYTES)} kept for the "
+            f"system) — pinned pages cannot be swapped out — use {', or '.join(ways)}."
         )
 
+    @staticmethod
+    def _grow(arena: Arena | None, slots: int, shape: PoolShape, device, host: bool = False) -> Arena | None:
+        if slots == 0 or (arena is not None and arena.fits(slots, shape, device)):
+            return arena  # an arena this step does not need is kept: arenas only grow
+        if arena is not None:
+            arena.free()
+        return Arena(slots, shape, device, host)
+
+    def _synchronize(self) -> None:
+        if self._offload is not None:
+            self._offload.synchronize()
+
     def release(self) -> None:
-        """Free every arena (after an exception, or on teardown)."""
-        self._k = self._v = self._dk = self._dv = self._table = None
-        self.shape = None
+        """Free every arena, pinned host memory included (after an exception, or on teardown); the next
+        :meth:`reserve` starts afresh."""
+        self._synchronize()
+        for arena in (self._hbm, self._staging, self._host):
+            if arena is not None:
+                arena.free()
+        self._hbm = self._host = self._staging = self._tables = self._offload = None
+        self.shape = self.plan = None
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of the pool's device arenas (HBM tier + staging buffers)."""
+        return sum(a.nbytes for a in (self._hbm, self._staging) if a is not None)
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of the host-tier arena."""
+        return self._host.nbytes if self._host is not None else 0
 
     @property
     def allocated_bytes(self) -> int:
-        """Bytes held by the arenas (K, V, dK, dV), including slack from earlier, longer steps."""
-        return sum(t.numel() * t.element_size() for t in (self._k, self._v, self._dk, self._dv) if t is not None)
+        """Bytes held by all arenas, including slack from earlier, longer steps."""
+        return self.device_bytes + self.host_bytes
+
+    # ------------------------------------------------------------------------------------------------ sweeps
+    def begin_sweep(self, kind: str) -> None:
+        """Start a ``"forward"``/``"eval"`` sweep (a new step: every page is rewritten, gradients zero) or the
+        ``"backward"`` sweep (pages are read, gradient pages accumulated)."""
+        self._sweep = kind
+        if self._offload is not None:
+            self._offload.begin_sweep(kind)
+
+    def end_sweep(self) -> None:
+        """Finish the sweep's bookkeeping (copy-wait timings; on CUDA this waits for the compute stream)."""
+        if self._offload is not None:
+            self._offload.end_sweep()
+
+    def stats(self) -> dict:
+        """Placement, arena bytes and this step's traffic: ``h2d_bytes``/``d2h_bytes`` (bytes copied host to
+        device / device to host), ``copy_wait_s`` (seconds the compute stream waited for copies; 0 on CPU),
+        ``prefetch_copies``/``demand_copies`` (host-to-device copies issued ahead of use / when needed)."""
+        plan = self.plan
+        out = {
+            "offload": self.offload,
+            "hbm_layers": len(plan.hbm_layers) if plan else 0,
+            "host_layers": len(plan.host_layers) if plan else 0,
+            "hbm_pool_bytes": self._hbm.nbytes if self._hbm else 0,
+            "staging_bytes": self._staging.nbytes if self._staging else 0,
+            "host_pool_bytes": self.host_bytes,
+            "h2d_bytes": 0,
+            "d2h_bytes": 0,
+            "copy_wait_s": 0.0,
+            "prefetch_copies": 0,
+            "demand_copies": 0,
+        }
+        if self._offload is not None:
+            out.update(self._offload.stats())
+        return out
+
+    @property
+    def transfers(self) -> list[Transfer]:
+        """This step's copies between the host tier and the staging buffers, in issue order (empty without host
+        layers): the prefetch / write-back schedule, for monitoring and tests."""
+        return self._offload.trace if self._offload is not None else []
 
     # ------------------------------------------------------------------------------------------------ access
-    def _pages(self, layer: int, start: int, length: int) -> torch.Tensor:
-        """Slots of the pages that hold tokens ``[start, start + length)``; ``start`` is page aligned."""
-        page = self.shape.page_size
-        assert start % page == 0, "chunks start on page boundaries"
-        return self._table[layer, :, start // page : math.ceil((start + length) / page)]
+    def _num_pages(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.shape.page_size)
+
+    def _locate(self, layer: int, pages: int, grads: bool = False, writes: bool = False):
+        """``(arena, page table [batch, pages_per_row])`` where ``layer``'s first ``pages`` pages can be used now
+        (staged first if the layer lives on the host). Every access passes here: the order drives prefetch."""
+        staged = None
+        if self._offload is not None:
+            staged = self._offload.access(layer, pages, grads=grads, writes=writes)
+        if staged is not None:
+            return self._staging, staged
+        return self._hbm, self._tables[self._rank[layer]]
 
     def _token_view(self, arena: torch.Tensor, slots: torch.Tensor, length: int) -> torch.Tensor:
         """Gather pages ``slots [B, n]`` into ``[B, kv_heads, length, head_dim]`` (a copy)."""
@@ -150,29 +425,51 @@ class KVPool:
         return tokens[:, :, :length]
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store a chunk's post-RoPE ``k, v [B, kv_heads, L, head_dim]`` at token ``start``; zero its grads."""
-        length = k.shape[2]
-        slots = self._pages(layer, start, length).flatten().long()
-        b, h, _, d = k.shape
+        """Store a chunk's post-RoPE ``k, v [B, kv_heads, L, head_dim]`` at token ``start`` (page aligned); the
+        layer's content becomes tokens ``[0, start + L)`` with zero gradients for the new pages."""
         page = self.shape.page_size
-        padded = math.ceil(length / page) * page
-        for arena, grad, x in ((self._k, self._dk, k), (self._v, self._dv, v)):
+        assert start % page == 0, "chunks start on page boundaries"
+        length = k.shape[2]
+        first, end = start // page, self._num_pages(start + length)
+        arena, table = self._locate(layer, first, writes=True)
+        slots = table[:, first:end].flatten().long()
+        b, h, _, d = k.shape
+        padded = (end - first) * page
+        for dst, x in ((arena.k, k), (arena.v, v)):
             if padded != length:
                 x = torch.nn.functional.pad(x, (0, 0, 0, padded - length))
-            pages = x.reshape(b, h, padded // page, page, d).transpose(1, 2).reshape(-1, h, page, d)
-            arena.index_copy_(0, slots, pages.to(arena.dtype))
-            grad.index_fill_(0, slots, 0)
+            dst.index_copy_(
+                0, slots, x.reshape(b, h, -1, page, d).transpose(1, 2).reshape(-1, h, page, d).to(dst.dtype)
+            )
+        if arena is self._staging:
+            self._offload.written(
+                layer, first, end
+            )  # sends the new pages to the host; gradients start at zero
+        else:
+            arena.dk.index_fill_(0, slots, 0)
+            arena.dv.index_fill_(0, slots, 0)
 
-    def view(self, layer: int, num_tokens: int) -> PagedKV:
-        """The pages of ``layer`` holding tokens ``[0, num_tokens)``, for the attention op."""
-        return PagedKV(self._k, self._v, self._dk, self._dv, self._pages(layer, 0, num_tokens))
+    def view(self, layer: int, num_tokens: int, grads: bool = False) -> PagedKV:
+        """The pages of ``layer`` holding tokens ``[0, num_tokens)``, for the attention op. ``grads=True``: the
+        caller adds into ``dk``/``dv`` of these pages (their accumulated content is staged, and written back)."""
+        pages = self._num_pages(num_tokens)
+        arena, table = self._locate(layer, pages, grads=grads, writes=grads)
+        return PagedKV(arena.k, arena.v, arena.dk, arena.dv, table[:, :pages])
 
     def read_grad(self, layer: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Accumulated ``dk, dv [B, kv_heads, length, head_dim]`` of tokens ``[start, start + length)``."""
-        slots = self._pages(layer, start, length)
-        return self._token_view(self._dk, slots, length), self._token_view(self._dv, slots, length)
+        """Accumulated ``dk, dv [B, kv_heads, length, head_dim]`` of tokens ``[start, start + length)``. In the
+        backward sweep this hands the chunk's gradient pages over: afterwards their content is undefined."""
+        first, end = start // self.shape.page_size, self._num_pages(start + length)
+        arena, table = self._locate(layer, end, grads=True)
+        slots = table[:, first:end]
+        grads = self._token_view(arena.dk, slots, length), self._token_view(arena.dv, slots, length)
+        if self._offload is not None and self._sweep == "backward":
+            self._offload.consumed(layer, first)
+        return grads
 
     def read_kv(self, layer: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Stored ``k, v`` of tokens ``[start, start + length)`` (tests and debugging)."""
-        slots = self._pages(layer, start, length)
-        return self._token_view(self._k, slots, length), self._token_view(self._v, slots, length)
+        first, end = start // self.shape.page_size, self._num_pages(start + length)
+        arena, table = self._locate(layer, end)
+        slots = table[:, first:end]
+        return self._token_view(arena.k, slots, length), self._token_view(arena.v, slots, length)

@@ -37,10 +37,14 @@ class OOMBConfig:
             memory per chunk, one more forward per layer).
         attention_backend: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"torch"`` or ``"triton"``.
         loss_block: tokens per block of LM-head logits in the cross-entropy.
-        offload: keep K/V and gradient pages beyond ``hbm_budget`` in pinned host memory, streamed to the
-            device through staging buffers.
-        hbm_budget: bytes of pages kept on the device when ``offload`` is on; ``"auto"`` = free device memory
-            minus a headroom.
+        offload: keep the K/V and gradient pages of layers beyond ``hbm_budget`` in pinned host memory, streamed
+            through device staging buffers on side CUDA streams (synchronous copies on CPU); results are identical.
+        hbm_budget: device bytes for pages (HBM-tier layers + staging buffers) when ``offload`` is on: an int, or
+            ``"auto"`` = free device memory minus a quarter of the device (on CPU: no limit, nothing moves). Whole
+            layers are placed; a budget below ``staging_buffers`` layers puts every layer on the host.
+        staging_buffers: device buffers of one layer's pages each (``2 * batch * tokens * kv_heads * head_dim *
+            (kv itemsize + grad itemsize)`` bytes) through which host layers stream; 2 = double buffering (the
+            next layer is copied in while one computes), 3 also overlaps write-backs with prefetches.
     """
 
     chunk_size: int = 4096
@@ -51,6 +55,7 @@ class OOMBConfig:
     loss_block: int = 1024
     offload: bool = False
     hbm_budget: int | str = "auto"
+    staging_buffers: int = 2
 
     def __post_init__(self) -> None:
         for name in ("chunk_size", "page_size", "loss_block"):
@@ -67,6 +72,20 @@ class OOMBConfig:
                 f"kv_grad_dtype={self.kv_grad_dtype!r} is not supported — use one of {sorted(GRAD_DTYPES)}."
             )
         resolve_backend(self.attention_backend, torch.device("cpu"))  # validates the name
+        if not isinstance(self.offload, bool):
+            raise OOMBConfigError(f"offload={self.offload!r} must be True or False.")
+        budget = self.hbm_budget
+        if budget != "auto" and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+            raise OOMBConfigError(
+                f"hbm_budget={budget!r} is not a byte count — it caps the device memory of KV and gradient pages "
+                "when offload is on — pass a non-negative int of bytes (e.g. 40 * 2**30) or 'auto'."
+            )
+        buffers = self.staging_buffers
+        if isinstance(buffers, bool) or not isinstance(buffers, int) or buffers < 1:
+            raise OOMBConfigError(
+                f"staging_buffers={buffers!r} must be a positive integer — host-tier layers are used through "
+                "these device buffers — use 2 (double buffering) or 3."
+            )
 
 
 class ChunkModel(Protocol):
@@ -82,7 +101,8 @@ class ChunkModel(Protocol):
 
     def lm_head(self) -> tuple[torch.Tensor, torch.Tensor | None]: ...  # weight [V, H], bias [V] | None
 
-    def oomb_attention(self) -> contextlib.AbstractContextManager: ...  # attention runs through the engine inside
+    # attention runs through the engine inside the block
+    def oomb_attention(self) -> contextlib.AbstractContextManager: ...
 
 
 @dataclass
@@ -118,7 +138,8 @@ class _AutocastState:
     def __init__(self, device: torch.device):
         self.default_dtype = torch.get_default_dtype()
         self.modes = [
-            (t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in dict.fromkeys((device.type, "cpu"))
+            (t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t))
+            for t in dict.fromkeys((device.type, "cpu"))
         ]
 
     @contextlib.contextmanager
@@ -156,7 +177,7 @@ class OOMBEngine:
     def __init__(self, model: ChunkModel, config: OOMBConfig | None = None):
         self.model = model
         self.config = config or OOMBConfig()
-        self.pool = KVPool()
+        self.pool = KVPool(self.config.offload, self.config.hbm_budget, self.config.staging_buffers)
         self.stats = StepStats()
 
     # ------------------------------------------------------------------------------------------ public API
@@ -169,14 +190,31 @@ class OOMBEngine:
 
     @torch.no_grad()
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Mean next-token loss by the forward sweep alone (no gradient state kept)."""
+        """Mean next-token loss by the forward sweep alone (no gradient state kept).
+
+        Works under ``torch.inference_mode`` (Lightning's evaluation loop): the pool is kept out of inference
+        mode so that the next training step can keep writing into it.
+        """
         step = self._plan(input_ids, labels, sweep="eval")
-        loss, _ = self.forward_sweep(step, sweep="eval")
+        with torch.inference_mode(False), torch.no_grad():  # leaving inference mode re-enables grad
+            loss, _ = self.forward_sweep(step, sweep="eval")
         return loss
 
     def release(self) -> None:
-        """Free the pool (after an exception or at teardown); the next step reallocates it."""
+        """Free the pool, pinned host memory included (after an exception or at teardown); the next step
+        reallocates it."""
         self.pool.release()
+
+    @contextlib.contextmanager
+    def _sweep(self, kind: str):
+        """Bracket a sweep for the pool; an exception frees the pool, so the next step starts clean."""
+        self.pool.begin_sweep(kind)
+        try:
+            yield
+        except BaseException:
+            self.release()
+            raise
+        self.pool.end_sweep()
 
     # -------------------------------------------------------------------------------------------- internals
     def _plan(self, input_ids: torch.Tensor, labels: torch.Tensor | None, sweep: str = "train") -> _Step:
@@ -222,23 +260,27 @@ class OOMBEngine:
         """Run every chunk without a graph; return the summed loss and each chunk's RNG state."""
         device = step.input_ids.device
         rng, losses = [], []
-        with self.model.oomb_attention():
+        with self._sweep(sweep), self.model.oomb_attention():
             for start, end in step.bounds:
                 rng.append(_RNGState(device))
                 losses.append(self._chunk_loss(step, start, end, sweep))
         self._record(step)
         return torch.stack(losses).sum(), rng
 
-    def backward_sweep(self, step: _Step, rng: list[_RNGState], autocast: _AutocastState, grad_output) -> None:
+    def backward_sweep(
+        self, step: _Step, rng: list[_RNGState], autocast: _AutocastState, grad_output
+    ) -> None:
         """Recompute chunks in reverse with grad and back-propagate each at once."""
         device = step.input_ids.device
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
-            for (start, end), state in zip(reversed(step.bounds), reversed(rng)):
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, device_type=device.type), self._sweep("backward"):
+            for (start, end), state in zip(reversed(step.bounds), reversed(rng), strict=True):
                 state.restore()
                 with self.model.oomb_attention():
                     with torch.enable_grad(), autocast():
                         loss = self._chunk_loss(step, start, end, "backward")
                     torch.autograd.backward(loss, grad_output)
+        self.stats.extra.update(self.pool.stats())
 
     def _record(self, step: _Step) -> None:
         shape = self.pool.shape
@@ -248,6 +290,7 @@ class OOMBEngine:
             pool_bytes=self.pool.allocated_bytes,
             kv_bytes=shape.kv_bytes if shape else 0,
             grad_bytes=shape.grad_bytes if shape else 0,
+            extra=self.pool.stats(),
         )
 
 

@@ -221,3 +221,28 @@ def test_more_than_one_device_is_refused():
 def test_bad_strategy_arguments_fail_at_construction():
     with pytest.raises(OOMBConfigError, match="multiple of page_size"):
         OOMBStrategy(chunk_size=100, page_size=64)
+
+
+def test_sanity_validation_then_training():
+    """Validation runs under inference mode; the pool it allocates must still serve training."""
+    module = TinyLM()
+    trainer = L.Trainer(
+        strategy=oomb(),
+        accelerator="cpu",
+        max_steps=2,
+        limit_val_batches=1,
+        num_sanity_val_steps=1,
+        val_check_interval=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(module, batches(), batches(2, seed=9))
+    assert "val_loss" in trainer.callback_metrics
+
+
+def test_offload_through_the_strategy_matches_no_offload():
+    plain, _ = fit(oomb())
+    offloaded, trainer = fit(OOMBStrategy(chunk_size=16, page_size=8, offload=True, hbm_budget=0))
+    assert trainer.strategy.engine.stats.extra["host_layers"] == 2
+    assert max_param_diff(plain, offloaded) == 0.0

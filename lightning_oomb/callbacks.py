@@ -1,0 +1,48 @@
+"""Callbacks for the OOMB strategies (optional observers; the strategy does all mandatory work)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from lightning_oomb.engine.errors import OOMBConfigError
+
+
+class OOMBMonitor(Callback):
+    """Log what each OOMB step did: tokens/s, KV-pool bytes and the engine's offload counters.
+
+    Logged per optimizer step under ``oomb/``: ``tokens_per_s``, ``pool_bytes`` (arenas held), ``kv_bytes`` and
+    ``grad_bytes`` (what the step needed), every numeric entry of ``engine.stats.extra`` (offload: bytes moved each
+    way, time the compute stream waited on copies, HBM/host pool bytes), and on CUDA ``peak_device_bytes``.
+    """
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if getattr(trainer.strategy, "engine", None) is None and not hasattr(trainer.strategy, "oomb_config"):
+            raise OOMBConfigError(
+                f"OOMBMonitor observes the OOMB engine but the strategy is {type(trainer.strategy).__name__} — "
+                "there is nothing to monitor — use Trainer(strategy='oomb') or drop the callback."
+            )
+
+    def on_train_batch_start(self, trainer: Trainer, *_: Any) -> None:
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *_: Any) -> None:
+        device = trainer.strategy.root_device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        stats = trainer.strategy.engine.stats
+        metrics = {
+            "tokens_per_s": stats.tokens / max(time.perf_counter() - self._start, 1e-9),
+            "pool_bytes": stats.pool_bytes,
+            "kv_bytes": stats.kv_bytes,
+            "grad_bytes": stats.grad_bytes,
+        }
+        metrics.update({k: v for k, v in stats.extra.items() if isinstance(v, (int, float))})
+        if device.type == "cuda":
+            metrics["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
+        pl_module.log_dict({f"oomb/{k}": float(v) for k, v in metrics.items()}, on_step=True, on_epoch=False)
