@@ -1,0 +1,201 @@
+"""Peak GPU memory and step time vs context: OOMB (dense, with and without offload) next to Hugging Face.
+
+One forward+backward step of a Qwen2.5-7B-shaped model (random init from ``Qwen2Config``, bf16, no optimizer
+state) per method and context length, all in the same run:
+
+- ``hf``: transformers + SDPA + per-layer checkpointing (the usual recipe), until it runs out of memory;
+- ``oomb``: the OOMB engine (Triton attention, per-layer checkpointing inside each chunk);
+- ``oomb-offload``: the same with KV / gradient pages in pinned host memory.
+
+Writes rows ``{"method", "context", "peak_gib", "step_s", "oom"}`` to ``--out`` (JSON), a PNG next to it, and prints
+a table (with the OOMB/HF time ratio and the offload GPU-memory slope) last.
+
+    PYTHONPATH=$PWD python3 benchmarks/memory_scaling.py --out benchmarks/results/memory-scaling-h200.json
+    python benchmarks/memory_scaling.py --tiny --device cpu   # smoke run of the script itself
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from lightning_oomb.engine import OOMBConfig, OOMBEngine
+from lightning_oomb.integrations.hf import HFChunkModel
+from lightning_oomb.models import qwen2_5_7b_config
+
+GIB = 2**30
+
+
+def build_model(tiny: bool, device: torch.device):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = (
+        Qwen2Config(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=256,
+        )
+        if tiny
+        else qwen2_5_7b_config()
+    )
+    config._attn_implementation = "sdpa"
+    dtype = torch.bfloat16
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            model = Qwen2ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.train()
+
+
+def set_checkpointing(model, enabled: bool) -> None:
+    if enabled:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
+
+
+def measure(step, device: torch.device, repeats: int) -> tuple[float, float]:
+    """Run ``step`` once to warm up, then ``repeats`` times; return (peak GiB, median seconds)."""
+    step()
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else float("nan")
+    return peak, sorted(times)[len(times) // 2]
+
+
+def run_method(method: str, model, context: int, args, device) -> dict:
+    ids = torch.randint(0, model.config.vocab_size, (1, context), device=device)
+    engine = None
+    if method == "hf":
+        set_checkpointing(model, True)
+
+        def step():
+            model.zero_grad(set_to_none=False)
+            model(input_ids=ids, labels=ids).loss.backward()
+
+    else:
+        set_checkpointing(model, False)
+        config = OOMBConfig(
+            chunk_size=args.chunk_size,
+            layer_checkpointing=True,
+            offload=method == "oomb-offload",
+            hbm_budget=0 if method == "oomb-offload" else "auto",
+        )
+        engine = OOMBEngine(HFChunkModel(model, layer_checkpointing=True), config)
+
+        def step():
+            model.zero_grad(set_to_none=False)
+            engine.loss(ids).backward()
+
+    row = {"method": method, "context": context, "peak_gib": None, "step_s": None, "oom": False}
+    try:
+        row["peak_gib"], row["step_s"] = measure(step, device, args.repeats)
+    except torch.OutOfMemoryError:
+        row["oom"] = True
+    finally:
+        if engine is not None:
+            engine.release()
+        del engine, step
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def slope_mb_per_10k(rows: list[dict], method: str) -> float | None:
+    points = [(r["context"], r["peak_gib"]) for r in rows if r["method"] == method and not r["oom"]]
+    if len(points) < 2:
+        return None
+    (x0, y0), (x1, y1) = points[0], points[-1]
+    return (y1 - y0) * GIB / 1e6 / ((x1 - x0) / 1e4)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (mem, sec) = plt.subplots(1, 2, figsize=(11, 4))
+    for method in dict.fromkeys(r["method"] for r in rows):
+        ok = [r for r in rows if r["method"] == method and not r["oom"]]
+        xs = [r["context"] / 1024 for r in ok]
+        mem.plot(xs, [r["peak_gib"] for r in ok], "o-", label=method)
+        sec.plot(xs, [r["step_s"] for r in ok], "o-", label=method)
+    for ax, label in ((mem, "peak GPU memory (GiB)"), (sec, "step time (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (K tokens)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("Qwen2.5-7B shape, bf16, forward+backward, one GPU")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def table(rows: list[dict]) -> str:
+    hf = {r["context"]: r for r in rows if r["method"] == "hf" and not r["oom"]}
+    lines = [f"{'method':<14}{'context':>9}{'peak GiB':>10}{'step s':>9}{'vs HF time':>12}"]
+    for r in rows:
+        ratio = r["step_s"] / hf[r["context"]]["step_s"] if r["context"] in hf and not r["oom"] else None
+        cells = ("OOM", "", "") if r["oom"] else (f"{r['peak_gib']:.1f}", f"{r['step_s']:.2f}", ratio)
+        ratio_s = f"{cells[2]:.2f}x" if isinstance(cells[2], float) else ""
+        lines.append(f"{r['method']:<14}{r['context']:>9}{cells[0]:>10}{cells[1]:>9}{ratio_s:>12}")
+    slope = slope_mb_per_10k(rows, "oomb-offload")
+    if slope is not None:
+        lines.append(f"oomb-offload GPU memory slope: {slope:.1f} MB per 10K tokens")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--methods", default="hf,oomb,oomb-offload")
+    parser.add_argument("--contexts", default="8192,16384,32768,65536,131072")
+    parser.add_argument("--offload-contexts", default="32768,65536,131072,262144")
+    parser.add_argument("--hf-max", type=int, default=65536, help="skip HF above this context (it runs out)")
+    parser.add_argument("--chunk-size", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer model (smoke test of the script)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/memory-scaling-h200.json"))
+    args = parser.parse_args()
+
+    device = torch.device(args.device)
+    model = build_model(args.tiny, device)
+    rows = []
+    for method in args.methods.split(","):
+        contexts = args.offload_contexts if method == "oomb-offload" else args.contexts
+        for context in map(int, contexts.split(",")):
+            if method == "hf" and context > args.hf_max:
+                continue
+            rows.append(run_method(method, model, context, args, device))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(rows, indent=1))
+    plot(rows, args.out.with_suffix(".png"))
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
