@@ -114,7 +114,6 @@ def run_method(method: str, model, context: int, args, device) -> dict:
     finally:
         if engine is not None:
             engine.release()
-        del engine, step
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -154,13 +153,20 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def table(rows: list[dict]) -> str:
-    hf = {r["context"]: r for r in rows if r["method"] == "hf" and not r["oom"]}
-    lines = [f"{'method':<14}{'context':>9}{'peak GiB':>10}{'step s':>9}{'vs HF time':>12}"]
+    """Rows with step time relative to HF and (offload rows) to OOMB without offload at the same context."""
+    done = {(r["method"], r["context"]): r["step_s"] for r in rows if not r["oom"]}
+
+    def ratio(r: dict, base: str) -> str:
+        key = (base, r["context"])
+        return f"{r['step_s'] / done[key]:.2f}x" if key in done and not r["oom"] else ""
+
+    lines = [f"{'method':<14}{'context':>9}{'peak GiB':>10}{'step s':>9}{'vs hf':>8}{'vs oomb':>9}"]
     for r in rows:
-        ratio = r["step_s"] / hf[r["context"]]["step_s"] if r["context"] in hf and not r["oom"] else None
-        cells = ("OOM", "", "") if r["oom"] else (f"{r['peak_gib']:.1f}", f"{r['step_s']:.2f}", ratio)
-        ratio_s = f"{cells[2]:.2f}x" if isinstance(cells[2], float) else ""
-        lines.append(f"{r['method']:<14}{r['context']:>9}{cells[0]:>10}{cells[1]:>9}{ratio_s:>12}")
+        peak, step = ("OOM", "") if r["oom"] else (f"{r['peak_gib']:.1f}", f"{r['step_s']:.2f}")
+        offload_ratio = ratio(r, "oomb") if r["method"] == "oomb-offload" else ""
+        lines.append(
+            f"{r['method']:<14}{r['context']:>9}{peak:>10}{step:>9}{ratio(r, 'hf'):>8}{offload_ratio:>9}"
+        )
     slope = slope_mb_per_10k(rows, "oomb-offload")
     if slope is not None:
         lines.append(f"oomb-offload GPU memory slope: {slope:.1f} MB per 10K tokens")

@@ -82,7 +82,7 @@ def oomb():
 
 
 def max_param_diff(a, b):
-    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
 
 def test_import_registers_the_strategy():
@@ -139,7 +139,9 @@ def test_parity_with_auto_strategy(precision, tol):
     got, t_oomb = fit(oomb(), callbacks=[hooks], **kwargs())
     assert max_param_diff(got, want) <= tol
     assert max_param_diff(got, TinyLM()) > 1e-3  # training moved the weights (clipped steps)
-    assert hooks.calls["before"] == hooks.calls["after"] == hooks.calls["batches"] == 5  # 3 steps, accumulate 2
+    assert (
+        hooks.calls["before"] == hooks.calls["after"] == hooks.calls["batches"] == 5
+    )  # 3 steps, accumulate 2
     logged = [t.callback_metrics["train_loss"].item() for t in (t_oomb, t_auto)]
     assert logged[0] == pytest.approx(logged[1], rel=max(tol, 1e-6))  # HF logs an fp32 loss
     if not isinstance(precision, str):
