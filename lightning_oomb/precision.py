@@ -89,7 +89,9 @@ class OOMBPrecision(Precision):
     def optimizer_step(self, optimizer, model, closure, **kwargs: Any) -> Any:
         return self.inner.optimizer_step(optimizer, model, closure, **kwargs)
 
-    def clip_gradients(self, optimizer, clip_val=0.0, gradient_clip_algorithm=GradClipAlgorithmType.NORM) -> None:
+    def clip_gradients(
+        self, optimizer, clip_val=0.0, gradient_clip_algorithm=GradClipAlgorithmType.NORM
+    ) -> None:
         self.inner.clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
     def main_params(self, optimizer):

@@ -136,7 +136,9 @@ class _OOMBStrategyMixin:
 
 
 def _check_batch(input_ids, attention_mask, extra: dict) -> None:
-    unexpected = sorted(k for k, v in extra.items() if v is not None and k not in ("use_cache", "return_dict"))
+    unexpected = sorted(
+        k for k, v in extra.items() if v is not None and k not in ("use_cache", "return_dict")
+    )
     if input_ids is None or unexpected:
         raise OOMBConfigError(
             f"the OOMB-managed model got {unexpected or 'no input_ids'} — the engine computes positions, masks and "

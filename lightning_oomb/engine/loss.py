@@ -49,7 +49,11 @@ class LinearCrossEntropy(torch.autograd.Function):
         block, dtype = ctx.args
         acc_dtype = grad_total.dtype
         dh = torch.empty_like(hidden)
-        dw = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if ctx.needs_input_grad[1] else None
+        dw = (
+            torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device)
+            if ctx.needs_input_grad[1]
+            else None
+        )
         db = torch.zeros(bias.shape, dtype=acc_dtype, device=bias.device) if ctx.needs_input_grad[2] else None
         with torch.autocast(hidden.device.type, enabled=False):
             for i in range(0, hidden.shape[0], block):
@@ -86,4 +90,6 @@ def linear_cross_entropy(
     block: int = 1024,
 ) -> torch.Tensor:
     """Summed CE of ``hidden [..., H]`` through the LM head ``weight [V, H]`` against ``targets [...]``."""
-    return LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1), block)
+    return LinearCrossEntropy.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1), block
+    )

@@ -122,4 +122,3 @@ def _add_to_pages(arena: torch.Tensor, slots: torch.Tensor, grad: torch.Tensor) 
     h, page, d = arena.shape[1:]
     pages = grad.reshape(b, h, n, page, d).transpose(1, 2).reshape(b * n, h, page, d)
     arena.index_add_(0, slots.flatten().long(), pages.to(arena.dtype))
-

@@ -83,14 +83,18 @@ def check_supported(model: torch.nn.Module) -> None:
     if not type(model)._can_set_attn_implementation():
         reasons.append("its attention does not dispatch through transformers' AttentionInterface")
     if bad := _rope_types(config) & set(_UNSTABLE_ROPE):
-        reasons.append(f"its RoPE type {sorted(bad)} picks frequencies from each call's length, so chunks differ")
+        reasons.append(
+            f"its RoPE type {sorted(bad)} picks frequencies from each call's length, so chunks differ"
+        )
     if getattr(config, "kv_lora_rank", None) or getattr(config, "q_lora_rank", None):
         reasons.append("it uses multi-head latent attention (DeepSeek-style MLA)")
     if getattr(config, "attn_logit_softcapping", None) is not None:
         reasons.append("it soft-caps attention logits")
     if getattr(config, "final_logit_softcapping", None) is not None:
         reasons.append("it soft-caps the final logits")
-    if getattr(config, "logit_scale", None) not in (None, 1.0) or getattr(config, "logits_scaling", None) not in (
+    if getattr(config, "logit_scale", None) not in (None, 1.0) or getattr(
+        config, "logits_scaling", None
+    ) not in (
         None,
         1.0,
     ):
@@ -100,7 +104,9 @@ def check_supported(model: torch.nn.Module) -> None:
     if getattr(config, "attention_dropout", 0.0):
         reasons.append(f"attention_dropout={config.attention_dropout} (set it to 0)")
     if getattr(config, "output_router_logits", False):
-        reasons.append("its router auxiliary loss is not separable by chunks (set output_router_logits=False)")
+        reasons.append(
+            "its router auxiliary loss is not separable by chunks (set output_router_logits=False)"
+        )
     if getattr(config, "is_causal", True) is False or getattr(config, "use_bidirectional_attention", False):
         reasons.append("its attention is not causal")
     if reasons:

@@ -88,9 +88,13 @@ def test_dropout_is_replayed_in_the_recompute():
         positions = torch.arange(start, start + 8)[None]
         out = model(input_ids=chunk, position_ids=positions, past_key_values=cache, use_cache=True)
         logits = out.logits[0, : min(8, 23 - start)]
-        want_loss = want_loss + torch.nn.functional.cross_entropy(
-            logits, ids[0, start + 1 : start + 1 + len(logits)], reduction="sum"
-        ) / 23
+        want_loss = (
+            want_loss
+            + torch.nn.functional.cross_entropy(
+                logits, ids[0, start + 1 : start + 1 + len(logits)], reduction="sum"
+            )
+            / 23
+        )
     want_loss.backward()
     want = grads_of(model)
 

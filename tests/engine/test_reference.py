@@ -34,7 +34,9 @@ def paged(k, v, page, gen):
     for x in (k, v):
         arena = torch.randn(b * pages + 3, h, page, d, dtype=x.dtype, generator=gen)
         padded = torch.nn.functional.pad(x, (0, 0, 0, pages * page - n))
-        arena[slots.flatten().long()] = padded.view(b, h, pages, page, d).transpose(1, 2).reshape(-1, h, page, d)
+        arena[slots.flatten().long()] = (
+            padded.view(b, h, pages, page, d).transpose(1, 2).reshape(-1, h, page, d)
+        )
         arenas.append(arena)
     grads = [torch.randn_like(a) for a in arenas]
     return PagedKV(arenas[0], arenas[1], grads[0].clone(), grads[1].clone(), slots), grads

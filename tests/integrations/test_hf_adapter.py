@@ -14,44 +14,58 @@ TINY = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_atten
 
 
 def unsupported_models():
-    yield "RoPE type", tf.Phi3ForCausalLM(
-        tf.Phi3Config(
-            **TINY,
-            max_position_embeddings=64,
-            rope_parameters={
-                "rope_type": "longrope",
-                "short_factor": [1.0] * 4,
-                "long_factor": [2.0] * 4,
-                "original_max_position_embeddings": 16,
-                "rope_theta": 1e4,
-            },
-            pad_token_id=0,
-            eos_token_id=0,
-            bos_token_id=0,
-        )
+    yield (
+        "RoPE type",
+        tf.Phi3ForCausalLM(
+            tf.Phi3Config(
+                **TINY,
+                max_position_embeddings=64,
+                rope_parameters={
+                    "rope_type": "longrope",
+                    "short_factor": [1.0] * 4,
+                    "long_factor": [2.0] * 4,
+                    "original_max_position_embeddings": 16,
+                    "rope_theta": 1e4,
+                },
+                pad_token_id=0,
+                eos_token_id=0,
+                bos_token_id=0,
+            )
+        ),
     )
-    yield "RoPE type", tf.LlamaForCausalLM(
-        tf.LlamaConfig(**TINY, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
+    yield (
+        "RoPE type",
+        tf.LlamaForCausalLM(
+            tf.LlamaConfig(**TINY, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
+        ),
     )
-    yield "latent attention", tf.DeepseekV3ForCausalLM(
-        tf.DeepseekV3Config(
-            **TINY,
-            kv_lora_rank=16,
-            q_lora_rank=16,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=8,
-            v_head_dim=8,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=16,
-            first_k_dense_replace=1,
-            n_group=1,
-            topk_group=1,
-        )
+    yield (
+        "latent attention",
+        tf.DeepseekV3ForCausalLM(
+            tf.DeepseekV3Config(
+                **TINY,
+                kv_lora_rank=16,
+                q_lora_rank=16,
+                qk_rope_head_dim=8,
+                qk_nope_head_dim=8,
+                v_head_dim=8,
+                n_routed_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=16,
+                first_k_dense_replace=1,
+                n_group=1,
+                topk_group=1,
+            )
+        ),
     )
     yield "soft-caps", tf.Gemma2ForCausalLM(tf.Gemma2Config(**TINY, head_dim=8))
-    yield "sink", tf.GptOssForCausalLM(
-        tf.GptOssConfig(**TINY, head_dim=8, num_local_experts=2, num_experts_per_tok=1, num_key_value_heads=2)
+    yield (
+        "sink",
+        tf.GptOssForCausalLM(
+            tf.GptOssConfig(
+                **TINY, head_dim=8, num_local_experts=2, num_experts_per_tok=1, num_key_value_heads=2
+            )
+        ),
     )
     yield "attention_dropout", build_causal_lm("qwen2", attention_dropout=0.1)
 

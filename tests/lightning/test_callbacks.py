@@ -45,6 +45,8 @@ def test_monitor_logs_pool_bytes_and_throughput():
 
 
 def test_monitor_refuses_other_strategies():
-    trainer = L.Trainer(strategy="auto", accelerator="cpu", max_steps=1, callbacks=[OOMBMonitor()], logger=False)
+    trainer = L.Trainer(
+        strategy="auto", accelerator="cpu", max_steps=1, callbacks=[OOMBMonitor()], logger=False
+    )
     with pytest.raises(OOMBConfigError, match="strategy='oomb'"):
         trainer.fit(TinyLM(), batches())
