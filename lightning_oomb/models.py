@@ -1,0 +1,147 @@
+"""``CausalLMModule``: a plain LightningModule around a Hugging Face causal LM, configurable from YAML.
+
+Nothing in it knows about OOMB: ``training_step`` is the usual ``self.model(**batch).loss``, so the same module
+trains under ``strategy="oomb"`` or any other strategy.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+
+from lightning_oomb.engine.errors import OOMBConfigError
+
+# Qwen2.5-7B's shape (random init from this config is what the benchmarks measure; DESIGN.md §6).
+QWEN2_5_7B: dict[str, Any] = {
+    "model_type": "qwen2",
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "vocab_size": 152064,
+    "tie_word_embeddings": False,
+    "rope_theta": 1e6,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 131072,
+}
+
+
+def build_config(spec: dict[str, Any]):
+    """A transformers config from ``{"model_type": ..., **kwargs}`` (``AutoConfig.for_model``)."""
+    from transformers import AutoConfig
+
+    kwargs = dict(spec)
+    model_type = kwargs.pop("model_type", None)
+    if model_type is None:
+        raise OOMBConfigError(
+            f"model config {spec} has no 'model_type' — transformers needs it to pick the architecture — add "
+            "e.g. model_type: qwen2 (or llama, mistral, qwen3)."
+        )
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def qwen2_5_7b_config(**overrides: Any):
+    """A ``Qwen2Config`` shaped like Qwen2.5-7B (hidden 3584, 28 layers, 28/4 heads, vocab 152064, untied)."""
+    return build_config({**QWEN2_5_7B, **overrides})
+
+
+class CausalLMModule(LightningModule):
+    """Train a Hugging Face ``*ForCausalLM`` on batches ``{"input_ids", "labels"}`` with AdamW.
+
+    The model is built in :meth:`configure_model` (so the Trainer's device and precision contexts apply, and
+    constructing the module, e.g. when a CLI parses a config, loads nothing).
+
+    Args:
+        model_name_or_path: hub id or local directory for ``AutoModelForCausalLM.from_pretrained``.
+        config: instead of a checkpoint, ``{"model_type": "qwen2", **config_kwargs}`` for a randomly
+            initialised model (``AutoConfig.for_model``). Give exactly one of the two.
+        learning_rate: peak AdamW learning rate.
+        weight_decay: AdamW weight decay, applied to matrices and embeddings only (not norms and biases).
+        betas: AdamW betas.
+        warmup_steps: linear learning-rate warm-up from ``learning_rate / warmup_steps``.
+        min_lr_ratio: cosine decay after the warm-up, down to ``min_lr_ratio * learning_rate`` at the last step
+            the Trainer plans (1.0 keeps the rate constant).
+        attn_implementation: the model's own attention outside OOMB (validation under other strategies,
+            generation); OOMB replaces it while it trains.
+        dtype: ``from_pretrained`` dtype (``"bfloat16"``, ``"float32"``, ``"auto"``); ``None`` lets the Trainer's
+            precision decide (``precision="bf16-true"`` builds the model in bfloat16).
+    """
+
+    def __init__(
+        self,
+        model_name_or_path: str | None = None,
+        config: dict[str, Any] | None = None,
+        learning_rate: float = 3e-4,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 0,
+        min_lr_ratio: float = 0.1,
+        attn_implementation: str = "sdpa",
+        dtype: str | None = None,
+    ) -> None:
+        super().__init__()
+        if (model_name_or_path is None) == (config is None):
+            raise OOMBConfigError(
+                "CausalLMModule needs exactly one of model_name_or_path (load a checkpoint) and config (random "
+                f"init), got {'both' if config is not None else 'neither'} — pass one of them."
+            )
+        self.save_hyperparameters()
+        self.model: torch.nn.Module | None = None
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        from transformers import AutoModelForCausalLM
+
+        hp = self.hparams
+        if hp.config is not None:
+            config = build_config(hp.config)
+            self.model = AutoModelForCausalLM.from_config(config, attn_implementation=hp.attn_implementation)
+            return
+        kwargs: dict[str, Any] = {"attn_implementation": hp.attn_implementation}
+        if hp.dtype is not None:
+            kwargs["dtype"] = hp.dtype if hp.dtype == "auto" else getattr(torch, hp.dtype)
+        else:
+            kwargs["dtype"] = (
+                torch.get_default_dtype()
+            )  # set by the Trainer's precision (bf16-true → bfloat16)
+        self.model = AutoModelForCausalLM.from_pretrained(hp.model_name_or_path, **kwargs)
+
+    def training_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        loss = self.model(**batch).loss
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor]) -> None:
+        loss = self.model(**batch).loss
+        self.log("val_loss", loss, prog_bar=True)
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
+        groups = [
+            {"params": decay, "weight_decay": hp.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas))
+        total = self.trainer.estimated_stepping_batches
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: lr_factor(step, hp.warmup_steps, total, hp.min_lr_ratio)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: float, min_ratio: float) -> float:
+    """Linear warm-up over ``warmup_steps``, then cosine from 1 to ``min_ratio`` at ``total_steps``."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if not math.isfinite(total_steps) or total_steps <= warmup_steps:
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))

@@ -1,0 +1,86 @@
+"""The ``oomb`` CLI: every example config parses and builds without loading a model, the demo config is the
+demo script's run, and a tiny fit goes end to end through the CLI."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import LightningDataModule
+
+from lightning_oomb import OOMBStrategy
+from lightning_oomb.cli import build_cli
+from lightning_oomb.models import CausalLMModule
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+CONFIGS = sorted((EXAMPLES / "configs").glob("*.yaml"))
+DEMO_CONFIG = EXAMPLES / "configs" / "demo-cpu.yaml"
+
+
+@pytest.fixture(autouse=True)
+def isolate(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["oomb"])  # LightningCLI warns when args and pytest's argv both exist
+    threads = torch.get_num_threads()  # configs may set num_threads
+    yield
+    torch.set_num_threads(threads)
+
+
+def load_demo_script():
+    spec = importlib.util.spec_from_file_location("train_long_context", EXAMPLES / "train_long_context.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_there_are_example_configs():
+    assert {p.name for p in CONFIGS} >= {"demo-cpu.yaml", "qwen2.5-7b-128k.yaml"}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_example_config_parses_and_builds(path):
+    # GPU configs are built on the CPU here; from_pretrained only runs in configure_model (at fit)
+    cli = build_cli(["--config", str(path), "--trainer.accelerator=cpu"], run=False)
+    assert isinstance(cli.trainer.strategy, OOMBStrategy)
+    assert isinstance(cli.model, CausalLMModule) and cli.model.model is None
+    assert isinstance(cli.datamodule, LightningDataModule)
+
+
+def _init_args(hparams) -> dict:
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in hparams.items() if not k.startswith("_")}
+
+
+def test_demo_config_is_the_demo_script_run():
+    demo = load_demo_script()
+    args = demo.parse_args([])
+    cli = build_cli(["--config", str(DEMO_CONFIG)], run=False)
+    data = demo.build_data(args)
+    assert _init_args(cli.datamodule.hparams) == _init_args(data.hparams)
+    assert _init_args(cli.model.hparams) == _init_args(demo.build_model(args, data.vocab_size).hparams)
+    assert cli.trainer.max_steps == args.short_steps + args.steps
+    assert cli.trainer.strategy.oomb_config.chunk_size == args.chunk_size
+    assert torch.get_num_threads() == 1
+
+
+def test_cli_fits_the_demo_config_at_tiny_size(tmp_path):
+    cli = build_cli(
+        [
+            "fit",
+            "--config",
+            str(DEMO_CONFIG),
+            "--data.init_args.seq_len=256",
+            "--data.init_args.short_samples=0",
+            "--data.init_args.train_samples=2",
+            "--data.init_args.val_samples=1",
+            "--trainer.max_steps=2",
+            "--trainer.strategy.init_args.chunk_size=128",
+            f"--trainer.default_root_dir={tmp_path}",
+        ]
+    )
+    assert cli.trainer.global_step == 2
+    assert {"train_loss", "val_loss"} <= set(cli.trainer.callback_metrics)
+    assert cli.trainer.strategy.engine.stats.chunks == 2
+    assert (tmp_path / "config.yaml").exists()
