@@ -22,7 +22,9 @@ def make_tokenizer(directory: Path, corpus: list[str]) -> Path:
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.train_from_iterator(corpus, trainer=trainers.WordLevelTrainer(special_tokens=["<unk>", "</s>"]))
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>").save_pretrained(directory)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>").save_pretrained(
+        directory
+    )
     return directory
 
 
@@ -39,7 +41,9 @@ def text_corpus(tmp_path) -> tuple[list[Path], Path]:
 # ------------------------------------------------------------------------------------------------ needle task
 @pytest.mark.parametrize("fraction", [0.0, 1 / 64])
 def test_needle_layout_and_labels(fraction):
-    ds = NeedleRetrievalDataset(8, seq_len=1024, num_values=8, num_filler=16, needle_fraction=fraction, seed=3)
+    ds = NeedleRetrievalDataset(
+        8, seq_len=1024, num_values=8, num_filler=16, needle_fraction=fraction, seed=3
+    )
     assert ds.vocab_size == 25 and ds.query_token == 16
     for i in range(len(ds)):
         ids, labels = ds[i]["input_ids"], ds[i]["labels"]
