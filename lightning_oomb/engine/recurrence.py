@@ -182,20 +182,23 @@ class OOMBEngine:
 
     # ------------------------------------------------------------------------------------------ public API
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Differentiable mean next-token loss of ``input_ids [B, N]`` (``labels`` default to ``input_ids``)."""
+        """Differentiable mean next-token loss of ``input_ids [B, N]`` (``labels`` default to ``input_ids``).
+
+        One step at a time: the pool holds this step's pages until its backward sweep, so call ``backward`` on
+        the result before the next ``loss``.
+        """
         step = self._plan(input_ids, labels)
         weight = self.model.lm_head()[0]
         anchor = weight.new_zeros((), dtype=torch.float32).requires_grad_(True)
         return _ChunkRecurrentStep.apply(anchor, self, step)
 
-    @torch.no_grad()
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """Mean next-token loss by the forward sweep alone (no gradient state kept).
 
         Works under ``torch.inference_mode`` (Lightning's evaluation loop): the pool is kept out of inference
         mode so that the next training step can keep writing into it.
         """
-        step = self._plan(input_ids, labels, sweep="eval")
+        step = self._plan(input_ids, labels)
         with torch.inference_mode(False), torch.no_grad():  # leaving inference mode re-enables grad
             loss, _ = self.forward_sweep(step, sweep="eval")
         return loss
@@ -217,7 +220,7 @@ class OOMBEngine:
         self.pool.end_sweep()
 
     # -------------------------------------------------------------------------------------------- internals
-    def _plan(self, input_ids: torch.Tensor, labels: torch.Tensor | None, sweep: str = "train") -> _Step:
+    def _plan(self, input_ids: torch.Tensor, labels: torch.Tensor | None) -> _Step:
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
             raise OOMBConfigError(
                 f"input_ids must be an integer tensor [batch, tokens], got {tuple(input_ids.shape)} "
@@ -302,7 +305,7 @@ class _ChunkRecurrentStep(torch.autograd.Function):
         ctx.engine, ctx.step = engine, step
         ctx.autocast = _AutocastState(step.input_ids.device)
         loss, ctx.rng = engine.forward_sweep(step)
-        return loss.to(anchor.dtype) if loss.dtype != torch.float64 else loss
+        return loss
 
     @staticmethod
     @torch.autograd.function.once_differentiable
