@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_demo_runs_and_prints_the_report():
-    args = "--seq-len 1024 --steps 2 --short-steps 5 --short-len 256 --chunk-size 256".split()
+    args = ["--seq-len", "1024", "--steps", "2", "--short-steps", "5", "--short-len", "256", "--chunk-size", "256"]  # fmt: skip
     done = subprocess.run(
         [sys.executable, "examples/train_long_context.py", *args],
         cwd=ROOT,
