@@ -23,8 +23,6 @@ import logging
 import math
 import time
 import warnings
-import weakref
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import lightning as L
@@ -33,6 +31,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_oomb import OOMBStrategy
 from lightning_oomb.data import NeedleRetrievalDataModule, TextFileDataModule
+from lightning_oomb.engine.memory import SavedTensorMeter
 from lightning_oomb.models import CausalLMModule
 
 # The default run; examples/configs/demo-cpu.yaml is the same run for `oomb fit` (tests keep them equal).
@@ -100,55 +99,6 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> CausalLMModule:
     return CausalLMModule(config=config, **optim)
 
 
-class _Held:
-    """What autograd keeps instead of a saved tensor while the meter watches; freed with the graph."""
-
-    __slots__ = ("tensor", "__weakref__")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-
-
-class SavedActivations(torch.autograd.graph.saved_tensors_hooks):
-    """Bytes of the tensors autograd holds for backward (parameters excluded), live and at their peak.
-
-    Counts each storage once, from when a graph first saves it until the last graph node holding it is freed.
-    """
-
-    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
-        super().__init__(self._pack, self._unpack)
-        self.exclude = {t.untyped_storage().data_ptr() for t in exclude}
-        self.holders: dict[int, int] = {}
-        self.live = self.peak = 0
-
-    def __enter__(self) -> SavedActivations:
-        super().__enter__()
-        return self
-
-    def _pack(self, tensor: torch.Tensor) -> object:
-        storage = tensor.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr in self.exclude:
-            return tensor
-        if not self.holders.get(ptr):
-            self.live += storage.nbytes()
-            self.peak = max(self.peak, self.live)
-        self.holders[ptr] = self.holders.get(ptr, 0) + 1
-        held = _Held(tensor)
-        weakref.finalize(held, self._release, ptr, storage.nbytes())
-        return held
-
-    def _release(self, ptr: int, nbytes: int) -> None:
-        self.holders[ptr] -= 1
-        if not self.holders[ptr]:
-            del self.holders[ptr]
-            self.live -= nbytes
-
-    @staticmethod
-    def _unpack(held: object) -> torch.Tensor:
-        return held.tensor if isinstance(held, _Held) else held
-
-
 @dataclass
 class StepRecord:
     tokens: int
@@ -165,7 +115,7 @@ class StepMeter(Callback):
         self.steps: list[StepRecord] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self._meter = SavedActivations(exclude=pl_module.parameters()).__enter__()
+        self._meter = SavedTensorMeter(exclude=pl_module.parameters()).__enter__()
         self._start = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -180,7 +130,7 @@ class StepMeter(Callback):
 
 def full_sequence_saved_bytes(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> int:
     """Peak bytes autograd holds in ordinary full-sequence training: the model's own forward, with grad."""
-    with SavedActivations(exclude=model.parameters()) as meter:
+    with SavedTensorMeter(exclude=model.parameters()) as meter:
         loss = model(**batch).loss
     del loss  # frees the graph; no backward needed to know what it held
     return meter.peak

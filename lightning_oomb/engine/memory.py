@@ -3,47 +3,57 @@
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 
 import torch
 
 
-class _Saved:
-    """Holder autograd keeps instead of the tensor, so its release can be observed."""
+class _Held:
+    """What autograd keeps instead of a saved tensor while the meter watches, so its release is observed."""
 
     __slots__ = ("tensor", "__weakref__")
 
-    def __init__(self, tensor: torch.Tensor):
+    def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
 
 
 class SavedTensorMeter(torch.autograd.graph.saved_tensors_hooks):
-    """Context manager: tracks bytes saved by autograd (``current``) and their maximum (``peak``).
+    """Context manager: bytes autograd holds for backward, live (``current``) and at their maximum (``peak``).
 
-    Every model call inside the block is measured, including the recompute that the OOMB backward sweep runs
-    when ``loss.backward()`` is called inside the block. Tensors are counted once per save (a tensor saved by
-    two ops counts twice), which is what autograd keeps referencing.
+    Each storage counts once, from when a graph first saves it until the last graph node holding it is freed;
+    storages of ``exclude`` (e.g. the parameters) never count. Every model call inside the block is measured,
+    including the recompute that the OOMB backward sweep runs when ``loss.backward()`` is called inside it.
     """
 
-    def __init__(self) -> None:
-        self.current = 0
-        self.peak = 0
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
         super().__init__(self._pack, self._unpack)
+        self.exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self.holders: dict[int, int] = {}
+        self.current = self.peak = 0
 
     def __enter__(self) -> SavedTensorMeter:
         super().__enter__()
         return self
 
-    def _pack(self, tensor: torch.Tensor) -> _Saved:
-        nbytes = tensor.numel() * tensor.element_size()
-        self.current += nbytes
-        self.peak = max(self.peak, self.current)
-        holder = _Saved(tensor)
-        weakref.finalize(holder, self._free, nbytes)
-        return holder
+    def _pack(self, tensor: torch.Tensor) -> object:
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in self.exclude:
+            return tensor
+        if not self.holders.get(ptr):
+            self.current += storage.nbytes()
+            self.peak = max(self.peak, self.current)
+        self.holders[ptr] = self.holders.get(ptr, 0) + 1
+        held = _Held(tensor)
+        weakref.finalize(held, self._release, ptr, storage.nbytes())
+        return held
 
-    def _free(self, nbytes: int) -> None:
-        self.current -= nbytes
+    def _release(self, ptr: int, nbytes: int) -> None:
+        self.holders[ptr] -= 1
+        if not self.holders[ptr]:
+            del self.holders[ptr]
+            self.current -= nbytes
 
     @staticmethod
-    def _unpack(holder: _Saved) -> torch.Tensor:
-        return holder.tensor
+    def _unpack(held: object) -> torch.Tensor:
+        return held.tensor if isinstance(held, _Held) else held
