@@ -6,9 +6,10 @@ With no arguments a tiny, randomly initialised Qwen2 (1 layer, 121K parameters) 
 task (``lightning_oomb.data.NeedleRetrievalDataset``): the answer at the end of each 16,384-token sequence is only
 written in its first half, at least 8K tokens back. OOMB trains on it exactly, chunk by chunk, with activation
 memory set by the chunk (2,048 tokens), not by the sequence. Because full-length CPU steps are slow, the model
-first learns the task on short 512-token sequences (a length curriculum), then trains on full-length sequences;
-the held-out loss at the end is measured on fresh 16K sequences and compared with the best loss possible without
-the context (``ln 8``). The report also shows throughput, peak activation memory and KV pool size.
+first learns the task on short 512-token sequences (a length curriculum: 100 steps of 16 sequences), then trains
+8 steps on full-length sequences; the held-out loss at the end is measured on fresh 16K sequences and compared
+with the best loss possible without the context (``ln 8``). The report also shows throughput, peak activation
+memory and KV pool size.
 
 Real use:
 
@@ -47,7 +48,9 @@ DEMO_MODEL = {
     "tie_word_embeddings": False,
 }
 DEMO_TASK = {"num_values": 8, "num_filler": 16, "needle_fraction": 1 / 64, "val_samples": 4, "seed": 0}
-DEMO_OPTIM = {"learning_rate": 3e-3, "warmup_steps": 20, "min_lr_ratio": 0.1, "betas": (0.9, 0.95)}
+DEMO_OPTIM = {"learning_rate": 3e-3, "warmup_steps": 10, "min_lr_ratio": 0.1, "betas": (0.9, 0.95)}
+DEMO_SHORT_BATCH = 16  # warm-up sequences per step: cheap at 512 tokens, and a much smoother gradient
+DEMO_CLIP = 1.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -61,7 +64,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chunk-size", type=int, default=2048, help="OOMB chunk size (default 2048)")
     p.add_argument("--steps", type=int, default=8, help="optimizer steps at --seq-len (default 8)")
     p.add_argument(
-        "--short-steps", type=int, default=1500, help="retrieval task: warm-up steps at --short-len"
+        "--short-steps",
+        type=int,
+        default=100,
+        help=f"retrieval task: warm-up steps of {DEMO_SHORT_BATCH} sequences",
     )
     p.add_argument("--short-len", type=int, default=512, help="retrieval task: warm-up length (default 512)")
     p.add_argument("--lr", type=float, default=DEMO_OPTIM["learning_rate"], help="peak learning rate")
@@ -86,7 +92,8 @@ def build_data(args: argparse.Namespace) -> NeedleRetrievalDataModule | TextFile
         seq_len=args.seq_len,
         train_samples=args.steps,
         short_seq_len=args.short_len,
-        short_samples=args.short_steps,
+        short_samples=args.short_steps * DEMO_SHORT_BATCH,
+        short_batch_size=DEMO_SHORT_BATCH,
         **DEMO_TASK,
     )
 
@@ -101,6 +108,7 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> CausalLMModule:
 
 @dataclass
 class StepRecord:
+    seq_len: int
     tokens: int
     seconds: float
     loss: float
@@ -125,7 +133,8 @@ class StepMeter(Callback):
         stats = engine.stats if engine is not None else None
         pool = {k: getattr(stats, k) for k in ("pool_bytes", "kv_bytes", "grad_bytes")} if stats else {}
         loss = float(outputs["loss"]) if isinstance(outputs, dict) else float(outputs)
-        self.steps.append(StepRecord(batch["input_ids"].numel(), seconds, loss, self._meter.peak, pool))
+        ids = batch["input_ids"]
+        self.steps.append(StepRecord(ids.shape[1], ids.numel(), seconds, loss, self._meter.peak, pool))
 
 
 def full_sequence_saved_bytes(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> int:
@@ -163,9 +172,9 @@ def report_rows(args: argparse.Namespace, result: dict) -> list[tuple[str, str]]
         saved += f" (full-sequence training: {_mib(result['full_sequence_saved_bytes'])})"
     steps = f"{result['full_length_steps']} at {args.seq_len:,} tokens"
     if result["warmup_steps"]:
-        steps += f", after {result['warmup_steps']} at {args.short_len}"
+        steps = f"{result['warmup_steps']} x {DEMO_SHORT_BATCH} at {args.short_len} tokens, then {steps}"
     rows = [
-        ("model", f"{args.model or 'tiny random Qwen2'}, {result['params'] / 1e6:.2f}M parameters"),
+        ("model", f"{args.model or 'tiny random Qwen2'}, {result['params']:,} parameters"),
         ("sequence / chunk", f"{args.seq_len:,} / {args.chunk_size:,} tokens"),
         ("steps", steps),
         ("throughput", f"{result['tokens_per_s']:,.0f} tokens/s"),
@@ -215,10 +224,11 @@ def main(argv: list[str] | None = None) -> dict:
         enable_checkpointing=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
+        gradient_clip_val=DEMO_CLIP,
     )
     trainer.fit(module, data)
 
-    full = [s for s in meter.steps if s.tokens == max(r.tokens for r in meter.steps)]
+    full = [s for s in meter.steps if s.seq_len == args.seq_len]
     val = trainer.callback_metrics.get("val_loss")
     result = {
         "params": sum(p.numel() for p in module.parameters()),

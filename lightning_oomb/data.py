@@ -101,7 +101,8 @@ class NeedleRetrievalDataset(Dataset):
 
 
 class NeedleRetrievalDataModule(LightningDataModule):
-    """Train / held-out splits of :class:`NeedleRetrievalDataset` (disjoint random streams).
+    """Train / held-out splits of :class:`NeedleRetrievalDataset` (disjoint random streams), with an optional
+    short-context warm-up (a length curriculum) before the full-length training sequences.
 
     Args:
         seq_len: tokens per sequence.
@@ -109,13 +110,14 @@ class NeedleRetrievalDataModule(LightningDataModule):
         num_filler: distinct filler tokens.
         needle_fraction: share of the first half's positions that hold the answer (0: a single needle).
             More copies make the task easier to learn; the distance to the query does not change.
-        train_samples: training sequences (at ``batch_size`` 1: optimizer steps).
-        val_samples: held-out sequences for validation.
-        batch_size: sequences per batch.
-        seed: the training stream; the held-out stream uses ``seed + 1``.
-        short_seq_len: length of an optional short-context warm-up (curriculum) that precedes the
-            ``train_samples`` full-length sequences; ``None`` disables it.
-        short_samples: sequences in that warm-up.
+        train_samples: full-length training sequences.
+        val_samples: held-out full-length sequences.
+        batch_size: sequences per full-length batch.
+        seed: the training stream; the held-out stream uses ``seed + 1``, the warm-up ``seed + 2``.
+        short_seq_len: length of the warm-up sequences (``None``: no warm-up).
+        short_samples: warm-up sequences; they come first, in batches of ``short_batch_size``.
+        short_batch_size: sequences per warm-up batch (short sequences are cheap: large batches give smoother
+            gradients for the same time).
     """
 
     def __init__(
@@ -130,22 +132,26 @@ class NeedleRetrievalDataModule(LightningDataModule):
         seed: int = 0,
         short_seq_len: int | None = None,
         short_samples: int = 0,
+        short_batch_size: int = 1,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        if short_samples % batch_size:
+        if batch_size < 1 or short_batch_size < 1:
             raise OOMBConfigError(
-                f"short_samples={short_samples} is not a multiple of batch_size={batch_size} — a batch would mix "
-                "the warm-up length with the full length — round short_samples to a multiple of batch_size."
+                f"batch_size={batch_size}, short_batch_size={short_batch_size}: batches need at least one "
+                "sequence — use positive sizes."
             )
         task = {"num_values": num_values, "num_filler": num_filler, "needle_fraction": needle_fraction}
-        full = NeedleRetrievalDataset(train_samples, seq_len, seed=seed, **task)
-        parts: list[Dataset] = [full]
-        if short_seq_len is not None and short_samples > 0:
-            # its own stream (seed + 2), so adding a warm-up does not change the full-length samples
-            parts.insert(0, NeedleRetrievalDataset(short_samples, short_seq_len, seed=seed + 2, **task))
-        self.train_set = ConcatDataset(parts)
+        short = short_samples if short_seq_len is not None else 0
+        self.train_set = ConcatDataset(
+            [
+                NeedleRetrievalDataset(short, short_seq_len or seq_len, seed=seed + 2, **task),
+                NeedleRetrievalDataset(train_samples, seq_len, seed=seed, **task),
+            ]
+        )
         self.val_set = NeedleRetrievalDataset(val_samples, seq_len, seed=seed + 1, **task)
+        # batches never mix the two lengths
+        self.train_batches = _batches(0, short, short_batch_size) + _batches(short, train_samples, batch_size)
         self.batch_size = batch_size
 
     @property
@@ -157,11 +163,16 @@ class NeedleRetrievalDataModule(LightningDataModule):
         return self.val_set.baseline_loss
 
     def train_dataloader(self) -> DataLoader:
-        # in order: the warm-up comes first; the samples are random already
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=False)
+        # in order (warm-up first); the samples are random already
+        return DataLoader(self.train_set, batch_sampler=self.train_batches)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.batch_size)
+
+
+def _batches(start: int, count: int, size: int) -> list[list[int]]:
+    """Indices ``[start, start + count)`` in consecutive batches of ``size`` (the last may be smaller)."""
+    return [list(range(i, min(i + size, start + count))) for i in range(start, start + count, size)]
 
 
 def pack(tokens: torch.Tensor, seq_len: int) -> torch.Tensor:

@@ -90,22 +90,29 @@ def test_needle_rejects_bad_options(kwargs, match):
 
 def test_needle_data_module_splits_and_warm_up():
     dm = NeedleRetrievalDataModule(
-        seq_len=256, num_values=5, train_samples=3, val_samples=2, short_seq_len=64, short_samples=4
+        seq_len=256,
+        num_values=5,
+        train_samples=3,
+        val_samples=2,
+        short_seq_len=64,
+        short_samples=5,
+        short_batch_size=2,
     )
     assert dm.baseline_loss == pytest.approx(math.log(5)) and dm.vocab_size == 16 + 1 + 5
-    lengths = [batch["input_ids"].shape for batch in dm.train_dataloader()]
-    assert lengths == [(1, 64)] * 4 + [(1, 256)] * 3
+    train = [batch["input_ids"] for batch in dm.train_dataloader()]
+    assert [t.shape for t in train] == [(2, 64), (2, 64), (1, 64)] + [(1, 256)] * 3
     val = [batch["input_ids"] for batch in dm.val_dataloader()]
-    train_full = [b["input_ids"] for b in dm.train_dataloader()][4:]
-    assert len(val) == 2 and not any(torch.equal(v, t) for v in val for t in train_full)
+    assert len(val) == 2 and not any(torch.equal(v, t) for v in val for t in train[3:])
     # the warm-up has its own stream: adding it leaves the full-length samples unchanged
     plain = NeedleRetrievalDataModule(seq_len=256, num_values=5, train_samples=3)
-    assert all(torch.equal(a, b["input_ids"]) for a, b in zip(train_full, plain.train_dataloader()))
+    assert all(
+        torch.equal(a, b["input_ids"]) for a, b in zip(train[3:], plain.train_dataloader(), strict=True)
+    )
 
 
-def test_needle_data_module_rejects_mixed_length_batches():
-    with pytest.raises(OOMBConfigError, match="multiple of batch_size"):
-        NeedleRetrievalDataModule(batch_size=2, short_seq_len=64, short_samples=3)
+def test_needle_data_module_rejects_empty_batches():
+    with pytest.raises(OOMBConfigError, match="at least one"):
+        NeedleRetrievalDataModule(short_batch_size=0)
 
 
 # ------------------------------------------------------------------------------------------------ text files

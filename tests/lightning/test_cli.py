@@ -61,6 +61,7 @@ def test_demo_config_is_the_demo_script_run():
     assert _init_args(cli.datamodule.hparams) == _init_args(data.hparams)
     assert _init_args(cli.model.hparams) == _init_args(demo.build_model(args, data.vocab_size).hparams)
     assert cli.trainer.max_steps == args.short_steps + args.steps
+    assert cli.trainer.gradient_clip_val == demo.DEMO_CLIP
     assert cli.trainer.strategy.oomb_config.chunk_size == args.chunk_size
     assert torch.get_num_threads() == 1
 
