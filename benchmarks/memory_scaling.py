@@ -109,6 +109,12 @@ def run_method(method: str, model, context: int, args, device) -> dict:
     row = {"method": method, "context": context, "peak_gib": None, "step_s": None, "oom": False}
     try:
         row["peak_gib"], row["step_s"] = measure(step, device, args.repeats)
+        if engine is not None:  # where the pages were and what moved in the last step
+            extra = engine.stats.extra
+            row["pool_device_gib"] = (extra["hbm_pool_bytes"] + extra["staging_bytes"]) / GIB
+            row["pool_host_gib"] = extra["host_pool_bytes"] / GIB
+            row["h2d_gib"], row["d2h_gib"] = extra["h2d_bytes"] / GIB, extra["d2h_bytes"] / GIB
+            row["copy_wait_s"] = extra["copy_wait_s"]
     except torch.OutOfMemoryError:
         row["oom"] = True
     finally:
@@ -191,14 +197,14 @@ def main() -> None:
     device = torch.device(args.device)
     model = build_model(args.tiny, device)
     rows = []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     for method in args.methods.split(","):
         contexts = args.offload_contexts if method == "oomb-offload" else args.contexts
         for context in map(int, contexts.split(",")):
             if method == "hf" and context > args.hf_max:
                 continue
             rows.append(run_method(method, model, context, args, device))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(rows, indent=1))
+            args.out.write_text(json.dumps(rows, indent=1))  # a run cut short keeps what it measured
     plot(rows, args.out.with_suffix(".png"))
     print(table(rows))
 

@@ -29,8 +29,24 @@ the few on the causal diagonal / window edge / ragged last page that do; blocks 
 Tiles, warps and stages come from ``triton.autotune`` keyed on ``HEAD_DIM`` and ``PAGE`` (and the dtypes), over
 spaces pruned of tiles whose accumulators spill (checked with ptxas for sm_90); tuning happens at the first call
 of each key (``TRITON_CACHE_AUTOTUNING=1`` keeps the result on disk, ``OOMB_TRITON_AUTOTUNE=0`` skips tuning and
-uses each kernel's default tile). The dK/dV kernel's tuning runs restore only the gradient pages of the call's
-page table, never a whole arena. Under ``TRITON_INTERPRET=1`` one tiny config is used so CPU tests stay fast.
+uses each kernel's default tile). Under ``TRITON_INTERPRET=1`` one tiny config is used so CPU tests stay fast.
+
+Key ranges, carried state, dQ accumulation — so that the caller can stream the keys through fixed-size device
+buffers (offloaded to host memory), one attention call splits into calls over disjoint ``key_range=(lo, hi)``
+(``lo`` page-aligned; ``hi`` page-aligned or the chunk's end) whose results combine exactly:
+
+- every kernel clamps its key-block loops (or its grid) into ``[lo, hi)`` and never reads keys ``>= hi`` or the
+  page-table entries of other pages (the caller may leave garbage there);
+- ``state=(acc, m, l)`` (fp32; ``acc [B, Hq, Lq, D]`` the unnormalised ``sum exp(s - m) v``, ``m`` the running
+  max of the scaled scores in natural-log units, ``l = sum exp(s - m)``; fresh: 0, -inf, 0) makes the forward
+  fold its keys into the state in place (``CARRY``), in any order; ``out = acc / l``, ``lse = m + log(l)``. A
+  row that sees no key of a range keeps its state, or, while it has seen no key at all, holds zero-weight junk
+  under the finite masked max that its first visible key wipes (as in a one-shot call);
+- the backward takes the final ``out``/``lse``, an optional precomputed ``delta`` and an optional fp32 ``dq``
+  it adds into (``ACCUMULATE``: one writer per row, no atomics).
+
+Without these arguments the kernels compile and run as before. Autotuning restores every in-place argument
+between its runs: the gradient pages of the key range (never a whole arena), the state, the dQ accumulator.
 """
 
 from __future__ import annotations
@@ -41,6 +57,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from csrc_triton.contract import checked_key_range
 
 LOG2E = math.log2(math.e)
 _LOG2E = tl.constexpr(LOG2E)
@@ -86,38 +104,59 @@ def _pruner(accumulator_rows: str, factor: int):
     return prune
 
 
-class _RestoreGradPages:
-    """Autotune hooks of the dK/dV kernel: tuning runs it several times and it adds in place, so the gradient pages
-    it can touch (those of this call's page table) are saved before each run and restored after it."""
+class _Restore:
+    """Autotune hooks of a kernel that updates tensors in place: tuning runs it once per config (and repeat), so
+    what it can touch is saved before each run and put back after it. ``touched(nargs)`` lists ``(tensor, rows)``
+    pairs: the rows ``rows`` (int64) of dim 0, or the whole tensor for ``None``."""
 
-    def __init__(self) -> None:
-        self.saved: tuple[torch.Tensor, ...] | None = None
+    def __init__(self, touched) -> None:
+        self.touched = touched
+        self.saved: list | None = None
 
     def pre(self, nargs: dict, reset_only: bool = False) -> None:
         if not reset_only:
-            slots = nargs["TABLE"].flatten().long()
-            self.saved = (slots, nargs["DK"][slots], nargs["DV"][slots])
+            self.saved = [(t, r, t.clone() if r is None else t[r]) for t, r in self.touched(nargs)]
 
     def post(self, nargs: dict, exception: Exception | None = None) -> None:
-        slots, dk, dv = self.saved
-        nargs["DK"].index_copy_(0, slots, dk)
-        nargs["DV"].index_copy_(0, slots, dv)
+        for t, r, copy in self.saved:
+            if r is None:
+                t.copy_(copy)
+            else:
+                t.index_copy_(0, r, copy)
         self.saved = None
 
 
-_restore_grad_pages = _RestoreGradPages()
+def _range_slots(nargs: dict) -> torch.Tensor:
+    """Slots of the pages the dK/dV kernel writes: those of keys ``[first_key, key_hi)`` (only their page-table
+    entries are valid)."""
+    page = nargs["PAGE"]
+    return nargs["TABLE"][:, nargs["first_key"] // page : triton.cdiv(nargs["key_hi"], page)].flatten().long()
+
+
+# the gradient pages of the call's key range — never a whole arena; the forward state; the dQ accumulator
+_restore_grad_pages = _Restore(lambda a: [(a["DK"], _range_slots(a)), (a["DV"], _range_slots(a))])
+_restore_state = _Restore(lambda a: [(a[n], None) for n in ("OUT", "LSE", "L")] if a["CARRY"] else [])
+_restore_dq = _Restore(lambda a: [(a["DQ"], None)] if a["ACCUMULATE"] else [])
 
 
 # ------------------------------------------------------------------------------------------- shared helpers
 @triton.jit
-def _key_blocks(q_first, q_last, window, BLOCK_N: tl.constexpr):
-    """Key blocks seen by query positions ``[q_first, q_last]``: ``[lo, full_lo)`` and ``[full_hi, hi)`` need
-    masks (window edge, causal diagonal), ``[full_lo, full_hi)`` is visible to every query."""
+def _clamp(x, lo, hi):
+    return tl.minimum(tl.maximum(x, lo), hi)
+
+
+@triton.jit
+def _key_blocks(q_first, q_last, window, key_lo, key_hi, BLOCK_N: tl.constexpr):
+    """Key blocks in ``[key_lo, key_hi)`` seen by query positions ``[q_first, q_last]``: ``[lo, full_lo)`` and
+    ``[full_hi, hi)`` need masks (window edge, causal diagonal, ragged end), ``[full_lo, full_hi)`` is visible to
+    every query. ``key_lo`` is a multiple of ``BLOCK_N``; clamping keeps the three ranges a partition."""
+    key_end = tl.cdiv(key_hi, BLOCK_N) * BLOCK_N
     lo = tl.maximum(q_first - window + 1, 0) // BLOCK_N * BLOCK_N
     hi = tl.cdiv(q_last + 1, BLOCK_N) * BLOCK_N
     full_lo = tl.cdiv(tl.maximum(q_last - window + 1, 0), BLOCK_N) * BLOCK_N
     full_hi = tl.maximum((q_first + 1) // BLOCK_N * BLOCK_N, full_lo)
-    return lo, full_lo, full_hi, hi
+    return (_clamp(lo, key_lo, key_end), _clamp(full_lo, key_lo, key_end),
+            _clamp(full_hi, key_lo, key_end), _clamp(hi, key_lo, key_end))  # fmt: skip
 
 
 @triton.jit
@@ -154,7 +193,7 @@ def _visible(q_pos, k_pos, window):
 def _fwd_inner(
     acc, l_i, m_i, q, K, V, TABLE,
     stride_ks, stride_kp, stride_kd,
-    q_pos, lo, hi, num_keys, window, qk_scale,
+    q_pos, lo, hi, key_hi, window, qk_scale,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over key blocks ``[lo, hi)``; ``K``/``V`` already point at this program's KV head."""
@@ -166,9 +205,9 @@ def _fwd_inner(
         kt_ptrs = K + base + offs_n[None, :] * stride_kp + offs_d[:, None] * stride_kd
         v_ptrs = V + base + offs_n[:, None] * stride_kp + offs_d[None, :] * stride_kd
         k_pos = start_n + offs_n
-        if MASK:  # the ragged last page holds keys >= num_keys: never read them
-            kt = tl.load(kt_ptrs, mask=k_pos[None, :] < num_keys, other=0.0)
-            v = tl.load(v_ptrs, mask=k_pos[:, None] < num_keys, other=0.0)
+        if MASK:  # keys >= key_hi (ragged last page, end of the key range) are never read
+            kt = tl.load(kt_ptrs, mask=k_pos[None, :] < key_hi, other=0.0)
+            v = tl.load(v_ptrs, mask=k_pos[:, None] < key_hi, other=0.0)
         else:
             kt = tl.load(kt_ptrs)
             v = tl.load(v_ptrs)
@@ -192,17 +231,21 @@ def _fwd_inner(
     configs=_configs((128, 64, 8, 3), [(64, 64), (64, 128), (128, 64), (128, 128)], stages=(2, 3)),
     key=["HEAD_DIM", "PAGE"],
     prune_configs_by={"early_config_prune": _pruner("BLOCK_M", 1)},  # acc [BLOCK_M, HEAD_DIM]
+    pre_hook=_restore_state.pre,
+    post_hook=_restore_state.post,
 )
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, TABLE, OUT, LSE,
+    Q, K, V, TABLE, OUT, LSE, L,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_ks, stride_kh, stride_kp, stride_kd,
     stride_tb,
-    num_heads, group, q_len, q_start, window, qk_scale,
-    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr,
+    num_heads, group, q_len, q_start, key_lo, key_hi, window, qk_scale,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr, CARRY: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
+    """Keys ``[key_lo, key_hi)``. Without ``CARRY``: writes ``OUT``, ``LSE``. With ``CARRY``: ``OUT``, ``LSE``, ``L``
+    are a carried state's ``acc``, ``m`` (natural log), ``l`` (fp32), updated in place."""
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b = bh // num_heads
@@ -219,30 +262,39 @@ def _fwd_kernel(
     K += kv_head
     V += kv_head
     TABLE += b * stride_tb
+    rows = bh * q_len + offs_m
+    row_offs = rows[:, None] * HEAD_DIM + offs_d[None, :]
 
     q_pos = q_start + offs_m
-    num_keys = q_start + q_len
     q_last = q_start + tl.minimum(start_m + BLOCK_M, q_len) - 1
-    lo, full_lo, full_hi, hi = _key_blocks(q_start + start_m, q_last, window, BLOCK_N)
+    lo, full_lo, full_hi, hi = _key_blocks(q_start + start_m, q_last, window, key_lo, key_hi, BLOCK_N)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    if CARRY:  # the state's max is in natural-log units, the kernel's in base 2
+        m_in = tl.load(LSE + rows, mask=row_ok, other=0.0)
+        m_start = m_in * _LOG2E
+        m_i = m_start
+        l_i = tl.load(L + rows, mask=row_ok, other=0.0)
+        acc = tl.load(OUT + row_offs, mask=row_ok[:, None], other=0.0)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     # window edge, then the blocks every query sees, then the causal diagonal (and the ragged last page)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, TABLE, stride_ks, stride_kp, stride_kd, q_pos, lo,
-                               full_lo, num_keys, window, qk_scale, HEAD_DIM, PAGE, BLOCK_N, True, PRECISION)  # fmt: skip
+                               full_lo, key_hi, window, qk_scale, HEAD_DIM, PAGE, BLOCK_N, True, PRECISION)  # fmt: skip
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, TABLE, stride_ks, stride_kp, stride_kd, q_pos, full_lo,
-                               full_hi, num_keys, window, qk_scale, HEAD_DIM, PAGE, BLOCK_N, False, PRECISION)  # fmt: skip
+                               full_hi, key_hi, window, qk_scale, HEAD_DIM, PAGE, BLOCK_N, False, PRECISION)  # fmt: skip
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, TABLE, stride_ks, stride_kp, stride_kd, q_pos, full_hi,
-                               hi, num_keys, window, qk_scale, HEAD_DIM, PAGE, BLOCK_N, True, PRECISION)  # fmt: skip
+                               hi, key_hi, window, qk_scale, HEAD_DIM, PAGE, BLOCK_N, True, PRECISION)  # fmt: skip
 
-    # out = acc / l_i; lse = ln(sum_j exp(s_j)) = (m_i + log2(l_i)) * ln(2)
-    rows = bh * q_len + offs_m
-    tl.store(LSE + rows, (m_i + tl.math.log2(l_i)) / _LOG2E, mask=row_ok)
-    out = acc / l_i[:, None]
-    tl.store(
-        OUT + rows[:, None] * HEAD_DIM + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=row_ok[:, None]
-    )
+    # with CARRY an unchanged max keeps its exact natural-log value: a row that saw no key stays bit-identical
+    if CARRY:
+        tl.store(LSE + rows, tl.where(m_i == m_start, m_in, m_i / _LOG2E), mask=row_ok)
+        tl.store(L + rows, l_i, mask=row_ok)
+        tl.store(OUT + row_offs, acc, mask=row_ok[:, None])
+    else:  # out = acc / l_i; lse = ln(sum_j exp(s_j)) = (m_i + log2(l_i)) * ln(2)
+        tl.store(LSE + rows, (m_i + tl.math.log2(l_i)) / _LOG2E, mask=row_ok)
+        tl.store(OUT + row_offs, (acc / l_i[:, None]).to(OUT.dtype.element_ty), mask=row_ok[:, None])
 
 
 # --------------------------------------------------------------------------------------------------- backward
@@ -311,10 +363,11 @@ def _bwd_dkdv_kernel(
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_ks, stride_kh, stride_kp, stride_kd,
     stride_tb,
-    num_heads, kv_heads, group, q_len, q_start, first_key, window, scale, qk_scale,
+    num_heads, kv_heads, group, q_len, q_start, first_key, key_hi, window, scale, qk_scale,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
+    """Key blocks from the one holding ``first_key`` up to ``key_hi`` (keys >= ``key_hi`` are never read)."""
     start_n = (first_key // BLOCK_N + tl.program_id(0)) * BLOCK_N
     bh = tl.program_id(1)
     b = bh // kv_heads
@@ -322,7 +375,7 @@ def _bwd_dkdv_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     k_pos = start_n + offs_n
-    key_ok = k_pos < q_start + q_len
+    key_ok = k_pos < key_hi
     # gradient pages have the K/V pages' layout: one offset serves K, V, dK and dV
     tokens = (start_n % PAGE + offs_n)[:, None]
     kv_offs = _page_offset(TABLE + b * stride_tb, start_n, stride_ks, PAGE) + kv_head * stride_kh
@@ -357,7 +410,7 @@ def _bwd_dkdv_kernel(
 def _bwd_dq_inner(
     dq, q, do, lse, delta, K, V, TABLE,
     stride_ks, stride_kp, stride_kd,
-    q_pos, lo, hi, num_keys, window, qk_scale,
+    q_pos, lo, hi, key_hi, window, qk_scale,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Add key blocks ``[lo, hi)`` to ``dq`` (unscaled); ``K``/``V`` already point at this program's KV head."""
@@ -370,8 +423,8 @@ def _bwd_dq_inner(
         vt_ptrs = V + base + offs_n[None, :] * stride_kp + offs_d[:, None] * stride_kd
         k_pos = start_n + offs_n
         if MASK:
-            kt = tl.load(kt_ptrs, mask=k_pos[None, :] < num_keys, other=0.0)
-            vt = tl.load(vt_ptrs, mask=k_pos[None, :] < num_keys, other=0.0)
+            kt = tl.load(kt_ptrs, mask=k_pos[None, :] < key_hi, other=0.0)
+            vt = tl.load(vt_ptrs, mask=k_pos[None, :] < key_hi, other=0.0)
         else:
             kt = tl.load(kt_ptrs)
             vt = tl.load(vt_ptrs)
@@ -389,6 +442,8 @@ def _bwd_dq_inner(
     configs=_configs((128, 64, 8, 3), [(64, 32), (64, 64), (128, 32), (128, 64)], stages=(2, 3)),
     key=["HEAD_DIM", "PAGE"],
     prune_configs_by={"early_config_prune": _pruner("BLOCK_M", 1)},  # dq [BLOCK_M, HEAD_DIM]
+    pre_hook=_restore_dq.pre,
+    post_hook=_restore_dq.post,
 )
 @triton.jit
 def _bwd_dq_kernel(
@@ -396,10 +451,11 @@ def _bwd_dq_kernel(
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_ks, stride_kh, stride_kp, stride_kd,
     stride_tb,
-    num_heads, group, q_len, q_start, window, scale, qk_scale,
-    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr,
+    num_heads, group, q_len, q_start, key_lo, key_hi, window, scale, qk_scale,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
+    """dQ over keys ``[key_lo, key_hi)``: written to ``DQ``, or with ``ACCUMULATE`` added into fp32 ``DQ``."""
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b = bh // num_heads
@@ -423,24 +479,31 @@ def _bwd_dq_kernel(
     TABLE += b * stride_tb
 
     q_pos = q_start + offs_m
-    num_keys = q_start + q_len
     q_last = q_start + tl.minimum(start_m + BLOCK_M, q_len) - 1
-    lo, full_lo, full_hi, hi = _key_blocks(q_start + start_m, q_last, window, BLOCK_N)
+    lo, full_lo, full_hi, hi = _key_blocks(q_start + start_m, q_last, window, key_lo, key_hi, BLOCK_N)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, K, V, TABLE, stride_ks, stride_kp, stride_kd, q_pos, lo, full_lo,
-                       num_keys, window, qk_scale, HEAD_DIM, PAGE, BLOCK_N, True, PRECISION)  # fmt: skip
+                       key_hi, window, qk_scale, HEAD_DIM, PAGE, BLOCK_N, True, PRECISION)  # fmt: skip
     dq = _bwd_dq_inner(dq, q, do, lse, delta, K, V, TABLE, stride_ks, stride_kp, stride_kd, q_pos, full_lo,
-                       full_hi, num_keys, window, qk_scale, HEAD_DIM, PAGE, BLOCK_N, False, PRECISION)  # fmt: skip
+                       full_hi, key_hi, window, qk_scale, HEAD_DIM, PAGE, BLOCK_N, False, PRECISION)  # fmt: skip
     dq = _bwd_dq_inner(dq, q, do, lse, delta, K, V, TABLE, stride_ks, stride_kp, stride_kd, q_pos, full_hi, hi,
-                       num_keys, window, qk_scale, HEAD_DIM, PAGE, BLOCK_N, True, PRECISION)  # fmt: skip
-    tl.store(DQ + row_offs, (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+                       key_hi, window, qk_scale, HEAD_DIM, PAGE, BLOCK_N, True, PRECISION)  # fmt: skip
+    dq = dq * scale
+    if ACCUMULATE:  # this program is the only writer of these rows: a plain read-modify-write, no atomics
+        dq = dq + tl.load(DQ + row_offs, mask=row_ok[:, None], other=0.0)
+    tl.store(DQ + row_offs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
 # -------------------------------------------------------------------------------------------------- launchers
 def _check(
-    q: torch.Tensor, k_arena: torch.Tensor, v_arena: torch.Tensor, page_table: torch.Tensor, q_start: int
+    q: torch.Tensor,
+    k_arena: torch.Tensor,
+    v_arena: torch.Tensor,
+    page_table: torch.Tensor,
+    q_start: int,
+    key_range: tuple[int, int] | None,
 ):
-    """Validate shapes/dtypes (cheap, before any launch); return ``(B, Hq, Lq, D, Hkv, P)``."""
+    """Validate shapes/dtypes (cheap, before any launch); return ``(B, Hq, Lq, D, Hkv, P, key_lo, key_hi)``."""
     if q.dim() != 4 or k_arena.dim() != 4:
         raise ValueError(
             f"q must be [B, Hq, Lq, D] and arenas [slots, Hkv, P, D]; got {q.shape}, {k_arena.shape}"
@@ -471,12 +534,22 @@ def _check(
         raise ValueError(
             f"page_table must be int32 [B={b}, n_pages] with unit last stride; got {page_table.shape}."
         )
-    if q_start < 0 or page_table.shape[1] * page < q_start + lq:
+    key_lo, key_hi = checked_key_range(key_range, q_start + lq, page)
+    if q_start < 0 or page_table.shape[1] * page < key_hi:
         raise ValueError(
             f"q_start={q_start}, Lq={lq}: the page table's {page_table.shape[1]} pages of {page} must cover keys "
-            f"[0, {q_start + lq}) — pass the pages of every key up to the chunk's end."
+            f"[0, {key_hi}) — pass the pages of every key up to the chunk's (or key range's) end."
         )
-    return b, hq, lq, d, hkv, page
+    return b, hq, lq, d, hkv, page, key_lo, key_hi
+
+
+def _check_f32(name: str, x: torch.Tensor, shape: tuple[int, ...], device: torch.device) -> None:
+    """A caller-owned fp32 buffer: the state or dQ accumulator (updated in place), or a precomputed delta."""
+    if x.shape != shape or x.dtype != torch.float32 or not x.is_contiguous() or x.device != device:
+        raise ValueError(
+            f"{name} must be a contiguous float32 tensor of shape {shape} on {device}; got {x.dtype} "
+            f"{tuple(x.shape)} on {x.device} (contiguous: {x.is_contiguous()})."
+        )
 
 
 def _window(window: int | None, q_start: int, lq: int) -> int:
@@ -498,9 +571,9 @@ def _query_grid(q_len: int, heads: int):
     return lambda meta: (triton.cdiv(q_len, meta["BLOCK_M"]), heads)
 
 
-def _key_grid(first_key: int, num_keys: int, heads: int):
-    """One program per (key block from the one holding ``first_key``, head)."""
-    return lambda meta: (triton.cdiv(num_keys, meta["BLOCK_N"]) - first_key // meta["BLOCK_N"], heads)
+def _key_grid(first_key: int, key_hi: int, heads: int):
+    """One program per (key block from the one holding ``first_key`` to the one holding ``key_hi - 1``, head)."""
+    return lambda meta: (triton.cdiv(key_hi, meta["BLOCK_N"]) - first_key // meta["BLOCK_N"], heads)
 
 
 def paged_attention_forward(
@@ -511,20 +584,33 @@ def paged_attention_forward(
     q_start: int,
     scale: float,
     window: int | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``out [B, Hq, Lq, D]`` (dtype of ``q``, contiguous) and ``lse [B, Hq, Lq]`` (float32, natural log)."""
-    b, hq, lq, d, hkv, page = _check(q, k_arena, v_arena, page_table, q_start)
-    out = torch.empty((b, hq, lq, d), dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, hq, lq), dtype=torch.float32, device=q.device)
+    *,
+    key_range: tuple[int, int] | None = None,
+    state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``out [B, Hq, Lq, D]`` (dtype of ``q``, contiguous) and ``lse [B, Hq, Lq]`` (float32, natural log).
+
+    ``key_range=(lo, hi)`` visits only the keys at positions ``[lo, hi)`` (page-table entries of other pages are
+    never read). With ``state=(acc, m, l)`` (fp32, see the module docstring) the keys are folded into the state in
+    place and ``None`` is returned."""
+    b, hq, lq, d, hkv, page, key_lo, key_hi = _check(q, k_arena, v_arena, page_table, q_start, key_range)
+    if state is None:
+        out = torch.empty((b, hq, lq, d), dtype=q.dtype, device=q.device)
+        lse = l_sum = torch.empty((b, hq, lq), dtype=torch.float32, device=q.device)
+    else:
+        out, lse, l_sum = state
+        rows = (b, hq, lq)
+        for name, x, shape in zip(("acc", "m", "l"), state, ((*rows, d), rows, rows)):
+            _check_f32(f"state {name}", x, shape, q.device)
     if out.numel() == 0:
-        return out, lse
+        return None if state is not None else (out, lse)
     _fwd_kernel[_query_grid(lq, b * hq)](
-        q, k_arena, v_arena, page_table, out, lse,
+        q, k_arena, v_arena, page_table, out, lse, l_sum,
         *q.stride(), *k_arena.stride(), page_table.stride(0),
-        hq, hq // hkv, lq, q_start, _window(window, q_start, lq), scale * LOG2E,
-        HEAD_DIM=d, PAGE=page, PRECISION=_precision(q.dtype),
+        hq, hq // hkv, lq, q_start, key_lo, key_hi, _window(window, q_start, lq), scale * LOG2E,
+        HEAD_DIM=d, PAGE=page, PRECISION=_precision(q.dtype), CARRY=state is not None,
     )  # fmt: skip
-    return out, lse
+    return None if state is not None else (out, lse)
 
 
 def paged_attention_backward(
@@ -540,36 +626,53 @@ def paged_attention_backward(
     q_start: int,
     scale: float,
     window: int | None,
+    *,
+    key_range: tuple[int, int] | None = None,
+    delta: torch.Tensor | None = None,
+    dq: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Return ``dq`` (dtype of ``q``) and **add** dK, dV of every page read into ``dk_arena``, ``dv_arena``
-    (float32 or bfloat16 ``[slots, Hkv, P, D]``, same layout as the K/V arenas)."""
-    b, hq, lq, d, hkv, page = _check(q, k_arena, v_arena, page_table, q_start)
+    (float32 or bfloat16 ``[slots, Hkv, P, D]``, same layout as the K/V arenas).
+
+    ``key_range=(lo, hi)``: only keys ``[lo, hi)`` (``out``, ``lse`` are still the final ones, over all keys).
+    ``delta``: a precomputed ``rowsum(dout * out)`` (fp32 ``[B, Hq, Lq]``). ``dq``: an fp32 ``[B, Hq, Lq, D]``
+    accumulator the contribution is added into (and which is returned)."""
+    b, hq, lq, d, hkv, page, key_lo, key_hi = _check(q, k_arena, v_arena, page_table, q_start, key_range)
     grads = (dk_arena, dv_arena)
     if any(g.shape != k_arena.shape or g.dtype not in _GRAD_DTYPES or not g.is_contiguous() for g in grads):
         raise ValueError(
             f"dK/dV arenas must be contiguous {_GRAD_DTYPES} tensors shaped like the K/V arenas "
             f"{tuple(k_arena.shape)}; got {[(tuple(g.shape), g.dtype) for g in grads]}."
         )
-    dq = torch.empty((b, hq, lq, d), dtype=q.dtype, device=q.device)
+    accumulate = dq is not None
+    if accumulate:
+        _check_f32("dq", dq, (b, hq, lq, d), q.device)
+    else:
+        dq = torch.empty((b, hq, lq, d), dtype=q.dtype, device=q.device)
     if dq.numel() == 0:
         return dq
-    out, dout, lse = out.contiguous(), dout.contiguous(), lse.contiguous()
+    dout, lse = dout.contiguous(), lse.contiguous()
     window = _window(window, q_start, lq)
-    delta = torch.empty_like(lse)
-    _bwd_preprocess[(triton.cdiv(b * hq * lq, 64),)](out, dout, delta, b * hq * lq, HEAD_DIM=d, BLOCK_M=64)
+    if delta is None:
+        delta = torch.empty_like(lse)
+        grid = (triton.cdiv(b * hq * lq, 64),)
+        _bwd_preprocess[grid](out.contiguous(), dout, delta, b * hq * lq, HEAD_DIM=d, BLOCK_M=64)
+    else:
+        _check_f32("delta", delta, (b, hq, lq), q.device)
 
     precision = _precision(q.dtype)
-    first_key = max(0, q_start - window + 1)  # keys before it are outside every query's window
-    _bwd_dkdv_kernel[_key_grid(first_key, q_start + lq, b * hkv)](
-        q, k_arena, v_arena, dout, lse, delta, page_table, dk_arena, dv_arena,
-        *q.stride(), *k_arena.stride(), page_table.stride(0),
-        hq, hkv, hq // hkv, lq, q_start, first_key, window, scale, scale * LOG2E,
-        HEAD_DIM=d, PAGE=page, PRECISION=precision,
-    )  # fmt: skip
+    first_key = max(0, q_start - window + 1, key_lo)  # keys before q_start - window + 1 are in no window
+    if first_key < key_hi:
+        _bwd_dkdv_kernel[_key_grid(first_key, key_hi, b * hkv)](
+            q, k_arena, v_arena, dout, lse, delta, page_table, dk_arena, dv_arena,
+            *q.stride(), *k_arena.stride(), page_table.stride(0),
+            hq, hkv, hq // hkv, lq, q_start, first_key, key_hi, window, scale, scale * LOG2E,
+            HEAD_DIM=d, PAGE=page, PRECISION=precision,
+        )  # fmt: skip
     _bwd_dq_kernel[_query_grid(lq, b * hq)](
         q, k_arena, v_arena, dout, lse, delta, page_table, dq,
         *q.stride(), *k_arena.stride(), page_table.stride(0),
-        hq, hq // hkv, lq, q_start, window, scale, scale * LOG2E,
-        HEAD_DIM=d, PAGE=page, PRECISION=precision,
+        hq, hq // hkv, lq, q_start, key_lo, key_hi, window, scale, scale * LOG2E,
+        HEAD_DIM=d, PAGE=page, PRECISION=precision, ACCUMULATE=accumulate,
     )  # fmt: skip
     return dq

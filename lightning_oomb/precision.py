@@ -103,5 +103,19 @@ class OOMBPrecision(Precision):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.inner.load_state_dict(state_dict)
 
+    # Lightning files plugin state under the plugin's class name: keep the wrapped plugin's key too, so that
+    # checkpoints move both ways between strategy="oomb" and the stock strategies (e.g. the 16-mixed scaler).
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = self.inner.state_dict()
+        if state:
+            checkpoint[type(self.inner).__qualname__] = state
+        self.inner.on_save_checkpoint(checkpoint)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.inner.on_load_checkpoint(checkpoint)
+        key = type(self.inner).__qualname__
+        if type(self).__qualname__ not in checkpoint and key in checkpoint:
+            self.inner.load_state_dict(checkpoint[key])
+
     def teardown(self) -> None:
         self.inner.teardown()

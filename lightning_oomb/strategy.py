@@ -162,8 +162,9 @@ class OOMBStrategy(_OOMBStrategyMixin, SingleDeviceStrategy):
         attention_backend: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"torch"`` or ``"triton"``.
         offload: keep KV pages beyond ``hbm_budget`` in pinned host memory.
         hbm_budget: device bytes for KV pages when offloading (``"auto"``: free memory minus a headroom).
-        staging_buffers: device buffers (one layer's pages each) that host-tier layers stream through when
-            offloading; 2 = double buffering, 3 also overlaps write-backs with prefetches.
+        staging_buffers: device buffers that host-tier layers stream through when offloading, each one
+            chunk's pages of one layer (fixed size: device memory stays flat in the context length); at least 2,
+            4 (default) overlaps copies both ways with compute.
         target_module: attribute path of the HF model in the LightningModule (default: the unique one).
         device: explicit device; by default the Trainer's accelerator decides (``accelerator="auto"`` works).
     """
@@ -179,7 +180,7 @@ class OOMBStrategy(_OOMBStrategyMixin, SingleDeviceStrategy):
         attention_backend: str = "auto",
         offload: bool = False,
         hbm_budget: int | str = "auto",
-        staging_buffers: int = 2,
+        staging_buffers: int = 4,
         target_module: str | None = None,
         device: str | torch.device | None = None,
         accelerator: Accelerator | None = None,

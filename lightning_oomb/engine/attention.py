@@ -38,6 +38,7 @@ class PoolLayout:
     head_dim: int
     page_size: int
     kv_grad_dtype: str
+    chunk_size: int = 0
 
     def shape(self, kv_dtype: torch.dtype) -> PoolShape:
         return PoolShape(
@@ -49,6 +50,7 @@ class PoolLayout:
             self.page_size,
             kv_dtype,
             resolve_grad_dtype(self.kv_grad_dtype, kv_dtype),
+            self.chunk_size,
         )
 
 
@@ -77,51 +79,102 @@ def resolve_backend(name: str, device: torch.device) -> Literal["torch", "triton
     return name
 
 
-def _forward(backend: str, q, kv: PagedKV, q_start: int, scale: float, window):
+def _kernels(backend: str):
     if backend == "triton":
         from csrc_triton import paged_attention as kernels
 
-        return kernels.paged_attention_forward(q, kv.k, kv.v, kv.page_table, q_start, scale, window)
-    return reference.paged_attention_forward(q, kv, q_start, scale, window)
+        return kernels
+    return None
 
 
-def _backward(backend: str, q, out, lse, dout, kv: PagedKV, q_start: int, scale: float, window):
-    if backend == "triton":
-        from csrc_triton import paged_attention as kernels
+def _forward(backend: str, q, kv: PagedKV, q_start: int, scale: float, window, **block):
+    kernels = _kernels(backend)
+    if kernels is not None:
+        return kernels.paged_attention_forward(q, kv.k, kv.v, kv.page_table, q_start, scale, window, **block)
+    return reference.paged_attention_forward(q, kv, q_start, scale, window, **block)
 
+
+def _backward(backend: str, q, out, lse, dout, kv: PagedKV, q_start: int, scale: float, window, **block):
+    kernels = _kernels(backend)
+    if kernels is not None:
         return kernels.paged_attention_backward(
-            q, out, lse, dout, kv.k, kv.v, kv.dk, kv.dv, kv.page_table, q_start, scale, window
+            q, out, lse, dout, kv.k, kv.v, kv.dk, kv.dv, kv.page_table, q_start, scale, window, **block
         )
-    return reference.paged_attention_backward(q, out, lse, dout, kv, q_start, scale, window)
+    return reference.paged_attention_backward(q, out, lse, dout, kv, q_start, scale, window, **block)
+
+
+def _first_key(q_start: int, window: int | None) -> int:
+    """The first key any query of a chunk starting at ``q_start`` sees."""
+    return 0 if window is None else max(0, q_start - window + 1)
+
+
+def _whole(kv: PagedKV, num_keys: int) -> bool:
+    return kv.keys is None or kv.keys == (0, num_keys)
+
+
+def attend(backend: str, q, parts, q_start: int, scale: float, window):
+    """``(out, lse)`` of ``q`` over the key parts of :meth:`KVPool.parts`: one call for a part holding every key,
+    else each part folded into one running softmax state (the log-sum-exp merge)."""
+    num_keys, state = q_start + q.shape[2], None
+    for kv in parts:
+        if state is None and _whole(kv, num_keys):
+            return _forward(backend, q, kv, q_start, scale, window)
+        if state is None:
+            state = reference.init_state(q)
+        _forward(backend, q, kv, q_start, scale, window, key_range=kv.keys, state=state)
+    return reference.finish_state(state, q.dtype)
+
+
+def attend_backward(backend: str, q, out, lse, dout, parts, q_start: int, scale: float, window):
+    """``dq``, adding dK/dV into every part's gradient pages; dQ is summed over the parts."""
+    num_keys, dq, delta = q_start + q.shape[2], None, None
+    for kv in parts:
+        if dq is None and _whole(kv, num_keys):
+            return _backward(backend, q, out, lse, dout, kv, q_start, scale, window)
+        if dq is None:
+            delta = reference.attention_delta(out, dout)
+            dq = torch.zeros(q.shape, dtype=delta.dtype, device=q.device)
+        _backward(
+            backend, q, out, lse, dout, kv, q_start, scale, window, key_range=kv.keys, delta=delta, dq=dq
+        )
+    return dq.to(q.dtype)
 
 
 class PagedAttention(torch.autograd.Function):
-    """Thin Function around the kernels: saves ``q, out, lse``; no math of its own."""
+    """Thin Function around the kernels: saves ``q, out, lse`` (and the chunk's ``k, v`` for a host-tier layer,
+    restaged on the device for the backward); no math of its own."""
 
     @staticmethod
     def forward(ctx, q, k, v, chunk: ChunkContext, layer: int, scale: float, window: int | None):
         pool = chunk.pool
-        if chunk.sweep != "backward":  # the backward sweep recomputes identical K/V: never rewrite pages
+        if chunk.sweep != "backward":  # the backward sweep's recompute writes nothing new
             shape = chunk.layout.shape(k.dtype)
             if pool.shape != shape:
                 pool.reserve(shape, k.device)
-            pool.write(layer, chunk.start, k, v)
-        kv = pool.view(layer, chunk.start + q.shape[2])
+        pool.write(layer, chunk.start, k, v)
+        parts = pool.parts(layer, chunk.start + q.shape[2], first_key=_first_key(chunk.start, window))
         with torch.autocast(q.device.type, enabled=False):
-            out, lse = _forward(chunk.backend, q, kv, chunk.start, scale, window)
-        ctx.save_for_backward(q, out, lse)
+            out, lse = attend(chunk.backend, q, parts, chunk.start, scale, window)
+        ctx.save_for_backward(q, out, lse, *((k, v) if pool.streams(layer) else ()))
         ctx.args = (chunk, layer, scale, window, k.dtype)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        q, out, lse = ctx.saved_tensors
+        q, out, lse, *kv = ctx.saved_tensors
         chunk, layer, scale, window, kv_dtype = ctx.args
-        kv = chunk.pool.view(layer, chunk.start + q.shape[2], grads=True)  # the kernel adds into kv.dk, kv.dv
+        pool = chunk.pool
+        if kv:
+            pool.write(layer, chunk.start, *kv)
+        first_key = _first_key(chunk.start, window)
+        # the kernels add into each part's dk, dv
+        parts = pool.parts(layer, chunk.start + q.shape[2], True, first_key)
         with torch.autocast(q.device.type, enabled=False):
-            dq = _backward(chunk.backend, q, out, lse, dout.contiguous(), kv, chunk.start, scale, window)
-        dk, dv = chunk.pool.read_grad(layer, chunk.start, q.shape[2])
+            dq = attend_backward(
+                chunk.backend, q, out, lse, dout.contiguous(), parts, chunk.start, scale, window
+            )
+        dk, dv = pool.read_grad(layer, chunk.start, q.shape[2])
         return dq, dk.to(kv_dtype), dv.to(kv_dtype), None, None, None, None
 
 

@@ -14,15 +14,18 @@ through it and know nothing about tiers.
 
 **Tiers.** Without offload every layer lives in the HBM tier (the device the model runs on). With offload,
 :func:`plan_tiers` fills ``hbm_budget`` with whole layers; the other layers live in the host tier (pinned when CUDA
-is available) and are used through ``staging_buffers`` device buffers that each hold one whole layer
+is available) and are streamed in **blocks** of one chunk's pages through ``staging_buffers`` device buffers
 (:mod:`lightning_oomb.engine.offload` decides what is copied when). The pool's device bytes are at most
-``max(hbm_budget, staging_buffers * layer_bytes)``; see :class:`PoolShape` for ``layer_bytes``.
+``max(hbm_budget, staging_buffers * block_bytes)``: with every layer on the host they do not depend on the
+sequence length. See :class:`PoolShape` for ``layer_bytes`` and ``block_bytes``.
 
-**Access contract** (what the attention op does; the order drives prefetch): a layer is filled in order —
-:meth:`KVPool.write` at ``start`` makes the layer's content tokens ``[0, start + L)`` and zeroes their gradient
-pages; :meth:`KVPool.view` hands out the pages of ``[0, num_tokens)`` (``grads=True`` when the caller adds into the
-gradient pages); :meth:`KVPool.read_grad` returns a chunk's accumulated gradients and, in the backward sweep,
-frees the chunk's gradient pages (their later content is undefined). :meth:`KVPool.begin_sweep` /
+**Access contract** (what the attention op does, once per layer and chunk; the order drives prefetch):
+:meth:`KVPool.write` stores the chunk's post-RoPE K/V at its start (in the backward sweep the same call restages
+the recomputed, identical K/V of a host layer on the device and changes nothing else); :meth:`KVPool.parts` then
+hands out the pages of ``[0, num_tokens)`` as one :class:`PagedKV` (HBM layer) or one per block (host layer), each
+with the key range it covers — with ``grads=True`` the caller adds into their gradient pages before taking the
+next part; :meth:`KVPool.read_grad` returns a chunk's accumulated gradients and, in the backward sweep, frees the
+chunk's gradient pages. A write zeroes the new pages' gradients. :meth:`KVPool.begin_sweep` /
 :meth:`KVPool.end_sweep` bracket each sweep. The pool is sized per step from the sequence length and reused across
 steps: arenas only grow.
 """
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +60,8 @@ class PoolShape:
     page_size: int
     dtype: torch.dtype
     grad_dtype: torch.dtype
+    # tokens per chunk = per offload block (a multiple of page_size); 0: the whole sequence
+    chunk_size: int = 0
 
     @property
     def pages_per_row(self) -> int:
@@ -86,8 +92,22 @@ class PoolShape:
 
     @property
     def layer_bytes(self) -> int:
-        """Bytes of one layer's K, V, dK and dV pages (the unit of tier placement and staging)."""
+        """Bytes of one layer's K, V, dK and dV pages (the unit of tier placement)."""
         return (self.kv_bytes + self.grad_bytes) // self.num_layers
+
+    @property
+    def block_pages(self) -> int:
+        """Pages per row of one offload block (one chunk)."""
+        return min(math.ceil((self.chunk_size or self.seq_len) / self.page_size), self.pages_per_row)
+
+    @property
+    def num_blocks(self) -> int:
+        return math.ceil(self.pages_per_row / self.block_pages)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one staging buffer: one block's K, V, dK and dV pages, all rows."""
+        return self.layer_bytes // self.pages_per_row * self.block_pages
 
 
 @dataclass
@@ -95,7 +115,9 @@ class PagedKV:
     """What the attention op reads for one layer: arenas, the page table and how many tokens are valid.
 
     ``k``/``v``: ``[slots, kv_heads, page_size, head_dim]``; ``dk``/``dv``: the same in the gradient dtype;
-    ``page_table``: int32 ``[batch, pages]`` (row ``b``'s page ``j`` lives in slot ``page_table[b, j]``).
+    ``page_table``: int32 ``[batch, pages]`` (row ``b``'s page ``j`` lives in slot ``page_table[b, j]``);
+    ``keys``: the key positions ``[lo, hi)`` this part holds (``None``: all of them) — the table's entries for
+    pages outside are not valid.
     """
 
     k: torch.Tensor
@@ -103,6 +125,7 @@ class PagedKV:
     dk: torch.Tensor
     dv: torch.Tensor
     page_table: torch.Tensor
+    keys: tuple[int, int] | None = None
 
     @property
     def page_size(self) -> int:
@@ -130,23 +153,25 @@ class TierPlan:
     staging_buffers: int
 
 
-def plan_tiers(num_layers: int, layer_bytes: int, budget: int | None, staging_buffers: int) -> TierPlan:
+def plan_tiers(
+    num_layers: int, layer_bytes: int, budget: int | None, staging_buffers: int, block_bytes: int
+) -> TierPlan:
     """Split layers between tiers so the pool's device bytes stay within ``budget`` (``None``: no limit).
 
-    Device bytes = ``(len(hbm_layers) + staging_buffers) * layer_bytes``; the most HBM layers that fit win. Host
-    layers are spread evenly over depth (not the last ones), so each host layer's copies overlap the compute of the
-    HBM layers before it. A budget below ``staging_buffers`` layers puts every layer on the host: the staging
-    buffers are the floor of offload's device memory.
+    Device bytes = ``len(hbm_layers) * layer_bytes`` plus, once a layer is on the host, ``staging_buffers *
+    block_bytes``; the most HBM layers that fit win. Host layers are spread evenly over depth (not the last ones),
+    so each host layer's copies overlap the compute of the HBM layers before it. A budget below the staging
+    buffers puts every layer on the host: they are the floor of offload's device memory.
     """
     everything = tuple(range(num_layers))
     if budget is None or num_layers * layer_bytes <= budget:
         return TierPlan(everything, (), 0)
     hbm = num_layers - 1
-    while hbm > 0 and (hbm + min(staging_buffers, num_layers - hbm)) * layer_bytes > budget:
+    while hbm > 0 and hbm * layer_bytes + staging_buffers * block_bytes > budget:
         hbm -= 1
     n_host = num_layers - hbm
     host = tuple(i for i in everything if (i + 1) * n_host // num_layers > i * n_host // num_layers)
-    return TierPlan(tuple(i for i in everything if i not in host), host, min(staging_buffers, n_host))
+    return TierPlan(tuple(i for i in everything if i not in host), host, staging_buffers)
 
 
 def host_memory_available() -> int | None:
@@ -230,10 +255,15 @@ def _unregister(ptr: int) -> None:
     _check_cuda(torch.cuda.cudart().cudaHostUnregister(ptr), "cudaHostUnregister")
 
 
-def _page_tables(shape: PoolShape, count: int, device: torch.device) -> torch.Tensor:
-    """int32 ``[count, batch, pages_per_row]``: layer ``i`` of a tier -> its slots (page-major, see above)."""
-    grid = torch.arange(shape.pages_per_row)[None] * shape.batch + torch.arange(shape.batch)[:, None]
-    base = torch.arange(count)[:, None, None] * shape.layer_slots
+def _page_tables(shape: PoolShape, count: int, device: torch.device, block_pages: int | None = None):
+    """int32 ``[count, batch, pages_per_row]`` (page-major, see above): layer ``i`` of a tier -> its slots, or
+    with ``block_pages`` staging buffer ``i`` -> its slots for whichever block it holds."""
+    pages = torch.arange(shape.pages_per_row)
+    per = shape.layer_slots
+    if block_pages is not None:
+        pages, per = pages % block_pages, block_pages * shape.batch
+    grid = pages[None] * shape.batch + torch.arange(shape.batch)[:, None]
+    base = torch.arange(count)[:, None, None] * per
     return (base + grid).to(device=device, dtype=torch.int32)
 
 
@@ -246,13 +276,20 @@ class KVPool:
         hbm_budget: device bytes for pages (int) or ``"auto"``: on CUDA the free device memory (cached blocks
             and the pool's own arenas included) minus ``AUTO_HEADROOM`` of the device; elsewhere no limit (the
             device is host memory already).
-        staging_buffers: device buffers of one layer each through which host layers stream.
+        staging_buffers: device buffers of one block (one chunk's pages of one layer) each, through which host
+            layers stream; at least 2.
+        layer_checkpointing: the backward sweep recomputes each layer right before its backward (prefetch order).
     """
 
     def __init__(
-        self, offload: bool = False, hbm_budget: int | str = "auto", staging_buffers: int = 2
+        self,
+        offload: bool = False,
+        hbm_budget: int | str = "auto",
+        staging_buffers: int = 4,
+        layer_checkpointing: bool = False,
     ) -> None:
         self.offload, self.hbm_budget, self.staging_buffers = offload, hbm_budget, staging_buffers
+        self.layer_checkpointing = layer_checkpointing
         self.shape: PoolShape | None = None
         self.plan: TierPlan | None = None
         self._hbm: Arena | None = None
@@ -270,25 +307,37 @@ class KVPool:
         would not fit in the available host memory."""
         self._synchronize()  # copies in flight may still use arenas that get replaced below
         plan = plan_tiers(
-            shape.num_layers, shape.layer_bytes, self._budget(shape, device), self.staging_buffers
+            shape.num_layers,
+            shape.layer_bytes,
+            self._budget(device),
+            self.staging_buffers,
+            shape.block_bytes,
         )
-        per_layer = shape.layer_slots
         host_device = torch.device("cpu")
-        host_slots = len(plan.host_layers) * per_layer
+        host_slots = len(plan.host_layers) * shape.layer_slots
         if host_slots and not (self._host and self._host.fits(host_slots, shape, host_device)):
             self._check_host_memory(shape, plan)
-        self._hbm = self._grow(self._hbm, len(plan.hbm_layers) * per_layer, shape, device)
-        self._staging = self._grow(self._staging, plan.staging_buffers * per_layer, shape, device)
+        self._hbm = self._grow(self._hbm, len(plan.hbm_layers) * shape.layer_slots, shape, device)
+        staging_slots = plan.staging_buffers * shape.block_pages * shape.batch
+        self._staging = self._grow(self._staging, staging_slots, shape, device)
         self._host = self._grow(self._host, host_slots, shape, host_device, host=True)
         self._rank = {layer: i for i, layer in enumerate(plan.hbm_layers)}
         self._tables = _page_tables(shape, len(plan.hbm_layers), device)
         self._offload = None
         if plan.host_layers:
-            tables = _page_tables(shape, plan.staging_buffers, device)
-            self._offload = Offloader(shape, plan.host_layers, self._host, self._staging, tables, self._sweep)
+            tables = _page_tables(shape, plan.staging_buffers, device, shape.block_pages)
+            self._offload = Offloader(
+                shape,
+                plan.host_layers,
+                self._host,
+                self._staging,
+                tables,
+                self._sweep,
+                self.layer_checkpointing,
+            )
         self.shape, self.plan = shape, plan
 
-    def _budget(self, shape: PoolShape, device: torch.device) -> int | None:
+    def _budget(self, device: torch.device) -> int | None:
         if not self.offload:
             return None
         if self.hbm_budget != "auto":
@@ -362,6 +411,11 @@ class KVPool:
         """Bytes held by all arenas, including slack from earlier, longer steps."""
         return self.device_bytes + self.host_bytes
 
+    def streams(self, layer: int) -> bool:
+        """``layer`` lives in the host tier: it is streamed in blocks, and in the backward sweep
+        :meth:`write` needs the chunk's K/V again."""
+        return self._offload is not None and layer not in self._rank
+
     # ------------------------------------------------------------------------------------------------ sweeps
     def begin_sweep(self, kind: str) -> None:
         """Start a ``"forward"``/``"eval"`` sweep (a new step: every page is rewritten, gradients zero) or the
@@ -407,15 +461,9 @@ class KVPool:
     def _num_pages(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.shape.page_size)
 
-    def _locate(self, layer: int, pages: int, grads: bool = False, writes: bool = False):
-        """``(arena, page table [batch, pages_per_row])`` where ``layer``'s first ``pages`` pages can be used now
-        (staged first if the layer lives on the host). Every access passes here: the order drives prefetch."""
-        staged = None
-        if self._offload is not None:
-            staged = self._offload.access(layer, pages, grads=grads, writes=writes)
-        if staged is not None:
-            return self._staging, staged
-        return self._hbm, self._tables[self._rank[layer]]
+    def _block(self, token: int) -> int:
+        """The offload block holding ``token``."""
+        return token // (self.shape.block_pages * self.shape.page_size)
 
     def _token_view(self, arena: torch.Tensor, slots: torch.Tensor, length: int) -> torch.Tensor:
         """Gather pages ``slots [B, n]`` into ``[B, kv_heads, length, head_dim]`` (a copy)."""
@@ -426,12 +474,25 @@ class KVPool:
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store a chunk's post-RoPE ``k, v [B, kv_heads, L, head_dim]`` at token ``start`` (page aligned); the
-        layer's content becomes tokens ``[0, start + L)`` with zero gradients for the new pages."""
+        layer's content becomes tokens ``[0, start + L)`` with zero gradients for the new pages. In the backward
+        sweep ``k, v`` are the recompute's identical copy: only a host layer needs them (on the device again)."""
         page = self.shape.page_size
         assert start % page == 0, "chunks start on page boundaries"
-        length = k.shape[2]
+        backward = self._sweep == "backward"
+        if not self.streams(layer):
+            if not backward:
+                self._store(self._hbm, self._tables[self._rank[layer]], start, k, v, zero_grads=True)
+            return
+        block = self._block(start)
+        if backward and self._offload.holds_kv(layer, block):
+            return
+        table = self._offload.begin_write(layer, block)
+        self._store(self._staging, table, start, k, v, zero_grads=False)  # host gradients start at zero
+        self._offload.end_write(layer, block, persist=not backward)
+
+    def _store(self, arena: Arena, table: torch.Tensor, start: int, k, v, zero_grads: bool) -> None:
+        page, length = self.shape.page_size, k.shape[2]
         first, end = start // page, self._num_pages(start + length)
-        arena, table = self._locate(layer, first, writes=True)
         slots = table[:, first:end].flatten().long()
         b, h, _, d = k.shape
         padded = (end - first) * page
@@ -441,35 +502,55 @@ class KVPool:
             dst.index_copy_(
                 0, slots, x.reshape(b, h, -1, page, d).transpose(1, 2).reshape(-1, h, page, d).to(dst.dtype)
             )
-        if arena is self._staging:
-            self._offload.written(
-                layer, first, end
-            )  # sends the new pages to the host; gradients start at zero
-        else:
+        if zero_grads:
             arena.dk.index_fill_(0, slots, 0)
             arena.dv.index_fill_(0, slots, 0)
 
-    def view(self, layer: int, num_tokens: int, grads: bool = False) -> PagedKV:
-        """The pages of ``layer`` holding tokens ``[0, num_tokens)``, for the attention op. ``grads=True``: the
-        caller adds into ``dk``/``dv`` of these pages (their accumulated content is staged, and written back)."""
+    def parts(
+        self, layer: int, num_tokens: int, grads: bool = False, first_key: int = 0
+    ) -> Iterator[PagedKV]:
+        """The pages of ``layer`` holding tokens ``[0, num_tokens)`` (the chunk ending there and everything
+        before), for the attention op: one :class:`PagedKV` for an HBM layer, one per block for a host layer
+        (the chunk's own block first; blocks wholly before ``first_key`` — outside a sliding window — are
+        skipped). ``grads=True``: the caller adds into each part's ``dk``/``dv`` before it takes the next part."""
         pages = self._num_pages(num_tokens)
-        arena, table = self._locate(layer, pages, grads=grads, writes=grads)
-        return PagedKV(arena.k, arena.v, arena.dk, arena.dv, table[:, :pages])
+        chunk = self._block(num_tokens - 1)
+        if not self.streams(layer):
+            if self._offload is not None:
+                self._offload.visit(layer, chunk, grads)
+            arena, table = self._hbm, self._tables[self._rank[layer]]
+            yield PagedKV(arena.k, arena.v, arena.dk, arena.dv, table[:, :pages], (0, num_tokens))
+            return
+        arena, block_tokens = self._staging, self.shape.block_pages * self.shape.page_size
+        for block, table in self._offload.stream(layer, chunk, grads, self._block(first_key)):
+            lo = block * block_tokens
+            keys = (lo, min(lo + block_tokens, num_tokens))
+            yield PagedKV(arena.k, arena.v, arena.dk, arena.dv, table[:, :pages], keys)
 
     def read_grad(self, layer: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Accumulated ``dk, dv [B, kv_heads, length, head_dim]`` of tokens ``[start, start + length)``. In the
-        backward sweep this hands the chunk's gradient pages over: afterwards their content is undefined."""
+        """Accumulated ``dk, dv [B, kv_heads, length, head_dim]`` of tokens ``[start, start + length)`` (one
+        chunk). In the backward sweep this hands the chunk's gradient pages over: afterwards their content is
+        undefined."""
         first, end = start // self.shape.page_size, self._num_pages(start + length)
-        arena, table = self._locate(layer, end, grads=True)
+        if self.streams(layer):
+            arena, table = self._staging, self._offload.grad_table(layer, self._block(start))
+        else:
+            arena, table = self._hbm, self._tables[self._rank[layer]]
         slots = table[:, first:end]
         grads = self._token_view(arena.dk, slots, length), self._token_view(arena.dv, slots, length)
-        if self._offload is not None and self._sweep == "backward":
-            self._offload.consumed(layer, first)
+        if self.streams(layer) and self._sweep == "backward":
+            self._offload.consumed(layer, self._block(start))
         return grads
 
     def read_kv(self, layer: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stored ``k, v`` of tokens ``[start, start + length)`` (tests and debugging)."""
+        """Stored ``k, v`` of tokens ``[start, start + length)`` (tests and debugging; waits for the copies)."""
         first, end = start // self.shape.page_size, self._num_pages(start + length)
-        arena, table = self._locate(layer, end)
+        if self.streams(layer):
+            self._synchronize()
+            arena = self._host
+            table = _page_tables(self.shape, len(self.plan.host_layers), arena.device)
+            table = table[self.plan.host_layers.index(layer)]
+        else:
+            arena, table = self._hbm, self._tables[self._rank[layer]]
         slots = table[:, first:end]
         return self._token_view(arena.k, slots, length), self._token_view(arena.v, slots, length)

@@ -1,27 +1,21 @@
-"""Streaming host-tier layers through device staging buffers: streams, events, prefetch and write-back.
+"""Streaming host-tier layers through fixed-size device staging buffers: streams, events, prefetch, write-back.
 
-The pool (:mod:`lightning_oomb.engine.kv_pool`) places whole layers in the HBM tier or the host tier. A host
-layer is used through one of ``staging_buffers`` device **staging buffers**, each with room for every page of one
-layer (K, V, dK, dV). The attention op never sees the host: it gets the staging arena and the layer's page table
-remapped into its buffer.
+The pool (:mod:`lightning_oomb.engine.kv_pool`) places whole layers in the HBM tier or the host tier. A host layer
+is cut into **blocks** of one chunk each (block ``j`` = the pages of chunk ``j``, tokens ``[j * C, (j + 1) * C)``)
+and used through ``staging_buffers`` device **staging buffers** that each hold one block (K, V, dK, dV). The
+attention op attends block by block and merges the parts by log-sum-exp, so the device memory of offload is
+``staging_buffers * block_bytes``, fixed by the chunk size, whatever the sequence length: the Qwen2.5-7B shape
+(4 KV heads, head dim 128, bf16 K/V, fp32 gradients) at C = 4096 needs 24 MiB per buffer. The rest on the device
+is per-page metadata (page tables).
 
-**Why one whole layer per buffer.** The kernels take one page table per call and attend from key 0; a view that
-does not fit would need key-range kernels and an LSE merge. A layer-sized buffer keeps the op unchanged and also
-holds the chunk's own gradient pages, so the backward kernel adds into every page of its view in place and
-``read_grad`` reads the chunk's gradients from the buffer. Memory math (``B`` rows, ``N`` tokens, ``Hkv`` KV heads,
-head dim ``D``, itemsizes ``s_kv``/``s_grad``): ``layer_bytes = 2 * B * N * Hkv * D * (s_kv + s_grad)``. Qwen2.5-7B
-(``Hkv=4, D=128``, bf16 K/V, fp32 gradients) needs 6 KiB per token per layer (168 KiB over its 28 layers): a
-buffer is 1.5 GiB at 256K tokens and 6 GiB at 1M (4 GiB with bf16 gradient pages). The pool's device bytes are
-``(hbm_layers + staging_buffers) * layer_bytes``, so with everything on the host they still grow by
-``staging_buffers * 61 MB`` per 10K tokens; below that needs key-block streaming (kernels with a key range).
-
-**Traffic per host layer and chunk** (prefix = pages of the chunks before it): forward sweep — K/V of the prefix
-in, the chunk's new K/V pages out (right after the write; nothing else is ever written back in this sweep).
-Backward sweep — K/V of the prefix and the chunk in for the recompute and again for the backward unless the layer
-is still staged; gradient pages in (zero-filled on the device instead while the host holds no gradients yet: the
-first chunk of the sweep copies none, and no host memset is needed per step); gradient pages of the prefix out
-once, at ``read_grad``. K/V pages are never dirty in the backward sweep, so they are never written back, and the
-chunk's own gradient pages are handed to autograd, not written back.
+**A layer's stream** (one attention call, chunk ``s``): the chunk's own block ``s`` first — its K/V are written
+by the compute stream (:meth:`Offloader.begin_write`), never copied in — then the prefix blocks ``0 .. s-1``
+from the host. Forward and eval sweeps: each chunk's new K/V go to the host right after they are written (the
+only write-back of K/V ever: they never change afterwards). Backward sweep: the recompute and the backward
+restage the chunk's K/V from the op's saved tensors (no host traffic); a prefix block comes in with its gradient
+pages, the kernel adds into them and they go back to the host at once (dirty tracking: a block's gradient pages
+are written back only after adds, its K/V never). The chunk's own gradient pages come in (accumulated by later
+chunks) or are zero-filled on the device while the host holds none, and are handed to autograd, not written back.
 
 **Ordering** (CUDA; on CPU the same steps run synchronously and events are ``None``). Compute runs on the current
 stream; copies run on two side streams, ``h2d`` and ``d2h``, so both directions move at once. Events:
@@ -30,27 +24,27 @@ stream; copies run on two side streams, ``h2d`` and ``d2h``, so both directions 
 - ``buffer.flushed`` (d2h): copies out of a buffer are done — compute waits before writing into it (K/V write,
   gradient adds), and a refill waits before overwriting it.
 - a compute event recorded when a buffer is refilled — h2d waits on it, so the kernels that used the old content
-  (all enqueued before the refill is decided) are done; likewise one recorded right before a write-back — d2h
-  waits on it, so pages are sent only after the writes or adds into them completed.
-- per host layer, the last copy into (``host_written``) and out of (``host_read``) its host pages — a copy in
-  waits for pending write-backs of the same layer, a write-back waits for pending reads of its pages.
+  (all enqueued before the refill is decided: the block in use is never a refill target) are done; likewise one
+  recorded right before a write-back — d2h waits on it, so pages leave only after the writes or adds into them.
+- per host block, the last copy into (``host_written``) and out of (``host_read``) its host pages — a copy in
+  waits for a pending write-back of the same block, a write-back for pending reads of its pages.
 Only persistent arenas cross streams; the staging arena is ``record_stream``-ed on both side streams, so the
 caching allocator cannot hand it out while a copy is in flight even if the pool is dropped without ``release()``.
 
-**Prefetch.** At every pool access (HBM layers included) the next ``staging_buffers - 1`` host layers in sweep
-order are staged into free buffers (least recently used first; the current and upcoming layers are protected).
-Forward sweep: layers ascending, cyclic (after the last layer comes the next chunk's first). Backward sweep: the
-recompute climbs the layers and the backward descends them, so the order of distinct layers is a walk that bounces
-at both ends; with per-layer checkpointing a layer's forward is recomputed right before its backward (the same
-layer twice), which leaves the walk unchanged. The direction is read from the accesses (a gradient access or a
-lower layer means descending). Layers reached while descending, and the top layer (its backward follows its
-recompute at once), are staged with their gradient pages. Correctness never depends on a prediction: a miss
-stages on demand, a wrong guess costs bandwidth.
+**Prefetch.** At every pool access (HBM layers included) the offloader walks the predicted block accesses — the
+rest of the current stream, then the next layers' streams — and stages them into buffers that nothing upcoming
+needs, until none is free. Sweep order: forward and eval sweeps climb the layers, chunk after chunk; the backward
+sweep recomputes climbing and back-propagates descending, and with ``layer_checkpointing`` each layer's forward is
+recomputed right before its backward (so the same layer is streamed twice). Correctness never depends on a
+prediction: a miss stages on demand, a wrong guess costs bandwidth. Two buffers work (the chunk's block and one
+prefix block, copied on demand); three overlap copies in with compute; four (the default) also overlap
+write-backs.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -75,21 +69,40 @@ class Transfer(NamedTuple):
     cause: str  # "prefetch" | "demand" | "writeback"
 
 
+class _Visit(NamedTuple):
+    """One stream of a layer: chunk ``chunk`` attends to blocks ``0 .. chunk``; ``grads``: the backward's."""
+
+    layer: int
+    chunk: int
+    grads: bool
+    descending: bool = False  # backward sweep: the descending half (the layers' backward)
+
+
+class _Need(NamedTuple):
+    """A predicted block use: stage its K/V (``kv``) and/or gradient pages (``grads``); neither = hold a buffer
+    for the chunk's own block, which the compute stream writes."""
+
+    layer: int
+    block: int
+    kv: bool
+    grads: bool
+
+
 @dataclass
 class _Buffer:
-    """One staging buffer: room for every page of one layer, at slots ``[index * layer_slots, ...)``."""
+    """One staging buffer: room for one block (all rows) at slots ``[index * block_slots, ...)``."""
 
     index: int
-    layer: int | None = None
-    kv_pages: int = 0  # leading K/V pages (per row) valid here
-    grad_pages: int = -1  # leading gradient pages valid here; -1: gradients not staged
-    dirty: bool = False  # gradient adds may have landed since the last write-back
+    block: tuple[int, int] | None = None  # (layer, block) held here
+    kv: bool = False  # the block's K/V pages are valid here
+    grads: bool = False  # its gradient pages are valid here (staged or zero-filled)
+    dirty: bool = False  # gradient adds landed since the last write-back
     last_use: int = 0
     ready: torch.cuda.Event | None = None
     flushed: torch.cuda.Event | None = None
 
     def clear(self) -> None:
-        self.layer, self.kv_pages, self.grad_pages, self.dirty = None, 0, -1, False
+        self.block, self.kv, self.grads, self.dirty = None, False, False, False
 
 
 class _Streams:
@@ -132,14 +145,16 @@ class _Streams:
 
 
 class Offloader:
-    """Stages host-tier layers into device buffers for the pool (see the module docstring).
+    """Stages blocks of host-tier layers into device buffers for the pool (see the module docstring).
 
     Args:
-        shape: the step's pool shape.
+        shape: the step's pool shape (``shape.block_pages`` pages per block).
         host_layers: layers in the host tier; layer ``host_layers[i]`` owns host slots ``[i * layer_slots, ...)``.
-        host: the host-tier arena; staging: the device arena of ``len(tables)`` layer-sized buffers.
-        tables: int32 ``[buffers, batch, pages_per_row]``, each buffer's page table into ``staging``.
+        host: the host-tier arena; staging: the device arena of ``len(tables)`` block-sized buffers.
+        tables: int32 ``[buffers, batch, pages_per_row]``: buffer ``i``'s page table into ``staging``, valid for
+            any block it holds (page ``p`` of row ``b`` -> slot ``(i * block_pages + p % block_pages) * batch + b``).
         sweep: the sweep in progress (the pool is reserved during a forward or eval sweep).
+        layer_checkpointing: the backward sweep recomputes each layer right before its backward (prefetch order).
     """
 
     def __init__(
@@ -150,16 +165,15 @@ class Offloader:
         staging: Arena,
         tables: torch.Tensor,
         sweep: str = "forward",
+        layer_checkpointing: bool = False,
     ):
-        self.shape = shape
+        self.shape, self.layer_checkpointing = shape, layer_checkpointing
         self._rank = {layer: i for i, layer in enumerate(host_layers)}
         self._host, self._staging, self._tables = host, staging, tables
         self._buffers = [_Buffer(i) for i in range(len(tables))]
-        self._depth = len(tables) - 1
         self._streams = _Streams(staging.device, staging.k)  # one allocation: k covers all four views
-        layers = shape.num_layers
-        self._host_read: list = [None] * layers
-        self._host_written: list = [None] * layers
+        self._host_read: dict[tuple[int, int], object] = {}
+        self._host_written: dict[tuple[int, int], object] = {}
         self._page_bytes = {
             "kv": 2 * shape.batch * shape.page_numel * shape.dtype.itemsize,
             "grad": 2 * shape.batch * shape.page_numel * shape.grad_dtype.itemsize,
@@ -169,22 +183,20 @@ class Offloader:
 
     # ------------------------------------------------------------------------------------------------ sweeps
     def begin_sweep(self, kind: str) -> None:
-        """``"forward"``/``"eval"``: a new step (nothing staged is valid, gradients are zero, stats restart);
-        ``"backward"``: K/V stay staged, gradients restart at zero; the first host layers are prefetched."""
-        self._sweep, self._cursor, self._down, self._tick = kind, -1, False, 0
-        self._grad_valid = [0] * self.shape.num_layers  # leading gradient pages whose host copy is current
+        """``"forward"``/``"eval"``: a new step (nothing staged is valid, stats restart); ``"backward"``: K/V
+        stay staged, gradients restart at zero (no gradient page is on the host)."""
+        self._sweep, self._at, self._rest, self._tick, self._fresh = kind, None, [], 0, None
+        self._span = self.shape.num_blocks  # prefix blocks a stream reads (fewer under a sliding window)
+        self._grads_on_host: set[tuple[int, int]] = set()
         if kind == "backward":
-            self._live = list(self._kv_valid)  # pages the rest of the sweep reads; shrinks chunk by chunk
             for buf in self._buffers:
-                buf.grad_pages, buf.dirty = -1, False
+                buf.grads = buf.dirty = False
         else:
             self._new_step()
-        self._prefetch()
 
     def _new_step(self) -> None:
-        self._kv_valid = [0] * self.shape.num_layers  # leading K/V pages written in this step
-        self._live = self._kv_valid  # the forward sweep reads everything written so far
-        self._holder: dict[int, _Buffer] = {}
+        self._written = [0] * self.shape.num_layers  # leading blocks of each layer whose K/V are on the host
+        self._holder: dict[tuple[int, int], _Buffer] = {}
         for buf in self._buffers:
             buf.clear()  # contents are stale; events stay (copies may still be in flight)
         self.trace: list[Transfer] = []
@@ -199,7 +211,7 @@ class Offloader:
         self._waits.clear()
         if self._sweep == "backward":
             for buf in self._buffers:  # every gradient page has been handed to autograd
-                buf.dirty = False
+                buf.grads = buf.dirty = False
 
     def stats(self) -> dict:
         """This step's traffic so far (see :meth:`lightning_oomb.engine.kv_pool.KVPool.stats`)."""
@@ -216,119 +228,166 @@ class Offloader:
         self._streams.synchronize()
 
     # ------------------------------------------------------------------------------------------------ access
-    def access(
-        self, layer: int, pages: int, grads: bool = False, writes: bool = False
-    ) -> torch.Tensor | None:
-        """Note a use of ``layer``'s first ``pages`` pages and prefetch what comes next. For a host layer, stage
-        what is missing (its gradient pages too if ``grads``), order the compute stream after the copies (and after
-        write-backs if the caller ``writes``) and return the buffer's page table ``[batch, pages_per_row]``;
-        ``None`` for an HBM layer."""
+    def visit(self, layer: int, chunk: int, grads: bool = False) -> None:
+        """Note the start of ``layer``'s stream for chunk ``chunk`` (HBM layers too: it drives prefetch)."""
         self._tick += 1
-        if self._sweep == "backward":
-            if grads or layer < self._cursor:
-                self._down = True
-            elif layer > self._cursor:
-                self._down = False
-        self._cursor = layer
-        table = None
-        if layer in self._rank:
-            buf = self._stage(layer, pages, pages if grads else None, "demand", {layer})
-            self._use(buf, writes)
-            buf.dirty |= grads and writes
-            table = self._tables[buf.index]
-        self._prefetch()
-        return table
-
-    def written(self, layer: int, first: int, end: int) -> None:
-        """The compute stream wrote K/V pages ``[first, end)`` of ``layer`` into its buffer: the layer now ends
-        there, its gradients there are zero, and the new pages go to the host at once."""
-        buf = self._holder[layer]
-        buf.kv_pages = end
-        buf.grad_pages = min(buf.grad_pages, first)
-        self._kv_valid[layer] = end
-        self._grad_valid[layer] = min(self._grad_valid[layer], first)
-        self._flush(buf, "kv", first, end)
-
-    def consumed(self, layer: int, keep: int) -> None:
-        """Backward sweep: the chunk starting at page ``keep`` took its gradients of ``layer``; pages from
-        ``keep`` on are free. The prefix's gradient pages are written back now (their adds are enqueued)."""
+        previous, descending = self._at, grads
+        if self._sweep == "backward" and previous is not None and not grads:
+            # after a layer's backward comes the layer below (recomputed first with checkpointing) or, at the
+            # bottom, the next chunk's climb; the same layer twice is a checkpointed recompute
+            descending = layer == previous.layer - 1 if previous.grads else layer == previous.layer
+        self._at = _Visit(layer, chunk, grads, descending)
+        self._rest = []
         if layer not in self._rank:
-            return
-        self._live[layer] = keep
-        buf = self._holder.get(layer)
-        if buf is not None and buf.dirty:
-            self._write_back(buf, min(keep, buf.grad_pages))
+            self._prefetch()
+
+    def begin_write(self, layer: int, block: int) -> torch.Tensor:
+        """Hold a buffer for ``layer``'s block ``block`` that the compute stream is about to write K/V into;
+        returns its page table ``[batch, pages_per_row]`` (the compute stream waits for the buffer's copies)."""
+        self._fresh = (layer, block)  # protected until its stream has started
+        buf = self._stage(_Need(layer, block, False, False), "demand", self._protected())
+        self._use(buf, writes=True)
+        return self._tables[buf.index]
+
+    def end_write(self, layer: int, block: int, persist: bool) -> None:
+        """The compute stream wrote the block's K/V. ``persist``: they are new (forward and eval sweeps): send
+        them to the host now; otherwise they are the recompute's identical copy of what the host holds."""
+        buf = self._holder[(layer, block)]
+        buf.kv = True
+        if persist:
+            self._written[layer] = block + 1
+            self._grads_on_host.discard((layer, block))
+            self._flush(buf, "kv")
+        self._prefetch()
+
+    def holds_kv(self, layer: int, block: int) -> bool:
+        buf = self._holder.get((layer, block))
+        return buf is not None and buf.kv
+
+    def stream(
+        self, layer: int, chunk: int, grads: bool = False, first: int = 0
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """Yield ``(block, page table)`` for the blocks chunk ``chunk`` of ``layer`` attends to: its own block
+        (already written or restaged) first, then the prefix ``first .. chunk-1`` (blocks before ``first`` are
+        outside a sliding window), each staged (with its gradient pages if ``grads``) and ordered before the
+        compute stream's next use. With ``grads`` the caller adds into the gradient pages before asking for the
+        next block; a prefix block's are then written back."""
+        self.visit(layer, chunk, grads)
+        self._fresh, self._span = None, chunk - first
+        # the chunk's own K/V are on the device already; the prefix comes from the host
+        prefix = [_Need(layer, j, True, grads) for j in range(first, chunk)]
+        self._rest = [_Need(layer, chunk, False, grads), *prefix]
+        while self._rest:
+            need = self._rest.pop(0)
+            self._tick += 1
+            buf = self._stage(need, "demand", self._protected(need))
+            assert buf.kv, "the chunk's own block is written before it is streamed"
+            self._use(buf, writes=grads)
+            buf.dirty |= grads
+            self._prefetch(current=need)
+            yield need.block, self._tables[buf.index]
+            if grads and need.block != chunk:
+                self._write_back(buf)
+
+    def grad_table(self, layer: int, block: int) -> torch.Tensor:
+        """The page table of the buffer holding ``layer``'s block with its accumulated gradient pages (after
+        the backward's stream); stages them again if they were evicted."""
+        buf = self._stage(_Need(layer, block, False, True), "demand", self._protected())
+        self._use(buf, writes=False)
+        return self._tables[buf.index]
+
+    def consumed(self, layer: int, block: int) -> None:
+        """Backward sweep: the chunk took its gradients of ``layer``; its block's gradient pages are free."""
+        buf = self._holder.get((layer, block))
+        if buf is not None:
+            buf.grads = buf.dirty = False
+        self._prefetch()
 
     # ------------------------------------------------------------------------------------------------ schedule
-    def _upcoming(self) -> list[tuple[int, bool]]:
-        """The next ``depth`` host layers after the cursor in sweep order, with whether to stage gradients."""
-        layers, out, seen = self.shape.num_layers, [], {self._cursor}
-        layer, down = self._cursor, self._down
-        for _ in range(2 * layers):
-            if len(out) >= self._depth:
-                break
-            if self._sweep != "backward":
-                layer, grads = (layer + 1) % layers, False
-            else:
-                if layers == 1:
-                    break
-                if down and layer <= 0:
-                    down = False
-                elif not down and layer >= layers - 1:
-                    down = True
-                layer += -1 if down else 1
-                grads = down or layer == layers - 1
-            if layer not in seen and layer in self._rank:
-                seen.add(layer)
-                out.append((layer, grads))
-        return out
+    def _next(self, v: _Visit) -> _Visit | None:
+        """The stream predicted after ``v`` (see the module docstring)."""
+        last = self.shape.num_layers - 1
+        if self._sweep != "backward":
+            return _Visit(v.layer + 1, v.chunk, False) if v.layer < last else _Visit(0, v.chunk + 1, False)
+        if v.grads:  # a layer's backward: the layer below, recomputed first with checkpointing
+            if v.layer == 0:
+                return _Visit(0, v.chunk - 1, False) if v.chunk > 0 else None
+            return _Visit(v.layer - 1, v.chunk, not self.layer_checkpointing, True)
+        if v.descending:  # checkpointing: a layer's recompute right before its backward
+            return _Visit(v.layer, v.chunk, True, True)
+        if v.layer < last:
+            return _Visit(v.layer + 1, v.chunk, False)
+        return _Visit(last, v.chunk, not self.layer_checkpointing, True)
 
-    def _prefetch(self) -> None:
-        protect = {self._cursor}
-        for layer, grads in self._upcoming():
-            protect.add(layer)
-            pages = self._live[layer]
-            if pages and self._stage(layer, pages, pages if grads else None, "prefetch", protect) is None:
+    def _upcoming(self) -> Iterator[_Need]:
+        """Predicted block uses after now, nearest first: the rest of this stream, then the next streams'."""
+        yield from self._rest
+        visit = self._at
+        for _ in range(2 * self.shape.num_layers):
+            visit = self._next(visit) if visit is not None else None
+            if visit is None or visit.chunk >= self.shape.num_blocks:
+                return
+            if visit.layer in self._rank:
+                yield _Need(visit.layer, visit.chunk, False, visit.grads)
+                first = max(0, visit.chunk - self._span)  # a sliding window spans as many blocks as last time
+                for j in range(first, min(visit.chunk, self._written[visit.layer])):
+                    yield _Need(visit.layer, j, True, visit.grads)
+
+    def _protected(self, current: _Need | None = None) -> set:
+        """Blocks no staging may evict now: the block in use, the chunk's own block of the current stream (its
+        gradient pages wait for ``read_grad``) and a block just written for the stream about to start."""
+        keep = {self._fresh} if self._fresh is not None else set()
+        if current is not None:
+            keep.add((current.layer, current.block))
+        if self._at is not None:
+            keep.add((self._at.layer, self._at.chunk))
+        return keep
+
+    def _prefetch(self, current: _Need | None = None) -> None:
+        protect = self._protected(current)
+        for need in self._upcoming():  # a protected block is never evicted, but may still be filled
+            if self._stage(need, "prefetch", protect) is None:
+                break
+            protect.add((need.layer, need.block))
+            if len(protect) >= len(self._buffers):
                 break
 
-    def _stage(
-        self, layer: int, kv_pages: int, grad_pages: int | None, cause: str, protect
-    ) -> _Buffer | None:
-        """The buffer holding ``layer`` with at least ``kv_pages`` K/V pages (and ``grad_pages`` gradient pages);
-        evicts the least recently used unprotected buffer if the layer is not staged; ``None`` if none is free."""
-        buf = self._holder.get(layer)
+    def _stage(self, need: _Need, cause: str, protect) -> _Buffer | None:
+        """The buffer holding ``need``'s block with what it needs staged; evicts the least recently used
+        unprotected buffer if the block is not held; ``None`` if none is free."""
+        key = (need.layer, need.block)
+        buf = self._holder.get(key)
         if buf is None:
-            free = [b for b in self._buffers if b.layer not in protect]
+            free = [b for b in self._buffers if b.block not in protect]
             if not free:
                 return None
-            buf = min(free, key=lambda b: (b.layer is not None, b.last_use))
+            buf = min(free, key=lambda b: (b.block is not None, b.last_use))
             self._evict(buf)
-            buf.layer = layer
-            self._holder[layer] = buf
+            buf.block = key
+            self._holder[key] = buf
         buf.last_use = self._tick
-        self._fill(buf, kv_pages, grad_pages, cause)
+        self._fill(buf, need, cause)
         return buf
 
-    def _fill(self, buf: _Buffer, kv_pages: int, grad_pages: int | None, cause: str) -> None:
-        layer, s = buf.layer, self._streams
-        need_kv = kv_pages > buf.kv_pages
-        need_grad = grad_pages is not None and grad_pages > buf.grad_pages
-        if not (need_kv or need_grad):
+    def _fill(self, buf: _Buffer, need: _Need, cause: str) -> None:
+        need_kv = need.kv and not buf.kv
+        need_grads = need.grads and not buf.grads
+        if not (need_kv or need_grads):
             return
+        s, key = self._streams, buf.block
         released = s.record(s.compute())
         with s.on(s.h2d):
-            s.wait(s.h2d, released, buf.flushed, self._host_written[layer])
+            s.wait(s.h2d, released, buf.flushed, self._host_written.get(key))
             if need_kv:
-                self._move("h2d", buf, "kv", buf.kv_pages, kv_pages, cause)
-                buf.kv_pages = kv_pages
-            if need_grad:
-                start, valid = max(buf.grad_pages, 0), self._grad_valid[layer]
-                if min(grad_pages, valid) > start:
-                    self._move("h2d", buf, "grad", start, min(grad_pages, valid), cause)
-                if grad_pages > max(start, valid):  # never written back: still zero
-                    self._zero_grads(buf, max(start, valid), grad_pages)
-                buf.grad_pages = grad_pages
-            buf.ready = self._host_read[layer] = s.record(s.h2d)
+                self._move("h2d", buf, "kv", cause)
+                buf.kv = True
+            if need_grads:
+                if key in self._grads_on_host:
+                    self._move("h2d", buf, "grad", cause)
+                else:  # never written back in this sweep: still zero
+                    self._zero_grads(buf)
+                buf.grads = True
+            buf.ready = self._host_read[key] = s.record(s.h2d)
 
     def _use(self, buf: _Buffer, writes: bool) -> None:
         """Make the compute stream wait for the buffer's copies in (and out, before it writes into the buffer)."""
@@ -345,45 +404,56 @@ class Offloader:
             buf.flushed = None
 
     def _evict(self, buf: _Buffer) -> None:
-        if buf.layer is None:
+        if buf.block is None:
             return
         if buf.dirty:
-            self._write_back(buf, min(buf.grad_pages, self._live[buf.layer]))
-        del self._holder[buf.layer]
+            self._write_back(buf)
+        del self._holder[buf.block]
         buf.clear()
 
-    def _write_back(self, buf: _Buffer, end: int) -> None:
-        """Send gradient pages ``[0, end)`` to the host; from now on the host copy of exactly those is current."""
-        if end > 0:
-            self._flush(buf, "grad", 0, end)
-        self._grad_valid[buf.layer] = end
+    def _write_back(self, buf: _Buffer) -> None:
+        """Send the block's gradient pages to the host; from now on the host copy is current."""
+        self._flush(buf, "grad")
+        self._grads_on_host.add(buf.block)
         buf.dirty = False
 
-    def _flush(self, buf: _Buffer, what: str, first: int, end: int) -> None:
-        s, layer = self._streams, buf.layer
+    def _flush(self, buf: _Buffer, what: str) -> None:
+        s, key = self._streams, buf.block
         written = s.record(s.compute())
         with s.on(s.d2h):
-            s.wait(s.d2h, written, self._host_read[layer])
-            self._move("d2h", buf, what, first, end, "writeback")
-            buf.flushed = self._host_written[layer] = s.record(s.d2h)
+            s.wait(s.d2h, written, self._host_read.get(key))
+            self._move("d2h", buf, what, "writeback")
+            buf.flushed = self._host_written[key] = s.record(s.d2h)
 
-    def _slots(self, base: int, first: int, end: int) -> slice:
-        """Slots of pages ``[first, end)`` (all rows) of the layer at slot ``base * layer_slots`` (page-major)."""
-        rows, offset = self.shape.batch, base * self.shape.layer_slots
-        return slice(offset + first * rows, offset + end * rows)
+    def _pages(self, block: int) -> tuple[int, int]:
+        """Pages ``[first, end)`` (per row) of block ``block``."""
+        first = block * self.shape.block_pages
+        return first, min(first + self.shape.block_pages, self.shape.pages_per_row)
 
-    def _zero_grads(self, buf: _Buffer, first: int, end: int) -> None:
-        """Zero gradient pages ``[first, end)`` of ``buf``, on the current stream."""
+    def _slots(self, buffer: int, block: int) -> slice:
+        """Staging slots of ``block``'s pages (all rows) in buffer ``buffer``."""
+        first, end = self._pages(block)
+        offset = buffer * self.shape.block_pages * self.shape.batch
+        return slice(offset, offset + (end - first) * self.shape.batch)
+
+    def _host_slots(self, layer: int, block: int) -> slice:
+        first, end = self._pages(block)
+        offset = self._rank[layer] * self.shape.layer_slots
+        return slice(offset + first * self.shape.batch, offset + end * self.shape.batch)
+
+    def _zero_grads(self, buf: _Buffer) -> None:
+        """Zero the gradient pages of ``buf``'s block, on the current stream."""
         for part in _PARTS["grad"]:
-            getattr(self._staging, part)[self._slots(buf.index, first, end)].zero_()
+            getattr(self._staging, part)[self._slots(buf.index, buf.block[1])].zero_()
 
-    def _move(self, direction: str, buf: _Buffer, what: str, first: int, end: int, cause: str) -> None:
-        """Copy pages ``[first, end)`` of ``buf``'s layer between host and buffer, on the current stream."""
-        staged = self._slots(buf.index, first, end)
-        hosted = self._slots(self._rank[buf.layer], first, end)
+    def _move(self, direction: str, buf: _Buffer, what: str, cause: str) -> None:
+        """Copy the pages of ``buf``'s block between host and buffer, on the current stream."""
+        layer, block = buf.block
+        staged, hosted = self._slots(buf.index, block), self._host_slots(layer, block)
         for part in _PARTS[what]:
             stage, host = getattr(self._staging, part)[staged], getattr(self._host, part)[hosted]
             dst, src = (stage, host) if direction == "h2d" else (host, stage)
             dst.copy_(src, non_blocking=self._streams.cuda)
+        first, end = self._pages(block)
         nbytes = (end - first) * self._page_bytes[what]
-        self.trace.append(Transfer(self._sweep, direction, buf.layer, what, first, end, nbytes, cause))
+        self.trace.append(Transfer(self._sweep, direction, layer, what, first, end, nbytes, cause))

@@ -107,6 +107,21 @@ def test_every_stock_precision_is_wrapped(flag, inner):
     assert isinstance(plugin, OOMBPrecision) and type(plugin.inner) is inner
 
 
+def test_scaler_state_moves_between_oomb_and_stock_checkpoints():
+    """A 16-mixed checkpoint written by strategy="auto" resumes under OOMB with its loss scale, and back."""
+    stock = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
+    checkpoint = {"MixedPrecision": stock.state_dict()}
+    resumed = OOMBPrecision(MixedPrecision("16-mixed", "cpu"))
+    resumed.on_load_checkpoint(checkpoint)
+    assert resumed.scaler.get_scale() == 1024.0
+
+    saved = {}
+    resumed.on_save_checkpoint(saved)
+    back = MixedPrecision("16-mixed", "cpu")
+    back.load_state_dict(saved["MixedPrecision"])
+    assert back.scaler.get_scale() == 1024.0
+
+
 def test_accelerator_auto_resolves_to_the_gpu():
     """pytorch-lightning#18902: a registry-built SingleDeviceStrategy would stay on cpu."""
     with (
@@ -252,4 +267,5 @@ def test_offload_through_the_strategy_matches_no_offload():
     plain, _ = fit(oomb())
     offloaded, trainer = fit(OOMBStrategy(chunk_size=16, page_size=8, offload=True, hbm_budget=0))
     assert trainer.strategy.engine.stats.extra["host_layers"] == 2
-    assert max_param_diff(plain, offloaded) == 0.0
+    # host layers are attended block by block (a log-sum-exp merge): equal up to float32 rounding
+    assert max_param_diff(plain, offloaded) <= 1e-5

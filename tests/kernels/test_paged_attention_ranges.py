@@ -1,0 +1,246 @@
+"""Key ranges, carried forward state and dQ accumulation: Triton (interpreted on CPU) against the torch reference.
+
+One attention call split into calls over shuffled page-aligned key ranges must combine to the one-shot result,
+never read the page-table entries of other pages, and leave pages outside the range untouched; autotuning must
+restore every in-place argument between its runs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import triton
+
+from csrc_triton import paged_attention as kernels
+from lightning_oomb.engine import reference
+from lightning_oomb.engine.kv_pool import PagedKV
+
+from .test_paged_attention import DEVICE, TOLERANCE, Case, assert_close, copy_grads, make_inputs
+
+GARBAGE = 2**31 - 1  # far outside every arena: reading it faults (or, on the reference, raises)
+CASES = {  # q_start > 0, Lq not a multiple of the page, GQA 2, batch 2
+    "gqa2": Case(hq=4, hkv=2, q_start=40, lq=37),
+    "gqa2-window": Case(hq=4, hkv=2, q_start=40, lq=37, window=20),  # keys [0, 21) are in no query's window
+    "fp16-window": Case(b=1, hq=2, hkv=1, q_start=24, lq=21, window=12, dtype=torch.float16),
+}
+
+
+def split_keys(num_keys: int, page: int, seed: int) -> list[tuple[int, int]]:
+    """``[0, num_keys)`` cut at random page boundaries (at least half of them), in a shuffled order."""
+    gen = torch.Generator().manual_seed(seed)
+    bounds = torch.arange(page, num_keys, page)
+    bounds = bounds[torch.randperm(len(bounds), generator=gen)[: (len(bounds) + 1) // 2]].sort().values
+    edges = [0, *bounds.tolist(), num_keys]
+    ranges = list(zip(edges[:-1], edges[1:]))
+    return [ranges[i] for i in torch.randperm(len(ranges), generator=gen)]
+
+
+def range_pages(kv: PagedKV, key_range: tuple[int, int]) -> slice:
+    return slice(key_range[0] // kv.page_size, math.ceil(key_range[1] / kv.page_size))
+
+
+def with_garbage(kv: PagedKV, key_range: tuple[int, int], poison: int) -> PagedKV:
+    """``kv`` whose page-table entries outside ``key_range``'s pages alternate between an out-of-range slot and
+    ``poison`` (a spare slot of NaN keys/values): reading either shows."""
+    table = torch.full_like(kv.page_table, GARBAGE)
+    table[:, ::2] = poison
+    table[:, range_pages(kv, key_range)] = kv.page_table[:, range_pages(kv, key_range)]
+    return PagedKV(kv.k, kv.v, kv.dk, kv.dv, table)
+
+
+def poisoned_inputs(case: Case):
+    """``make_inputs`` plus a spare slot (one the table never names) whose K/V are NaN."""
+    q, dout, kv = make_inputs(case)
+    poison = next(s for s in range(kv.k.shape[0]) if not (kv.page_table == s).any())
+    kv.k[poison] = kv.v[poison] = float("nan")
+    return q, dout, kv, poison
+
+
+def sees(case: Case, key_range: tuple[int, int]) -> torch.Tensor:
+    """Bool [Lq]: which query rows see at least one key of ``key_range``."""
+    qpos = torch.arange(case.q_start, case.q_start + case.lq, device=DEVICE)
+    first = qpos - (case.window or qpos.max() + 1) + 1
+    return torch.clamp(first, min=key_range[0]) <= torch.clamp(qpos, max=key_range[1] - 1)
+
+
+def check_state(got, want, seen: torch.Tensor, tol: float):
+    """Triton's state against the reference's: equal where a row has seen a key; elsewhere Triton may hold
+    zero-weight junk under its finite masked max (ln-units -1e30 / log2 e) but nothing else."""
+    (acc, m, l_sum), (want_acc, want_m, want_l) = got, want
+    assert torch.equal(want_l > 0, seen)
+    assert_close(m[seen], want_m[seen], 1e-5, "m")
+    assert_close(acc[seen] / l_sum[seen][:, None], want_acc[seen] / want_l[seen][:, None], tol, "acc / l")
+    assert (m[~seen] < -1e29).all()
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_forward_key_ranges_fold_to_one_shot(case: Case):
+    q, _, kv, poison = poisoned_inputs(case)
+    scale, num_keys = case.d**-0.5, case.q_start + case.lq
+    ranges = split_keys(num_keys, case.page, seed=case.lq)
+    assert any(0 < sees(case, r).sum() < case.lq for r in ranges)  # a range only some rows see
+    got, want = reference.init_state(q), reference.init_state(q)
+    seen = torch.zeros(case.b, case.hq, case.lq, dtype=torch.bool, device=DEVICE)
+    for key_range in ranges:
+        view = with_garbage(kv, key_range, poison)
+        before = [x.clone() for x in got]
+        assert kernels.paged_attention_forward(q, view.k, view.v, view.page_table, case.q_start, scale,
+                                               case.window, key_range=key_range, state=got) is None  # fmt: skip
+        reference.paged_attention_forward(
+            q, kv, case.q_start, scale, case.window, key_range=key_range, state=want
+        )
+        seen |= sees(case, key_range)
+        check_state(got, want, seen, TOLERANCE[case.dtype])
+        blind = (~sees(case, key_range))[None, None] & (before[1] > -1e29)  # blind rows with a real state
+        for x, y in zip(got, before):
+            assert torch.equal(x[blind], y[blind])
+
+    out, lse = reference.finish_state(got, q.dtype)
+    want_out, want_lse = reference.paged_attention_forward(q, kv, case.q_start, scale, case.window)
+    assert_close(out, want_out, TOLERANCE[case.dtype], "out")
+    assert_close(lse, want_lse, 1e-5, "lse")
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_backward_key_ranges_accumulate_to_one_shot(case: Case):
+    q, dout, kv, poison = poisoned_inputs(case)
+    scale, num_keys = case.d**-0.5, case.q_start + case.lq
+    out, lse = reference.paged_attention_forward(q, kv, case.q_start, scale, case.window)
+    delta = reference.attention_delta(out, dout)
+    got, want = copy_grads(kv), copy_grads(kv)
+    dq, want_dq = (
+        torch.zeros(q.shape, dtype=torch.float32, device=DEVICE),
+        torch.zeros(q.shape, dtype=torch.float32, device=DEVICE),
+    )
+    tol = TOLERANCE[case.dtype]
+    for key_range in split_keys(num_keys, case.page, seed=case.lq + 1):
+        view = with_garbage(got, key_range, poison)
+        dk, dv = got.dk.clone(), got.dv.clone()
+        assert kernels.paged_attention_backward(
+            q, out, lse, dout, view.k, view.v, view.dk, view.dv, view.page_table, case.q_start, scale, case.window,
+            key_range=key_range, delta=delta, dq=dq,
+        ) is dq  # fmt: skip
+        reference.paged_attention_backward(q, out, lse, dout, want, case.q_start, scale, case.window,
+                                           key_range=key_range, delta=delta, dq=want_dq)  # fmt: skip
+        assert_close(dq, want_dq, tol, f"dq after {key_range}")
+        assert_close(got.dk - kv.dk, want.dk - kv.dk, tol, f"added dk after {key_range}")
+        assert_close(got.dv - kv.dv, want.dv - kv.dv, tol, f"added dv after {key_range}")
+        outside = torch.ones(kv.dk.shape[0], dtype=torch.bool, device=DEVICE)
+        outside[kv.page_table[:, range_pages(kv, key_range)].flatten().long()] = False
+        assert torch.equal(got.dk[outside], dk[outside]) and torch.equal(got.dv[outside], dv[outside])
+
+    whole = copy_grads(kv)
+    want_full = reference.paged_attention_backward(q, out, lse, dout, whole, case.q_start, scale, case.window)
+    assert_close(dq.to(q.dtype), want_full, tol, "accumulated dq")
+    assert_close(got.dk - kv.dk, whole.dk - kv.dk, tol, "dk over all ranges")
+    assert_close(got.dv - kv.dv, whole.dv - kv.dv, tol, "dv over all ranges")
+
+
+def test_backward_key_range_alone():
+    """A key range without ``delta``/``dq``: the launcher computes delta and returns dq in q's dtype."""
+    case = CASES["gqa2-window"]
+    q, dout, kv, poison = poisoned_inputs(case)
+    scale, key_range = case.d**-0.5, (32, 64)
+    out, lse = reference.paged_attention_forward(q, kv, case.q_start, scale, case.window)
+    got, want = copy_grads(kv), copy_grads(kv)
+    view = with_garbage(got, key_range, poison)
+    dq = kernels.paged_attention_backward(q, out, lse, dout, view.k, view.v, view.dk, view.dv, view.page_table,
+                                          case.q_start, scale, case.window, key_range=key_range)  # fmt: skip
+    want_dq = reference.paged_attention_backward(q, out, lse, dout, want, case.q_start, scale, case.window,
+                                                 key_range=key_range)  # fmt: skip
+    assert_close(dq, want_dq, TOLERANCE[case.dtype], "dq")
+    assert_close(got.dk - kv.dk, want.dk - kv.dk, TOLERANCE[case.dtype], "added dk")
+
+
+def test_rejects_bad_key_ranges_and_buffers():
+    q, dout, kv = make_inputs(Case(b=1, hq=2, hkv=1, q_start=32, lq=13))
+    args = (kv.k, kv.v, kv.page_table, 32, 1.0, None)
+    for bad in [(8, 32), (16, 40), (0, 46), (32, 32), (-16, 16)]:  # unaligned lo / hi, past the end, empty
+        with pytest.raises(ValueError, match="key_range"):
+            kernels.paged_attention_forward(q, *args, key_range=bad)
+    with pytest.raises(ValueError, match="state acc"):
+        kernels.paged_attention_forward(q, *args, state=reference.init_state(q.double()))
+    out, lse = kernels.paged_attention_forward(q, *args)
+    grads = (kv.k, kv.v, kv.dk, kv.dv, kv.page_table, 32, 1.0, None)
+    with pytest.raises(ValueError, match="dq must be"):
+        kernels.paged_attention_backward(
+            q, out, lse, dout, *grads, dq=torch.zeros_like(q, dtype=torch.float16)
+        )
+    with pytest.raises(ValueError, match="delta must be"):
+        kernels.paged_attention_backward(q, out, lse, dout, *grads, delta=lse[..., :-1])
+
+
+def test_restore_hooks_touch_only_the_key_range():
+    """The autotune hooks on plain CPU tensors: garbage page-table entries outside the range are never used,
+    only the range's gradient pages, the state (with CARRY) and dQ (with ACCUMULATE) are saved and restored."""
+    table = torch.tensor([[GARBAGE, 3, 5, GARBAGE], [GARBAGE, 0, 6, GARBAGE]], dtype=torch.int32)
+    dk, dv = torch.randn(8, 1, 16, 4), torch.randn(8, 1, 16, 4)
+    nargs = {"TABLE": table, "DK": dk, "DV": dv, "PAGE": 16, "first_key": 20, "key_hi": 45}
+    before = dk.clone(), dv.clone()
+    kernels._restore_grad_pages.pre(nargs)
+    dk += 1
+    dv += 1
+    kernels._restore_grad_pages.post(nargs)
+    restored = torch.tensor([0, 3, 5, 6])
+    assert torch.equal(dk[restored], before[0][restored]) and torch.equal(dv[restored], before[1][restored])
+    others = torch.tensor([1, 2, 4, 7])
+    assert torch.equal(dk[others], before[0][others] + 1)
+
+    state, dq = [torch.randn(2, 3) for _ in range(3)], torch.randn(2, 3)
+    for hook, names, flag in ((kernels._restore_state, ("OUT", "LSE", "L"), "CARRY"),
+                              (kernels._restore_dq, ("DQ",), "ACCUMULATE")):  # fmt: skip
+        tensors = dict(zip(names, state if flag == "CARRY" else [dq]))
+        for on in (True, False):
+            saved = {n: t.clone() for n, t in tensors.items()}
+            hook.pre({**tensors, flag: on})
+            for t in tensors.values():
+                t += 1
+            hook.post({**tensors, flag: on})
+            for n, t in tensors.items():
+                assert torch.equal(t, saved[n] if on else saved[n] + 1), (n, on)
+    hook.pre({**tensors, "ACCUMULATE": True}, reset_only=True)  # after tuning: nothing saved, nothing to undo
+    assert hook.saved is None
+
+
+def test_autotuning_restores_in_place_arguments(monkeypatch):
+    """Tuning runs every kernel once per config and repeat; with key ranges, a carried state and a dQ
+    accumulator the result must equal one untuned run bitwise (the first config is the untuned one and wins)."""
+    case = Case(b=1, hq=2, hkv=1, q_start=16, lq=20)
+    q, dout, kv, poison = poisoned_inputs(case)
+    scale, ranges = case.d**-0.5, [(16, 36), (0, 16)]
+    out, lse = reference.paged_attention_forward(q, kv, case.q_start, scale, case.window)
+    delta = reference.attention_delta(out, dout)
+
+    def run():
+        state, grads = reference.init_state(q), copy_grads(kv)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=DEVICE)
+        for key_range in ranges:
+            view = with_garbage(grads, key_range, poison)
+            kernels.paged_attention_forward(q, view.k, view.v, view.page_table, case.q_start, scale, None,
+                                            key_range=key_range, state=state)  # fmt: skip
+            kernels.paged_attention_backward(q, out, lse, dout, view.k, view.v, view.dk, view.dv, view.page_table,
+                                             case.q_start, scale, None, key_range=key_range, delta=delta, dq=dq)  # fmt: skip
+        return *state, dq, grads.dk, grads.dv
+
+    untuned = run()
+    monkeypatch.setenv("OOMB_TRITON_AUTOTUNE", "1")
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": 16}, num_warps=4, num_stages=1) for m in (16, 32)]
+    tuners = (kernels._fwd_kernel, kernels._bwd_dkdv_kernel, kernels._bwd_dq_kernel)
+    benched = []
+
+    def bench(fn, quantiles):  # two runs per config; every config ties, so the first (the untuned one) wins
+        benched.append(fn)
+        return [min(fn() or 1.0 for _ in "ab")] * 3
+
+    for tuner in tuners:
+        monkeypatch.setattr(tuner, "configs", configs)
+        monkeypatch.setattr(tuner, "cache", {})
+        # (the cached property `do_bench` is shadowed through __dict__: reading it first would need a GPU driver)
+        monkeypatch.setitem(tuner.__dict__, "do_bench", bench)
+    tuned = run()
+    assert len(benched) == 2 * len(tuners)  # each kernel tuned once (its first call), over both configs
+    assert all(len(t.cache) == 1 and next(iter(t.cache.values())).kwargs["BLOCK_M"] == 16 for t in tuners)
+    for name, got, want in zip(("acc", "m", "l", "dq", "dk", "dv"), tuned, untuned):
+        assert torch.equal(got, want), name
