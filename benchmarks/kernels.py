@@ -8,7 +8,8 @@ Measured in the same run:
    queries against 32K and 128K keys, B=1, 28 query / 4 KV heads, head_dim 128, bf16, page 128) for our kernels,
    SDPA with ``causal_lower_right`` (K/V expanded by ``repeat_interleave``, and ``enable_gqa=True``) and compiled
    FlexAttention (``enable_gqa=True``, lower-right causal block mask). Median of ``--iters`` runs after warm-up
-   (compilation and autotuning happen there), timed with CUDA events.
+   (compilation and autotuning happen there), timed with CUDA events. Also our kernels over the keys in blocks
+   of Lq keys merged by log-sum-exp, as offload runs them: the compute overhead of streaming.
 
 FLOPs: forward = 4 * Hq * D * Lq * Lk (two matmuls over the full Lq x Lk rectangle, as if dense: the causal
 triangle of the last Lq keys, 6 % of it at 32K keys and 1.6 % at 128K, is counted too); forward+backward = 3.5x
@@ -131,6 +132,21 @@ def run_oomb(kernels, p: Problem, backward: bool = True) -> tuple[torch.Tensor, 
     return out, dq
 
 
+def run_oomb_blocks(p: Problem, block: int, backward: bool = True) -> None:
+    """The offload path: the keys in blocks of ``block`` tokens (one staged chunk each), merged by the engine's
+    ``attend`` / ``attend_backward`` (carried softmax state, accumulated dQ) — its cost over one call is the
+    compute overhead of streaming."""
+    from lightning_oomb.engine.attention import attend, attend_backward
+    from lightning_oomb.engine.kv_pool import PagedKV
+
+    q_start = p.lk - p.lq
+    arenas = (p.k_arena, p.v_arena, p.dk_arena, p.dv_arena)
+    parts = [PagedKV(*arenas, p.table, (lo, min(lo + block, p.lk))) for lo in range(0, p.lk, block)]
+    out, lse = attend("triton", p.q, parts, q_start, p.scale, None)
+    if backward:
+        attend_backward("triton", p.q, out, lse, p.dout, parts, q_start, p.scale, None)
+
+
 def oomb_grads(kernels, p: Problem) -> dict[str, torch.Tensor]:
     p.dk_arena.zero_()
     p.dv_arena.zero_()
@@ -180,6 +196,9 @@ def methods(kernels, p: Problem) -> dict[str, tuple[Callable, Callable]]:
     flex = torch.compile(flex_attention, dynamic=False)
     runs = {
         "oomb triton (paged)": functools.partial(run_oomb, kernels, p),
+        "oomb triton (chunk-sized key blocks, merged)": functools.partial(
+            run_oomb_blocks, p, math.ceil(lq / p.page) * p.page
+        ),
         "sdpa lower-right (repeat_interleave)": autograd(
             lambda q, k, v: F.scaled_dot_product_attention(
                 q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), attn_mask=mask, scale=p.scale
