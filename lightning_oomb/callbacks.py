@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -46,3 +47,37 @@ class OOMBMonitor(Callback):
         if device.type == "cuda":
             metrics["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
         pl_module.log_dict({f"oomb/{k}": float(v) for k, v in metrics.items()}, on_step=True, on_epoch=False)
+
+
+class OOMBOffload(OOMBMonitor):
+    """Tune the asynchronous offload streams of the OOMB strategy for this run, and log what they move.
+
+    The strategy turns offload on (``OOMBStrategy(offload=True, hbm_budget=...)``); this callback sets how it
+    streams — ``staging_buffers`` (fixed-size device buffers, at least 2) and ``prefetch_depth`` (block uses staged
+    ahead; ``0``: on demand only) — overriding the strategy's values (``None`` keeps them), e.g. from a
+    LightningCLI ``callbacks:`` list. It logs everything :class:`OOMBMonitor` logs, in particular per step
+    ``oomb/h2d_bytes``, ``oomb/d2h_bytes``, ``oomb/copy_wait_s`` (time the compute stream waited on copies),
+    ``oomb/hbm_pool_bytes``, ``oomb/staging_bytes`` and ``oomb/host_pool_bytes``; use it instead of the monitor.
+    """
+
+    def __init__(self, staging_buffers: int | None = None, prefetch_depth: int | None = None) -> None:
+        self.overrides = {
+            k: v
+            for k, v in (("staging_buffers", staging_buffers), ("prefetch_depth", prefetch_depth))
+            if v is not None
+        }
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        strategy = trainer.strategy
+        if not strategy.oomb_config.offload:
+            raise OOMBConfigError(
+                "OOMBOffload tunes offload but the strategy keeps every page on the device (offload=False) — "
+                "turn it on with OOMBStrategy(offload=True) (YAML: strategy.init_args.offload: true)."
+            )
+        if any(type(c) is OOMBMonitor for c in trainer.callbacks):
+            raise OOMBConfigError(
+                "OOMBOffload already logs everything OOMBMonitor logs — keep only OOMBOffload in callbacks."
+            )
+        # validated like the strategy's own arguments; the engine is built from this config after setup
+        strategy.oomb_config = dataclasses.replace(strategy.oomb_config, **self.overrides)

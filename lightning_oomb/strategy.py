@@ -165,6 +165,8 @@ class OOMBStrategy(_OOMBStrategyMixin, SingleDeviceStrategy):
         staging_buffers: device buffers that host-tier layers stream through when offloading, each one
             chunk's pages of one layer (fixed size: device memory stays flat in the context length); at least 2,
             4 (default) overlaps copies both ways with compute.
+        prefetch_depth: block uses staged ahead of time when offloading (``None``: as many as the buffers
+            allow; ``0``: copies on demand only).
         target_module: attribute path of the HF model in the LightningModule (default: the unique one).
         device: explicit device; by default the Trainer's accelerator decides (``accelerator="auto"`` works).
     """
@@ -181,6 +183,7 @@ class OOMBStrategy(_OOMBStrategyMixin, SingleDeviceStrategy):
         offload: bool = False,
         hbm_budget: int | str = "auto",
         staging_buffers: int = 4,
+        prefetch_depth: int | None = None,
         target_module: str | None = None,
         device: str | torch.device | None = None,
         accelerator: Accelerator | None = None,
@@ -196,6 +199,7 @@ class OOMBStrategy(_OOMBStrategyMixin, SingleDeviceStrategy):
             offload=offload,
             hbm_budget=hbm_budget,
             staging_buffers=staging_buffers,
+            prefetch_depth=prefetch_depth,
         )
         self._target_module = target_module
         self._explicit_device = None if device is None else torch.device(device)

@@ -279,6 +279,7 @@ class KVPool:
         staging_buffers: device buffers of one block (one chunk's pages of one layer) each, through which host
             layers stream; at least 2.
         layer_checkpointing: the backward sweep recomputes each layer right before its backward (prefetch order).
+        prefetch_depth: predicted block uses staged ahead (``None``: as many as free buffers allow).
     """
 
     def __init__(
@@ -287,9 +288,10 @@ class KVPool:
         hbm_budget: int | str = "auto",
         staging_buffers: int = 4,
         layer_checkpointing: bool = False,
+        prefetch_depth: int | None = None,
     ) -> None:
         self.offload, self.hbm_budget, self.staging_buffers = offload, hbm_budget, staging_buffers
-        self.layer_checkpointing = layer_checkpointing
+        self.layer_checkpointing, self.prefetch_depth = layer_checkpointing, prefetch_depth
         self.shape: PoolShape | None = None
         self.plan: TierPlan | None = None
         self._hbm: Arena | None = None
@@ -334,6 +336,7 @@ class KVPool:
                 tables,
                 self._sweep,
                 self.layer_checkpointing,
+                self.prefetch_depth,
             )
         self.shape, self.plan = shape, plan
 

@@ -155,6 +155,7 @@ class Offloader:
             any block it holds (page ``p`` of row ``b`` -> slot ``(i * block_pages + p % block_pages) * batch + b``).
         sweep: the sweep in progress (the pool is reserved during a forward or eval sweep).
         layer_checkpointing: the backward sweep recomputes each layer right before its backward (prefetch order).
+        prefetch_depth: predicted block uses staged ahead (``None``: as many as free buffers allow; 0: none).
     """
 
     def __init__(
@@ -166,8 +167,10 @@ class Offloader:
         tables: torch.Tensor,
         sweep: str = "forward",
         layer_checkpointing: bool = False,
+        prefetch_depth: int | None = None,
     ):
         self.shape, self.layer_checkpointing = shape, layer_checkpointing
+        self.prefetch_depth = len(tables) if prefetch_depth is None else prefetch_depth
         self._rank = {layer: i for i, layer in enumerate(host_layers)}
         self._host, self._staging, self._tables = host, staging, tables
         self._buffers = [_Buffer(i) for i in range(len(tables))]
@@ -345,8 +348,8 @@ class Offloader:
 
     def _prefetch(self, current: _Need | None = None) -> None:
         protect = self._protected(current)
-        for need in self._upcoming():  # a protected block is never evicted, but may still be filled
-            if self._stage(need, "prefetch", protect) is None:
+        for ahead, need in enumerate(self._upcoming()):  # a protected block is never evicted, but may be filled
+            if ahead >= self.prefetch_depth or self._stage(need, "prefetch", protect) is None:
                 break
             protect.add((need.layer, need.block))
             if len(protect) >= len(self._buffers):

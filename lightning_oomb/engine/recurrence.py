@@ -41,11 +41,13 @@ class OOMBConfig:
             through device staging buffers on side CUDA streams (synchronous copies on CPU); results are identical.
         hbm_budget: device bytes for pages (HBM-tier layers + staging buffers) when ``offload`` is on: an int, or
             ``"auto"`` = free device memory minus a quarter of the device (on CPU: no limit, nothing moves). Whole
-            layers are placed; a budget below ``staging_buffers`` layers puts every layer on the host.
+            layers are placed; a budget below the staging buffers puts every layer on the host.
         staging_buffers: device buffers of one block each — one chunk's K, V, dK, dV pages of one layer,
             ``2 * batch * chunk_size * kv_heads * head_dim * (kv itemsize + grad itemsize)`` bytes (24 MiB for
             Qwen2.5-7B at 4096) — through which host layers stream block by block. At least 2 (the chunk's own
             block and one prefix block); 3 overlaps copies in with compute, 4 also overlaps write-backs.
+        prefetch_depth: how many predicted block uses ahead are staged early; ``None`` (default): as many as free
+            buffers allow, ``0``: copies only on demand (a debugging aid: no overlap).
     """
 
     chunk_size: int = 4096
@@ -57,6 +59,7 @@ class OOMBConfig:
     offload: bool = False
     hbm_budget: int | str = "auto"
     staging_buffers: int = 4
+    prefetch_depth: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("chunk_size", "page_size", "loss_block"):
@@ -86,6 +89,12 @@ class OOMBConfig:
             raise OOMBConfigError(
                 f"staging_buffers={buffers!r} must be an integer >= 2 — host-tier layers stream through these "
                 "device buffers: one holds the chunk's own block, the others the blocks before it — use 4."
+            )
+        depth = self.prefetch_depth
+        if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 0):
+            raise OOMBConfigError(
+                f"prefetch_depth={depth!r} must be None (as deep as the buffers allow) or an integer >= 0 — it "
+                "counts the block uses staged ahead of time."
             )
 
 
@@ -179,7 +188,9 @@ class OOMBEngine:
         self.model = model
         self.config = config or OOMBConfig()
         cfg = self.config
-        self.pool = KVPool(cfg.offload, cfg.hbm_budget, cfg.staging_buffers, cfg.layer_checkpointing)
+        self.pool = KVPool(
+            cfg.offload, cfg.hbm_budget, cfg.staging_buffers, cfg.layer_checkpointing, cfg.prefetch_depth
+        )
         self.stats = StepStats()
 
     # ------------------------------------------------------------------------------------------ public API

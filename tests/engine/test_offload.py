@@ -203,6 +203,18 @@ def test_schedule_reads_exactly_what_the_device_tier_reads(checkpointing, buffer
         assert stats["demand_copies"] == 0 and stats["prefetch_copies"] > 0
 
 
+@pytest.mark.parametrize("depth", [0, 1])
+def test_prefetch_depth_limits_how_far_ahead_blocks_are_staged(depth):
+    want = drive(KVPool(), True)
+    pool = KVPool(offload=True, hbm_budget=0, staging_buffers=4, layer_checkpointing=True, prefetch_depth=depth)
+    assert same(drive(pool, True), want)
+    stats = pool.stats()
+    if depth == 0:  # a debugging aid: every copy on demand, nothing overlaps
+        assert stats["prefetch_copies"] == 0 and stats["demand_copies"] > 0
+    else:  # the walk is predicted one block use ahead: enough to issue every copy before it is needed
+        assert stats["prefetch_copies"] > 0 and stats["demand_copies"] == 0
+
+
 def test_schedule_stays_correct_when_predictions_are_wrong():
     """Layers' backward in a scrambled order each chunk (and the prefetch told the wrong checkpointing mode):
     prefetch guesses wrong, demand copies fix it."""

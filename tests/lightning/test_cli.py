@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 
 from lightning_oomb import OOMBStrategy
+from lightning_oomb.callbacks import OOMBOffload
 from lightning_oomb.cli import build_cli
 from lightning_oomb.models import CausalLMModule
 
@@ -37,7 +38,11 @@ def load_demo_script():
 
 
 def test_there_are_example_configs():
-    assert {p.name for p in CONFIGS} >= {"demo-cpu.yaml", "qwen2.5-7b-128k.yaml"}
+    assert {p.name for p in CONFIGS} >= {
+        "demo-cpu.yaml",
+        "qwen2.5-7b-128k.yaml",
+        "qwen2.5-7b-256k-offload.yaml",
+    }
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
@@ -47,6 +52,9 @@ def test_example_config_parses_and_builds(path):
     assert isinstance(cli.trainer.strategy, OOMBStrategy)
     assert isinstance(cli.model, CausalLMModule) and cli.model.model is None
     assert isinstance(cli.datamodule, LightningDataModule)
+    if "offload" in path.name:  # offload on in the strategy, its streams tuned by the callback
+        assert cli.trainer.strategy.oomb_config.offload
+        assert any(isinstance(c, OOMBOffload) for c in cli.trainer.callbacks)
 
 
 def _init_args(hparams) -> dict:
