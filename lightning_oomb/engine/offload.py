@@ -348,7 +348,9 @@ class Offloader:
 
     def _prefetch(self, current: _Need | None = None) -> None:
         protect = self._protected(current)
-        for ahead, need in enumerate(self._upcoming()):  # a protected block is never evicted, but may be filled
+        for ahead, need in enumerate(
+            self._upcoming()
+        ):  # a protected block is never evicted, but may be filled
             if ahead >= self.prefetch_depth or self._stage(need, "prefetch", protect) is None:
                 break
             protect.add((need.layer, need.block))

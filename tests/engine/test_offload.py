@@ -206,7 +206,9 @@ def test_schedule_reads_exactly_what_the_device_tier_reads(checkpointing, buffer
 @pytest.mark.parametrize("depth", [0, 1])
 def test_prefetch_depth_limits_how_far_ahead_blocks_are_staged(depth):
     want = drive(KVPool(), True)
-    pool = KVPool(offload=True, hbm_budget=0, staging_buffers=4, layer_checkpointing=True, prefetch_depth=depth)
+    pool = KVPool(
+        offload=True, hbm_budget=0, staging_buffers=4, layer_checkpointing=True, prefetch_depth=depth
+    )
     assert same(drive(pool, True), want)
     stats = pool.stats()
     if depth == 0:  # a debugging aid: every copy on demand, nothing overlaps
