@@ -65,9 +65,10 @@ def set_checkpointing(model, enabled: bool) -> None:
         model.gradient_checkpointing_disable()
 
 
-def measure(step, device: torch.device, repeats: int) -> tuple[float, float]:
-    """Run ``step`` once to warm up, then ``repeats`` times; return (peak GiB, median seconds)."""
-    step()
+def measure(step, device: torch.device, repeats: int, warmup: bool) -> tuple[float, float]:
+    """Run ``step`` once to warm up (if ``warmup``), then ``repeats`` times; return (peak GiB, median seconds)."""
+    if warmup:
+        step()
     times = []
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -82,7 +83,7 @@ def measure(step, device: torch.device, repeats: int) -> tuple[float, float]:
     return peak, sorted(times)[len(times) // 2]
 
 
-def run_method(method: str, model, context: int, args, device) -> dict:
+def run_method(method: str, model, context: int, args, device, warmup: bool = True) -> dict:
     ids = torch.randint(0, model.config.vocab_size, (1, context), device=device)
     engine = None
     if method == "hf":
@@ -108,7 +109,7 @@ def run_method(method: str, model, context: int, args, device) -> dict:
 
     row = {"method": method, "context": context, "peak_gib": None, "step_s": None, "oom": False}
     try:
-        row["peak_gib"], row["step_s"] = measure(step, device, args.repeats)
+        row["peak_gib"], row["step_s"] = measure(step, device, args.repeats, warmup)
         if engine is not None:  # where the pages were and what moved in the last step
             extra = engine.stats.extra
             row["pool_device_gib"] = (extra["hbm_pool_bytes"] + extra["staging_bytes"]) / GIB
@@ -189,6 +190,11 @@ def main() -> None:
     parser.add_argument("--hf-max", type=int, default=65536, help="skip HF above this context (it runs out)")
     parser.add_argument("--chunk-size", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument(
+        "--warmup-once",
+        action="store_true",
+        help="warm up only at each method's first context (long contexts take minutes per step)",
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model (smoke test of the script)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/memory-scaling-h200.json"))
@@ -200,10 +206,12 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for method in args.methods.split(","):
         contexts = args.offload_contexts if method == "oomb-offload" else args.contexts
-        for context in map(int, contexts.split(",")):
+        for i, context in enumerate(map(int, contexts.split(","))):
             if method == "hf" and context > args.hf_max:
                 continue
-            rows.append(run_method(method, model, context, args, device))
+            # kernels compile and autotune once per method (keyed on head dim and page size, not length)
+            warmup = i == 0 or not args.warmup_once
+            rows.append(run_method(method, model, context, args, device, warmup))
             args.out.write_text(json.dumps(rows, indent=1))  # a run cut short keeps what it measured
     plot(rows, args.out.with_suffix(".png"))
     print(table(rows))
