@@ -98,7 +98,7 @@ class _OOMBStrategyMixin:
                 )
             calls.append(mode)
             loss = engine.loss(input_ids, labels) if mode == "train" else engine.evaluate(input_ids, labels)
-            return CausalLMOutputWithPast(loss=loss, logits=None)
+            return CausalLMOutputWithPast(loss=loss, logits=_NoLogits())
 
         model.forward = forward
         try:
@@ -133,6 +133,28 @@ class _OOMBStrategyMixin:
         if self.engine is not None:
             self.engine.release()
         super().teardown()
+
+
+class _LogitsUnavailable(OOMBConfigError, AttributeError):
+    """Raised on any use of :class:`_NoLogits` (an ``AttributeError`` too, so ``hasattr`` probes stay quiet)."""
+
+
+class _NoLogits:
+    """Stands in for the logits of a model call the engine answers: ``[B, N, vocab]`` logits of a long sequence
+    (80 GB at 128K tokens for Qwen2.5-7B in fp32) are exactly what OOMB never materialises. Any use raises."""
+
+    def _refuse(self, *args: Any, **kwargs: Any):
+        raise _LogitsUnavailable(
+            "the OOMB strategy answers the model call with the loss only — the logits of the whole sequence are "
+            "never materialised (they would not fit) — compute metrics from `output.loss`, or call the model "
+            "outside training_step/validation_step/test_step (e.g. in predict_step) on a short input."
+        )
+
+    __getattr__ = __getitem__ = __iter__ = __len__ = __bool__ = __array__ = _refuse
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls._refuse(None)
 
 
 def _check_batch(input_ids, attention_mask, extra: dict) -> None:

@@ -220,10 +220,18 @@ class PaddedLM(TinyLM):
         return self.model(**batch).loss
 
 
+class LogitsLM(TinyLM):
+    def training_step(self, batch):
+        output = self.model(**batch)
+        assert not hasattr(output.logits, "_fields")  # probes (Lightning's, HF's) see an ordinary object
+        return output.loss + output.logits.float().mean()
+
+
 @pytest.mark.parametrize(
     ("module", "match"),
     [
         (ManualLM, "manual optimization"),
+        (LogitsLM, "logits of the whole sequence are never materialised"),
         (NoModelCallLM, "did not call the OOMB-managed model"),
         (TwoCallsLM, "twice"),
         (PaddedLM, "padding"),
