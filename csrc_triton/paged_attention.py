@@ -188,6 +188,67 @@ def _visible(q_pos, k_pos, window):
     return (k_pos <= q_pos) & (k_pos > q_pos - window)
 
 
+@triton.jit
+def _load_keys(
+    K, V, TABLE, start_n, key_hi, stride_ks, stride_kp, stride_kd,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, V_T: tl.constexpr,
+):  # fmt: skip
+    """Key positions, ``K^T [HEAD_DIM, BLOCK_N]`` and ``V [BLOCK_N, HEAD_DIM]`` (``V^T`` with ``V_T``) of the key
+    block at ``start_n`` through the page table; ``K``/``V`` point at the program's KV head. With ``MASK`` keys
+    ``>= key_hi`` (ragged last page, end of the key range) are never read."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    base = _page_offset(TABLE, start_n, stride_ks, PAGE) + (start_n % PAGE) * stride_kp
+    kt_ptrs = K + base + offs_n[None, :] * stride_kp + offs_d[:, None] * stride_kd
+    if V_T:
+        v_ptrs = V + base + offs_n[None, :] * stride_kp + offs_d[:, None] * stride_kd
+    else:
+        v_ptrs = V + base + offs_n[:, None] * stride_kp + offs_d[None, :] * stride_kd
+    k_pos = start_n + offs_n
+    if MASK:
+        kt = tl.load(kt_ptrs, mask=k_pos[None, :] < key_hi, other=0.0)
+        if V_T:
+            v = tl.load(v_ptrs, mask=k_pos[None, :] < key_hi, other=0.0)
+        else:
+            v = tl.load(v_ptrs, mask=k_pos[:, None] < key_hi, other=0.0)
+    else:
+        kt = tl.load(kt_ptrs)
+        v = tl.load(v_ptrs)
+    return k_pos, kt, v
+
+
+@triton.jit
+def _query_block(
+    Q, K, V, TABLE, stride_qb, stride_qh, stride_qm, stride_qd, stride_kh, stride_tb,
+    num_heads, group, q_len, q_start, key_lo, key_hi, window,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Set-up of a program that owns one query block of one head (forward and dQ): its rows, their ``q``, the
+    ``K``/``V``/``TABLE`` pointers moved to its KV head and batch row, and its key-block ranges."""
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = bh // num_heads
+    h = bh % num_heads
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < q_len
+    q = tl.load(
+        Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+    kv_head = (h // group) * stride_kh
+    K += kv_head
+    V += kv_head
+    TABLE += b * stride_tb
+    rows = bh * q_len + offs_m
+    row_offs = rows[:, None] * HEAD_DIM + offs_d[None, :]
+    q_pos = q_start + offs_m
+    q_last = q_start + tl.minimum(start_m + BLOCK_M, q_len) - 1
+    lo, full_lo, full_hi, hi = _key_blocks(q_start + start_m, q_last, window, key_lo, key_hi, BLOCK_N)
+    return q, K, V, TABLE, rows, row_offs, row_ok, q_pos, lo, full_lo, full_hi, hi
+
+
 # ---------------------------------------------------------------------------------------------------- forward
 @triton.jit
 def _fwd_inner(
@@ -197,20 +258,10 @@ def _fwd_inner(
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over key blocks ``[lo, hi)``; ``K``/``V`` already point at this program's KV head."""
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        base = _page_offset(TABLE, start_n, stride_ks, PAGE) + (start_n % PAGE) * stride_kp
-        kt_ptrs = K + base + offs_n[None, :] * stride_kp + offs_d[:, None] * stride_kd
-        v_ptrs = V + base + offs_n[:, None] * stride_kp + offs_d[None, :] * stride_kd
-        k_pos = start_n + offs_n
-        if MASK:  # keys >= key_hi (ragged last page, end of the key range) are never read
-            kt = tl.load(kt_ptrs, mask=k_pos[None, :] < key_hi, other=0.0)
-            v = tl.load(v_ptrs, mask=k_pos[:, None] < key_hi, other=0.0)
-        else:
-            kt = tl.load(kt_ptrs)
-            v = tl.load(v_ptrs)
+        k_pos, kt, v = _load_keys(K, V, TABLE, start_n, key_hi, stride_ks, stride_kp, stride_kd,
+                                  HEAD_DIM, PAGE, BLOCK_N, MASK, False)  # fmt: skip
         # s_ij = q_i . k_j * scale * log2(e)
         s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
         if MASK:
@@ -246,28 +297,10 @@ def _fwd_kernel(
 ):  # fmt: skip
     """Keys ``[key_lo, key_hi)``. Without ``CARRY``: writes ``OUT``, ``LSE``. With ``CARRY``: ``OUT``, ``LSE``, ``L``
     are a carried state's ``acc``, ``m`` (natural log), ``l`` (fp32), updated in place."""
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
-    b = bh // num_heads
-    h = bh % num_heads
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m < q_len
-    q = tl.load(
-        Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-        mask=row_ok[:, None],
-        other=0.0,
-    )
-    kv_head = (h // group) * stride_kh
-    K += kv_head
-    V += kv_head
-    TABLE += b * stride_tb
-    rows = bh * q_len + offs_m
-    row_offs = rows[:, None] * HEAD_DIM + offs_d[None, :]
-
-    q_pos = q_start + offs_m
-    q_last = q_start + tl.minimum(start_m + BLOCK_M, q_len) - 1
-    lo, full_lo, full_hi, hi = _key_blocks(q_start + start_m, q_last, window, key_lo, key_hi, BLOCK_N)
+    q, K, V, TABLE, rows, row_offs, row_ok, q_pos, lo, full_lo, full_hi, hi = _query_block(
+        Q, K, V, TABLE, stride_qb, stride_qh, stride_qm, stride_qd, stride_kh, stride_tb,
+        num_heads, group, q_len, q_start, key_lo, key_hi, window, HEAD_DIM, BLOCK_M, BLOCK_N,
+    )  # fmt: skip
 
     if CARRY:  # the state's max is in natural-log units, the kernel's in base 2
         m_in = tl.load(LSE + rows, mask=row_ok, other=0.0)
@@ -414,20 +447,10 @@ def _bwd_dq_inner(
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Add key blocks ``[lo, hi)`` to ``dq`` (unscaled); ``K``/``V`` already point at this program's KV head."""
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        base = _page_offset(TABLE, start_n, stride_ks, PAGE) + (start_n % PAGE) * stride_kp
-        kt_ptrs = K + base + offs_n[None, :] * stride_kp + offs_d[:, None] * stride_kd
-        vt_ptrs = V + base + offs_n[None, :] * stride_kp + offs_d[:, None] * stride_kd
-        k_pos = start_n + offs_n
-        if MASK:
-            kt = tl.load(kt_ptrs, mask=k_pos[None, :] < key_hi, other=0.0)
-            vt = tl.load(vt_ptrs, mask=k_pos[None, :] < key_hi, other=0.0)
-        else:
-            kt = tl.load(kt_ptrs)
-            vt = tl.load(vt_ptrs)
+        k_pos, kt, vt = _load_keys(K, V, TABLE, start_n, key_hi, stride_ks, stride_kp, stride_kd,
+                                   HEAD_DIM, PAGE, BLOCK_N, MASK, True)  # fmt: skip
         # p_ij = exp(s_ij - lse_i)
         p = tl.math.exp2(tl.dot(q, kt, input_precision=PRECISION) * qk_scale - lse[:, None])
         if MASK:
@@ -456,31 +479,13 @@ def _bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """dQ over keys ``[key_lo, key_hi)``: written to ``DQ``, or with ``ACCUMULATE`` added into fp32 ``DQ``."""
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
-    b = bh // num_heads
-    h = bh % num_heads
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m < q_len
-    q = tl.load(
-        Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-        mask=row_ok[:, None],
-        other=0.0,
-    )
-    rows = bh * q_len + offs_m
-    row_offs = rows[:, None] * HEAD_DIM + offs_d[None, :]
+    q, K, V, TABLE, rows, row_offs, row_ok, q_pos, lo, full_lo, full_hi, hi = _query_block(
+        Q, K, V, TABLE, stride_qb, stride_qh, stride_qm, stride_qd, stride_kh, stride_tb,
+        num_heads, group, q_len, q_start, key_lo, key_hi, window, HEAD_DIM, BLOCK_M, BLOCK_N,
+    )  # fmt: skip
     do = tl.load(DO + row_offs, mask=row_ok[:, None], other=0.0)
     lse = tl.load(LSE + rows, mask=row_ok, other=0.0) * _LOG2E
     delta = tl.load(DELTA + rows, mask=row_ok, other=0.0)
-    kv_head = (h // group) * stride_kh
-    K += kv_head
-    V += kv_head
-    TABLE += b * stride_tb
-
-    q_pos = q_start + offs_m
-    q_last = q_start + tl.minimum(start_m + BLOCK_M, q_len) - 1
-    lo, full_lo, full_hi, hi = _key_blocks(q_start + start_m, q_last, window, key_lo, key_hi, BLOCK_N)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, K, V, TABLE, stride_ks, stride_kp, stride_kd, q_pos, lo, full_lo,
                        key_hi, window, qk_scale, HEAD_DIM, PAGE, BLOCK_N, True, PRECISION)  # fmt: skip
