@@ -188,7 +188,7 @@ class Offloader:
     def begin_sweep(self, kind: str) -> None:
         """``"forward"``/``"eval"``: a new step (nothing staged is valid, stats restart); ``"backward"``: K/V
         stay staged, gradients restart at zero (no gradient page is on the host)."""
-        self._sweep, self._at, self._rest, self._tick, self._fresh = kind, None, [], 0, None
+        self._sweep, self._at, self._rest, self._tick, self._fresh = kind, None, ([], 0), 0, None
         self._span = self.shape.num_blocks  # prefix blocks a stream reads (fewer under a sliding window)
         self._grads_on_host: set[tuple[int, int]] = set()
         if kind == "backward":
@@ -240,7 +240,7 @@ class Offloader:
             # bottom, the next chunk's climb; the same layer twice is a checkpointed recompute
             descending = layer == previous.layer - 1 if previous.grads else layer == previous.layer
         self._at = _Visit(layer, chunk, grads, descending)
-        self._rest = []
+        self._rest = ([], 0)
         if layer not in self._rank:
             self._prefetch()
 
@@ -279,9 +279,9 @@ class Offloader:
         self._fresh, self._span = None, chunk - first
         # the chunk's own K/V are on the device already; the prefix comes from the host
         prefix = [_Need(layer, j, True, grads) for j in range(first, chunk)]
-        self._rest = [_Need(layer, chunk, False, grads), *prefix]
-        while self._rest:
-            need = self._rest.pop(0)
+        needs = [_Need(layer, chunk, False, grads), *prefix]
+        for i, need in enumerate(needs):
+            self._rest = (needs, i + 1)  # what prefetch predicts first: needs[i + 1:]
             self._tick += 1
             buf = self._stage(need, "demand", self._protected(need))
             assert buf.kv, "the chunk's own block is written before it is streamed"
@@ -324,7 +324,9 @@ class Offloader:
 
     def _upcoming(self) -> Iterator[_Need]:
         """Predicted block uses after now, nearest first: the rest of this stream, then the next streams'."""
-        yield from self._rest
+        needs, start = self._rest
+        for i in range(start, len(needs)):
+            yield needs[i]
         visit = self._at
         for _ in range(2 * self.shape.num_layers):
             visit = self._next(visit) if visit is not None else None
@@ -400,9 +402,14 @@ class Offloader:
         if events:
             s = self._streams
             compute = s.compute()
-            start = s.record(compute, timing=True)
-            s.wait(compute, *events)
-            self._waits.append((start, s.record(compute, timing=True)))
+            if all(
+                e.query() for e in events
+            ):  # copies already done: the wait costs nothing, no timing needed
+                s.wait(compute, *events)
+            else:
+                start = s.record(compute, timing=True)
+                s.wait(compute, *events)
+                self._waits.append((start, s.record(compute, timing=True)))
         # later compute work follows these waits in stream order; later copies wait on newer compute events
         buf.ready = None
         if writes:
