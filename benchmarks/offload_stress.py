@@ -15,8 +15,10 @@ way, copy-wait seconds and on-demand copies per configuration.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import random
+import shutil
 import time
 from pathlib import Path
 
@@ -82,6 +84,12 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        help="write a gzipped Chrome trace (Perfetto) of one host_all_4buf step: the streams' timeline",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -156,6 +164,17 @@ def main() -> None:
             flush=True,
         )
 
+    if args.trace:  # compute and copy streams side by side: do the copies hide behind the kernels?
+        ids = torch.randint(0, vocab, (1, seq), device=device)
+        kind = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+        with torch.profiler.profile(activities=[kind]) as prof:
+            run_step(model, engines["host_all_4buf"], ids, cuda)
+        args.trace.parent.mkdir(parents=True, exist_ok=True)
+        raw = args.trace.with_suffix(".tmp.json")
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as src, gzip.open(args.trace, "wb") as dst:  # Perfetto opens .json.gz
+            shutil.copyfileobj(src, dst)
+        raw.unlink()
     if cuda:  # release unpins host memory; the next step re-reserves
         engines["host_all_4buf"].release()
         run_step(model, engines["host_all_4buf"], torch.randint(0, vocab, (1, seq), device=device), cuda)
