@@ -489,3 +489,18 @@ def test_sliding_window_streams_only_the_blocks_it_sees():
     # recompute and backward); full attention would need 1 + 2 + 3
     assert all(n <= 3 for (sweep, _), n in kv_in.items() if sweep == "forward")
     assert all(n <= 6 for (sweep, _), n in kv_in.items() if sweep == "backward")
+
+
+def test_a_training_step_keeps_the_same_device_pool_at_any_length():
+    """Through the engine: 4x the tokens, 4x the host pool, the same device bytes (the staging buffers)."""
+    model = build_causal_lm("qwen2")
+    device_bytes, host_bytes = [], []
+    for seq in (48, 192):
+        ids = torch.randint(0, 97, (1, seq), generator=torch.Generator().manual_seed(seq))
+        _, _, engine = run_step(model, ids, False, offload=True, hbm_budget=0)
+        stats = engine.stats.extra
+        assert stats["hbm_pool_bytes"] == 0
+        device_bytes.append(engine.pool.device_bytes)
+        host_bytes.append(stats["host_pool_bytes"])
+    assert device_bytes[0] == device_bytes[1] == 4 * engine.pool.shape.block_bytes
+    assert host_bytes[1] == 4 * host_bytes[0]
