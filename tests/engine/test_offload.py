@@ -504,3 +504,15 @@ def test_a_training_step_keeps_the_same_device_pool_at_any_length():
         host_bytes.append(stats["host_pool_bytes"])
     assert device_bytes[0] == device_bytes[1] == 4 * engine.pool.shape.block_bytes
     assert host_bytes[1] == 4 * host_bytes[0]
+
+
+def test_evaluation_with_offload_equals_without():
+    model = build_causal_lm("mistral")  # sliding window: blocks outside it are skipped in the eval sweep too
+    ids = torch.randint(0, 97, (2, SEQ), generator=torch.Generator().manual_seed(4))
+    want = full_sequence_loss(model, ids).item()
+    plain = OOMBEngine(HFChunkModel(model), OOMBConfig(CHUNK, PAGE)).evaluate(ids).item()
+    engine = OOMBEngine(HFChunkModel(model), OOMBConfig(CHUNK, PAGE, offload=True, hbm_budget=0))
+    with torch.inference_mode():  # as in Lightning's evaluation loop
+        offloaded = engine.evaluate(ids).item()
+    assert engine.stats.extra["host_layers"] == 2 and engine.stats.extra["h2d_bytes"] > 0
+    assert abs(offloaded - plain) <= 1e-13 * plain and abs(offloaded - want) <= 1e-10 * want
