@@ -79,43 +79,26 @@ class Problem:
         self.lq, self.lk, self.page, self.scale = lq, lk, page, d**-0.5
         self.q, self.dout = randn(1, h, lq, d), randn(1, h, lq, d)
         self.k, self.v = randn(1, hkv, lk, d), randn(1, hkv, lk, d)
+        from tests.helpers.attention import to_pages  # (imports triton: after main() chose interpret mode)
+
         n_pages = math.ceil(lk / page)
         self.table = torch.randperm(n_pages, generator=gen).int().to(device)[None]
-        self.k_arena, self.v_arena = self.to_pages(self.k), self.to_pages(self.v)
+        self.k_arena, self.v_arena = (to_pages(x, self.table, page) for x in (self.k, self.v))
         self.dk_arena = torch.zeros(self.k_arena.shape, dtype=torch.float32, device=device)
         self.dv_arena = torch.zeros_like(self.dk_arena)
 
-    def to_pages(self, x: torch.Tensor) -> torch.Tensor:
-        """``[1, Hkv, Lk, D]`` tokens -> arena ``[pages, Hkv, P, D]`` in the table's slots."""
-        _, h, n, d = x.shape
-        pages = self.table.shape[1]
-        x = F.pad(x, (0, 0, 0, pages * self.page - n)).view(h, pages, self.page, d).transpose(0, 1)
-        arena = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        arena[self.table[0].long()] = x
-        return arena
-
     def from_pages(self, arena: torch.Tensor) -> torch.Tensor:
-        """Inverse of :meth:`to_pages`."""
-        pages = arena[self.table[0].long()]
-        return pages.transpose(0, 1).reshape(1, pages.shape[1], -1, pages.shape[3])[:, :, : self.lk]
+        """The problem's tokens ``[1, Hkv, Lk, D]`` held in ``arena``."""
+        from tests.helpers.attention import from_pages
 
-
-def lower_right_mask(lq: int, lk: int, device) -> torch.Tensor:
-    return torch.ones(lq, lk, dtype=torch.bool, device=device).tril(lk - lq)
-
-
-def torch_attention(q, k, v, scale: float) -> torch.Tensor:
-    """Plain-torch attention (materialised scores) in the inputs' dtype; GQA by repetition."""
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    s = (q @ k.transpose(-1, -2)) * scale
-    s = s.masked_fill(~lower_right_mask(q.shape[2], k.shape[2], q.device), -math.inf)
-    return torch.softmax(s, -1) @ v
+        return from_pages(arena, self.table, self.lk)
 
 
 def torch_grads(p: Problem, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    from tests.helpers.attention import dense_attention
+
     q, k, v = (x.detach().to(dtype).requires_grad_() for x in (p.q, p.k, p.v))
-    out = torch_attention(q, k, v, p.scale)
+    out = dense_attention(q, k, v, p.lk - p.lq, p.scale)  # plain torch, materialised scores, in ``dtype``
     out.backward(p.dout.to(dtype))
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
@@ -137,7 +120,7 @@ def run_oomb_blocks(p: Problem, block: int, backward: bool = True) -> None:
     ``attend`` / ``attend_backward`` (carried softmax state, accumulated dQ) — its cost over one call is the
     compute overhead of streaming."""
     from lightning_oomb.engine.attention import attend, attend_backward
-    from lightning_oomb.engine.kv_pool import PagedKV
+    from lightning_oomb.engine.pages import PagedKV
 
     q_start = p.lk - p.lq
     arenas = (p.k_arena, p.v_arena, p.dk_arena, p.dv_arena)

@@ -19,82 +19,45 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.common import GIB, build_qwen2, timed, write_json
 from lightning_oomb.engine import OOMBConfig, OOMBEngine
-from lightning_oomb.integrations.hf import HFChunkModel
+from lightning_oomb.integrations.hf import HFChunkModel, set_layer_checkpointing
 from lightning_oomb.models import qwen2_5_7b_config
 
-GIB = 2**30
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=256)  # fmt: skip
 
 
 def build_model(tiny: bool, device: torch.device):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = (
-        Qwen2Config(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=256,
-        )
-        if tiny
-        else qwen2_5_7b_config()
-    )
-    config._attn_implementation = "sdpa"
-    dtype = torch.bfloat16
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with device:
-            model = Qwen2ForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    return model.train()
-
-
-def set_checkpointing(model, enabled: bool) -> None:
-    if enabled:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_disable()
+    return build_qwen2(device, torch.bfloat16, TINY if tiny else qwen2_5_7b_config())
 
 
 def measure(step, device: torch.device, repeats: int, warmup: bool) -> tuple[float, float]:
-    """Run ``step`` once to warm up (if ``warmup``), then ``repeats`` times; return (peak GiB, median seconds)."""
+    """Run ``step`` once to warm up (if ``warmup``), then ``repeats`` times; return (peak GiB over the timed runs,
+    median seconds)."""
     if warmup:
         step()
-    times = []
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else float("nan")
-    return peak, sorted(times)[len(times) // 2]
+    runs = [timed(step, device) for _ in range(repeats)]
+    peak = max(r[1] for r in runs) / GIB if device.type == "cuda" else float("nan")
+    return peak, sorted(r[0] for r in runs)[len(runs) // 2]
 
 
 def run_method(method: str, model, context: int, args, device, warmup: bool = True) -> dict:
     ids = torch.randint(0, model.config.vocab_size, (1, context), device=device)
     engine = None
     if method == "hf":
-        set_checkpointing(model, True)
+        set_layer_checkpointing(model, True)
 
         def step():
             model.zero_grad(set_to_none=False)
             model(input_ids=ids, labels=ids).loss.backward()
 
     else:
-        set_checkpointing(model, False)
+        set_layer_checkpointing(model, False)
         config = OOMBConfig(
             chunk_size=args.chunk_size,
             layer_checkpointing=True,
@@ -203,7 +166,6 @@ def main() -> None:
     device = torch.device(args.device)
     model = build_model(args.tiny, device)
     rows = []
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     for method in args.methods.split(","):
         contexts = args.offload_contexts if method == "oomb-offload" else args.contexts
         for i, context in enumerate(map(int, contexts.split(","))):
@@ -212,7 +174,7 @@ def main() -> None:
             # kernels compile and autotune once per method (keyed on head dim and page size, not length)
             warmup = i == 0 or not args.warmup_once
             rows.append(run_method(method, model, context, args, device, warmup))
-            args.out.write_text(json.dumps(rows, indent=1))  # a run cut short keeps what it measured
+            write_json(args.out, rows)  # a run cut short keeps what it measured
     plot(rows, args.out.with_suffix(".png"))
     print(table(rows))
 

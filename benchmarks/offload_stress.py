@@ -1,9 +1,11 @@
 """Offload stress check: 20 steps with offload, with and without random stream delays (a race shows as error).
 
-Every copy of the offloader and every compute-stream use of a staging buffer gets a random ``torch.cuda._sleep``
-delay, so a missing event wait turns into wrong numbers. Each offload configuration runs every step twice, without
-and with delays; the kernels have no atomics, so the two must agree to the model's own run-to-run noise (two
-identical no-offload runs, ``ref`` and ``ref_again``; 0 when everything is deterministic). The error of each
+The delayed runs use the engine's ``delaying_transport``: on CUDA every copy and every compute-stream wait on a
+staging buffer gets a random ``torch.cuda._sleep``; on CPU every copy runs at a random later moment (before
+anything waits for it). Either way a missing event wait turns into wrong numbers. Each offload configuration runs
+every step twice, without and with delays (two engines, the same options); the kernels have no atomics, so the
+two must agree to the model's own run-to-run noise (two identical no-offload runs, ``ref`` and ``ref_again``; 0
+when everything is deterministic). The error of each
 configuration against no offload (block-wise log-sum-exp merges: rounding only) is reported. Also checks that
 ``release()`` followed by another step works, and reports step time, peak memory, pool sizes, bytes copied each
 way, copy-wait seconds and on-demand copies per configuration.
@@ -15,19 +17,17 @@ way, copy-wait seconds and on-demand copies per configuration.
 from __future__ import annotations
 
 import argparse
+import functools
 import gzip
-import json
-import random
 import shutil
-import time
 from pathlib import Path
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from benchmarks.common import GIB, build_qwen2, timed, write_json
 from lightning_oomb.engine import OOMBConfig, OOMBEngine
-from lightning_oomb.engine.kv_pool import PoolShape, resolve_grad_dtype
-from lightning_oomb.engine.offload import Offloader
+from lightning_oomb.engine.offload import default_transport, delaying_transport
+from lightning_oomb.engine.pages import PoolShape
 from lightning_oomb.integrations.hf import HFChunkModel
 
 CONFIGS = {
@@ -39,41 +39,20 @@ CONFIGS = {
     "host_all_4buf": dict(offload=True, hbm_budget=0, staging_buffers=4),
     "host_all_4buf_ckpt": dict(offload=True, hbm_budget=0, staging_buffers=4, layer_checkpointing=True),
 }
-DELAYS = {"on": False}
 
 
-def add_random_delays() -> None:
-    """While ``DELAYS["on"]``, delay every copy (on its copy stream) and every compute-stream use of a buffer."""
-    move, use = Offloader._move, Offloader._use
-
-    def sleep() -> None:
-        if DELAYS["on"]:
-            torch.cuda._sleep(random.randint(0, 200_000))
-
-    def slow_move(self, *a, **k):
-        sleep()
-        return move(self, *a, **k)
-
-    def slow_use(self, *a, **k):
-        sleep()
-        return use(self, *a, **k)
-
-    Offloader._move, Offloader._use = slow_move, slow_use
-
-
-def run_step(model, engine, ids, cuda: bool):
+def run_step(model, engine, ids, device: torch.device):
+    """One training step: ``(loss, all gradients flattened in float64, seconds, peak device bytes)``."""
     model.zero_grad(set_to_none=True)
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    loss = engine.loss(ids)
-    loss.backward()
-    if cuda:
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+
+    def step():
+        loss = engine.loss(ids)
+        loss.backward()
+        return loss.detach()
+
+    seconds, peak, loss = timed(step, device)
     grads = torch.cat([p.grad.double().flatten() for p in model.parameters()])
-    return loss.detach(), grads, seconds, torch.cuda.max_memory_allocated() if cuda else 0
+    return loss, grads, seconds, peak
 
 
 def main() -> None:
@@ -112,40 +91,34 @@ def main() -> None:
         )
         seq, chunk, page, vocab, dtype = 16384, 2048, 128, 32000, torch.bfloat16
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, attn_implementation="sdpa", **shape)).to(
-        device, dtype
-    )
-    if cuda:
-        add_random_delays()
+    model = build_qwen2(device, dtype, {"vocab_size": vocab, **shape})
     layers = shape["num_hidden_layers"]
     head_dim = shape["hidden_size"] // shape["num_attention_heads"]
-    kv_heads = shape["num_key_value_heads"]
-    grad_dtype = resolve_grad_dtype("float32", dtype)
-    pool_shape = PoolShape(layers, 1, seq, kv_heads, head_dim, page, dtype, grad_dtype, chunk)
+    pool_shape = PoolShape(layers, 1, seq, shape["num_key_value_heads"], head_dim, page, chunk, dtype=dtype)
 
-    def make_engine(options: dict) -> OOMBEngine:
+    def make_engine(options: dict, transport=default_transport) -> OOMBEngine:
         options = dict(options)
         if options.get("hbm_budget") == "mixed":  # half the layers on the device
             buffers = options["staging_buffers"]
             options["hbm_budget"] = pool_shape.layer_bytes * (layers // 2) + buffers * pool_shape.block_bytes
         adapter = HFChunkModel(model, layer_checkpointing=options.get("layer_checkpointing", False))
-        return OOMBEngine(adapter, OOMBConfig(chunk, page, **options))
+        return OOMBEngine(adapter, OOMBConfig(chunk, page, **options), transport)
 
     engines = {name: make_engine(options) for name, options in CONFIGS.items()}
+    delayed = {
+        name: make_engine(options, functools.partial(delaying_transport, seed=i))
+        for i, (name, options) in enumerate(CONFIGS.items())
+        if options
+    }
     rows, race, vs_ref = {}, {}, {}
     for step in range(args.steps):
         ids = torch.randint(0, vocab, (1, seq), device=device)
-        ref_loss, ref_grads, *_ = run_step(model, engines["ref"], ids, cuda)
+        ref_loss, ref_grads, *_ = run_step(model, engines["ref"], ids, device)
         scale = ref_grads.abs().max().item()
-        noise = (run_step(model, engines["ref_again"], ids, cuda)[1] - ref_grads).abs().max().item() / scale
-        for name, options in CONFIGS.items():
-            if not options:
-                continue
-            DELAYS["on"] = False
-            calm = run_step(model, engines[name], ids, cuda)
-            DELAYS["on"] = cuda
-            loss, grads, seconds, peak = run_step(model, engines[name], ids, cuda)
-            DELAYS["on"] = False
+        noise = (run_step(model, engines["ref_again"], ids, device)[1] - ref_grads).abs().max().item() / scale
+        for name, engine in delayed.items():
+            calm = run_step(model, engines[name], ids, device)
+            loss, grads, seconds, peak = run_step(model, engine, ids, device)
             err = (grads - calm[1]).abs().max().item() / scale
             race[name] = max(race.get(name, 0.0), err)
             vs_ref[name] = max(vs_ref.get(name, 0.0), (calm[1] - ref_grads).abs().max().item() / scale)
@@ -156,7 +129,7 @@ def main() -> None:
             )
             stats = engines[name].stats
             rows[name] = dict(
-                step_s=calm[2], peak_gib=calm[3] / 2**30, pool_gib=stats.pool_bytes / 2**30, **stats.extra
+                step_s=calm[2], peak_gib=calm[3] / GIB, pool_gib=stats.pool_bytes / GIB, **stats.extra
             )
         print(
             f"step {step}: ok (noise {noise:.2e}, worst delayed-vs-calm {max(race.values()):.2e}, "
@@ -168,7 +141,7 @@ def main() -> None:
         ids = torch.randint(0, vocab, (1, seq), device=device)
         kind = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
         with torch.profiler.profile(activities=[kind]) as prof:
-            run_step(model, engines["host_all_4buf"], ids, cuda)
+            run_step(model, engines["host_all_4buf"], ids, device)
         args.trace.parent.mkdir(parents=True, exist_ok=True)
         raw = args.trace.with_suffix(".tmp.json")
         prof.export_chrome_trace(str(raw))
@@ -177,7 +150,7 @@ def main() -> None:
         raw.unlink()
     if cuda:  # release unpins host memory; the next step re-reserves
         engines["host_all_4buf"].release()
-        run_step(model, engines["host_all_4buf"], torch.randint(0, vocab, (1, seq), device=device), cuda)
+        run_step(model, engines["host_all_4buf"], torch.randint(0, vocab, (1, seq), device=device), device)
     report = {
         "command": "benchmarks/offload_stress.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()),
         "steps": args.steps,
@@ -186,8 +159,7 @@ def main() -> None:
         "last_step": rows,
     }
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1, default=float))
+        write_json(args.out, report)
     print(
         f"{'config':20s} {'step s':>7s} {'peak GiB':>9s} {'dev pool':>9s} {'host pool':>9s} {'H2D GiB':>8s} "
         f"{'D2H GiB':>8s} {'wait s':>7s} {'demand':>6s}"

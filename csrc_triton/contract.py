@@ -1,6 +1,30 @@
-"""The call contract shared by the Triton kernels and their torch reference (plain Python: no Triton needed)."""
+"""The call contract of paged attention, shared by the Triton kernels and their torch reference (plain Python).
+
+Both backends expose the same two functions with the same arguments, so that dispatch is choosing a module
+(``csrc_triton.paged_attention`` or ``lightning_oomb.engine.reference``) and one test suite runs over both::
+
+    paged_attention_forward(q, k_pages, v_pages, page_table, q_start, scale, window=None, *,
+                            key_range=None, state=None) -> (out, lse) | None
+    paged_attention_backward(q, out, lse, dout, k_pages, v_pages, dk_pages, dv_pages, page_table, q_start, scale,
+                             window=None, *, key_range=None, delta=None, dq=None) -> dq
+
+- ``q [B, Hq, Lq, D]`` at absolute positions ``[q_start, q_start + Lq)``; pages ``[slots, Hkv, P, D]``;
+  ``page_table`` int32 ``[B, n_pages]`` (row ``b``'s page ``j`` is slot ``page_table[b, j]``).
+- Query ``i`` sees key ``j`` iff ``j <= q_start + i`` and, with a sliding ``window`` W, ``j > q_start + i - W``
+  (lower-right causal); query head ``h`` reads KV head ``h // (Hq // Hkv)`` (GQA, never repeated).
+- ``key_range=(lo, hi)``: only keys ``[lo, hi)`` (:func:`checked_key_range`); ``state=(acc, m, l)``: fold the keys
+  into a carried softmax state in place and return ``None``; ``delta``/``dq``: a precomputed ``rowsum(dO * O)``
+  and an accumulator dQ is added into (all checked by :func:`check_buffer`).
+- ``out`` has ``q``'s dtype, ``lse`` (natural log) and the buffers are float32 (float64 for float64 inputs, which
+  only the reference takes). Backward **adds** dK/dV of every key it visits into ``dk_pages``/``dv_pages``.
+
+New score terms (page selections for sparse attention, attention sinks, logit softcapping, document boundaries)
+enter as further keyword-only arguments of both functions, documented and checked here.
+"""
 
 from __future__ import annotations
+
+import torch
 
 
 def checked_key_range(key_range: tuple[int, int] | None, num_keys: int, page: int) -> tuple[int, int]:
@@ -15,3 +39,17 @@ def checked_key_range(key_range: tuple[int, int] | None, num_keys: int, page: in
             "the keys at page boundaries."
         )
     return lo, hi
+
+
+def check_window(window: int | None) -> None:
+    if window is not None and window < 1:
+        raise ValueError(f"window={window} must be a positive number of keys (or None).")
+
+
+def check_buffer(name: str, x: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device) -> None:
+    """A caller-owned buffer: the forward state or the dQ accumulator (updated in place), or a precomputed delta."""
+    if x.shape != shape or x.dtype != dtype or not x.is_contiguous() or x.device != torch.device(device):
+        raise ValueError(
+            f"{name} must be a contiguous {dtype} tensor of shape {shape} on {device}; got {x.dtype} "
+            f"{tuple(x.shape)} on {x.device} (contiguous: {x.is_contiguous()})."
+        )

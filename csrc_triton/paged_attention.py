@@ -4,8 +4,8 @@ One chunk's queries ``q [B, Hq, Lq, D]`` at absolute positions ``[q_start, q_sta
 ``[0, q_start + Lq)`` stored in pages: arenas ``[slots, Hkv, P, D]`` and ``page_table [B, n_pages]`` (row ``b``'s
 page ``j`` is slot ``page_table[b, j]``). Query ``i`` sees key ``j`` iff ``j <= q_start + i`` and, with a sliding
 ``window`` W, ``j > q_start + i - W`` (lower-right causal). Query head ``h`` reads KV head ``h // (Hq // Hkv)``;
-K/V are never repeated. Every ``(b, j)`` must name its own slot. The plain-torch oracle is
-``lightning_oomb.engine.reference``.
+K/V are never repeated. Every ``(b, j)`` must name its own slot. The launchers' arguments are the contract of
+``csrc_triton.contract``, shared with the plain-torch oracle ``lightning_oomb.engine.reference``.
 
 Kernels (FlashAttention-2 style; softmax in base 2 with ``qk_scale = scale * log2(e)``, the returned ``lse`` is
 the natural log):
@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from csrc_triton.contract import checked_key_range
+from csrc_triton.contract import check_buffer, check_window, checked_key_range
 
 LOG2E = math.log2(math.e)
 _LOG2E = tl.constexpr(LOG2E)
@@ -502,33 +502,33 @@ def _bwd_dq_kernel(
 # -------------------------------------------------------------------------------------------------- launchers
 def _check(
     q: torch.Tensor,
-    k_arena: torch.Tensor,
-    v_arena: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
     page_table: torch.Tensor,
     q_start: int,
     key_range: tuple[int, int] | None,
 ):
     """Validate shapes/dtypes (cheap, before any launch); return ``(B, Hq, Lq, D, Hkv, P, key_lo, key_hi)``."""
-    if q.dim() != 4 or k_arena.dim() != 4:
+    if q.dim() != 4 or k_pages.dim() != 4:
         raise ValueError(
-            f"q must be [B, Hq, Lq, D] and arenas [slots, Hkv, P, D]; got {q.shape}, {k_arena.shape}"
+            f"q must be [B, Hq, Lq, D] and arenas [slots, Hkv, P, D]; got {q.shape}, {k_pages.shape}"
         )
     b, hq, lq, d = q.shape
-    hkv, page = k_arena.shape[1], k_arena.shape[2]
-    if q.dtype not in _SUPPORTED or k_arena.dtype != q.dtype or v_arena.dtype != q.dtype:
+    hkv, page = k_pages.shape[1], k_pages.shape[2]
+    if q.dtype not in _SUPPORTED or k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
         raise TypeError(
             f"paged attention kernels take {_SUPPORTED} with K/V pages in the query dtype; got q {q.dtype}, "
-            f"pages {k_arena.dtype}/{v_arena.dtype} — use the torch reference backend for other dtypes."
+            f"pages {k_pages.dtype}/{v_pages.dtype} — use the torch reference backend for other dtypes."
         )
     for name, size in (("head_dim", d), ("page size", page)):
         if size < 16 or size & (size - 1):
             raise ValueError(f"{name}={size} is not supported — the kernels need a power of two >= 16.")
-    if k_arena.shape[3] != d or v_arena.shape != k_arena.shape or hq % hkv:
+    if k_pages.shape[3] != d or v_pages.shape != k_pages.shape or hq % hkv:
         raise ValueError(
-            f"q {tuple(q.shape)} does not match K/V pages {tuple(k_arena.shape)}/{tuple(v_arena.shape)}: "
+            f"q {tuple(q.shape)} does not match K/V pages {tuple(k_pages.shape)}/{tuple(v_pages.shape)}: "
             "need equal head_dim and Hq divisible by Hkv."
         )
-    if not (k_arena.is_contiguous() and v_arena.is_contiguous()):
+    if not (k_pages.is_contiguous() and v_pages.is_contiguous()):
         raise ValueError("K/V arenas must be contiguous [slots, Hkv, P, D] tensors.")
     if q.device.type != "cuda" and not _interpreting():
         raise ValueError(
@@ -548,22 +548,10 @@ def _check(
     return b, hq, lq, d, hkv, page, key_lo, key_hi
 
 
-def _check_f32(name: str, x: torch.Tensor, shape: tuple[int, ...], device: torch.device) -> None:
-    """A caller-owned fp32 buffer: the state or dQ accumulator (updated in place), or a precomputed delta."""
-    if x.shape != shape or x.dtype != torch.float32 or not x.is_contiguous() or x.device != device:
-        raise ValueError(
-            f"{name} must be a contiguous float32 tensor of shape {shape} on {device}; got {x.dtype} "
-            f"{tuple(x.shape)} on {x.device} (contiguous: {x.is_contiguous()})."
-        )
-
-
 def _window(window: int | None, q_start: int, lq: int) -> int:
     """The window as a kernel int; ``None`` becomes one that excludes nothing (every key is > position - Lk)."""
-    if window is None:
-        return q_start + lq
-    if window < 1:
-        raise ValueError(f"window={window} must be a positive number of keys (or None).")
-    return min(window, q_start + lq)
+    check_window(window)
+    return q_start + lq if window is None else min(window, q_start + lq)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -583,12 +571,12 @@ def _key_grid(first_key: int, key_hi: int, heads: int):
 
 def paged_attention_forward(
     q: torch.Tensor,
-    k_arena: torch.Tensor,
-    v_arena: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
     page_table: torch.Tensor,
     q_start: int,
     scale: float,
-    window: int | None,
+    window: int | None = None,
     *,
     key_range: tuple[int, int] | None = None,
     state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
@@ -598,7 +586,7 @@ def paged_attention_forward(
     ``key_range=(lo, hi)`` visits only the keys at positions ``[lo, hi)`` (page-table entries of other pages are
     never read). With ``state=(acc, m, l)`` (fp32, see the module docstring) the keys are folded into the state in
     place and ``None`` is returned."""
-    b, hq, lq, d, hkv, page, key_lo, key_hi = _check(q, k_arena, v_arena, page_table, q_start, key_range)
+    b, hq, lq, d, hkv, page, key_lo, key_hi = _check(q, k_pages, v_pages, page_table, q_start, key_range)
     if state is None:
         out = torch.empty((b, hq, lq, d), dtype=q.dtype, device=q.device)
         lse = l_sum = torch.empty((b, hq, lq), dtype=torch.float32, device=q.device)
@@ -606,12 +594,12 @@ def paged_attention_forward(
         out, lse, l_sum = state
         rows = (b, hq, lq)
         for name, x, shape in zip(("acc", "m", "l"), state, ((*rows, d), rows, rows)):
-            _check_f32(f"state {name}", x, shape, q.device)
+            check_buffer(f"state {name}", x, shape, torch.float32, q.device)
     if out.numel() == 0:
         return None if state is not None else (out, lse)
     _fwd_kernel[_query_grid(lq, b * hq)](
-        q, k_arena, v_arena, page_table, out, lse, l_sum,
-        *q.stride(), *k_arena.stride(), page_table.stride(0),
+        q, k_pages, v_pages, page_table, out, lse, l_sum,
+        *q.stride(), *k_pages.stride(), page_table.stride(0),
         hq, hq // hkv, lq, q_start, key_lo, key_hi, _window(window, q_start, lq), scale * LOG2E,
         HEAD_DIM=d, PAGE=page, PRECISION=_precision(q.dtype), CARRY=state is not None,
     )  # fmt: skip
@@ -623,35 +611,35 @@ def paged_attention_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     dout: torch.Tensor,
-    k_arena: torch.Tensor,
-    v_arena: torch.Tensor,
-    dk_arena: torch.Tensor,
-    dv_arena: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    dk_pages: torch.Tensor,
+    dv_pages: torch.Tensor,
     page_table: torch.Tensor,
     q_start: int,
     scale: float,
-    window: int | None,
+    window: int | None = None,
     *,
     key_range: tuple[int, int] | None = None,
     delta: torch.Tensor | None = None,
     dq: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Return ``dq`` (dtype of ``q``) and **add** dK, dV of every page read into ``dk_arena``, ``dv_arena``
+    """Return ``dq`` (dtype of ``q``) and **add** dK, dV of every page read into ``dk_pages``, ``dv_pages``
     (float32 or bfloat16 ``[slots, Hkv, P, D]``, same layout as the K/V arenas).
 
     ``key_range=(lo, hi)``: only keys ``[lo, hi)`` (``out``, ``lse`` are still the final ones, over all keys).
     ``delta``: a precomputed ``rowsum(dout * out)`` (fp32 ``[B, Hq, Lq]``). ``dq``: an fp32 ``[B, Hq, Lq, D]``
     accumulator the contribution is added into (and which is returned)."""
-    b, hq, lq, d, hkv, page, key_lo, key_hi = _check(q, k_arena, v_arena, page_table, q_start, key_range)
-    grads = (dk_arena, dv_arena)
-    if any(g.shape != k_arena.shape or g.dtype not in _GRAD_DTYPES or not g.is_contiguous() for g in grads):
+    b, hq, lq, d, hkv, page, key_lo, key_hi = _check(q, k_pages, v_pages, page_table, q_start, key_range)
+    grads = (dk_pages, dv_pages)
+    if any(g.shape != k_pages.shape or g.dtype not in _GRAD_DTYPES or not g.is_contiguous() for g in grads):
         raise ValueError(
             f"dK/dV arenas must be contiguous {_GRAD_DTYPES} tensors shaped like the K/V arenas "
-            f"{tuple(k_arena.shape)}; got {[(tuple(g.shape), g.dtype) for g in grads]}."
+            f"{tuple(k_pages.shape)}; got {[(tuple(g.shape), g.dtype) for g in grads]}."
         )
     accumulate = dq is not None
     if accumulate:
-        _check_f32("dq", dq, (b, hq, lq, d), q.device)
+        check_buffer("dq", dq, (b, hq, lq, d), torch.float32, q.device)
     else:
         dq = torch.empty((b, hq, lq, d), dtype=q.dtype, device=q.device)
     if dq.numel() == 0:
@@ -663,20 +651,20 @@ def paged_attention_backward(
         grid = (triton.cdiv(b * hq * lq, 64),)
         _bwd_preprocess[grid](out.contiguous(), dout, delta, b * hq * lq, HEAD_DIM=d, BLOCK_M=64)
     else:
-        _check_f32("delta", delta, (b, hq, lq), q.device)
+        check_buffer("delta", delta, (b, hq, lq), torch.float32, q.device)
 
     precision = _precision(q.dtype)
     first_key = max(0, q_start - window + 1, key_lo)  # keys before q_start - window + 1 are in no window
     if first_key < key_hi:
         _bwd_dkdv_kernel[_key_grid(first_key, key_hi, b * hkv)](
-            q, k_arena, v_arena, dout, lse, delta, page_table, dk_arena, dv_arena,
-            *q.stride(), *k_arena.stride(), page_table.stride(0),
+            q, k_pages, v_pages, dout, lse, delta, page_table, dk_pages, dv_pages,
+            *q.stride(), *k_pages.stride(), page_table.stride(0),
             hq, hkv, hq // hkv, lq, q_start, first_key, key_hi, window, scale, scale * LOG2E,
             HEAD_DIM=d, PAGE=page, PRECISION=precision,
         )  # fmt: skip
     _bwd_dq_kernel[_query_grid(lq, b * hq)](
-        q, k_arena, v_arena, dout, lse, delta, page_table, dq,
-        *q.stride(), *k_arena.stride(), page_table.stride(0),
+        q, k_pages, v_pages, dout, lse, delta, page_table, dq,
+        *q.stride(), *k_pages.stride(), page_table.stride(0),
         hq, hq // hkv, lq, q_start, key_lo, key_hi, window, scale, scale * LOG2E,
         HEAD_DIM=d, PAGE=page, PRECISION=precision, ACCUMULATE=accumulate,
     )  # fmt: skip

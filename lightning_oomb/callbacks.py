@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
 
 from lightning_oomb.engine.errors import OOMBConfigError
 
@@ -20,6 +20,7 @@ class OOMBMonitor(Callback):
     way, time the compute stream waited on copies, HBM/host pool bytes), and on CUDA ``peak_device_bytes``.
     """
 
+    @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if getattr(trainer.strategy, "engine", None) is None and not hasattr(trainer.strategy, "oomb_config"):
             raise OOMBConfigError(
@@ -27,11 +28,13 @@ class OOMBMonitor(Callback):
                 "there is nothing to monitor — use Trainer(strategy='oomb') or drop the callback."
             )
 
+    @override
     def on_train_batch_start(self, trainer: Trainer, *_: Any) -> None:
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
         self._start = time.perf_counter()
 
+    @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *_: Any) -> None:
         device = trainer.strategy.root_device
         if device.type == "cuda":
@@ -50,34 +53,25 @@ class OOMBMonitor(Callback):
 
 
 class OOMBOffload(OOMBMonitor):
-    """Tune the asynchronous offload streams of the OOMB strategy for this run, and log what they move.
+    """Log what the offload streams of the OOMB strategy move (an observer: offload is configured on the strategy,
+    ``OOMBStrategy(offload=True, staging_buffers=..., prefetch_depth=...)`` or ``strategy="oomb_offload"``).
 
-    The strategy turns offload on (``OOMBStrategy(offload=True, hbm_budget=...)``); this callback sets how it
-    streams — ``staging_buffers`` (fixed-size device buffers, at least 2) and ``prefetch_depth`` (block uses staged
-    ahead; ``0``: on demand only) — overriding the strategy's values (``None`` keeps them), e.g. from a
-    LightningCLI ``callbacks:`` list. It logs everything :class:`OOMBMonitor` logs, in particular per step
-    ``oomb/h2d_bytes``, ``oomb/d2h_bytes``, ``oomb/copy_wait_s`` (time the compute stream waited on copies),
-    ``oomb/hbm_pool_bytes``, ``oomb/staging_bytes`` and ``oomb/host_pool_bytes``; use it instead of the monitor.
+    Logs everything :class:`OOMBMonitor` logs, in particular per step ``oomb/h2d_bytes``, ``oomb/d2h_bytes``,
+    ``oomb/copy_wait_s`` (time the compute stream waited on copies), ``oomb/prefetch_copies``,
+    ``oomb/demand_copies`` (copies a prefetch did not foresee), ``oomb/hbm_pool_bytes``, ``oomb/staging_bytes`` and
+    ``oomb/host_pool_bytes``; use it instead of the monitor. Refuses a run whose strategy does not offload.
     """
 
-    def __init__(self, staging_buffers: int | None = None, prefetch_depth: int | None = None) -> None:
-        self.overrides = {
-            k: v
-            for k, v in (("staging_buffers", staging_buffers), ("prefetch_depth", prefetch_depth))
-            if v is not None
-        }
-
+    @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        strategy = trainer.strategy
-        if not strategy.oomb_config.offload:
+        if not trainer.strategy.oomb_config.offload:
             raise OOMBConfigError(
-                "OOMBOffload tunes offload but the strategy keeps every page on the device (offload=False) — "
-                "turn it on with OOMBStrategy(offload=True) (YAML: strategy.init_args.offload: true)."
+                "OOMBOffload logs offload traffic but the strategy keeps every page on the device (offload=False) — "
+                "turn it on with OOMBStrategy(offload=True) or strategy='oomb_offload' (YAML: "
+                "strategy.init_args.offload: true)."
             )
         if any(type(c) is OOMBMonitor for c in trainer.callbacks):
             raise OOMBConfigError(
                 "OOMBOffload already logs everything OOMBMonitor logs — keep only OOMBOffload in callbacks."
             )
-        # validated like the strategy's own arguments; the engine is built from this config after setup
-        strategy.oomb_config = dataclasses.replace(strategy.oomb_config, **self.overrides)

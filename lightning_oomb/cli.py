@@ -17,6 +17,11 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_oomb  # noqa: F401  (registers strategy="oomb")
 
+# imported so that their short names work in configs and on the command line (`--model CausalLMModule`) and that
+# `oomb fit --help` lists them among the available subclasses
+from lightning_oomb.data import NeedleRetrievalDataModule, TextFileDataModule  # noqa: F401
+from lightning_oomb.models import CausalLMModule  # noqa: F401
+
 
 class OOMBCLI(LightningCLI):
     """``LightningCLI`` in subclass mode for both the model and the data, plus ``num_threads``."""

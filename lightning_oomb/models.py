@@ -14,7 +14,7 @@ from lightning.pytorch import LightningModule
 
 from lightning_oomb.engine.errors import OOMBConfigError
 
-# Qwen2.5-7B's shape (random init from this config is what the benchmarks measure; DESIGN.md §6).
+# Qwen2.5-7B's shape (random init from this config is what the benchmarks measure; docs/design.md, "Goals").
 QWEN2_5_7B: dict[str, Any] = {
     "model_type": "qwen2",
     "hidden_size": 3584,

@@ -1,14 +1,18 @@
-"""``OOMBStrategy`` ("oomb"): exact chunk-recurrent training of a Hugging Face causal LM on one device.
+"""``OOMBStrategy`` ("oomb"): exact chunk-recurrent training of a causal LM on one device.
 
 The user's LightningModule stays unchanged: inside its ``training_step``, ``self.model(**batch)`` is answered by
 the engine, whose loss is an autograd Function (forward sweep now, backward sweep when the loop calls
 ``backward``). The loop's order (training_step → zero_grad → backward → clip → step), AMP scaling, gradient
-accumulation and clipping are untouched (notes/lightning-integration.md §2-3).
+accumulation and clipping are untouched (docs/design.md, "Lightning"). The strategy talks to the model through
+the engine's :class:`~lightning_oomb.engine.model.ManagedModel` protocol (:func:`lightning_oomb.integrations.
+managed_model` finds it); it knows nothing of Hugging Face.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
+import textwrap
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,44 +24,31 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from typing_extensions import override
 
 from lightning_oomb.engine import OOMBConfig, OOMBConfigError, OOMBEngine
-from lightning_oomb.integrations.hf import HFChunkModel
+from lightning_oomb.engine.model import ManagedModel
+from lightning_oomb.integrations import managed_model
 from lightning_oomb.precision import OOMBPrecision
 
 
-def find_causal_lm(module: LightningModule, target_module: str | None) -> torch.nn.Module:
-    """The HF causal LM the engine drives: ``target_module`` (attribute path) or the unique one found."""
-    from transformers import PreTrainedModel
+def config_from_arguments(arguments: dict[str, Any]) -> OOMBConfig:
+    """The :class:`OOMBConfig` of a strategy ``__init__``'s arguments (``locals()``): its fields, by name."""
+    return OOMBConfig(**{name: arguments[name] for name in OOMBConfig.field_names()})
 
-    if target_module is not None:
-        try:
-            return module.get_submodule(target_module)
-        except AttributeError as err:
-            raise OOMBConfigError(
-                f"target_module={target_module!r} is not a submodule of {type(module).__name__} — the strategy "
-                "cannot find the model to drive — pass the attribute path of the HF model, e.g. 'model'."
-            ) from err
-    found = [
-        (name, m)
-        for name, m in module.named_modules()
-        if isinstance(m, PreTrainedModel) and m.get_output_embeddings() is not None
-    ]
-    outermost = [(n, m) for n, m in found if not any(n.startswith(o + ".") for o, _ in found if o != n)]
-    if len(outermost) != 1:
-        names = [n for n, _ in outermost] or "none"
-        raise OOMBConfigError(
-            f"{type(module).__name__} holds {len(outermost)} Hugging Face causal LMs ({names}) — the OOMB strategy "
-            "drives exactly one — pass OOMBStrategy(target_module='<attribute path>')."
-        )
-    return outermost[0][1]
+
+def strategy_doc(summary: str, more_args: str) -> str:
+    """A strategy docstring: ``summary``, then the engine options documented once in :class:`OOMBConfig`, then
+    ``more_args`` (entries indented by 8 spaces)."""
+    more = textwrap.indent(inspect.cleandoc(more_args), " " * 8)
+    return f"{summary}\n\n    Args:\n{OOMBConfig.args_doc()}{more}\n"
 
 
 class _OOMBStrategyMixin:
     """What every OOMB strategy shares: precision wrapping, the engine and the model-call interception."""
 
     engine: OOMBEngine | None = None
+    model_adapter: ManagedModel | None = None
 
     @property
     def precision_plugin(self) -> Precision:
@@ -78,34 +69,30 @@ class _OOMBStrategyMixin:
                 f"{type(module).__name__} overrides `backward`; OOMB runs the backward sweep from `loss.backward()` "
                 "and anything else your override does is applied to the step's loss only."
             )
-        model = find_causal_lm(module, self._target_module)
-        adapter = HFChunkModel(model, layer_checkpointing=self.oomb_config.layer_checkpointing)
-        self._causal_lm = model
-        self.engine = OOMBEngine(adapter, self.oomb_config)
+        config = self.oomb_config
+        self.model_adapter = managed_model(module, self._target_module, config.layer_checkpointing)
+        self.engine = OOMBEngine(self.model_adapter, config)
+        self.engine.check_device(self.root_device)  # backend, head dim and page size, before any work
 
     @contextlib.contextmanager
     def _engine_answers_model_calls(self, mode: str) -> Iterator[list]:
-        """Answer ``causal_lm(...)`` with the engine while the block runs; yields the list of calls made."""
+        """Answer the managed model's calls with the engine while the block runs; yields the list of calls made."""
         calls: list = []
-        engine, model = self.engine, self._causal_lm
+        engine = self.engine
 
-        def forward(input_ids=None, attention_mask=None, labels=None, **kwargs):
-            _check_batch(input_ids, attention_mask, kwargs)
+        def respond(input_ids: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
             if calls and mode == "train":
                 raise OOMBConfigError(
                     "training_step called the OOMB-managed model twice — one step holds one KV pool — call "
                     "`self.model(**batch)` once per training_step."
                 )
             calls.append(mode)
-            loss = engine.loss(input_ids, labels) if mode == "train" else engine.evaluate(input_ids, labels)
-            return CausalLMOutputWithPast(loss=loss, logits=_NoLogits())
+            return engine.loss(input_ids, labels) if mode == "train" else engine.evaluate(input_ids, labels)
 
-        model.forward = forward
-        try:
+        with self.model_adapter.answer_calls(respond):
             yield calls
-        finally:
-            del model.forward
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         with self._engine_answers_model_calls("train") as calls:
             output = super().training_step(*args, **kwargs)
@@ -116,82 +103,40 @@ class _OOMBStrategyMixin:
             )
         return output
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         with self._engine_answers_model_calls("eval"):
             return super().validation_step(*args, **kwargs)
 
+    @override
     def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         with self._engine_answers_model_calls("eval"):
             return super().test_step(*args, **kwargs)
 
+    @override
     def on_exception(self, exception: BaseException) -> None:
         if self.engine is not None:
             self.engine.release()
         super().on_exception(exception)
 
+    @override
     def teardown(self) -> None:
         if self.engine is not None:
             self.engine.release()
         super().teardown()
 
 
-class _LogitsUnavailable(OOMBConfigError, AttributeError):
-    """Raised on any use of :class:`_NoLogits` (an ``AttributeError`` too, so ``hasattr`` probes stay quiet)."""
-
-
-class _NoLogits:
-    """Stands in for the logits of a model call the engine answers: ``[B, N, vocab]`` logits of a long sequence
-    (80 GB at 128K tokens for Qwen2.5-7B in fp32) are exactly what OOMB never materialises. Any use raises."""
-
-    def _refuse(self, *args: Any, **kwargs: Any):
-        raise _LogitsUnavailable(
-            "the OOMB strategy answers the model call with the loss only — the logits of the whole sequence are "
-            "never materialised (they would not fit) — compute metrics from `output.loss`, or call the model "
-            "outside training_step/validation_step/test_step (e.g. in predict_step) on a short input."
-        )
-
-    __getattr__ = __getitem__ = __iter__ = __len__ = __bool__ = __array__ = _refuse
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        cls._refuse(None)
-
-
-def _check_batch(input_ids, attention_mask, extra: dict) -> None:
-    unexpected = sorted(
-        k for k, v in extra.items() if v is not None and k not in ("use_cache", "return_dict")
-    )
-    if input_ids is None or unexpected:
-        raise OOMBConfigError(
-            f"the OOMB-managed model got {unexpected or 'no input_ids'} — the engine computes positions, masks and "
-            "the loss itself from token ids — call it as `model(input_ids=..., labels=..., attention_mask=...)`."
-        )
-    if attention_mask is not None and not bool(attention_mask.bool().all()):
-        raise OOMBConfigError(
-            "attention_mask contains padding — OOMB trains on equal-length rows (sequence packing is not yet "
-            "supported) — pack or crop your samples to one length and drop the mask (or pass all ones)."
-        )
-
-
 class OOMBStrategy(_OOMBStrategyMixin, SingleDeviceStrategy):
-    """Train a Hugging Face causal LM on very long sequences on one device, exactly, by OOMB.
-
-    Args:
-        chunk_size: tokens processed together; activation memory scales with it, not with the sequence.
-        page_size: tokens per KV page (kernel tile); ``chunk_size`` must be a multiple of it.
-        kv_grad_dtype: ``"float32"`` (default) or ``"bfloat16"`` KV-gradient pages.
-        layer_checkpointing: checkpoint each decoder layer inside a chunk's recompute.
-        attention_backend: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"torch"`` or ``"triton"``.
-        offload: keep KV pages beyond ``hbm_budget`` in pinned host memory.
-        hbm_budget: device bytes for KV pages when offloading (``"auto"``: free memory minus a headroom).
-        staging_buffers: device buffers that host-tier layers stream through when offloading, each one
-            chunk's pages of one layer (fixed size: device memory stays flat in the context length); at least 2,
-            4 (default) overlaps copies both ways with compute.
-        prefetch_depth: block uses staged ahead of time when offloading (``None``: as many as the buffers
-            allow; ``0``: copies on demand only).
-        target_module: attribute path of the HF model in the LightningModule (default: the unique one).
+    __doc__ = strategy_doc(
+        """Train a causal LM (a Hugging Face ``*ForCausalLM``, LoRA via peft included) on very long sequences on one
+    device, exactly, by OOMB. ``Trainer(strategy="oomb")``; ``"oomb_offload"`` is the same with ``offload=True``.""",
+        """
+        target_module: attribute path of the model in the LightningModule (default: the unique one).
         device: explicit device; by default the Trainer's accelerator decides (``accelerator="auto"`` works).
-    """
+        accelerator, checkpoint_io, precision_plugin: as for Lightning's ``SingleDeviceStrategy`` (a stock
+            precision plugin is wrapped in :class:`~lightning_oomb.precision.OOMBPrecision`).
+        """,
+    )
 
     strategy_name = "oomb"
 
@@ -202,6 +147,7 @@ class OOMBStrategy(_OOMBStrategyMixin, SingleDeviceStrategy):
         kv_grad_dtype: str = "float32",
         layer_checkpointing: bool = False,
         attention_backend: str = "auto",
+        loss_block: int = 1024,
         offload: bool = False,
         hbm_budget: int | str = "auto",
         staging_buffers: int = 4,
@@ -212,17 +158,7 @@ class OOMBStrategy(_OOMBStrategyMixin, SingleDeviceStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
-        self.oomb_config = OOMBConfig(
-            chunk_size=chunk_size,
-            page_size=page_size,
-            kv_grad_dtype=kv_grad_dtype,
-            layer_checkpointing=layer_checkpointing,
-            attention_backend=attention_backend,
-            offload=offload,
-            hbm_budget=hbm_budget,
-            staging_buffers=staging_buffers,
-            prefetch_depth=prefetch_depth,
-        )
+        self.oomb_config = config_from_arguments(locals())
         self._target_module = target_module
         self._explicit_device = None if device is None else torch.device(device)
         self._parallel_devices: list[torch.device] | None = None
@@ -244,11 +180,13 @@ class OOMBStrategy(_OOMBStrategyMixin, SingleDeviceStrategy):
         self._parallel_devices = devices
 
     @property
+    @override
     def root_device(self) -> torch.device:
         if self._explicit_device is not None or not self._parallel_devices:
             return self._root_device
         return self._parallel_devices[0]
 
+    @override
     def setup_environment(self) -> None:
         if self._parallel_devices and len(self._parallel_devices) > 1:
             raise OOMBConfigError(
@@ -257,11 +195,20 @@ class OOMBStrategy(_OOMBStrategyMixin, SingleDeviceStrategy):
             )
         super().setup_environment()
 
+    @override
     def setup(self, trainer) -> None:
         self._build_engine(trainer.lightning_module)
         super().setup(trainer)
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry) -> None:
         if cls.strategy_name not in strategy_registry:
             strategy_registry.register(cls.strategy_name, cls, description="OOMB chunk-recurrent training")
+        if "oomb_offload" not in strategy_registry:
+            strategy_registry.register(
+                "oomb_offload",
+                cls,
+                description="OOMB with KV and gradient pages beyond hbm_budget in pinned host memory",
+                offload=True,
+            )

@@ -7,7 +7,8 @@ see one uniform paged sequence ``[0, chunk.start + Lq)`` with lower-right causal
 the chunk's accumulated gradient pages as the gradient of ``k, v`` — they already hold every later chunk's
 contribution because the backward sweep runs chunks in reverse.
 
-Dispatch: the Triton kernels (``csrc_triton``) for CUDA tensors, the plain-torch reference
+Dispatch is choosing a module with the contract's two functions (``csrc_triton.contract``): the Triton kernels
+(``csrc_triton.paged_attention``) for CUDA tensors, the plain-torch reference
 (:mod:`lightning_oomb.engine.reference`) elsewhere; ``OOMBConfig.attention_backend`` or the environment variable
 ``OOMB_ATTENTION_BACKEND`` (``auto`` | ``torch`` | ``triton``) forces one.
 """
@@ -16,91 +17,76 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Literal
 
 import torch
 
 from lightning_oomb.engine import reference
+from lightning_oomb.engine.config import check_backend_name
 from lightning_oomb.engine.errors import OOMBConfigError
-from lightning_oomb.engine.kv_pool import KVPool, PagedKV, PoolShape, resolve_grad_dtype
+from lightning_oomb.engine.kv_pool import KVPool
+from lightning_oomb.engine.lse import attention_delta, finish_state, init_state
+from lightning_oomb.engine.pages import PagedKV, PoolShape
 
-BACKENDS = ("auto", "torch", "triton")
-
-
-@dataclass
-class PoolLayout:
-    """Everything the pool needs for a step except the K/V dtype, which the first written chunk decides."""
-
-    num_layers: int
-    batch: int
-    seq_len: int
-    kv_heads: int
-    head_dim: int
-    page_size: int
-    kv_grad_dtype: str
-    chunk_size: int = 0
-
-    def shape(self, kv_dtype: torch.dtype) -> PoolShape:
-        return PoolShape(
-            self.num_layers,
-            self.batch,
-            self.seq_len,
-            self.kv_heads,
-            self.head_dim,
-            self.page_size,
-            kv_dtype,
-            resolve_grad_dtype(self.kv_grad_dtype, kv_dtype),
-            self.chunk_size,
-        )
+Backend = Literal["torch", "triton"]
 
 
 @dataclass
 class ChunkContext:
-    """Travels with one model call (an extra keyword of the call): where the chunk sits and where K/V go."""
+    """Travels with one model call (an extra keyword of the call): where the chunk sits and where K/V go.
+
+    ``shape``: the step's pool shape without the K/V dtype (the first chunk written decides it).
+    """
 
     pool: KVPool
-    layout: PoolLayout
+    shape: PoolShape
     start: int
     sweep: Literal["forward", "backward", "eval"]
-    backend: Literal["torch", "triton"]
+    backend: Backend
 
 
-def resolve_backend(name: str, device: torch.device) -> Literal["torch", "triton"]:
-    """``auto`` -> Triton on CUDA, the torch reference elsewhere; ``OOMB_ATTENTION_BACKEND`` overrides ``auto``."""
+def resolve_backend(name: str, device: torch.device) -> Backend:
+    """``auto`` -> Triton on CUDA, the torch reference elsewhere; ``OOMB_ATTENTION_BACKEND`` overrides ``auto``.
+    ``triton`` on a device the kernels cannot run on is refused (the Triton interpreter, for tests, runs them on
+    CPU tensors)."""
     if name == "auto":
         name = os.environ.get("OOMB_ATTENTION_BACKEND", "auto")
-    if name not in BACKENDS:
-        raise OOMBConfigError(
-            f"attention backend {name!r} is unknown — choose one of {BACKENDS} "
-            "(OOMBConfig.attention_backend or OOMB_ATTENTION_BACKEND)."
-        )
+    check_backend_name(name)
     if name == "auto":
         return "triton" if device.type == "cuda" else "torch"
+    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise OOMBConfigError(
+            f"attention_backend='triton' cannot run on a {device.type} device — the Triton kernels need CUDA — "
+            "use attention_backend='auto' (or 'torch')."
+        )
     return name
 
 
-def _kernels(backend: str):
+def check_kernel_shapes(backend: Backend, head_dim: int, page_size: int) -> None:
+    """Refuse, before any work, a head dim or page size the chosen backend cannot take."""
+    if backend != "triton":
+        return
+    for name, size in (("page_size", page_size), ("head_dim", head_dim)):
+        if size < 16 or size & (size - 1):
+            fix = (
+                "use page_size=128 (or another power of two >= 16)"
+                if name == "page_size"
+                else ("use attention_backend='torch' for this model")
+            )
+            raise OOMBConfigError(
+                f"{name}={size} cannot be used with the Triton attention kernels — their tiles need a power of "
+                f"two >= 16 — {fix}."
+            )
+
+
+def kernels(backend: Backend) -> ModuleType:
+    """The module implementing the backend's ``paged_attention_forward`` / ``paged_attention_backward``."""
     if backend == "triton":
-        from csrc_triton import paged_attention as kernels
+        from csrc_triton import paged_attention
 
-        return kernels
-    return None
-
-
-def _forward(backend: str, q, kv: PagedKV, q_start: int, scale: float, window, **block):
-    kernels = _kernels(backend)
-    if kernels is not None:
-        return kernels.paged_attention_forward(q, kv.k, kv.v, kv.page_table, q_start, scale, window, **block)
-    return reference.paged_attention_forward(q, kv, q_start, scale, window, **block)
-
-
-def _backward(backend: str, q, out, lse, dout, kv: PagedKV, q_start: int, scale: float, window, **block):
-    kernels = _kernels(backend)
-    if kernels is not None:
-        return kernels.paged_attention_backward(
-            q, out, lse, dout, kv.k, kv.v, kv.dk, kv.dv, kv.page_table, q_start, scale, window, **block
-        )
-    return reference.paged_attention_backward(q, out, lse, dout, kv, q_start, scale, window, **block)
+        return paged_attention
+    return reference
 
 
 def _first_key(q_start: int, window: int | None) -> int:
@@ -112,30 +98,33 @@ def _whole(kv: PagedKV, num_keys: int) -> bool:
     return kv.keys is None or kv.keys == (0, num_keys)
 
 
-def attend(backend: str, q, parts, q_start: int, scale: float, window):
+def attend(backend: Backend, q, parts, q_start: int, scale: float, window):
     """``(out, lse)`` of ``q`` over the key parts of :meth:`KVPool.parts`: one call for a part holding every key,
     else each part folded into one running softmax state (the log-sum-exp merge)."""
-    num_keys, state = q_start + q.shape[2], None
+    ops, num_keys, state = kernels(backend), q_start + q.shape[2], None
     for kv in parts:
         if state is None and _whole(kv, num_keys):
-            return _forward(backend, q, kv, q_start, scale, window)
+            return ops.paged_attention_forward(q, kv.k, kv.v, kv.page_table, q_start, scale, window)
         if state is None:
-            state = reference.init_state(q)
-        _forward(backend, q, kv, q_start, scale, window, key_range=kv.keys, state=state)
-    return reference.finish_state(state, q.dtype)
+            state = init_state(q)
+        ops.paged_attention_forward(
+            q, kv.k, kv.v, kv.page_table, q_start, scale, window, key_range=kv.keys, state=state
+        )
+    return finish_state(state, q.dtype)
 
 
-def attend_backward(backend: str, q, out, lse, dout, parts, q_start: int, scale: float, window):
+def attend_backward(backend: Backend, q, out, lse, dout, parts, q_start: int, scale: float, window):
     """``dq``, adding dK/dV into every part's gradient pages; dQ is summed over the parts."""
-    num_keys, dq, delta = q_start + q.shape[2], None, None
+    ops, num_keys, dq, delta = kernels(backend), q_start + q.shape[2], None, None
     for kv in parts:
+        pages = (kv.k, kv.v, kv.dk, kv.dv, kv.page_table)
         if dq is None and _whole(kv, num_keys):
-            return _backward(backend, q, out, lse, dout, kv, q_start, scale, window)
+            return ops.paged_attention_backward(q, out, lse, dout, *pages, q_start, scale, window)
         if dq is None:
-            delta = reference.attention_delta(out, dout)
+            delta = attention_delta(out, dout)
             dq = torch.zeros(q.shape, dtype=delta.dtype, device=q.device)
-        _backward(
-            backend, q, out, lse, dout, kv, q_start, scale, window, key_range=kv.keys, delta=delta, dq=dq
+        ops.paged_attention_backward(
+            q, out, lse, dout, *pages, q_start, scale, window, key_range=kv.keys, delta=delta, dq=dq
         )
     return dq.to(q.dtype)
 
@@ -148,7 +137,7 @@ class PagedAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, chunk: ChunkContext, layer: int, scale: float, window: int | None):
         pool = chunk.pool
         if chunk.sweep != "backward":  # the backward sweep's recompute writes nothing new
-            shape = chunk.layout.shape(k.dtype)
+            shape = chunk.shape.for_dtype(k.dtype)
             if pool.shape != shape:
                 pool.reserve(shape, k.device)
         pool.write(layer, chunk.start, k, v)

@@ -1,146 +1,42 @@
 """Paged KV + KV-gradient pool, in an HBM tier and (with offload) a pinned host tier.
 
-**Pages.** One *page* holds ``page_size`` consecutive tokens of K (and V) for one layer and one batch row, laid out
-``[kv_heads, page_size, head_dim]``. Gradient pages mirror the K/V pages (same slots) in ``grad_dtype``: float32 by
-default, bfloat16 opt-in; never narrower than the K/V dtype (float64 models get float64 gradient pages, which the
-exactness tests use).
-
-**Arenas.** A tier keeps all its pages in one :class:`Arena`: one allocation viewed as K, V, dK, dV
-``[slots, kv_heads, page_size, head_dim]`` (never one tensor per page). Within a tier, layer ``i`` owns slots
-``[i * layer_slots, (i + 1) * layer_slots)`` laid out page-major: page ``j`` of row ``b`` is slot
-``i * layer_slots + j * batch + b``, so the first ``n`` pages of a layer (all rows) are one contiguous range that a
-single copy moves. A page table ``[batch, pages] -> slot`` (int32) addresses a layer's pages; kernels index pages
-through it and know nothing about tiers.
+Pages, arenas and their slot arithmetic are in :mod:`lightning_oomb.engine.pages`; this module places layers in
+tiers and implements the access contract.
 
 **Tiers.** Without offload every layer lives in the HBM tier (the device the model runs on). With offload,
 :func:`plan_tiers` fills ``hbm_budget`` with whole layers; the other layers live in the host tier (pinned when CUDA
 is available) and are streamed in **blocks** of one chunk's pages through ``staging_buffers`` device buffers
 (:mod:`lightning_oomb.engine.offload` decides what is copied when). The pool's device bytes are at most
 ``max(hbm_budget, staging_buffers * block_bytes)``: with every layer on the host they do not depend on the
-sequence length. See :class:`PoolShape` for ``layer_bytes`` and ``block_bytes``.
+sequence length. Before anything is allocated, the bytes of every tier are checked against the memory available
+to it (device memory on CUDA, ``MemAvailable`` for host memory).
 
 **Access contract** (what the attention op does, once per layer and chunk; the order drives prefetch):
 :meth:`KVPool.write` stores the chunk's post-RoPE K/V at its start (in the backward sweep the same call restages
 the recomputed, identical K/V of a host layer on the device and changes nothing else); :meth:`KVPool.parts` then
-hands out the pages of ``[0, num_tokens)`` as one :class:`PagedKV` (HBM layer) or one per block (host layer), each
-with the key range it covers — with ``grads=True`` the caller adds into their gradient pages before taking the
-next part; :meth:`KVPool.read_grad` returns a chunk's accumulated gradients and, in the backward sweep, frees the
-chunk's gradient pages. A write zeroes the new pages' gradients. :meth:`KVPool.begin_sweep` /
-:meth:`KVPool.end_sweep` bracket each sweep. The pool is sized per step from the sequence length and reused across
-steps: arenas only grow.
+hands out the pages of ``[0, num_tokens)`` as one :class:`~lightning_oomb.engine.pages.PagedKV` (HBM layer) or one
+per block (host layer), each with the key range it covers — with ``grads=True`` the caller adds into their
+gradient pages before taking the next part; :meth:`KVPool.read_grad` returns a chunk's accumulated gradients and,
+in the backward sweep, frees the chunk's gradient pages. A write zeroes the new pages' gradients.
+:meth:`KVPool.begin_sweep` / :meth:`KVPool.end_sweep` bracket each sweep. The pool is sized per step from the
+sequence length and reused across steps: arenas only grow.
 """
 
 from __future__ import annotations
 
-import math
-import weakref
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from lightning_oomb.engine.config import OOMBConfig
 from lightning_oomb.engine.errors import OOMBConfigError
-from lightning_oomb.engine.offload import Offloader, Transfer
+from lightning_oomb.engine.offload import Offloader, Transfer, Transport, default_transport
+from lightning_oomb.engine.pages import Arena, PagedKV, PoolShape, arena_bytes, gather_tokens, write_tokens
 
-GRAD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 AUTO_HEADROOM = 0.25  # hbm_budget="auto" leaves this fraction of the device for params, grads and activations
 HOST_RESERVE_BYTES = 2 << 30  # host memory never pinned: left to the OS, the data loader and Python
-_ALIGN = 512  # byte alignment of the four views inside an arena (DMA friendly, divisible by every itemsize)
-
-
-@dataclass(frozen=True)
-class PoolShape:
-    """What the pool must hold for one step."""
-
-    num_layers: int
-    batch: int
-    seq_len: int
-    kv_heads: int
-    head_dim: int
-    page_size: int
-    dtype: torch.dtype
-    grad_dtype: torch.dtype
-    # tokens per chunk = per offload block (a multiple of page_size); 0: the whole sequence
-    chunk_size: int = 0
-
-    @property
-    def pages_per_row(self) -> int:
-        return math.ceil(self.seq_len / self.page_size)
-
-    @property
-    def layer_slots(self) -> int:
-        """Pages of one layer, all rows."""
-        return self.batch * self.pages_per_row
-
-    @property
-    def num_slots(self) -> int:
-        return self.num_layers * self.layer_slots
-
-    @property
-    def page_numel(self) -> int:
-        return self.kv_heads * self.page_size * self.head_dim
-
-    @property
-    def kv_bytes(self) -> int:
-        """Bytes of the K and V pages."""
-        return 2 * self.num_slots * self.page_numel * self.dtype.itemsize
-
-    @property
-    def grad_bytes(self) -> int:
-        """Bytes of the dK and dV gradient pages."""
-        return 2 * self.num_slots * self.page_numel * self.grad_dtype.itemsize
-
-    @property
-    def layer_bytes(self) -> int:
-        """Bytes of one layer's K, V, dK and dV pages (the unit of tier placement)."""
-        return (self.kv_bytes + self.grad_bytes) // self.num_layers
-
-    @property
-    def block_pages(self) -> int:
-        """Pages per row of one offload block (one chunk)."""
-        return min(math.ceil((self.chunk_size or self.seq_len) / self.page_size), self.pages_per_row)
-
-    @property
-    def num_blocks(self) -> int:
-        return math.ceil(self.pages_per_row / self.block_pages)
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one staging buffer: one block's K, V, dK and dV pages, all rows."""
-        return self.layer_bytes // self.pages_per_row * self.block_pages
-
-
-@dataclass
-class PagedKV:
-    """What the attention op reads for one layer: arenas, the page table and how many tokens are valid.
-
-    ``k``/``v``: ``[slots, kv_heads, page_size, head_dim]``; ``dk``/``dv``: the same in the gradient dtype;
-    ``page_table``: int32 ``[batch, pages]`` (row ``b``'s page ``j`` lives in slot ``page_table[b, j]``);
-    ``keys``: the key positions ``[lo, hi)`` this part holds (``None``: all of them) — the table's entries for
-    pages outside are not valid.
-    """
-
-    k: torch.Tensor
-    v: torch.Tensor
-    dk: torch.Tensor
-    dv: torch.Tensor
-    page_table: torch.Tensor
-    keys: tuple[int, int] | None = None
-
-    @property
-    def page_size(self) -> int:
-        return self.k.shape[2]
-
-
-def resolve_grad_dtype(name: str, kv_dtype: torch.dtype) -> torch.dtype:
-    """The gradient-page dtype for option ``name``, never narrower than the K/V dtype."""
-    if name not in GRAD_DTYPES:
-        raise OOMBConfigError(
-            f"kv_grad_dtype={name!r} is not supported — gradient pages are accumulated in place — "
-            f"use one of {sorted(GRAD_DTYPES)}."
-        )
-    grad = GRAD_DTYPES[name]
-    return kv_dtype if kv_dtype.itemsize > grad.itemsize else grad
 
 
 # ------------------------------------------------------------------------------------------------------ tiers
@@ -190,108 +86,27 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-# ----------------------------------------------------------------------------------------------------- arenas
-class Arena:
-    """One tier's pages: a single byte allocation viewed as ``k, v [slots, H, P, D]`` (K/V dtype) and
-    ``dk, dv`` (gradient dtype).
-
-    Device arenas start zeroed (a masked key of a ragged page is never NaN). The ``host`` arena lives in CPU
-    memory, uninitialised (its pages are always written before they are read) and, when CUDA is available,
-    page-locked with ``cudaHostRegister`` — not ``pin_memory=True``, whose caching allocator rounds sizes up to a
-    power of two (a 70 GiB tier would lock 128 GiB).
-    """
-
-    def __init__(self, slots: int, shape: PoolShape, device: torch.device, host: bool = False):
-        page = (shape.kv_heads, shape.page_size, shape.head_dim)
-        kv, grad = (slots * shape.page_numel * t.itemsize for t in (shape.dtype, shape.grad_dtype))
-        sizes = (kv, kv, grad, grad)
-        offsets = [0]
-        for size in sizes[:-1]:
-            offsets.append(offsets[-1] + math.ceil(size / _ALIGN) * _ALIGN)
-        total = offsets[-1] + sizes[-1]
-        if host:
-            storage = torch.empty(total, dtype=torch.uint8)
-        else:
-            storage = torch.zeros(total, dtype=torch.uint8, device=device)
-        self._unpin = None
-        if host and torch.cuda.is_available():
-            _check_cuda(
-                torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), total, 0), "cudaHostRegister"
-            )
-            # unregister before the bytes go back to malloc, even if the arena is dropped without free()
-            self._unpin = weakref.finalize(self, _unregister, storage.data_ptr())
-            self._unpin.atexit = False
-        dtypes = (shape.dtype, shape.dtype, shape.grad_dtype, shape.grad_dtype)
-        self.k, self.v, self.dk, self.dv = (
-            storage[o : o + n].view(t).view(slots, *page)
-            for o, n, t in zip(offsets, sizes, dtypes, strict=True)
-        )
-        self.slots, self.nbytes, self.device = slots, total, storage.device
-        self._storage = storage
-
-    def fits(self, slots: int, shape: PoolShape, device: torch.device) -> bool:
-        return (
-            self.device == device
-            and self.k.dtype == shape.dtype
-            and self.dk.dtype == shape.grad_dtype
-            and self.k.shape[1:] == (shape.kv_heads, shape.page_size, shape.head_dim)
-            and self.slots >= slots
-        )
-
-    def free(self) -> None:
-        """Unpin and drop the memory; the caller made sure no copy still uses it."""
-        if self._unpin is not None:
-            self._unpin()
-        self.k = self.v = self.dk = self.dv = self._storage = None
-
-
-def _check_cuda(code, what: str) -> None:
-    if int(code) != 0:
-        raise RuntimeError(f"{what} failed with cudaError {int(code)}")
-
-
-def _unregister(ptr: int) -> None:
-    torch.cuda.synchronize()  # no copy may still read or write pages that stop being page-locked
-    _check_cuda(torch.cuda.cudart().cudaHostUnregister(ptr), "cudaHostUnregister")
-
-
-def _page_tables(shape: PoolShape, count: int, device: torch.device, block_pages: int | None = None):
-    """int32 ``[count, batch, pages_per_row]`` (page-major, see above): layer ``i`` of a tier -> its slots, or
-    with ``block_pages`` staging buffer ``i`` -> its slots for whichever block it holds."""
-    pages = torch.arange(shape.pages_per_row)
-    per = shape.layer_slots
-    if block_pages is not None:
-        pages, per = pages % block_pages, block_pages * shape.batch
-    grid = pages[None] * shape.batch + torch.arange(shape.batch)[:, None]
-    base = torch.arange(count)[:, None, None] * per
-    return (base + grid).to(device=device, dtype=torch.int32)
-
-
 # ------------------------------------------------------------------------------------------------------- pool
 class KVPool:
     """Paged K/V and dK/dV storage for one sequence batch (see the module docstring).
 
     Args:
-        offload: keep layers beyond ``hbm_budget`` in the host tier.
-        hbm_budget: device bytes for pages (int) or ``"auto"``: on CUDA the free device memory (cached blocks
-            and the pool's own arenas included) minus ``AUTO_HEADROOM`` of the device; elsewhere no limit (the
-            device is host memory already).
-        staging_buffers: device buffers of one block (one chunk's pages of one layer) each, through which host
-            layers stream; at least 2.
-        layer_checkpointing: the backward sweep recomputes each layer right before its backward (prefetch order).
-        prefetch_depth: predicted block uses staged ahead (``None``: as many as free buffers allow).
+        config: the engine options; the pool reads ``offload``, ``hbm_budget`` (``"auto"``: on CUDA the free
+            device memory, cached blocks and the pool's own arenas included, minus ``AUTO_HEADROOM`` of the device;
+            elsewhere no limit: the device is host memory already), ``staging_buffers``, ``prefetch_depth`` and
+            ``layer_checkpointing`` (the backward sweep's order, for prefetch).
+        transport: a factory ``transport(device) -> Transport`` for the offload copies
+            (:func:`~lightning_oomb.engine.offload.default_transport`: CUDA streams on CUDA, synchronous copies
+            elsewhere).
     """
 
     def __init__(
         self,
-        offload: bool = False,
-        hbm_budget: int | str = "auto",
-        staging_buffers: int = 4,
-        layer_checkpointing: bool = False,
-        prefetch_depth: int | None = None,
+        config: OOMBConfig | None = None,
+        transport: Callable[[torch.device], Transport] = default_transport,
     ) -> None:
-        self.offload, self.hbm_budget, self.staging_buffers = offload, hbm_budget, staging_buffers
-        self.layer_checkpointing, self.prefetch_depth = layer_checkpointing, prefetch_depth
+        self.config = config or OOMBConfig()
+        self.transport = transport
         self.shape: PoolShape | None = None
         self.plan: TierPlan | None = None
         self._hbm: Arena | None = None
@@ -301,63 +116,108 @@ class KVPool:
         self._rank: dict[int, int] = {}  # layer -> its index in the HBM tier
         self._offload: Offloader | None = None
         self._sweep = "forward"
+        self._warned: set[str] = set()
 
     # ----------------------------------------------------------------------------------------------- sizing
     def reserve(self, shape: PoolShape, device: torch.device) -> None:
         """Place layers in tiers for ``shape`` and make room; an arena is reallocated only when it must grow (or
-        change dtype, page geometry or device). Raises :class:`OOMBConfigError` before allocating if the host tier
-        would not fit in the available host memory."""
+        change dtype, page geometry or device). Raises :class:`OOMBConfigError` before allocating if a tier would
+        not fit in the memory available to it."""
+        self._warn_no_effect(shape, device)
         self._synchronize()  # copies in flight may still use arenas that get replaced below
+        cfg = self.config
         plan = plan_tiers(
-            shape.num_layers,
-            shape.layer_bytes,
-            self._budget(device),
-            self.staging_buffers,
-            shape.block_bytes,
+            shape.num_layers, shape.layer_bytes, self._budget(device), cfg.staging_buffers, shape.block_bytes
         )
         host_device = torch.device("cpu")
-        host_slots = len(plan.host_layers) * shape.layer_slots
-        if host_slots and not (self._host and self._host.fits(host_slots, shape, host_device)):
-            self._check_host_memory(shape, plan)
-        self._hbm = self._grow(self._hbm, len(plan.hbm_layers) * shape.layer_slots, shape, device)
-        staging_slots = plan.staging_buffers * shape.block_pages * shape.batch
-        self._staging = self._grow(self._staging, staging_slots, shape, device)
-        self._host = self._grow(self._host, host_slots, shape, host_device, host=True)
+        slots = {
+            "hbm": len(plan.hbm_layers) * shape.layer_slots,
+            "staging": plan.staging_buffers * shape.block_slots,
+            "host": len(plan.host_layers) * shape.layer_slots,
+        }
+        self._check_memory(shape, plan, slots, device)
+        self._hbm = self._grow(self._hbm, slots["hbm"], shape, device)
+        self._staging = self._grow(self._staging, slots["staging"], shape, device)
+        self._host = self._grow(self._host, slots["host"], shape, host_device, host=True)
         self._rank = {layer: i for i, layer in enumerate(plan.hbm_layers)}
-        self._tables = _page_tables(shape, len(plan.hbm_layers), device)
+        self._tables = shape.page_tables(len(plan.hbm_layers), device)
         self._offload = None
         if plan.host_layers:
-            tables = _page_tables(shape, plan.staging_buffers, device, shape.block_pages)
             self._offload = Offloader(
-                shape,
-                plan.host_layers,
-                self._host,
-                self._staging,
-                tables,
-                self._sweep,
-                self.layer_checkpointing,
-                self.prefetch_depth,
+                shape, plan.host_layers, self._host, self._staging, cfg, self.transport(device), self._sweep
             )
         self.shape, self.plan = shape, plan
 
+    def _warn_no_effect(self, shape: PoolShape, device: torch.device) -> None:
+        """Options that silently change nothing for this step say so, once per pool."""
+        cfg = self.config
+        if cfg.offload and cfg.hbm_budget == "auto" and device.type != "cuda":
+            self._warn_once(
+                "offload",
+                f"offload=True has no effect on a {device.type} device: every page already lives in host memory "
+                "(with hbm_budget='auto' nothing moves) — drop offload, or run on a CUDA device.",
+            )
+        if shape.kv_grad_dtype == "bfloat16" and shape.grad_dtype != torch.bfloat16:
+            self._warn_once(
+                "kv_grad_dtype",
+                f"kv_grad_dtype='bfloat16' has no effect with {shape.dtype} K/V: gradient pages are never "
+                f"narrower than K/V, so they stay {shape.grad_dtype} — it halves gradient memory only for bf16/fp16 "
+                "models (e.g. precision='bf16-true').",
+            )
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, UserWarning, stacklevel=4)
+
     def _budget(self, device: torch.device) -> int | None:
-        if not self.offload:
+        cfg = self.config
+        if not cfg.offload:
             return None
-        if self.hbm_budget != "auto":
-            return int(self.hbm_budget)
+        if cfg.hbm_budget != "auto":
+            return int(cfg.hbm_budget)
         if device.type != "cuda":
             return None
         free, total = torch.cuda.mem_get_info(device)
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return max(0, free + cached + self.device_bytes - int(AUTO_HEADROOM * total))
 
-    def _check_host_memory(self, shape: PoolShape, plan: TierPlan) -> None:
-        available = host_memory_available()
-        if available is None:
+    def _check_memory(self, shape: PoolShape, plan: TierPlan, slots: dict, device: torch.device) -> None:
+        """Refuse a pool whose new arenas exceed the memory available to them (arenas they replace count as
+        free): the host tier against host memory, then the device arenas (HBM tier + staging buffers) against
+        device memory — or, on a CPU device, against the host memory the host tier leaves."""
+        host = torch.device("cpu")
+        new_host, freed_host = self._new_bytes(self._host, slots["host"], shape, host)
+        new_device, freed_device = (
+            sum(x)
+            for x in zip(
+                self._new_bytes(self._hbm, slots["hbm"], shape, device),
+                self._new_bytes(self._staging, slots["staging"], shape, device),
+                strict=True,
+            )
+        )
+        available = host_memory_available() if new_host or device.type == "cpu" else None
+        host_usable = None if available is None else available + freed_host - HOST_RESERVE_BYTES
+        if new_host and host_usable is not None:
+            self._refuse_if_short(shape, plan, new_host, host_usable, None)
+        if not new_device:
             return
-        available += self._host.nbytes if self._host else 0  # freed before the new arena is allocated
-        usable = available - HOST_RESERVE_BYTES
-        needed = len(plan.host_layers) * shape.layer_bytes
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+            self._refuse_if_short(shape, plan, new_device, free + cached + freed_device, device)
+        elif device.type == "cpu" and host_usable is not None:
+            self._refuse_if_short(shape, plan, new_device, host_usable - new_host + freed_device, device)
+
+    @staticmethod
+    def _new_bytes(arena: Arena | None, slots: int, shape: PoolShape, device) -> tuple[int, int]:
+        """Bytes a step must newly allocate for an arena of ``slots`` pages, and the bytes that frees."""
+        if slots == 0 or (arena is not None and arena.fits(slots, shape, device)):
+            return 0, 0
+        return arena_bytes(slots, shape), arena.nbytes if arena is not None else 0
+
+    def _refuse_if_short(self, shape, plan, needed: int, usable: int, device: torch.device | None) -> None:
+        """Raise if ``needed`` bytes exceed ``usable`` ones of ``device`` memory (``None``: the host tier)."""
         if needed <= usable:
             return
         ways = []
@@ -365,16 +225,28 @@ class KVPool:
         if grad_size > max(2, kv_size):  # bfloat16 gradient pages are allowed (never narrower than K/V)
             smaller = needed * (kv_size + 2) // (kv_size + grad_size)
             ways.append(f"kv_grad_dtype='bfloat16' (needs {_gib(smaller)})")
-        ways += [
-            "a shorter context or a smaller batch",
-            "a larger hbm_budget (more layers stay on the device)",
-            "sparse attention once available",
-        ]
+        ways.append("a shorter context or a smaller batch")
+        offload = self.config.offload
+        if device is None:
+            ways.append("a larger hbm_budget (more layers stay on the device)")
+        elif device.type == "cuda" and offload:
+            ways.append("a smaller hbm_budget (or 'auto')")
+        elif device.type == "cuda":
+            ways.append("offload=True (pages beyond hbm_budget go to pinned host memory)")
+        ways.append("sparse attention once available")
+        tokens = f"({shape.batch} x {shape.seq_len} tokens)"
+        if device is None:
+            raise OOMBConfigError(
+                f"offload needs {_gib(needed)} of host memory for the K/V and gradient pages of "
+                f"{len(plan.host_layers)} host-tier layers {tokens} but only {_gib(max(usable, 0))} is available "
+                f"(MemAvailable minus {_gib(HOST_RESERVE_BYTES)} kept for the system) — pinned pages cannot be "
+                f"swapped out — use {', or '.join(ways)}."
+            )
+        where = "GPU memory" if device.type == "cuda" else "host memory (the model runs on the CPU)"
         raise OOMBConfigError(
-            f"offload needs {_gib(needed)} of host memory for the K/V and gradient pages of "
-            f"{len(plan.host_layers)} host-tier layers ({shape.batch} x {shape.seq_len} tokens) but only "
-            f"{_gib(max(usable, 0))} is available (MemAvailable minus {_gib(HOST_RESERVE_BYTES)} kept for the "
-            f"system) — pinned pages cannot be swapped out — use {', or '.join(ways)}."
+            f"the KV pool needs {_gib(needed)} of {where} for the K/V and gradient pages of "
+            f"{len(plan.hbm_layers)} layers{' and the staging buffers' if plan.host_layers else ''} {tokens} but "
+            f"only {_gib(max(usable, 0))} is free — it would not fit — use {', or '.join(ways)}."
         )
 
     @staticmethod
@@ -438,7 +310,7 @@ class KVPool:
         ``prefetch_copies``/``demand_copies`` (host-to-device copies issued ahead of use / when needed)."""
         plan = self.plan
         out = {
-            "offload": self.offload,
+            "offload": self.config.offload,
             "hbm_layers": len(plan.hbm_layers) if plan else 0,
             "host_layers": len(plan.host_layers) if plan else 0,
             "hbm_pool_bytes": self._hbm.nbytes if self._hbm else 0,
@@ -455,38 +327,28 @@ class KVPool:
         return out
 
     @property
-    def transfers(self) -> list[Transfer]:
+    def transfers(self) -> Sequence[Transfer]:
         """This step's copies between the host tier and the staging buffers, in issue order (empty without host
-        layers): the prefetch / write-back schedule, for monitoring and tests."""
-        return self._offload.trace if self._offload is not None else []
+        layers; the last ``TRACE_LIMIT`` of a long step): the prefetch / write-back schedule, for monitoring and
+        tests."""
+        return self._offload.trace if self._offload is not None else ()
 
     # ------------------------------------------------------------------------------------------------ access
-    def _num_pages(self, num_tokens: int) -> int:
-        return math.ceil(num_tokens / self.shape.page_size)
-
-    def _block(self, token: int) -> int:
-        """The offload block holding ``token``."""
-        return token // (self.shape.block_pages * self.shape.page_size)
-
-    def _token_view(self, arena: torch.Tensor, slots: torch.Tensor, length: int) -> torch.Tensor:
-        """Gather pages ``slots [B, n]`` into ``[B, kv_heads, length, head_dim]`` (a copy)."""
-        b, n = slots.shape
-        pages = arena[slots.flatten().long()].view(b, n, *arena.shape[1:])
-        tokens = pages.transpose(1, 2).reshape(b, arena.shape[1], n * self.shape.page_size, arena.shape[3])
-        return tokens[:, :, :length]
+    def _layer_table(self, layer: int) -> torch.Tensor:
+        return self._tables[self._rank[layer]]
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store a chunk's post-RoPE ``k, v [B, kv_heads, L, head_dim]`` at token ``start`` (page aligned); the
         layer's content becomes tokens ``[0, start + L)`` with zero gradients for the new pages. In the backward
         sweep ``k, v`` are the recompute's identical copy: only a host layer needs them (on the device again)."""
-        page = self.shape.page_size
-        assert start % page == 0, "chunks start on page boundaries"
+        shape = self.shape
+        assert start % shape.page_size == 0, "chunks start on page boundaries"
         backward = self._sweep == "backward"
         if not self.streams(layer):
             if not backward:
-                self._store(self._hbm, self._tables[self._rank[layer]], start, k, v, zero_grads=True)
+                self._store(self._hbm, self._layer_table(layer), start, k, v, zero_grads=True)
             return
-        block = self._block(start)
+        block = shape.block_of(start)
         if backward and self._offload.holds_kv(layer, block):
             return
         table = self._offload.begin_write(layer, block)
@@ -494,20 +356,14 @@ class KVPool:
         self._offload.end_write(layer, block, persist=not backward)
 
     def _store(self, arena: Arena, table: torch.Tensor, start: int, k, v, zero_grads: bool) -> None:
-        page, length = self.shape.page_size, k.shape[2]
-        first, end = start // page, self._num_pages(start + length)
-        slots = table[:, first:end].flatten().long()
-        b, h, _, d = k.shape
-        padded = (end - first) * page
-        for dst, x in ((arena.k, k), (arena.v, v)):
-            if padded != length:
-                x = torch.nn.functional.pad(x, (0, 0, 0, padded - length))
-            dst.index_copy_(
-                0, slots, x.reshape(b, h, -1, page, d).transpose(1, 2).reshape(-1, h, page, d).to(dst.dtype)
-            )
+        first, end = start // self.shape.page_size, self.shape.num_pages(start + k.shape[2])
+        slots = table[:, first:end]
+        write_tokens(arena.k, slots, k)
+        write_tokens(arena.v, slots, v)
         if zero_grads:
-            arena.dk.index_fill_(0, slots, 0)
-            arena.dv.index_fill_(0, slots, 0)
+            flat = slots.flatten().long()
+            arena.dk.index_fill_(0, flat, 0)
+            arena.dv.index_fill_(0, flat, 0)
 
     def parts(
         self, layer: int, num_tokens: int, grads: bool = False, first_key: int = 0
@@ -516,44 +372,46 @@ class KVPool:
         before), for the attention op: one :class:`PagedKV` for an HBM layer, one per block for a host layer
         (the chunk's own block first; blocks wholly before ``first_key`` — outside a sliding window — are
         skipped). ``grads=True``: the caller adds into each part's ``dk``/``dv`` before it takes the next part."""
-        pages = self._num_pages(num_tokens)
-        chunk = self._block(num_tokens - 1)
+        shape = self.shape
+        pages = shape.num_pages(num_tokens)
+        chunk = shape.block_of(num_tokens - 1)
         if not self.streams(layer):
             if self._offload is not None:
                 self._offload.visit(layer, chunk, grads)
-            arena, table = self._hbm, self._tables[self._rank[layer]]
+            arena, table = self._hbm, self._layer_table(layer)
             yield PagedKV(arena.k, arena.v, arena.dk, arena.dv, table[:, :pages], (0, num_tokens))
             return
-        arena, block_tokens = self._staging, self.shape.block_pages * self.shape.page_size
-        for block, table in self._offload.stream(layer, chunk, grads, self._block(first_key)):
-            lo = block * block_tokens
-            keys = (lo, min(lo + block_tokens, num_tokens))
+        arena = self._staging
+        for block, table in self._offload.stream(layer, chunk, grads, shape.block_of(first_key)):
+            keys = shape.block_keys(block, num_tokens)
             yield PagedKV(arena.k, arena.v, arena.dk, arena.dv, table[:, :pages], keys)
 
     def read_grad(self, layer: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Accumulated ``dk, dv [B, kv_heads, length, head_dim]`` of tokens ``[start, start + length)`` (one
         chunk). In the backward sweep this hands the chunk's gradient pages over: afterwards their content is
         undefined."""
-        first, end = start // self.shape.page_size, self._num_pages(start + length)
+        shape = self.shape
+        first, end = start // shape.page_size, shape.num_pages(start + length)
         if self.streams(layer):
-            arena, table = self._staging, self._offload.grad_table(layer, self._block(start))
+            arena, table = self._staging, self._offload.grad_table(layer, shape.block_of(start))
         else:
-            arena, table = self._hbm, self._tables[self._rank[layer]]
+            arena, table = self._hbm, self._layer_table(layer)
         slots = table[:, first:end]
-        grads = self._token_view(arena.dk, slots, length), self._token_view(arena.dv, slots, length)
+        grads = tuple(gather_tokens(pages, slots)[:, :, :length] for pages in (arena.dk, arena.dv))
         if self.streams(layer) and self._sweep == "backward":
-            self._offload.consumed(layer, self._block(start))
+            self._offload.consumed(layer, shape.block_of(start))
         return grads
 
     def read_kv(self, layer: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Stored ``k, v`` of tokens ``[start, start + length)`` (tests and debugging; waits for the copies)."""
-        first, end = start // self.shape.page_size, self._num_pages(start + length)
+        shape = self.shape
+        first, end = start // shape.page_size, shape.num_pages(start + length)
         if self.streams(layer):
             self._synchronize()
             arena = self._host
-            table = _page_tables(self.shape, len(self.plan.host_layers), arena.device)
+            table = shape.page_tables(len(self.plan.host_layers), arena.device)
             table = table[self.plan.host_layers.index(layer)]
         else:
-            arena, table = self._hbm, self._tables[self._rank[layer]]
+            arena, table = self._hbm, self._layer_table(layer)
         slots = table[:, first:end]
-        return self._token_view(arena.k, slots, length), self._token_view(arena.v, slots, length)
+        return tuple(gather_tokens(pages, slots)[:, :, :length] for pages in (arena.k, arena.v))

@@ -14,105 +14,19 @@ target token gives loss 0 and zero gradients (documented choice; Hugging Face wo
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
-from lightning_oomb.engine.attention import ChunkContext, PoolLayout, resolve_backend
+from lightning_oomb.engine.attention import ChunkContext, check_kernel_shapes, resolve_backend
+from lightning_oomb.engine.config import OOMBConfig
 from lightning_oomb.engine.errors import OOMBConfigError
-from lightning_oomb.engine.kv_pool import GRAD_DTYPES, KVPool
+from lightning_oomb.engine.kv_pool import KVPool
 from lightning_oomb.engine.loss import IGNORE_INDEX, linear_cross_entropy, shift_labels
-
-
-@dataclass
-class OOMBConfig:
-    """Engine options (the strategy forwards its arguments of the same names).
-
-    Args:
-        chunk_size: tokens per chunk ``C``; activations scale with it, not with the sequence length.
-        page_size: tokens per KV page ``P`` (the kernel tile); ``chunk_size`` must be a multiple of it.
-        kv_grad_dtype: ``"float32"`` (default) or ``"bfloat16"`` gradient pages (half the memory, more rounding).
-        layer_checkpointing: also checkpoint each decoder layer inside a chunk's recompute (less activation
-            memory per chunk, one more forward per layer).
-        attention_backend: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"torch"`` or ``"triton"``.
-        loss_block: tokens per block of LM-head logits in the cross-entropy.
-        offload: keep the K/V and gradient pages of layers beyond ``hbm_budget`` in pinned host memory, streamed
-            through device staging buffers on side CUDA streams (synchronous copies on CPU); results are identical.
-        hbm_budget: device bytes for pages (HBM-tier layers + staging buffers) when ``offload`` is on: an int, or
-            ``"auto"`` = free device memory minus a quarter of the device (on CPU: no limit, nothing moves). Whole
-            layers are placed; a budget below the staging buffers puts every layer on the host.
-        staging_buffers: device buffers of one block each — one chunk's K, V, dK, dV pages of one layer,
-            ``2 * batch * chunk_size * kv_heads * head_dim * (kv itemsize + grad itemsize)`` bytes (24 MiB for
-            Qwen2.5-7B at 4096) — through which host layers stream block by block. At least 2 (the chunk's own
-            block and one prefix block); 3 overlaps copies in with compute, 4 also overlaps write-backs.
-        prefetch_depth: how many predicted block uses ahead are staged early; ``None`` (default): as many as free
-            buffers allow, ``0``: copies only on demand (a debugging aid: no overlap).
-    """
-
-    chunk_size: int = 4096
-    page_size: int = 128
-    kv_grad_dtype: str = "float32"
-    layer_checkpointing: bool = False
-    attention_backend: str = "auto"
-    loss_block: int = 1024
-    offload: bool = False
-    hbm_budget: int | str = "auto"
-    staging_buffers: int = 4
-    prefetch_depth: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("chunk_size", "page_size", "loss_block"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise OOMBConfigError(f"{name}={value!r} must be a positive integer.")
-        if self.chunk_size % self.page_size:
-            raise OOMBConfigError(
-                f"chunk_size={self.chunk_size} is not a multiple of page_size={self.page_size} — chunks must start "
-                f"on page boundaries — use e.g. chunk_size={max(1, self.chunk_size // self.page_size) * self.page_size}."
-            )
-        if self.kv_grad_dtype not in GRAD_DTYPES:
-            raise OOMBConfigError(
-                f"kv_grad_dtype={self.kv_grad_dtype!r} is not supported — use one of {sorted(GRAD_DTYPES)}."
-            )
-        resolve_backend(self.attention_backend, torch.device("cpu"))  # validates the name
-        if not isinstance(self.offload, bool):
-            raise OOMBConfigError(f"offload={self.offload!r} must be True or False.")
-        budget = self.hbm_budget
-        if budget != "auto" and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
-            raise OOMBConfigError(
-                f"hbm_budget={budget!r} is not a byte count — it caps the device memory of KV and gradient pages "
-                "when offload is on — pass a non-negative int of bytes (e.g. 40 * 2**30) or 'auto'."
-            )
-        buffers = self.staging_buffers
-        if isinstance(buffers, bool) or not isinstance(buffers, int) or buffers < 2:
-            raise OOMBConfigError(
-                f"staging_buffers={buffers!r} must be an integer >= 2 — host-tier layers stream through these "
-                "device buffers: one holds the chunk's own block, the others the blocks before it — use 4."
-            )
-        depth = self.prefetch_depth
-        if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 0):
-            raise OOMBConfigError(
-                f"prefetch_depth={depth!r} must be None (as deep as the buffers allow) or an integer >= 0 — it "
-                "counts the block uses staged ahead of time."
-            )
-
-
-class ChunkModel(Protocol):
-    """What the engine needs from a model (see ``lightning_oomb.integrations.hf.HFChunkModel``)."""
-
-    num_layers: int
-    kv_heads: int
-    head_dim: int
-
-    def hidden_states(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, chunk: ChunkContext
-    ) -> torch.Tensor: ...  # final (normed) hidden states [B, L, H]
-
-    def lm_head(self) -> tuple[torch.Tensor, torch.Tensor | None]: ...  # weight [V, H], bias [V] | None
-
-    # attention runs through the engine inside the block
-    def oomb_attention(self) -> contextlib.AbstractContextManager: ...
+from lightning_oomb.engine.model import ChunkModel
+from lightning_oomb.engine.offload import Transport, default_transport
+from lightning_oomb.engine.pages import PoolShape
 
 
 @dataclass
@@ -143,7 +57,7 @@ class _RNGState:
 
 class _AutocastState:
     """Autocast and default dtype at the forward sweep, re-entered for the recompute (autocast is off in
-    backward, see notes/lightning-integration.md §4)."""
+    backward; docs/design.md, "Lightning")."""
 
     def __init__(self, device: torch.device):
         self.default_dtype = torch.get_default_dtype()
@@ -172,7 +86,7 @@ class _Step:
     input_ids: torch.Tensor
     targets: torch.Tensor
     denominator: int
-    layout: PoolLayout
+    shape: PoolShape
     backend: str
     bounds: list[tuple[int, int]]
 
@@ -182,15 +96,23 @@ class OOMBEngine:
 
     ``engine.loss(input_ids, labels)`` returns the full-sequence mean token loss as a differentiable scalar;
     calling ``.backward()`` on it (or on anything computed from it) runs the backward sweep.
+
+    Args:
+        model: the model (see :class:`~lightning_oomb.engine.model.ChunkModel`).
+        config: the options (:class:`~lightning_oomb.engine.config.OOMBConfig`).
+        transport: a factory ``transport(device)`` for the offload copies (race checks inject
+            :func:`~lightning_oomb.engine.offload.delaying_transport`).
     """
 
-    def __init__(self, model: ChunkModel, config: OOMBConfig | None = None):
+    def __init__(
+        self,
+        model: ChunkModel,
+        config: OOMBConfig | None = None,
+        transport: Callable[[torch.device], Transport] = default_transport,
+    ):
         self.model = model
         self.config = config or OOMBConfig()
-        cfg = self.config
-        self.pool = KVPool(
-            cfg.offload, cfg.hbm_budget, cfg.staging_buffers, cfg.layer_checkpointing, cfg.prefetch_depth
-        )
+        self.pool = KVPool(self.config, transport)
         self.stats = StepStats()
 
     # ------------------------------------------------------------------------------------------ public API
@@ -233,7 +155,15 @@ class OOMBEngine:
         self.pool.end_sweep()
 
     # -------------------------------------------------------------------------------------------- internals
+    def check_device(self, device: torch.device) -> str:
+        """The attention backend for ``device``; refuses (before any work) a backend, head dim or page size that
+        cannot run there."""
+        backend = resolve_backend(self.config.attention_backend, device)
+        check_kernel_shapes(backend, self.model.head_dim, self.config.page_size)
+        return backend
+
     def _plan(self, input_ids: torch.Tensor, labels: torch.Tensor | None) -> _Step:
+        """Validate the inputs and cut the step into chunks, before any work."""
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
             raise OOMBConfigError(
                 f"input_ids must be an integer tensor [batch, tokens], got {tuple(input_ids.shape)} "
@@ -246,26 +176,45 @@ class OOMBEngine:
                 f"labels {tuple(labels.shape)} and input_ids {tuple(input_ids.shape)} differ in shape — "
                 "give one label per input token (use -100 to ignore a position)."
             )
+        self._check_ranges(input_ids, labels)
+        backend = self.check_device(input_ids.device)
         targets = shift_labels(labels)
         batch, seq_len = input_ids.shape
-        cfg = self.config
-        layout = PoolLayout(
-            self.model.num_layers,
+        cfg, model = self.config, self.model
+        shape = PoolShape(
+            model.num_layers,
             batch,
             seq_len,
-            self.model.kv_heads,
-            self.model.head_dim,
+            model.kv_heads,
+            model.head_dim,
             cfg.page_size,
-            cfg.kv_grad_dtype,
             cfg.chunk_size,
+            cfg.kv_grad_dtype,
         )
         bounds = [(a, min(a + cfg.chunk_size, seq_len)) for a in range(0, seq_len, cfg.chunk_size)]
         denominator = int((targets != IGNORE_INDEX).sum())
-        backend = resolve_backend(cfg.attention_backend, input_ids.device)
-        return _Step(input_ids, targets, denominator, layout, backend, bounds)
+        return _Step(input_ids, targets, denominator, shape, backend, bounds)
+
+    def _check_ranges(self, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
+        """Token ids inside the embedding, labels inside the LM head's vocabulary or ``IGNORE_INDEX``."""
+        tokens, vocab = self.model.num_embeddings, self.model.vocab_size
+        bad_ids = input_ids[(input_ids < 0) | (input_ids >= tokens)]
+        if bad_ids.numel():
+            raise OOMBConfigError(
+                f"input_ids contain {sorted(set(bad_ids[:8].tolist()))} outside the model's embedding [0, {tokens}) "
+                "— the embedding lookup would fail — check that the tokenizer belongs to the model (or resize the "
+                "token embeddings)."
+            )
+        bad = labels[(labels != IGNORE_INDEX) & ((labels < 0) | (labels >= vocab))]
+        if bad.numel():
+            raise OOMBConfigError(
+                f"labels contain {sorted(set(bad[:8].tolist()))}: a label must be a token id in [0, {vocab}) or "
+                f"{IGNORE_INDEX} (ignored) — other values would train on a wrong target — set the positions to "
+                f"ignore to {IGNORE_INDEX}."
+            )
 
     def _chunk_loss(self, step: _Step, start: int, end: int, sweep: str) -> torch.Tensor:
-        chunk = ChunkContext(self.pool, step.layout, start, sweep, step.backend)
+        chunk = ChunkContext(self.pool, step.shape, start, sweep, step.backend)
         ids = step.input_ids[:, start:end]
         positions = torch.arange(start, end, device=ids.device)[None]
         hidden = self.model.hidden_states(ids, positions, chunk)
@@ -277,7 +226,7 @@ class OOMBEngine:
         """Run every chunk without a graph; return the summed loss and each chunk's RNG state."""
         device = step.input_ids.device
         rng, losses = [], []
-        with self._sweep(sweep), self.model.oomb_attention():
+        with self._sweep(sweep), self.model.engaged():
             for start, end in step.bounds:
                 rng.append(_RNGState(device))
                 losses.append(self._chunk_loss(step, start, end, sweep))
@@ -290,13 +239,13 @@ class OOMBEngine:
         """Recompute chunks in reverse with grad and back-propagate each at once."""
         device = step.input_ids.device
         devices = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices, device_type=device.type), self._sweep("backward"):
+        fork = torch.random.fork_rng(devices=devices, device_type=device.type)
+        with fork, self._sweep("backward"), self.model.engaged():
             for (start, end), state in zip(reversed(step.bounds), reversed(rng), strict=True):
                 state.restore()
-                with self.model.oomb_attention():
-                    with torch.enable_grad(), autocast():
-                        loss = self._chunk_loss(step, start, end, "backward")
-                    torch.autograd.backward(loss, grad_output)
+                with torch.enable_grad(), autocast():
+                    loss = self._chunk_loss(step, start, end, "backward")
+                torch.autograd.backward(loss, grad_output)
         self.stats.extra.update(self.pool.stats())
 
     def _record(self, step: _Step) -> None:

@@ -1,23 +1,30 @@
-"""Hugging Face adapter: drives a ``*ForCausalLM`` chunk by chunk through the engine.
+"""Hugging Face adapter: drives a ``*ForCausalLM`` chunk by chunk through the engine (all HF knowledge lives here).
 
 ``"oomb"`` is registered in transformers' ``AttentionInterface`` **without** a mask function, so transformers
 skips mask creation (``attention_mask=None``, no O(N²) mask). The chunk context travels as the extra model-call
 keyword ``oomb_chunk``; positions go in ``position_ids`` (offset by the chunk start). The model's own attention
-implementation is switched to ``"oomb"`` only while the engine runs it (:meth:`HFChunkModel.oomb_attention`), so
-the same model behaves unchanged everywhere else (generation, ordinary evaluation).
+implementation is switched to ``"oomb"`` — and, with ``layer_checkpointing``, HF's per-layer checkpointing turned
+on — only while the engine runs it (:meth:`HFChunkModel.engaged`), so the same model behaves unchanged everywhere
+else (generation, ordinary evaluation, other strategies after a fit).
 
-Models the adapter cannot drive exactly are refused at construction (:func:`check_supported`).
+:class:`HFChunkModel` implements the engine's :class:`~lightning_oomb.engine.model.ManagedModel`: besides driving
+chunks it answers the user's own ``model(**batch)`` calls inside the strategy's steps with a
+``CausalLMOutputWithPast`` whose ``loss`` is the engine's (:meth:`HFChunkModel.answer_calls`). Models the adapter
+cannot drive exactly are refused at construction (:func:`check_supported`); :func:`find_causal_lm` finds the model
+inside a LightningModule.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 from lightning_oomb.engine.attention import ChunkContext, paged_attention
 from lightning_oomb.engine.errors import OOMBConfigError
+from lightning_oomb.engine.model import Respond
 
 ATTN_NAME = "oomb"
 _UNSTABLE_ROPE = ("longrope", "dynamic")
@@ -116,8 +123,62 @@ def check_supported(model: torch.nn.Module) -> None:
         )
 
 
+def find_causal_lm(module: torch.nn.Module, target_module: str | None = None) -> torch.nn.Module:
+    """The HF causal LM to drive inside ``module`` (e.g. a LightningModule): ``target_module`` (attribute path) or
+    the unique outermost one found."""
+    from transformers import PreTrainedModel
+
+    if target_module is not None:
+        try:
+            return module.get_submodule(target_module)
+        except AttributeError as err:
+            raise OOMBConfigError(
+                f"target_module={target_module!r} is not a submodule of {type(module).__name__} — the strategy "
+                "cannot find the model to drive — pass the attribute path of the HF model, e.g. 'model'."
+            ) from err
+    found = [
+        (name, m)
+        for name, m in module.named_modules()
+        if isinstance(m, PreTrainedModel) and m.get_output_embeddings() is not None
+    ]
+    outermost = [(n, m) for n, m in found if not any(n.startswith(o + ".") for o, _ in found if o != n)]
+    if len(outermost) != 1:
+        names = [n for n, _ in outermost] or "none"
+        raise OOMBConfigError(
+            f"{type(module).__name__} holds {len(outermost)} Hugging Face causal LMs ({names}) — the OOMB strategy "
+            "drives exactly one — pass OOMBStrategy(target_module='<attribute path>')."
+        )
+    return outermost[0][1]
+
+
+def _checkpointing_on(model: torch.nn.Module) -> bool:
+    return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
+def set_layer_checkpointing(model: torch.nn.Module, enabled: bool) -> None:
+    """HF per-layer activation checkpointing (non-reentrant) on or off; transformers >= 5.24 renamed the API."""
+    if enabled:
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        disable = (
+            getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+        )
+        disable()
+
+
 class HFChunkModel:
-    """Adapter from a transformers ``*ForCausalLM`` to the engine's ``ChunkModel`` protocol."""
+    """Adapter from a transformers ``*ForCausalLM`` to the engine's :class:`~lightning_oomb.engine.model.ManagedModel`.
+
+    Args:
+        model: the causal LM (a ``PreTrainedModel`` with an LM head; refused with the reason if OOMB cannot train
+            it exactly).
+        layer_checkpointing: turn on HF's per-layer checkpointing while the engine runs the model (if the model
+            does not have it on already); restored afterwards.
+    """
 
     def __init__(self, model: torch.nn.Module, layer_checkpointing: bool = False):
         check_supported(model)
@@ -128,23 +189,26 @@ class HFChunkModel:
         heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        if layer_checkpointing:
-            enable = getattr(model, "activation_checkpointing_enable", None)
-            if enable is not None:  # transformers >= 5.24
-                enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.num_embeddings = model.get_input_embeddings().weight.shape[0]
+        self.layer_checkpointing = layer_checkpointing
 
     @contextlib.contextmanager
-    def oomb_attention(self) -> Iterator[None]:
-        """Route the model's attention through the engine for the duration of the block."""
+    def engaged(self) -> Iterator[None]:
+        """Route the model's attention through the engine (and turn per-layer checkpointing on if asked) for the
+        duration of the block; what was changed is restored."""
         config = self.model.config
         previous = config._attn_implementation
+        checkpointing = self.layer_checkpointing and not _checkpointing_on(self.model)
         config._attn_implementation = ATTN_NAME
+        if checkpointing:
+            set_layer_checkpointing(self.model, True)
         try:
             yield
         finally:
             config._attn_implementation = previous
+            if checkpointing:
+                set_layer_checkpointing(self.model, False)
 
     def hidden_states(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, chunk: ChunkContext
@@ -158,3 +222,69 @@ class HFChunkModel:
     def lm_head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         head = self.model.get_output_embeddings()
         return head.weight, head.bias
+
+    @contextlib.contextmanager
+    def answer_calls(self, respond: Respond) -> Iterator[None]:
+        """While the block runs, ``model(input_ids=..., labels=..., attention_mask=...)`` returns a
+        ``CausalLMOutputWithPast`` with ``loss = respond(input_ids, labels)`` and a logits stand-in that refuses
+        every use (the whole sequence's logits are never materialised)."""
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        def forward(input_ids=None, attention_mask=None, labels=None, **kwargs):
+            _check_call(input_ids, attention_mask, kwargs)
+            return CausalLMOutputWithPast(loss=respond(input_ids, labels), logits=_NoLogits())
+
+        self.model.forward = forward
+        try:
+            yield
+        finally:
+            del self.model.forward
+
+
+# keywords that mean the call is (part of) generation: a KV cache goes in or out (5.24: ``cache``)
+_GENERATION_KEYS = ("cache", "past_key_values", "cache_position")
+
+
+def _check_call(input_ids, attention_mask, extra: dict) -> None:
+    if any(extra.get(key) is not None for key in _GENERATION_KEYS):
+        raise OOMBConfigError(
+            "the OOMB-managed model was called with a KV cache (model.generate or cached decoding) inside "
+            "training_step/validation_step/test_step — the strategy answers those calls with the chunked loss and "
+            "never computes logits — generate in predict_step, or in a hook outside the step (e.g. "
+            "on_validation_epoch_end)."
+        )
+    unexpected = sorted(
+        k for k, v in extra.items() if v is not None and k not in ("use_cache", "return_dict")
+    )
+    if input_ids is None or unexpected:
+        raise OOMBConfigError(
+            f"the OOMB-managed model got {unexpected or 'no input_ids'} — the engine computes positions, masks and "
+            "the loss itself from token ids — call it as `model(input_ids=..., labels=..., attention_mask=...)`."
+        )
+    if attention_mask is not None and not bool(attention_mask.bool().all()):
+        raise OOMBConfigError(
+            "attention_mask contains padding — OOMB trains on equal-length rows (sequence packing is not yet "
+            "supported) — pack or crop your samples to one length and drop the mask (or pass all ones)."
+        )
+
+
+class _LogitsUnavailable(OOMBConfigError, AttributeError):
+    """Raised on any use of :class:`_NoLogits` (an ``AttributeError`` too, so ``hasattr`` probes stay quiet)."""
+
+
+class _NoLogits:
+    """Stands in for the logits of a model call the engine answers: ``[B, N, vocab]`` logits of a long sequence
+    (80 GB at 128K tokens for Qwen2.5-7B in fp32) are exactly what OOMB never materialises. Any use raises."""
+
+    def _refuse(self, *args: Any, **kwargs: Any):
+        raise _LogitsUnavailable(
+            "the OOMB strategy answers the model call with the loss only — the logits of the whole sequence are "
+            "never materialised (they would not fit) — compute metrics from `output.loss`, or call the model "
+            "outside training_step/validation_step/test_step (e.g. in predict_step) on a short input."
+        )
+
+    __getattr__ = __getitem__ = __iter__ = __len__ = __bool__ = __array__ = _refuse
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls._refuse(None)

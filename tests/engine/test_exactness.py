@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FAMILIES, build_causal_lm, full_sequence_loss, grads_of, max_relative_error
 
 from lightning_oomb.engine import OOMBConfig, OOMBEngine
 from lightning_oomb.integrations.hf import HFChunkModel
+from tests.helpers.models import FAMILIES, build_causal_lm, full_sequence_loss, grads_of, max_relative_error
 
 TOL = 1e-10
 SEQ = 53  # not divisible by the chunk (8 or 16) nor the page (8)

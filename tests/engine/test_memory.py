@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
-from conftest import build_causal_lm, full_sequence_loss
 
 from lightning_oomb.engine import OOMBConfig, OOMBEngine
 from lightning_oomb.engine.memory import SavedTensorMeter
 from lightning_oomb.integrations.hf import HFChunkModel
+from tests.helpers.models import build_causal_lm, full_sequence_loss
 
 
 def peak_saved_bytes(model, engine, seq_len):

@@ -7,28 +7,34 @@ changes the loss and gradients only by float rounding (fp64 here).
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
 
 import pytest
 import torch
-from conftest import build_causal_lm, full_sequence_loss, grads_of, max_relative_error
 
 from lightning_oomb.engine import OOMBConfig, OOMBConfigError, OOMBEngine
 from lightning_oomb.engine import kv_pool as kv_pool_module
-from lightning_oomb.engine import offload as offload_module
-from lightning_oomb.engine.kv_pool import KVPool, PoolShape, plan_tiers
-from lightning_oomb.engine.offload import Offloader
-from lightning_oomb.engine.reference import _add_to_pages
+from lightning_oomb.engine.kv_pool import KVPool, plan_tiers
+from lightning_oomb.engine.pages import PoolShape, add_tokens, gather_tokens
 from lightning_oomb.integrations.hf import HFChunkModel
+from tests.helpers.models import build_causal_lm, full_sequence_loss, grads_of, max_relative_error
+from tests.helpers.streams import RecordingTransport
 
 CPU = torch.device("cpu")
 SEQ, CHUNK, PAGE = 50, 16, 8
 
 
+def pool_shape(layers: int, batch: int, seq: int, heads: int, dim: int, dtype=torch.float64, grads="float32"):
+    return PoolShape(layers, batch, seq, heads, dim, PAGE, CHUNK, grads, dtype)
+
+
 def tiny_shape(layers: int, seq: int = SEQ) -> PoolShape:
-    """The pool shape of the tiny float64 model at batch 2."""
-    return PoolShape(layers, 2, seq, 1, 8, PAGE, torch.float64, torch.float64, CHUNK)
+    """The pool shape of the tiny float64 model at batch 2 (float64 gradient pages: never narrower than K/V)."""
+    return pool_shape(layers, 2, seq, 1, 8)
+
+
+def offload_pool(**options) -> KVPool:
+    return KVPool(OOMBConfig(CHUNK, PAGE, offload=True, **options))
 
 
 def budget_for(shape: PoolShape, hbm_layers: int, buffers: int) -> int:
@@ -92,9 +98,9 @@ def test_plan_tiers_fills_the_budget_with_whole_layers():
 
 @pytest.mark.parametrize("hbm_layers", [0, 3, 5, 8])
 def test_pool_device_bytes_stay_within_the_budget(hbm_layers):
-    shape = PoolShape(8, 2, 40, 1, 4, PAGE, torch.float64, torch.float64, CHUNK)
+    shape = pool_shape(8, 2, 40, 1, 4)
     budget = budget_for(shape, hbm_layers, 2)
-    pool = KVPool(offload=True, hbm_budget=budget, staging_buffers=2)
+    pool = offload_pool(hbm_budget=budget, staging_buffers=2)
     pool.reserve(shape, CPU)
     stats = pool.stats()
     assert pool.device_bytes <= budget
@@ -109,8 +115,8 @@ def test_offload_device_bytes_do_not_grow_with_the_sequence():
     chunk size; the host tier grows with the sequence."""
     device, host = [], []
     for seq in (64, 640, 6400):
-        pool = KVPool(offload=True, hbm_budget=0, staging_buffers=4)
-        pool.reserve(PoolShape(4, 1, seq, 2, 16, PAGE, torch.bfloat16, torch.float32, CHUNK), CPU)
+        pool = offload_pool(hbm_budget=0, staging_buffers=4)
+        pool.reserve(pool_shape(4, 1, seq, 2, 16, torch.bfloat16), CPU)
         device.append(pool.device_bytes)
         host.append(pool.host_bytes)
     assert device[0] == device[1] == device[2] == 4 * 2 * CHUNK * 2 * 16 * (2 + 4)
@@ -119,7 +125,7 @@ def test_offload_device_bytes_do_not_grow_with_the_sequence():
 
 # -------------------------------------------------------------------------------------------------- schedule
 # 4 layers, batch 2, 40 tokens: 5 pages per row, chunks (= blocks) of 2 + 2 + 1 pages
-POOL_SHAPE = PoolShape(4, 2, 40, 1, 4, PAGE, torch.float64, torch.float64, CHUNK)
+POOL_SHAPE = pool_shape(4, 2, 40, 1, 4)
 STARTS = list(range(0, POOL_SHAPE.seq_len, CHUNK))
 
 
@@ -128,10 +134,10 @@ def scrambled(start: int) -> list[int]:
     return [(i * 3 + start) % 4 for i in range(4)]
 
 
-def drive(pool: KVPool, checkpointing: bool = False, order=None, on_part=None):
+def drive(pool: KVPool, checkpointing: bool = False, order=None):
     """Replay the attention op's pool calls for one step (see ``PagedAttention``) with synthetic K/V and
     gradient adds; return everything the op would have read: each call's keys (K, V) in position order and each
-    chunk's gradients. ``on_part(layer, kv, grads)`` runs where the kernel would."""
+    chunk's gradients."""
     gen = torch.Generator().manual_seed(0)
     shape, layers = POOL_SHAPE, range(POOL_SHAPE.num_layers)
     kv_of = {}
@@ -139,7 +145,7 @@ def drive(pool: KVPool, checkpointing: bool = False, order=None, on_part=None):
 
     def tokens(arena, kv, lo, hi):
         first, end = lo // PAGE, -(-hi // PAGE)
-        return pool._token_view(arena, kv.page_table[:, first:end], hi - first * PAGE)
+        return gather_tokens(arena, kv.page_table[:, first:end])[:, :, : hi - first * PAGE]
 
     def attend(layer, start, n, grads=False):
         pool.write(layer, start, *kv_of[layer, start])
@@ -148,13 +154,11 @@ def drive(pool: KVPool, checkpointing: bool = False, order=None, on_part=None):
         for kv in pool.parts(layer, n, grads):
             lo, hi = kv.keys
             got[lo] = [tokens(a, kv, lo, hi) for a in (kv.k, kv.v)]
-            if on_part is not None:
-                on_part(layer, kv, grads)
             if grads:  # what the kernel does: add into the pages of the part's keys
                 first, end = lo // PAGE, -(-hi // PAGE)
                 for arena, g in zip((kv.dk, kv.dv), add, strict=True):
                     pad = torch.nn.functional.pad(g[:, :, lo:hi], (0, 0, 0, (end - first) * PAGE - (hi - lo)))
-                    _add_to_pages(arena, kv.page_table[:, first:end], pad)
+                    add_tokens(arena, kv.page_table[:, first:end], pad)
         assert sorted(got) == list(range(0, n, CHUNK)) or list(got) == [0]  # every key exactly once
         seen.extend(torch.cat([got[lo][i] for lo in sorted(got)], dim=2) for i in (0, 1))
 
@@ -194,7 +198,7 @@ def transfers(pool, **match):
 @pytest.mark.parametrize("buffers", [2, 3, 4])
 def test_schedule_reads_exactly_what_the_device_tier_reads(checkpointing, buffers):
     want = drive(KVPool(), checkpointing)
-    pool = KVPool(offload=True, hbm_budget=0, staging_buffers=buffers, layer_checkpointing=checkpointing)
+    pool = offload_pool(hbm_budget=0, staging_buffers=buffers, layer_checkpointing=checkpointing)
     assert same(drive(pool, checkpointing), want)
     stats = pool.stats()
     if buffers == 2:  # the chunk's block + one buffer for the prefix: blocks beyond the first come on demand
@@ -206,9 +210,7 @@ def test_schedule_reads_exactly_what_the_device_tier_reads(checkpointing, buffer
 @pytest.mark.parametrize("depth", [0, 1])
 def test_prefetch_depth_limits_how_far_ahead_blocks_are_staged(depth):
     want = drive(KVPool(), True)
-    pool = KVPool(
-        offload=True, hbm_budget=0, staging_buffers=4, layer_checkpointing=True, prefetch_depth=depth
-    )
+    pool = offload_pool(hbm_budget=0, staging_buffers=4, layer_checkpointing=True, prefetch_depth=depth)
     assert same(drive(pool, True), want)
     stats = pool.stats()
     if depth == 0:  # a debugging aid: every copy on demand, nothing overlaps
@@ -221,7 +223,7 @@ def test_schedule_stays_correct_when_predictions_are_wrong():
     """Layers' backward in a scrambled order each chunk (and the prefetch told the wrong checkpointing mode):
     prefetch guesses wrong, demand copies fix it."""
     want = drive(KVPool(), order=scrambled)
-    pool = KVPool(offload=True, hbm_budget=0, staging_buffers=3, layer_checkpointing=True)
+    pool = offload_pool(hbm_budget=0, staging_buffers=3, layer_checkpointing=True)
     assert same(drive(pool, order=scrambled), want)
     assert pool.stats()["demand_copies"] > 0
 
@@ -229,7 +231,7 @@ def test_schedule_stays_correct_when_predictions_are_wrong():
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_write_back_schedule_and_dirty_tracking(checkpointing):
     budget = budget_for(POOL_SHAPE, 1, 4)
-    pool = KVPool(offload=True, hbm_budget=budget, staging_buffers=4, layer_checkpointing=checkpointing)
+    pool = offload_pool(hbm_budget=budget, staging_buffers=4, layer_checkpointing=checkpointing)
     drive(pool, checkpointing)
     host = pool.plan.host_layers
     assert len(host) == 3
@@ -257,124 +259,15 @@ def test_write_back_schedule_and_dirty_tracking(checkpointing):
 
 
 # -------------------------------------------------------------------------------- stream ordering, simulated
-class SimEvent:
-    def __init__(self, clock: dict):
-        self.clock = clock
-
-    def synchronize(self):
-        pass
-
-    def query(self) -> bool:  # a copy still in flight: the compute stream's wait is timed
-        return False
-
-    def elapsed_time(self, other) -> float:
-        return 0.0
-
-
-class SimStreams:
-    """Stands in for the CUDA streams: copies still run at once, but every operation on the device is logged
-    with a vector clock (how many operations of each stream it is ordered after, through program order and
-    event waits), so every pair of conflicting operations on different streams can be checked for an order."""
-
-    cuda, h2d, d2h = True, "h2d", "d2h"
-
-    def __init__(self, ignore_waits_on: str | None = None):
-        self.clocks = {stream: {} for stream in ("compute", "h2d", "d2h")}
-        self.current, self.ops, self.ignore = "compute", [], ignore_waits_on
-
-    def compute(self):
-        return "compute"
-
-    def record(self, stream, timing=False):
-        return SimEvent(dict(self.clocks[stream]))
-
-    def wait(self, stream, *events):
-        if stream == self.ignore:  # negative control: a stream that ignores its waits
-            return
-        clock = self.clocks[stream]
-        for event in filter(None, events):
-            for other, n in event.clock.items():
-                clock[other] = max(clock.get(other, 0), n)
-
-    @contextlib.contextmanager
-    def on(self, stream):
-        previous, self.current = self.current, stream
-        try:
-            yield
-        finally:
-            self.current = previous
-
-    def synchronize(self):
-        pass
-
-    def op(self, stream, reads=(), writes=()):
-        clock = self.clocks[stream]
-        clock[stream] = clock.get(stream, 0) + 1
-        self.ops.append((stream, clock[stream], dict(clock), list(reads), list(writes)))
-
-    def hazards(self) -> list:
-        """Pairs (earlier, later) that touch the same memory, one writing, on different streams, unordered."""
-        overlap = lambda x, y: x[:2] == y[:2] and x[2] < y[3] and y[2] < x[3]  # noqa: E731
-        clash = lambda xs, ys: any(overlap(x, y) for x in xs for y in ys)  # noqa: E731
-        found = []
-        for i, (sa, na, _, ra, wa) in enumerate(self.ops):
-            for sb, _, clock, rb, wb in self.ops[i + 1 :]:
-                if sa != sb and clock.get(sa, 0) < na and (clash(wa, rb + wb) or clash(ra, wb)):
-                    found.append((sa, sb))
-        return found
-
-
-def instrument(monkeypatch, sim: SimStreams):
-    """Route the offloader through ``sim`` and log its copies plus the compute stream's uses of the buffers.
-    Memory regions: ``(space, "kv"|"grad", first slot, end slot)`` in the staging or host arena."""
-    block_slots = POOL_SHAPE.block_pages * POOL_SHAPE.batch
-    original = {name: getattr(Offloader, name) for name in ("_move", "_zero_grads", "end_write", "consumed")}
-
-    def stage(self, what, buf):
-        slots = self._slots(buf.index, buf.block[1])
-        return "stage", what, slots.start, slots.stop
-
-    def logged_move(self, direction, buf, what, cause):
-        slots = self._host_slots(*buf.block)
-        host = "host", what, slots.start, slots.stop
-        src, dst = (host, stage(self, what, buf)) if direction == "h2d" else (stage(self, what, buf), host)
-        sim.op(sim.current, reads=[src], writes=[dst])
-        original["_move"](self, direction, buf, what, cause)
-
-    def logged_zero(self, buf):
-        sim.op(sim.current, writes=[stage(self, "grad", buf)])
-        original["_zero_grads"](self, buf)
-
-    def logged_end_write(self, layer, block, persist):  # the K/V write the compute stream just enqueued
-        sim.op("compute", writes=[stage(self, "kv", self._holder[layer, block])])
-        original["end_write"](self, layer, block, persist)
-
-    def logged_consumed(self, layer, block):  # read_grad's gather of the chunk's gradient pages
-        sim.op("compute", reads=[stage(self, "grad", self._holder[layer, block])])
-        original["consumed"](self, layer, block)
-
-    monkeypatch.setattr(offload_module, "_Streams", lambda device, staging: sim)
-    for name, fn in zip(original, (logged_move, logged_zero, logged_end_write, logged_consumed), strict=True):
-        monkeypatch.setattr(Offloader, name, fn)
-
-    def kernel(layer, kv, grads):
-        """The kernel reads the K/V pages of its part's keys; the backward adds into their gradient pages."""
-        lo, hi = kv.keys
-        first = int(kv.page_table[0, lo // PAGE]) // block_slots * block_slots
-        end = first + (-(-hi // PAGE) - lo // PAGE) * POOL_SHAPE.batch
-        grad = [("stage", "grad", first, end)] if grads else []
-        sim.op("compute", reads=[("stage", "kv", first, end), *grad], writes=grad)
-
-    return kernel
-
-
-def check_ordering(monkeypatch, broken=None, buffers=3, hbm_layers=0, checkpointing=False, order=None):
-    sim = SimStreams(ignore_waits_on=broken)
-    kernel = instrument(monkeypatch, sim)
+def check_ordering(broken=None, buffers=3, hbm_layers=0, checkpointing=False, order=None):
+    sim = RecordingTransport(ignore_waits_on=broken)
     budget = budget_for(POOL_SHAPE, hbm_layers, buffers)
-    pool = KVPool(offload=True, hbm_budget=budget, staging_buffers=buffers, layer_checkpointing=checkpointing)
-    on_part = lambda layer, kv, grads: kernel(layer, kv, grads) if pool.streams(layer) else None  # noqa: E731
-    got = drive(pool, checkpointing, order, on_part=on_part)
+    pool = KVPool(
+        OOMBConfig(CHUNK, PAGE, offload=True, hbm_budget=budget, staging_buffers=buffers,
+                   layer_checkpointing=checkpointing),
+        transport=lambda device: sim,
+    )  # fmt: skip
+    got = drive(pool, checkpointing, order)
     assert same(got, drive(KVPool(), checkpointing, order))
     assert {op[0] for op in sim.ops} == {"compute", "h2d", "d2h"}
     return sim.hazards()
@@ -384,17 +277,15 @@ def check_ordering(monkeypatch, broken=None, buffers=3, hbm_layers=0, checkpoint
 @pytest.mark.parametrize(
     ("buffers", "hbm_layers", "order"), [(2, 0, None), (3, 0, None), (4, 1, None), (3, 0, scrambled)]
 )
-def test_every_cross_stream_hazard_is_ordered_by_events(
-    monkeypatch, buffers, hbm_layers, order, checkpointing
-):
+def test_every_cross_stream_hazard_is_ordered_by_events(buffers, hbm_layers, order, checkpointing):
     """The CUDA schedule's events, checked on CPU: no two conflicting operations on different streams (kernel
     reads/adds, K/V writes, gradient gathers, copies in and out, zero-fills) are left unordered."""
-    assert check_ordering(monkeypatch, None, buffers, hbm_layers, checkpointing, order) == []
+    assert check_ordering(None, buffers, hbm_layers, checkpointing, order) == []
 
 
 @pytest.mark.parametrize("broken", ["compute", "h2d", "d2h"])
-def test_the_ordering_check_catches_a_stream_that_ignores_its_waits(monkeypatch, broken):
-    assert check_ordering(monkeypatch, broken) != []
+def test_the_ordering_check_catches_a_stream_that_ignores_its_waits(broken):
+    assert check_ordering(broken) != []
 
 
 # ------------------------------------------------------------------------------------------ errors, recovery
@@ -416,9 +307,10 @@ def test_bad_offload_options_are_rejected(options):
 
 def test_host_memory_is_checked_before_allocating(monkeypatch):
     assert kv_pool_module.host_memory_available() > 0  # Linux: MemAvailable is readable
-    shape = PoolShape(4, 1, 1 << 20, 4, 128, 128, torch.bfloat16, torch.float32)  # 24 GiB of host pages
+    # 24 GiB of host pages (one block = the whole row: chunk_size 0)
+    shape = PoolShape(4, 1, 1 << 20, 4, 128, 128, dtype=torch.bfloat16)
     monkeypatch.setattr(kv_pool_module, "host_memory_available", lambda: 8 << 30)
-    pool = KVPool(offload=True, hbm_budget=0)
+    pool = KVPool(OOMBConfig(offload=True, hbm_budget=0))
     with pytest.raises(
         OOMBConfigError, match=r"needs 24\.00 GiB.*6\.00 GiB is available.*bfloat16.*16\.00 GiB"
     ):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as tf
-from conftest import build_causal_lm
 
 from lightning_oomb.engine import OOMBConfig, OOMBConfigError, OOMBEngine
 from lightning_oomb.integrations.hf import HFChunkModel, register_attention
+from tests.helpers.models import build_causal_lm
 
 TINY = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4, vocab_size=64)
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from conftest import build_causal_lm, full_sequence_loss, grads_of, max_relative_error
 
-from lightning_oomb import OOMBStrategy
 from lightning_oomb.engine import OOMBConfig, OOMBEngine
 from lightning_oomb.integrations.hf import HFChunkModel
+from tests.helpers.lightning import fit, oomb
+from tests.helpers.models import build_causal_lm, full_sequence_loss, grads_of, max_relative_error
 
 peft = pytest.importorskip("peft")
 
@@ -59,18 +59,8 @@ class LoRALM(L.LightningModule):
 def test_the_strategy_trains_a_peft_model_like_the_default_strategy():
     data = torch.randint(0, 97, (4, 40), generator=torch.Generator().manual_seed(2))
     trained = {}
-    for name, strategy in (("auto", "auto"), ("oomb", OOMBStrategy(chunk_size=16, page_size=8))):
-        module = LoRALM()
-        trainer = L.Trainer(
-            strategy=strategy,
-            accelerator="cpu",
-            max_steps=2,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
-        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=2))
+    for name, strategy in (("auto", "auto"), ("oomb", oomb())):
+        module, _ = fit(strategy, LoRALM(), torch.utils.data.DataLoader(data, batch_size=2), steps=2)
         trained[name] = {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
     assert trained["oomb"].keys() == trained["auto"].keys()
     assert max((trained["oomb"][n] - trained["auto"][n]).abs().max().item() for n in trained["auto"]) <= 1e-5

@@ -1,4 +1,5 @@
-"""Triton paged attention kernels against the torch reference (interpreted on CPU, compiled on CUDA)."""
+"""Both attention backends (Triton: interpreted on CPU, compiled on CUDA; the torch reference) against the textbook
+dense oracle, plus what only the Triton kernels have (tiles, autotuning, input checks)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import pytest
 import torch
 import triton
 
-from csrc_triton import paged_attention as kernels
-from lightning_oomb.engine import reference
-from lightning_oomb.engine.kv_pool import PagedKV
+from csrc_triton import paged_attention as triton_kernels
+from lightning_oomb.engine.attention import kernels
+from lightning_oomb.engine.pages import PagedKV
+from tests.helpers.attention import BACKENDS, dense_attention, from_pages, shuffled_pages
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # max |got - want| / max |want|; 16-bit inputs round P (and dS) to 16 bits before the second matmul
@@ -70,47 +72,57 @@ def copy_grads(kv: PagedKV) -> PagedKV:
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor, tol: float, what: str):
-    assert got.shape == want.shape and got.dtype == want.dtype, what
+    assert got.shape == want.shape, what
     err = ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
     assert err <= tol, f"{what}: relative error {err:.2e} > {tol:.0e}"
 
 
-def skip_interpreted_bf16(case: Case):
-    if case.dtype == torch.bfloat16 and DEVICE == "cpu":
+def skip_unsupported(backend: str, case: Case):
+    if backend == "triton" and case.dtype == torch.bfloat16 and DEVICE == "cpu":
         pytest.skip("the Triton interpreter multiplies bf16 bit patterns in tl.dot; bf16 runs on CUDA only")
 
 
-def check_forward(case: Case):
-    q, _, kv = make_inputs(case)
-    scale = case.d**-0.5
-    out, lse = kernels.paged_attention_forward(q, kv.k, kv.v, kv.page_table, case.q_start, scale, case.window)
-    want_out, want_lse = reference.paged_attention_forward(q, kv, case.q_start, scale, case.window)
+def oracle(case: Case, q, dout, kv: PagedKV):
+    """out, dq and the token gradients dK, dV (padded to whole pages) of the dense float64 oracle."""
+    n = case.q_start + case.lq
+    leaves = [x.detach().double().requires_grad_() for x in (q, from_pages(kv.k, kv.page_table, n),
+                                                               from_pages(kv.v, kv.page_table, n))]  # fmt: skip
+    out, lse = dense_attention(*leaves, case.q_start, case.d**-0.5, case.window, with_lse=True)
+    out.backward(dout.double())
+    pad = kv.page_table.shape[1] * case.page - n
+    dk, dv = (torch.nn.functional.pad(x.grad, (0, 0, 0, pad)) for x in leaves[1:])
+    return out.detach(), lse.detach(), leaves[0].grad, dk, dv
+
+
+def check_forward(backend: str, case: Case):
+    q, dout, kv = make_inputs(case)
+    out, lse = kernels(backend).paged_attention_forward(
+        q, kv.k, kv.v, kv.page_table, case.q_start, case.d**-0.5, case.window
+    )
+    want_out, want_lse = oracle(case, q, dout, kv)[:2]
+    assert out.dtype == q.dtype and lse.dtype == torch.float32 and lse.shape == q.shape[:-1]
     assert_close(out, want_out, TOLERANCE[case.dtype], "out")
     assert_close(lse, want_lse, 1e-5, "lse")
 
 
-@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_forward_matches_reference(case: Case):
-    skip_interpreted_bf16(case)
-    check_forward(case)
-
-
-def check_backward(case: Case):
+def check_backward(backend: str, case: Case):
     q, dout, kv = make_inputs(case)
-    scale = case.d**-0.5
-    out, lse = reference.paged_attention_forward(q, kv, case.q_start, scale, case.window)
-    want = copy_grads(kv)
-    want_dq = reference.paged_attention_backward(q, out, lse, dout, want, case.q_start, scale, case.window)
+    ops, scale = kernels(backend), case.d**-0.5
+    out, lse = ops.paged_attention_forward(q, kv.k, kv.v, kv.page_table, case.q_start, scale, case.window)
     got = copy_grads(kv)
-    dq = kernels.paged_attention_backward(
+    dq = ops.paged_attention_backward(
         q, out, lse, dout, got.k, got.v, got.dk, got.dv, got.page_table, case.q_start, scale, case.window
     )
+    *_, want_dq, want_dk, want_dv = oracle(case, q, dout, kv)
     tol = TOLERANCE[case.dtype]
+    assert dq.dtype == q.dtype
     assert_close(dq, want_dq, tol, "dq")
     # compare what was added (the arenas start random and are mostly untouched); bf16 pages round each add
     grad_tol = max(tol, TOLERANCE[case.grad_dtype])
-    assert_close(got.dk.float() - kv.dk.float(), want.dk.float() - kv.dk.float(), grad_tol, "added dk")
-    assert_close(got.dv.float() - kv.dv.float(), want.dv.float() - kv.dv.float(), grad_tol, "added dv")
+    table, whole = kv.page_table, kv.page_table.shape[1] * case.page
+    for name, pages, before, want in (("dk", got.dk, kv.dk, want_dk), ("dv", got.dv, kv.dv, want_dv)):
+        added = from_pages(pages.float() - before.float(), table, whole)
+        assert_close(added, want, grad_tol, f"added {name}")
     untouched = torch.ones(kv.dk.shape[0], dtype=torch.bool, device=DEVICE)
     untouched[kv.page_table.flatten().long()] = False
     assert torch.equal(got.dk[untouched], kv.dk[untouched]) and torch.equal(
@@ -119,29 +131,93 @@ def check_backward(case: Case):
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_backward_matches_reference(case: Case):
-    skip_interpreted_bf16(case)
-    check_backward(case)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_forward_matches_dense(backend: str, case: Case):
+    skip_unsupported(backend, case)
+    check_forward(backend, case)
 
 
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backward_matches_dense(backend: str, case: Case):
+    skip_unsupported(backend, case)
+    check_backward(backend, case)
+
+
+@pytest.mark.parametrize("case", ["gqa7-ragged", "window", "fp16"])
+def test_triton_matches_reference(case: str):
+    """The kernels against their plain-torch reference on the same inputs (the kernels' own oracle)."""
+    case = CASES[case]
+    q, dout, kv = make_inputs(case)
+    scale, tol = case.d**-0.5, TOLERANCE[case.dtype]
+    results = {}
+    for backend in BACKENDS:
+        ops, grads = kernels(backend), copy_grads(kv)
+        out, lse = ops.paged_attention_forward(q, kv.k, kv.v, kv.page_table, case.q_start, scale, case.window)
+        dq = ops.paged_attention_backward(q, out, lse, dout, grads.k, grads.v, grads.dk, grads.dv,
+                                          grads.page_table, case.q_start, scale, case.window)  # fmt: skip
+        results[backend] = out, lse, dq, grads.dk - kv.dk, grads.dv - kv.dv
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), results["triton"], results["torch"]):
+        assert_close(got, want, 1e-5 if name == "lse" else tol, name)
+
+
+# (b, hq, hkv, lq, q_start, page, window) in float64: beyond the kernels' dtypes, so the reference alone
+REFERENCE_CASES = [
+    (1, 2, 2, 13, 0, 4, None),  # first chunk, ragged last page
+    (2, 7, 1, 9, 24, 8, None),  # GQA 7, several chunks deep, ragged
+    (1, 4, 2, 16, 48, 8, 10),  # sliding window shorter than the chunk
+    (2, 4, 2, 5, 4096 - 5, 128, 3000),  # more than one key block
+]
+
+
+@pytest.mark.parametrize(("b", "hq", "hkv", "lq", "q_start", "page", "window"), REFERENCE_CASES)
+def test_reference_matches_dense_in_float64(b, hq, hkv, lq, q_start, page, window):
+    gen = torch.Generator().manual_seed(lq + q_start)
+    d, dt = 8, torch.float64
+    n = q_start + lq
+    q = torch.randn(b, hq, lq, d, dtype=dt, generator=gen, requires_grad=True)
+    k = torch.randn(b, hkv, n, d, dtype=dt, generator=gen, requires_grad=True)
+    v = torch.randn(b, hkv, n, d, dtype=dt, generator=gen, requires_grad=True)
+    dout = torch.randn(b, hq, lq, d, dtype=dt, generator=gen)
+    scale = d**-0.5
+
+    want = dense_attention(q, k, v, q_start, scale, window)
+    want.backward(dout)
+    kv, grads_before = shuffled_pages(k.detach(), v.detach(), page, gen)
+    ops = kernels("torch")
+
+    out, lse = ops.paged_attention_forward(q.detach(), kv.k, kv.v, kv.page_table, q_start, scale, window)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    assert lse.shape == (b, hq, lq) and torch.isfinite(lse).all()
+
+    dq = ops.paged_attention_backward(q.detach(), out, lse, dout, kv.k, kv.v, kv.dk, kv.dv, kv.page_table,
+                                      q_start, scale, window)  # fmt: skip
+    torch.testing.assert_close(dq, q.grad, rtol=1e-12, atol=1e-12)
+    for arena, before, want_grad in ((kv.dk, grads_before[0], k.grad), (kv.dv, grads_before[1], v.grad)):
+        added = (arena - before)[kv.page_table.flatten().long()]
+        tokens = added.view(b, -1, *arena.shape[1:]).transpose(1, 2).reshape(b, hkv, -1, d)[:, :, :n]
+        torch.testing.assert_close(tokens, want_grad, rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------ Triton only
 @pytest.mark.parametrize(
     ("block_m", "block_n", "window"), [(32, 16, 70), (64, 32, None)], ids=["32x16-window", "64x32"]
 )
 def test_tile_shapes(monkeypatch, block_m, block_n, window):
     """The block-range logic with the GPU's tile shapes: query blocks larger than key blocks, several per page."""
     config = [triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=4, num_stages=2)]
-    for tuner in (kernels._fwd_kernel, kernels._bwd_dkdv_kernel, kernels._bwd_dq_kernel):
+    for tuner in (triton_kernels._fwd_kernel, triton_kernels._bwd_dkdv_kernel, triton_kernels._bwd_dq_kernel):
         monkeypatch.setattr(tuner, "configs", config)
         monkeypatch.setattr(tuner, "cache", {})
     case = Case(hq=4, hkv=2, page=32, q_start=96, lq=45, window=window)
-    check_forward(case)
-    check_backward(case)
+    check_forward("triton", case)
+    check_backward("triton", case)
 
 
 def test_dkdv_autotuning_adds_once(monkeypatch):
     """Tuning runs the in-place dK/dV kernel once per config and repeat; its hooks must undo all but the last."""
     monkeypatch.setenv("OOMB_TRITON_AUTOTUNE", "1")
-    tuner = kernels._bwd_dkdv_kernel
+    tuner = triton_kernels._bwd_dkdv_kernel
     configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": 16}, num_warps=4, num_stages=1) for m in (16, 32)]
     monkeypatch.setattr(tuner, "configs", configs)
     monkeypatch.setattr(tuner, "cache", {})
@@ -149,7 +225,7 @@ def test_dkdv_autotuning_adds_once(monkeypatch):
     monkeypatch.setitem(
         tuner.__dict__, "do_bench", lambda run, quantiles: [min(run() or 1.0 for _ in range(2))] * 3
     )
-    check_backward(Case(b=1, hq=2, hkv=1, q_start=16, lq=20))
+    check_backward("triton", Case(b=1, hq=2, hkv=1, q_start=16, lq=20))
     assert len(tuner.cache) == 1
 
 
@@ -159,15 +235,13 @@ def test_tuning_space_fits_pages_and_registers(monkeypatch):
         triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=2)
         for m, n, w in [(128, 64, 8), (64, 128, 4), (128, 128, 4), (64, 64, 4)]
     ]
-    prune = kernels._pruner("BLOCK_M", 1)
+    prune = triton_kernels._pruner("BLOCK_M", 1)
     kept = [
         (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps)
         for c in prune(configs, {}, PAGE=64, HEAD_DIM=128)
     ]
-    assert kept == [
-        (128, 64, 8),
-        (64, 64, 4),
-    ]  # BLOCK_N clamped to the page (duplicate dropped); 128x128x4w spills
+    # BLOCK_N clamped to the page (duplicate dropped); 128x128x4w spills
+    assert kept == [(128, 64, 8), (64, 64, 4)]
     monkeypatch.setenv("OOMB_TRITON_AUTOTUNE", "0")
     assert len(prune(configs, {}, PAGE=64, HEAD_DIM=128)) == 1
 
@@ -175,13 +249,13 @@ def test_tuning_space_fits_pages_and_registers(monkeypatch):
 def test_rejects_unsupported_inputs():
     q, _, kv = make_inputs(Case(b=1, lq=4, q_start=0))
     with pytest.raises(TypeError, match="torch reference"):
-        kernels.paged_attention_forward(q.double(), kv.k, kv.v, kv.page_table, 0, 1.0, None)
+        triton_kernels.paged_attention_forward(q.double(), kv.k, kv.v, kv.page_table, 0, 1.0, None)
     with pytest.raises(ValueError, match="power of two"):
-        kernels.paged_attention_forward(
+        triton_kernels.paged_attention_forward(
             q[..., :12], kv.k[..., :12], kv.v[..., :12], kv.page_table, 0, 1.0, None
         )
     with pytest.raises(ValueError, match="must cover keys"):
-        kernels.paged_attention_forward(q, kv.k, kv.v, kv.page_table, 64, 1.0, None)
+        triton_kernels.paged_attention_forward(q, kv.k, kv.v, kv.page_table, 64, 1.0, None)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral"])
@@ -193,7 +267,7 @@ def test_engine_with_triton_matches_torch_backend(causal_lm, family):
     model = causal_lm(family, dtype=torch.float32, head_dim=16).to(DEVICE)
     ids = torch.randint(0, 97, (2, 45), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     results = {}
-    for backend in ("torch", "triton"):
+    for backend in BACKENDS:
         model.zero_grad()
         engine = OOMBEngine(
             HFChunkModel(model), OOMBConfig(chunk_size=16, page_size=16, attention_backend=backend)

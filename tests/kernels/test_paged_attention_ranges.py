@@ -1,8 +1,9 @@
-"""Key ranges, carried forward state and dQ accumulation: Triton (interpreted on CPU) against the torch reference.
+"""Key ranges, carried forward state and dQ accumulation, for both backends (Triton interpreted on CPU).
 
 One attention call split into calls over shuffled page-aligned key ranges must combine to the one-shot result,
-never read the page-table entries of other pages, and leave pages outside the range untouched; autotuning must
-restore every in-place argument between its runs.
+never read the page-table entries of other pages, and leave pages outside the range untouched; every step is
+compared with the torch reference doing the same step, and the result with the one-shot call. Triton's autotuning
+must restore every in-place argument between its runs.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ import pytest
 import torch
 import triton
 
-from csrc_triton import paged_attention as kernels
+from csrc_triton import paged_attention as triton_kernels
 from lightning_oomb.engine import reference
-from lightning_oomb.engine.kv_pool import PagedKV
-
-from .test_paged_attention import DEVICE, TOLERANCE, Case, assert_close, copy_grads, make_inputs
+from lightning_oomb.engine.attention import kernels
+from lightning_oomb.engine.lse import attention_delta, finish_state, init_state
+from lightning_oomb.engine.pages import PagedKV
+from tests.helpers.attention import BACKENDS, dense_attention, shuffled_pages
+from tests.kernels.test_paged_attention import DEVICE, TOLERANCE, Case, assert_close, copy_grads, make_inputs
 
 GARBAGE = 2**31 - 1  # far outside every arena: reading it faults (or, on the reference, raises)
 CASES = {  # q_start > 0, Lq not a multiple of the page, GQA 2, batch 2
@@ -76,20 +79,22 @@ def check_state(got, want, seen: torch.Tensor, tol: float):
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_forward_key_ranges_fold_to_one_shot(case: Case):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_forward_key_ranges_fold_to_one_shot(backend: str, case: Case):
+    ops = kernels(backend)
     q, _, kv, poison = poisoned_inputs(case)
     scale, num_keys = case.d**-0.5, case.q_start + case.lq
     ranges = split_keys(num_keys, case.page, seed=case.lq)
     assert any(0 < sees(case, r).sum() < case.lq for r in ranges)  # a range only some rows see
-    got, want = reference.init_state(q), reference.init_state(q)
+    got, want = init_state(q), init_state(q)
     seen = torch.zeros(case.b, case.hq, case.lq, dtype=torch.bool, device=DEVICE)
     for key_range in ranges:
         view = with_garbage(kv, key_range, poison)
         before = [x.clone() for x in got]
-        assert kernels.paged_attention_forward(q, view.k, view.v, view.page_table, case.q_start, scale,
-                                               case.window, key_range=key_range, state=got) is None  # fmt: skip
+        assert ops.paged_attention_forward(q, view.k, view.v, view.page_table, case.q_start, scale,
+                                           case.window, key_range=key_range, state=got) is None  # fmt: skip
         reference.paged_attention_forward(
-            q, kv, case.q_start, scale, case.window, key_range=key_range, state=want
+            q, kv.k, kv.v, kv.page_table, case.q_start, scale, case.window, key_range=key_range, state=want
         )
         seen |= sees(case, key_range)
         check_state(got, want, seen, TOLERANCE[case.dtype])
@@ -97,18 +102,24 @@ def test_forward_key_ranges_fold_to_one_shot(case: Case):
         for x, y in zip(got, before):
             assert torch.equal(x[blind], y[blind])
 
-    out, lse = reference.finish_state(got, q.dtype)
-    want_out, want_lse = reference.paged_attention_forward(q, kv, case.q_start, scale, case.window)
+    out, lse = finish_state(got, q.dtype)
+    want_out, want_lse = ops.paged_attention_forward(
+        q, kv.k, kv.v, kv.page_table, case.q_start, scale, case.window
+    )
     assert_close(out, want_out, TOLERANCE[case.dtype], "out")
     assert_close(lse, want_lse, 1e-5, "lse")
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_backward_key_ranges_accumulate_to_one_shot(case: Case):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backward_key_ranges_accumulate_to_one_shot(backend: str, case: Case):
+    ops = kernels(backend)
     q, dout, kv, poison = poisoned_inputs(case)
     scale, num_keys = case.d**-0.5, case.q_start + case.lq
-    out, lse = reference.paged_attention_forward(q, kv, case.q_start, scale, case.window)
-    delta = reference.attention_delta(out, dout)
+    out, lse = reference.paged_attention_forward(
+        q, kv.k, kv.v, kv.page_table, case.q_start, scale, case.window
+    )
+    delta = attention_delta(out, dout)
     got, want = copy_grads(kv), copy_grads(kv)
     dq, want_dq = (
         torch.zeros(q.shape, dtype=torch.float32, device=DEVICE),
@@ -118,12 +129,13 @@ def test_backward_key_ranges_accumulate_to_one_shot(case: Case):
     for key_range in split_keys(num_keys, case.page, seed=case.lq + 1):
         view = with_garbage(got, key_range, poison)
         dk, dv = got.dk.clone(), got.dv.clone()
-        assert kernels.paged_attention_backward(
+        assert ops.paged_attention_backward(
             q, out, lse, dout, view.k, view.v, view.dk, view.dv, view.page_table, case.q_start, scale, case.window,
             key_range=key_range, delta=delta, dq=dq,
         ) is dq  # fmt: skip
-        reference.paged_attention_backward(q, out, lse, dout, want, case.q_start, scale, case.window,
-                                           key_range=key_range, delta=delta, dq=want_dq)  # fmt: skip
+        reference.paged_attention_backward(q, out, lse, dout, want.k, want.v, want.dk, want.dv, want.page_table,
+                                           case.q_start, scale, case.window, key_range=key_range, delta=delta,
+                                           dq=want_dq)  # fmt: skip
         assert_close(dq, want_dq, tol, f"dq after {key_range}")
         assert_close(got.dk - kv.dk, want.dk - kv.dk, tol, f"added dk after {key_range}")
         assert_close(got.dv - kv.dv, want.dv - kv.dv, tol, f"added dv after {key_range}")
@@ -132,44 +144,58 @@ def test_backward_key_ranges_accumulate_to_one_shot(case: Case):
         assert torch.equal(got.dk[outside], dk[outside]) and torch.equal(got.dv[outside], dv[outside])
 
     whole = copy_grads(kv)
-    want_full = reference.paged_attention_backward(q, out, lse, dout, whole, case.q_start, scale, case.window)
+    want_full = ops.paged_attention_backward(q, out, lse, dout, whole.k, whole.v, whole.dk, whole.dv,
+                                             whole.page_table, case.q_start, scale, case.window)  # fmt: skip
     assert_close(dq.to(q.dtype), want_full, tol, "accumulated dq")
     assert_close(got.dk - kv.dk, whole.dk - kv.dk, tol, "dk over all ranges")
     assert_close(got.dv - kv.dv, whole.dv - kv.dv, tol, "dv over all ranges")
 
 
-def test_backward_key_range_alone():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backward_key_range_alone(backend: str):
     """A key range without ``delta``/``dq``: the launcher computes delta and returns dq in q's dtype."""
     case = CASES["gqa2-window"]
     q, dout, kv, poison = poisoned_inputs(case)
     scale, key_range = case.d**-0.5, (32, 64)
-    out, lse = reference.paged_attention_forward(q, kv, case.q_start, scale, case.window)
+    out, lse = reference.paged_attention_forward(
+        q, kv.k, kv.v, kv.page_table, case.q_start, scale, case.window
+    )
     got, want = copy_grads(kv), copy_grads(kv)
     view = with_garbage(got, key_range, poison)
-    dq = kernels.paged_attention_backward(q, out, lse, dout, view.k, view.v, view.dk, view.dv, view.page_table,
-                                          case.q_start, scale, case.window, key_range=key_range)  # fmt: skip
-    want_dq = reference.paged_attention_backward(q, out, lse, dout, want, case.q_start, scale, case.window,
+    dq = kernels(backend).paged_attention_backward(q, out, lse, dout, view.k, view.v, view.dk, view.dv,
+                                                   view.page_table, case.q_start, scale, case.window,
+                                                   key_range=key_range)  # fmt: skip
+    want_dq = reference.paged_attention_backward(q, out, lse, dout, want.k, want.v, want.dk, want.dv,
+                                                 want.page_table, case.q_start, scale, case.window,
                                                  key_range=key_range)  # fmt: skip
     assert_close(dq, want_dq, TOLERANCE[case.dtype], "dq")
     assert_close(got.dk - kv.dk, want.dk - kv.dk, TOLERANCE[case.dtype], "added dk")
 
 
-def test_rejects_bad_key_ranges_and_buffers():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rejects_bad_key_ranges_and_buffers(backend: str):
+    """One contract, one set of errors (``csrc_triton.contract``) for both backends."""
+    ops = kernels(backend)
     q, dout, kv = make_inputs(Case(b=1, hq=2, hkv=1, q_start=32, lq=13))
     args = (kv.k, kv.v, kv.page_table, 32, 1.0, None)
     for bad in [(8, 32), (16, 40), (0, 46), (32, 32), (-16, 16)]:  # unaligned lo / hi, past the end, empty
         with pytest.raises(ValueError, match="key_range"):
-            kernels.paged_attention_forward(q, *args, key_range=bad)
+            ops.paged_attention_forward(q, *args, key_range=bad)
+    ops.paged_attention_forward(q, *args, key_range=(32, 45))  # hi may be the chunk's end
     with pytest.raises(ValueError, match="state acc"):
-        kernels.paged_attention_forward(q, *args, state=reference.init_state(q.double()))
-    out, lse = kernels.paged_attention_forward(q, *args)
+        ops.paged_attention_forward(q, *args, state=init_state(q.double()))
+    with pytest.raises(ValueError, match="window=0"):
+        ops.paged_attention_forward(q, *args[:-1], 0)
+    out, lse = ops.paged_attention_forward(q, *args)
     grads = (kv.k, kv.v, kv.dk, kv.dv, kv.page_table, 32, 1.0, None)
     with pytest.raises(ValueError, match="dq must be"):
-        kernels.paged_attention_backward(
-            q, out, lse, dout, *grads, dq=torch.zeros_like(q, dtype=torch.float16)
+        ops.paged_attention_backward(q, out, lse, dout, *grads, dq=torch.zeros_like(q, dtype=torch.float16))
+    with pytest.raises(ValueError, match="dq must be"):
+        ops.paged_attention_backward(
+            q, out, lse, dout, *grads, dq=torch.zeros_like(q, dtype=torch.float32).mT
         )
     with pytest.raises(ValueError, match="delta must be"):
-        kernels.paged_attention_backward(q, out, lse, dout, *grads, delta=lse[..., :-1])
+        ops.paged_attention_backward(q, out, lse, dout, *grads, delta=lse[..., :-1])
 
 
 def test_restore_hooks_touch_only_the_key_range():
@@ -179,18 +205,18 @@ def test_restore_hooks_touch_only_the_key_range():
     dk, dv = torch.randn(8, 1, 16, 4), torch.randn(8, 1, 16, 4)
     nargs = {"TABLE": table, "DK": dk, "DV": dv, "PAGE": 16, "first_key": 20, "key_hi": 45}
     before = dk.clone(), dv.clone()
-    kernels._restore_grad_pages.pre(nargs)
+    triton_kernels._restore_grad_pages.pre(nargs)
     dk += 1
     dv += 1
-    kernels._restore_grad_pages.post(nargs)
+    triton_kernels._restore_grad_pages.post(nargs)
     restored = torch.tensor([0, 3, 5, 6])
     assert torch.equal(dk[restored], before[0][restored]) and torch.equal(dv[restored], before[1][restored])
     others = torch.tensor([1, 2, 4, 7])
     assert torch.equal(dk[others], before[0][others] + 1)
 
     state, dq = [torch.randn(2, 3) for _ in range(3)], torch.randn(2, 3)
-    for hook, names, flag in ((kernels._restore_state, ("OUT", "LSE", "L"), "CARRY"),
-                              (kernels._restore_dq, ("DQ",), "ACCUMULATE")):  # fmt: skip
+    for hook, names, flag in ((triton_kernels._restore_state, ("OUT", "LSE", "L"), "CARRY"),
+                              (triton_kernels._restore_dq, ("DQ",), "ACCUMULATE")):  # fmt: skip
         tensors = dict(zip(names, state if flag == "CARRY" else [dq]))
         for on in (True, False):
             saved = {n: t.clone() for n, t in tensors.items()}
@@ -210,24 +236,27 @@ def test_autotuning_restores_in_place_arguments(monkeypatch):
     case = Case(b=1, hq=2, hkv=1, q_start=16, lq=20)
     q, dout, kv, poison = poisoned_inputs(case)
     scale, ranges = case.d**-0.5, [(16, 36), (0, 16)]
-    out, lse = reference.paged_attention_forward(q, kv, case.q_start, scale, case.window)
-    delta = reference.attention_delta(out, dout)
+    out, lse = reference.paged_attention_forward(
+        q, kv.k, kv.v, kv.page_table, case.q_start, scale, case.window
+    )
+    delta = attention_delta(out, dout)
 
     def run():
-        state, grads = reference.init_state(q), copy_grads(kv)
+        state, grads = init_state(q), copy_grads(kv)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=DEVICE)
         for key_range in ranges:
             view = with_garbage(grads, key_range, poison)
-            kernels.paged_attention_forward(q, view.k, view.v, view.page_table, case.q_start, scale, None,
-                                            key_range=key_range, state=state)  # fmt: skip
-            kernels.paged_attention_backward(q, out, lse, dout, view.k, view.v, view.dk, view.dv, view.page_table,
-                                             case.q_start, scale, None, key_range=key_range, delta=delta, dq=dq)  # fmt: skip
+            triton_kernels.paged_attention_forward(q, view.k, view.v, view.page_table, case.q_start, scale, None,
+                                                   key_range=key_range, state=state)  # fmt: skip
+            triton_kernels.paged_attention_backward(q, out, lse, dout, view.k, view.v, view.dk, view.dv,
+                                                    view.page_table, case.q_start, scale, None, key_range=key_range,
+                                                    delta=delta, dq=dq)  # fmt: skip
         return *state, dq, grads.dk, grads.dv
 
     untuned = run()
     monkeypatch.setenv("OOMB_TRITON_AUTOTUNE", "1")
     configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": 16}, num_warps=4, num_stages=1) for m in (16, 32)]
-    tuners = (kernels._fwd_kernel, kernels._bwd_dkdv_kernel, kernels._bwd_dq_kernel)
+    tuners = (triton_kernels._fwd_kernel, triton_kernels._bwd_dkdv_kernel, triton_kernels._bwd_dq_kernel)
     benched = []
 
     def bench(fn, quantiles):  # two runs per config; every config ties, so the first (the untuned one) wins
@@ -244,3 +273,96 @@ def test_autotuning_restores_in_place_arguments(monkeypatch):
     assert all(len(t.cache) == 1 and next(iter(t.cache.values())).kwargs["BLOCK_M"] == 16 for t in tuners)
     for name, got, want in zip(("acc", "m", "l", "dq", "dk", "dv"), tuned, untuned):
         assert torch.equal(got, want), name
+
+
+# ----------------------------------------------------------------------------------- reference in float64
+def split_ranges(num_keys: int, page: int, gen: torch.Generator, pieces: int | None) -> list[tuple[int, int]]:
+    """``[0, num_keys)`` cut at random page boundaries into ``pieces`` ranges (every page its own for None),
+    returned in a shuffled order."""
+    bounds = torch.arange(page, num_keys, page)
+    if pieces is not None:
+        bounds = bounds[torch.randperm(len(bounds), generator=gen)[: pieces - 1]].sort().values
+    edges = [0, *bounds.tolist(), num_keys]
+    ranges = list(zip(edges[:-1], edges[1:]))
+    return [ranges[i] for i in torch.randperm(len(ranges), generator=gen)]
+
+
+def range_view(kv: PagedKV, key_range: tuple[int, int]) -> PagedKV:
+    """``kv`` with garbage in every page-table entry outside ``key_range``'s pages: they must never be read."""
+    table = torch.full_like(kv.page_table, GARBAGE)
+    table[:, range_pages(kv, key_range)] = kv.page_table[:, range_pages(kv, key_range)]
+    return PagedKV(kv.k, kv.v, kv.dk, kv.dv, table)
+
+
+def rows_seeing(q_start: int, lq: int, key_range: tuple[int, int], window: int | None) -> torch.Tensor:
+    """Bool [Lq]: which query rows see at least one key of ``key_range``."""
+    qpos = torch.arange(q_start, q_start + lq)
+    first = key_range[0] if window is None else torch.clamp(qpos - window + 1, min=key_range[0])
+    return torch.as_tensor(first <= torch.clamp(qpos, max=key_range[1] - 1))
+
+
+REFERENCE_RANGE_CASES = {  # (b, hq, hkv, lq, q_start, page, window); q_start > 0 and ragged Lq throughout
+    "gqa3": (2, 6, 2, 11, 21, 4, None),
+    "gqa3-window": (2, 6, 2, 11, 21, 4, 9),  # keys [0, 12) are in no query's window
+    "gqa4-window-1": (2, 4, 1, 7, 30, 8, 1),
+}
+
+
+@pytest.mark.parametrize("pieces", [None, 2, 3])
+@pytest.mark.parametrize("case", REFERENCE_RANGE_CASES.values(), ids=REFERENCE_RANGE_CASES.keys())
+def test_reference_key_ranges_fold_exactly_in_float64(case, pieces):
+    """Forward over shuffled key ranges folded into one state, backward per range with the final out/lse, a
+    shared delta and one dQ accumulator: both equal the one-shot call and the dense oracle to 1e-12; pages outside
+    a range stay untouched; a row that sees no key keeps its state bitwise."""
+    b, hq, hkv, lq, q_start, page, window = case
+    gen = torch.Generator().manual_seed(lq + q_start + (pieces or 0))
+    d, dt, scale = 8, torch.float64, 8**-0.5
+    n = q_start + lq
+    q = torch.randn(b, hq, lq, d, dtype=dt, generator=gen)
+    dout = torch.randn(b, hq, lq, d, dtype=dt, generator=gen)
+    k, v = (torch.randn(b, hkv, n, d, dtype=dt, generator=gen) for _ in "kv")
+    kv, _ = shuffled_pages(k, v, page, gen)
+    out, lse = reference.paged_attention_forward(q, kv.k, kv.v, kv.page_table, q_start, scale, window)
+    torch.testing.assert_close(out, dense_attention(q, k, v, q_start, scale, window), rtol=1e-12, atol=1e-12)
+    want = PagedKV(kv.k, kv.v, kv.dk.clone(), kv.dv.clone(), kv.page_table)
+    want_dq = reference.paged_attention_backward(q, out, lse, dout, want.k, want.v, want.dk, want.dv,
+                                                 want.page_table, q_start, scale, window)  # fmt: skip
+
+    ranges = split_ranges(n, page, gen, pieces)
+    state = init_state(q)
+    delta = attention_delta(out, dout)
+    dq = torch.zeros_like(q)
+    for key_range in ranges:
+        before = [x.clone() for x in state]
+        view = range_view(kv, key_range)
+        assert reference.paged_attention_forward(q, view.k, view.v, view.page_table, q_start, scale, window,
+                                                 key_range=key_range, state=state) is None  # fmt: skip
+        blind = ~rows_seeing(q_start, lq, key_range, window)
+        for x, y in zip(state, before):
+            assert torch.equal(x[:, :, blind], y[:, :, blind])  # a row that sees no key keeps its state
+
+        dk, dv = kv.dk.clone(), kv.dv.clone()
+        got = reference.paged_attention_backward(q, out, lse, dout, view.k, view.v, view.dk, view.dv,
+                                                 view.page_table, q_start, scale, window, key_range=key_range,
+                                                 delta=delta, dq=dq)  # fmt: skip
+        assert got is dq
+        outside = torch.ones(kv.dk.shape[0], dtype=torch.bool)
+        outside[kv.page_table[:, range_pages(kv, key_range)].flatten().long()] = False
+        assert torch.equal(kv.dk[outside], dk[outside]) and torch.equal(kv.dv[outside], dv[outside])
+    if pieces is None:  # the garbage is live: reading it fails
+        view = range_view(kv, ranges[0])
+        with pytest.raises(IndexError):
+            reference.paged_attention_forward(q, view.k, view.v, view.page_table, q_start, scale, window)
+    if pieces is None and window is not None:
+        assert any(not rows_seeing(q_start, lq, r, window).any() for r in ranges)  # a range no query can see
+    if pieces is None:
+        assert any(
+            0 < rows_seeing(q_start, lq, r, window).sum() < lq for r in ranges
+        )  # one only some rows see
+
+    got_out, got_lse = finish_state(state, q.dtype)
+    torch.testing.assert_close(got_out, out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got_lse, lse, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dq, want_dq, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(kv.dk, want.dk, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(kv.dv, want.dv, rtol=1e-12, atol=1e-12)

@@ -1,13 +1,14 @@
-"""OOMBMonitor logs the engine's per-step numbers."""
+"""OOMBMonitor and OOMBOffload log the engine's per-step numbers."""
 
 from __future__ import annotations
 
 import lightning as L
 import pytest
-from test_strategy import TinyLM, batches, oomb
 
-from lightning_oomb import OOMBConfigError, OOMBStrategy
+from lightning_oomb import OOMBConfigError
 from lightning_oomb.callbacks import OOMBMonitor, OOMBOffload
+from tests.helpers.lightning import fit as fit_tiny
+from tests.helpers.lightning import oomb
 
 
 class Recorder(L.pytorch.loggers.Logger):
@@ -26,22 +27,12 @@ class Recorder(L.pytorch.loggers.Logger):
 
 def fit(strategy, callbacks, steps=2):
     logger = Recorder()
-    trainer = L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        max_steps=steps,
-        logger=logger,
-        log_every_n_steps=1,
-        callbacks=callbacks,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-    )
-    trainer.fit(TinyLM(), batches())
+    _, trainer = fit_tiny(strategy, steps=steps, logger=logger, log_every_n_steps=1, callbacks=callbacks)
     return trainer, logger
 
 
-def offloading():
-    return OOMBStrategy(chunk_size=16, page_size=8, offload=True, hbm_budget=0, staging_buffers=4)
+def offloading(**options):
+    return oomb(offload=True, hbm_budget=0, **{"staging_buffers": 4, **options})
 
 
 def test_monitor_logs_pool_bytes_and_throughput():
@@ -54,17 +45,14 @@ def test_monitor_logs_pool_bytes_and_throughput():
 
 
 def test_monitor_refuses_other_strategies():
-    trainer = L.Trainer(
-        strategy="auto", accelerator="cpu", max_steps=1, callbacks=[OOMBMonitor()], logger=False
-    )
     with pytest.raises(OOMBConfigError, match="strategy='oomb'"):
-        trainer.fit(TinyLM(), batches())
+        fit_tiny("auto", steps=1, callbacks=[OOMBMonitor()])
 
 
-def test_offload_callback_tunes_the_streams_and_logs_the_traffic():
-    trainer, logger = fit(offloading(), [OOMBOffload(staging_buffers=3, prefetch_depth=1)])
-    pool = trainer.strategy.engine.pool
-    assert (pool.staging_buffers, pool.prefetch_depth) == (3, 1)
+def test_offload_callback_logs_the_traffic_of_the_strategys_streams():
+    trainer, logger = fit(offloading(staging_buffers=3, prefetch_depth=1), [OOMBOffload()])
+    config = trainer.strategy.engine.pool.config  # the strategy's options reach the pool unchanged
+    assert (config.staging_buffers, config.prefetch_depth) == (3, 1)
     logged = [r for r in logger.rows if "oomb/h2d_bytes" in r]
     assert len(logged) == 2
     last = logged[-1]
@@ -83,10 +71,25 @@ def test_offload_callback_tunes_the_streams_and_logs_the_traffic():
     [
         (oomb, [OOMBOffload()], "offload=True"),
         (offloading, [OOMBOffload(), OOMBMonitor()], "keep only OOMBOffload"),
-        (offloading, [OOMBOffload(staging_buffers=1)], "staging_buffers=1 must be an integer >= 2"),
-        (offloading, [OOMBOffload(prefetch_depth=-1)], "prefetch_depth=-1"),
     ],
 )
 def test_offload_callback_refuses_what_it_cannot_do(strategy, callbacks, match):
     with pytest.raises(OOMBConfigError, match=match):
         fit(strategy(), callbacks, steps=1)
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"staging_buffers": 1}, "staging_buffers=1 must be an integer >= 2"),
+        ({"prefetch_depth": -1}, "prefetch_depth=-1"),
+    ],
+)
+def test_bad_offload_stream_options_fail_at_construction(options, match):
+    with pytest.raises(OOMBConfigError, match=match):
+        offloading(**options)
+
+
+def test_oomb_offload_is_a_registered_preset():
+    trainer = L.Trainer(strategy="oomb_offload", accelerator="cpu", logger=False)
+    assert trainer.strategy.oomb_config.offload and trainer.strategy.oomb_config.chunk_size == 4096

@@ -7,32 +7,13 @@ from unittest import mock
 import lightning as L
 import pytest
 import torch
-from conftest import build_causal_lm
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import StrategyRegistry
-from torch.utils.data import DataLoader
 
 import lightning_oomb
 from lightning_oomb import OOMBConfigError, OOMBPrecision, OOMBStrategy
-
-
-class TinyLM(L.LightningModule):
-    def __init__(self, lr: float = 0.5):
-        super().__init__()
-        self.model = build_causal_lm("qwen2", dtype=torch.float32)
-        self.lr = lr
-
-    def training_step(self, batch):
-        loss = self.model(**batch).loss
-        self.log("train_loss", loss)
-        return loss
-
-    def validation_step(self, batch):
-        self.log("val_loss", self.model(**batch).loss)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)  # state that resume must restore
+from tests.helpers.lightning import TinyLM, batches, fit, make_trainer, oomb
 
 
 class CountHooks(Callback):
@@ -47,38 +28,6 @@ class CountHooks(Callback):
 
     def on_after_backward(self, *_):
         self.calls["after"] += 1
-
-
-def batches(n=6, seq=40, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(n):
-        ids = torch.randint(0, 97, (seq,), generator=gen)
-        rows.append({"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)})
-    return DataLoader(rows, batch_size=2)
-
-
-def fit(strategy, module=None, steps=3, rows=6, **trainer_kwargs):
-    module = module or TinyLM()
-    trainer_kwargs.setdefault("enable_checkpointing", False)
-    if "plugins" not in trainer_kwargs:
-        trainer_kwargs.setdefault("precision", "32-true")
-    trainer = L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=1,
-        max_steps=steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **trainer_kwargs,
-    )
-    trainer.fit(module, batches(rows))
-    return module, trainer
-
-
-def oomb():
-    return OOMBStrategy(chunk_size=16, page_size=8)
 
 
 def max_param_diff(a, b):
@@ -180,21 +129,21 @@ def test_resume_gives_the_uninterrupted_next_loss(tmp_path):
             self.losses.append(outputs["loss"].item())
 
     straight = LossRecorder()
-    fit(oomb(), steps=3, rows=2, callbacks=[straight])  # one batch per epoch: resume at an epoch boundary
+    fit(
+        oomb(), data=batches(2), steps=3, callbacks=[straight]
+    )  # one batch per epoch: resume at an epoch boundary
     ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True)
-    fit(oomb(), steps=2, rows=2, callbacks=[ckpt], enable_checkpointing=True)
-    resumed = LossRecorder()
-    module = TinyLM()
-    trainer = L.Trainer(
-        strategy=oomb(),
-        accelerator="cpu",
-        max_steps=3,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[resumed],
+    fit(
+        oomb(),
+        data=batches(2),
+        steps=2,
+        callbacks=[ckpt],
+        enable_checkpointing=True,
+        default_root_dir=tmp_path,
     )
-    trainer.fit(module, batches(2), ckpt_path=str(tmp_path / "last.ckpt"))
+    resumed = LossRecorder()
+    trainer = make_trainer(oomb(), 3, callbacks=[resumed], default_root_dir=tmp_path)
+    trainer.fit(TinyLM(), batches(2), ckpt_path=str(tmp_path / "last.ckpt"))
     assert resumed.losses == pytest.approx(straight.losses[2:], rel=1e-6)
 
 

@@ -1,0 +1,112 @@
+"""``OOMBConfig``: every engine option, defined and validated once.
+
+The strategies' typed ``__init__`` arguments (the YAML schema) mirror these fields with the same names, defaults and
+documentation (a test keeps them equal); the pool and the offload streams read the config itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from lightning_oomb.engine.errors import OOMBConfigError
+from lightning_oomb.engine.pages import GRAD_DTYPES
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class OOMBConfig:
+    """Options of the OOMB engine.
+
+    Args:
+        chunk_size: tokens processed together (``C``); activation memory scales with it, not with the sequence
+            length. A multiple of ``page_size``.
+        page_size: tokens per KV page (``P``, the kernel tile; the Triton kernels take powers of two >= 16).
+        kv_grad_dtype: ``"float32"`` (default) or ``"bfloat16"`` gradient pages: half the memory, more rounding;
+            never narrower than the K/V dtype (with float32 K/V the pages stay float32).
+        layer_checkpointing: also checkpoint each decoder layer inside a chunk's recompute (less activation
+            memory per chunk, one more forward per layer).
+        attention_backend: ``"auto"`` (Triton on CUDA, the torch reference elsewhere; the environment variable
+            ``OOMB_ATTENTION_BACKEND`` overrides ``auto``), ``"torch"`` or ``"triton"`` (CUDA only).
+        loss_block: tokens per block of LM-head logits in the cross-entropy (the logits of at most this many
+            tokens exist at once).
+        offload: keep the K/V and gradient pages of layers beyond ``hbm_budget`` in pinned host memory, streamed
+            through device staging buffers on side CUDA streams; results equal those without offload up to float
+            rounding. On a CPU device with ``hbm_budget="auto"`` it changes nothing (pages are in host memory
+            already; an explicit budget streams them anyway, which tests the schedule).
+        hbm_budget: device bytes for pages (HBM-tier layers + staging buffers) when ``offload`` is on: an int, or
+            ``"auto"`` = free device memory minus a quarter of the device. Whole layers are placed; a budget below
+            the staging buffers puts every layer on the host.
+        staging_buffers: device buffers of one block each — one chunk's K, V, dK, dV pages of one layer,
+            ``2 * batch * chunk_size * kv_heads * head_dim * (kv itemsize + grad itemsize)`` bytes (24 MiB for
+            Qwen2.5-7B at chunk 4096) — through which host-tier layers stream; at least 2 (the chunk's own block
+            and one prefix block); 3 overlaps copies in with compute, 4 (default) also overlaps write-backs.
+        prefetch_depth: predicted block uses staged ahead of time when offloading; ``None`` (default): as many as
+            free buffers allow, ``0``: copies only on demand (a debugging aid: no overlap).
+    """
+
+    chunk_size: int = 4096
+    page_size: int = 128
+    kv_grad_dtype: str = "float32"
+    layer_checkpointing: bool = False
+    attention_backend: str = "auto"
+    loss_block: int = 1024
+    offload: bool = False
+    hbm_budget: int | str = "auto"
+    staging_buffers: int = 4
+    prefetch_depth: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("chunk_size", "page_size", "loss_block"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise OOMBConfigError(f"{name}={value!r} must be a positive integer.")
+        if self.chunk_size % self.page_size:
+            raise OOMBConfigError(
+                f"chunk_size={self.chunk_size} is not a multiple of page_size={self.page_size} — chunks must start "
+                f"on page boundaries — use e.g. chunk_size={max(1, self.chunk_size // self.page_size) * self.page_size}."
+            )
+        if self.kv_grad_dtype not in GRAD_DTYPES:
+            raise OOMBConfigError(
+                f"kv_grad_dtype={self.kv_grad_dtype!r} is not supported — use one of {sorted(GRAD_DTYPES)}."
+            )
+        check_backend_name(self.attention_backend)
+        for name in ("layer_checkpointing", "offload"):
+            if not isinstance(getattr(self, name), bool):
+                raise OOMBConfigError(f"{name}={getattr(self, name)!r} must be True or False.")
+        budget = self.hbm_budget
+        if budget != "auto" and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+            raise OOMBConfigError(
+                f"hbm_budget={budget!r} is not a byte count — it caps the device memory of KV and gradient pages "
+                "when offload is on — pass a non-negative int of bytes (e.g. 40 * 2**30) or 'auto'."
+            )
+        buffers = self.staging_buffers
+        if isinstance(buffers, bool) or not isinstance(buffers, int) or buffers < 2:
+            raise OOMBConfigError(
+                f"staging_buffers={buffers!r} must be an integer >= 2 — host-tier layers stream through these "
+                "device buffers: one holds the chunk's own block, the others the blocks before it — use 4."
+            )
+        depth = self.prefetch_depth
+        if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 0):
+            raise OOMBConfigError(
+                f"prefetch_depth={depth!r} must be None (as deep as the buffers allow) or an integer >= 0 — it "
+                "counts the block uses staged ahead of time."
+            )
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def args_doc(cls) -> str:
+        """The ``Args:`` entries of this docstring (indented by 8 spaces), for classes that take the same options."""
+        doc = cls.__doc__
+        return doc[doc.index("Args:\n") + len("Args:\n") :].rstrip() + "\n"
+
+
+def check_backend_name(name: str) -> None:
+    if name not in BACKENDS:
+        raise OOMBConfigError(
+            f"attention backend {name!r} is unknown — choose one of {BACKENDS} "
+            "(OOMBConfig.attention_backend or OOMB_ATTENTION_BACKEND)."
+        )

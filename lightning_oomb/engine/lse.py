@@ -1,0 +1,42 @@
+"""Log-sum-exp merging of attention over disjoint key parts (shared by both attention backends).
+
+Attention over keys split into parts (offload blocks, and later other ranks' pages) combines exactly: the forward
+folds every part into one carried softmax state ``(acc, m, l)`` — ``acc`` the unnormalised ``sum exp(s - m) v``,
+``m`` the running max of the scaled scores, ``l = sum exp(s - m)`` — in any order, and :func:`finish_state` turns
+it into ``out = acc / l`` and ``lse = m + log(l)``; the backward of every part shares the final ``out``/``lse`` and
+one ``delta = rowsum(dO * O)`` (:func:`attention_delta`), and adds its dQ into one accumulator.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+State = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """float64 for float64 inputs, float32 for everything else: the dtype of states, LSE and accumulators."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def init_state(q: torch.Tensor) -> State:
+    """A fresh forward state for ``q [B, Hq, Lq, D]``: ``acc`` 0, ``m`` -inf, ``l`` 0 (float32; float64 for
+    float64 ``q``)."""
+    dtype = compute_dtype(q)
+    acc = torch.zeros(q.shape, dtype=dtype, device=q.device)
+    return acc, torch.full(q.shape[:-1], -math.inf, dtype=dtype, device=q.device), acc.new_zeros(q.shape[:-1])
+
+
+def finish_state(state: State, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of a state that has seen every key: ``out = acc / l`` in ``dtype``, ``lse = m + log(l)``."""
+    acc, m, l_sum = state
+    return (acc / l_sum[..., None]).to(dtype), m + torch.log(l_sum)
+
+
+def attention_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+    """``delta = rowsum(dout * out)`` ``[B, Hq, Lq]`` (float32; float64 for float64), shared by the backward
+    calls of every key part."""
+    dtype = compute_dtype(out)
+    return (dout.to(dtype) * out.to(dtype)).sum(-1)

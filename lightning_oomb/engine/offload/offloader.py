@@ -1,0 +1,170 @@
+"""``Offloader``: what the pool calls for host-tier layers — block streams, writes, gradient hand-over, prefetch.
+
+It joins the three parts of offload: the :class:`~.schedule.OffloadSchedule` (where the sweeps are and what they
+use next), the :class:`~.staging.StagingCache` (which buffer holds what, copies and their events) and the
+transport (streams). At every pool access (HBM layers included, they move the position) it stages the predicted
+block uses into buffers that nothing upcoming needs, until none is free or ``prefetch_depth`` uses are staged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from lightning_oomb.engine.config import OOMBConfig
+from lightning_oomb.engine.offload.schedule import Need, OffloadSchedule
+from lightning_oomb.engine.offload.staging import StagingCache, Transfer
+from lightning_oomb.engine.offload.transport import Transport
+from lightning_oomb.engine.pages import Arena, PoolShape
+
+
+class Offloader:
+    """Streams the blocks of host-tier layers through the staging buffers (see the package docstring).
+
+    Args:
+        shape: the step's pool shape (``shape.block_pages`` pages per block).
+        host_layers: layers in the host tier; layer ``host_layers[i]`` owns host slots ``[i * layer_slots, ...)``.
+        host: the host-tier arena; staging: the device arena of ``config.staging_buffers`` block-sized buffers.
+        config: ``staging_buffers``, ``prefetch_depth`` and ``layer_checkpointing`` (the backward's order).
+        transport: the copy transport (see :mod:`.transport`).
+        sweep: the sweep in progress (the pool is reserved during a forward or eval sweep).
+    """
+
+    def __init__(
+        self,
+        shape: PoolShape,
+        host_layers: Sequence[int],
+        host: Arena,
+        staging: Arena,
+        config: OOMBConfig,
+        transport: Transport,
+        sweep: str = "forward",
+    ) -> None:
+        self.shape, self.transport = shape, transport
+        buffers = config.staging_buffers
+        self.prefetch_depth = buffers if config.prefetch_depth is None else config.prefetch_depth
+        self._host_layers = frozenset(host_layers)
+        self.schedule = OffloadSchedule(
+            shape.num_layers, shape.num_blocks, host_layers, config.layer_checkpointing
+        )
+        self.cache = StagingCache(shape, host_layers, host, staging, buffers, transport)
+        self._fresh: tuple[int, int] | None = None  # a block just written for the stream about to start
+        self._wait_s = 0.0
+        self.begin_sweep(sweep)
+
+    # ------------------------------------------------------------------------------------------------ sweeps
+    def begin_sweep(self, kind: str) -> None:
+        """``"forward"``/``"eval"``: a new step (nothing staged is valid, stats restart); ``"backward"``: K/V
+        stay staged, gradients restart at zero (no gradient page is on the host)."""
+        if kind != "backward":
+            self._wait_s = 0.0
+        self._fresh = None
+        self.schedule.begin_sweep(kind)
+        self.cache.begin_sweep(kind)
+
+    def end_sweep(self) -> None:
+        """Resolve the sweep's copy-wait timings (waits for the compute stream up to its last wait)."""
+        self._wait_s += self.transport.finish()
+        if self.schedule.sweep == "backward":
+            self.cache.drop_grads()  # every gradient page has been handed to autograd
+
+    @property
+    def trace(self) -> Sequence[Transfer]:
+        """This step's copies in issue order (the last ``TRACE_LIMIT`` of them)."""
+        return self.cache.trace
+
+    def stats(self) -> dict:
+        """This step's traffic so far (see :meth:`lightning_oomb.engine.kv_pool.KVPool.stats`)."""
+        return {**self.cache.counts, "copy_wait_s": self._wait_s}
+
+    def synchronize(self) -> None:
+        """Wait for every copy and kernel on the device (before arenas are replaced or freed)."""
+        self.transport.synchronize()
+
+    # ------------------------------------------------------------------------------------------------ access
+    def visit(self, layer: int, chunk: int, grads: bool = False) -> None:
+        """Note the start of ``layer``'s stream for chunk ``chunk`` (HBM layers too: it drives prefetch)."""
+        self.cache.tick()
+        self.schedule.visit(layer, chunk, grads)
+        if layer not in self._host_layers:
+            self._prefetch()
+
+    def begin_write(self, layer: int, block: int) -> torch.Tensor:
+        """Hold a buffer for ``layer``'s block ``block`` that the compute stream is about to write K/V into;
+        returns its page table ``[batch, pages_per_row]`` (the compute stream waits for the buffer's copies)."""
+        self._fresh = (layer, block)  # protected until its stream has started
+        buf = self.cache.stage(Need(layer, block, False, False), "demand", self._protected())
+        self.cache.use(buf, writes=("kv",))
+        return self.cache.table(buf)
+
+    def end_write(self, layer: int, block: int, persist: bool) -> None:
+        """The compute stream wrote the block's K/V. ``persist``: they are new (forward and eval sweeps): send
+        them to the host now; otherwise they are the recompute's identical copy of what the host holds."""
+        if persist:
+            self.schedule.wrote(layer, block)
+        self.cache.wrote_kv(self.cache.holder((layer, block)), persist)
+        self._prefetch()
+
+    def holds_kv(self, layer: int, block: int) -> bool:
+        buf = self.cache.holder((layer, block))
+        return buf is not None and buf.kv
+
+    def stream(
+        self, layer: int, chunk: int, grads: bool = False, first: int = 0
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """Yield ``(block, page table)`` for the blocks chunk ``chunk`` of ``layer`` attends to: its own block
+        (already written or restaged) first, then the prefix ``first .. chunk-1`` (blocks before ``first`` are
+        outside a sliding window), each staged (with its gradient pages if ``grads``) and ordered before the
+        compute stream's next use. With ``grads`` the caller adds into the gradient pages before asking for the
+        next block; a prefix block's are then written back."""
+        self.cache.tick()
+        needs = self.schedule.stream(layer, chunk, grads, first)
+        self._fresh = None
+        parts = ("kv", "grad") if grads else ("kv",)
+        for i, need in enumerate(needs):
+            self.schedule.using(needs, i)  # what prefetch predicts first: needs[i + 1:]
+            self.cache.tick()
+            buf = self.cache.stage(need, "demand", self._protected(need))
+            assert buf.kv, "the chunk's own block is written before it is streamed"
+            self.cache.use(buf, reads=parts, writes=parts[1:])
+            if grads:
+                self.cache.added_grads(buf)
+            self._prefetch(current=need)
+            yield need.block, self.cache.table(buf)
+            if grads and need.block != chunk:
+                self.cache.write_back(buf)
+
+    def grad_table(self, layer: int, block: int) -> torch.Tensor:
+        """The page table of the buffer holding ``layer``'s block with its accumulated gradient pages (after
+        the backward's stream); stages them again if they were evicted."""
+        buf = self.cache.stage(Need(layer, block, False, True), "demand", self._protected())
+        self.cache.use(buf, reads=("grad",))
+        return self.cache.table(buf)
+
+    def consumed(self, layer: int, block: int) -> None:
+        """Backward sweep: the chunk took its gradients of ``layer``; its block's gradient pages are free."""
+        self.cache.consumed((layer, block))
+        self._prefetch()
+
+    # ---------------------------------------------------------------------------------------------- prefetch
+    def _protected(self, current: Need | None = None) -> set:
+        """Blocks no staging may evict now: the block in use, the chunk's own block of the current stream (its
+        gradient pages wait for ``read_grad``) and a block just written for the stream about to start."""
+        keep = {self._fresh} if self._fresh is not None else set()
+        if current is not None:
+            keep.add((current.layer, current.block))
+        at = self.schedule.at
+        if at is not None:
+            keep.add((at.layer, at.chunk))
+        return keep
+
+    def _prefetch(self, current: Need | None = None) -> None:
+        protect = self._protected(current)
+        for ahead, need in enumerate(self.schedule.upcoming()):
+            # a protected block is never evicted, but may be filled
+            if ahead >= self.prefetch_depth or self.cache.stage(need, "prefetch", protect) is None:
+                break
+            protect.add((need.layer, need.block))
+            if len(protect) >= len(self.cache.buffers):
+                break

@@ -1,0 +1,120 @@
+"""The offload schedule: which blocks of which layers the sweeps will use next (pure Python, no tensors).
+
+A *stream* is one attention call of one layer for chunk ``s`` (:class:`Visit`): it uses the chunk's own block ``s``
+and the prefix blocks ``first .. s-1`` (``first > 0`` under a sliding window), each a :class:`Need`. Sweep order:
+forward and eval sweeps climb the layers, chunk after chunk; the backward sweep recomputes each chunk climbing and
+back-propagates it descending, and with layer checkpointing each layer's forward is recomputed right before its
+backward (so the same layer is streamed twice in a row). :meth:`OffloadSchedule.upcoming` walks that order from the
+current position: what the staging cache should prefetch. Correctness never depends on it — a prediction that turns
+out wrong only costs a copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
+
+
+class Visit(NamedTuple):
+    """One stream of a layer: chunk ``chunk`` attends to blocks ``0 .. chunk``; ``grads``: the backward's."""
+
+    layer: int
+    chunk: int
+    grads: bool
+    descending: bool = False  # backward sweep: the descending half (the layers' backward)
+
+
+class Need(NamedTuple):
+    """A block use: stage its K/V (``kv``) and/or gradient pages (``grads``); neither = hold a buffer for the
+    chunk's own block, which the compute stream writes."""
+
+    layer: int
+    block: int
+    kv: bool
+    grads: bool
+
+
+class OffloadSchedule:
+    """The position in the sweeps and the predicted block uses from there.
+
+    Args:
+        num_layers: layers of the model (every layer's visit moves the position, HBM layers included).
+        num_blocks: blocks (chunks) of the sequence.
+        host_layers: the layers whose blocks are streamed (only their uses are predicted).
+        layer_checkpointing: the backward sweep recomputes each layer right before its backward.
+    """
+
+    def __init__(
+        self, num_layers: int, num_blocks: int, host_layers: Sequence[int], layer_checkpointing: bool
+    ) -> None:
+        self.num_layers, self.num_blocks = num_layers, num_blocks
+        self.host_layers = frozenset(host_layers)
+        self.layer_checkpointing = layer_checkpointing
+        self.sweep = "forward"
+        self.written = [0] * num_layers  # leading blocks of each layer whose K/V are on the host
+        self.begin_sweep("forward")
+
+    def begin_sweep(self, kind: str) -> None:
+        """``"forward"``/``"eval"``: a new step (no K/V on the host yet); ``"backward"``: K/V stay."""
+        self.sweep, self.at, self._rest = kind, None, ((), 0)
+        self.span = self.num_blocks  # prefix blocks a stream reads (fewer under a sliding window)
+        if kind != "backward":
+            self.written = [0] * self.num_layers
+
+    def visit(self, layer: int, chunk: int, grads: bool = False) -> Visit:
+        """Move to the start of ``layer``'s stream for chunk ``chunk``."""
+        previous, descending = self.at, grads
+        if self.sweep == "backward" and previous is not None and not grads:
+            # after a layer's backward comes the layer below (recomputed first with checkpointing) or, at the
+            # bottom, the next chunk's climb; the same layer twice is a checkpointed recompute
+            descending = layer == previous.layer - 1 if previous.grads else layer == previous.layer
+        self.at = Visit(layer, chunk, grads, descending)
+        self._rest = ((), 0)
+        return self.at
+
+    def stream(self, layer: int, chunk: int, grads: bool, first: int = 0) -> list[Need]:
+        """Start ``layer``'s stream for chunk ``chunk`` over the prefix blocks ``first .. chunk-1``; return its
+        needs in use order: the chunk's own block (already on the device: its K/V were just written or restaged),
+        then the prefix blocks from the host."""
+        self.visit(layer, chunk, grads)
+        self.span = chunk - first
+        return [Need(layer, chunk, False, grads), *(Need(layer, j, True, grads) for j in range(first, chunk))]
+
+    def using(self, needs: Sequence[Need], i: int) -> None:
+        """``needs[i]`` of the current stream is in use: the prediction continues with ``needs[i + 1:]``."""
+        self._rest = (needs, i + 1)
+
+    def wrote(self, layer: int, block: int) -> None:
+        """``layer``'s block ``block`` has new K/V (forward and eval sweeps): later streams read it from the host."""
+        self.written[layer] = block + 1
+
+    def next_visit(self, v: Visit) -> Visit | None:
+        """The stream after ``v`` in sweep order (``None``: the sweep ends)."""
+        last = self.num_layers - 1
+        if self.sweep != "backward":
+            return Visit(v.layer + 1, v.chunk, False) if v.layer < last else Visit(0, v.chunk + 1, False)
+        if v.grads:  # a layer's backward: the layer below, recomputed first with checkpointing
+            if v.layer == 0:
+                return Visit(0, v.chunk - 1, False) if v.chunk > 0 else None
+            return Visit(v.layer - 1, v.chunk, not self.layer_checkpointing, True)
+        if v.descending:  # checkpointing: a layer's recompute right before its backward
+            return Visit(v.layer, v.chunk, True, True)
+        if v.layer < last:
+            return Visit(v.layer + 1, v.chunk, False)
+        return Visit(last, v.chunk, not self.layer_checkpointing, True)
+
+    def upcoming(self) -> Iterator[Need]:
+        """Predicted block uses after now, nearest first: the rest of this stream, then the next streams' (up to
+        two passes over the layers ahead)."""
+        needs, start = self._rest
+        yield from needs[start:]
+        visit = self.at
+        for _ in range(2 * self.num_layers):
+            visit = self.next_visit(visit) if visit is not None else None
+            if visit is None or visit.chunk >= self.num_blocks:
+                return
+            if visit.layer in self.host_layers:
+                yield Need(visit.layer, visit.chunk, False, visit.grads)
+                first = max(0, visit.chunk - self.span)  # a sliding window spans as many blocks as last time
+                for j in range(first, min(visit.chunk, self.written[visit.layer])):
+                    yield Need(visit.layer, j, True, visit.grads)

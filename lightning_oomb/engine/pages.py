@@ -1,0 +1,313 @@
+"""Pages: the pool's shape, its arenas, the slot arithmetic and token views of pages (a leaf module).
+
+**Pages.** One *page* holds ``page_size`` consecutive tokens of K (and V) for one layer and one batch row, laid out
+``[kv_heads, page_size, head_dim]``. Gradient pages mirror the K/V pages (same slots) in the gradient dtype:
+float32 by default, bfloat16 opt-in; never narrower than the K/V dtype (float64 models get float64 gradient pages,
+which the exactness tests use).
+
+**Arenas.** A tier keeps all its pages in one :class:`Arena`: one allocation viewed as K, V, dK, dV
+``[slots, kv_heads, page_size, head_dim]`` (never one tensor per page). Within a tier, layer rank ``i`` owns slots
+``[i * layer_slots, (i + 1) * layer_slots)`` laid out page-major: page ``j`` of row ``b`` is slot
+``i * layer_slots + j * batch + b``, so the pages of a block (one chunk, all rows) are one contiguous slot range that
+a single copy moves. Staging buffer ``i`` (offload) owns ``[i * block_slots, (i + 1) * block_slots)`` laid out the
+same way for whichever block it holds. A page table ``int32 [batch, pages] -> slot`` addresses one layer's pages;
+kernels index pages through it and know nothing about tiers.
+
+Everything here is arithmetic on :class:`PoolShape` plus plain tensor views; the pool
+(:mod:`lightning_oomb.engine.kv_pool`), the offload schedule (:mod:`lightning_oomb.engine.offload`) and the torch
+reference of the kernels (:mod:`lightning_oomb.engine.reference`) all import it, and it imports none of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import weakref
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from lightning_oomb.engine.errors import OOMBConfigError
+
+GRAD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_ALIGN = 512  # byte alignment of the four views inside an arena (DMA friendly, divisible by every itemsize)
+
+Part = Literal["kv", "grad"]  # the K and V pages, or the dK and dV pages
+
+
+def resolve_grad_dtype(name: str, kv_dtype: torch.dtype) -> torch.dtype:
+    """The gradient-page dtype for option ``name``, never narrower than the K/V dtype."""
+    if name not in GRAD_DTYPES:
+        raise OOMBConfigError(
+            f"kv_grad_dtype={name!r} is not supported — gradient pages are accumulated in place — "
+            f"use one of {sorted(GRAD_DTYPES)}."
+        )
+    grad = GRAD_DTYPES[name]
+    return kv_dtype if kv_dtype.itemsize > grad.itemsize else grad
+
+
+@dataclass(frozen=True)
+class PoolShape:
+    """What the pool must hold for one step.
+
+    ``chunk_size``: tokens per chunk = per offload block (a multiple of ``page_size``; 0: the whole sequence).
+    ``dtype``: the K/V dtype, which the first chunk written decides (:meth:`for_dtype`); ``None`` until then.
+    ``kv_grad_dtype``: the gradient-page option; :attr:`grad_dtype` is what it resolves to for ``dtype``.
+    """
+
+    num_layers: int
+    batch: int
+    seq_len: int
+    kv_heads: int
+    head_dim: int
+    page_size: int
+    chunk_size: int = 0
+    kv_grad_dtype: str = "float32"
+    dtype: torch.dtype | None = None
+
+    def for_dtype(self, dtype: torch.dtype) -> PoolShape:
+        """This shape with K/V in ``dtype``."""
+        return self if dtype == self.dtype else dataclasses.replace(self, dtype=dtype)
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        return resolve_grad_dtype(self.kv_grad_dtype, self.dtype)
+
+    # ------------------------------------------------------------------------------------------ counts
+    @property
+    def pages_per_row(self) -> int:
+        return math.ceil(self.seq_len / self.page_size)
+
+    @property
+    def layer_slots(self) -> int:
+        """Pages of one layer, all rows."""
+        return self.batch * self.pages_per_row
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_layers * self.layer_slots
+
+    @property
+    def page_numel(self) -> int:
+        return self.kv_heads * self.page_size * self.head_dim
+
+    def num_pages(self, num_tokens: int) -> int:
+        """Pages per row holding ``num_tokens`` tokens."""
+        return math.ceil(num_tokens / self.page_size)
+
+    # ------------------------------------------------------------------------------------------- bytes
+    def page_bytes(self, part: Part) -> int:
+        """Bytes of one page's K and V (``"kv"``) or dK and dV (``"grad"``), all rows of a page index."""
+        dtype = self.dtype if part == "kv" else self.grad_dtype
+        return 2 * self.batch * self.page_numel * dtype.itemsize
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of the K and V pages."""
+        return 2 * self.num_slots * self.page_numel * self.dtype.itemsize
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes of the dK and dV gradient pages."""
+        return 2 * self.num_slots * self.page_numel * self.grad_dtype.itemsize
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of one layer's K, V, dK and dV pages (the unit of tier placement)."""
+        return (self.kv_bytes + self.grad_bytes) // self.num_layers
+
+    # ------------------------------------------------------------------------------------------ blocks
+    @property
+    def block_pages(self) -> int:
+        """Pages per row of one offload block (one chunk)."""
+        return min(math.ceil((self.chunk_size or self.seq_len) / self.page_size), self.pages_per_row)
+
+    @property
+    def block_tokens(self) -> int:
+        return self.block_pages * self.page_size
+
+    @property
+    def block_slots(self) -> int:
+        """Slots of one block, all rows: the size of one staging buffer in pages."""
+        return self.block_pages * self.batch
+
+    @property
+    def num_blocks(self) -> int:
+        return math.ceil(self.pages_per_row / self.block_pages)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one staging buffer: one block's K, V, dK and dV pages, all rows."""
+        return self.layer_bytes // self.pages_per_row * self.block_pages
+
+    def block_of(self, token: int) -> int:
+        """The offload block holding ``token``."""
+        return token // self.block_tokens
+
+    def block_pages_range(self, block: int) -> tuple[int, int]:
+        """Pages ``[first, end)`` (per row) of block ``block``."""
+        first = block * self.block_pages
+        return first, min(first + self.block_pages, self.pages_per_row)
+
+    def block_keys(self, block: int, num_tokens: int) -> tuple[int, int]:
+        """Key positions ``[lo, hi)`` of block ``block`` among the first ``num_tokens`` tokens."""
+        lo = block * self.block_tokens
+        return lo, min(lo + self.block_tokens, num_tokens)
+
+    # ------------------------------------------------------------------------------------------- slots
+    def layer_block_slots(self, rank: int, block: int) -> slice:
+        """Slots of ``block``'s pages (all rows) of the layer with tier rank ``rank``."""
+        first, end = self.block_pages_range(block)
+        offset = rank * self.layer_slots
+        return slice(offset + first * self.batch, offset + end * self.batch)
+
+    def buffer_block_slots(self, buffer: int, block: int) -> slice:
+        """Slots of ``block``'s pages (all rows) in staging buffer ``buffer``."""
+        first, end = self.block_pages_range(block)
+        offset = buffer * self.block_slots
+        return slice(offset, offset + (end - first) * self.batch)
+
+    def page_tables(self, count: int, device: torch.device, blocks: bool = False) -> torch.Tensor:
+        """int32 ``[count, batch, pages_per_row]``: layer rank ``i`` of a tier -> its slots, or with ``blocks``
+        staging buffer ``i`` -> its slots for whichever block it holds."""
+        pages = torch.arange(self.pages_per_row)
+        per = self.layer_slots
+        if blocks:
+            pages, per = pages % self.block_pages, self.block_slots
+        grid = pages[None] * self.batch + torch.arange(self.batch)[:, None]
+        base = torch.arange(count)[:, None, None] * per
+        return (base + grid).to(device=device, dtype=torch.int32)
+
+
+@dataclass
+class PagedKV:
+    """What the attention op reads for one layer: arenas, the page table and the keys it covers.
+
+    ``k``/``v``: ``[slots, kv_heads, page_size, head_dim]``; ``dk``/``dv``: the same in the gradient dtype;
+    ``page_table``: int32 ``[batch, pages]`` (row ``b``'s page ``j`` lives in slot ``page_table[b, j]``);
+    ``keys``: the key positions ``[lo, hi)`` this part holds (``None``: all of them) — the table's entries for
+    pages outside are not valid.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    page_table: torch.Tensor
+    keys: tuple[int, int] | None = None
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[2]
+
+
+# ------------------------------------------------------------------------------------------------ arenas
+class Arena:
+    """One tier's pages: a single byte allocation viewed as ``k, v [slots, H, P, D]`` (K/V dtype) and
+    ``dk, dv`` (gradient dtype).
+
+    Device arenas start zeroed (a masked key of a ragged page is never NaN). The ``host`` arena lives in CPU
+    memory, uninitialised (its pages are always written before they are read) and, when CUDA is available,
+    page-locked with ``cudaHostRegister`` — not ``pin_memory=True``, whose caching allocator rounds sizes up to a
+    power of two (a 70 GiB tier would lock 128 GiB).
+    """
+
+    def __init__(self, slots: int, shape: PoolShape, device: torch.device, host: bool = False):
+        page = (shape.kv_heads, shape.page_size, shape.head_dim)
+        kv, grad = (arena_part_bytes(slots, shape, part) for part in ("kv", "grad"))
+        sizes = (kv, kv, grad, grad)
+        offsets = [0]
+        for size in sizes[:-1]:
+            offsets.append(offsets[-1] + math.ceil(size / _ALIGN) * _ALIGN)
+        total = offsets[-1] + sizes[-1]
+        if host:
+            storage = torch.empty(total, dtype=torch.uint8)
+        else:
+            storage = torch.zeros(total, dtype=torch.uint8, device=device)
+        self._unpin = None
+        if host and torch.cuda.is_available():
+            _check_cuda(
+                torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), total, 0), "cudaHostRegister"
+            )
+            # unregister before the bytes go back to malloc, even if the arena is dropped without free()
+            self._unpin = weakref.finalize(self, _unregister, storage.data_ptr())
+            self._unpin.atexit = False
+        dtypes = (shape.dtype, shape.dtype, shape.grad_dtype, shape.grad_dtype)
+        self.k, self.v, self.dk, self.dv = (
+            storage[o : o + n].view(t).view(slots, *page)
+            for o, n, t in zip(offsets, sizes, dtypes, strict=True)
+        )
+        self.slots, self.nbytes, self.device = slots, total, storage.device
+        self.storage = storage
+
+    def pages(self, part: Part) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k, v)`` for ``"kv"``, ``(dk, dv)`` for ``"grad"``."""
+        return (self.k, self.v) if part == "kv" else (self.dk, self.dv)
+
+    def fits(self, slots: int, shape: PoolShape, device: torch.device) -> bool:
+        return (
+            self.device == device
+            and self.k.dtype == shape.dtype
+            and self.dk.dtype == shape.grad_dtype
+            and self.k.shape[1:] == (shape.kv_heads, shape.page_size, shape.head_dim)
+            and self.slots >= slots
+        )
+
+    def free(self) -> None:
+        """Unpin and drop the memory; the caller made sure no copy still uses it."""
+        if self._unpin is not None:
+            self._unpin()
+        self.k = self.v = self.dk = self.dv = self.storage = None
+
+
+def arena_part_bytes(slots: int, shape: PoolShape, part: Part) -> int:
+    """Bytes of one of an arena's K/V (``"kv"``) or gradient (``"grad"``) views over ``slots`` pages."""
+    dtype = shape.dtype if part == "kv" else shape.grad_dtype
+    return slots * shape.page_numel * dtype.itemsize
+
+
+def arena_bytes(slots: int, shape: PoolShape) -> int:
+    """Bytes :class:`Arena` allocates for ``slots`` pages (0 for none)."""
+    if slots == 0:
+        return 0
+    sizes = [arena_part_bytes(slots, shape, part) for part in ("kv", "kv", "grad", "grad")]
+    return sum(math.ceil(s / _ALIGN) * _ALIGN for s in sizes[:-1]) + sizes[-1]
+
+
+def _check_cuda(code, what: str) -> None:
+    if int(code) != 0:
+        raise RuntimeError(f"{what} failed with cudaError {int(code)}")
+
+
+def _unregister(ptr: int) -> None:
+    torch.cuda.synchronize()  # no copy may still read or write pages that stop being page-locked
+    _check_cuda(torch.cuda.cudart().cudaHostUnregister(ptr), "cudaHostUnregister")
+
+
+# ----------------------------------------------------------------------------------------- token views
+def gather_tokens(pages: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Pages ``slots [B, n]`` of ``pages [slots, H, P, D]`` as tokens ``[B, H, n * P, D]`` (a copy)."""
+    b, n = slots.shape
+    gathered = pages[slots.flatten().long()].view(b, n, *pages.shape[1:])
+    return gathered.transpose(1, 2).reshape(b, pages.shape[1], n * pages.shape[2], pages.shape[3])
+
+
+def _as_pages(tokens: torch.Tensor, page: int) -> torch.Tensor:
+    """Tokens ``[B, H, n * P, D]`` as pages ``[B * n, H, P, D]`` (row-major over ``(b, page)``)."""
+    b, h, length, d = tokens.shape
+    return tokens.reshape(b, h, length // page, page, d).transpose(1, 2).reshape(-1, h, page, d)
+
+
+def write_tokens(pages: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+    """Store ``tokens [B, H, L, D]`` (``L`` up to ``n * P``; the rest of the last page is zero-filled) into the
+    pages ``slots [B, n]``, converted to the pages' dtype."""
+    padded = slots.shape[1] * pages.shape[2]
+    if padded != tokens.shape[2]:
+        tokens = torch.nn.functional.pad(tokens, (0, 0, 0, padded - tokens.shape[2]))
+    pages.index_copy_(0, slots.flatten().long(), _as_pages(tokens, pages.shape[2]).to(pages.dtype))
+
+
+def add_tokens(pages: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+    """Add token gradients ``[B, H, n * P, D]`` into the pages ``slots [B, n]``."""
+    pages.index_add_(0, slots.flatten().long(), _as_pages(tokens, pages.shape[2]).to(pages.dtype))
