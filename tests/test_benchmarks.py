@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -20,6 +22,7 @@ def run(*args: str) -> str:
     return done.stdout
 
 
+@pytest.mark.slow
 def test_memory_scaling_smoke(tmp_path):
     out = tmp_path / "ms.json"
     text = run(
@@ -31,6 +34,7 @@ def test_memory_scaling_smoke(tmp_path):
     assert out.with_suffix(".png").exists() and "vs oomb" in text
 
 
+@pytest.mark.slow
 def test_offload_stress_smoke(tmp_path):
     out = tmp_path / "stress.json"
     run("benchmarks/offload_stress.py", "--device", "cpu", "--tiny", "--steps", "1", "--out", str(out))

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_demo_runs_and_prints_the_report():
     args = ["--seq-len", "1024", "--steps", "2", "--short-steps", "5", "--short-len", "256", "--chunk-size", "256"]  # fmt: skip
     done = subprocess.run(

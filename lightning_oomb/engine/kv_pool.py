@@ -32,7 +32,7 @@ import torch
 
 from lightning_oomb.engine.config import OOMBConfig
 from lightning_oomb.engine.errors import OOMBConfigError
-from lightning_oomb.engine.offload import Offloader, Transfer, Transport, default_transport
+from lightning_oomb.engine.offload import Offloader, StagingCache, Transfer, Transport, default_transport
 from lightning_oomb.engine.pages import Arena, PagedKV, PoolShape, arena_bytes, gather_tokens, write_tokens
 
 AUTO_HEADROOM = 0.25  # hbm_budget="auto" leaves this fraction of the device for params, grads and activations
@@ -143,9 +143,15 @@ class KVPool:
         self._tables = shape.page_tables(len(plan.hbm_layers), device)
         self._offload = None
         if plan.host_layers:
-            self._offload = Offloader(
-                shape, plan.host_layers, self._host, self._staging, cfg, self.transport(device), self._sweep
+            cache = StagingCache(
+                shape,
+                plan.host_layers,
+                self._host,
+                self._staging,
+                cfg.staging_buffers,
+                self.transport(device),
             )
+            self._offload = Offloader(cache, cfg, self._sweep)
         self.shape, self.plan = shape, plan
 
     def _warn_no_effect(self, shape: PoolShape, device: torch.device) -> None:

@@ -318,6 +318,26 @@ def test_host_memory_is_checked_before_allocating(monkeypatch):
     assert pool.allocated_bytes == 0
 
 
+def test_the_device_tier_is_checked_before_allocating_too(monkeypatch):
+    """Without offload the pages live on the model's device: on CPU they count against host memory, on CUDA
+    against free GPU memory (mocked here); either way nothing is allocated and the fix is named."""
+    shape = PoolShape(4, 1, 1 << 20, 4, 128, 128, dtype=torch.bfloat16)  # 24 GiB of pages
+    monkeypatch.setattr(kv_pool_module, "host_memory_available", lambda: 8 << 30)
+    pool = KVPool()
+    with pytest.raises(
+        OOMBConfigError, match=r"needs 24\.00 GiB of host memory \(the model runs on the CPU\).*6\.00 GiB"
+    ):
+        pool.reserve(shape, CPU)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 2 << 30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    with pytest.raises(
+        OOMBConfigError, match=r"needs 24\.00 GiB of GPU memory.*12\.00 GiB is free.*offload=True"
+    ):
+        pool.reserve(shape, torch.device("cuda", 0))
+    assert pool.allocated_bytes == 0
+
+
 @pytest.mark.parametrize("sweep", ["forward", "backward"])
 def test_an_exception_in_a_sweep_releases_the_pool_and_the_next_step_works(sweep):
     model = build_causal_lm("qwen2", num_hidden_layers=4)

@@ -7,7 +7,7 @@ import torch
 import transformers as tf
 
 from lightning_oomb.engine import OOMBConfig, OOMBConfigError, OOMBEngine
-from lightning_oomb.integrations.hf import HFChunkModel, register_attention
+from lightning_oomb.integrations.hf import HFChunkModel, register_attention, set_layer_checkpointing
 from tests.helpers.models import build_causal_lm
 
 TINY = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4, vocab_size=64)
@@ -129,3 +129,73 @@ def test_no_target_tokens_give_zero_loss_and_zero_gradients():
     loss.backward()
     assert loss.item() == 0.0
     assert all((p.grad == 0).all() for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize(
+    ("labels", "match"),
+    [
+        (-1, r"labels contain \[-1\].*\[0, 97\) or -100"),
+        (97, r"labels contain \[97\]"),
+        (-7, r"labels contain \[-7\]"),
+    ],
+)
+def test_labels_outside_the_vocabulary_are_refused_before_any_work(labels, match):
+    """HF raises for such labels; silently training them as another token would be wrong."""
+    engine = OOMBEngine(HFChunkModel(build_causal_lm("qwen2")), OOMBConfig(16, 8))
+    ids = torch.randint(0, 97, (1, 24))
+    bad = ids.clone()
+    bad[0, 20] = labels
+    with pytest.raises(OOMBConfigError, match=match):
+        engine.loss(ids, bad)
+    assert engine.pool.allocated_bytes == 0
+
+
+def test_token_ids_outside_the_embedding_are_refused_before_any_work():
+    engine = OOMBEngine(HFChunkModel(build_causal_lm("qwen2")), OOMBConfig(16, 8))
+    ids = torch.randint(0, 97, (1, 40))
+    ids[0, 30] = 97  # in the last chunk: without the check, chunk 1 would have run first
+    with pytest.raises(
+        OOMBConfigError, match=r"input_ids contain \[97\] outside the model's embedding \[0, 97\)"
+    ):
+        engine.loss(ids)
+    with pytest.raises(OOMBConfigError, match="input_ids contain"):
+        engine.evaluate(-ids)
+    assert engine.pool.allocated_bytes == 0
+
+
+@pytest.mark.parametrize("checkpointing_before", [False, True])
+def test_layer_checkpointing_is_on_only_while_the_engine_runs(checkpointing_before):
+    model = build_causal_lm("qwen2")
+    if checkpointing_before:  # the user's own choice is kept
+        set_layer_checkpointing(model, True)
+    adapter = HFChunkModel(model, layer_checkpointing=True)
+    seen = []
+    model.model.layers[0].register_forward_pre_hook(lambda m, a: seen.append(m.gradient_checkpointing))
+    engine = OOMBEngine(adapter, OOMBConfig(16, 8, layer_checkpointing=True))
+    engine.loss(torch.randint(0, 97, (1, 24))).backward()
+    assert seen and all(seen)
+    assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules()) == checkpointing_before
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_generation_inside_a_managed_call_says_where_it_belongs():
+    adapter = HFChunkModel(build_causal_lm("qwen2", dtype=torch.float32))
+    answering = adapter.answer_calls(lambda ids, labels: ids.sum().float())
+    with answering, pytest.raises(OOMBConfigError, match="generate in predict_step"):
+        adapter.model.generate(torch.randint(0, 97, (1, 5)), max_new_tokens=2, do_sample=False)
+    assert adapter.model.generate(torch.randint(0, 97, (1, 5)), max_new_tokens=2, do_sample=False).shape == (
+        1,
+        7,
+    )
+
+
+def test_options_that_change_nothing_warn_once():
+    model = build_causal_lm("qwen2", dtype=torch.float32)
+    engine = OOMBEngine(HFChunkModel(model), OOMBConfig(16, 8, offload=True, kv_grad_dtype="bfloat16"))
+    with pytest.warns(UserWarning) as caught:
+        for _ in range(2):
+            engine.loss(torch.randint(0, 97, (1, 24))).backward()
+    messages = [str(w.message) for w in caught if "has no effect" in str(w.message)]
+    assert len(messages) == 2  # one each, not one per step
+    assert any("offload=True has no effect on a cpu device" in m for m in messages)
+    assert any("kv_grad_dtype='bfloat16' has no effect with torch.float32 K/V" in m for m in messages)

@@ -258,6 +258,7 @@ def test_rejects_unsupported_inputs():
         triton_kernels.paged_attention_forward(q, kv.k, kv.v, kv.page_table, 64, 1.0, None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen2", "mistral"])
 def test_engine_with_triton_matches_torch_backend(causal_lm, family):
     """OOMBEngine + HFChunkModel: the Triton backend gives the torch backend's loss and gradients (fp32)."""

@@ -93,3 +93,18 @@ def test_cli_fits_the_demo_config_at_tiny_size(tmp_path):
     assert {"train_loss", "val_loss"} <= set(cli.trainer.callback_metrics)
     assert cli.trainer.strategy.engine.stats.chunks == 2
     assert (tmp_path / "config.yaml").exists()
+
+
+def test_help_lists_the_projects_classes_and_short_names_work(capsys):
+    with pytest.raises(SystemExit):
+        build_cli(["fit", "--help"])
+    text = capsys.readouterr().out
+    for name in ("CausalLMModule", "NeedleRetrievalDataModule", "TextFileDataModule", "OOMBStrategy"):
+        assert name in text, name
+    cli = build_cli(
+        ["--model", "CausalLMModule", "--model.config", '{"model_type": "qwen2", "vocab_size": 25}',
+         "--data", "NeedleRetrievalDataModule", "--trainer.strategy", "OOMBStrategy",
+         "--trainer.strategy.loss_block", "64", "--trainer.accelerator", "cpu"],
+        run=False,
+    )  # fmt: skip
+    assert isinstance(cli.model, CausalLMModule) and cli.trainer.strategy.oomb_config.loss_block == 64

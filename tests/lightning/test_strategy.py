@@ -226,3 +226,55 @@ def test_offload_through_the_strategy_matches_no_offload():
     assert trainer.strategy.engine.stats.extra["host_layers"] == 2
     # host layers are attended block by block (a log-sum-exp merge): equal up to float32 rounding
     assert max_param_diff(plain, offloaded) <= 1e-5
+
+
+def test_strategy_arguments_are_the_config_options():
+    """OOMBConfig defines every option once; the strategy's typed __init__ (the YAML schema) has each with the
+    same default and annotation, and its docstring carries each option's documentation."""
+    import dataclasses
+    import inspect
+
+    from lightning_oomb.engine import OOMBConfig
+
+    params = inspect.signature(OOMBStrategy.__init__).parameters
+    for field in dataclasses.fields(OOMBConfig):
+        assert field.name in params, field.name
+        assert params[field.name].default == field.default, field.name
+        assert params[field.name].annotation == field.type, field.name
+    assert OOMBConfig.args_doc() in OOMBStrategy.__doc__
+    strategy = OOMBStrategy(loss_block=256, prefetch_depth=2)
+    assert strategy.oomb_config == OOMBConfig(loss_block=256, prefetch_depth=2)
+
+
+def test_triton_without_cuda_is_refused_at_setup(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # (the tests interpret the kernels on CPU)
+    with pytest.raises(
+        OOMBConfigError, match="attention_backend='triton' cannot run on a cpu device.*'auto'"
+    ) as err:
+        fit(oomb(attention_backend="triton"), steps=1)
+    assert "setup" in "".join(str(f.name) for f in err.traceback)
+
+
+def test_a_page_size_the_kernels_cannot_take_is_refused_at_setup():
+    module = TinyLM()
+    with pytest.raises(
+        OOMBConfigError, match="page_size=24 cannot be used with the Triton attention kernels"
+    ):
+        fit(OOMBStrategy(chunk_size=48, page_size=24, attention_backend="triton"), module=module, steps=1)
+
+
+def test_checkpointing_is_not_left_on_after_a_fit():
+    module, trainer = fit(oomb(layer_checkpointing=True), steps=1)
+    assert trainer.global_step == 1
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in module.model.modules())
+
+
+class GeneratingLM(TinyLM):
+    def validation_step(self, batch):
+        self.model.generate(batch["input_ids"][:, :4], max_new_tokens=2, do_sample=False)
+
+
+def test_generate_inside_validation_step_says_where_to_generate():
+    trainer = make_trainer(oomb(), 1)
+    with pytest.raises(OOMBConfigError, match="generate in predict_step"):
+        trainer.validate(GeneratingLM(), batches(2))

@@ -29,7 +29,7 @@ write-backs.
 """
 
 from lightning_oomb.engine.offload.offloader import Offloader
-from lightning_oomb.engine.offload.staging import TRACE_LIMIT, Transfer
+from lightning_oomb.engine.offload.staging import TRACE_LIMIT, StagingCache, Transfer
 from lightning_oomb.engine.offload.transport import (
     CudaTransport,
     SyncTransport,
@@ -42,6 +42,7 @@ __all__ = [
     "TRACE_LIMIT",
     "CudaTransport",
     "Offloader",
+    "StagingCache",
     "SyncTransport",
     "Transfer",
     "Transport",

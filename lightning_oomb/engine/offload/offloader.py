@@ -15,40 +15,25 @@ import torch
 from lightning_oomb.engine.config import OOMBConfig
 from lightning_oomb.engine.offload.schedule import Need, OffloadSchedule
 from lightning_oomb.engine.offload.staging import StagingCache, Transfer
-from lightning_oomb.engine.offload.transport import Transport
-from lightning_oomb.engine.pages import Arena, PoolShape
 
 
 class Offloader:
     """Streams the blocks of host-tier layers through the staging buffers (see the package docstring).
 
     Args:
-        shape: the step's pool shape (``shape.block_pages`` pages per block).
-        host_layers: layers in the host tier; layer ``host_layers[i]`` owns host slots ``[i * layer_slots, ...)``.
-        host: the host-tier arena; staging: the device arena of ``config.staging_buffers`` block-sized buffers.
-        config: ``staging_buffers``, ``prefetch_depth`` and ``layer_checkpointing`` (the backward's order).
-        transport: the copy transport (see :mod:`.transport`).
+        cache: the staging buffers of the step's host-tier layers (their shape, layers and transport).
+        config: ``prefetch_depth`` and ``layer_checkpointing`` (the backward sweep's order).
         sweep: the sweep in progress (the pool is reserved during a forward or eval sweep).
     """
 
-    def __init__(
-        self,
-        shape: PoolShape,
-        host_layers: Sequence[int],
-        host: Arena,
-        staging: Arena,
-        config: OOMBConfig,
-        transport: Transport,
-        sweep: str = "forward",
-    ) -> None:
-        self.shape, self.transport = shape, transport
-        buffers = config.staging_buffers
-        self.prefetch_depth = buffers if config.prefetch_depth is None else config.prefetch_depth
-        self._host_layers = frozenset(host_layers)
+    def __init__(self, cache: StagingCache, config: OOMBConfig, sweep: str = "forward") -> None:
+        self.cache, self.shape, self.transport = cache, cache.shape, cache.transport
+        depth = config.prefetch_depth
+        self.prefetch_depth = len(cache.buffers) if depth is None else depth
+        self._host_layers = frozenset(cache.host_layers)
         self.schedule = OffloadSchedule(
-            shape.num_layers, shape.num_blocks, host_layers, config.layer_checkpointing
+            self.shape.num_layers, self.shape.num_blocks, cache.host_layers, config.layer_checkpointing
         )
-        self.cache = StagingCache(shape, host_layers, host, staging, buffers, transport)
         self._fresh: tuple[int, int] | None = None  # a block just written for the stream about to start
         self._wait_s = 0.0
         self.begin_sweep(sweep)

@@ -80,7 +80,7 @@ class StagingCache:
         buffers: int,
         transport: Transport,
     ) -> None:
-        self.shape, self.transport = shape, transport
+        self.shape, self.transport, self.host_layers = shape, transport, tuple(host_layers)
         self._rank = {layer: i for i, layer in enumerate(host_layers)}
         self._host, self._staging = host, staging
         self.tables = shape.page_tables(buffers, staging.device, blocks=True)
