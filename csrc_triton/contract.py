@@ -4,22 +4,25 @@ Both backends expose the same two functions with the same arguments, so that dis
 (``csrc_triton.paged_attention`` or ``lightning_oomb.engine.reference``) and one test suite runs over both::
 
     paged_attention_forward(q, k_pages, v_pages, page_table, q_start, scale, window=None, *,
-                            key_range=None, state=None) -> (out, lse) | None
+                            key_range=None, state=None, softcap=None) -> (out, lse) | None
     paged_attention_backward(q, out, lse, dout, k_pages, v_pages, dk_pages, dv_pages, page_table, q_start, scale,
-                             window=None, *, key_range=None, delta=None, dq=None) -> dq
+                             window=None, *, key_range=None, delta=None, dq=None, softcap=None) -> dq
 
 - ``q [B, Hq, Lq, D]`` at absolute positions ``[q_start, q_start + Lq)``; pages ``[slots, Hkv, P, D]``;
   ``page_table`` int32 ``[B, n_pages]`` (row ``b``'s page ``j`` is slot ``page_table[b, j]``).
 - Query ``i`` sees key ``j`` iff ``j <= q_start + i`` and, with a sliding ``window`` W, ``j > q_start + i - W``
   (lower-right causal); query head ``h`` reads KV head ``h // (Hq // Hkv)`` (GQA, never repeated).
+- Scores are ``s = q . k * scale``, or with ``softcap`` c (Gemma 2) ``s = c * tanh(q . k * scale / c)``.
 - ``key_range=(lo, hi)``: only keys ``[lo, hi)`` (:func:`checked_key_range`); ``state=(acc, m, l)``: fold the keys
   into a carried softmax state in place and return ``None``; ``delta``/``dq``: a precomputed ``rowsum(dO * O)``
   and an accumulator dQ is added into (all checked by :func:`check_buffer`).
 - ``out`` has ``q``'s dtype, ``lse`` (natural log) and the buffers are float32 (float64 for float64 inputs, which
   only the reference takes). Backward **adds** dK/dV of every key it visits into ``dk_pages``/``dv_pages``.
 
-New score terms (page selections for sparse attention, attention sinks, logit softcapping, document boundaries)
-enter as further keyword-only arguments of both functions, documented and checked here.
+Attention sinks (a learned logit per query head in the softmax denominator) need no kernel argument: they are
+applied to the merged ``(out, lse)`` and the backward takes the sink-corrected ones (``lightning_oomb.engine.lse``).
+New score terms (page selections for sparse attention, document boundaries) enter as further keyword-only
+arguments of both functions, documented and checked here.
 """
 
 from __future__ import annotations
@@ -44,6 +47,11 @@ def checked_key_range(key_range: tuple[int, int] | None, num_keys: int, page: in
 def check_window(window: int | None) -> None:
     if window is not None and window < 1:
         raise ValueError(f"window={window} must be a positive number of keys (or None).")
+
+
+def check_softcap(softcap: float | None) -> None:
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap={softcap} must be a positive logit cap (or None).")
 
 
 def check_buffer(name: str, x: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device) -> None:

@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from csrc_triton.contract import check_buffer, check_window, checked_key_range
+from csrc_triton.contract import check_buffer, check_softcap, check_window, checked_key_range
 
 LOG2E = math.log2(math.e)
 _LOG2E = tl.constexpr(LOG2E)
@@ -183,6 +183,24 @@ def _page_offset(TABLE, start_n, stride_ks, PAGE: tl.constexpr):
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from exp2 (portable: the interpreter and every GPU backend); exact at the saturated ends."""
+    return 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * _LOG2E)) + 1.0)
+
+
+@triton.jit
+def _scores(qk, qk_scale, cap, SOFTCAP: tl.constexpr):
+    """Base-2 scores from raw ``q . k``: ``qk * scale * log2(e)``; with ``SOFTCAP`` (``qk_scale = scale / c``,
+    ``cap = c * log2(e)``) the capped ``c * tanh(qk * scale / c) * log2(e)``. Also returns the tanh (the backward's
+    chain rule: d(c tanh(x / c)) / dx = 1 - tanh^2); without ``SOFTCAP`` that slot is unused."""
+    if SOFTCAP:
+        t = _tanh(qk * qk_scale)
+        return t * cap, t
+    else:
+        return qk * qk_scale, qk
+
+
+@triton.jit
 def _visible(q_pos, k_pos, window):
     """Query position ``q_pos`` sees key position ``k_pos`` (callers broadcast them to a tile)."""
     return (k_pos <= q_pos) & (k_pos > q_pos - window)
@@ -254,16 +272,17 @@ def _query_block(
 def _fwd_inner(
     acc, l_i, m_i, q, K, V, TABLE,
     stride_ks, stride_kp, stride_kd,
-    q_pos, lo, hi, key_hi, window, qk_scale,
+    q_pos, lo, hi, key_hi, window, qk_scale, cap,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over key blocks ``[lo, hi)``; ``K``/``V`` already point at this program's KV head."""
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         k_pos, kt, v = _load_keys(K, V, TABLE, start_n, key_hi, stride_ks, stride_kp, stride_kd,
                                   HEAD_DIM, PAGE, BLOCK_N, MASK, False)  # fmt: skip
-        # s_ij = q_i . k_j * scale * log2(e)
-        s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
+        # s_ij = q_i . k_j * scale * log2(e)  (soft-capped: c * tanh(q_i . k_j * scale / c) * log2(e))
+        s, _ = _scores(tl.dot(q, kt, input_precision=PRECISION), qk_scale, cap, SOFTCAP)
         if MASK:
             s = tl.where(_visible(q_pos[:, None], k_pos[None, :], window), s, _MASKED)
         # m_new = max(m_i, rowmax(s)); alpha rescales what was summed under the old max
@@ -291,9 +310,9 @@ def _fwd_kernel(
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_ks, stride_kh, stride_kp, stride_kd,
     stride_tb,
-    num_heads, group, q_len, q_start, key_lo, key_hi, window, qk_scale,
+    num_heads, group, q_len, q_start, key_lo, key_hi, window, qk_scale, cap,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr, CARRY: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Keys ``[key_lo, key_hi)``. Without ``CARRY``: writes ``OUT``, ``LSE``. With ``CARRY``: ``OUT``, ``LSE``, ``L``
     are a carried state's ``acc``, ``m`` (natural log), ``l`` (fp32), updated in place."""
@@ -314,11 +333,14 @@ def _fwd_kernel(
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     # window edge, then the blocks every query sees, then the causal diagonal (and the ragged last page)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, TABLE, stride_ks, stride_kp, stride_kd, q_pos, lo,
-                               full_lo, key_hi, window, qk_scale, HEAD_DIM, PAGE, BLOCK_N, True, PRECISION)  # fmt: skip
+                               full_lo, key_hi, window, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, True, PRECISION,
+                               SOFTCAP)  # fmt: skip
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, TABLE, stride_ks, stride_kp, stride_kd, q_pos, full_lo,
-                               full_hi, key_hi, window, qk_scale, HEAD_DIM, PAGE, BLOCK_N, False, PRECISION)  # fmt: skip
+                               full_hi, key_hi, window, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, False, PRECISION,
+                               SOFTCAP)  # fmt: skip
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, TABLE, stride_ks, stride_kp, stride_kd, q_pos, full_hi,
-                               hi, key_hi, window, qk_scale, HEAD_DIM, PAGE, BLOCK_N, True, PRECISION)  # fmt: skip
+                               hi, key_hi, window, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, True, PRECISION,
+                               SOFTCAP)  # fmt: skip
 
     # with CARRY an unchanged max keeps its exact natural-log value: a row that saw no key stays bit-identical
     if CARRY:
@@ -346,8 +368,9 @@ def _bwd_preprocess(OUT, DOUT, DELTA, num_rows, HEAD_DIM: tl.constexpr, BLOCK_M:
 def _bwd_dkdv_inner(
     dk, dv, k, v, Q, DO, LSE, DELTA,
     stride_qm, stride_qd,
-    k_pos, lo, hi, q_start, q_len, window, qk_scale,
+    k_pos, lo, hi, q_start, q_len, window, qk_scale, cap,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """Add the contributions of query blocks ``[lo, hi)`` of one query head to this key block's ``dk``, ``dv``
     ``[BLOCK_N, HEAD_DIM]``; scores are kept transposed (keys x queries). ``Q``/``DO``/``LSE``/``DELTA`` point
@@ -371,7 +394,8 @@ def _bwd_dkdv_inner(
             lse = tl.load(LSE + rows)
             delta = tl.load(DELTA + rows)
         # p^T_ji = exp(s_ij - lse_i), computed as exp2(s * log2(e) - lse * log2(e))
-        pt = tl.math.exp2(tl.dot(k, qt, input_precision=PRECISION) * qk_scale - lse[None, :] * _LOG2E)
+        st, tt = _scores(tl.dot(k, qt, input_precision=PRECISION), qk_scale, cap, SOFTCAP)
+        pt = tl.math.exp2(st - lse[None, :] * _LOG2E)
         if MASK:
             pt = tl.where(_visible(q_start + rows[None, :], k_pos[:, None], window) & ok[None, :], pt, 0.0)
         # dV += P^T dO
@@ -379,6 +403,8 @@ def _bwd_dkdv_inner(
         # dS^T = P^T * (dP^T - delta), dP^T = V dO^T;  dK += dS^T Q (scaled once at the end)
         dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         dst = pt * (dpt - delta[None, :])
+        if SOFTCAP:
+            dst = dst * (1.0 - tt * tt)
         dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=PRECISION)
     return dk, dv
 
@@ -396,8 +422,8 @@ def _bwd_dkdv_kernel(
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_ks, stride_kh, stride_kp, stride_kd,
     stride_tb,
-    num_heads, kv_heads, group, q_len, q_start, first_key, key_hi, window, scale, qk_scale,
-    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr,
+    num_heads, kv_heads, group, q_len, q_start, first_key, key_hi, window, scale, qk_scale, cap,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Key blocks from the one holding ``first_key`` up to ``key_hi`` (keys >= ``key_hi`` are never read)."""
@@ -425,14 +451,14 @@ def _bwd_dkdv_kernel(
         row0 = (b * num_heads + h) * q_len
         do_head = DO + row0 * HEAD_DIM
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_head, do_head, LSE + row0, DELTA + row0, stride_qm, stride_qd,
-                                 k_pos, lo, full_lo, q_start, q_len, window, qk_scale, HEAD_DIM, BLOCK_M, True,
-                                 PRECISION)  # fmt: skip
+                                 k_pos, lo, full_lo, q_start, q_len, window, qk_scale, cap, HEAD_DIM, BLOCK_M,
+                                 True, PRECISION, SOFTCAP)  # fmt: skip
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_head, do_head, LSE + row0, DELTA + row0, stride_qm, stride_qd,
-                                 k_pos, full_lo, full_hi, q_start, q_len, window, qk_scale, HEAD_DIM, BLOCK_M,
-                                 False, PRECISION)  # fmt: skip
+                                 k_pos, full_lo, full_hi, q_start, q_len, window, qk_scale, cap, HEAD_DIM, BLOCK_M,
+                                 False, PRECISION, SOFTCAP)  # fmt: skip
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_head, do_head, LSE + row0, DELTA + row0, stride_qm, stride_qd,
-                                 k_pos, full_hi, hi, q_start, q_len, window, qk_scale, HEAD_DIM, BLOCK_M, True,
-                                 PRECISION)  # fmt: skip
+                                 k_pos, full_hi, hi, q_start, q_len, window, qk_scale, cap, HEAD_DIM, BLOCK_M,
+                                 True, PRECISION, SOFTCAP)  # fmt: skip
 
     # this program is the only writer of these gradient-page rows: a plain read-modify-write, no atomics
     tl.store(DK + kv_offs, (tl.load(DK + kv_offs) + dk * scale).to(DK.dtype.element_ty))
@@ -443,8 +469,9 @@ def _bwd_dkdv_kernel(
 def _bwd_dq_inner(
     dq, q, do, lse, delta, K, V, TABLE,
     stride_ks, stride_kp, stride_kd,
-    q_pos, lo, hi, key_hi, window, qk_scale,
+    q_pos, lo, hi, key_hi, window, qk_scale, cap,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """Add key blocks ``[lo, hi)`` to ``dq`` (unscaled); ``K``/``V`` already point at this program's KV head."""
     for start_n in range(lo, hi, BLOCK_N):
@@ -452,11 +479,14 @@ def _bwd_dq_inner(
         k_pos, kt, vt = _load_keys(K, V, TABLE, start_n, key_hi, stride_ks, stride_kp, stride_kd,
                                    HEAD_DIM, PAGE, BLOCK_N, MASK, True)  # fmt: skip
         # p_ij = exp(s_ij - lse_i)
-        p = tl.math.exp2(tl.dot(q, kt, input_precision=PRECISION) * qk_scale - lse[:, None])
+        s, t = _scores(tl.dot(q, kt, input_precision=PRECISION), qk_scale, cap, SOFTCAP)
+        p = tl.math.exp2(s - lse[:, None])
         if MASK:
             p = tl.where(_visible(q_pos[:, None], k_pos[None, :], window), p, 0.0)
         # dS = P * (dO V^T - delta);  dQ += dS K
         ds = p * (tl.dot(do, vt, input_precision=PRECISION) - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
         dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision=PRECISION)
     return dq
 
@@ -474,9 +504,9 @@ def _bwd_dq_kernel(
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_ks, stride_kh, stride_kp, stride_kd,
     stride_tb,
-    num_heads, group, q_len, q_start, key_lo, key_hi, window, scale, qk_scale,
+    num_heads, group, q_len, q_start, key_lo, key_hi, window, scale, qk_scale, cap,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """dQ over keys ``[key_lo, key_hi)``: written to ``DQ``, or with ``ACCUMULATE`` added into fp32 ``DQ``."""
     q, K, V, TABLE, rows, row_offs, row_ok, q_pos, lo, full_lo, full_hi, hi = _query_block(
@@ -488,11 +518,12 @@ def _bwd_dq_kernel(
     delta = tl.load(DELTA + rows, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, K, V, TABLE, stride_ks, stride_kp, stride_kd, q_pos, lo, full_lo,
-                       key_hi, window, qk_scale, HEAD_DIM, PAGE, BLOCK_N, True, PRECISION)  # fmt: skip
+                       key_hi, window, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, True, PRECISION, SOFTCAP)  # fmt: skip
     dq = _bwd_dq_inner(dq, q, do, lse, delta, K, V, TABLE, stride_ks, stride_kp, stride_kd, q_pos, full_lo,
-                       full_hi, key_hi, window, qk_scale, HEAD_DIM, PAGE, BLOCK_N, False, PRECISION)  # fmt: skip
+                       full_hi, key_hi, window, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, False, PRECISION,
+                       SOFTCAP)  # fmt: skip
     dq = _bwd_dq_inner(dq, q, do, lse, delta, K, V, TABLE, stride_ks, stride_kp, stride_kd, q_pos, full_hi, hi,
-                       key_hi, window, qk_scale, HEAD_DIM, PAGE, BLOCK_N, True, PRECISION)  # fmt: skip
+                       key_hi, window, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, True, PRECISION, SOFTCAP)  # fmt: skip
     dq = dq * scale
     if ACCUMULATE:  # this program is the only writer of these rows: a plain read-modify-write, no atomics
         dq = dq + tl.load(DQ + row_offs, mask=row_ok[:, None], other=0.0)
@@ -554,6 +585,12 @@ def _window(window: int | None, q_start: int, lq: int) -> int:
     return q_start + lq if window is None else min(window, q_start + lq)
 
 
+def _score_scales(scale: float, softcap: float | None) -> tuple[float, float]:
+    """``(qk_scale, cap)`` of :func:`_scores`: ``(scale * log2 e, unused)``, soft-capped ``(scale / c, c log2 e)``."""
+    check_softcap(softcap)
+    return (scale * LOG2E, 0.0) if softcap is None else (scale / softcap, softcap * LOG2E)
+
+
 def _precision(dtype: torch.dtype) -> str:
     # fp32 inputs stay fp32 in the matmuls (tf32 would break parity with the reference); 16-bit inputs ignore it
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -580,13 +617,15 @@ def paged_attention_forward(
     *,
     key_range: tuple[int, int] | None = None,
     state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``out [B, Hq, Lq, D]`` (dtype of ``q``, contiguous) and ``lse [B, Hq, Lq]`` (float32, natural log).
 
     ``key_range=(lo, hi)`` visits only the keys at positions ``[lo, hi)`` (page-table entries of other pages are
     never read). With ``state=(acc, m, l)`` (fp32, see the module docstring) the keys are folded into the state in
-    place and ``None`` is returned."""
+    place and ``None`` is returned. ``softcap``: scores ``c * tanh(q . k * scale / c)``."""
     b, hq, lq, d, hkv, page, key_lo, key_hi = _check(q, k_pages, v_pages, page_table, q_start, key_range)
+    qk_scale, cap = _score_scales(scale, softcap)
     if state is None:
         out = torch.empty((b, hq, lq, d), dtype=q.dtype, device=q.device)
         lse = l_sum = torch.empty((b, hq, lq), dtype=torch.float32, device=q.device)
@@ -600,8 +639,8 @@ def paged_attention_forward(
     _fwd_kernel[_query_grid(lq, b * hq)](
         q, k_pages, v_pages, page_table, out, lse, l_sum,
         *q.stride(), *k_pages.stride(), page_table.stride(0),
-        hq, hq // hkv, lq, q_start, key_lo, key_hi, _window(window, q_start, lq), scale * LOG2E,
-        HEAD_DIM=d, PAGE=page, PRECISION=_precision(q.dtype), CARRY=state is not None,
+        hq, hq // hkv, lq, q_start, key_lo, key_hi, _window(window, q_start, lq), qk_scale, cap,
+        HEAD_DIM=d, PAGE=page, PRECISION=_precision(q.dtype), CARRY=state is not None, SOFTCAP=softcap is not None,
     )  # fmt: skip
     return None if state is not None else (out, lse)
 
@@ -623,14 +662,16 @@ def paged_attention_backward(
     key_range: tuple[int, int] | None = None,
     delta: torch.Tensor | None = None,
     dq: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Return ``dq`` (dtype of ``q``) and **add** dK, dV of every page read into ``dk_pages``, ``dv_pages``
     (float32 or bfloat16 ``[slots, Hkv, P, D]``, same layout as the K/V arenas).
 
     ``key_range=(lo, hi)``: only keys ``[lo, hi)`` (``out``, ``lse`` are still the final ones, over all keys).
     ``delta``: a precomputed ``rowsum(dout * out)`` (fp32 ``[B, Hq, Lq]``). ``dq``: an fp32 ``[B, Hq, Lq, D]``
-    accumulator the contribution is added into (and which is returned)."""
+    accumulator the contribution is added into (and which is returned). ``softcap``: as in the forward."""
     b, hq, lq, d, hkv, page, key_lo, key_hi = _check(q, k_pages, v_pages, page_table, q_start, key_range)
+    qk_scale, cap = _score_scales(scale, softcap)
     grads = (dk_pages, dv_pages)
     if any(g.shape != k_pages.shape or g.dtype not in _GRAD_DTYPES or not g.is_contiguous() for g in grads):
         raise ValueError(
@@ -659,13 +700,13 @@ def paged_attention_backward(
         _bwd_dkdv_kernel[_key_grid(first_key, key_hi, b * hkv)](
             q, k_pages, v_pages, dout, lse, delta, page_table, dk_pages, dv_pages,
             *q.stride(), *k_pages.stride(), page_table.stride(0),
-            hq, hkv, hq // hkv, lq, q_start, first_key, key_hi, window, scale, scale * LOG2E,
-            HEAD_DIM=d, PAGE=page, PRECISION=precision,
+            hq, hkv, hq // hkv, lq, q_start, first_key, key_hi, window, scale, qk_scale, cap,
+            HEAD_DIM=d, PAGE=page, PRECISION=precision, SOFTCAP=softcap is not None,
         )  # fmt: skip
     _bwd_dq_kernel[_query_grid(lq, b * hq)](
         q, k_pages, v_pages, dout, lse, delta, page_table, dq,
         *q.stride(), *k_pages.stride(), page_table.stride(0),
-        hq, hq // hkv, lq, q_start, key_lo, key_hi, window, scale, scale * LOG2E,
-        HEAD_DIM=d, PAGE=page, PRECISION=precision, ACCUMULATE=accumulate,
+        hq, hq // hkv, lq, q_start, key_lo, key_hi, window, scale, qk_scale, cap,
+        HEAD_DIM=d, PAGE=page, PRECISION=precision, ACCUMULATE=accumulate, SOFTCAP=softcap is not None,
     )  # fmt: skip
     return dq

@@ -70,7 +70,9 @@ class _OOMBStrategyMixin:
                 "and anything else your override does is applied to the step's loss only."
             )
         config = self.oomb_config
-        self.model_adapter = managed_model(module, self._target_module, config.layer_checkpointing)
+        self.model_adapter = managed_model(
+            module, self._target_module, config.layer_checkpointing, self._verify_exactness
+        )
         self.engine = OOMBEngine(self.model_adapter, config)
         self.engine.check_device(self.root_device)  # backend, head dim and page size, before any work
 
@@ -132,6 +134,9 @@ class OOMBStrategy(_OOMBStrategyMixin, SingleDeviceStrategy):
     device, exactly, by OOMB. ``Trainer(strategy="oomb")``; ``"oomb_offload"`` is the same with ``offload=True``.""",
         """
         target_module: attribute path of the model in the LightningModule (default: the unique one).
+        verify_exactness: at setup, train a float64 twin of the model's architecture (tiny width, CPU, about a
+            second) in chunks against full-sequence training and refuse the model if they differ — the guard
+            against architectures that chunking would silently change; ``False`` skips it.
         device: explicit device; by default the Trainer's accelerator decides (``accelerator="auto"`` works).
         accelerator, checkpoint_io, precision_plugin: as for Lightning's ``SingleDeviceStrategy`` (a stock
             precision plugin is wrapped in :class:`~lightning_oomb.precision.OOMBPrecision`).
@@ -153,6 +158,7 @@ class OOMBStrategy(_OOMBStrategyMixin, SingleDeviceStrategy):
         staging_buffers: int = 4,
         prefetch_depth: int | None = None,
         target_module: str | None = None,
+        verify_exactness: bool = True,
         device: str | torch.device | None = None,
         accelerator: Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
@@ -160,6 +166,7 @@ class OOMBStrategy(_OOMBStrategyMixin, SingleDeviceStrategy):
     ) -> None:
         self.oomb_config = config_from_arguments(locals())
         self._target_module = target_module
+        self._verify_exactness = verify_exactness
         self._explicit_device = None if device is None else torch.device(device)
         self._parallel_devices: list[torch.device] | None = None
         super().__init__(

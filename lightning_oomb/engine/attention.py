@@ -1,7 +1,8 @@
 """The attention op: a chunk's queries against all stored pages of its layer, as an autograd Function.
 
-``paged_attention(q, k, v, chunk, layer, scale, window) -> out`` with ``q [B, Hq, Lq, D]`` and the chunk's own
-post-RoPE ``k, v [B, Hkv, Lq, D]``. In the forward sweep ``k, v`` are first written into the pool, so the kernels
+``paged_attention(q, k, v, chunk, layer, scale, window, softcap, sinks) -> out`` with ``q [B, Hq, Lq, D]`` and the
+chunk's own post-RoPE ``k, v [B, Hkv, Lq, D]``; ``softcap`` caps the scores (``c * tanh(s / c)``), ``sinks [Hq]``
+(a parameter; it gets its gradient) adds one logit per query head to every row's softmax. In the forward sweep ``k, v`` are first written into the pool, so the kernels
 see one uniform paged sequence ``[0, chunk.start + Lq)`` with lower-right causal alignment. Backward computes dQ,
 **adds** dK/dV of every page read into the pool's gradient pages (the chunk's own pages included), and returns
 the chunk's accumulated gradient pages as the gradient of ``k, v`` — they already hold every later chunk's
@@ -26,7 +27,7 @@ from lightning_oomb.engine import reference
 from lightning_oomb.engine.config import check_backend_name
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.kv_pool import KVPool
-from lightning_oomb.engine.lse import attention_delta, finish_state, init_state
+from lightning_oomb.engine.lse import add_sinks, attention_delta, finish_state, init_state, sink_grad
 from lightning_oomb.engine.pages import PagedKV, PoolShape
 
 Backend = Literal["torch", "triton"]
@@ -98,33 +99,62 @@ def _whole(kv: PagedKV, num_keys: int) -> bool:
     return kv.keys is None or kv.keys == (0, num_keys)
 
 
-def attend(backend: Backend, q, parts, q_start: int, scale: float, window):
+def attend(backend: Backend, q, parts, q_start: int, scale: float, window, softcap=None, sinks=None):
     """``(out, lse)`` of ``q`` over the key parts of :meth:`KVPool.parts`: one call for a part holding every key,
-    else each part folded into one running softmax state (the log-sum-exp merge)."""
+    else each part folded into one running softmax state (the log-sum-exp merge), and the sinks folded in last."""
     ops, num_keys, state = kernels(backend), q_start + q.shape[2], None
     for kv in parts:
-        if state is None and _whole(kv, num_keys):
-            return ops.paged_attention_forward(q, kv.k, kv.v, kv.page_table, q_start, scale, window)
+        if state is None and sinks is None and _whole(kv, num_keys):
+            return ops.paged_attention_forward(
+                q, kv.k, kv.v, kv.page_table, q_start, scale, window, softcap=softcap
+            )
         if state is None:
             state = init_state(q)
         ops.paged_attention_forward(
-            q, kv.k, kv.v, kv.page_table, q_start, scale, window, key_range=kv.keys, state=state
+            q,
+            kv.k,
+            kv.v,
+            kv.page_table,
+            q_start,
+            scale,
+            window,
+            key_range=kv.keys,
+            state=state,
+            softcap=softcap,
         )
+    if sinks is not None:
+        add_sinks(state, sinks)
     return finish_state(state, q.dtype)
 
 
-def attend_backward(backend: Backend, q, out, lse, dout, parts, q_start: int, scale: float, window):
-    """``dq``, adding dK/dV into every part's gradient pages; dQ is summed over the parts."""
-    ops, num_keys, dq, delta = kernels(backend), q_start + q.shape[2], None, None
+def attend_backward(
+    backend: Backend, q, out, lse, dout, parts, q_start: int, scale: float, window, softcap=None, delta=None
+):
+    """``dq``, adding dK/dV into every part's gradient pages; dQ is summed over the parts. ``delta``: a precomputed
+    ``rowsum(dout * out)`` (else computed once)."""
+    ops, num_keys, dq = kernels(backend), q_start + q.shape[2], None
     for kv in parts:
         pages = (kv.k, kv.v, kv.dk, kv.dv, kv.page_table)
         if dq is None and _whole(kv, num_keys):
-            return ops.paged_attention_backward(q, out, lse, dout, *pages, q_start, scale, window)
+            return ops.paged_attention_backward(
+                q, out, lse, dout, *pages, q_start, scale, window, delta=delta, softcap=softcap
+            )
         if dq is None:
-            delta = attention_delta(out, dout)
+            delta = attention_delta(out, dout) if delta is None else delta
             dq = torch.zeros(q.shape, dtype=delta.dtype, device=q.device)
         ops.paged_attention_backward(
-            q, out, lse, dout, *pages, q_start, scale, window, key_range=kv.keys, delta=delta, dq=dq
+            q,
+            out,
+            lse,
+            dout,
+            *pages,
+            q_start,
+            scale,
+            window,
+            key_range=kv.keys,
+            delta=delta,
+            dq=dq,
+            softcap=softcap,
         )
     return dq.to(q.dtype)
 
@@ -134,7 +164,7 @@ class PagedAttention(torch.autograd.Function):
     restaged on the device for the backward); no math of its own."""
 
     @staticmethod
-    def forward(ctx, q, k, v, chunk: ChunkContext, layer: int, scale: float, window: int | None):
+    def forward(ctx, q, k, v, chunk: ChunkContext, layer: int, scale: float, window, softcap, sinks):
         pool = chunk.pool
         if chunk.sweep != "backward":  # the backward sweep's recompute writes nothing new
             shape = chunk.shape.for_dtype(k.dtype)
@@ -143,28 +173,31 @@ class PagedAttention(torch.autograd.Function):
         pool.write(layer, chunk.start, k, v)
         parts = pool.parts(layer, chunk.start + q.shape[2], first_key=_first_key(chunk.start, window))
         with torch.autocast(q.device.type, enabled=False):
-            out, lse = attend(chunk.backend, q, parts, chunk.start, scale, window)
-        ctx.save_for_backward(q, out, lse, *((k, v) if pool.streams(layer) else ()))
-        ctx.args = (chunk, layer, scale, window, k.dtype)
+            out, lse = attend(chunk.backend, q, parts, chunk.start, scale, window, softcap, sinks)
+        ctx.save_for_backward(q, out, lse, sinks, *((k, v) if pool.streams(layer) else ()))
+        ctx.args = (chunk, layer, scale, window, softcap, k.dtype)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        q, out, lse, *kv = ctx.saved_tensors
-        chunk, layer, scale, window, kv_dtype = ctx.args
+        q, out, lse, sinks, *kv = ctx.saved_tensors
+        chunk, layer, scale, window, softcap, kv_dtype = ctx.args
         pool = chunk.pool
         if kv:
             pool.write(layer, chunk.start, *kv)
         first_key = _first_key(chunk.start, window)
         # the kernels add into each part's dk, dv
         parts = pool.parts(layer, chunk.start + q.shape[2], True, first_key)
+        dout = dout.contiguous()
         with torch.autocast(q.device.type, enabled=False):
+            delta = attention_delta(out, dout) if sinks is not None else None
             dq = attend_backward(
-                chunk.backend, q, out, lse, dout.contiguous(), parts, chunk.start, scale, window
+                chunk.backend, q, out, lse, dout, parts, chunk.start, scale, window, softcap, delta
             )
+            dsinks = sink_grad(sinks, lse, delta) if sinks is not None and ctx.needs_input_grad[8] else None
         dk, dv = pool.read_grad(layer, chunk.start, q.shape[2])
-        return dq, dk.to(kv_dtype), dv.to(kv_dtype), None, None, None, None
+        return dq, dk.to(kv_dtype), dv.to(kv_dtype), None, None, None, None, None, dsinks
 
 
 def paged_attention(
@@ -175,6 +208,11 @@ def paged_attention(
     layer: int,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of a chunk's ``q [B, Hq, Lq, D]`` over its layer's pages plus its own ``k, v``; ``[B, Hq, Lq, D]``."""
-    return PagedAttention.apply(q, k, v, chunk, layer, scale, window)
+    """Attention of a chunk's ``q [B, Hq, Lq, D]`` over its layer's pages plus its own ``k, v``; ``[B, Hq, Lq, D]``.
+
+    ``window``: a sliding window of keys (query ``i`` sees ``W`` keys up to itself); ``softcap``: scores
+    ``c * tanh(s / c)``; ``sinks [Hq]``: one extra logit per query head in every row's softmax."""
+    return PagedAttention.apply(q, k, v, chunk, layer, scale, window, softcap, sinks)

@@ -5,6 +5,11 @@ folds every part into one carried softmax state ``(acc, m, l)`` — ``acc`` the 
 ``m`` the running max of the scaled scores, ``l = sum exp(s - m)`` — in any order, and :func:`finish_state` turns
 it into ``out = acc / l`` and ``lse = m + log(l)``; the backward of every part shares the final ``out``/``lse`` and
 one ``delta = rowsum(dO * O)`` (:func:`attention_delta`), and adds its dQ into one accumulator.
+
+Attention sinks (GPT-OSS: one learned logit per query head in every row's softmax denominator, attending to
+nothing) are one more part of that merge: :func:`add_sinks` folds them into the state once, after every key part,
+and the backward of the key parts uses the sink-inclusive ``out``/``lse`` unchanged; :func:`sink_grad` is the
+sinks' own gradient.
 """
 
 from __future__ import annotations
@@ -40,3 +45,22 @@ def attention_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     calls of every key part."""
     dtype = compute_dtype(out)
     return (dout.to(dtype) * out.to(dtype)).sum(-1)
+
+
+def add_sinks(state: State, sinks: torch.Tensor) -> None:
+    """Fold one logit per query head (``sinks [Hq]``) into a state that has seen every key, in place: the softmax
+    denominator gains ``exp(sink)`` and the output nothing."""
+    acc, m, l_sum = state
+    sink = sinks.to(m.dtype).view(1, -1, 1).expand_as(m)
+    m_new = torch.maximum(m, sink)
+    alpha = torch.exp(m - m_new)
+    acc.mul_(alpha[..., None])
+    l_sum.mul_(alpha).add_(torch.exp(sink - m_new))
+    m.copy_(m_new)
+
+
+def sink_grad(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """Gradient of the loss w.r.t. ``sinks [Hq]``: ``-sum_rows p_sink * delta`` with ``p_sink = exp(sink - lse)``
+    (``lse`` sink-inclusive, ``delta = rowsum(dO * O)``), in the sinks' dtype."""
+    p_sink = torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse)
+    return -(p_sink * delta).sum((0, 2)).to(sinks.dtype)

@@ -17,6 +17,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from lightning_oomb.engine.attention import ChunkContext
+from lightning_oomb.engine.loss import LMHead
 
 # (input_ids [B, N], labels [B, N] | None) -> the loss the call returns
 Respond = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -37,12 +38,13 @@ class ChunkModel(Protocol):
     ) -> torch.Tensor:
         """Final (normed) hidden states ``[B, L, H]`` of one chunk at absolute positions ``position_ids``."""
 
-    def lm_head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The LM head's ``weight [V, H]`` and ``bias [V]`` (or ``None``)."""
+    def lm_head(self) -> LMHead:
+        """The LM head: weight, bias and the transform of the logits (scale, softcap) that the model applies."""
 
-    def engaged(self) -> contextlib.AbstractContextManager:
-        """While the block runs, the model's attention goes through the engine (and whatever else the engine's
-        options turn on, e.g. per-layer checkpointing); everything is restored afterwards."""
+    def engaged(self, num_tokens: int) -> contextlib.AbstractContextManager:
+        """While the block runs, the model's attention goes through the engine (and whatever else a sweep over a
+        ``num_tokens``-token sequence needs, e.g. per-layer checkpointing, RoPE pinned to that length);
+        everything is restored afterwards."""
 
 
 @runtime_checkable

@@ -123,7 +123,7 @@ class OOMBEngine:
         the result before the next ``loss``.
         """
         step = self._plan(input_ids, labels)
-        weight = self.model.lm_head()[0]
+        weight = self.model.lm_head().weight
         anchor = weight.new_zeros((), dtype=torch.float32).requires_grad_(True)
         return _ChunkRecurrentStep.apply(anchor, self, step)
 
@@ -218,15 +218,16 @@ class OOMBEngine:
         ids = step.input_ids[:, start:end]
         positions = torch.arange(start, end, device=ids.device)[None]
         hidden = self.model.hidden_states(ids, positions, chunk)
-        weight, bias = self.model.lm_head()
-        total = linear_cross_entropy(hidden, weight, bias, step.targets[:, start:end], self.config.loss_block)
+        total = linear_cross_entropy(
+            hidden, self.model.lm_head(), step.targets[:, start:end], self.config.loss_block
+        )
         return total / max(step.denominator, 1)
 
     def forward_sweep(self, step: _Step, sweep: str = "forward") -> tuple[torch.Tensor, list[_RNGState]]:
         """Run every chunk without a graph; return the summed loss and each chunk's RNG state."""
         device = step.input_ids.device
         rng, losses = [], []
-        with self._sweep(sweep), self.model.engaged():
+        with self._sweep(sweep), self.model.engaged(step.input_ids.shape[1]):
             for start, end in step.bounds:
                 rng.append(_RNGState(device))
                 losses.append(self._chunk_loss(step, start, end, sweep))
@@ -240,7 +241,7 @@ class OOMBEngine:
         device = step.input_ids.device
         devices = [device] if device.type == "cuda" else []
         fork = torch.random.fork_rng(devices=devices, device_type=device.type)
-        with fork, self._sweep("backward"), self.model.engaged():
+        with fork, self._sweep("backward"), self.model.engaged(step.input_ids.shape[1]):
             for (start, end), state in zip(reversed(step.bounds), reversed(rng), strict=True):
                 state.restore()
                 with torch.enable_grad(), autocast():

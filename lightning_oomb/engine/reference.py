@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from csrc_triton.contract import check_buffer, check_window, checked_key_range
+from csrc_triton.contract import check_buffer, check_softcap, check_window, checked_key_range
 from lightning_oomb.engine.lse import State, attention_delta, compute_dtype, finish_state, init_state
 from lightning_oomb.engine.pages import add_tokens, gather_tokens
 
@@ -46,6 +46,15 @@ def _visible(q_start: int, lq: int, first_key: int, nk: int, window: int | None,
     return mask
 
 
+def _scores(qg: torch.Tensor, k: torch.Tensor, scale: float, softcap: float | None):
+    """Scaled scores ``q . k * scale`` (soft-capped: ``c * tanh(. / c)``) and the tanh (``None`` without cap)."""
+    s = (qg @ k.transpose(-1, -2)) * scale
+    if softcap is None:
+        return s, None
+    t = torch.tanh(s / softcap)
+    return t * softcap, t
+
+
 def _grouped(q: torch.Tensor, hkv: int, dtype: torch.dtype) -> torch.Tensor:
     """``[B, Hq, L, D]`` -> ``[B, Hkv, G, L, D]`` (query heads grouped by the KV head they read)."""
     b, hq, lq, d = q.shape
@@ -63,12 +72,15 @@ def paged_attention_forward(
     *,
     key_range: tuple[int, int] | None = None,
     state: State | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``out [B, Hq, Lq, D]`` (dtype of ``q``) and ``lse [B, Hq, Lq]`` (float32; float64 for float64 q).
 
     ``key_range=(lo, hi)`` visits only the keys at positions ``[lo, hi)``. With ``state`` (see
-    :func:`~lightning_oomb.engine.lse.init_state`) the keys are folded into it in place and ``None`` is returned."""
+    :func:`~lightning_oomb.engine.lse.init_state`) the keys are folded into it in place and ``None`` is returned.
+    ``softcap``: scores ``c * tanh(q . k * scale / c)``."""
     check_window(window)
+    check_softcap(softcap)
     lq, hkv, page = q.shape[2], k_pages.shape[1], k_pages.shape[2]
     dtype = compute_dtype(q)
     own = state is None
@@ -82,7 +94,7 @@ def paged_attention_forward(
     acc, m, denom = state[0].view(qg.shape), state[1].view(rows), state[2].view(rows)
     for first, slots in _key_blocks(page_table, page, q_start, lq, window, key_range):
         k, v = _gather(k_pages, slots, dtype), _gather(v_pages, slots, dtype)
-        s = (qg @ k.transpose(-1, -2)) * scale
+        s, _ = _scores(qg, k, scale, softcap)
         s = s.masked_fill(~_visible(q_start, lq, first, k.shape[-2], window, q.device), -math.inf)
         m_new = torch.maximum(m, s.amax(-1))
         # rows with nothing visible yet keep m = -inf; shift by 0 there so exp() gives 0, not NaN
@@ -112,13 +124,16 @@ def paged_attention_backward(
     key_range: tuple[int, int] | None = None,
     delta: torch.Tensor | None = None,
     dq: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Return ``dq`` (dtype of ``q``) and **add** dK, dV of every page read into ``dk_pages``, ``dv_pages``.
 
     ``key_range=(lo, hi)``: only keys ``[lo, hi)`` (``out``, ``lse`` are still the final ones, over all keys).
     ``delta``: a precomputed ``attention_delta(out, dout)``. ``dq``: a float32 (float64 for float64 q)
-    ``[B, Hq, Lq, D]`` accumulator the contribution is added into (and which is returned)."""
+    ``[B, Hq, Lq, D]`` accumulator the contribution is added into (and which is returned). ``softcap``: as in the
+    forward."""
     check_window(window)
+    check_softcap(softcap)
     lq, hkv, page = q.shape[2], k_pages.shape[1], k_pages.shape[2]
     dtype = compute_dtype(q)
     if delta is None:
@@ -133,11 +148,13 @@ def paged_attention_backward(
     dqg = dq.view(qg.shape)  # accumulated in place
     for first, slots in _key_blocks(page_table, page, q_start, lq, window, key_range):
         k, v = _gather(k_pages, slots, dtype), _gather(v_pages, slots, dtype)
-        s = (qg @ k.transpose(-1, -2)) * scale
+        s, t = _scores(qg, k, scale, softcap)
         visible = _visible(q_start, lq, first, k.shape[-2], window, q.device)
         p = torch.exp(s - lseg[..., None]).masked_fill(~visible, 0.0)
         dv = (p.transpose(-1, -2) @ dog).sum(2)  # sum over the query heads sharing a KV head
         ds = p * (dog @ v.transpose(-1, -2) - deltag[..., None])
+        if t is not None:  # d(c tanh(x / c)) / dx = 1 - tanh^2
+            ds = ds * (1 - t * t)
         dqg += (ds @ k) * scale
         dk = (ds.transpose(-1, -2) @ qg).sum(2) * scale
         add_tokens(dk_pages, slots, dk)

@@ -12,21 +12,38 @@ from lightning_oomb.engine.pages import PagedKV, gather_tokens, write_tokens
 BACKENDS = ("torch", "triton")
 
 
-def dense_attention(q, k, v, q_start: int, scale: float, window: int | None = None, with_lse: bool = False):
+def dense_attention(
+    q,
+    k,
+    v,
+    q_start: int,
+    scale: float,
+    window: int | None = None,
+    with_lse: bool = False,
+    softcap=None,
+    sinks=None,
+):
     """Attention of ``q [B, Hq, Lq, D]`` over keys ``[0, q_start + Lq)`` (``k, v [B, Hkv, N, D]``), lower-right
-    causal, GQA by repetition, materialised scores, in the inputs' dtype (autograd works through it); with
-    ``with_lse`` also the log-sum-exp of each row's visible scaled scores."""
+    causal, GQA by repetition, materialised scores, in the inputs' dtype (autograd works through it): scores
+    ``q . k * scale``, soft-capped ``c * tanh(. / c)`` with ``softcap``, and with ``sinks [Hq]`` one extra logit per
+    head in each row's softmax (attending to nothing), as Hugging Face's eager GPT-OSS attention; with ``with_lse``
+    also the log-sum-exp of each row's scores (sink included)."""
     lq = q.shape[2]
     k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
     v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
     s = q @ k.transpose(-1, -2) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
     qpos = torch.arange(q_start, q_start + lq, device=q.device)[:, None]
     kpos = torch.arange(k.shape[2], device=q.device)[None]
     mask = kpos <= qpos
     if window is not None:
         mask &= kpos > qpos - window
     s = s.masked_fill(~mask, -math.inf)
-    out = torch.softmax(s, -1) @ v
+    if sinks is not None:
+        s = torch.cat([s, sinks.to(s.dtype).view(1, -1, 1, 1).expand(*s.shape[:-1], 1)], -1)
+    p = torch.softmax(s, -1)
+    out = (p[..., :-1] if sinks is not None else p) @ v
     return (out, torch.logsumexp(s, -1)) if with_lse else out
 
 

@@ -51,3 +51,82 @@ def grads_of(model) -> dict[str, torch.Tensor]:
 def max_relative_error(got: dict, want: dict) -> float:
     assert got.keys() == want.keys()
     return max(((got[n] - want[n]).abs().max() / want[n].abs().max().clamp_min(1e-30)).item() for n in want)
+
+
+# ---------------------------------------------------------------------------------- more families, float64 oracle
+TINY = dict(hidden_size=32, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+            vocab_size=64, initializer_range=0.2, attention_dropout=0.0)  # fmt: skip
+
+
+def build_family(family: str, dtype=torch.float64, seed: int = 0, **overrides):
+    """Tiny models of the families beyond Llama's attention, each with the feature that makes it special:
+    Gemma 2 (attention and final-logit softcaps, alternating sliding windows), Gemma 3 (5 local : 1 global layers,
+    QK-norm, two RoPE bases), GPT-OSS (attention sinks, alternating windows, MoE), Phi-3 with longrope past its
+    original context, Llama with dynamic NTK RoPE past its base length, Cohere (logit scale), Granite (logit
+    scaling and multipliers)."""
+    import transformers as tf
+
+    builders = {
+        "gemma2": lambda o: tf.Gemma2ForCausalLM(tf.Gemma2Config(**{**TINY, "num_hidden_layers": 2, "sliding_window": 7,
+            "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0, "query_pre_attn_scalar": 8, **o})),
+        "gemma3": lambda o: tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**{**TINY, "num_hidden_layers": 6, "sliding_window": 7,
+            "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                                "full_attention": {"rope_type": "default", "rope_theta": 1000.0}}, **o})),
+        "gpt_oss": lambda o: tf.GptOssForCausalLM(tf.GptOssConfig(**{**TINY, "num_hidden_layers": 2, "sliding_window": 7,
+            "num_local_experts": 4, "num_experts_per_tok": 2, "experts_implementation": "eager", **o})),
+        "phi3_longrope": lambda o: tf.Phi3ForCausalLM(tf.Phi3Config(**{**TINY, "num_hidden_layers": 2,
+            "max_position_embeddings": 64, "original_max_position_embeddings": 16, "pad_token_id": 0,
+            "eos_token_id": 0, "bos_token_id": 0, "rope_parameters": {"rope_type": "longrope",
+            "short_factor": [1.0] * 4, "long_factor": [2.0, 3.0, 4.0, 5.0], "rope_theta": 1e4}, **o})),
+        "llama_dynamic": lambda o: tf.LlamaForCausalLM(tf.LlamaConfig(**{**TINY, "num_hidden_layers": 2,
+            "max_position_embeddings": 16, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4},
+            **o})),
+        "cohere": lambda o: tf.CohereForCausalLM(tf.CohereConfig(**{**TINY, "num_hidden_layers": 2, "logit_scale": 0.5,
+            **o})),
+        "granite": lambda o: tf.GraniteForCausalLM(tf.GraniteConfig(**{**TINY, "num_hidden_layers": 2, "logits_scaling": 4.0,
+            "embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.3, **o})),
+    }  # fmt: skip
+    torch.manual_seed(seed)
+    return builders[family](overrides).to(dtype)
+
+
+def _reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+                         softcap=None, s_aux=None, **kwargs):  # fmt: skip
+    """Textbook attention over the whole sequence in the inputs' dtype (the float64 oracle's attention)."""
+    from tests.helpers.attention import dense_attention
+
+    out = dense_attention(query, key, value, 0, scaling, sliding_window, softcap=softcap, sinks=s_aux)
+    return out.transpose(1, 2), None
+
+
+def exact_full_sequence_loss(model, input_ids, labels=None):
+    """Full-sequence training loss of ``model`` as a float64 oracle: the model's own forward (with its logit scale
+    and softcap) with textbook attention in the model's dtype, and a cross-entropy in it."""
+    import transformers as tf
+
+    tf.AttentionInterface.register("oomb_test_reference", _reference_attention)
+    labels = input_ids if labels is None else labels
+    previous = model.config._attn_implementation
+    model.config._attn_implementation = "oomb_test_reference"
+    try:
+        logits = model(input_ids=input_ids).logits[:, :-1]
+    finally:
+        model.config._attn_implementation = previous
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
+
+
+def _cohere_norm(x, m):
+    centred = x - x.mean(-1, keepdim=True)
+    return m.weight * centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + m.variance_epsilon)
+
+
+def float64_norms(model) -> None:
+    """Gemma's RMSNorm and Cohere's LayerNorm compute in float32 whatever the model's dtype (a float32 reduction over
+    tokens in their weight gradient, which chunking reorders: ~1e-7); make them compute in the model's dtype so
+    float64 tests can ask 1e-10."""
+    for module in model.modules():
+        name = type(module).__name__
+        if name.startswith("Gemma") and name.endswith("RMSNorm"):
+            module.forward = lambda x, m=module: m._norm(x) * (1.0 + m.weight)
+        elif name == "CohereLayerNorm":
+            module.forward = lambda x, m=module: _cohere_norm(x, m)

@@ -14,31 +14,7 @@ TINY = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_atten
 
 
 def unsupported_models():
-    yield (
-        "RoPE type",
-        tf.Phi3ForCausalLM(
-            tf.Phi3Config(
-                **TINY,
-                max_position_embeddings=64,
-                rope_parameters={
-                    "rope_type": "longrope",
-                    "short_factor": [1.0] * 4,
-                    "long_factor": [2.0] * 4,
-                    "original_max_position_embeddings": 16,
-                    "rope_theta": 1e4,
-                },
-                pad_token_id=0,
-                eos_token_id=0,
-                bos_token_id=0,
-            )
-        ),
-    )
-    yield (
-        "RoPE type",
-        tf.LlamaForCausalLM(
-            tf.LlamaConfig(**TINY, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
-        ),
-    )
+    """Each with the feature OOMB cannot chunk exactly (hybrids used to be accepted and train silently wrong)."""
     yield (
         "latent attention",
         tf.DeepseekV3ForCausalLM(
@@ -58,16 +34,82 @@ def unsupported_models():
             )
         ),
     )
-    yield "soft-caps", tf.Gemma2ForCausalLM(tf.Gemma2Config(**TINY, head_dim=8))
+    yield "attention_dropout", build_causal_lm("qwen2", attention_dropout=0.1)
     yield (
-        "sink",
-        tf.GptOssForCausalLM(
-            tf.GptOssConfig(
-                **TINY, head_dim=8, num_local_experts=2, num_experts_per_tok=1, num_key_value_heads=2
+        r"linear_attention.*GatedDeltaNet",  # Qwen3-Next (and Qwen3.5): gated delta-net layers
+        tf.Qwen3NextForCausalLM(
+            tf.Qwen3NextConfig(
+                **{**TINY, "num_hidden_layers": 4},
+                num_key_value_heads=2,
+                head_dim=8,
+                num_experts=2,
+                num_experts_per_tok=1,
+                moe_intermediate_size=16,
+                shared_expert_intermediate_size=16,
+                linear_num_key_heads=2,
+                linear_num_value_heads=2,
+                linear_key_head_dim=8,
+                linear_value_head_dim=8,
+            )  # fmt: skip
+        ),
+    )
+    yield (
+        r"'conv'.*ShortConv",
+        tf.Lfm2ForCausalLM(
+            tf.Lfm2Config(
+                **{**TINY, "num_hidden_layers": 2},
+                num_key_value_heads=2,
+                layer_types=["conv", "full_attention"],
             )
         ),
     )
-    yield "attention_dropout", build_causal_lm("qwen2", attention_dropout=0.1)
+    yield (
+        r"Mamba",
+        tf.JambaForCausalLM(
+            tf.JambaConfig(
+                **{**TINY, "num_hidden_layers": 2},
+                num_key_value_heads=2,
+                attn_layer_period=2,
+                attn_layer_offset=1,
+                expert_layer_period=2,
+                expert_layer_offset=1,
+                num_experts=2,
+                mamba_d_state=4,
+                mamba_dt_rank=4,
+            )  # fmt: skip
+        ),
+    )
+    yield (
+        "Mamba",
+        tf.MambaForCausalLM(tf.MambaConfig(hidden_size=32, num_hidden_layers=2, vocab_size=64, state_size=4)),
+    )
+    yield (
+        "chunked_attention",  # Llama 4: chunked local attention
+        tf.Llama4ForCausalLM(
+            tf.Llama4TextConfig(
+                **TINY,
+                num_key_value_heads=2,
+                head_dim=8,
+                num_local_experts=2,
+                intermediate_size_mlp=32,
+                attention_chunk_size=8,
+            )
+        ),  # fmt: skip
+    )
+    yield (
+        "router auxiliary loss",
+        tf.Qwen3MoeForCausalLM(
+            tf.Qwen3MoeConfig(
+                **TINY,
+                num_key_value_heads=2,
+                head_dim=8,
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=16,
+                output_router_logits=True,
+            )  # fmt: skip
+        ),
+    )
 
 
 @pytest.mark.parametrize(("reason", "model"), list(unsupported_models()), ids=lambda x: str(x)[:20])
@@ -75,6 +117,33 @@ def test_unsupported_models_are_refused_with_the_reason(reason, model):
     with pytest.raises(OOMBConfigError, match=reason) as err:
         HFChunkModel(model)
     assert "another strategy" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("family", "match"),
+    [
+        ("diffllama", r"relative error of .* in model\.layers\.\d\.self_attn"),  # attends twice per layer
+        ("bert", r"parameters that get no gradient through OOMB \(cls\.predictions"),  # a head OOMB skips
+    ],
+)
+def test_the_self_check_refuses_what_the_reading_misses(family, match):
+    """Architectures that pass every static rule but would train wrongly: the float64 twin finds it and names the
+    measured error; without the check they are accepted."""
+    overrides = {"is_decoder": True} if family == "bert" else {"num_key_value_heads": 2}
+    config = tf.AutoConfig.for_model(family, **TINY, **overrides)
+    model = tf.AutoModelForCausalLM.from_config(config)
+    HFChunkModel(model)  # the static rules see nothing wrong
+    with pytest.raises(OOMBConfigError, match="self-check.*" + match):
+        HFChunkModel(model, verify_exactness=True)
+
+
+def test_the_self_check_accepts_the_exact_families():
+    """Including models whose exact gradient of a key bias is zero (rounding noise on both sides): OPT, BioGPT."""
+    for family in ("qwen2", "llama", "mistral", "qwen3"):
+        HFChunkModel(build_causal_lm(family, dtype=torch.float32), verify_exactness=True)
+    for family in ("opt", "biogpt"):
+        config = tf.AutoConfig.for_model(family, **TINY, ffn_dim=32, word_embed_proj_dim=32)
+        HFChunkModel(tf.AutoModelForCausalLM.from_config(config), verify_exactness=True)
 
 
 def test_non_hf_module_is_refused():

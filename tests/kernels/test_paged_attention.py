@@ -32,6 +32,7 @@ class Case:
     window: int | None = None
     dtype: torch.dtype = torch.float32
     grad_dtype: torch.dtype = torch.float32
+    softcap: float | None = None
 
 
 CASES = {
@@ -46,6 +47,8 @@ CASES = {
         b=1, hq=2, hkv=1, q_start=16, lq=20, dtype=torch.float16, grad_dtype=torch.bfloat16
     ),
     "bf16": Case(hq=4, hkv=2, q_start=32, lq=21, dtype=torch.bfloat16, grad_dtype=torch.bfloat16),
+    "softcap": Case(hq=4, hkv=2, q_start=40, lq=29, softcap=2.0),  # Gemma 2: cap * tanh(s / cap), saturating
+    "softcap-window-fp16": Case(hq=4, hkv=1, q_start=32, lq=21, window=13, softcap=3.0, dtype=torch.float16),
 }
 
 
@@ -87,7 +90,7 @@ def oracle(case: Case, q, dout, kv: PagedKV):
     n = case.q_start + case.lq
     leaves = [x.detach().double().requires_grad_() for x in (q, from_pages(kv.k, kv.page_table, n),
                                                                from_pages(kv.v, kv.page_table, n))]  # fmt: skip
-    out, lse = dense_attention(*leaves, case.q_start, case.d**-0.5, case.window, with_lse=True)
+    out, lse = dense_attention(*leaves, case.q_start, case.d**-0.5, case.window, True, case.softcap)
     out.backward(dout.double())
     pad = kv.page_table.shape[1] * case.page - n
     dk, dv = (torch.nn.functional.pad(x.grad, (0, 0, 0, pad)) for x in leaves[1:])
@@ -97,7 +100,7 @@ def oracle(case: Case, q, dout, kv: PagedKV):
 def check_forward(backend: str, case: Case):
     q, dout, kv = make_inputs(case)
     out, lse = kernels(backend).paged_attention_forward(
-        q, kv.k, kv.v, kv.page_table, case.q_start, case.d**-0.5, case.window
+        q, kv.k, kv.v, kv.page_table, case.q_start, case.d**-0.5, case.window, softcap=case.softcap
     )
     want_out, want_lse = oracle(case, q, dout, kv)[:2]
     assert out.dtype == q.dtype and lse.dtype == torch.float32 and lse.shape == q.shape[:-1]
@@ -107,11 +110,25 @@ def check_forward(backend: str, case: Case):
 
 def check_backward(backend: str, case: Case):
     q, dout, kv = make_inputs(case)
-    ops, scale = kernels(backend), case.d**-0.5
-    out, lse = ops.paged_attention_forward(q, kv.k, kv.v, kv.page_table, case.q_start, scale, case.window)
+    ops, scale, cap = kernels(backend), case.d**-0.5, case.softcap
+    out, lse = ops.paged_attention_forward(
+        q, kv.k, kv.v, kv.page_table, case.q_start, scale, case.window, softcap=cap
+    )
     got = copy_grads(kv)
     dq = ops.paged_attention_backward(
-        q, out, lse, dout, got.k, got.v, got.dk, got.dv, got.page_table, case.q_start, scale, case.window
+        q,
+        out,
+        lse,
+        dout,
+        got.k,
+        got.v,
+        got.dk,
+        got.dv,
+        got.page_table,
+        case.q_start,
+        scale,
+        case.window,
+        softcap=cap,
     )
     *_, want_dq, want_dk, want_dv = oracle(case, q, dout, kv)
     tol = TOLERANCE[case.dtype]
@@ -144,7 +161,7 @@ def test_backward_matches_dense(backend: str, case: Case):
     check_backward(backend, case)
 
 
-@pytest.mark.parametrize("case", ["gqa7-ragged", "window", "fp16"])
+@pytest.mark.parametrize("case", ["gqa7-ragged", "window", "fp16", "softcap"])
 def test_triton_matches_reference(case: str):
     """The kernels against their plain-torch reference on the same inputs (the kernels' own oracle)."""
     case = CASES[case]
@@ -153,9 +170,11 @@ def test_triton_matches_reference(case: str):
     results = {}
     for backend in BACKENDS:
         ops, grads = kernels(backend), copy_grads(kv)
-        out, lse = ops.paged_attention_forward(q, kv.k, kv.v, kv.page_table, case.q_start, scale, case.window)
+        out, lse = ops.paged_attention_forward(q, kv.k, kv.v, kv.page_table, case.q_start, scale, case.window,
+                                               softcap=case.softcap)  # fmt: skip
         dq = ops.paged_attention_backward(q, out, lse, dout, grads.k, grads.v, grads.dk, grads.dv,
-                                          grads.page_table, case.q_start, scale, case.window)  # fmt: skip
+                                          grads.page_table, case.q_start, scale, case.window,
+                                          softcap=case.softcap)  # fmt: skip
         results[backend] = out, lse, dq, grads.dk - kv.dk, grads.dv - kv.dv
     for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), results["triton"], results["torch"]):
         assert_close(got, want, 1e-5 if name == "lse" else tol, name)

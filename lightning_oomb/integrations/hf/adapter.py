@@ -1,17 +1,15 @@
-"""Hugging Face adapter: drives a ``*ForCausalLM`` chunk by chunk through the engine (all HF knowledge lives here).
+"""``HFChunkModel``: drives a transformers ``*ForCausalLM`` chunk by chunk through the engine.
 
-``"oomb"`` is registered in transformers' ``AttentionInterface`` **without** a mask function, so transformers
-skips mask creation (``attention_mask=None``, no O(N²) mask). The chunk context travels as the extra model-call
-keyword ``oomb_chunk``; positions go in ``position_ids`` (offset by the chunk start). The model's own attention
-implementation is switched to ``"oomb"`` — and, with ``layer_checkpointing``, HF's per-layer checkpointing turned
-on — only while the engine runs it (:meth:`HFChunkModel.engaged`), so the same model behaves unchanged everywhere
-else (generation, ordinary evaluation, other strategies after a fit).
+The chunk context travels as the extra model-call keyword ``oomb_chunk``; positions go in ``position_ids`` (offset
+by the chunk start). The model's own attention implementation is switched to ``"oomb"`` — and, with
+``layer_checkpointing``, HF's per-layer checkpointing turned on, and a length-dependent RoPE pinned to the step's
+length — only while the engine runs it (:meth:`HFChunkModel.engaged`), so the same model behaves unchanged
+everywhere else (generation, ordinary evaluation, other strategies after a fit).
 
 :class:`HFChunkModel` implements the engine's :class:`~lightning_oomb.engine.model.ManagedModel`: besides driving
 chunks it answers the user's own ``model(**batch)`` calls inside the strategy's steps with a
-``CausalLMOutputWithPast`` whose ``loss`` is the engine's (:meth:`HFChunkModel.answer_calls`). Models the adapter
-cannot drive exactly are refused at construction (:func:`check_supported`); :func:`find_causal_lm` finds the model
-inside a LightningModule.
+``CausalLMOutputWithPast`` whose ``loss`` is the engine's (:meth:`HFChunkModel.answer_calls`).
+:func:`find_causal_lm` finds the model inside a LightningModule.
 """
 
 from __future__ import annotations
@@ -22,105 +20,13 @@ from typing import Any
 
 import torch
 
-from lightning_oomb.engine.attention import ChunkContext, paged_attention
+from lightning_oomb.engine.attention import ChunkContext
 from lightning_oomb.engine.errors import OOMBConfigError
+from lightning_oomb.engine.loss import LMHead
 from lightning_oomb.engine.model import Respond
-
-ATTN_NAME = "oomb"
-_UNSTABLE_ROPE = ("longrope", "dynamic")
-
-
-def oomb_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    s_aux: torch.Tensor | None = None,
-    oomb_chunk: ChunkContext | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """The ``AttentionInterface`` function: post-RoPE ``query [B, Hq, L, D]``, ``key/value [B, Hkv, L, D]``."""
-    if oomb_chunk is None:
-        raise OOMBConfigError(
-            "the 'oomb' attention implementation was called outside an OOMB step — it needs the chunk context "
-            "that the engine passes — load the model with attn_implementation='sdpa' (or 'eager'); the OOMB "
-            "strategy switches attention to 'oomb' by itself while it trains."
-        )
-    if softcap is not None or s_aux is not None or dropout:
-        raise OOMBConfigError(
-            f"{type(module).__name__} asks for attention softcap/sinks/dropout, which the OOMB attention op does "
-            "not compute — results would be wrong — use a supported model family (Llama, Qwen2/3, Mistral)."
-        )
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = paged_attention(query, key, value, oomb_chunk, module.layer_idx, scale, sliding_window)
-    return out.transpose(1, 2), None
-
-
-def register_attention() -> None:
-    """Register ``"oomb"`` in ``AttentionInterface`` (idempotent; no mask function on purpose)."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTN_NAME, oomb_attention_forward)
-
-
-def _rope_types(config) -> set[str]:
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    nested = [p for p in params.values() if isinstance(p, dict)] if isinstance(params, dict) else []
-    found = {p.get("rope_type", p.get("type")) for p in [params, *nested] if isinstance(p, dict)}
-    return {t for t in found if t}
-
-
-def check_supported(model: torch.nn.Module) -> None:
-    """Raise :class:`OOMBConfigError` if the adapter cannot train ``model`` exactly; say why and what to do."""
-    from transformers import PreTrainedModel
-
-    name = type(model).__name__
-    if not isinstance(model, PreTrainedModel) or model.get_output_embeddings() is None:
-        raise OOMBConfigError(
-            f"{name} is not a Hugging Face causal LM with an LM head — the OOMB adapter drives "
-            "`*ForCausalLM` models — load the model with AutoModelForCausalLM."
-        )
-    config = model.config
-    reasons = []
-    if not type(model)._can_set_attn_implementation():
-        reasons.append("its attention does not dispatch through transformers' AttentionInterface")
-    if bad := _rope_types(config) & set(_UNSTABLE_ROPE):
-        reasons.append(
-            f"its RoPE type {sorted(bad)} picks frequencies from each call's length, so chunks differ"
-        )
-    if getattr(config, "kv_lora_rank", None) or getattr(config, "q_lora_rank", None):
-        reasons.append("it uses multi-head latent attention (DeepSeek-style MLA)")
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        reasons.append("it soft-caps attention logits")
-    if getattr(config, "final_logit_softcapping", None) is not None:
-        reasons.append("it soft-caps the final logits")
-    if getattr(config, "logit_scale", None) not in (None, 1.0) or getattr(
-        config, "logits_scaling", None
-    ) not in (
-        None,
-        1.0,
-    ):
-        reasons.append("it rescales its logits")
-    if any(hasattr(m, "sinks") for m in model.modules()):
-        reasons.append("its attention has sink logits")
-    if getattr(config, "attention_dropout", 0.0):
-        reasons.append(f"attention_dropout={config.attention_dropout} (set it to 0)")
-    if getattr(config, "output_router_logits", False):
-        reasons.append(
-            "its router auxiliary loss is not separable by chunks (set output_router_logits=False)"
-        )
-    if getattr(config, "is_causal", True) is False or getattr(config, "use_bidirectional_attention", False):
-        reasons.append("its attention is not causal")
-    if reasons:
-        raise OOMBConfigError(
-            f"OOMB cannot train {name} exactly: {'; '.join(reasons)}. Supported today: Llama, Qwen2, Qwen3, "
-            "Mistral (and families with the same attention); train this model with another strategy."
-        )
+from lightning_oomb.integrations.hf.attention import ATTN_NAME, register_attention
+from lightning_oomb.integrations.hf.rope import length_dependent_rotaries, pinned_rope
+from lightning_oomb.integrations.hf.support import check_supported, logit_transform, verify_exactness
 
 
 def find_causal_lm(module: torch.nn.Module, target_module: str | None = None) -> torch.nn.Module:
@@ -151,6 +57,11 @@ def find_causal_lm(module: torch.nn.Module, target_module: str | None = None) ->
     return outermost[0][1]
 
 
+def verify_exactness_of(model: torch.nn.Module) -> None:
+    """The self-check of :func:`~lightning_oomb.integrations.hf.support.verify_exactness` for ``model``."""
+    verify_exactness(model, HFChunkModel)
+
+
 def _checkpointing_on(model: torch.nn.Module) -> bool:
     return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
 
@@ -175,14 +86,20 @@ class HFChunkModel:
 
     Args:
         model: the causal LM (a ``PreTrainedModel`` with an LM head; refused with the reason if OOMB cannot train
-            it exactly).
+            it exactly, see :mod:`lightning_oomb.integrations.hf.support`).
         layer_checkpointing: turn on HF's per-layer checkpointing while the engine runs the model (if the model
             does not have it on already); restored afterwards.
+        verify_exactness: also run the self-check (a float64 twin of the architecture trained in chunks against
+            full-sequence training; about a second on the CPU, once per architecture) and refuse a mismatch.
     """
 
-    def __init__(self, model: torch.nn.Module, layer_checkpointing: bool = False):
+    def __init__(
+        self, model: torch.nn.Module, layer_checkpointing: bool = False, verify_exactness: bool = False
+    ):
         check_supported(model)
         register_attention()
+        if verify_exactness:
+            verify_exactness_of(model)
         self.model = model
         config = model.config
         self.num_layers = config.num_hidden_layers
@@ -192,11 +109,14 @@ class HFChunkModel:
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.num_embeddings = model.get_input_embeddings().weight.shape[0]
         self.layer_checkpointing = layer_checkpointing
+        self.logit_scale, self.logit_softcap = logit_transform(config)
+        self._rotaries = length_dependent_rotaries(model)
 
     @contextlib.contextmanager
-    def engaged(self) -> Iterator[None]:
-        """Route the model's attention through the engine (and turn per-layer checkpointing on if asked) for the
-        duration of the block; what was changed is restored."""
+    def engaged(self, num_tokens: int) -> Iterator[None]:
+        """Route the model's attention through the engine, pin a length-dependent RoPE to ``num_tokens`` (the
+        step's sequence length) and turn per-layer checkpointing on if asked, for the duration of the block; what
+        was changed is restored."""
         config = self.model.config
         previous = config._attn_implementation
         checkpointing = self.layer_checkpointing and not _checkpointing_on(self.model)
@@ -204,7 +124,8 @@ class HFChunkModel:
         if checkpointing:
             set_layer_checkpointing(self.model, True)
         try:
-            yield
+            with pinned_rope(self._rotaries, num_tokens):
+                yield
         finally:
             config._attn_implementation = previous
             if checkpointing:
@@ -219,9 +140,9 @@ class HFChunkModel:
         )
         return out.last_hidden_state
 
-    def lm_head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def lm_head(self) -> LMHead:
         head = self.model.get_output_embeddings()
-        return head.weight, head.bias
+        return LMHead(head.weight, head.bias, self.logit_scale, self.logit_softcap)
 
     @contextlib.contextmanager
     def answer_calls(self, respond: Respond) -> Iterator[None]:

@@ -1,0 +1,266 @@
+"""Which Hugging Face models OOMB trains exactly: static inspection, the LM-head transform, and a self-check.
+
+:func:`check_supported` reads the model before anything is allocated and refuses, naming the feature, what chunks
+cannot reproduce: layers that carry state along the sequence (Mamba/SSM mixers, linear attention, short
+convolutions, recurrent blocks: their state would be dropped at every chunk boundary), layer types other than full
+and sliding-window attention, attention that does not dispatch through ``AttentionInterface``, multi-head latent
+attention, attention dropout, the MoE router's auxiliary loss, non-causal attention, and length-dependent RoPE
+that cannot be pinned. :func:`logit_transform` reads the logit scale and softcap the model's head applies.
+
+:func:`verify_exactness` is the safety net for what a reading cannot see: it builds a *twin* of the model — the
+same class and config at a tiny width, in float64, on the CPU — and checks that OOMB's loss and every parameter
+gradient agree between three chunks and one chunk (1e-6) and between one chunk and the twin's own full-sequence
+training (its ``logits`` with a cross-entropy: 1e-5) — float64, but some models norm or softmax in float32 even
+then, while a chunking error is orders of magnitude larger — as the test suite does, to 1e-10, for the families it
+names. A mismatch or a failure refuses the model
+with the measured error; a twin that cannot be built skips the check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import torch
+
+from lightning_oomb.engine.errors import OOMBConfigError
+from lightning_oomb.integrations.hf.rope import can_pin, length_dependent_rotaries
+
+SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+# words (of CamelCase class names) that name token mixers carrying state along the sequence
+_STATEFUL_WORDS = frozenset({"mamba", "ssm", "rglru", "rwkv", "hyena", "lstm", "mlstm", "slstm", "deltanet"})
+_STATEFUL_PAIRS = frozenset({("gated", "delta"), ("delta", "net"), ("linear", "attention"), ("lightning", "attention"),
+                             ("short", "conv"), ("recurrent", "block"), ("recurrent", "layer")})  # fmt: skip
+_LAYER_TYPE_FIELDS = ("layer_types", "layers_block_type", "block_types", "layer_block_types")
+
+
+def _configs(config) -> list:
+    """The config and its text sub-config (multimodal wrappers keep the decoder's fields there)."""
+    text = getattr(config, "text_config", None)
+    return [config] if text is None or text is config else [config, text]
+
+
+def _layer_types(config) -> set[str]:
+    found = set()
+    for c in _configs(config):
+        for field in _LAYER_TYPE_FIELDS:
+            values = getattr(c, field, None)
+            if isinstance(values, (list, tuple)):
+                found |= {str(v) for v in values}
+    return found
+
+
+def _words(name: str) -> list[str]:
+    """``"Qwen3NextGatedDeltaNet"`` -> ``["qwen3", "next", "gated", "delta", "net"]``."""
+    return [w.lower() for w in re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z0-9]+", name)]
+
+
+def _stateful_mixers(model: torch.nn.Module) -> list[str]:
+    """Class names of the decoder's modules that mix tokens with a state: convolutions over time and the known
+    recurrent / linear-attention mixers (a vision tower's patch convolution is outside the decoder)."""
+    found = set()
+    decoder = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else None
+    for module in (decoder or model).modules():
+        name = type(module).__name__
+        words = _words(name)
+        if (
+            isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d))
+            or _STATEFUL_WORDS.intersection(words)
+            or _STATEFUL_PAIRS.intersection(zip(words, words[1:]))
+        ):
+            found.add(name)
+    return sorted(found)[:4]
+
+
+def logit_transform(config) -> tuple[float, float | None]:
+    """``(scale, softcap)`` the model's head applies to its logits: Cohere's ``logit_scale``, Granite's
+    ``1 / logits_scaling``, Gemma's ``final_logit_softcapping``."""
+    scale, softcap = 1.0, None
+    for c in _configs(config):
+        if getattr(c, "logit_scale", None) not in (None, 1.0):
+            scale *= float(c.logit_scale)
+        if getattr(c, "logits_scaling", None) not in (None, 1.0):
+            scale /= float(c.logits_scaling)
+        if getattr(c, "final_logit_softcapping", None) is not None:
+            softcap = float(c.final_logit_softcapping)
+    return scale, softcap
+
+
+def check_supported(model: torch.nn.Module) -> None:
+    """Raise :class:`OOMBConfigError` if the adapter cannot train ``model`` exactly; say why and what to do."""
+    from transformers import PreTrainedModel
+
+    name = type(model).__name__
+    if not isinstance(model, PreTrainedModel) or model.get_output_embeddings() is None:
+        raise OOMBConfigError(
+            f"{name} is not a Hugging Face causal LM with an LM head — the OOMB adapter drives "
+            "`*ForCausalLM` models — load the model with AutoModelForCausalLM."
+        )
+    config = model.config
+    reasons = []
+    if not type(model)._can_set_attn_implementation():
+        reasons.append("its attention does not dispatch through transformers' AttentionInterface")
+    if other := _layer_types(config) - SUPPORTED_LAYER_TYPES:
+        reasons.append(
+            f"it has layers of type {sorted(other)} (only full and sliding-window attention chunk exactly)"
+        )
+    if mixers := _stateful_mixers(model):
+        reasons.append(
+            f"its layers carry state along the sequence ({', '.join(mixers)}), which every chunk boundary would drop"
+        )
+    if unpinnable := [type(m).__name__ for m, _ in length_dependent_rotaries(model) if not can_pin(m)]:
+        reasons.append(f"its RoPE ({', '.join(unpinnable)}) picks frequencies from each call's length")
+    if any(getattr(c, "kv_lora_rank", None) or getattr(c, "q_lora_rank", None) for c in _configs(config)):
+        reasons.append("it uses multi-head latent attention (DeepSeek-style MLA)")
+    if getattr(config, "attention_dropout", 0.0):
+        reasons.append(f"attention_dropout={config.attention_dropout} (set it to 0)")
+    if getattr(config, "output_router_logits", False):
+        reasons.append("its router auxiliary loss is not supported yet (set output_router_logits=False)")
+    if getattr(config, "is_causal", True) is False or getattr(config, "use_bidirectional_attention", False):
+        reasons.append("its attention is not causal")
+    if getattr(config, "logits_soft_cap", None) is not None:
+        reasons.append("it soft-caps its logits by a rule OOMB does not know (logits_soft_cap)")
+    if reasons:
+        raise OOMBConfigError(
+            f"OOMB cannot train {name} exactly: {'; '.join(reasons)}. Train this model with another strategy "
+            "(see the README's list of exact families)."
+        )
+
+
+# ------------------------------------------------------------------------------------------- self-check
+_WIDTHS = {  # config field -> tiny value (ints only; only fields the config has)
+    "intermediate_size": 32,
+    "moe_intermediate_size": 16,
+    "shared_expert_intermediate_size": 16,
+    "ffn_hidden_size": 32,
+    "vocab_size": 96,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "n_group": 1,
+    "topk_group": 1,
+}
+_TWIN_CHUNK, _TWIN_TOKENS = 16, 53  # three chunks and a ragged fourth
+_TWIN_MAX_PARAMETERS = 20_000_000  # a config that does not shrink below this is not checked (memory, time)
+_verdicts: dict[str, str | None] = {}  # config JSON of a twin -> error message (None: exact or not checkable)
+
+
+def _tiny(d: dict) -> None:
+    """Shrink a config dict in place to a tiny width, keeping its structure (layers, layer types, heads)."""
+    heads = d.get("num_attention_heads")
+    if isinstance(d.get("head_dim"), int):
+        d["head_dim"] = min(d["head_dim"], 16)
+    if isinstance(d.get("hidden_size"), int):
+        d["hidden_size"] = 16 * heads if isinstance(heads, int) else 64
+    for field, value in _WIDTHS.items():
+        if isinstance(d.get(field), int):
+            d[field] = min(d[field], value)
+    if isinstance(d.get("num_experts_per_tok"), int):
+        d["num_experts_per_tok"] = min(d["num_experts_per_tok"], 2)
+    for field in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        if isinstance(d.get(field), int) and d[field] >= d.get("vocab_size", 96):
+            d[field] = None
+    d["torch_dtype"] = d["dtype"] = "float64"
+
+
+def _twin(model: torch.nn.Module):
+    config = model.config
+    d = config.to_dict()
+    _tiny(d)
+    if isinstance(d.get("text_config"), dict):
+        _tiny(d["text_config"])
+    tiny = type(config).from_dict(d)
+    with contextlib.suppress(Exception):  # MoE experts looped in eager torch: grouped matmuls refuse float64
+        tiny._experts_implementation = "eager"
+    with torch.device("meta"):  # its size first, allocating nothing
+        size = sum(p.numel() for p in type(model)(tiny).parameters())
+    if size > _TWIN_MAX_PARAMETERS:
+        raise ValueError(f"the twin would have {size} parameters")
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        with torch.device("cpu"):
+            twin = type(model)(tiny)
+    finally:
+        torch.set_default_dtype(previous)
+    if getattr(twin, "_supports_sdpa", False):  # float64 end to end (eager softmaxes in float32)
+        twin.config._attn_implementation = "sdpa"
+    return twin.double().eval(), tiny
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
+def _loss_and_grads(twin, ids, step) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    twin.zero_grad()
+    loss = step(ids)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in twin.named_parameters() if p.grad is not None}
+
+
+def _difference(got, want, tolerance: float, what: str) -> str | None:
+    (got_loss, got_grads), (want_loss, want_grads) = got, want
+    if missing := sorted(set(want_grads) - set(got_grads)):
+        return f"parameters that get no gradient through OOMB ({', '.join(missing[:3])})"
+    # relative to each gradient's size, floored by the largest one: a gradient that is zero in exact arithmetic
+    # (e.g. a key bias: softmax ignores a constant per row) is rounding noise on both sides
+    floor = 1e-6 * max(g.abs().max().item() for g in want_grads.values())
+    errors = {
+        n: ((got_grads[n] - g).abs().max() / max(g.abs().max().item(), floor, 1e-30)).item()
+        for n, g in want_grads.items()
+    }
+    worst, grad_error = max(errors.items(), key=lambda kv: kv[1])
+    loss_error = _relative(got_loss, want_loss)
+    if loss_error > tolerance or grad_error > tolerance:
+        return f"a relative error of {loss_error:.1e} in the loss and {grad_error:.1e} in {worst}'s gradient {what}"
+    return None
+
+
+def _mismatch(twin: torch.nn.Module, adapter_cls) -> str | None:
+    """``None`` if OOMB trains ``twin`` exactly: three chunks equal one chunk to 1e-6 and one chunk equals the
+    model's own full-sequence training to 1e-5 (float64, but some models norm or softmax in float32 even then; a
+    chunking error — a dropped state, a wrong position, a missing gradient — is orders of magnitude larger)."""
+    from lightning_oomb.engine import OOMBConfig, OOMBEngine
+
+    vocab = twin.get_output_embeddings().weight.shape[0]
+    ids = torch.randint(0, vocab, (1, _TWIN_TOKENS), generator=torch.Generator().manual_seed(0))
+
+    def oomb(chunk: int):
+        engine = OOMBEngine(adapter_cls(twin), OOMBConfig(chunk, _TWIN_CHUNK, attention_backend="torch"))
+        return engine.loss
+
+    def full_sequence(ids):
+        logits = twin(input_ids=ids).logits[:, :-1]
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+    chunked = _loss_and_grads(twin, ids, oomb(_TWIN_CHUNK))
+    whole = _loss_and_grads(twin, ids, oomb(_TWIN_CHUNK * 4))
+    reference = _loss_and_grads(twin, ids, full_sequence)
+    return _difference(whole, reference, 1e-5, "against the model's own training") or _difference(
+        chunked, whole, 1e-6, "between three chunks and one"
+    )
+
+
+def verify_exactness(model: torch.nn.Module, adapter_cls) -> None:
+    """Refuse ``model`` if OOMB does not train a float64 twin of its architecture exactly (see the module
+    docstring); ``adapter_cls`` builds the adapter of the twin. Verdicts are cached per architecture."""
+    try:
+        twin, tiny = _twin(model)
+    except Exception:  # a config that does not shrink: nothing to check against
+        return
+    key = f"{type(model).__qualname__}:{tiny.to_json_string()}"
+    if key not in _verdicts:
+        try:
+            _verdicts[key] = _mismatch(twin, adapter_cls)
+        except OOMBConfigError as err:
+            _verdicts[key] = str(err)
+        except Exception as err:
+            _verdicts[key] = f"that running it in chunks fails ({type(err).__name__}: {err})"
+    if _verdicts[key] is not None:
+        raise OOMBConfigError(
+            f"OOMB cannot train {type(model).__name__} exactly: its self-check (a float64 twin of the architecture "
+            f"trained in chunks and whole) found {_verdicts[key]} — this architecture needs support OOMB does not "
+            "have yet — train it with another strategy (or pass verify_exactness=False to train it anyway)."
+        )
