@@ -4,7 +4,8 @@ from lightning_oomb.engine.attention import ChunkContext, paged_attention
 from lightning_oomb.engine.config import OOMBConfig
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.kv_pool import KVPool
-from lightning_oomb.engine.model import ChunkModel, ManagedModel
+from lightning_oomb.engine.loss import LMHead
+from lightning_oomb.engine.model import ChunkModel, ManagedModel, ManagedModelMixin, StepLoss
 from lightning_oomb.engine.pages import PagedKV, PoolShape
 from lightning_oomb.engine.recurrence import OOMBEngine
 
@@ -12,11 +13,14 @@ __all__ = [
     "ChunkContext",
     "ChunkModel",
     "KVPool",
+    "LMHead",
     "ManagedModel",
+    "ManagedModelMixin",
     "OOMBConfig",
     "OOMBConfigError",
     "OOMBEngine",
     "PagedKV",
     "PoolShape",
+    "StepLoss",
     "paged_attention",
 ]

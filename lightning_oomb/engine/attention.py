@@ -37,7 +37,8 @@ Backend = Literal["torch", "triton"]
 class ChunkContext:
     """Travels with one model call (an extra keyword of the call): where the chunk sits and where K/V go.
 
-    ``shape``: the step's pool shape without the K/V dtype (the first chunk written decides it).
+    ``shape``: the step's pool shape without the K/V dtype (the first chunk written decides it). ``step_loss``: the
+    step's extra loss term, if the model has one (:class:`lightning_oomb.engine.model.StepLoss`).
     """
 
     pool: KVPool
@@ -45,6 +46,7 @@ class ChunkContext:
     start: int
     sweep: Literal["forward", "backward", "eval"]
     backend: Backend
+    step_loss: object | None = None
 
 
 def resolve_backend(name: str, device: torch.device) -> Backend:

@@ -5,7 +5,9 @@ chunk's final hidden states (its attention modules call :func:`~lightning_oomb.e
 with their layer index and the :class:`~lightning_oomb.engine.attention.ChunkContext` the engine passes), and the
 LM head. :class:`ManagedModel` adds what the Lightning strategies need: answering the user's own model calls inside
 ``training_step`` / ``validation_step`` / ``test_step`` with the engine's loss. ``integrations.hf.HFChunkModel``
-implements both for Hugging Face causal LMs; any other model can implement them too.
+implements both for Hugging Face causal LMs; any other ``nn.Module`` can implement them too — with
+:class:`ManagedModelMixin` it only adds the shape attributes, ``hidden_states`` and ``lm_head`` (see
+``examples/custom_model.py``), and the strategies train it directly.
 """
 
 from __future__ import annotations
@@ -47,6 +49,18 @@ class ChunkModel(Protocol):
         everything is restored afterwards."""
 
 
+class StepLoss(Protocol):
+    """An extra loss term that couples the tokens of a step only through constants of the forward sweep (e.g. an
+    MoE router's load balancing): a model that has one returns a fresh one per step from ``new_step_loss()``, and
+    records its per-chunk inputs into ``chunk.step_loss`` while it runs a chunk."""
+
+    def value(self) -> torch.Tensor:
+        """The term's value for the step, after the forward sweep (added to the step's loss)."""
+
+    def chunk_term(self) -> torch.Tensor:
+        """Backward sweep: the recomputed chunk's differentiable share (the shares' gradients sum to the term's)."""
+
+
 @runtime_checkable
 class ManagedModel(ChunkModel, Protocol):
     """A :class:`ChunkModel` whose calls the OOMB strategies can answer."""
@@ -54,3 +68,31 @@ class ManagedModel(ChunkModel, Protocol):
     def answer_calls(self, respond: Respond) -> contextlib.AbstractContextManager:
         """While the block runs, a call of the model (as the user's step makes it) is checked, reduced to
         ``respond(input_ids, labels)`` and returned in the model's own output type with that loss."""
+
+
+class ManagedModelMixin:
+    """Defaults for a plain ``nn.Module`` that is its own :class:`ManagedModel`.
+
+    The model still defines ``num_layers``, ``kv_heads``, ``head_dim``, ``vocab_size``, ``num_embeddings``,
+    ``hidden_states`` (its attention modules call :func:`~lightning_oomb.engine.attention.paged_attention` with
+    their layer index when a chunk context is given) and ``lm_head``. This mixin adds: ``engaged`` (nothing to
+    switch), ``answer_calls`` (inside the strategy's steps, ``model(input_ids, labels=None, ...)`` returns the
+    engine's loss tensor — override it if your ``forward`` returns something else), and ``layer_checkpointing``, which
+    the strategy sets from its option (checkpoint your blocks in ``hidden_states`` when it is on).
+    """
+
+    layer_checkpointing: bool = False
+
+    def engaged(self, num_tokens: int) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def answer_calls(self, respond: Respond):
+        def forward(input_ids, labels=None, *args, **kwargs):
+            return respond(input_ids, labels)
+
+        self.forward = forward
+        try:
+            yield
+        finally:
+            del self.forward

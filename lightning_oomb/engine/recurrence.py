@@ -89,6 +89,7 @@ class _Step:
     shape: PoolShape
     backend: str
     bounds: list[tuple[int, int]]
+    step_loss: object | None = None  # the model's StepLoss for this step
 
 
 class OOMBEngine:
@@ -193,7 +194,9 @@ class OOMBEngine:
         )
         bounds = [(a, min(a + cfg.chunk_size, seq_len)) for a in range(0, seq_len, cfg.chunk_size)]
         denominator = int((targets != IGNORE_INDEX).sum())
-        return _Step(input_ids, targets, denominator, shape, backend, bounds)
+        new_step_loss = getattr(model, "new_step_loss", None)
+        step_loss = new_step_loss() if new_step_loss is not None else None
+        return _Step(input_ids, targets, denominator, shape, backend, bounds, step_loss)
 
     def _check_ranges(self, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
         """Token ids inside the embedding, labels inside the LM head's vocabulary or ``IGNORE_INDEX``."""
@@ -214,14 +217,17 @@ class OOMBEngine:
             )
 
     def _chunk_loss(self, step: _Step, start: int, end: int, sweep: str) -> torch.Tensor:
-        chunk = ChunkContext(self.pool, step.shape, start, sweep, step.backend)
+        chunk = ChunkContext(self.pool, step.shape, start, sweep, step.backend, step.step_loss)
         ids = step.input_ids[:, start:end]
         positions = torch.arange(start, end, device=ids.device)[None]
         hidden = self.model.hidden_states(ids, positions, chunk)
         total = linear_cross_entropy(
             hidden, self.model.lm_head(), step.targets[:, start:end], self.config.loss_block
         )
-        return total / max(step.denominator, 1)
+        loss = total / max(step.denominator, 1)
+        if step.step_loss is not None and sweep == "backward":
+            loss = loss + step.step_loss.chunk_term()
+        return loss
 
     def forward_sweep(self, step: _Step, sweep: str = "forward") -> tuple[torch.Tensor, list[_RNGState]]:
         """Run every chunk without a graph; return the summed loss and each chunk's RNG state."""
@@ -232,7 +238,10 @@ class OOMBEngine:
                 rng.append(_RNGState(device))
                 losses.append(self._chunk_loss(step, start, end, sweep))
         self._record(step)
-        return torch.stack(losses).sum(), rng
+        loss = torch.stack(losses).sum()
+        if step.step_loss is not None:  # a term coupling all tokens: its value is known once every chunk ran
+            loss = loss + step.step_loss.value().to(loss.dtype)
+        return loss, rng
 
     def backward_sweep(
         self, step: _Step, rng: list[_RNGState], autocast: _AutocastState, grad_output

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
 from lightning_oomb import OOMBStrategy
@@ -58,3 +59,42 @@ def fit(strategy, module=None, data=None, steps: int = 3, **kwargs):
     trainer = make_trainer(strategy, steps, **kwargs)
     trainer.fit(module, data if data is not None else batches())
     return module, trainer
+
+
+class _CallModel(L.LightningModule):
+    def __init__(self, model, loss_of):
+        super().__init__()
+        self.model, self.loss_of = model, loss_of
+
+    def training_step(self, batch):
+        return self.loss_of(self.model, batch)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+class _StepGrads(Callback):
+    """The step's loss and the gradients the optimizer sees."""
+
+    def on_train_batch_end(self, trainer, module, outputs, *_):
+        self.loss = outputs["loss"].detach().clone()
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        self.grads = {
+            n: p.grad.detach().clone() for n, p in module.model.named_parameters() if p.grad is not None
+        }
+
+
+def hf_loss(model, batch):
+    return model(input_ids=batch, labels=batch).loss
+
+
+def oomb_step_through_trainer(model, ids, config, loss_of=hf_loss, **strategy_options):
+    """One ``Trainer(strategy="oomb", precision="64-true")`` step of ``model`` on the rows of ``ids`` with the
+    engine options ``config``: the logged loss and the parameter gradients (``loss_of(model, batch)`` is the
+    user's training_step)."""
+    capture = _StepGrads()
+    strategy = OOMBStrategy(**{**vars(config), **strategy_options})
+    fit(strategy, _CallModel(model, loss_of), DataLoader(list(ids), batch_size=len(ids)), steps=1,
+        precision="64-true", callbacks=[capture])  # fmt: skip
+    return capture.loss, capture.grads

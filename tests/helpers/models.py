@@ -81,6 +81,9 @@ def build_family(family: str, dtype=torch.float64, seed: int = 0, **overrides):
         "llama_dynamic": lambda o: tf.LlamaForCausalLM(tf.LlamaConfig(**{**TINY, "num_hidden_layers": 2,
             "max_position_embeddings": 16, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4},
             **o})),
+        "qwen3_moe": lambda o: tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**{**TINY, "num_hidden_layers": 2,
+            "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "experts_implementation": "eager",
+            **o})),
         "cohere": lambda o: tf.CohereForCausalLM(tf.CohereConfig(**{**TINY, "num_hidden_layers": 2, "logit_scale": 0.5,
             **o})),
         "granite": lambda o: tf.GraniteForCausalLM(tf.GraniteConfig(**{**TINY, "num_hidden_layers": 2, "logits_scaling": 4.0,
@@ -99,20 +102,29 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
     return out.transpose(1, 2), None
 
 
-def exact_full_sequence_loss(model, input_ids, labels=None):
-    """Full-sequence training loss of ``model`` as a float64 oracle: the model's own forward (with its logit scale
-    and softcap) with textbook attention in the model's dtype, and a cross-entropy in it."""
+def _reference_forward(model, input_ids, **kwargs):
+    """The model's own forward with textbook attention in the model's dtype (the float64 oracle's forward)."""
     import transformers as tf
 
     tf.AttentionInterface.register("oomb_test_reference", _reference_attention)
-    labels = input_ids if labels is None else labels
     previous = model.config._attn_implementation
     model.config._attn_implementation = "oomb_test_reference"
     try:
-        logits = model(input_ids=input_ids).logits[:, :-1]
+        return model(input_ids=input_ids, **kwargs)
     finally:
         model.config._attn_implementation = previous
+
+
+def _cross_entropy(logits, input_ids, labels=None):
+    labels = input_ids if labels is None else labels
+    logits = logits[:, :-1]
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
+
+
+def exact_full_sequence_loss(model, input_ids, labels=None):
+    """Full-sequence training loss of ``model`` as a float64 oracle: the model's own forward (with its logit scale
+    and softcap) with textbook attention in the model's dtype, and a cross-entropy in it."""
+    return _cross_entropy(_reference_forward(model, input_ids).logits, input_ids, labels)
 
 
 def _cohere_norm(x, m):
@@ -130,3 +142,19 @@ def float64_norms(model) -> None:
             module.forward = lambda x, m=module: m._norm(x) * (1.0 + m.weight)
         elif name == "CohereLayerNorm":
             module.forward = lambda x, m=module: _cohere_norm(x, m)
+
+
+def switch_balancing_loss(router_logits, num_experts: int, top_k: int) -> torch.Tensor:
+    """Switch Transformer load balancing over all tokens of all layers at once, in the logits' dtype (the oracle of
+    the chunked term): ``E * sum_{k,e} mean_t(mask_tke) * mean_t(p_te)``."""
+    logits = torch.cat(list(router_logits), 0)
+    probs = torch.softmax(logits, -1)
+    mask = F.one_hot(torch.topk(probs, top_k, -1).indices, num_experts).to(probs.dtype)
+    return num_experts * (mask.mean(0) * probs.mean(0)).sum()
+
+
+def exact_moe_loss(model, input_ids):
+    """Full-sequence training loss of an MoE model trained with its router's load balancing (float64 oracle)."""
+    out = _reference_forward(model, input_ids, output_router_logits=True)
+    aux = switch_balancing_loss(out.router_logits, model.num_experts, model.num_experts_per_tok)
+    return _cross_entropy(out.logits, input_ids) + model.router_aux_loss_coef * aux

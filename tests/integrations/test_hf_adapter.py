@@ -96,20 +96,6 @@ def unsupported_models():
             )
         ),  # fmt: skip
     )
-    yield (
-        "router auxiliary loss",
-        tf.Qwen3MoeForCausalLM(
-            tf.Qwen3MoeConfig(
-                **TINY,
-                num_key_value_heads=2,
-                head_dim=8,
-                num_experts=4,
-                num_experts_per_tok=2,
-                moe_intermediate_size=16,
-                output_router_logits=True,
-            )  # fmt: skip
-        ),
-    )
 
 
 @pytest.mark.parametrize(("reason", "model"), list(unsupported_models()), ids=lambda x: str(x)[:20])

@@ -5,56 +5,31 @@ scales). Ragged lengths, one and several chunks, with and without layer checkpoi
 
 from __future__ import annotations
 
-import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
-from torch.utils.data import DataLoader
 
 from lightning_oomb.engine import OOMBConfig, OOMBEngine
 from lightning_oomb.integrations.hf import HFChunkModel
-from tests.helpers.lightning import fit, oomb
+from tests.helpers.lightning import oomb_step_through_trainer
 from tests.helpers.models import (
     build_family,
     exact_full_sequence_loss,
+    exact_moe_loss,
     float64_norms,
     grads_of,
     max_relative_error,
 )
 
-FAMILIES = ("gemma2", "gemma3", "gpt_oss", "phi3_longrope", "llama_dynamic", "cohere", "granite")
+FAMILIES = ("gemma2", "gemma3", "gpt_oss", "qwen3_moe", "phi3_longrope", "llama_dynamic", "cohere", "granite")
 SEQ = 53  # past Phi-3's original context (16) and the dynamic RoPE's base length (16); not a multiple of 8 or 16
 
 
-class _LM(L.LightningModule):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def training_step(self, batch):
-        return self.model(input_ids=batch, labels=batch).loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.0)
-
-
-class _Grads(Callback):
-    """The step's loss and gradients as the optimizer would see them."""
-
-    def on_train_batch_end(self, trainer, module, outputs, *_):
-        self.loss = outputs["loss"].detach().clone()
-
-    def on_before_optimizer_step(self, trainer, module, optimizer):
-        self.grads = grads_of(module.model)
-
-
 def trainer_loss_and_grads(model, ids, chunk_size: int, checkpointing: bool):
-    capture = _Grads()
-    strategy = oomb(layer_checkpointing=checkpointing)
-    strategy.oomb_config = OOMBConfig(chunk_size, 8, layer_checkpointing=checkpointing)
-    fit(strategy, _LM(model), DataLoader(list(ids), batch_size=len(ids)), steps=1, precision="64-true",
-        callbacks=[capture])  # fmt: skip
-    return capture.loss, capture.grads
+    return oomb_step_through_trainer(model, ids, oomb_config(chunk_size, checkpointing))
+
+
+def oomb_config(chunk_size: int, checkpointing: bool) -> OOMBConfig:
+    return OOMBConfig(chunk_size, 8, layer_checkpointing=checkpointing)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
@@ -106,3 +81,37 @@ def test_softcap_and_sinks_with_the_triton_kernels(family):
     (loss_t, grads_t), (loss_k, grads_k) = results["torch"], results["triton"]
     assert torch.allclose(loss_k, loss_t, rtol=1e-5, atol=0)
     assert max_relative_error(grads_k, grads_t) <= 1e-4
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("chunk_size", [64, 16], ids=["1-chunk", "4-chunks"])
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+def test_router_balancing_loss_is_exact_across_chunks(family, chunk_size, checkpointing):
+    """MoE models trained with their router's load-balancing loss (``output_router_logits=True``): the step's loss
+    includes the term as Hugging Face's does, and the router gets the exact gradient of the whole step's term."""
+    model = build_family(family, output_router_logits=True, router_aux_loss_coef=0.5)
+    ids = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    want_loss = exact_moe_loss(model, ids)
+    want_loss.backward()
+    want = grads_of(model)
+    without_aux = exact_full_sequence_loss(model, ids).item()
+    model.zero_grad()
+    loss, grads = trainer_loss_and_grads(model, ids, chunk_size, checkpointing)
+    assert abs(loss.item() - want_loss.item()) <= 1e-10 * want_loss.item()
+    assert abs(loss.item() - without_aux) > 1e-3  # the term is there
+    assert max_relative_error(grads, want) <= 1e-10
+
+
+def test_the_chunked_balancing_term_is_transformers_own():
+    """Our term's value equals transformers' ``load_balancing_loss_func`` on the same router logits."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import load_balancing_loss_func
+
+    from lightning_oomb.integrations.hf.moe import RouterBalanceLoss
+
+    gen = torch.Generator().manual_seed(0)
+    layers = [torch.randn(37, 6, generator=gen) for _ in range(3)]
+    term = RouterBalanceLoss(num_experts=6, top_k=2, coef=1.0)
+    chunk = type("Chunk", (), {"sweep": "forward"})()
+    for part in (slice(0, 16), slice(16, 37)):  # two chunks
+        term.record(chunk, [layer[part] for layer in layers])
+    torch.testing.assert_close(term.value(), load_balancing_loss_func(tuple(layers), 6, 2), rtol=1e-6, atol=0)

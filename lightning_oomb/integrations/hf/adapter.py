@@ -25,6 +25,7 @@ from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.loss import LMHead
 from lightning_oomb.engine.model import Respond
 from lightning_oomb.integrations.hf.attention import ATTN_NAME, register_attention
+from lightning_oomb.integrations.hf.moe import RouterBalanceLoss
 from lightning_oomb.integrations.hf.rope import length_dependent_rotaries, pinned_rope
 from lightning_oomb.integrations.hf.support import check_supported, logit_transform, verify_exactness
 
@@ -57,9 +58,10 @@ def find_causal_lm(module: torch.nn.Module, target_module: str | None = None) ->
     return outermost[0][1]
 
 
-def verify_exactness_of(model: torch.nn.Module) -> None:
-    """The self-check of :func:`~lightning_oomb.integrations.hf.support.verify_exactness` for ``model``."""
-    verify_exactness(model, HFChunkModel)
+def verify_exactness_of(model: torch.nn.Module) -> bool:
+    """The self-check of :func:`~lightning_oomb.integrations.hf.support.verify_exactness` for ``model``: raises on a
+    mismatch, returns whether the check could run."""
+    return verify_exactness(model, HFChunkModel)
 
 
 def _checkpointing_on(model: torch.nn.Module) -> bool:
@@ -111,6 +113,14 @@ class HFChunkModel:
         self.layer_checkpointing = layer_checkpointing
         self.logit_scale, self.logit_softcap = logit_transform(config)
         self._rotaries = length_dependent_rotaries(model)
+        self._balances_experts = bool(getattr(config, "output_router_logits", False))
+
+    def new_step_loss(self) -> RouterBalanceLoss | None:
+        """The step's MoE load-balancing term when the model trains with one (``output_router_logits=True``)."""
+        if not self._balances_experts:
+            return None
+        model = self.model
+        return RouterBalanceLoss(model.num_experts, model.num_experts_per_tok, model.router_aux_loss_coef)
 
     @contextlib.contextmanager
     def engaged(self, num_tokens: int) -> Iterator[None]:
@@ -134,10 +144,13 @@ class HFChunkModel:
     def hidden_states(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, chunk: ChunkContext
     ) -> torch.Tensor:
-        """Final normed hidden states ``[B, L, H]`` of one chunk."""
+        """Final normed hidden states ``[B, L, H]`` of one chunk (and its router logits, into ``chunk.step_loss``)."""
+        routed = {"output_router_logits": True} if chunk.step_loss is not None else {}
         out = self.model.get_decoder()(
-            input_ids=input_ids, position_ids=position_ids, use_cache=False, oomb_chunk=chunk
+            input_ids=input_ids, position_ids=position_ids, use_cache=False, oomb_chunk=chunk, **routed
         )
+        if routed:
+            chunk.step_loss.record(chunk, out.router_logits)
         return out.last_hidden_state
 
     def lm_head(self) -> LMHead:

@@ -13,7 +13,7 @@ gradient agree between three chunks and one chunk (1e-6) and between one chunk a
 training (its ``logits`` with a cross-entropy: 1e-5) — float64, but some models norm or softmax in float32 even
 then, while a chunking error is orders of magnitude larger — as the test suite does, to 1e-10, for the families it
 names. A mismatch or a failure refuses the model
-with the measured error; a twin that cannot be built skips the check.
+with the measured error; a twin that cannot be built, or cannot train itself, skips the check.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import re
 import torch
 
 from lightning_oomb.engine.errors import OOMBConfigError
+from lightning_oomb.integrations.hf.moe import balancing_loss_of
 from lightning_oomb.integrations.hf.rope import can_pin, length_dependent_rotaries
 
 SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
@@ -114,8 +115,9 @@ def check_supported(model: torch.nn.Module) -> None:
         reasons.append("it uses multi-head latent attention (DeepSeek-style MLA)")
     if getattr(config, "attention_dropout", 0.0):
         reasons.append(f"attention_dropout={config.attention_dropout} (set it to 0)")
-    if getattr(config, "output_router_logits", False):
-        reasons.append("its router auxiliary loss is not supported yet (set output_router_logits=False)")
+    if getattr(config, "output_router_logits", False) and balancing_loss_of(model) is None:
+        reasons.append("its router auxiliary loss is not transformers' load_balancing_loss_func (set "
+                       "output_router_logits=False)")  # fmt: skip
     if getattr(config, "is_causal", True) is False or getattr(config, "use_bidirectional_attention", False):
         reasons.append("its attention is not causal")
     if getattr(config, "logits_soft_cap", None) is not None:
@@ -142,16 +144,21 @@ _WIDTHS = {  # config field -> tiny value (ints only; only fields the config has
 }
 _TWIN_CHUNK, _TWIN_TOKENS = 16, 53  # three chunks and a ragged fourth
 _TWIN_MAX_PARAMETERS = 20_000_000  # a config that does not shrink below this is not checked (memory, time)
-_verdicts: dict[str, str | None] = {}  # config JSON of a twin -> error message (None: exact or not checkable)
+_UNCHECKED = "unchecked"  # the twin could not train itself
+_verdicts: dict[str, str | None] = {}  # config JSON of a twin -> None (exact), _UNCHECKED or the error found
 
 
 def _tiny(d: dict) -> None:
-    """Shrink a config dict in place to a tiny width, keeping its structure (layers, layer types, heads)."""
-    heads = d.get("num_attention_heads")
+    """Shrink a config dict in place to a tiny width, keeping its structure: the layers and their types, and the
+    ratio of query to KV heads (at most 2 KV heads)."""
+    heads, kv_heads = d.get("num_attention_heads"), d.get("num_key_value_heads")
+    if isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads > 2 and heads % kv_heads == 0:
+        d["num_attention_heads"], d["num_key_value_heads"] = 2 * heads // kv_heads, 2
+        heads = d["num_attention_heads"]
     if isinstance(d.get("head_dim"), int):
         d["head_dim"] = min(d["head_dim"], 16)
     if isinstance(d.get("hidden_size"), int):
-        d["hidden_size"] = 16 * heads if isinstance(heads, int) else 64
+        d["hidden_size"] = 8 * heads if isinstance(heads, int) else 64
     for field, value in _WIDTHS.items():
         if isinstance(d.get(field), int):
             d[field] = min(d[field], value)
@@ -232,35 +239,50 @@ def _mismatch(twin: torch.nn.Module, adapter_cls) -> str | None:
         return engine.loss
 
     def full_sequence(ids):
-        logits = twin(input_ids=ids).logits[:, :-1]
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+        out = twin(input_ids=ids)
+        logits = out.logits[:, :-1]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+        aux = getattr(out, "aux_loss", None)  # the MoE router's load balancing, when the model trains with it
+        return loss if aux is None else loss + twin.router_aux_loss_coef * aux
 
+    try:  # a twin that cannot even train itself says nothing about the model (its shrunk config may be invalid)
+        reference = _loss_and_grads(twin, ids, full_sequence)
+    except Exception as err:
+        raise _UnusableTwin from err
     chunked = _loss_and_grads(twin, ids, oomb(_TWIN_CHUNK))
     whole = _loss_and_grads(twin, ids, oomb(_TWIN_CHUNK * 4))
-    reference = _loss_and_grads(twin, ids, full_sequence)
     return _difference(whole, reference, 1e-5, "against the model's own training") or _difference(
         chunked, whole, 1e-6, "between three chunks and one"
     )
 
 
-def verify_exactness(model: torch.nn.Module, adapter_cls) -> None:
+class _UnusableTwin(Exception):
+    """The twin's own full-sequence training fails: the check is skipped."""
+
+
+def verify_exactness(model: torch.nn.Module, adapter_cls) -> bool:
     """Refuse ``model`` if OOMB does not train a float64 twin of its architecture exactly (see the module
-    docstring); ``adapter_cls`` builds the adapter of the twin. Verdicts are cached per architecture."""
+    docstring); ``adapter_cls`` builds the adapter of the twin. Returns whether the check ran (``False``: no twin
+    could be built, or it could not train itself). Verdicts are cached per architecture."""
     try:
         twin, tiny = _twin(model)
     except Exception:  # a config that does not shrink: nothing to check against
-        return
+        return False
     key = f"{type(model).__qualname__}:{tiny.to_json_string()}"
     if key not in _verdicts:
         try:
             _verdicts[key] = _mismatch(twin, adapter_cls)
+        except _UnusableTwin:
+            _verdicts[key] = _UNCHECKED
         except OOMBConfigError as err:
             _verdicts[key] = str(err)
         except Exception as err:
             _verdicts[key] = f"that running it in chunks fails ({type(err).__name__}: {err})"
-    if _verdicts[key] is not None:
+    verdict = _verdicts[key]
+    if verdict not in (None, _UNCHECKED):
         raise OOMBConfigError(
             f"OOMB cannot train {type(model).__name__} exactly: its self-check (a float64 twin of the architecture "
-            f"trained in chunks and whole) found {_verdicts[key]} — this architecture needs support OOMB does not "
-            "have yet — train it with another strategy (or pass verify_exactness=False to train it anyway)."
+            f"trained in chunks and whole) found {verdict} — this architecture needs support OOMB does not have "
+            "yet — train it with another strategy (or pass verify_exactness=False to train it anyway)."
         )
+    return verdict is None

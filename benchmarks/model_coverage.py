@@ -1,0 +1,129 @@
+"""Which transformers causal-LM families OOMB trains exactly: every family of ``AutoModelForCausalLM``, at a tiny
+width, through the adapter's checks (CPU, a few minutes).
+
+For each family the default config is shrunk the way the adapter's self-check shrinks a model (same layers and
+layer types, tiny widths) and the model is handed to ``HFChunkModel(model, verify_exactness=True)``:
+
+- ``exact``: accepted, and its float64 twin trains identically in three chunks and whole, and whole equals the
+  model's own training (``lightning_oomb.integrations.hf.support``);
+- ``accepted (unchecked)``: accepted by the static rules, but the twin could not train itself (its shrunk config
+  is not valid) — the self-check could not run;
+- ``refused``: with the adapter's reason (static rules or the self-check's measurement);
+- ``not built``: the tiny config does not build (a multimodal wrapper, a missing optional package, ...).
+
+Writes JSON (``--out``) and a Markdown table next to it, and prints the counts last.
+
+    PYTHONPATH=$PWD python benchmarks/model_coverage.py --out benchmarks/results/model-coverage-cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+import warnings
+from collections import Counter
+from pathlib import Path
+
+
+class _Timeout(BaseException):  # not an Exception: the adapter's own error handling must not swallow it
+    pass
+
+
+def _alarm(*_):
+    raise _Timeout
+
+
+def classify(name: str, seconds: int) -> dict:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lightning_oomb.engine import OOMBConfigError
+    from lightning_oomb.integrations.hf import HFChunkModel, support
+    from lightning_oomb.integrations.hf.adapter import verify_exactness_of
+
+    row = {"family": name}
+    start = time.perf_counter()
+    signal.alarm(seconds)
+    try:
+        config = AutoConfig.for_model(name)
+        d = config.to_dict()
+        support._tiny(d)
+        if isinstance(d.get("text_config"), dict):
+            support._tiny(d["text_config"])
+        model = AutoModelForCausalLM.from_config(type(config).from_dict(d))
+        row["class"] = type(model).__name__
+    except _Timeout:
+        row.update(status="not built", why="timeout")
+        return row
+    except Exception as err:
+        row.update(status="not built", why=f"{type(err).__name__}: {str(err).splitlines()[0][:160]}")
+        return row
+    finally:
+        signal.alarm(0)
+    signal.alarm(seconds)
+    try:
+        HFChunkModel(model)  # the static rules
+        row["status"] = "exact" if verify_exactness_of(model) else "accepted (unchecked)"
+    except _Timeout:
+        row.update(status="not built", why="timeout")
+    except OOMBConfigError as err:
+        text = str(err)
+        row.update(status="refused", why=text.split(" exactly: ", 1)[-1].split(" — train it")[0][:240])
+    except Exception as err:
+        row.update(status="not built", why=f"{type(err).__name__}: {str(err).splitlines()[0][:160]}")
+    finally:
+        signal.alarm(0)
+    row["seconds"] = round(time.perf_counter() - start, 2)
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| family | class | status | reason |", "|---|---|---|---|"]
+    order = {"exact": 0, "accepted (unchecked)": 1, "refused": 2, "not built": 3}
+    for r in sorted(rows, key=lambda r: (order[r["status"]], r["family"])):
+        why = r.get("why", "").replace("|", "/")
+        lines.append(f"| {r['family']} | {r.get('class', '')} | {r['status']} | {why} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--families", nargs="*", help="model types (default: every causal-LM family)")
+    parser.add_argument("--seconds", type=int, default=90, help="time limit per family")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/model-coverage-cpu.json"))
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    warnings.filterwarnings("ignore")
+    import torch
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(1)
+    signal.signal(signal.SIGALRM, _alarm)
+    rows = []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for name in args.families or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        rows.append(classify(name, args.seconds))
+        print(json.dumps(rows[-1]), flush=True)
+        report = {
+            "command": "benchmarks/model_coverage.py " + " ".join(sys.argv[1:]),
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+            "rows": rows,
+        }
+        args.out.write_text(json.dumps(report, indent=1))
+    args.out.with_suffix(".md").write_text(table(rows) + "\n")
+    counts = Counter(r["status"] for r in rows)
+    print(f"{len(rows)} families (transformers {transformers.__version__}): " + ", ".join(
+        f"{counts[s]} {s}" for s in ("exact", "accepted (unchecked)", "refused", "not built")))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
