@@ -4,15 +4,20 @@ Both backends expose the same two functions with the same arguments, so that dis
 (``csrc_triton.paged_attention`` or ``lightning_oomb.engine.reference``) and one test suite runs over both::
 
     paged_attention_forward(q, k_pages, v_pages, page_table, q_start, scale, window=None, *,
-                            key_range=None, state=None, softcap=None) -> (out, lse) | None
+                            key_range=None, state=None, softcap=None, doc_start=None, visits=None) -> (out, lse) | None
     paged_attention_backward(q, out, lse, dout, k_pages, v_pages, dk_pages, dv_pages, page_table, q_start, scale,
-                             window=None, *, key_range=None, delta=None, dq=None, softcap=None) -> dq
+                             window=None, *, key_range=None, delta=None, dq=None, softcap=None, doc_start=None,
+                             visits=None) -> dq
 
 - ``q [B, Hq, Lq, D]`` at absolute positions ``[q_start, q_start + Lq)``; pages ``[slots, Hkv, P, D]``;
   ``page_table`` int32 ``[B, n_pages]`` (row ``b``'s page ``j`` is slot ``page_table[b, j]``).
 - Query ``i`` sees key ``j`` iff ``j <= q_start + i`` and, with a sliding ``window`` W, ``j > q_start + i - W``
   (lower-right causal); query head ``h`` reads KV head ``h // (Hq // Hkv)`` (GQA, never repeated).
 - Scores are ``s = q . k * scale``, or with ``softcap`` c (Gemma 2) ``s = c * tanh(q . k * scale / c)``.
+- Packed rows: ``doc_start`` int ``[B, Lq]`` is each query's document start (absolute, never decreasing along a
+  row): query ``i`` also needs ``j >= doc_start[b, i]``; key blocks before a query block's earliest document start
+  are never visited. ``visits``: an int32 ``[1]`` tensor the number of tiles computed is added to (tests and
+  benchmarks measure the skipping with it).
 - ``key_range=(lo, hi)``: only keys ``[lo, hi)`` (:func:`checked_key_range`); ``state=(acc, m, l)``: fold the keys
   into a carried softmax state in place and return ``None``; ``delta``/``dq``: a precomputed ``rowsum(dO * O)``
   and an accumulator dQ is added into (all checked by :func:`check_buffer`).
@@ -21,8 +26,8 @@ Both backends expose the same two functions with the same arguments, so that dis
 
 Attention sinks (a learned logit per query head in the softmax denominator) need no kernel argument: they are
 applied to the merged ``(out, lse)`` and the backward takes the sink-corrected ones (``lightning_oomb.engine.lse``).
-New score terms (page selections for sparse attention, document boundaries) enter as further keyword-only
-arguments of both functions, documented and checked here.
+New score terms (page selections for sparse attention) enter as further keyword-only arguments of both functions,
+documented and checked here.
 """
 
 from __future__ import annotations
@@ -52,6 +57,20 @@ def check_window(window: int | None) -> None:
 def check_softcap(softcap: float | None) -> None:
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap={softcap} must be a positive logit cap (or None).")
+
+
+def check_doc_start(doc_start, shape: tuple[int, int], device):
+    """``doc_start`` (or ``None``) as an integer ``[B, Lq]`` tensor on ``device``."""
+    if doc_start is not None and (
+        tuple(doc_start.shape) != shape
+        or doc_start.is_floating_point()
+        or doc_start.device != torch.device(device)
+    ):
+        raise ValueError(
+            f"doc_start must be an integer tensor [B, Lq] = {list(shape)} on {device} (each query's document start); "
+            f"got {doc_start.dtype} {tuple(doc_start.shape)} on {doc_start.device}."
+        )
+    return doc_start
 
 
 def check_buffer(name: str, x: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device) -> None:

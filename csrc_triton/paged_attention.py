@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from csrc_triton.contract import check_buffer, check_softcap, check_window, checked_key_range
+from csrc_triton.contract import check_buffer, check_doc_start, check_softcap, check_window, checked_key_range
 
 LOG2E = math.log2(math.e)
 _LOG2E = tl.constexpr(LOG2E)
@@ -146,31 +146,34 @@ def _clamp(x, lo, hi):
 
 
 @triton.jit
-def _key_blocks(q_first, q_last, window, key_lo, key_hi, BLOCK_N: tl.constexpr):
-    """Key blocks in ``[key_lo, key_hi)`` seen by query positions ``[q_first, q_last]``: ``[lo, full_lo)`` and
-    ``[full_hi, hi)`` need masks (window edge, causal diagonal, ragged end), ``[full_lo, full_hi)`` is visible to
-    every query. ``key_lo`` is a multiple of ``BLOCK_N``; clamping keeps the three ranges a partition."""
+def _key_blocks(q_first, q_last, first_min, first_max, key_lo, key_hi, BLOCK_N: tl.constexpr):
+    """Key blocks in ``[key_lo, key_hi)`` seen by query positions ``[q_first, q_last]`` whose first visible keys
+    span ``[first_min, first_max]``: ``[lo, full_lo)`` and ``[full_hi, hi)`` need masks (window edge or document
+    start, causal diagonal, ragged end), ``[full_lo, full_hi)`` is visible to every query. ``key_lo`` is a multiple
+    of ``BLOCK_N``; clamping keeps the three ranges a partition. Blocks before ``first_min`` are never visited."""
     key_end = tl.cdiv(key_hi, BLOCK_N) * BLOCK_N
-    lo = tl.maximum(q_first - window + 1, 0) // BLOCK_N * BLOCK_N
+    lo = tl.maximum(first_min, 0) // BLOCK_N * BLOCK_N
     hi = tl.cdiv(q_last + 1, BLOCK_N) * BLOCK_N
-    full_lo = tl.cdiv(tl.maximum(q_last - window + 1, 0), BLOCK_N) * BLOCK_N
+    full_lo = tl.cdiv(tl.maximum(first_max, 0), BLOCK_N) * BLOCK_N
     full_hi = tl.maximum((q_first + 1) // BLOCK_N * BLOCK_N, full_lo)
     return (_clamp(lo, key_lo, key_end), _clamp(full_lo, key_lo, key_end),
             _clamp(full_hi, key_lo, key_end), _clamp(hi, key_lo, key_end))  # fmt: skip
 
 
 @triton.jit
-def _query_blocks(k_first, q_start, q_len, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _query_blocks(
+    k_first, q_start, rows_seeing_last, rows_seeing_first, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
     """Query blocks (local indices) that see keys ``[k_first, k_first + BLOCK_N)``: ``[lo, full_lo)`` and
-    ``[full_hi, hi)`` need masks, ``[full_lo, full_hi)`` see every key of the block (and are all valid rows)."""
+    ``[full_hi, hi)`` need masks, ``[full_lo, full_hi)`` see every key of the block (and are all valid rows).
+    ``rows_seeing_last`` / ``rows_seeing_first``: how many leading rows have a first visible key at or before the
+    block's last / first key (rows' first keys never decrease)."""
     k_last = k_first + BLOCK_N - 1
-    # query i sees key j iff j <= q_start + i < j + window
+    # query i sees key j iff first_i <= j <= q_start + i
     lo = tl.maximum(k_first - q_start, 0) // BLOCK_M * BLOCK_M
-    hi = tl.cdiv(tl.maximum(tl.minimum(k_last + window - q_start, q_len), 0), BLOCK_M) * BLOCK_M
+    hi = tl.cdiv(tl.maximum(rows_seeing_last, 0), BLOCK_M) * BLOCK_M
     full_lo = tl.minimum(tl.cdiv(tl.maximum(k_last - q_start, 0), BLOCK_M) * BLOCK_M, hi)
-    full_hi = tl.maximum(
-        tl.maximum(tl.minimum(k_first + window - q_start, q_len), 0) // BLOCK_M * BLOCK_M, full_lo
-    )
+    full_hi = tl.maximum(tl.maximum(rows_seeing_first, 0) // BLOCK_M * BLOCK_M, full_lo)
     return lo, full_lo, full_hi, hi
 
 
@@ -201,9 +204,20 @@ def _scores(qk, qk_scale, cap, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _visible(q_pos, k_pos, window):
-    """Query position ``q_pos`` sees key position ``k_pos`` (callers broadcast them to a tile)."""
-    return (k_pos <= q_pos) & (k_pos > q_pos - window)
+def _visible(q_pos, k_pos, first):
+    """Query position ``q_pos`` sees key position ``k_pos`` iff ``first <= k_pos <= q_pos`` (``first``: the row's
+    first visible key — its window's start or, packed, its document's; callers broadcast them to a tile)."""
+    return (k_pos <= q_pos) & (k_pos >= first)
+
+
+@triton.jit
+def _firsts(FIRST, rows, q_pos, window, ROWS: tl.constexpr):
+    """The rows' first visible keys: loaded (``ROWS``: windows and document starts folded by the launcher) or
+    from the window alone."""
+    if ROWS:
+        return tl.load(FIRST + rows)
+    else:
+        return q_pos - window + 1
 
 
 @triton.jit
@@ -237,12 +251,13 @@ def _load_keys(
 
 @triton.jit
 def _query_block(
-    Q, K, V, TABLE, stride_qb, stride_qh, stride_qm, stride_qd, stride_kh, stride_tb,
+    Q, K, V, TABLE, FIRST, stride_qb, stride_qh, stride_qm, stride_qd, stride_kh, stride_tb,
     num_heads, group, q_len, q_start, key_lo, key_hi, window,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
     """Set-up of a program that owns one query block of one head (forward and dQ): its rows, their ``q``, the
-    ``K``/``V``/``TABLE`` pointers moved to its KV head and batch row, and its key-block ranges."""
+    ``K``/``V``/``TABLE`` pointers moved to its KV head and batch row, the rows' first visible keys and the key-block
+    ranges."""
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b = bh // num_heads
@@ -263,8 +278,13 @@ def _query_block(
     row_offs = rows[:, None] * HEAD_DIM + offs_d[None, :]
     q_pos = q_start + offs_m
     q_last = q_start + tl.minimum(start_m + BLOCK_M, q_len) - 1
-    lo, full_lo, full_hi, hi = _key_blocks(q_start + start_m, q_last, window, key_lo, key_hi, BLOCK_N)
-    return q, K, V, TABLE, rows, row_offs, row_ok, q_pos, lo, full_lo, full_hi, hi
+    first = _firsts(FIRST + b * q_len, tl.where(row_ok, offs_m, 0), q_pos, window, ROWS)
+    first_min = tl.min(tl.where(row_ok, first, q_last + 1))
+    first_max = tl.max(tl.where(row_ok, first, -1))
+    lo, full_lo, full_hi, hi = _key_blocks(
+        q_start + start_m, q_last, first_min, first_max, key_lo, key_hi, BLOCK_N
+    )
+    return q, K, V, TABLE, rows, row_offs, row_ok, q_pos, first, lo, full_lo, full_hi, hi
 
 
 # ---------------------------------------------------------------------------------------------------- forward
@@ -272,7 +292,7 @@ def _query_block(
 def _fwd_inner(
     acc, l_i, m_i, q, K, V, TABLE,
     stride_ks, stride_kp, stride_kd,
-    q_pos, lo, hi, key_hi, window, qk_scale, cap,
+    q_pos, first, lo, hi, key_hi, qk_scale, cap,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr,
 ):  # fmt: skip
@@ -284,7 +304,7 @@ def _fwd_inner(
         # s_ij = q_i . k_j * scale * log2(e)  (soft-capped: c * tanh(q_i . k_j * scale / c) * log2(e))
         s, _ = _scores(tl.dot(q, kt, input_precision=PRECISION), qk_scale, cap, SOFTCAP)
         if MASK:
-            s = tl.where(_visible(q_pos[:, None], k_pos[None, :], window), s, _MASKED)
+            s = tl.where(_visible(q_pos[:, None], k_pos[None, :], first[:, None]), s, _MASKED)
         # m_new = max(m_i, rowmax(s)); alpha rescales what was summed under the old max
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.math.exp2(s - m_new[:, None])
@@ -306,20 +326,22 @@ def _fwd_inner(
 )
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, TABLE, OUT, LSE, L,
+    Q, K, V, TABLE, FIRST, OUT, LSE, L, VISITS,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_ks, stride_kh, stride_kp, stride_kd,
     stride_tb,
     num_heads, group, q_len, q_start, key_lo, key_hi, window, qk_scale, cap,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr, CARRY: tl.constexpr,
-    SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr, ROWS: tl.constexpr, COUNT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Keys ``[key_lo, key_hi)``. Without ``CARRY``: writes ``OUT``, ``LSE``. With ``CARRY``: ``OUT``, ``LSE``, ``L``
     are a carried state's ``acc``, ``m`` (natural log), ``l`` (fp32), updated in place."""
-    q, K, V, TABLE, rows, row_offs, row_ok, q_pos, lo, full_lo, full_hi, hi = _query_block(
-        Q, K, V, TABLE, stride_qb, stride_qh, stride_qm, stride_qd, stride_kh, stride_tb,
-        num_heads, group, q_len, q_start, key_lo, key_hi, window, HEAD_DIM, BLOCK_M, BLOCK_N,
+    q, K, V, TABLE, rows, row_offs, row_ok, q_pos, first, lo, full_lo, full_hi, hi = _query_block(
+        Q, K, V, TABLE, FIRST, stride_qb, stride_qh, stride_qm, stride_qd, stride_kh, stride_tb,
+        num_heads, group, q_len, q_start, key_lo, key_hi, window, HEAD_DIM, BLOCK_M, BLOCK_N, ROWS,
     )  # fmt: skip
+    if COUNT:  # key blocks this program visits (tests and benchmarks)
+        tl.atomic_add(VISITS, tl.maximum(hi - lo, 0) // BLOCK_N)
 
     if CARRY:  # the state's max is in natural-log units, the kernel's in base 2
         m_in = tl.load(LSE + rows, mask=row_ok, other=0.0)
@@ -332,14 +354,14 @@ def _fwd_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     # window edge, then the blocks every query sees, then the causal diagonal (and the ragged last page)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, TABLE, stride_ks, stride_kp, stride_kd, q_pos, lo,
-                               full_lo, key_hi, window, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, True, PRECISION,
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, TABLE, stride_ks, stride_kp, stride_kd, q_pos, first, lo,
+                               full_lo, key_hi, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, True, PRECISION,
                                SOFTCAP)  # fmt: skip
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, TABLE, stride_ks, stride_kp, stride_kd, q_pos, full_lo,
-                               full_hi, key_hi, window, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, False, PRECISION,
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, TABLE, stride_ks, stride_kp, stride_kd, q_pos, first, full_lo,
+                               full_hi, key_hi, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, False, PRECISION,
                                SOFTCAP)  # fmt: skip
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, TABLE, stride_ks, stride_kp, stride_kd, q_pos, full_hi,
-                               hi, key_hi, window, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, True, PRECISION,
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, TABLE, stride_ks, stride_kp, stride_kd, q_pos, first, full_hi,
+                               hi, key_hi, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, True, PRECISION,
                                SOFTCAP)  # fmt: skip
 
     # with CARRY an unchanged max keeps its exact natural-log value: a row that saw no key stays bit-identical
@@ -366,11 +388,11 @@ def _bwd_preprocess(OUT, DOUT, DELTA, num_rows, HEAD_DIM: tl.constexpr, BLOCK_M:
 
 @triton.jit
 def _bwd_dkdv_inner(
-    dk, dv, k, v, Q, DO, LSE, DELTA,
+    dk, dv, k, v, Q, DO, LSE, DELTA, FIRST,
     stride_qm, stride_qd,
     k_pos, lo, hi, q_start, q_len, window, qk_scale, cap,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
     """Add the contributions of query blocks ``[lo, hi)`` of one query head to this key block's ``dk``, ``dv``
     ``[BLOCK_N, HEAD_DIM]``; scores are kept transposed (keys x queries). ``Q``/``DO``/``LSE``/``DELTA`` point
@@ -397,7 +419,9 @@ def _bwd_dkdv_inner(
         st, tt = _scores(tl.dot(k, qt, input_precision=PRECISION), qk_scale, cap, SOFTCAP)
         pt = tl.math.exp2(st - lse[None, :] * _LOG2E)
         if MASK:
-            pt = tl.where(_visible(q_start + rows[None, :], k_pos[:, None], window) & ok[None, :], pt, 0.0)
+            first = _firsts(FIRST, tl.where(ok, rows, 0), q_start + rows, window, ROWS)
+            seen = _visible(q_start + rows[None, :], k_pos[:, None], first[None, :])
+            pt = tl.where(seen & ok[None, :], pt, 0.0)
         # dV += P^T dO
         dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
         # dS^T = P^T * (dP^T - delta), dP^T = V dO^T;  dK += dS^T Q (scaled once at the end)
@@ -418,13 +442,13 @@ def _bwd_dkdv_inner(
 )
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, TABLE, DK, DV,
+    Q, K, V, DO, LSE, DELTA, TABLE, DK, DV, FIRST, SEEING, VISITS,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_ks, stride_kh, stride_kp, stride_kd,
     stride_tb,
     num_heads, kv_heads, group, q_len, q_start, first_key, key_hi, window, scale, qk_scale, cap,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ROWS: tl.constexpr, COUNT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Key blocks from the one holding ``first_key`` up to ``key_hi`` (keys >= ``key_hi`` are never read)."""
     start_n = (first_key // BLOCK_N + tl.program_id(0)) * BLOCK_N
@@ -442,7 +466,15 @@ def _bwd_dkdv_kernel(
     k = tl.load(K + kv_offs, mask=key_ok[:, None], other=0.0)
     v = tl.load(V + kv_offs, mask=key_ok[:, None], other=0.0)
 
-    lo, full_lo, full_hi, hi = _query_blocks(start_n, q_start, q_len, window, BLOCK_M, BLOCK_N)
+    if ROWS:  # per page: rows whose first visible key is at or before the page's last / first key
+        seeing = SEEING + (b * tl.cdiv(key_hi, PAGE) + start_n // PAGE) * 2
+        rows_last, rows_first = tl.load(seeing), tl.load(seeing + 1)
+    else:  # query i sees key j iff j <= q_start + i < j + window
+        rows_last = tl.minimum(start_n + BLOCK_N - 1 + window - q_start, q_len)
+        rows_first = tl.minimum(start_n + window - q_start, q_len)
+    lo, full_lo, full_hi, hi = _query_blocks(start_n, q_start, rows_last, rows_first, BLOCK_M, BLOCK_N)
+    if COUNT:
+        tl.atomic_add(VISITS, tl.maximum(hi - lo, 0) // BLOCK_M * group)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     for g in range(group):  # every query head that reads this KV head
@@ -450,26 +482,31 @@ def _bwd_dkdv_kernel(
         q_head = Q + b * stride_qb + h * stride_qh
         row0 = (b * num_heads + h) * q_len
         do_head = DO + row0 * HEAD_DIM
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_head, do_head, LSE + row0, DELTA + row0, stride_qm, stride_qd,
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_head, do_head, LSE + row0, DELTA + row0,
+                                 FIRST + b * q_len, stride_qm, stride_qd,
                                  k_pos, lo, full_lo, q_start, q_len, window, qk_scale, cap, HEAD_DIM, BLOCK_M,
-                                 True, PRECISION, SOFTCAP)  # fmt: skip
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_head, do_head, LSE + row0, DELTA + row0, stride_qm, stride_qd,
+                                 True, PRECISION, SOFTCAP, ROWS)  # fmt: skip
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_head, do_head, LSE + row0, DELTA + row0,
+                                 FIRST + b * q_len, stride_qm, stride_qd,
                                  k_pos, full_lo, full_hi, q_start, q_len, window, qk_scale, cap, HEAD_DIM, BLOCK_M,
-                                 False, PRECISION, SOFTCAP)  # fmt: skip
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_head, do_head, LSE + row0, DELTA + row0, stride_qm, stride_qd,
+                                 False, PRECISION, SOFTCAP, ROWS)  # fmt: skip
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_head, do_head, LSE + row0, DELTA + row0,
+                                 FIRST + b * q_len, stride_qm, stride_qd,
                                  k_pos, full_hi, hi, q_start, q_len, window, qk_scale, cap, HEAD_DIM, BLOCK_M,
-                                 True, PRECISION, SOFTCAP)  # fmt: skip
+                                 True, PRECISION, SOFTCAP, ROWS)  # fmt: skip
 
-    # this program is the only writer of these gradient-page rows: a plain read-modify-write, no atomics
-    tl.store(DK + kv_offs, (tl.load(DK + kv_offs) + dk * scale).to(DK.dtype.element_ty))
-    tl.store(DV + kv_offs, (tl.load(DV + kv_offs) + dv).to(DV.dtype.element_ty))
+    # this program is the only writer of these gradient-page rows: a plain read-modify-write, no atomics (and none
+    # at all for a key block no query sees: e.g. one before every document of the chunk)
+    if hi > lo:
+        tl.store(DK + kv_offs, (tl.load(DK + kv_offs) + dk * scale).to(DK.dtype.element_ty))
+        tl.store(DV + kv_offs, (tl.load(DV + kv_offs) + dv).to(DV.dtype.element_ty))
 
 
 @triton.jit
 def _bwd_dq_inner(
     dq, q, do, lse, delta, K, V, TABLE,
     stride_ks, stride_kp, stride_kd,
-    q_pos, lo, hi, key_hi, window, qk_scale, cap,
+    q_pos, first, lo, hi, key_hi, qk_scale, cap,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr,
 ):  # fmt: skip
@@ -482,7 +519,7 @@ def _bwd_dq_inner(
         s, t = _scores(tl.dot(q, kt, input_precision=PRECISION), qk_scale, cap, SOFTCAP)
         p = tl.math.exp2(s - lse[:, None])
         if MASK:
-            p = tl.where(_visible(q_pos[:, None], k_pos[None, :], window), p, 0.0)
+            p = tl.where(_visible(q_pos[:, None], k_pos[None, :], first[:, None]), p, 0.0)
         # dS = P * (dO V^T - delta);  dQ += dS K
         ds = p * (tl.dot(do, vt, input_precision=PRECISION) - delta[:, None])
         if SOFTCAP:
@@ -500,30 +537,30 @@ def _bwd_dq_inner(
 )
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, TABLE, DQ,
+    Q, K, V, DO, LSE, DELTA, TABLE, DQ, FIRST,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_ks, stride_kh, stride_kp, stride_kd,
     stride_tb,
     num_heads, group, q_len, q_start, key_lo, key_hi, window, scale, qk_scale, cap,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
-    SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """dQ over keys ``[key_lo, key_hi)``: written to ``DQ``, or with ``ACCUMULATE`` added into fp32 ``DQ``."""
-    q, K, V, TABLE, rows, row_offs, row_ok, q_pos, lo, full_lo, full_hi, hi = _query_block(
-        Q, K, V, TABLE, stride_qb, stride_qh, stride_qm, stride_qd, stride_kh, stride_tb,
-        num_heads, group, q_len, q_start, key_lo, key_hi, window, HEAD_DIM, BLOCK_M, BLOCK_N,
+    q, K, V, TABLE, rows, row_offs, row_ok, q_pos, first, lo, full_lo, full_hi, hi = _query_block(
+        Q, K, V, TABLE, FIRST, stride_qb, stride_qh, stride_qm, stride_qd, stride_kh, stride_tb,
+        num_heads, group, q_len, q_start, key_lo, key_hi, window, HEAD_DIM, BLOCK_M, BLOCK_N, ROWS,
     )  # fmt: skip
     do = tl.load(DO + row_offs, mask=row_ok[:, None], other=0.0)
     lse = tl.load(LSE + rows, mask=row_ok, other=0.0) * _LOG2E
     delta = tl.load(DELTA + rows, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    dq = _bwd_dq_inner(dq, q, do, lse, delta, K, V, TABLE, stride_ks, stride_kp, stride_kd, q_pos, lo, full_lo,
-                       key_hi, window, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, True, PRECISION, SOFTCAP)  # fmt: skip
-    dq = _bwd_dq_inner(dq, q, do, lse, delta, K, V, TABLE, stride_ks, stride_kp, stride_kd, q_pos, full_lo,
-                       full_hi, key_hi, window, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, False, PRECISION,
+    dq = _bwd_dq_inner(dq, q, do, lse, delta, K, V, TABLE, stride_ks, stride_kp, stride_kd, q_pos, first, lo, full_lo,
+                       key_hi, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, True, PRECISION, SOFTCAP)  # fmt: skip
+    dq = _bwd_dq_inner(dq, q, do, lse, delta, K, V, TABLE, stride_ks, stride_kp, stride_kd, q_pos, first, full_lo,
+                       full_hi, key_hi, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, False, PRECISION,
                        SOFTCAP)  # fmt: skip
-    dq = _bwd_dq_inner(dq, q, do, lse, delta, K, V, TABLE, stride_ks, stride_kp, stride_kd, q_pos, full_hi, hi,
-                       key_hi, window, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, True, PRECISION, SOFTCAP)  # fmt: skip
+    dq = _bwd_dq_inner(dq, q, do, lse, delta, K, V, TABLE, stride_ks, stride_kp, stride_kd, q_pos, first, full_hi, hi,
+                       key_hi, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, True, PRECISION, SOFTCAP)  # fmt: skip
     dq = dq * scale
     if ACCUMULATE:  # this program is the only writer of these rows: a plain read-modify-write, no atomics
         dq = dq + tl.load(DQ + row_offs, mask=row_ok[:, None], other=0.0)
@@ -585,6 +622,34 @@ def _window(window: int | None, q_start: int, lq: int) -> int:
     return q_start + lq if window is None else min(window, q_start + lq)
 
 
+def _row_firsts(
+    doc_start: torch.Tensor | None, q_start: int, lq: int, window: int | None
+) -> torch.Tensor | None:
+    """int32 ``[B, Lq]``: each query's first visible key, its document's start and its window's folded (``None``
+    without documents: the kernels derive it from the window)."""
+    if doc_start is None:
+        return None
+    first = doc_start.to(torch.int32)
+    if window is not None:
+        positions = torch.arange(q_start, q_start + lq, device=doc_start.device, dtype=torch.int32)
+        first = torch.maximum(first, positions - window + 1)
+    return first.contiguous()
+
+
+def _rows_seeing(first: torch.Tensor, key_hi: int, page: int) -> torch.Tensor:
+    """int32 ``[B, pages, 2]``: per key page, how many leading query rows have their first visible key at or before
+    the page's last key, and at or before its first key (``first`` never decreases along a row)."""
+    starts = torch.arange(0, triton.cdiv(key_hi, page) * page, page, device=first.device, dtype=torch.int32)
+    bounds = (
+        torch.stack([starts + page - 1, starts], -1)
+        .expand(first.shape[0], -1, -1)
+        .reshape(first.shape[0], -1)
+    )
+    return (
+        torch.searchsorted(first, bounds.contiguous(), right=True).to(torch.int32).view(first.shape[0], -1, 2)
+    )
+
+
 def _score_scales(scale: float, softcap: float | None) -> tuple[float, float]:
     """``(qk_scale, cap)`` of :func:`_scores`: ``(scale * log2 e, unused)``, soft-capped ``(scale / c, c log2 e)``."""
     check_softcap(softcap)
@@ -618,14 +683,19 @@ def paged_attention_forward(
     key_range: tuple[int, int] | None = None,
     state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     softcap: float | None = None,
+    doc_start: torch.Tensor | None = None,
+    visits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``out [B, Hq, Lq, D]`` (dtype of ``q``, contiguous) and ``lse [B, Hq, Lq]`` (float32, natural log).
 
     ``key_range=(lo, hi)`` visits only the keys at positions ``[lo, hi)`` (page-table entries of other pages are
     never read). With ``state=(acc, m, l)`` (fp32, see the module docstring) the keys are folded into the state in
-    place and ``None`` is returned. ``softcap``: scores ``c * tanh(q . k * scale / c)``."""
+    place and ``None`` is returned. ``softcap``: scores ``c * tanh(q . k * scale / c)``. ``doc_start``: int
+    ``[B, Lq]``, each query's document start (packed rows). ``visits``: an int32 ``[1]`` counter the number of
+    (query block, key block) tiles computed is added to."""
     b, hq, lq, d, hkv, page, key_lo, key_hi = _check(q, k_pages, v_pages, page_table, q_start, key_range)
     qk_scale, cap = _score_scales(scale, softcap)
+    first = _row_firsts(check_doc_start(doc_start, (b, lq), q.device), q_start, lq, window)
     if state is None:
         out = torch.empty((b, hq, lq, d), dtype=q.dtype, device=q.device)
         lse = l_sum = torch.empty((b, hq, lq), dtype=torch.float32, device=q.device)
@@ -637,10 +707,12 @@ def paged_attention_forward(
     if out.numel() == 0:
         return None if state is not None else (out, lse)
     _fwd_kernel[_query_grid(lq, b * hq)](
-        q, k_pages, v_pages, page_table, out, lse, l_sum,
+        q, k_pages, v_pages, page_table, page_table if first is None else first, out, lse, l_sum,
+        lse if visits is None else visits,
         *q.stride(), *k_pages.stride(), page_table.stride(0),
         hq, hq // hkv, lq, q_start, key_lo, key_hi, _window(window, q_start, lq), qk_scale, cap,
         HEAD_DIM=d, PAGE=page, PRECISION=_precision(q.dtype), CARRY=state is not None, SOFTCAP=softcap is not None,
+        ROWS=first is not None, COUNT=visits is not None,
     )  # fmt: skip
     return None if state is not None else (out, lse)
 
@@ -663,15 +735,19 @@ def paged_attention_backward(
     delta: torch.Tensor | None = None,
     dq: torch.Tensor | None = None,
     softcap: float | None = None,
+    doc_start: torch.Tensor | None = None,
+    visits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Return ``dq`` (dtype of ``q``) and **add** dK, dV of every page read into ``dk_pages``, ``dv_pages``
     (float32 or bfloat16 ``[slots, Hkv, P, D]``, same layout as the K/V arenas).
 
     ``key_range=(lo, hi)``: only keys ``[lo, hi)`` (``out``, ``lse`` are still the final ones, over all keys).
     ``delta``: a precomputed ``rowsum(dout * out)`` (fp32 ``[B, Hq, Lq]``). ``dq``: an fp32 ``[B, Hq, Lq, D]``
-    accumulator the contribution is added into (and which is returned). ``softcap``: as in the forward."""
+    accumulator the contribution is added into (and which is returned). ``softcap``, ``doc_start``: as in the
+    forward; ``visits`` counts the dK/dV kernel's tiles."""
     b, hq, lq, d, hkv, page, key_lo, key_hi = _check(q, k_pages, v_pages, page_table, q_start, key_range)
     qk_scale, cap = _score_scales(scale, softcap)
+    first = _row_firsts(check_doc_start(doc_start, (b, lq), q.device), q_start, lq, window)
     grads = (dk_pages, dv_pages)
     if any(g.shape != k_pages.shape or g.dtype not in _GRAD_DTYPES or not g.is_contiguous() for g in grads):
         raise ValueError(
@@ -697,16 +773,20 @@ def paged_attention_backward(
     precision = _precision(q.dtype)
     first_key = max(0, q_start - window + 1, key_lo)  # keys before q_start - window + 1 are in no window
     if first_key < key_hi:
+        seeing = page_table if first is None else _rows_seeing(first, key_hi, page)
         _bwd_dkdv_kernel[_key_grid(first_key, key_hi, b * hkv)](
             q, k_pages, v_pages, dout, lse, delta, page_table, dk_pages, dv_pages,
+            page_table if first is None else first, seeing, lse if visits is None else visits,
             *q.stride(), *k_pages.stride(), page_table.stride(0),
             hq, hkv, hq // hkv, lq, q_start, first_key, key_hi, window, scale, qk_scale, cap,
-            HEAD_DIM=d, PAGE=page, PRECISION=precision, SOFTCAP=softcap is not None,
+            HEAD_DIM=d, PAGE=page, PRECISION=precision, SOFTCAP=softcap is not None, ROWS=first is not None,
+            COUNT=visits is not None,
         )  # fmt: skip
     _bwd_dq_kernel[_query_grid(lq, b * hq)](
-        q, k_pages, v_pages, dout, lse, delta, page_table, dq,
+        q, k_pages, v_pages, dout, lse, delta, page_table, dq, page_table if first is None else first,
         *q.stride(), *k_pages.stride(), page_table.stride(0),
         hq, hq // hkv, lq, q_start, key_lo, key_hi, window, scale, qk_scale, cap,
         HEAD_DIM=d, PAGE=page, PRECISION=precision, ACCUMULATE=accumulate, SOFTCAP=softcap is not None,
+        ROWS=first is not None,
     )  # fmt: skip
     return dq

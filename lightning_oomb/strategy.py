@@ -82,14 +82,15 @@ class _OOMBStrategyMixin:
         calls: list = []
         engine = self.engine
 
-        def respond(input_ids: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        def respond(input_ids: torch.Tensor, labels: torch.Tensor | None, **layout) -> torch.Tensor:
             if calls and mode == "train":
                 raise OOMBConfigError(
                     "training_step called the OOMB-managed model twice — one step holds one KV pool — call "
                     "`self.model(**batch)` once per training_step."
                 )
             calls.append(mode)
-            return engine.loss(input_ids, labels) if mode == "train" else engine.evaluate(input_ids, labels)
+            run = engine.loss if mode == "train" else engine.evaluate
+            return run(input_ids, labels, **layout)
 
         with self.model_adapter.answer_calls(respond):
             yield calls

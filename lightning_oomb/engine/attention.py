@@ -38,7 +38,9 @@ class ChunkContext:
     """Travels with one model call (an extra keyword of the call): where the chunk sits and where K/V go.
 
     ``shape``: the step's pool shape without the K/V dtype (the first chunk written decides it). ``step_loss``: the
-    step's extra loss term, if the model has one (:class:`lightning_oomb.engine.model.StepLoss`).
+    step's extra loss term, if the model has one (:class:`lightning_oomb.engine.model.StepLoss`). ``doc_start``:
+    packed documents, each of the chunk's tokens' document start ``[B, L]``; ``key_floor``: no query of the chunk
+    sees a key before it (its earliest document start).
     """
 
     pool: KVPool
@@ -47,6 +49,8 @@ class ChunkContext:
     sweep: Literal["forward", "backward", "eval"]
     backend: Backend
     step_loss: object | None = None
+    doc_start: torch.Tensor | None = None
+    key_floor: int = 0
 
 
 def resolve_backend(name: str, device: torch.device) -> Backend:
@@ -92,37 +96,30 @@ def kernels(backend: Backend) -> ModuleType:
     return reference
 
 
-def _first_key(q_start: int, window: int | None) -> int:
-    """The first key any query of a chunk starting at ``q_start`` sees."""
-    return 0 if window is None else max(0, q_start - window + 1)
+def _first_key(chunk: ChunkContext, window: int | None) -> int:
+    """The first key any query of the chunk sees (its window's and its documents' starts)."""
+    return max(chunk.key_floor, 0 if window is None else chunk.start - window + 1)
 
 
 def _whole(kv: PagedKV, num_keys: int) -> bool:
     return kv.keys is None or kv.keys == (0, num_keys)
 
 
-def attend(backend: Backend, q, parts, q_start: int, scale: float, window, softcap=None, sinks=None):
+def attend(
+    backend: Backend, q, parts, q_start: int, scale: float, window, softcap=None, sinks=None, docs=None
+):
     """``(out, lse)`` of ``q`` over the key parts of :meth:`KVPool.parts`: one call for a part holding every key,
-    else each part folded into one running softmax state (the log-sum-exp merge), and the sinks folded in last."""
+    else each part folded into one running softmax state (the log-sum-exp merge), and the sinks folded in last.
+    ``docs``: the queries' document starts (packed rows)."""
     ops, num_keys, state = kernels(backend), q_start + q.shape[2], None
+    terms = {"softcap": softcap, "doc_start": docs}
     for kv in parts:
         if state is None and sinks is None and _whole(kv, num_keys):
-            return ops.paged_attention_forward(
-                q, kv.k, kv.v, kv.page_table, q_start, scale, window, softcap=softcap
-            )
+            return ops.paged_attention_forward(q, kv.k, kv.v, kv.page_table, q_start, scale, window, **terms)
         if state is None:
             state = init_state(q)
         ops.paged_attention_forward(
-            q,
-            kv.k,
-            kv.v,
-            kv.page_table,
-            q_start,
-            scale,
-            window,
-            key_range=kv.keys,
-            state=state,
-            softcap=softcap,
+            q, kv.k, kv.v, kv.page_table, q_start, scale, window, key_range=kv.keys, state=state, **terms
         )
     if sinks is not None:
         add_sinks(state, sinks)
@@ -130,33 +127,24 @@ def attend(backend: Backend, q, parts, q_start: int, scale: float, window, softc
 
 
 def attend_backward(
-    backend: Backend, q, out, lse, dout, parts, q_start: int, scale: float, window, softcap=None, delta=None
-):
+    backend: Backend, q, out, lse, dout, parts, q_start: int, scale: float, window, softcap=None, delta=None,
+    docs=None,
+):  # fmt: skip
     """``dq``, adding dK/dV into every part's gradient pages; dQ is summed over the parts. ``delta``: a precomputed
     ``rowsum(dout * out)`` (else computed once)."""
     ops, num_keys, dq = kernels(backend), q_start + q.shape[2], None
+    terms = {"softcap": softcap, "doc_start": docs}
     for kv in parts:
         pages = (kv.k, kv.v, kv.dk, kv.dv, kv.page_table)
         if dq is None and _whole(kv, num_keys):
             return ops.paged_attention_backward(
-                q, out, lse, dout, *pages, q_start, scale, window, delta=delta, softcap=softcap
+                q, out, lse, dout, *pages, q_start, scale, window, delta=delta, **terms
             )
         if dq is None:
             delta = attention_delta(out, dout) if delta is None else delta
             dq = torch.zeros(q.shape, dtype=delta.dtype, device=q.device)
         ops.paged_attention_backward(
-            q,
-            out,
-            lse,
-            dout,
-            *pages,
-            q_start,
-            scale,
-            window,
-            key_range=kv.keys,
-            delta=delta,
-            dq=dq,
-            softcap=softcap,
+            q, out, lse, dout, *pages, q_start, scale, window, key_range=kv.keys, delta=delta, dq=dq, **terms
         )
     return dq.to(q.dtype)
 
@@ -173,9 +161,11 @@ class PagedAttention(torch.autograd.Function):
             if pool.shape != shape:
                 pool.reserve(shape, k.device)
         pool.write(layer, chunk.start, k, v)
-        parts = pool.parts(layer, chunk.start + q.shape[2], first_key=_first_key(chunk.start, window))
+        parts = pool.parts(layer, chunk.start + q.shape[2], first_key=_first_key(chunk, window))
         with torch.autocast(q.device.type, enabled=False):
-            out, lse = attend(chunk.backend, q, parts, chunk.start, scale, window, softcap, sinks)
+            out, lse = attend(
+                chunk.backend, q, parts, chunk.start, scale, window, softcap, sinks, chunk.doc_start
+            )
         ctx.save_for_backward(q, out, lse, sinks, *((k, v) if pool.streams(layer) else ()))
         ctx.args = (chunk, layer, scale, window, softcap, k.dtype)
         return out
@@ -188,14 +178,25 @@ class PagedAttention(torch.autograd.Function):
         pool = chunk.pool
         if kv:
             pool.write(layer, chunk.start, *kv)
-        first_key = _first_key(chunk.start, window)
+        first_key = _first_key(chunk, window)
         # the kernels add into each part's dk, dv
         parts = pool.parts(layer, chunk.start + q.shape[2], True, first_key)
         dout = dout.contiguous()
         with torch.autocast(q.device.type, enabled=False):
             delta = attention_delta(out, dout) if sinks is not None else None
             dq = attend_backward(
-                chunk.backend, q, out, lse, dout, parts, chunk.start, scale, window, softcap, delta
+                chunk.backend,
+                q,
+                out,
+                lse,
+                dout,
+                parts,
+                chunk.start,
+                scale,
+                window,
+                softcap,
+                delta,
+                chunk.doc_start,
             )
             dsinks = sink_grad(sinks, lse, delta) if sinks is not None and ctx.needs_input_grad[8] else None
         dk, dv = pool.read_grad(layer, chunk.start, q.shape[2])

@@ -21,8 +21,8 @@ import torch
 from lightning_oomb.engine.attention import ChunkContext
 from lightning_oomb.engine.loss import LMHead
 
-# (input_ids [B, N], labels [B, N] | None) -> the loss the call returns
-Respond = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+# respond(input_ids [B, N], labels [B, N] | None, position_ids=None, attention_mask=None) -> the loss of the call
+Respond = Callable[..., torch.Tensor]
 
 
 @runtime_checkable
@@ -67,7 +67,8 @@ class ManagedModel(ChunkModel, Protocol):
 
     def answer_calls(self, respond: Respond) -> contextlib.AbstractContextManager:
         """While the block runs, a call of the model (as the user's step makes it) is checked, reduced to
-        ``respond(input_ids, labels)`` and returned in the model's own output type with that loss."""
+        ``respond(input_ids, labels, position_ids=..., attention_mask=...)`` and returned in the model's own output
+        type with that loss."""
 
 
 class ManagedModelMixin:
@@ -76,8 +77,8 @@ class ManagedModelMixin:
     The model still defines ``num_layers``, ``kv_heads``, ``head_dim``, ``vocab_size``, ``num_embeddings``,
     ``hidden_states`` (its attention modules call :func:`~lightning_oomb.engine.attention.paged_attention` with
     their layer index when a chunk context is given) and ``lm_head``. This mixin adds: ``engaged`` (nothing to
-    switch), ``answer_calls`` (inside the strategy's steps, ``model(input_ids, labels=None, ...)`` returns the
-    engine's loss tensor — override it if your ``forward`` returns something else), and ``layer_checkpointing``, which
+    switch), ``answer_calls`` (inside the strategy's steps, ``model(input_ids, labels=None, position_ids=None,
+    attention_mask=None)`` returns the engine's loss tensor — override it if your ``forward`` differs), and ``layer_checkpointing``, which
     the strategy sets from its option (checkpoint your blocks in ``hidden_states`` when it is on).
     """
 
@@ -88,8 +89,8 @@ class ManagedModelMixin:
 
     @contextlib.contextmanager
     def answer_calls(self, respond: Respond):
-        def forward(input_ids, labels=None, *args, **kwargs):
-            return respond(input_ids, labels)
+        def forward(input_ids, labels=None, position_ids=None, attention_mask=None):
+            return respond(input_ids, labels, position_ids=position_ids, attention_mask=attention_mask)
 
         self.forward = forward
         try:

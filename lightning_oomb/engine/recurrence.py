@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_oomb.engine.attention import ChunkContext, check_kernel_shapes, resolve_backend
+from lightning_oomb.engine.batch import key_floors, plan_layout
 from lightning_oomb.engine.config import OOMBConfig
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.kv_pool import KVPool
-from lightning_oomb.engine.loss import IGNORE_INDEX, linear_cross_entropy, shift_labels
+from lightning_oomb.engine.loss import IGNORE_INDEX, linear_cross_entropy
 from lightning_oomb.engine.model import ChunkModel
 from lightning_oomb.engine.offload import Transport, default_transport
 from lightning_oomb.engine.pages import PoolShape
@@ -89,6 +90,9 @@ class _Step:
     shape: PoolShape
     backend: str
     bounds: list[tuple[int, int]]
+    positions: torch.Tensor  # RoPE positions [1 | B, N]
+    doc_start: torch.Tensor | None  # packed documents: each token's document start [B, N]
+    floors: list[int]  # per chunk, the first key its queries can see through their documents
     step_loss: object | None = None  # the model's StepLoss for this step
 
 
@@ -117,24 +121,38 @@ class OOMBEngine:
         self.stats = StepStats()
 
     # ------------------------------------------------------------------------------------------ public API
-    def loss(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Differentiable mean next-token loss of ``input_ids [B, N]`` (``labels`` default to ``input_ids``).
+    def loss(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Differentiable mean next-token loss of ``input_ids [B, N]`` (``labels`` default to ``input_ids``; packed
+        documents by ``position_ids`` that restart, right padding by ``attention_mask``: see
+        :mod:`lightning_oomb.engine.batch`).
 
         One step at a time: the pool holds this step's pages until its backward sweep, so call ``backward`` on
         the result before the next ``loss``.
         """
-        step = self._plan(input_ids, labels)
+        step = self._plan(input_ids, labels, position_ids, attention_mask)
         weight = self.model.lm_head().weight
         anchor = weight.new_zeros((), dtype=torch.float32).requires_grad_(True)
         return _ChunkRecurrentStep.apply(anchor, self, step)
 
-    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Mean next-token loss by the forward sweep alone (no gradient state kept).
+    def evaluate(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Mean next-token loss by the forward sweep alone (no gradient state kept); arguments as :meth:`loss`.
 
         Works under ``torch.inference_mode`` (Lightning's evaluation loop): the pool is kept out of inference
         mode so that the next training step can keep writing into it.
         """
-        step = self._plan(input_ids, labels)
+        step = self._plan(input_ids, labels, position_ids, attention_mask)
         with torch.inference_mode(False), torch.no_grad():  # leaving inference mode re-enables grad
             loss, _ = self.forward_sweep(step, sweep="eval")
         return loss
@@ -163,7 +181,7 @@ class OOMBEngine:
         check_kernel_shapes(backend, self.model.head_dim, self.config.page_size)
         return backend
 
-    def _plan(self, input_ids: torch.Tensor, labels: torch.Tensor | None) -> _Step:
+    def _plan(self, input_ids, labels, position_ids=None, attention_mask=None) -> _Step:
         """Validate the inputs and cut the step into chunks, before any work."""
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
             raise OOMBConfigError(
@@ -179,7 +197,8 @@ class OOMBEngine:
             )
         self._check_ranges(input_ids, labels)
         backend = self.check_device(input_ids.device)
-        targets = shift_labels(labels)
+        layout = plan_layout(input_ids, labels, position_ids, attention_mask)
+        targets = layout.targets
         batch, seq_len = input_ids.shape
         cfg, model = self.config, self.model
         shape = PoolShape(
@@ -194,9 +213,11 @@ class OOMBEngine:
         )
         bounds = [(a, min(a + cfg.chunk_size, seq_len)) for a in range(0, seq_len, cfg.chunk_size)]
         denominator = int((targets != IGNORE_INDEX).sum())
+        floors = key_floors(layout.doc_start, [start for start, _ in bounds])
         new_step_loss = getattr(model, "new_step_loss", None)
         step_loss = new_step_loss() if new_step_loss is not None else None
-        return _Step(input_ids, targets, denominator, shape, backend, bounds, step_loss)
+        return _Step(input_ids, targets, denominator, shape, backend, bounds, layout.positions, layout.doc_start,
+                     floors, step_loss)  # fmt: skip
 
     def _check_ranges(self, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
         """Token ids inside the embedding, labels inside the LM head's vocabulary or ``IGNORE_INDEX``."""
@@ -216,11 +237,14 @@ class OOMBEngine:
                 f"ignore to {IGNORE_INDEX}."
             )
 
-    def _chunk_loss(self, step: _Step, start: int, end: int, sweep: str) -> torch.Tensor:
-        chunk = ChunkContext(self.pool, step.shape, start, sweep, step.backend, step.step_loss)
+    def _chunk_loss(self, step: _Step, index: int, sweep: str) -> torch.Tensor:
+        start, end = step.bounds[index]
+        docs = None if step.doc_start is None else step.doc_start[:, start:end]
+        chunk = ChunkContext(
+            self.pool, step.shape, start, sweep, step.backend, step.step_loss, docs, step.floors[index]
+        )
         ids = step.input_ids[:, start:end]
-        positions = torch.arange(start, end, device=ids.device)[None]
-        hidden = self.model.hidden_states(ids, positions, chunk)
+        hidden = self.model.hidden_states(ids, step.positions[:, start:end], chunk)
         total = linear_cross_entropy(
             hidden, self.model.lm_head(), step.targets[:, start:end], self.config.loss_block
         )
@@ -234,9 +258,9 @@ class OOMBEngine:
         device = step.input_ids.device
         rng, losses = [], []
         with self._sweep(sweep), self.model.engaged(step.input_ids.shape[1]):
-            for start, end in step.bounds:
+            for index in range(len(step.bounds)):
                 rng.append(_RNGState(device))
-                losses.append(self._chunk_loss(step, start, end, sweep))
+                losses.append(self._chunk_loss(step, index, sweep))
         self._record(step)
         loss = torch.stack(losses).sum()
         if step.step_loss is not None:  # a term coupling all tokens: its value is known once every chunk ran
@@ -251,10 +275,10 @@ class OOMBEngine:
         devices = [device] if device.type == "cuda" else []
         fork = torch.random.fork_rng(devices=devices, device_type=device.type)
         with fork, self._sweep("backward"), self.model.engaged(step.input_ids.shape[1]):
-            for (start, end), state in zip(reversed(step.bounds), reversed(rng), strict=True):
-                state.restore()
+            for index in reversed(range(len(step.bounds))):
+                rng[index].restore()
                 with torch.enable_grad(), autocast():
-                    loss = self._chunk_loss(step, start, end, "backward")
+                    loss = self._chunk_loss(step, index, "backward")
                 torch.autograd.backward(loss, grad_output)
         self.stats.extra.update(self.pool.stats())
 

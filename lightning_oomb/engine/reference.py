@@ -13,18 +13,20 @@ import math
 
 import torch
 
-from csrc_triton.contract import check_buffer, check_softcap, check_window, checked_key_range
+from csrc_triton.contract import check_buffer, check_doc_start, check_softcap, check_window, checked_key_range
 from lightning_oomb.engine.lse import State, attention_delta, compute_dtype, finish_state, init_state
 from lightning_oomb.engine.pages import add_tokens, gather_tokens
 
 KEY_BLOCK = 2048  # keys per block; a multiple of every supported page size
 
 
-def _key_blocks(page_table, page: int, q_start: int, lq: int, window, key_range):
-    """Yield ``(first_key, slots [B, n])`` for the page blocks of ``key_range`` any query can see; only the page
-    table's entries of the key range's pages are read."""
+def _key_blocks(page_table, page: int, q_start: int, lq: int, window, key_range, doc_start=None):
+    """Yield ``(first_key, slots [B, n])`` for the page blocks of ``key_range`` any query can see (none before the
+    window's or the earliest document's start); only the page table's entries of the key range's pages are read."""
     lo, hi = checked_key_range(key_range, q_start + lq, page)
     first = lo if window is None else max(lo, max(0, q_start - window + 1) // page * page)
+    if doc_start is not None:
+        first = max(first, int(doc_start.min()) // page * page)
     per_block = max(1, KEY_BLOCK // page)
     last_page = math.ceil(hi / page)
     for p0 in range(first // page, last_page, per_block):
@@ -36,13 +38,16 @@ def _gather(pages: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> tor
     return gather_tokens(pages, slots).to(dtype)[:, :, None]
 
 
-def _visible(q_start: int, lq: int, first_key: int, nk: int, window: int | None, device) -> torch.Tensor:
-    """Bool ``[Lq, nk]``: which keys of the block starting at ``first_key`` each query sees."""
+def _visible(q_start: int, lq: int, first_key: int, nk: int, window: int | None, device, doc_start=None):
+    """Bool ``[Lq, nk]`` (``[B, 1, 1, Lq, nk]`` with documents): which keys of the block starting at ``first_key``
+    each query sees."""
     qpos = torch.arange(q_start, q_start + lq, device=device)[:, None]
     kpos = torch.arange(first_key, first_key + nk, device=device)[None, :]
     mask = kpos <= qpos
     if window is not None:
         mask &= kpos > qpos - window
+    if doc_start is not None:
+        mask = (mask & (kpos >= doc_start[:, :, None]))[:, None, None]
     return mask
 
 
@@ -73,14 +78,18 @@ def paged_attention_forward(
     key_range: tuple[int, int] | None = None,
     state: State | None = None,
     softcap: float | None = None,
+    doc_start: torch.Tensor | None = None,
+    visits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``out [B, Hq, Lq, D]`` (dtype of ``q``) and ``lse [B, Hq, Lq]`` (float32; float64 for float64 q).
 
     ``key_range=(lo, hi)`` visits only the keys at positions ``[lo, hi)``. With ``state`` (see
     :func:`~lightning_oomb.engine.lse.init_state`) the keys are folded into it in place and ``None`` is returned.
-    ``softcap``: scores ``c * tanh(q . k * scale / c)``."""
+    ``softcap``: scores ``c * tanh(q . k * scale / c)``. ``doc_start`` ``[B, Lq]``: each query's document start.
+    ``visits``: an int32 ``[1]`` counter the number of key blocks visited is added to."""
     check_window(window)
     check_softcap(softcap)
+    check_doc_start(doc_start, (q.shape[0], q.shape[2]), q.device)
     lq, hkv, page = q.shape[2], k_pages.shape[1], k_pages.shape[2]
     dtype = compute_dtype(q)
     own = state is None
@@ -92,10 +101,12 @@ def paged_attention_forward(
     qg = _grouped(q, hkv, dtype)
     rows = qg.shape[:-1]  # [B, Hkv, G, Lq]: views of the state's tensors, updated in place
     acc, m, denom = state[0].view(qg.shape), state[1].view(rows), state[2].view(rows)
-    for first, slots in _key_blocks(page_table, page, q_start, lq, window, key_range):
+    for first, slots in _key_blocks(page_table, page, q_start, lq, window, key_range, doc_start):
+        if visits is not None:
+            visits += 1
         k, v = _gather(k_pages, slots, dtype), _gather(v_pages, slots, dtype)
         s, _ = _scores(qg, k, scale, softcap)
-        s = s.masked_fill(~_visible(q_start, lq, first, k.shape[-2], window, q.device), -math.inf)
+        s = s.masked_fill(~_visible(q_start, lq, first, k.shape[-2], window, q.device, doc_start), -math.inf)
         m_new = torch.maximum(m, s.amax(-1))
         # rows with nothing visible yet keep m = -inf; shift by 0 there so exp() gives 0, not NaN
         shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
@@ -125,15 +136,18 @@ def paged_attention_backward(
     delta: torch.Tensor | None = None,
     dq: torch.Tensor | None = None,
     softcap: float | None = None,
+    doc_start: torch.Tensor | None = None,
+    visits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Return ``dq`` (dtype of ``q``) and **add** dK, dV of every page read into ``dk_pages``, ``dv_pages``.
 
     ``key_range=(lo, hi)``: only keys ``[lo, hi)`` (``out``, ``lse`` are still the final ones, over all keys).
     ``delta``: a precomputed ``attention_delta(out, dout)``. ``dq``: a float32 (float64 for float64 q)
-    ``[B, Hq, Lq, D]`` accumulator the contribution is added into (and which is returned). ``softcap``: as in the
-    forward."""
+    ``[B, Hq, Lq, D]`` accumulator the contribution is added into (and which is returned). ``softcap``,
+    ``doc_start``, ``visits``: as in the forward."""
     check_window(window)
     check_softcap(softcap)
+    check_doc_start(doc_start, (q.shape[0], q.shape[2]), q.device)
     lq, hkv, page = q.shape[2], k_pages.shape[1], k_pages.shape[2]
     dtype = compute_dtype(q)
     if delta is None:
@@ -146,10 +160,12 @@ def paged_attention_backward(
     qg, dog = (_grouped(x, hkv, dtype) for x in (q, dout))
     lseg, deltag = (x.to(dtype).reshape(qg.shape[:-1]) for x in (lse, delta))
     dqg = dq.view(qg.shape)  # accumulated in place
-    for first, slots in _key_blocks(page_table, page, q_start, lq, window, key_range):
+    for first, slots in _key_blocks(page_table, page, q_start, lq, window, key_range, doc_start):
+        if visits is not None:
+            visits += 1
         k, v = _gather(k_pages, slots, dtype), _gather(v_pages, slots, dtype)
         s, t = _scores(qg, k, scale, softcap)
-        visible = _visible(q_start, lq, first, k.shape[-2], window, q.device)
+        visible = _visible(q_start, lq, first, k.shape[-2], window, q.device, doc_start)
         p = torch.exp(s - lseg[..., None]).masked_fill(~visible, 0.0)
         dv = (p.transpose(-1, -2) @ dog).sum(2)  # sum over the query heads sharing a KV head
         ds = p * (dog @ v.transpose(-1, -2) - deltag[..., None])

@@ -22,12 +22,14 @@ def dense_attention(
     with_lse: bool = False,
     softcap=None,
     sinks=None,
+    doc_start=None,
 ):
     """Attention of ``q [B, Hq, Lq, D]`` over keys ``[0, q_start + Lq)`` (``k, v [B, Hkv, N, D]``), lower-right
     causal, GQA by repetition, materialised scores, in the inputs' dtype (autograd works through it): scores
     ``q . k * scale``, soft-capped ``c * tanh(. / c)`` with ``softcap``, and with ``sinks [Hq]`` one extra logit per
-    head in each row's softmax (attending to nothing), as Hugging Face's eager GPT-OSS attention; with ``with_lse``
-    also the log-sum-exp of each row's scores (sink included)."""
+    head in each row's softmax (attending to nothing), as Hugging Face's eager GPT-OSS attention; with
+    ``doc_start [B, Lq]`` a query sees only keys at or after its document's start; with ``with_lse`` also the
+    log-sum-exp of each row's scores (sink included)."""
     lq = q.shape[2]
     k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
     v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
@@ -39,6 +41,8 @@ def dense_attention(
     mask = kpos <= qpos
     if window is not None:
         mask &= kpos > qpos - window
+    if doc_start is not None:
+        mask = (mask & (kpos >= doc_start[:, :, None].to(kpos.device)))[:, None]
     s = s.masked_fill(~mask, -math.inf)
     if sinks is not None:
         s = torch.cat([s, sinks.to(s.dtype).view(1, -1, 1, 1).expand(*s.shape[:-1], 1)], -1)

@@ -33,6 +33,7 @@ class Case:
     dtype: torch.dtype = torch.float32
     grad_dtype: torch.dtype = torch.float32
     softcap: float | None = None
+    docs: tuple[int, ...] = ()  # packed rows: document starts (row b shifted by 3 * b), besides position 0
 
 
 CASES = {
@@ -49,7 +50,23 @@ CASES = {
     "bf16": Case(hq=4, hkv=2, q_start=32, lq=21, dtype=torch.bfloat16, grad_dtype=torch.bfloat16),
     "softcap": Case(hq=4, hkv=2, q_start=40, lq=29, softcap=2.0),  # Gemma 2: cap * tanh(s / cap), saturating
     "softcap-window-fp16": Case(hq=4, hkv=1, q_start=32, lq=21, window=13, softcap=3.0, dtype=torch.float16),
+    # documents before the chunk, crossing its start, inside it; a window shorter than some of them
+    "packed": Case(hq=4, hkv=2, q_start=48, lq=45, docs=(21, 40, 60, 77)),
+    "packed-window": Case(hq=4, hkv=2, q_start=48, lq=45, window=11, docs=(21, 40, 60, 77)),
+    "packed-single-token-docs": Case(b=1, hq=2, hkv=1, q_start=16, lq=20, docs=(16, 17, 18, 30)),
 }
+
+
+def doc_starts(case: Case) -> torch.Tensor | None:
+    """int32 [B, Lq]: each query's document start (``case.docs`` shifted by 3 per row)."""
+    if not case.docs:
+        return None
+    positions = torch.arange(case.q_start, case.q_start + case.lq)
+    rows = []
+    for b in range(case.b):
+        starts = torch.tensor([0, *(d + 3 * b for d in case.docs)])
+        rows.append(starts[torch.searchsorted(starts, positions, right=True) - 1])
+    return torch.stack(rows).int().to(DEVICE)
 
 
 def make_inputs(case: Case, seed: int = 0):
@@ -90,7 +107,8 @@ def oracle(case: Case, q, dout, kv: PagedKV):
     n = case.q_start + case.lq
     leaves = [x.detach().double().requires_grad_() for x in (q, from_pages(kv.k, kv.page_table, n),
                                                                from_pages(kv.v, kv.page_table, n))]  # fmt: skip
-    out, lse = dense_attention(*leaves, case.q_start, case.d**-0.5, case.window, True, case.softcap)
+    out, lse = dense_attention(*leaves, case.q_start, case.d**-0.5, case.window, True, case.softcap,
+                               doc_start=doc_starts(case))  # fmt: skip
     out.backward(dout.double())
     pad = kv.page_table.shape[1] * case.page - n
     dk, dv = (torch.nn.functional.pad(x.grad, (0, 0, 0, pad)) for x in leaves[1:])
@@ -100,8 +118,9 @@ def oracle(case: Case, q, dout, kv: PagedKV):
 def check_forward(backend: str, case: Case):
     q, dout, kv = make_inputs(case)
     out, lse = kernels(backend).paged_attention_forward(
-        q, kv.k, kv.v, kv.page_table, case.q_start, case.d**-0.5, case.window, softcap=case.softcap
-    )
+        q, kv.k, kv.v, kv.page_table, case.q_start, case.d**-0.5, case.window, softcap=case.softcap,
+        doc_start=doc_starts(case),
+    )  # fmt: skip
     want_out, want_lse = oracle(case, q, dout, kv)[:2]
     assert out.dtype == q.dtype and lse.dtype == torch.float32 and lse.shape == q.shape[:-1]
     assert_close(out, want_out, TOLERANCE[case.dtype], "out")
@@ -110,9 +129,13 @@ def check_forward(backend: str, case: Case):
 
 def check_backward(backend: str, case: Case):
     q, dout, kv = make_inputs(case)
-    ops, scale, cap = kernels(backend), case.d**-0.5, case.softcap
+    ops, scale, terms = (
+        kernels(backend),
+        case.d**-0.5,
+        {"softcap": case.softcap, "doc_start": doc_starts(case)},
+    )
     out, lse = ops.paged_attention_forward(
-        q, kv.k, kv.v, kv.page_table, case.q_start, scale, case.window, softcap=cap
+        q, kv.k, kv.v, kv.page_table, case.q_start, scale, case.window, **terms
     )
     got = copy_grads(kv)
     dq = ops.paged_attention_backward(
@@ -128,7 +151,7 @@ def check_backward(backend: str, case: Case):
         case.q_start,
         scale,
         case.window,
-        softcap=cap,
+        **terms,
     )
     *_, want_dq, want_dk, want_dv = oracle(case, q, dout, kv)
     tol = TOLERANCE[case.dtype]
@@ -161,7 +184,7 @@ def test_backward_matches_dense(backend: str, case: Case):
     check_backward(backend, case)
 
 
-@pytest.mark.parametrize("case", ["gqa7-ragged", "window", "fp16", "softcap"])
+@pytest.mark.parametrize("case", ["gqa7-ragged", "window", "fp16", "softcap", "packed-window"])
 def test_triton_matches_reference(case: str):
     """The kernels against their plain-torch reference on the same inputs (the kernels' own oracle)."""
     case = CASES[case]
@@ -170,11 +193,11 @@ def test_triton_matches_reference(case: str):
     results = {}
     for backend in BACKENDS:
         ops, grads = kernels(backend), copy_grads(kv)
+        terms = {"softcap": case.softcap, "doc_start": doc_starts(case)}
         out, lse = ops.paged_attention_forward(q, kv.k, kv.v, kv.page_table, case.q_start, scale, case.window,
-                                               softcap=case.softcap)  # fmt: skip
+                                               **terms)  # fmt: skip
         dq = ops.paged_attention_backward(q, out, lse, dout, grads.k, grads.v, grads.dk, grads.dv,
-                                          grads.page_table, case.q_start, scale, case.window,
-                                          softcap=case.softcap)  # fmt: skip
+                                          grads.page_table, case.q_start, scale, case.window, **terms)  # fmt: skip
         results[backend] = out, lse, dq, grads.dk - kv.dk, grads.dv - kv.dv
     for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), results["triton"], results["torch"]):
         assert_close(got, want, 1e-5 if name == "lse" else tol, name)
@@ -299,3 +322,25 @@ def test_engine_with_triton_matches_torch_backend(causal_lm, family):
     assert torch.allclose(loss_k, loss_t, rtol=1e-5, atol=0)
     for name, grad in grads_t.items():
         assert_close(grads_k[name], grad, 1e-4, name)
+
+
+def test_packed_short_documents_cost_what_they_cost_apart():
+    """A row of 8 documents of 32 tokens: the kernels visit the tiles the documents need apart (3 per document and
+    query head at 16 x 16 tiles, counted in the kernels), not the causal triangle of the row (136)."""
+    case = Case(b=1, hq=2, hkv=1, q_start=0, lq=256, docs=tuple(range(32, 256, 32)))
+    q, dout, kv = make_inputs(case)
+    docs = doc_starts(case)
+
+    def visits(doc_start, lq=case.lq):
+        forward, backward = (torch.zeros(1, dtype=torch.int32, device=DEVICE) for _ in "fb")
+        out, lse = triton_kernels.paged_attention_forward(q[:, :, :lq], kv.k, kv.v, kv.page_table, 0, 0.25,
+                                                          doc_start=doc_start, visits=forward)  # fmt: skip
+        grads = copy_grads(kv)
+        triton_kernels.paged_attention_backward(q[:, :, :lq], out, lse, dout[:, :, :lq], grads.k, grads.v, grads.dk,
+                                                grads.dv, grads.page_table, 0, 0.25, doc_start=doc_start,
+                                                visits=backward)  # fmt: skip
+        return forward.item(), backward.item()
+
+    packed, apart = visits(docs), visits(None, lq=32)
+    assert packed == (8 * apart[0], 8 * apart[1]) == (24 * case.hq, 24 * case.hq)
+    assert visits(None) == (136 * case.hq, 136 * case.hq)  # the causal triangle without documents

@@ -163,9 +163,9 @@ class TwoCallsLM(TinyLM):
         return self.model(**batch).loss + self.model(**batch).loss
 
 
-class PaddedLM(TinyLM):
+class LeftPaddedLM(TinyLM):
     def training_step(self, batch):
-        batch["attention_mask"][:, -3:] = 0
+        batch["attention_mask"][:, :3] = 0  # right padding is supported; left padding is not
         return self.model(**batch).loss
 
 
@@ -183,7 +183,7 @@ class LogitsLM(TinyLM):
         (LogitsLM, "logits of the whole sequence are never materialised"),
         (NoModelCallLM, "did not call the OOMB-managed model"),
         (TwoCallsLM, "twice"),
-        (PaddedLM, "padding"),
+        (LeftPaddedLM, "not right padding"),
     ],
 )
 def test_bad_use_is_refused_with_the_fix(module, match):

@@ -159,14 +159,16 @@ class HFChunkModel:
 
     @contextlib.contextmanager
     def answer_calls(self, respond: Respond) -> Iterator[None]:
-        """While the block runs, ``model(input_ids=..., labels=..., attention_mask=...)`` returns a
-        ``CausalLMOutputWithPast`` with ``loss = respond(input_ids, labels)`` and a logits stand-in that refuses
-        every use (the whole sequence's logits are never materialised)."""
+        """While the block runs, ``model(input_ids=..., labels=..., position_ids=..., attention_mask=...)`` returns
+        a ``CausalLMOutputWithPast`` with the engine's loss (``respond``) and a logits stand-in that refuses every use
+        (the whole sequence's logits are never materialised). ``position_ids`` that restart mark packed documents,
+        an ``attention_mask`` right padding (:mod:`lightning_oomb.engine.batch`)."""
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
-        def forward(input_ids=None, attention_mask=None, labels=None, **kwargs):
-            _check_call(input_ids, attention_mask, kwargs)
-            return CausalLMOutputWithPast(loss=respond(input_ids, labels), logits=_NoLogits())
+        def forward(input_ids=None, attention_mask=None, labels=None, position_ids=None, **kwargs):
+            _check_call(input_ids, kwargs)
+            loss = respond(input_ids, labels, position_ids=position_ids, attention_mask=attention_mask)
+            return CausalLMOutputWithPast(loss=loss, logits=_NoLogits())
 
         self.model.forward = forward
         try:
@@ -179,7 +181,7 @@ class HFChunkModel:
 _GENERATION_KEYS = ("cache", "past_key_values", "cache_position")
 
 
-def _check_call(input_ids, attention_mask, extra: dict) -> None:
+def _check_call(input_ids, extra: dict) -> None:
     if any(extra.get(key) is not None for key in _GENERATION_KEYS):
         raise OOMBConfigError(
             "the OOMB-managed model was called with a KV cache (model.generate or cached decoding) inside "
@@ -192,13 +194,8 @@ def _check_call(input_ids, attention_mask, extra: dict) -> None:
     )
     if input_ids is None or unexpected:
         raise OOMBConfigError(
-            f"the OOMB-managed model got {unexpected or 'no input_ids'} — the engine computes positions, masks and "
-            "the loss itself from token ids — call it as `model(input_ids=..., labels=..., attention_mask=...)`."
-        )
-    if attention_mask is not None and not bool(attention_mask.bool().all()):
-        raise OOMBConfigError(
-            "attention_mask contains padding — OOMB trains on equal-length rows (sequence packing is not yet "
-            "supported) — pack or crop your samples to one length and drop the mask (or pass all ones)."
+            f"the OOMB-managed model got {unexpected or 'no input_ids'} — the engine computes the loss itself from "
+            "token ids — call it as `model(input_ids=..., labels=..., position_ids=..., attention_mask=...)`."
         )
 
 

@@ -1,0 +1,100 @@
+"""A batch's layout: where each token sits (packed documents, right padding) and which targets count.
+
+Hugging Face's conventions, so a ``DataCollatorWithFlattening`` batch or a padded one works unchanged:
+
+- **Packed documents**: ``position_ids [B, N]`` restart at each document (a new document starts wherever a position
+  is not the previous one plus one, as ``transformers.masking_utils.find_packed_sequence_indices`` reads them).
+  Attention never crosses a document boundary (``doc_start``: each token's document start), RoPE uses the given
+  positions, and no token is trained to predict the next document's first token.
+- **Right padding**: an ``attention_mask`` that is ones then zeros per row (rows of a batch may differ in length):
+  padded positions have no target (labels there are ignored) and real tokens never see them (they come after).
+  Left padding and masks with holes are refused — they would need every real token to skip keys.
+
+Everything is decided here, before any chunk runs; :class:`Layout` is what the step uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lightning_oomb.engine.errors import OOMBConfigError
+from lightning_oomb.engine.loss import IGNORE_INDEX, shift_labels
+
+
+@dataclass
+class Layout:
+    """``positions [1 | B, N]``: each token's RoPE position; ``doc_start [B, N]`` int32 (``None``: one document per
+    row): the position in the row where its document starts; ``targets [B, N]``: what each position predicts
+    (``IGNORE_INDEX``: nothing)."""
+
+    positions: torch.Tensor
+    doc_start: torch.Tensor | None
+    targets: torch.Tensor
+
+
+def _documents(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """int32 ``[B, N]`` document starts, or ``None`` if no row has a boundary after its first token."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    if not bool(starts[:, 1:].any()):
+        return None
+    index = torch.arange(position_ids.shape[1], device=position_ids.device).expand_as(position_ids)
+    return torch.where(starts, index, 0).cummax(1).values.to(torch.int32)
+
+
+def plan_layout(
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+) -> Layout:
+    """Validate ``position_ids`` / ``attention_mask`` of ``input_ids [B, N]`` and lay the batch out."""
+    batch, seq_len = input_ids.shape
+    labels = labels.clone()
+    if attention_mask is not None:
+        if tuple(attention_mask.shape) != (batch, seq_len):
+            raise OOMBConfigError(
+                f"attention_mask {tuple(attention_mask.shape)} does not match input_ids {(batch, seq_len)} — give one "
+                "mask value per token."
+            )
+        keep = attention_mask.bool()
+        if bool((keep[:, 1:] & ~keep[:, :-1]).any()):
+            raise OOMBConfigError(
+                "attention_mask is not right padding — OOMB accepts a mask of ones then zeros per row (padding at "
+                "the end; rows may differ in length), not left padding or holes — pad on the right "
+                "(tokenizer.padding_side='right') or pack documents with position_ids that restart at 0."
+            )
+        labels[~keep] = IGNORE_INDEX
+    if position_ids is None:
+        positions = torch.arange(seq_len, device=input_ids.device)[None]
+        return Layout(positions, None, shift_labels(labels))
+    if position_ids.dim() != 2 or position_ids.shape[1] != seq_len or position_ids.shape[0] not in (1, batch):
+        raise OOMBConfigError(
+            f"position_ids {tuple(position_ids.shape)} do not match input_ids {(batch, seq_len)} — pass [batch, "
+            "tokens] (or [1, tokens]) positions, restarting at 0 where a packed document starts."
+        )
+    if position_ids.is_floating_point() or bool((position_ids < 0).any()):
+        raise OOMBConfigError(
+            "position_ids must be non-negative integers — they are RoPE positions, restarting at 0 per document."
+        )
+    positions = position_ids.expand(batch, -1)
+    doc_start = _documents(positions)
+    targets = shift_labels(labels)
+    if (
+        doc_start is not None
+    ):  # the last token of a document predicts nothing (the next one is another document's)
+        boundary = torch.zeros_like(targets, dtype=torch.bool)
+        boundary[:, :-1] = doc_start[:, 1:] == torch.arange(1, seq_len, device=doc_start.device)
+        targets = targets.masked_fill(boundary, IGNORE_INDEX)
+    return Layout(position_ids, doc_start, targets)
+
+
+def key_floors(doc_start: torch.Tensor | None, starts: list[int]) -> list[int]:
+    """Per chunk starting at ``starts[i]``: the first key any of its queries can see through its document (document
+    starts never decrease along a row, so it is the earliest start of the chunk's first tokens); 0 without
+    documents. One host sync for the whole step."""
+    if doc_start is None:
+        return [0] * len(starts)
+    return doc_start[:, starts].min(0).values.tolist()
