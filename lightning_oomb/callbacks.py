@@ -11,6 +11,9 @@ from typing_extensions import override
 
 from lightning_oomb.engine.errors import OOMBConfigError
 
+# what OOMBMonitor shows in the progress bar as well (the rest goes to the loggers only)
+PROGRESS_BAR = ("oomb/tokens_per_s", "oomb/pool_bytes")
+
 
 class OOMBMonitor(Callback):
     """Log what each OOMB step did: tokens/s, KV-pool bytes and the engine's offload counters.
@@ -18,6 +21,7 @@ class OOMBMonitor(Callback):
     Logged per optimizer step under ``oomb/``: ``tokens_per_s``, ``pool_bytes`` (arenas held), ``kv_bytes`` and
     ``grad_bytes`` (what the step needed), every numeric entry of ``engine.stats.extra`` (offload: bytes moved each
     way, time the compute stream waited on copies, HBM/host pool bytes), and on CUDA ``peak_device_bytes``.
+    ``tokens_per_s`` and ``pool_bytes`` are shown in the progress bar too.
     """
 
     @override
@@ -49,7 +53,10 @@ class OOMBMonitor(Callback):
         metrics.update({k: v for k, v in stats.extra.items() if isinstance(v, (int, float))})
         if device.type == "cuda":
             metrics["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
-        pl_module.log_dict({f"oomb/{k}": float(v) for k, v in metrics.items()}, on_step=True, on_epoch=False)
+        logged = {f"oomb/{k}": float(v) for k, v in metrics.items()}
+        shown = {k: logged.pop(k) for k in PROGRESS_BAR}
+        pl_module.log_dict(shown, on_step=True, on_epoch=False, prog_bar=True)
+        pl_module.log_dict(logged, on_step=True, on_epoch=False)
 
 
 class OOMBOffload(OOMBMonitor):

@@ -1,24 +1,30 @@
-"""Data for long-context training: a synthetic long-range retrieval task and packed local text files.
+"""Data for long-context training: a synthetic long-range retrieval task and packed local documents.
 
 Both data modules yield batches ``{"input_ids": LongTensor[B, N], "labels": LongTensor[B, N]}`` of equal-length
-rows (what ``OOMBStrategy`` trains on: no padding, no attention mask), so a LightningModule can call
+rows (no padding, no attention mask), plus ``position_ids: LongTensor[B, N]`` for packed documents (the Hugging
+Face packing convention: positions restart at every document), so a LightningModule can call
 ``self.model(**batch)`` unchanged under any strategy.
 """
 
 from __future__ import annotations
 
 import glob
+import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule
-from torch.utils.data import ConcatDataset, DataLoader, Dataset
+from torch.utils.data import ConcatDataset, DataLoader, Dataset, Sampler
 
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.loss import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 Batch = dict[str, torch.Tensor]
 
@@ -180,18 +186,136 @@ def pack(tokens: torch.Tensor, seq_len: int) -> torch.Tensor:
     return tokens[: len(tokens) // seq_len * seq_len].view(-1, seq_len)
 
 
-class PackedRows(Dataset):
-    """Rows ``[R, N]`` of token ids as samples (labels = inputs; the model shifts them)."""
+def pack_documents(docs: Sequence[torch.Tensor], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Documents (1-D token tensors) concatenated in order and cut into rows: ``tokens [R, seq_len]`` (the dtype of
+    ``docs``) and ``starts [R, seq_len]`` (bool, True at each document's first token); the tail is dropped."""
+    if not docs:
+        return torch.zeros(0, seq_len, dtype=torch.int32), torch.zeros(0, seq_len, dtype=torch.bool)
+    tokens = torch.cat(list(docs))
+    lengths = torch.tensor([len(d) for d in docs])
+    starts = torch.zeros(len(tokens), dtype=torch.bool)
+    starts[lengths.cumsum(0)[:-1]] = True
+    starts[0] = True
+    return pack(tokens, seq_len), pack(starts, seq_len)
 
-    def __init__(self, rows: torch.Tensor) -> None:
+
+def split_at_starts(rows: torch.Tensor, starts: torch.Tensor) -> list[torch.Tensor]:
+    """The inverse of :func:`pack_documents`: rows ``[R, N]`` back into 1-D pieces, cut before every start (the
+    first row's first token is taken as a start)."""
+    cuts = starts.flatten().nonzero().flatten()
+    return list(torch.tensor_split(rows.flatten(), cuts[cuts > 0]))
+
+
+def document_positions(starts: torch.Tensor) -> torch.Tensor:
+    """Position ids ``LongTensor[N]`` of one row: 0 at every document start (``starts``, bool ``[N]``) and at the
+    row's first token, then counting up."""
+    index = torch.arange(len(starts))
+    last_start = torch.where(starts, index, 0).cummax(0).values
+    return index - last_start
+
+
+class PackedRows(Dataset):
+    """Rows ``[R, N]`` of token ids as samples ``{"input_ids", "labels"}`` (``LongTensor[N]``; labels = inputs, the
+    model shifts them). With ``starts`` (bool ``[R, N]``, True at document starts) samples are packed documents in
+    the Hugging Face convention: ``position_ids`` from :func:`document_positions` and ``labels = -100`` wherever
+    ``position_ids == 0`` (no token predicts the first token of the next document)."""
+
+    def __init__(self, rows: torch.Tensor, starts: torch.Tensor | None = None) -> None:
         self.rows = rows
+        self.starts = starts
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, index: int) -> Batch:
-        row = self.rows[index]
-        return {"input_ids": row, "labels": row}
+        row = self.rows[index].long()
+        if self.starts is None:
+            return {"input_ids": row, "labels": row}
+        position_ids = document_positions(self.starts[index])
+        labels = row.masked_fill(position_ids == 0, IGNORE_INDEX)
+        return {"input_ids": row, "labels": labels, "position_ids": position_ids}
+
+
+class RowSampler(Sampler[int]):
+    """Row indices of one epoch: ``0 .. num_rows - 1`` in order, or (``shuffle``) a permutation that depends only on
+    ``(seed, epoch)``. The next iteration can start part-way into the epoch's order (:meth:`skip`)."""
+
+    def __init__(self, num_rows: int, shuffle: bool = False, seed: int = 0) -> None:
+        self.num_rows = num_rows
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self._skip = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Lightning calls this at every epoch start; the shuffled order depends on it."""
+        self.epoch = epoch
+
+    def skip(self, rows: int) -> None:
+        """Start the next iteration after the first ``rows`` rows of the epoch's order."""
+        self._skip = rows
+
+    def order(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.num_rows))
+        return np.random.default_rng([self.seed, self.epoch]).permutation(self.num_rows).tolist()
+
+    def __iter__(self) -> Iterator[int]:
+        rows, self._skip = self.order()[self._skip :], 0
+        return iter(rows)
+
+    def __len__(self) -> int:
+        # the whole epoch, also when resumed: Lightning counts the skipped batches as done already
+        return self.num_rows
+
+
+class ResumableLoader(DataLoader):
+    """A ``DataLoader`` over a :class:`RowSampler` that a checkpoint can stop and resume mid-epoch.
+
+    Lightning saves ``state_dict()`` of every train dataloader that has one with the checkpoint and gives it back
+    through ``load_state_dict()`` on resume (before the first batch is drawn), so a resumed fit continues at the
+    next row. The state is ``{"epoch", "rows", "num_rows"}``: the epoch and how many rows of its order have left the
+    loader, counted in the main process as batches are handed out (rows that workers prefetched do not count).
+    Every process draws the same rows (no sharding across ranks): it is for one training process, as OOMB runs.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        batch_size: int = 1,
+        shuffle: bool = False,
+        seed: int = 0,
+        num_workers: int = 0,
+    ) -> None:
+        sampler = RowSampler(len(dataset), shuffle=shuffle, seed=seed)
+        super().__init__(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers)
+        self._position = {"epoch": 0, "rows": 0}
+        self._resume: dict[str, int] | None = None
+
+    def state_dict(self) -> dict[str, int]:
+        position = self._resume if self._resume is not None else self._position
+        return {**position, "num_rows": self.sampler.num_rows}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        if state_dict["num_rows"] != self.sampler.num_rows:
+            raise OOMBConfigError(
+                f"the checkpoint's training data had {state_dict['num_rows']} rows, this data module has "
+                f"{self.sampler.num_rows} — files, records, seq_len or val_rows changed, so its position means "
+                "nothing here — resume with the same data, or start a new fit from the checkpoint's weights."
+            )
+        self._resume = {"epoch": state_dict["epoch"], "rows": state_dict["rows"]}
+
+    def __iter__(self) -> Iterator[Batch]:
+        # A generator: nothing below runs before the first batch is asked for, which Lightning does after
+        # load_state_dict and set_epoch. A state saved in another epoch (e.g. at its end) is not resumed.
+        sampler = self.sampler
+        resume, self._resume = self._resume, None
+        skipped = resume["rows"] if resume is not None and resume["epoch"] == sampler.epoch else 0
+        sampler.skip(skipped)
+        self._position = {"epoch": sampler.epoch, "rows": skipped}
+        for batch in super().__iter__():
+            self._position["rows"] = min(self._position["rows"] + self.batch_size, sampler.num_rows)
+            yield batch
 
 
 def expand_paths(files: str | Sequence[str]) -> list[Path]:
@@ -202,60 +326,193 @@ def expand_paths(files: str | Sequence[str]) -> list[Path]:
         matches = sorted(glob.glob(str(Path(pattern).expanduser()), recursive=True))
         if not matches:
             raise OOMBConfigError(
-                f"no file matches {pattern!r} — TextFileDataModule reads local text files — check the path or "
-                "glob (e.g. 'data/**/*.txt')."
+                f"no file matches {pattern!r} — TextFileDataModule reads local text and .jsonl files — check the "
+                "path or glob (e.g. 'data/**/*.txt')."
             )
         found.update((Path(m), None) for m in matches if Path(m).is_file())
     return list(found)
 
 
-class TextFileDataModule(LightningDataModule):
-    """Local text files, tokenized with a Hugging Face tokenizer and packed into rows of ``seq_len`` tokens.
+def _text_of(record: Any, text_field: str, where: str) -> str:
+    """The document text of one record, or an error naming the record (``where``)."""
+    if not isinstance(record, Mapping):
+        problem = f"is a {type(record).__name__}, not a mapping"
+    elif text_field not in record:
+        problem = f"has no field {text_field!r} (its fields: {', '.join(map(str, record)) or 'none'})"
+    elif not isinstance(record[text_field], str):
+        problem = f"holds a {type(record[text_field]).__name__} under {text_field!r}, not a string"
+    else:
+        return record[text_field]
+    raise OOMBConfigError(
+        f"{where} {problem} — each record must be a mapping whose text_field ({text_field!r}) is the document's "
+        "text — fix the record, or set text_field to the field that holds the text."
+    )
 
-    Files are read whole (UTF-8), tokenized without special tokens and concatenated in order, with the
-    tokenizer's EOS token (when it has one) after each file; the tail that does not fill a row is dropped. The
-    last ``val_rows`` rows are held out for validation. Everything is kept in memory: this is for corpora of
-    up to a few hundred million tokens; stream bigger ones from your own data module.
+
+def read_documents(
+    files: str | Sequence[str] | None = None,
+    records: Iterable[Mapping[str, Any]] | None = None,
+    text_field: str = "text",
+) -> list[str]:
+    """Document texts in source order: ``records`` in order, or the files sorted by path, a text file being one
+    document and a ``*.jsonl`` file one document per non-blank line (the JSON record's ``text_field``)."""
+    if records is not None:
+        return [_text_of(record, text_field, f"record {i}") for i, record in enumerate(records)]
+    texts: list[str] = []
+    for path in expand_paths(files or []):
+        if path.suffix != ".jsonl":
+            texts.append(path.read_text(encoding="utf-8"))
+            continue
+        with path.open(encoding="utf-8") as lines:
+            for number, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise OOMBConfigError(
+                        f"{path}:{number} is not JSON ({error.msg}) — a .jsonl file holds one JSON record per line "
+                        "— fix the line, or rename the file if it is plain text."
+                    ) from None
+                texts.append(_text_of(record, text_field, f"{path}:{number}"))
+    return texts
+
+
+BYTE_TOKENIZER = "bytes"
+
+
+def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
+    """``AutoTokenizer.from_pretrained(name)``; ``"bytes"`` is a byte-level tokenizer that needs no files (ByT5's:
+    ids 0, 1, 2 are pad, EOS, unk and byte ``b`` of the UTF-8 text is id ``b + 3``, 259 ids in all)."""
+    if name == BYTE_TOKENIZER:
+        from transformers import ByT5Tokenizer
+
+        return ByT5Tokenizer(extra_ids=0)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name)
+
+
+def tokenize_documents(
+    tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], eos_token_id: int | None, batch: int = 1024
+) -> list[torch.Tensor]:
+    """Each text's token ids without special tokens, plus ``eos_token_id`` (when given), as ``IntTensor``s; texts
+    without tokens are dropped. Tokenized ``batch`` texts at a time (fast tokenizers work on batches in parallel)."""
+    eos = [] if eos_token_id is None else [eos_token_id]
+    docs = []
+    for i in range(0, len(texts), batch):
+        encoded = tokenizer(list(texts[i : i + batch]), add_special_tokens=False, verbose=False)["input_ids"]
+        docs += [torch.tensor(ids + eos, dtype=torch.int32) for ids in encoded if ids]
+    return docs
+
+
+class TextFileDataModule(LightningDataModule):
+    """Documents from local text or JSON-lines files (or Python records), tokenized and packed into rows of exactly
+    ``seq_len`` tokens.
+
+    Documents: a text file (read whole, UTF-8) is one document; a ``*.jsonl`` file holds one JSON record per line,
+    the document under ``text_field``; ``records`` is any iterable of mappings with that field, e.g. a Hugging Face
+    ``datasets.Dataset``. Each document is tokenized without special tokens and followed by the
+    tokenizer's EOS token.
+
+    Batches with ``pack=True`` (the default) are ``{"input_ids", "labels", "position_ids"}``, each
+    ``LongTensor[batch_size, seq_len]``, in the Hugging Face packing convention (``DataCollatorWithFlattening``):
+    ``position_ids`` are 0 at every document start and count up from there; ``labels`` equal ``input_ids`` except
+    -100 wherever ``position_ids == 0``, so no token is trained to predict the first token of the next document.
+    A document longer than the rest of its row continues in the next row, where its positions restart at 0, as if
+    its remainder were a document of its own: every row is self-contained (the model never sees the previous row,
+    and positions continuing from it would describe context that is not there). HF models given ``position_ids``
+    and no ``attention_mask`` keep packed documents apart (a new document wherever positions do not step by 1).
+    With ``pack=False`` documents form one plain stream, batches are ``{"input_ids", "labels"}`` with labels equal
+    to input ids, and attention crosses document ends.
+
+    Splits: the documents in source order (files sorted by path, lines and records in order) are cut into rows;
+    the last ``val_rows`` rows are the validation set, the same whatever ``seed``, ``shuffle`` and ``pack``; the
+    tokens before them are the training set; the tail that fills no row is dropped. With ``pack=True`` the
+    training documents (a document cut by the validation boundary keeps its training part) are shuffled by
+    ``seed`` (if ``shuffle``) and packed once, so training rows come in the same order every epoch; with
+    ``pack=False`` the training rows are shuffled each epoch by ``(seed, epoch)`` (if ``shuffle``).
+
+    Resuming: the train dataloader (:class:`ResumableLoader`) is saved with every checkpoint (epoch and rows
+    handed out), so a fit resumed from a mid-epoch checkpoint continues at the next row, not at the epoch's start.
+
+    Everything is held in memory (5 bytes a token: the id and whether a document starts there): this is for corpora of up to a few hundred million tokens;
+    stream bigger ones from your own data module.
 
     Args:
-        files: paths or glob patterns (``**`` recurses).
-        tokenizer: local directory or hub id, loaded with ``AutoTokenizer.from_pretrained``.
-        seq_len: tokens per row.
+        files: text and ``.jsonl`` files: paths or glob patterns (``**`` recurses). Give ``files`` or ``records``.
+        tokenizer: local directory or hub id for ``AutoTokenizer.from_pretrained``, or ``bytes``: a byte-level
+            tokenizer that needs no files (UTF-8 bytes as ids 3-258, EOS 1; ``vocab_size`` 259), for models
+            trained from scratch.
+        seq_len: tokens per row (at least 2).
         batch_size: rows per batch.
         val_rows: rows held out for validation (0: no validation).
-        shuffle: shuffle training rows each epoch.
+        shuffle: with ``pack=True``, shuffle the training documents (once, by ``seed``) before packing; with
+            ``pack=False``, shuffle the training rows each epoch.
         num_workers: DataLoader worker processes.
+        pack: pack documents with ``position_ids`` and boundary labels (above); ``False``: a plain token stream.
+        seed: the training order (``seed_everything`` does not change it).
+        text_field: the field of a JSON-lines record (or of a ``records`` item) that holds the document's text.
+        records: instead of ``files``, an iterable of mappings with ``text_field``: from Python e.g. a Hugging
+            Face ``datasets.Dataset``, from YAML a list. Read once, in :meth:`setup`; not saved in ``hparams``.
     """
 
     def __init__(
         self,
-        files: str | list[str],
-        tokenizer: str,
+        files: str | list[str] | None = None,
+        tokenizer: str | None = None,
         seq_len: int = 16384,
         batch_size: int = 1,
         val_rows: int = 0,
         shuffle: bool = True,
         num_workers: int = 0,
+        pack: bool = True,
+        seed: int = 0,
+        text_field: str = "text",
+        records: Iterable[Mapping[str, Any]] | None = None,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters()
+        if (files is None) == (records is None):
+            raise OOMBConfigError(
+                f"TextFileDataModule got {'both files and records' if files is not None else 'no documents'} — "
+                "it reads one source — pass files (paths or globs of text/.jsonl files) or records (an iterable "
+                "of mappings, from Python)."
+            )
+        if tokenizer is None:
+            raise OOMBConfigError(
+                "TextFileDataModule has no tokenizer — token ids must be the model's — pass tokenizer: the model's "
+                "hub id or local directory (or 'bytes' for a byte-level tokenizer when training from scratch)."
+            )
+        if seq_len < 2:
+            raise OOMBConfigError(
+                f"seq_len={seq_len} leaves no token to predict — a row needs a token and its successor — use "
+                "seq_len >= 2."
+            )
+        if batch_size < 1 or val_rows < 0 or num_workers < 0:
+            raise OOMBConfigError(
+                f"batch_size={batch_size}, val_rows={val_rows}, num_workers={num_workers}: batches need a row and "
+                "counts cannot be negative — use batch_size >= 1, val_rows >= 0 and num_workers >= 0."
+            )
+        self.save_hyperparameters(ignore=["records"])
         self.files = files
+        self.records = records
         self.tokenizer_name = tokenizer
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.val_rows = val_rows
         self.shuffle = shuffle
         self.num_workers = num_workers
-        self._tokenizer = None
+        self.pack = pack
+        self.seed = seed
+        self.text_field = text_field
+        self._tokenizer: PreTrainedTokenizerBase | None = None
         self.train_set: PackedRows | None = None
         self.val_set: PackedRows | None = None
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> PreTrainedTokenizerBase:
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
-            self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_name)
+            self._tokenizer = load_tokenizer(self.tokenizer_name)
         return self._tokenizer
 
     @property
@@ -263,32 +520,50 @@ class TextFileDataModule(LightningDataModule):
         """Token ids the tokenizer can produce (added tokens included): the embedding rows a model needs."""
         return len(self.tokenizer)
 
-    def tokenize(self) -> torch.Tensor:
-        """All files as one 1-D LongTensor of token ids."""
+    def documents(self) -> list[torch.Tensor]:
+        """Every document's token ids (``IntTensor``, EOS last) in source order; bad input raises before tokenizing."""
+        texts = read_documents(self.files, self.records, self.text_field)
+        if not any(texts):
+            source = "the records" if self.records is not None else f"files {self.files!r}"
+            raise OOMBConfigError(
+                f"the corpus is empty: {source} hold no text — there is nothing to train on — check the paths (or "
+                "records) and text_field."
+            )
         tok = self.tokenizer
-        ids: list[int] = []
-        for path in expand_paths(self.files):
-            ids += tok(path.read_text(encoding="utf-8"), add_special_tokens=False, verbose=False)["input_ids"]
-            if tok.eos_token_id is not None:
-                ids.append(tok.eos_token_id)
-        return torch.tensor(ids, dtype=torch.long)
+        if self.pack and tok.eos_token_id is None:
+            raise OOMBConfigError(
+                f"tokenizer {self.tokenizer_name!r} has no EOS token — packing ends every document with one, so "
+                "the model learns where documents end — use the model's own tokenizer, or pack=False."
+            )
+        return tokenize_documents(tok, texts, tok.eos_token_id)
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
-        tokens = self.tokenize()
-        rows = pack(tokens, self.seq_len)
+        rows, starts = pack_documents(self.documents(), self.seq_len)
         if len(rows) <= self.val_rows:
             raise OOMBConfigError(
-                f"the files hold {len(tokens)} tokens = {len(rows)} rows of seq_len={self.seq_len}, not enough "
-                f"for {self.val_rows} validation row(s) plus training — add text, lower seq_len or val_rows."
+                f"the corpus holds {len(rows)} row(s) of seq_len={self.seq_len} tokens, not enough for "
+                f"{self.val_rows} validation row(s) plus training — add text, lower seq_len or val_rows."
             )
         split = len(rows) - self.val_rows
-        self.train_set, self.val_set = PackedRows(rows[:split]), PackedRows(rows[split:])
+        if not self.pack:
+            self.train_set, self.val_set = PackedRows(rows[:split]), PackedRows(rows[split:])
+            return
+        pieces = split_at_starts(rows[:split], starts[:split])
+        if self.shuffle:
+            pieces = [pieces[i] for i in np.random.default_rng(self.seed).permutation(len(pieces))]
+        self.train_set = PackedRows(*pack_documents(pieces, self.seq_len))
+        self.val_set = PackedRows(rows[split:], starts[split:])
 
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(
-            self.train_set, batch_size=self.batch_size, shuffle=self.shuffle, num_workers=self.num_workers
+    def train_dataloader(self) -> ResumableLoader:
+        shuffle_rows = self.shuffle and not self.pack  # packed rows keep the order of the shuffled documents
+        return ResumableLoader(
+            self.train_set,
+            self.batch_size,
+            shuffle=shuffle_rows,
+            seed=self.seed,
+            num_workers=self.num_workers,
         )
 
     def val_dataloader(self) -> DataLoader | list:

@@ -11,8 +11,10 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
+from torchmetrics.aggregation import MeanMetric
 
 from lightning_oomb.engine.errors import OOMBConfigError
+from lightning_oomb.engine.loss import IGNORE_INDEX
 
 # Qwen2.5-7B's shape (random init from this config is what the benchmarks measure; docs/design.md, "Goals").
 QWEN2_5_7B: dict[str, Any] = {
@@ -51,10 +53,15 @@ def qwen2_5_7b_config(**overrides: Any):
 
 
 class CausalLMModule(LightningModule):
-    """Train a Hugging Face ``*ForCausalLM`` on batches ``{"input_ids", "labels"}`` with AdamW.
+    """Train a Hugging Face ``*ForCausalLM`` on batches ``{"input_ids", "labels"}`` (plus ``position_ids`` for
+    packed documents; every key goes to the model call) with AdamW.
 
     The model is built in :meth:`configure_model` (so the Trainer's device and precision contexts apply, and
     constructing the module, e.g. when a CLI parses a config, loads nothing).
+
+    Logged: ``train_loss`` per step; per validation run ``val_loss``, the mean loss over all validation *target
+    tokens* (each batch's loss weighted by its targets, ``labels[:, 1:] != -100``; without labels, every next
+    token), and ``val_ppl = exp(val_loss)``. A batch without targets weighs nothing.
 
     Args:
         model_name_or_path: hub id or local directory for ``AutoModelForCausalLM.from_pretrained``.
@@ -92,6 +99,9 @@ class CausalLMModule(LightningModule):
             )
         self.save_hyperparameters()
         self.model: torch.nn.Module | None = None
+        # A NaN loss (a diverged model) must show, not be dropped with a warning (the default). Replacing NaN by NaN
+        # keeps it; "disable" would too but drops the weights (torchmetrics issue #3434, open in 1.9).
+        self.val_token_loss = MeanMetric(nan_strategy=math.nan)
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -117,9 +127,21 @@ class CausalLMModule(LightningModule):
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
+    def on_validation_epoch_start(self) -> None:
+        # a 16-bit module (precision="bf16-true" converts every submodule) would sum the losses in 16 bits
+        self.val_token_loss.set_dtype(torch.float32)
+
     def validation_step(self, batch: dict[str, torch.Tensor]) -> None:
-        loss = self.model(**batch).loss
+        loss = self.model(**batch).loss  # the mean over this batch's targets
+        targets = (batch.get("labels", batch["input_ids"])[:, 1:] != IGNORE_INDEX).sum()
+        # without targets HF's loss is NaN (0/0): weight 0 must not turn the mean into NaN
+        self.val_token_loss.update(torch.where(targets > 0, loss.detach().float(), 0.0), weight=targets)
+
+    def on_validation_epoch_end(self) -> None:
+        loss = self.val_token_loss.compute()  # synchronised across processes
+        self.val_token_loss.reset()
         self.log("val_loss", loss, prog_bar=True)
+        self.log("val_ppl", loss.exp())
 
     def configure_optimizers(self):
         hp = self.hparams

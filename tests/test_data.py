@@ -1,20 +1,33 @@
-"""Data modules: the needle retrieval task (determinism, layout, labels, baseline) and packed local text files."""
+"""Data modules: the needle retrieval task (determinism, layout, labels, baseline) and local documents (text,
+JSON lines, records) tokenized and packed, in the HF packing convention, with a train loader that resumes mid-epoch."""
 
 from __future__ import annotations
 
+import json
 import math
+import sys
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 
 from lightning_oomb import OOMBConfigError
-from lightning_oomb.data import NeedleRetrievalDataModule, NeedleRetrievalDataset, TextFileDataModule
+from lightning_oomb.data import (
+    NeedleRetrievalDataModule,
+    NeedleRetrievalDataset,
+    PackedRows,
+    ResumableLoader,
+    TextFileDataModule,
+    split_at_starts,
+)
+from tests.helpers.lightning import TinyLM, make_trainer
 
 TEXT = "the quick brown fox jumps over the lazy dog . " * 40
+REPO = Path(__file__).resolve().parents[1]
 
 
-def make_tokenizer(directory: Path, corpus: list[str]) -> Path:
+def make_tokenizer(directory: Path, corpus: list[str], eos: bool = True) -> Path:
     """A word-level tokenizer trained on ``corpus`` and saved as a Hugging Face tokenizer (no download)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -22,10 +35,14 @@ def make_tokenizer(directory: Path, corpus: list[str]) -> Path:
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.train_from_iterator(corpus, trainer=trainers.WordLevelTrainer(special_tokens=["<unk>", "</s>"]))
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>").save_pretrained(
-        directory
-    )
+    special = {"eos_token": "</s>"} if eos else {}
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", **special).save_pretrained(directory)
     return directory
+
+
+def texts_of_lengths(*lengths: int) -> list[str]:
+    """One text per length, ``length`` distinct-looking bytes each (ASCII: one byte-tokenizer id per character)."""
+    return [(f"doc{i}:" + "abcdefghij" * 10)[:n] for i, n in enumerate(lengths)]
 
 
 @pytest.fixture
@@ -116,9 +133,11 @@ def test_needle_data_module_rejects_empty_batches():
 
 
 # ------------------------------------------------------------------------------------------------ text files
-def test_text_files_are_tokenized_and_packed(text_corpus):
+def test_text_files_are_tokenized_and_concatenated_without_packing(text_corpus):
     files, tok_dir = text_corpus
-    dm = TextFileDataModule([str(files[0].parent / "**" / "*.txt")], str(tok_dir), seq_len=16, val_rows=1)
+    dm = TextFileDataModule(
+        [str(files[0].parent / "**" / "*.txt")], str(tok_dir), seq_len=16, val_rows=1, pack=False
+    )
     dm.setup("fit")
     tok = dm.tokenizer
     expected = []
@@ -131,7 +150,7 @@ def test_text_files_are_tokenized_and_packed(text_corpus):
     assert torch.equal(rows[-1][0], full_rows[-1])
     assert sorted(map(tuple, torch.cat(rows).tolist())) == sorted(map(tuple, full_rows.tolist()))
     batch = next(iter(dm.train_dataloader()))
-    assert torch.equal(batch["labels"], batch["input_ids"])
+    assert set(batch) == {"input_ids", "labels"} and torch.equal(batch["labels"], batch["input_ids"])
     assert dm.vocab_size == len(tok)
 
 
@@ -148,3 +167,249 @@ def test_text_errors_name_the_fix(text_corpus, tmp_path):
         TextFileDataModule(str(tmp_path / "missing*.txt"), str(tok_dir)).setup("fit")
     with pytest.raises(OOMBConfigError, match="not enough"):
         TextFileDataModule(str(files[0]), str(tok_dir), seq_len=100_000, val_rows=1).setup("fit")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"seq_len": 1}, "seq_len=1 leaves no token"),
+        ({"batch_size": 0}, "batch_size=0"),
+        ({"val_rows": -1}, "val_rows=-1"),
+        ({"tokenizer": None}, "no tokenizer"),
+        ({"files": None}, "no documents"),
+        ({"records": [{"text": "a"}]}, "both files and records"),
+    ],
+)
+def test_text_options_are_refused_at_construction(kwargs, match):
+    with pytest.raises(OOMBConfigError, match=match):
+        TextFileDataModule(**{"files": "x.txt", "tokenizer": "bytes", **kwargs})
+
+
+@pytest.mark.parametrize(
+    ("lines", "match"),
+    [
+        (['{"text": "a"}', '{"body": "b"}'], r"docs.jsonl:2 has no field 'text' \(its fields: body\)"),
+        (['{"text": "a"}', "", "{not json"], r"docs.jsonl:3 is not JSON"),
+        (['{"text": 3}'], r"docs.jsonl:1 holds a int under 'text', not a string"),
+        (['["a list"]'], r"docs.jsonl:1 is a list, not a mapping"),
+        ([""], "the corpus is empty"),
+    ],
+)
+def test_bad_jsonl_names_file_and_line_before_any_tokenizer_is_loaded(tmp_path, lines, match):
+    (tmp_path / "docs.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    # a tokenizer that cannot load: the error must come first
+    dm = TextFileDataModule(str(tmp_path / "docs.jsonl"), str(tmp_path / "no-tokenizer-here"))
+    with pytest.raises(OOMBConfigError, match=match):
+        dm.setup("fit")
+
+
+@pytest.mark.parametrize(
+    ("records", "match"),
+    [([{"text": "a"}, "b"], "record 1 is a str, not a mapping"), ([], "the corpus is empty")],
+)
+def test_bad_records_are_named(records, match):
+    with pytest.raises(OOMBConfigError, match=match):
+        TextFileDataModule(records=records, tokenizer="bytes", seq_len=2).setup("fit")
+
+
+def test_packing_needs_an_eos_token(tmp_path):
+    tok_dir = make_tokenizer(tmp_path / "tok", [TEXT], eos=False)
+    records = [{"text": TEXT}]
+    with pytest.raises(OOMBConfigError, match="has no EOS token"):
+        TextFileDataModule(records=records, tokenizer=str(tok_dir), seq_len=8).setup("fit")
+    plain = TextFileDataModule(records=records, tokenizer=str(tok_dir), seq_len=8, pack=False)
+    plain.setup("fit")  # a plain stream needs no document ends
+    assert len(plain.train_set) == len(TEXT.split()) // 8
+
+
+def test_byte_tokenizer_needs_no_files():
+    dm = TextFileDataModule(records=[{"text": "héllo"}, {"text": ""}], tokenizer="bytes", seq_len=2)
+    assert dm.vocab_size == 259 and dm.tokenizer.eos_token_id == 1
+    # UTF-8 bytes shifted by 3 (pad, EOS, unk come first), EOS after the document; the empty one is dropped
+    assert [doc.tolist() for doc in dm.documents()] == [[b + 3 for b in "héllo".encode()] + [1]]
+
+
+def test_packed_rows_are_hf_flattened_documents():
+    """Every row (training and validation, in source order) is what ``DataCollatorWithFlattening`` makes of the
+    document pieces that fall into it; a document split across rows restarts at position 0 in the next row."""
+    from transformers import DataCollatorWithFlattening
+
+    texts = texts_of_lengths(5, 30, 2, 9, 14, 1, 40, 7)  # +1 EOS each: 116 tokens = 4 rows of 24 (+ a tail)
+    dm = TextFileDataModule(
+        records=[{"text": t} for t in texts],
+        tokenizer="bytes",
+        seq_len=24,
+        batch_size=3,
+        val_rows=1,
+        shuffle=False,
+    )
+    dm.setup("fit")
+    docs = [[b + 3 for b in t.encode()] + [1] for t in texts]
+    ends = torch.tensor([len(d) for d in docs]).cumsum(0).tolist()
+    spans = list(zip([0, *ends[:-1]], ends))
+    stream = sum(docs, [])
+    samples = [dm.train_set[i] for i in range(len(dm.train_set))] + [dm.val_set[0]]
+    assert len(samples) == len(stream) // 24 == 4 and len(dm.val_set) == 1
+    collate = DataCollatorWithFlattening(return_tensors="pt")
+    for r, sample in enumerate(samples):
+        lo, hi = r * 24, (r + 1) * 24
+        pieces = [stream[max(a, lo) : min(b, hi)] for a, b in spans if a < hi and b > lo]
+        want = collate([{"input_ids": p, "labels": p} for p in pieces])
+        for key in ("input_ids", "labels", "position_ids"):
+            assert torch.equal(sample[key], want[key][0]), (r, key)
+    # the 30-token document starts at token 6 of row 0 and ends in row 1, which starts again at position 0
+    assert samples[1]["position_ids"][:13].tolist() == list(range(13))
+    assert samples[1]["labels"][0] == -100 and samples[1]["input_ids"][12] == 1
+    batch = next(iter(dm.train_dataloader()))
+    assert set(batch) == {"input_ids", "labels", "position_ids"}
+    assert all(v.dtype == torch.long and v.shape == (3, 24) for v in batch.values())
+    # every -100 label is a document (or row) start: nothing else is masked
+    assert torch.equal(batch["labels"] == -100, batch["position_ids"] == 0)
+
+
+def test_documents_from_text_files_jsonl_and_records_agree(tmp_path):
+    texts = ["première ligne du texte", "a second, longer document " * 3, "third"]
+    for i, text in enumerate(texts):
+        (tmp_path / "txt" / f"{i}.txt").parent.mkdir(exist_ok=True)
+        (tmp_path / "txt" / f"{i}.txt").write_text(text, encoding="utf-8")
+    lines = [json.dumps({"id": i, "body": t}) for i, t in enumerate(texts)]
+    (tmp_path / "docs.jsonl").write_text(
+        "\n".join(lines) + "\n\n", encoding="utf-8"
+    )  # blank lines are skipped
+
+    class Records:  # duck-typed like a datasets.Dataset: iterable mappings, not a list
+        def __iter__(self):
+            return iter({"id": i, "body": t} for i, t in enumerate(texts))
+
+    sources = [
+        {"files": str(tmp_path / "txt" / "*.txt")},
+        {"files": [str(tmp_path / "docs.jsonl")]},
+        {"records": Records()},
+    ]
+    rows = []
+    for source in sources:
+        dm = TextFileDataModule(**source, tokenizer="bytes", text_field="body", seq_len=8, val_rows=2)
+        dm.setup("fit")
+        rows.append(
+            [dm.train_set[i]["input_ids"] for i in range(len(dm.train_set))] + [dm.val_set[1]["input_ids"]]
+        )
+        assert "records" not in dm.hparams  # a data set is no hyperparameter
+    assert all(len(r) == len(rows[0]) and all(map(torch.equal, r, rows[0])) for r in rows[1:])
+
+
+def test_packing_shuffles_documents_by_seed_and_keeps_validation_fixed():
+    records = [{"text": t} for t in texts_of_lengths(*[3 + 7 * i % 45 for i in range(24)])]
+
+    def split(**options) -> tuple[PackedRows, PackedRows]:
+        dm = TextFileDataModule(records=records, tokenizer="bytes", seq_len=32, val_rows=3, **options)
+        dm.setup("fit")
+        return dm.train_set, dm.val_set
+
+    def pieces(rows: PackedRows) -> list[tuple[int, ...]]:
+        return [tuple(p.tolist()) for p in split_at_starts(rows.rows, rows.starts)]
+
+    (a, val_a), (b, _), (c, val_c), (plain, val_plain) = split(), split(), split(seed=1), split(shuffle=False)
+    assert torch.equal(a.rows, b.rows) and not torch.equal(a.rows, c.rows)
+    assert a.rows.shape == plain.rows.shape  # shuffling drops nothing: the training tokens fill their rows
+    # the same training documents (the one cut by the validation boundary keeps its head), reordered
+    assert sorted(pieces(a)) == sorted(pieces(c)) == sorted(pieces(plain)) and pieces(a) != pieces(plain)
+    # validation: the last rows of the source-order stream whatever the seed, shuffle or pack
+    _, val_unpacked = split(pack=False)
+    for val in (val_c, val_plain, val_unpacked):
+        assert torch.equal(val.rows, val_a.rows)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_loader_state_counts_the_rows_handed_out(num_workers):
+    rows = PackedRows(torch.arange(70).view(7, 10))
+
+    def loader() -> ResumableLoader:
+        made = ResumableLoader(rows, batch_size=2, shuffle=True, seed=3, num_workers=num_workers)
+        made.sampler.set_epoch(1)  # what Lightning does at every epoch start
+        return made
+
+    epoch = [b["input_ids"] for b in loader()]
+    assert len(epoch) == 4 and not torch.equal(torch.cat(epoch), rows.rows)  # shuffled
+    interrupted = loader()
+    batches = iter(interrupted)
+    seen = [next(batches)["input_ids"] for _ in range(2)]
+    # workers have prefetched more; only what left the loader counts
+    state = interrupted.state_dict()
+    assert state == {"epoch": 1, "rows": 4, "num_rows": 7}
+    resumed = loader()
+    resumed.load_state_dict(state)
+    assert resumed.state_dict() == state and len(resumed) == 4  # a whole epoch's length, as Lightning expects
+    rest = [b["input_ids"] for b in resumed]
+    assert len(rest) == 2 and all(map(torch.equal, seen + rest, epoch))
+    assert len(list(resumed)) == 4  # the state applies to one iteration only
+    resumed.load_state_dict(state)
+    resumed.sampler.set_epoch(2)  # a state of an earlier epoch (saved at its end) resumes nothing
+    assert len(list(resumed)) == 4
+    with pytest.raises(OOMBConfigError, match="had 7 rows, this data module has 6"):
+        ResumableLoader(PackedRows(rows.rows[:6])).load_state_dict(state)
+
+
+class BatchRecorder(L.Callback):
+    def __init__(self) -> None:
+        self.rows: list[torch.Tensor] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.rows.append(batch["input_ids"].clone())
+
+
+@pytest.fixture
+def one_thread():
+    """The tiny model's steps take milliseconds: a second thread only adds waits (seconds on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("pack", [True, False])  # False: rows reshuffled every epoch
+def test_fit_resumed_mid_epoch_sees_the_rows_an_uninterrupted_fit_sees(
+    text_corpus, tmp_path, pack, one_thread
+):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    _, tok_dir = text_corpus
+    words = TEXT.split()[:10]
+    records = [{"text": " ".join(words[i % 7 :] * (1 + i % 3))} for i in range(11)]
+
+    def data() -> TextFileDataModule:
+        return TextFileDataModule(
+            records=records, tokenizer=str(tok_dir), seq_len=32, batch_size=2, pack=pack
+        )
+
+    def fit(callbacks, ckpt_path=None) -> None:
+        trainer = make_trainer("auto", steps=8, callbacks=callbacks, default_root_dir=tmp_path,
+                               enable_checkpointing=True)  # fmt: skip
+        trainer.fit(TinyLM(), data(), ckpt_path=ckpt_path)
+
+    probe = data()
+    probe.setup("fit")
+    assert len(probe.train_set) == 5  # 3 batches an epoch (2, 2, 1 rows): steps 2 and 4 are mid-epoch
+    full = BatchRecorder()
+    fit([full, ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)])
+    assert len(full.rows) == 8
+    if not pack:
+        assert not torch.equal(torch.cat(full.rows[:3]), torch.cat(full.rows[3:6]))  # a new order each epoch
+    for step in (2, 4, 6):  # mid epoch 0, mid epoch 1, the end of epoch 1
+        resumed = BatchRecorder()
+        fit([resumed], ckpt_path=next((tmp_path / "ckpt").glob(f"*step={step}.ckpt")))
+        assert len(resumed.rows) == 8 - step
+        assert all(map(torch.equal, resumed.rows, full.rows[step:])), step
+
+
+def test_example_packed_config_builds_its_data(monkeypatch, one_thread):  # the config sets num_threads
+    """examples/configs/textfiles-packed-cpu.yaml: its files exist, its model's vocabulary is the tokenizer's."""
+    from lightning_oomb.cli import build_cli
+
+    monkeypatch.chdir(REPO)  # the config's paths are relative to the repository root
+    monkeypatch.setattr(sys, "argv", ["oomb"])
+    cli = build_cli(["--config", "examples/configs/textfiles-packed-cpu.yaml"], run=False)
+    dm = cli.datamodule
+    dm.setup("fit")
+    assert dm.pack and cli.model.hparams.config["vocab_size"] == dm.vocab_size == 259
+    assert len(dm.train_set) >= 8 and len(dm.val_set) == 2
+    assert dm.train_set[0]["position_ids"].shape == (dm.seq_len,)

@@ -1,4 +1,5 @@
-"""CausalLMModule: lazy model construction, from_pretrained from a local folder, the learning-rate schedule."""
+"""CausalLMModule: lazy model construction, from_pretrained from a local folder, the learning-rate schedule,
+validation metrics weighted by target tokens."""
 
 from __future__ import annotations
 
@@ -6,9 +7,12 @@ import math
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 from lightning_oomb import OOMBConfigError
 from lightning_oomb.models import QWEN2_5_7B, CausalLMModule, build_config, lr_factor, qwen2_5_7b_config
+from tests.helpers.lightning import make_trainer
+from tests.helpers.models import build_causal_lm
 
 TINY = {
     "model_type": "qwen2",
@@ -79,3 +83,40 @@ def test_weight_decay_skips_norms_and_biases():
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(module.parameters()))
+
+
+def _batch(gen: torch.Generator, rows: int, tokens: int, ignored: int = 0) -> dict[str, torch.Tensor]:
+    """Random ids; the first ``ignored`` labels of every row are -100."""
+    ids = torch.randint(0, 97, (rows, tokens), generator=gen)
+    labels = ids.clone()
+    labels[:, :ignored] = -100
+    return {"input_ids": ids, "labels": labels}
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])  # bf16-true converts the metric's state too
+def test_validation_metrics_weigh_batches_by_their_target_tokens(precision):
+    gen = torch.Generator().manual_seed(0)
+    # 5, 98, 5 and 0 target tokens (the last batch: HF's loss is NaN, it must weigh nothing)
+    batches = [
+        _batch(gen, 1, 6),
+        _batch(gen, 2, 50),
+        _batch(gen, 1, 30, ignored=25),
+        _batch(gen, 1, 8, ignored=8),
+    ]
+    module = CausalLMModule(config=TINY)
+    module.model = build_causal_lm("qwen2", dtype=torch.float32)  # configure_model keeps a model it is given
+    trainer = make_trainer("auto", precision=precision)
+    trainer.validate(module, DataLoader(batches, batch_size=None), verbose=False)
+
+    with torch.no_grad():  # the per-batch losses validation_step saw: HF's mean over each batch's targets
+        losses = torch.stack([module.model(**b).loss.double() for b in batches[:-1]])
+    counts = torch.tensor(
+        [int((b["labels"][:, 1:] != -100).sum()) for b in batches[:-1]], dtype=torch.float64
+    )
+    assert counts.tolist() == [5, 98, 5]
+    weighted = float((losses * counts).sum() / counts.sum())
+    logged = trainer.callback_metrics
+    assert float(logged["val_loss"]) == pytest.approx(weighted, rel=1e-6)
+    assert float(logged["val_ppl"]) == pytest.approx(math.exp(weighted), rel=1e-6)
+    # the unweighted mean of the batch losses is a different number
+    assert abs(math.exp(float(losses.mean())) - float(logged["val_ppl"])) > 1e-3

@@ -36,12 +36,22 @@ def offloading(**options):
 
 
 def test_monitor_logs_pool_bytes_and_throughput():
-    _, logger = fit(oomb(), [OOMBMonitor()])
+    trainer, logger = fit(oomb(), [OOMBMonitor()])
     logged = [r for r in logger.rows if "oomb/kv_bytes" in r]
     assert len(logged) == 2
     # 2 layers x 1 KV head x head_dim 8 x (K, V) x fp32, 2 rows x 40 tokens (5 pages of 8)
     assert logged[-1]["oomb/kv_bytes"] == 2 * 1 * 8 * 2 * 4 * 2 * 40
     assert logged[-1]["oomb/tokens_per_s"] > 0
+    # throughput and pool size are in the progress bar too (and still go to the loggers), the rest is not
+    shown = trainer.progress_bar_metrics
+    assert set(shown) == {"oomb/tokens_per_s", "oomb/pool_bytes"}
+    assert shown["oomb/tokens_per_s"] > 0
+    assert (
+        shown["oomb/pool_bytes"]
+        == logged[-1]["oomb/pool_bytes"]
+        == trainer.strategy.engine.stats.pool_bytes
+        > 0
+    )
 
 
 def test_monitor_refuses_other_strategies():
