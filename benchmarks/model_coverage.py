@@ -38,6 +38,7 @@ def _alarm(*_):
 
 
 def classify(name: str, seconds: int) -> dict:
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from lightning_oomb.engine import OOMBConfigError
@@ -53,7 +54,13 @@ def classify(name: str, seconds: int) -> dict:
         support._tiny(d)
         if isinstance(d.get("text_config"), dict):
             support._tiny(d["text_config"])
-        model = AutoModelForCausalLM.from_config(type(config).from_dict(d))
+        tiny = type(config).from_dict(d)
+        with torch.device("meta"):  # its size first: a config whose width the shrinking does not reach stays big
+            size = sum(p.numel() for p in AutoModelForCausalLM.from_config(tiny).parameters())
+        if size > 50_000_000:
+            row.update(status="not built", why=f"{size / 1e6:.0f}M parameters after shrinking")
+            return row
+        model = AutoModelForCausalLM.from_config(tiny)
         row["class"] = type(model).__name__
     except _Timeout:
         row.update(status="not built", why="timeout")

@@ -108,3 +108,12 @@ def test_help_lists_the_projects_classes_and_short_names_work(capsys):
         run=False,
     )  # fmt: skip
     assert isinstance(cli.model, CausalLMModule) and cli.trainer.strategy.oomb_config.loss_block == 64
+
+
+def test_cli_fits_the_packed_text_config(tmp_path):
+    """Local text and jsonl documents, packed (position_ids restart per document), trained by OOMB."""
+    cli = build_cli(
+        ["fit", "--config", str(EXAMPLES / "configs" / "textfiles-packed-cpu.yaml"), "--trainer.max_steps=2",
+         f"--trainer.default_root_dir={tmp_path}"]
+    )  # fmt: skip
+    assert cli.trainer.global_step == 2 and cli.trainer.strategy.engine.stats.chunks == 4

@@ -132,6 +132,10 @@ def check_supported(model: torch.nn.Module) -> None:
 # ------------------------------------------------------------------------------------------- self-check
 _WIDTHS = {  # config field -> tiny value (ints only; only fields the config has)
     "intermediate_size": 32,
+    "ffn_dim": 32,
+    "decoder_ffn_dim": 32,
+    "encoder_ffn_dim": 32,
+    "n_inner": 32,
     "moe_intermediate_size": 16,
     "shared_expert_intermediate_size": 16,
     "ffn_hidden_size": 32,
@@ -157,8 +161,9 @@ def _tiny(d: dict) -> None:
         heads = d["num_attention_heads"]
     if isinstance(d.get("head_dim"), int):
         d["head_dim"] = min(d["head_dim"], 16)
-    if isinstance(d.get("hidden_size"), int):
-        d["hidden_size"] = 8 * heads if isinstance(heads, int) else 64
+    for field in ("hidden_size", "d_model", "n_embd"):  # the model width, under its usual names
+        if isinstance(d.get(field), int):
+            d[field] = 8 * heads if isinstance(heads, int) else 64
     for field, value in _WIDTHS.items():
         if isinstance(d.get(field), int):
             d[field] = min(d[field], value)
