@@ -55,7 +55,8 @@ def classify(name: str, seconds: int) -> dict:
         if isinstance(d.get("text_config"), dict):
             support._tiny(d["text_config"])
         tiny = type(config).from_dict(d)
-        with torch.device("meta"):  # its size first: a config whose width the shrinking does not reach stays big
+        # its size first: a config whose width the shrinking does not reach stays big
+        with torch.device("meta"):
             size = sum(p.numel() for p in AutoModelForCausalLM.from_config(tiny).parameters())
         if size > 50_000_000:
             row.update(status="not built", why=f"{size / 1e6:.0f}M parameters after shrinking")

@@ -160,13 +160,13 @@ class PagedAttention(torch.autograd.Function):
             shape = chunk.shape.for_dtype(k.dtype)
             if pool.shape != shape:
                 pool.reserve(shape, k.device)
-        pool.write(layer, chunk.start, k, v)
+        pool.write(layer, chunk.start, k, v, window)
         parts = pool.parts(layer, chunk.start + q.shape[2], first_key=_first_key(chunk, window))
         with torch.autocast(q.device.type, enabled=False):
             out, lse = attend(
                 chunk.backend, q, parts, chunk.start, scale, window, softcap, sinks, chunk.doc_start
             )
-        ctx.save_for_backward(q, out, lse, sinks, *((k, v) if pool.streams(layer) else ()))
+        ctx.save_for_backward(q, out, lse, sinks, *((k, v) if pool.restages(layer) else ()))
         ctx.args = (chunk, layer, scale, window, softcap, k.dtype)
         return out
 
@@ -177,7 +177,7 @@ class PagedAttention(torch.autograd.Function):
         chunk, layer, scale, window, softcap, kv_dtype = ctx.args
         pool = chunk.pool
         if kv:
-            pool.write(layer, chunk.start, *kv)
+            pool.write(layer, chunk.start, *kv, window)
         first_key = _first_key(chunk, window)
         # the kernels add into each part's dk, dv
         parts = pool.parts(layer, chunk.start + q.shape[2], True, first_key)

@@ -50,23 +50,31 @@ class TierPlan:
 
 
 def plan_tiers(
-    num_layers: int, layer_bytes: int, budget: int | None, staging_buffers: int, block_bytes: int
+    num_layers: int,
+    layer_bytes: int,
+    budget: int | None,
+    staging_buffers: int,
+    block_bytes: int,
+    device_only: tuple[int, ...] = (),
 ) -> TierPlan:
     """Split layers between tiers so the pool's device bytes stay within ``budget`` (``None``: no limit).
 
-    Device bytes = ``len(hbm_layers) * layer_bytes`` plus, once a layer is on the host, ``staging_buffers *
-    block_bytes``; the most HBM layers that fit win. Host layers are spread evenly over depth (not the last ones),
-    so each host layer's copies overlap the compute of the HBM layers before it. A budget below the staging
-    buffers puts every layer on the host: they are the floor of offload's device memory.
+    ``device_only`` layers (window layers that keep only their tails: small) always stay on the device; the caller
+    takes their bytes out of the budget. The others are full layers: device bytes = ``layer_bytes`` per HBM layer
+    plus, once a layer is on the host, ``staging_buffers * block_bytes``; the most HBM layers that fit win. Host
+    layers are spread evenly over depth (not the last ones), so each host layer's copies overlap the compute of the
+    HBM layers before it. A budget below the staging buffers puts every full layer on the host: they are the floor
+    of offload's device memory.
     """
     everything = tuple(range(num_layers))
-    if budget is None or num_layers * layer_bytes <= budget:
+    full = tuple(i for i in everything if i not in device_only)
+    if budget is None or len(full) * layer_bytes <= budget:
         return TierPlan(everything, (), 0)
-    hbm = num_layers - 1
+    hbm = len(full) - 1
     while hbm > 0 and hbm * layer_bytes + staging_buffers * block_bytes > budget:
         hbm -= 1
-    n_host = num_layers - hbm
-    host = tuple(i for i in everything if (i + 1) * n_host // num_layers > i * n_host // num_layers)
+    n_host = len(full) - hbm
+    host = tuple(f for i, f in enumerate(full) if (i + 1) * n_host // len(full) > i * n_host // len(full))
     return TierPlan(tuple(i for i in everything if i not in host), host, staging_buffers)
 
 
@@ -112,8 +120,7 @@ class KVPool:
         self._hbm: Arena | None = None
         self._host: Arena | None = None
         self._staging: Arena | None = None
-        self._tables: torch.Tensor | None = None  # HBM layers' page tables [hbm layers, batch, pages]
-        self._rank: dict[int, int] = {}  # layer -> its index in the HBM tier
+        self._tables: dict[int, torch.Tensor] = {}  # HBM layer -> its page table [batch, pages]
         self._offload: Offloader | None = None
         self._sweep = "forward"
         self._warned: set[str] = set()
@@ -126,12 +133,16 @@ class KVPool:
         self._warn_no_effect(shape, device)
         self._synchronize()  # copies in flight may still use arenas that get replaced below
         cfg = self.config
+        recycling = tuple(layer for layer in range(shape.num_layers) if shape.tails[layer] is not None)
+        budget = self._budget(device)
+        if budget is not None:
+            budget = max(0, budget - sum(shape.bytes_of(layer) for layer in recycling))
         plan = plan_tiers(
-            shape.num_layers, shape.layer_bytes, self._budget(device), cfg.staging_buffers, shape.block_bytes
+            shape.num_layers, shape.layer_bytes, budget, cfg.staging_buffers, shape.block_bytes, recycling
         )
         host_device = torch.device("cpu")
         slots = {
-            "hbm": len(plan.hbm_layers) * shape.layer_slots,
+            "hbm": sum(shape.batch * shape.layer_pages(layer) for layer in plan.hbm_layers),
             "staging": plan.staging_buffers * shape.block_slots,
             "host": len(plan.host_layers) * shape.layer_slots,
         }
@@ -139,8 +150,10 @@ class KVPool:
         self._hbm = self._grow(self._hbm, slots["hbm"], shape, device)
         self._staging = self._grow(self._staging, slots["staging"], shape, device)
         self._host = self._grow(self._host, slots["host"], shape, host_device, host=True)
-        self._rank = {layer: i for i, layer in enumerate(plan.hbm_layers)}
-        self._tables = shape.page_tables(len(plan.hbm_layers), device)
+        self._tables, base = {}, 0
+        for layer in plan.hbm_layers:
+            self._tables[layer] = shape.layer_table(layer, base, device)
+            base += shape.batch * shape.layer_pages(layer)
         self._offload = None
         if plan.host_layers:
             cache = StagingCache(
@@ -274,7 +287,8 @@ class KVPool:
         for arena in (self._hbm, self._staging, self._host):
             if arena is not None:
                 arena.free()
-        self._hbm = self._host = self._staging = self._tables = self._offload = None
+        self._hbm = self._host = self._staging = self._offload = None
+        self._tables = {}
         self.shape = self.plan = None
 
     @property
@@ -295,7 +309,16 @@ class KVPool:
     def streams(self, layer: int) -> bool:
         """``layer`` lives in the host tier: it is streamed in blocks, and in the backward sweep
         :meth:`write` needs the chunk's K/V again."""
-        return self._offload is not None and layer not in self._rank
+        return self._offload is not None and layer not in self._tables
+
+    def recycles(self, layer: int) -> bool:
+        """``layer`` keeps only its tails (a window layer): its chunk's other pages are rewritten from the
+        chunk's own K/V in the backward sweep."""
+        return self.shape is not None and self.shape.tails[layer] is not None
+
+    def restages(self, layer: int) -> bool:
+        """The backward sweep's :meth:`write` needs the chunk's K/V again (a host layer or a recycling one)."""
+        return self.streams(layer) or self.recycles(layer)
 
     # ------------------------------------------------------------------------------------------------ sweeps
     def begin_sweep(self, kind: str) -> None:
@@ -341,18 +364,32 @@ class KVPool:
 
     # ------------------------------------------------------------------------------------------------ access
     def _layer_table(self, layer: int) -> torch.Tensor:
-        return self._tables[self._rank[layer]]
+        return self._tables[layer]
 
-    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(
+        self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor, window: int | None = None
+    ) -> None:
         """Store a chunk's post-RoPE ``k, v [B, kv_heads, L, head_dim]`` at token ``start`` (page aligned); the
         layer's content becomes tokens ``[0, start + L)`` with zero gradients for the new pages. In the backward
-        sweep ``k, v`` are the recompute's identical copy: only a host layer needs them (on the device again)."""
+        sweep ``k, v`` are the recompute's identical copy: only a host layer or a recycling window layer needs
+        them (its transient pages get them back with zero gradients; its tails keep theirs). ``window``: the
+        call's sliding window, checked against the one the model declared."""
         shape = self.shape
         assert start % shape.page_size == 0, "chunks start on page boundaries"
+        if shape.windows is not None and shape.windows[layer] != window:
+            raise OOMBConfigError(
+                f"layer {layer} attends with sliding_window={window} but the model declared {shape.windows[layer]} — "
+                "window layers keep only the pages their window reaches, so this would read missing keys — make "
+                "the model's `layer_windows` match its attention calls (or drop it: every page is then kept)."
+            )
         backward = self._sweep == "backward"
         if not self.streams(layer):
+            table = self._layer_table(layer)
             if not backward:
-                self._store(self._hbm, self._layer_table(layer), start, k, v, zero_grads=True)
+                self._store(self._hbm, table, start, k, v, zero_grads=True)
+            elif self.recycles(layer):
+                self._store(self._hbm, table, start, k, v, zero_grads=False)
+                self._zero_transient_grads(layer, table, start, k.shape[2])
             return
         block = shape.block_of(start)
         if backward and self._offload.holds_kv(layer, block):
@@ -360,6 +397,17 @@ class KVPool:
         table = self._offload.begin_write(layer, block)
         self._store(self._staging, table, start, k, v, zero_grads=False)  # host gradients start at zero
         self._offload.end_write(layer, block, persist=not backward)
+
+    def _zero_transient_grads(self, layer: int, table: torch.Tensor, start: int, length: int) -> None:
+        """Zero the gradient pages of a recycling layer's chunk outside its tails (they still hold the last chunk's
+        that used the same transient slots); the tails keep what later chunks added."""
+        shape = self.shape
+        first, end = start // shape.page_size, shape.num_pages(start + length)
+        transient = [p for p in range(first, end) if p not in set(shape.tails[layer])]
+        if transient:
+            flat = table[:, transient].flatten().long()
+            self._hbm.dk.index_fill_(0, flat, 0)
+            self._hbm.dv.index_fill_(0, flat, 0)
 
     def _store(self, arena: Arena, table: torch.Tensor, start: int, k, v, zero_grads: bool) -> None:
         first, end = start // self.shape.page_size, self.shape.num_pages(start + k.shape[2])

@@ -6,10 +6,17 @@ float32 by default, bfloat16 opt-in; never narrower than the K/V dtype (float64 
 which the exactness tests use).
 
 **Arenas.** A tier keeps all its pages in one :class:`Arena`: one allocation viewed as K, V, dK, dV
-``[slots, kv_heads, page_size, head_dim]`` (never one tensor per page). Within a tier, layer rank ``i`` owns slots
+``[slots, kv_heads, page_size, head_dim]`` (never one tensor per page). In the host tier, layer rank ``i`` owns slots
 ``[i * layer_slots, (i + 1) * layer_slots)`` laid out page-major: page ``j`` of row ``b`` is slot
 ``i * layer_slots + j * batch + b``, so the pages of a block (one chunk, all rows) are one contiguous slot range that
-a single copy moves. Staging buffer ``i`` (offload) owns ``[i * block_slots, (i + 1) * block_slots)`` laid out the
+a single copy moves. In the HBM tier layers follow each other the same way, each with its own slot count.
+
+**Window layers keep only their tails.** A sliding-window layer (window ``W`` at most a chunk) never needs a key
+more than ``W - 1`` tokens before a chunk's start: the pages holding the last ``W - 1`` keys before each later
+chunk's start are the layer's *tails*, kept for the whole step (the next chunk's backward reads them and adds into
+their gradients); every other page of a chunk lives in a *transient* region of one chunk's pages, reused by every
+chunk (the backward sweep restages a chunk's own K/V there and zeroes their gradients). Qwen2.5-style models have no
+window layers; GPT-OSS (window 128, chunk 4096) keeps 1 page in 32 of its window layers. Staging buffer ``i`` (offload) owns ``[i * block_slots, (i + 1) * block_slots)`` laid out the
 same way for whichever block it holds. A page table ``int32 [batch, pages] -> slot`` addresses one layer's pages;
 kernels index pages through it and know nothing about tiers.
 
@@ -21,6 +28,7 @@ reference of the kernels (:mod:`lightning_oomb.engine.reference`) all import it,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import weakref
 from dataclasses import dataclass
@@ -54,6 +62,7 @@ class PoolShape:
     ``chunk_size``: tokens per chunk = per offload block (a multiple of ``page_size``; 0: the whole sequence).
     ``dtype``: the K/V dtype, which the first chunk written decides (:meth:`for_dtype`); ``None`` until then.
     ``kv_grad_dtype``: the gradient-page option; :attr:`grad_dtype` is what it resolves to for ``dtype``.
+    ``windows``: each layer's sliding window as the model declares it (``None``: unknown, every layer full).
     """
 
     num_layers: int
@@ -65,6 +74,7 @@ class PoolShape:
     chunk_size: int = 0
     kv_grad_dtype: str = "float32"
     dtype: torch.dtype | None = None
+    windows: tuple[int | None, ...] | None = None  # per layer: its sliding window (None: full attention)
 
     def for_dtype(self, dtype: torch.dtype) -> PoolShape:
         """This shape with K/V in ``dtype``."""
@@ -81,12 +91,37 @@ class PoolShape:
 
     @property
     def layer_slots(self) -> int:
-        """Pages of one layer, all rows."""
+        """Pages of one full layer, all rows."""
         return self.batch * self.pages_per_row
+
+    @functools.cached_property
+    def tails(self) -> tuple[tuple[int, ...] | None, ...]:
+        """Per layer, the pages (per row) a window layer keeps for the whole step — those holding keys within
+        ``window - 1`` before a later chunk's start — or ``None`` for a layer that keeps every page (full attention,
+        no window declared, or no saving)."""
+        return tuple(self._tails(layer) for layer in range(self.num_layers))
+
+    def _tails(self, layer: int) -> tuple[int, ...] | None:
+        window = self.windows[layer] if self.windows is not None else None
+        if window is None or not self.chunk_size:
+            return None
+        keep: set[int] = set()
+        for boundary in range(self.chunk_size, self.seq_len, self.chunk_size):
+            keep.update(
+                range(max(0, boundary - window + 1) // self.page_size, (boundary - 1) // self.page_size + 1)
+            )
+        if len(keep) + self.block_pages >= self.pages_per_row:
+            return None
+        return tuple(sorted(keep))
+
+    def layer_pages(self, layer: int) -> int:
+        """Pages per row the layer stores: every page, or its tails plus one chunk's transient pages."""
+        tails = self.tails[layer]
+        return self.pages_per_row if tails is None else len(tails) + self.block_pages
 
     @property
     def num_slots(self) -> int:
-        return self.num_layers * self.layer_slots
+        return self.batch * sum(self.layer_pages(layer) for layer in range(self.num_layers))
 
     @property
     def page_numel(self) -> int:
@@ -114,8 +149,12 @@ class PoolShape:
 
     @property
     def layer_bytes(self) -> int:
-        """Bytes of one layer's K, V, dK and dV pages (the unit of tier placement)."""
-        return (self.kv_bytes + self.grad_bytes) // self.num_layers
+        """Bytes of one full layer's K, V, dK and dV pages (the unit of tier placement)."""
+        return 2 * self.layer_slots * self.page_numel * (self.dtype.itemsize + self.grad_dtype.itemsize)
+
+    def bytes_of(self, layer: int) -> int:
+        """Bytes of the layer's K, V, dK and dV pages (a window layer's tails and transient pages)."""
+        return self.layer_bytes // self.pages_per_row * self.layer_pages(layer)
 
     # ------------------------------------------------------------------------------------------ blocks
     @property
@@ -167,6 +206,18 @@ class PoolShape:
         first, end = self.block_pages_range(block)
         offset = buffer * self.block_slots
         return slice(offset, offset + (end - first) * self.batch)
+
+    def layer_table(self, layer: int, base: int, device: torch.device) -> torch.Tensor:
+        """int32 ``[batch, pages_per_row]``: page ``j`` of row ``b`` of a layer whose slots start at ``base`` (page-major:
+        a full layer's page ``j`` at ``base + j * batch + b``; a window layer's ``i``-th tail page at
+        ``base + i * batch + b`` and its other pages in the transient region after the tails, ``p % block_pages``)."""
+        pages = torch.arange(self.pages_per_row)
+        tails = self.tails[layer]
+        if tails is not None:
+            tail = torch.full((self.pages_per_row,), -1, dtype=torch.long)
+            tail[list(tails)] = torch.arange(len(tails))
+            pages = torch.where(tail >= 0, tail, len(tails) + pages % self.block_pages)
+        return (base + pages[None] * self.batch + torch.arange(self.batch)[:, None]).to(device, torch.int32)
 
     def page_tables(self, count: int, device: torch.device, blocks: bool = False) -> torch.Tensor:
         """int32 ``[count, batch, pages_per_row]``: layer rank ``i`` of a tier -> its slots, or with ``blocks``

@@ -210,6 +210,7 @@ class OOMBEngine:
             cfg.page_size,
             cfg.chunk_size,
             cfg.kv_grad_dtype,
+            windows=getattr(model, "layer_windows", None),
         )
         bounds = [(a, min(a + cfg.chunk_size, seq_len)) for a in range(0, seq_len, cfg.chunk_size)]
         denominator = int((targets != IGNORE_INDEX).sum())

@@ -58,6 +58,24 @@ def find_causal_lm(module: torch.nn.Module, target_module: str | None = None) ->
     return outermost[0][1]
 
 
+def _layer_windows(model: torch.nn.Module) -> tuple[int | None, ...] | None:
+    """Each decoder layer's sliding window as its attention passes it: the module's ``sliding_window`` (Qwen2/3,
+    Gemma, GPT-OSS: ``None`` on full layers) or, without one, the config's (Mistral, Phi-3: every layer). ``None``
+    when the layers cannot be read; the engine checks every call against what this declares."""
+    decoder = model.get_decoder()
+    layers = getattr(decoder, "layers", None)
+    if layers is None or len(layers) != model.config.num_hidden_layers:
+        return None
+    windows = []
+    for layer in layers:
+        attention = getattr(layer, "self_attn", None)
+        if attention is None:
+            return None
+        window = getattr(attention, "sliding_window", getattr(model.config, "sliding_window", None))
+        windows.append(window if isinstance(window, int) else None)
+    return tuple(windows)
+
+
 def verify_exactness_of(model: torch.nn.Module) -> bool:
     """The self-check of :func:`~lightning_oomb.integrations.hf.support.verify_exactness` for ``model``: raises on a
     mismatch, returns whether the check could run."""
@@ -113,6 +131,7 @@ class HFChunkModel:
         self.layer_checkpointing = layer_checkpointing
         self.logit_scale, self.logit_softcap = logit_transform(config)
         self._rotaries = length_dependent_rotaries(model)
+        self.layer_windows = _layer_windows(model)
         self._balances_experts = bool(getattr(config, "output_router_logits", False))
 
     def new_step_loss(self) -> RouterBalanceLoss | None:
