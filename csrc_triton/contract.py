@@ -4,10 +4,11 @@ Both backends expose the same two functions with the same arguments, so that dis
 (``csrc_triton.paged_attention`` or ``lightning_oomb.engine.reference``) and one test suite runs over both::
 
     paged_attention_forward(q, k_pages, v_pages, page_table, q_start, scale, window=None, *,
-                            key_range=None, state=None, softcap=None, doc_start=None, visits=None) -> (out, lse) | None
+                            key_range=None, state=None, softcap=None, doc_start=None, page_select=None,
+                            visits=None) -> (out, lse) | None
     paged_attention_backward(q, out, lse, dout, k_pages, v_pages, dk_pages, dv_pages, page_table, q_start, scale,
                              window=None, *, key_range=None, delta=None, dq=None, softcap=None, doc_start=None,
-                             visits=None) -> dq
+                             page_select=None, visits=None) -> dq
 
 - ``q [B, Hq, Lq, D]`` at absolute positions ``[q_start, q_start + Lq)``; pages ``[slots, Hkv, P, D]``;
   ``page_table`` int32 ``[B, n_pages]`` (row ``b``'s page ``j`` is slot ``page_table[b, j]``).
@@ -18,6 +19,11 @@ Both backends expose the same two functions with the same arguments, so that dis
   row): query ``i`` also needs ``j >= doc_start[b, i]``; key blocks before a query block's earliest document start
   are never visited. ``visits``: an int32 ``[1]`` tensor the number of tiles computed is added to (tests and
   benchmarks measure the skipping with it).
+- Sparse attention: ``page_select`` int32 ``[B, R, K]`` with ``R = ceil(Lq / P)`` (``q_start`` a multiple of the
+  page size ``P``): query block ``r`` (queries ``[r * P, (r + 1) * P)`` of the call) sees, of the keys before
+  ``q_start``, only those on the pages listed in row ``[b, r]`` — absolute page indices ``< q_start / P``,
+  ascending, padded at the end with ``-1`` (:func:`check_page_select`). Keys at or after ``q_start`` (the chunk's
+  own pages) are seen as without it. Only listed pages are read; backward adds dK/dV only into them.
 - ``key_range=(lo, hi)``: only keys ``[lo, hi)`` (:func:`checked_key_range`); ``state=(acc, m, l)``: fold the keys
   into a carried softmax state in place and return ``None``; ``delta``/``dq``: a precomputed ``rowsum(dO * O)``
   and an accumulator dQ is added into (all checked by :func:`check_buffer`).
@@ -26,8 +32,7 @@ Both backends expose the same two functions with the same arguments, so that dis
 
 Attention sinks (a learned logit per query head in the softmax denominator) need no kernel argument: they are
 applied to the merged ``(out, lse)`` and the backward takes the sink-corrected ones (``lightning_oomb.engine.lse``).
-New score terms (page selections for sparse attention) enter as further keyword-only arguments of both functions,
-documented and checked here.
+New score terms enter as further keyword-only arguments of both functions, documented and checked here.
 """
 
 from __future__ import annotations
@@ -80,3 +85,39 @@ def check_buffer(name: str, x: torch.Tensor, shape: tuple[int, ...], dtype: torc
             f"{name} must be a contiguous {dtype} tensor of shape {shape} on {device}; got {x.dtype} "
             f"{tuple(x.shape)} on {x.device} (contiguous: {x.is_contiguous()})."
         )
+
+
+def check_page_select(page_select, shape: tuple[int, int], page: int, q_start: int, device):
+    """``page_select`` (or ``None``) as an int32 ``[B, ceil(Lq / P), K]`` tensor on ``device`` with ``q_start`` page
+    aligned (the values are the caller's: sorted page indices before ``q_start``, ``-1`` padding)."""
+    if page_select is None:
+        return None
+    batch, lq = shape
+    want = (batch, -(-lq // page))
+    if (
+        page_select.dim() != 3
+        or tuple(page_select.shape[:2]) != want
+        or page_select.dtype != torch.int32
+        or page_select.device != torch.device(device)
+    ):
+        raise ValueError(
+            f"page_select must be an int32 tensor [B, ceil(Lq / page), K] = [{want[0]}, {want[1]}, K] on {device} "
+            f"(each query block's selected pages); got {page_select.dtype} {tuple(page_select.shape)} on "
+            f"{page_select.device}."
+        )
+    if q_start % page:
+        raise ValueError(
+            f"page_select needs q_start={q_start} on a page boundary (page size {page}): query blocks and the "
+            "pages before them are aligned to pages."
+        )
+    return page_select.contiguous()
+
+
+def check_terms(q: torch.Tensor, page: int, q_start: int, window, softcap, doc_start, page_select):
+    """Check a call's score terms (window, softcap, documents, page selection) against the contract; return the
+    page selection (contiguous) or ``None``."""
+    check_window(window)
+    check_softcap(softcap)
+    shape = (q.shape[0], q.shape[2])
+    check_doc_start(doc_start, shape, q.device)
+    return check_page_select(page_select, shape, page, q_start, q.device)

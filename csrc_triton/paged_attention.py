@@ -26,8 +26,8 @@ tutorial makes the same trade for Hopper; FlashAttention-2's CUDA kernel instead
 
 Every key range is split into blocks that need no mask (all their keys visible to every query of the block) and
 the few on the causal diagonal / window edge / ragged last page that do; blocks nobody sees are never visited.
-Tiles, warps and stages come from ``triton.autotune`` keyed on ``HEAD_DIM`` and ``PAGE`` (and the dtypes), over
-spaces pruned of tiles whose accumulators spill (checked with ptxas for sm_90); tuning happens at the first call
+Tiles, warps and stages come from ``triton.autotune`` keyed on ``HEAD_DIM``, ``PAGE``, ``SPARSE`` (and the dtypes),
+over spaces pruned of tiles whose accumulators spill (checked with ptxas for sm_90); tuning happens at the first call
 of each key (``TRITON_CACHE_AUTOTUNING=1`` keeps the result on disk, ``OOMB_TRITON_AUTOTUNE=0`` skips tuning and
 uses each kernel's default tile). Under ``TRITON_INTERPRET=1`` one tiny config is used so CPU tests stay fast.
 
@@ -47,6 +47,17 @@ buffers (offloaded to host memory), one attention call splits into calls over di
 
 Without these arguments the kernels compile and run as before. Autotuning restores every in-place argument
 between its runs: the gradient pages of the key range (never a whole arena), the state, the dQ accumulator.
+
+Sparse attention — ``page_select [B, R, K]`` (``SPARSE``): query block ``r`` (queries ``[r * P, (r + 1) * P)``)
+sees, of the keys before ``q_start``, only the pages listed in its row; the chunk's own keys as without it. A
+forward or dQ program's tile lies inside one selection block (the pruner clamps ``BLOCK_M`` to the page): it loads
+the block's list once as a vector and counts (``tl.sum``) how many listed key blocks lie below each of its bounds,
+which makes the listed pages' blocks flat index ranges — before the key range or the first visible block
+(skipped), needing the window / document mask, visible to every row — walked by the dense loops themselves
+(:func:`_block_start` maps an index to its page through the list), then the chunk's own keys as without a
+selection. The dK/dV program of a past key block visits only the query blocks listing its page, from inverse lists
+(CSR) the launcher builds on the device without a host sync; one nobody lists reads and writes nothing. Without a
+selection the compiled kernels are the dense ones, unchanged.
 """
 
 from __future__ import annotations
@@ -58,7 +69,14 @@ import torch
 import triton
 import triton.language as tl
 
-from csrc_triton.contract import check_buffer, check_doc_start, check_softcap, check_window, checked_key_range
+from csrc_triton.contract import (
+    check_buffer,
+    check_doc_start,
+    check_page_select,
+    check_softcap,
+    check_window,
+    checked_key_range,
+)
 
 LOG2E = math.log2(math.e)
 _LOG2E = tl.constexpr(LOG2E)
@@ -87,14 +105,17 @@ def _configs(default: tuple[int, int, int, int], tiles: list[tuple[int, int]], s
 
 def _pruner(accumulator_rows: str, factor: int):
     """``early_config_prune`` for a kernel whose fp32 accumulators hold ``factor * <accumulator_rows>`` rows of
-    ``HEAD_DIM``: clamps ``BLOCK_N`` to ``PAGE`` (key blocks never straddle pages) and drops tiles needing more than
-    64 accumulator registers per thread (they spill: ptxas for sm_90 at head_dim 128). With
+    ``HEAD_DIM``: clamps ``BLOCK_N`` to ``PAGE`` (key blocks never straddle pages) and, with ``SPARSE``, ``BLOCK_M``
+    too (a query tile lies inside one selection block and divides it), and drops tiles needing more than 64
+    accumulator registers per thread (they spill: ptxas for sm_90 at head_dim 128). With
     ``OOMB_TRITON_AUTOTUNE=0`` only the default (first) config is kept: no tuning at the first call."""
 
     def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-        kept = {}
+        kept, page = {}, kwargs["PAGE"]
         for c in configs:
-            kw = {**c.kwargs, "BLOCK_N": min(c.kwargs["BLOCK_N"], kwargs["PAGE"])}
+            kw = {**c.kwargs, "BLOCK_N": min(c.kwargs["BLOCK_N"], page)}
+            if kwargs.get("SPARSE"):
+                kw["BLOCK_M"] = min(kw["BLOCK_M"], page)
             key = (kw["BLOCK_M"], kw["BLOCK_N"], c.num_warps, c.num_stages)
             if factor * kw[accumulator_rows] * kwargs["HEAD_DIM"] <= 64 * 32 * c.num_warps or not kept:
                 kept.setdefault(key, triton.Config(kw, num_warps=c.num_warps, num_stages=c.num_stages))
@@ -178,6 +199,34 @@ def _query_blocks(
 
 
 @triton.jit
+def _listed_blocks(
+    SEL, n_sel, x_lo, x_mid, x_hi, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, K_P2: tl.constexpr
+):
+    """A query block's selected pages ``SEL[:n_sel]`` (ascending, ``-1``-padded) enumerate their key blocks page by
+    page, ``PAGE // BLOCK_N`` each (:func:`_block_start`): the flat indices of the first listed blocks at or after
+    key positions ``x_lo <= x_mid <= x_hi`` (multiples of ``BLOCK_N``), so that ``[x_lo, x_mid)`` and
+    ``[x_mid, x_hi)`` become index ranges. One vector load of the list, no search."""
+    offs = tl.arange(0, K_P2)
+    pages = tl.load(SEL + offs, mask=offs < n_sel, other=-1)
+    listed, starts = pages >= 0, pages * PAGE
+    t_lo = tl.sum(tl.where(listed, _clamp(x_lo - starts, 0, PAGE), 0), 0) // BLOCK_N
+    t_mid = tl.sum(tl.where(listed, _clamp(x_mid - starts, 0, PAGE), 0), 0) // BLOCK_N
+    t_hi = tl.sum(tl.where(listed, _clamp(x_hi - starts, 0, PAGE), 0), 0) // BLOCK_N
+    return t_lo, t_mid, t_hi
+
+
+@triton.jit
+def _block_start(SEL, it, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, LISTED: tl.constexpr):
+    """The key block of loop index ``it``: the one starting there (a contiguous walk in ``BLOCK_N`` steps), or with
+    ``LISTED`` the ``it``-th key block of the selected pages ``SEL`` (a walk in steps of 1, :func:`_listed_blocks`)."""
+    if LISTED:
+        start_n = tl.load(SEL + it // (PAGE // BLOCK_N)) * PAGE + it % (PAGE // BLOCK_N) * BLOCK_N
+    else:
+        start_n = it
+    return tl.multiple_of(start_n, BLOCK_N)
+
+
+@triton.jit
 def _page_offset(TABLE, start_n, stride_ks, PAGE: tl.constexpr):
     """Element offset of key ``start_n`` (a block start; blocks never straddle pages) in a K/V arena, minus the
     head and token-in-page parts: ``slot * stride_ks`` in int64 (arenas exceed 2**31 elements)."""
@@ -251,13 +300,18 @@ def _load_keys(
 
 @triton.jit
 def _query_block(
-    Q, K, V, TABLE, FIRST, stride_qb, stride_qh, stride_qm, stride_qd, stride_kh, stride_tb,
-    num_heads, group, q_len, q_start, key_lo, key_hi, window,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+    Q, K, V, TABLE, FIRST, SEL, stride_qb, stride_qh, stride_qm, stride_qd, stride_kh, stride_tb,
+    num_heads, group, q_len, q_start, key_lo, key_hi, window, n_sel,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+    SPARSE: tl.constexpr, K_P2: tl.constexpr,
 ):  # fmt: skip
     """Set-up of a program that owns one query block of one head (forward and dQ): its rows, their ``q``, the
     ``K``/``V``/``TABLE`` pointers moved to its KV head and batch row, the rows' first visible keys and the key-block
-    ranges."""
+    ranges. With ``SPARSE`` (the tile lies in one selection block): ``SEL`` moved to the block's list and the flat
+    ranges of its listed past blocks that need a mask / need none (:func:`_listed_blocks`; a past key is never on
+    the causal diagonal), while the key-block ranges cover only the chunk's own keys."""
+    if SPARSE:
+        tl.static_assert(PAGE % BLOCK_M == 0, "sparse query tiles must divide the page (see _pruner)")
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b = bh // num_heads
@@ -281,24 +335,34 @@ def _query_block(
     first = _firsts(FIRST + b * q_len, tl.where(row_ok, offs_m, 0), q_pos, window, ROWS)
     first_min = tl.min(tl.where(row_ok, first, q_last + 1))
     first_max = tl.max(tl.where(row_ok, first, -1))
+    if SPARSE:
+        past_lo, past_full, past_hi, _ = _key_blocks(q_start + start_m, q_last, first_min, first_max, key_lo,
+                                                     tl.minimum(key_hi, q_start), BLOCK_N)  # fmt: skip
+        SEL += (b * tl.cdiv(q_len, PAGE) + start_m // PAGE) * n_sel
+        t_lo, t_full, t_hi = _listed_blocks(SEL, n_sel, past_lo, past_full, past_hi, PAGE, BLOCK_N, K_P2)
+        key_lo = tl.maximum(key_lo, q_start)
+    else:
+        t_lo, t_full, t_hi = 0, 0, 0
     lo, full_lo, full_hi, hi = _key_blocks(
         q_start + start_m, q_last, first_min, first_max, key_lo, key_hi, BLOCK_N
     )
-    return q, K, V, TABLE, rows, row_offs, row_ok, q_pos, first, lo, full_lo, full_hi, hi
+    return (q, K, V, TABLE, SEL, rows, row_offs, row_ok, q_pos, first, lo, full_lo, full_hi, hi,
+            t_lo, t_full, t_hi)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------- forward
 @triton.jit
 def _fwd_inner(
-    acc, l_i, m_i, q, K, V, TABLE,
+    acc, l_i, m_i, q, K, V, TABLE, SEL,
     stride_ks, stride_kp, stride_kd,
     q_pos, first, lo, hi, key_hi, qk_scale, cap,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, LISTED: tl.constexpr,
 ):  # fmt: skip
-    """Online softmax over key blocks ``[lo, hi)``; ``K``/``V`` already point at this program's KV head."""
-    for start_n in range(lo, hi, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
+    """Online softmax over key blocks ``[lo, hi)`` (``LISTED``: the selected pages' blocks ``lo..hi - 1``,
+    :func:`_block_start`); ``K``/``V`` already point at this program's KV head."""
+    for it in range(lo, hi, 1 if LISTED else BLOCK_N):
+        start_n = _block_start(SEL, it, PAGE, BLOCK_N, LISTED)
         k_pos, kt, v = _load_keys(K, V, TABLE, start_n, key_hi, stride_ks, stride_kp, stride_kd,
                                   HEAD_DIM, PAGE, BLOCK_N, MASK, False)  # fmt: skip
         # s_ij = q_i . k_j * scale * log2(e)  (soft-capped: c * tanh(q_i . k_j * scale / c) * log2(e))
@@ -317,31 +381,59 @@ def _fwd_inner(
     return acc, l_i, m_i
 
 
+@triton.jit
+def _fwd_walk(
+    acc, l_i, m_i, q, K, V, TABLE, SEL,
+    stride_ks, stride_kp, stride_kd,
+    q_pos, first, lo, full_lo, full_hi, hi, key_hi, qk_scale, cap,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, LISTED: tl.constexpr,
+):  # fmt: skip
+    """The window edge (or document starts), then the blocks every query sees, then the causal diagonal and the
+    ragged last page: ``[lo, full_lo)`` and ``[full_hi, hi)`` masked, ``[full_lo, full_hi)`` not."""
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, TABLE, SEL, stride_ks, stride_kp, stride_kd, q_pos, first, lo,
+                               full_lo, key_hi, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, True, PRECISION, SOFTCAP,
+                               LISTED)  # fmt: skip
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, TABLE, SEL, stride_ks, stride_kp, stride_kd, q_pos, first,
+                               full_lo, full_hi, key_hi, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, False, PRECISION,
+                               SOFTCAP, LISTED)  # fmt: skip
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, TABLE, SEL, stride_ks, stride_kp, stride_kd, q_pos, first,
+                               full_hi, hi, key_hi, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, True, PRECISION, SOFTCAP,
+                               LISTED)  # fmt: skip
+    return acc, l_i, m_i
+
+
 @triton.autotune(
     configs=_configs((128, 64, 8, 3), [(64, 64), (64, 128), (128, 64), (128, 128)], stages=(2, 3)),
-    key=["HEAD_DIM", "PAGE"],
+    key=["HEAD_DIM", "PAGE", "SPARSE"],
     prune_configs_by={"early_config_prune": _pruner("BLOCK_M", 1)},  # acc [BLOCK_M, HEAD_DIM]
     pre_hook=_restore_state.pre,
     post_hook=_restore_state.post,
 )
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, TABLE, FIRST, OUT, LSE, L, VISITS,
+    Q, K, V, TABLE, FIRST, SEL, OUT, LSE, L, VISITS,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_ks, stride_kh, stride_kp, stride_kd,
     stride_tb,
-    num_heads, group, q_len, q_start, key_lo, key_hi, window, qk_scale, cap,
+    num_heads, group, q_len, q_start, key_lo, key_hi, window, qk_scale, cap, n_sel,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr, CARRY: tl.constexpr,
-    SOFTCAP: tl.constexpr, ROWS: tl.constexpr, COUNT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr, ROWS: tl.constexpr, COUNT: tl.constexpr, SPARSE: tl.constexpr, K_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Keys ``[key_lo, key_hi)``. Without ``CARRY``: writes ``OUT``, ``LSE``. With ``CARRY``: ``OUT``, ``LSE``, ``L``
-    are a carried state's ``acc``, ``m`` (natural log), ``l`` (fp32), updated in place."""
-    q, K, V, TABLE, rows, row_offs, row_ok, q_pos, first, lo, full_lo, full_hi, hi = _query_block(
-        Q, K, V, TABLE, FIRST, stride_qb, stride_qh, stride_qm, stride_qd, stride_kh, stride_tb,
-        num_heads, group, q_len, q_start, key_lo, key_hi, window, HEAD_DIM, BLOCK_M, BLOCK_N, ROWS,
+    are a carried state's ``acc``, ``m`` (natural log), ``l`` (fp32), updated in place. With ``SPARSE`` the keys
+    before ``q_start`` are those of the block's selected pages ``SEL [B, R, n_sel]``."""
+    q, K, V, TABLE, SEL, rows, row_offs, row_ok, q_pos, first, lo, full_lo, full_hi, hi, t_lo, t_full, t_hi = (
+        _query_block(Q, K, V, TABLE, FIRST, SEL, stride_qb, stride_qh, stride_qm, stride_qd, stride_kh, stride_tb,
+                     num_heads, group, q_len, q_start, key_lo, key_hi, window, n_sel, HEAD_DIM, PAGE, BLOCK_M,
+                     BLOCK_N, ROWS, SPARSE, K_P2)
     )  # fmt: skip
     if COUNT:  # key blocks this program visits (tests and benchmarks)
-        tl.atomic_add(VISITS, tl.maximum(hi - lo, 0) // BLOCK_N)
+        tiles = tl.maximum(hi - lo, 0) // BLOCK_N
+        if SPARSE:
+            tiles += t_hi - t_lo
+        tl.atomic_add(VISITS, tiles)
 
     if CARRY:  # the state's max is in natural-log units, the kernel's in base 2
         m_in = tl.load(LSE + rows, mask=row_ok, other=0.0)
@@ -353,16 +445,13 @@ def _fwd_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    # window edge, then the blocks every query sees, then the causal diagonal (and the ragged last page)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, TABLE, stride_ks, stride_kp, stride_kd, q_pos, first, lo,
-                               full_lo, key_hi, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, True, PRECISION,
-                               SOFTCAP)  # fmt: skip
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, TABLE, stride_ks, stride_kp, stride_kd, q_pos, first, full_lo,
-                               full_hi, key_hi, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, False, PRECISION,
-                               SOFTCAP)  # fmt: skip
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, TABLE, stride_ks, stride_kp, stride_kd, q_pos, first, full_hi,
-                               hi, key_hi, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, True, PRECISION,
-                               SOFTCAP)  # fmt: skip
+    if SPARSE:  # the selected past pages: window edge / document starts masked, the rest not
+        acc, l_i, m_i = _fwd_walk(acc, l_i, m_i, q, K, V, TABLE, SEL, stride_ks, stride_kp, stride_kd, q_pos, first,
+                                  t_lo, t_full, t_hi, t_hi, key_hi, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N,
+                                  PRECISION, SOFTCAP, True)  # fmt: skip
+    acc, l_i, m_i = _fwd_walk(acc, l_i, m_i, q, K, V, TABLE, SEL, stride_ks, stride_kp, stride_kd, q_pos, first, lo,
+                              full_lo, full_hi, hi, key_hi, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, PRECISION,
+                              SOFTCAP, False)  # fmt: skip
 
     # with CARRY an unchanged max keeps its exact natural-log value: a row that saw no key stays bit-identical
     if CARRY:
@@ -433,24 +522,54 @@ def _bwd_dkdv_inner(
     return dk, dv
 
 
+@triton.jit
+def _bwd_dkdv_walk(
+    dk, dv, k, v, Q, DO, LSE, DELTA, FIRST,
+    b, h, num_heads, stride_qb, stride_qh, stride_qm, stride_qd,
+    k_pos, lo, full_lo, full_hi, hi, q_start, q_len, window, qk_scale, cap,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
+    ROWS: tl.constexpr,
+):  # fmt: skip
+    """Add the query blocks ``[lo, hi)`` of query head ``h`` (of batch row ``b``) to ``dk``, ``dv``:
+    ``[lo, full_lo)`` and ``[full_hi, hi)`` masked, ``[full_lo, full_hi)`` not."""
+    q_head = Q + b * stride_qb + h * stride_qh
+    row0 = (b * num_heads + h) * q_len
+    do_head = DO + row0 * HEAD_DIM
+    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_head, do_head, LSE + row0, DELTA + row0, FIRST + b * q_len,
+                             stride_qm, stride_qd, k_pos, lo, full_lo, q_start, q_len, window, qk_scale, cap, HEAD_DIM,
+                             BLOCK_M, True, PRECISION, SOFTCAP, ROWS)  # fmt: skip
+    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_head, do_head, LSE + row0, DELTA + row0, FIRST + b * q_len,
+                             stride_qm, stride_qd, k_pos, full_lo, full_hi, q_start, q_len, window, qk_scale, cap,
+                             HEAD_DIM, BLOCK_M, False, PRECISION, SOFTCAP, ROWS)  # fmt: skip
+    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_head, do_head, LSE + row0, DELTA + row0, FIRST + b * q_len,
+                             stride_qm, stride_qd, k_pos, full_hi, hi, q_start, q_len, window, qk_scale, cap, HEAD_DIM,
+                             BLOCK_M, True, PRECISION, SOFTCAP, ROWS)  # fmt: skip
+    return dk, dv
+
+
 @triton.autotune(
     configs=_configs((32, 64, 8, 3), [(32, 64), (32, 128), (64, 64), (64, 128)], stages=(2, 3, 4)),
-    key=["HEAD_DIM", "PAGE"],
+    key=["HEAD_DIM", "PAGE", "SPARSE"],
     prune_configs_by={"early_config_prune": _pruner("BLOCK_N", 2)},  # dk, dv [BLOCK_N, HEAD_DIM]
     pre_hook=_restore_grad_pages.pre,
     post_hook=_restore_grad_pages.post,
 )
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, TABLE, DK, DV, FIRST, SEEING, VISITS,
+    Q, K, V, DO, LSE, DELTA, TABLE, DK, DV, FIRST, SEEING, VISITS, INV_PTR, INV_IDX,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_ks, stride_kh, stride_kp, stride_kd,
     stride_tb,
-    num_heads, kv_heads, group, q_len, q_start, first_key, key_hi, window, scale, qk_scale, cap,
+    num_heads, kv_heads, group, q_len, q_start, first_key, key_hi, window, scale, qk_scale, cap, past_pages,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
-    ROWS: tl.constexpr, COUNT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ROWS: tl.constexpr, COUNT: tl.constexpr, SPARSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Key blocks from the one holding ``first_key`` up to ``key_hi`` (keys >= ``key_hi`` are never read)."""
+    """Key blocks from the one holding ``first_key`` up to ``key_hi`` (keys >= ``key_hi`` are never read). With
+    ``SPARSE`` a past key block (before ``q_start``) is seen by the query blocks whose lists hold its page:
+    ``INV_IDX[INV_PTR[p] : INV_PTR[p + 1]]`` for ``p = b * past_pages + page`` (ascending; :func:`_inverse_lists`);
+    one nobody lists reads and writes nothing."""
+    if SPARSE:
+        tl.static_assert(PAGE % BLOCK_M == 0, "sparse query tiles must divide the page (see _pruner)")
     start_n = (first_key // BLOCK_N + tl.program_id(0)) * BLOCK_N
     bh = tl.program_id(1)
     b = bh // kv_heads
@@ -459,6 +578,13 @@ def _bwd_dkdv_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     k_pos = start_n + offs_n
     key_ok = k_pos < key_hi
+    if SPARSE:
+        past = start_n < q_start
+        inv = INV_PTR + b * past_pages + start_n // PAGE
+        j_lo = tl.load(inv, mask=past, other=0)
+        j_hi = tl.load(inv + 1, mask=past, other=0)
+        # only listed pages are read (the interpreter mishandles `vector & scalar` masks: a bound instead)
+        key_ok = k_pos < tl.where((start_n >= q_start) | (j_hi > j_lo), key_hi, start_n)
     # gradient pages have the K/V pages' layout: one offset serves K, V, dK and dV
     tokens = (start_n % PAGE + offs_n)[:, None]
     kv_offs = _page_offset(TABLE + b * stride_tb, start_n, stride_ks, PAGE) + kv_head * stride_kh
@@ -473,46 +599,56 @@ def _bwd_dkdv_kernel(
         rows_last = tl.minimum(start_n + BLOCK_N - 1 + window - q_start, q_len)
         rows_first = tl.minimum(start_n + window - q_start, q_len)
     lo, full_lo, full_hi, hi = _query_blocks(start_n, q_start, rows_last, rows_first, BLOCK_M, BLOCK_N)
+    if (
+        SPARSE
+    ):  # a past key block: of the listing blocks' rows, [0, full_hi) see all of it, [full_hi, hi) some
+        listed_full, listed_hi = full_hi, hi
+        full_hi = tl.where(past, 0, full_hi)  # (lo = full_lo = 0 for a past block)
+        hi = tl.where(past, 0, hi)
+        listed = tl.zeros([], dtype=tl.int32)  # tiles of the listing blocks computed
     if COUNT:
         tl.atomic_add(VISITS, tl.maximum(hi - lo, 0) // BLOCK_M * group)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     for g in range(group):  # every query head that reads this KV head
         h = kv_head * group + g
-        q_head = Q + b * stride_qb + h * stride_qh
-        row0 = (b * num_heads + h) * q_len
-        do_head = DO + row0 * HEAD_DIM
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_head, do_head, LSE + row0, DELTA + row0,
-                                 FIRST + b * q_len, stride_qm, stride_qd,
-                                 k_pos, lo, full_lo, q_start, q_len, window, qk_scale, cap, HEAD_DIM, BLOCK_M,
-                                 True, PRECISION, SOFTCAP, ROWS)  # fmt: skip
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_head, do_head, LSE + row0, DELTA + row0,
-                                 FIRST + b * q_len, stride_qm, stride_qd,
-                                 k_pos, full_lo, full_hi, q_start, q_len, window, qk_scale, cap, HEAD_DIM, BLOCK_M,
-                                 False, PRECISION, SOFTCAP, ROWS)  # fmt: skip
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_head, do_head, LSE + row0, DELTA + row0,
-                                 FIRST + b * q_len, stride_qm, stride_qd,
-                                 k_pos, full_hi, hi, q_start, q_len, window, qk_scale, cap, HEAD_DIM, BLOCK_M,
-                                 True, PRECISION, SOFTCAP, ROWS)  # fmt: skip
+        dk, dv = _bwd_dkdv_walk(dk, dv, k, v, Q, DO, LSE, DELTA, FIRST, b, h, num_heads, stride_qb, stride_qh,
+                                stride_qm, stride_qd, k_pos, lo, full_lo, full_hi, hi, q_start, q_len, window,
+                                qk_scale, cap, HEAD_DIM, BLOCK_M, PRECISION, SOFTCAP, ROWS)  # fmt: skip
+        if SPARSE:
+            for j in range(j_lo, j_hi):  # (empty for the chunk's own key blocks)
+                r0 = tl.load(INV_IDX + j) * PAGE
+                end = _clamp(listed_hi, r0, r0 + PAGE)
+                dk, dv = _bwd_dkdv_walk(dk, dv, k, v, Q, DO, LSE, DELTA, FIRST, b, h, num_heads, stride_qb,
+                                        stride_qh, stride_qm, stride_qd, k_pos, r0, r0,
+                                        _clamp(listed_full, r0, r0 + PAGE), end, q_start, q_len, window, qk_scale,
+                                        cap, HEAD_DIM, BLOCK_M, PRECISION, SOFTCAP, ROWS)  # fmt: skip
+                listed += (end - r0) // BLOCK_M
 
     # this program is the only writer of these gradient-page rows: a plain read-modify-write, no atomics (and none
-    # at all for a key block no query sees: e.g. one before every document of the chunk)
-    if hi > lo:
+    # at all for a key block no query sees: e.g. one before every document of the chunk, or an unlisted page)
+    work = hi > lo
+    if SPARSE:
+        work = work | (listed > 0)
+        if COUNT:
+            tl.atomic_add(VISITS, listed)
+    if work:
         tl.store(DK + kv_offs, (tl.load(DK + kv_offs) + dk * scale).to(DK.dtype.element_ty))
         tl.store(DV + kv_offs, (tl.load(DV + kv_offs) + dv).to(DV.dtype.element_ty))
 
 
 @triton.jit
 def _bwd_dq_inner(
-    dq, q, do, lse, delta, K, V, TABLE,
+    dq, q, do, lse, delta, K, V, TABLE, SEL,
     stride_ks, stride_kp, stride_kd,
     q_pos, first, lo, hi, key_hi, qk_scale, cap,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, LISTED: tl.constexpr,
 ):  # fmt: skip
-    """Add key blocks ``[lo, hi)`` to ``dq`` (unscaled); ``K``/``V`` already point at this program's KV head."""
-    for start_n in range(lo, hi, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
+    """Add key blocks ``[lo, hi)`` (``LISTED``: the selected pages' blocks ``lo..hi - 1``) to ``dq`` (unscaled);
+    ``K``/``V`` already point at this program's KV head."""
+    for it in range(lo, hi, 1 if LISTED else BLOCK_N):
+        start_n = _block_start(SEL, it, PAGE, BLOCK_N, LISTED)
         k_pos, kt, vt = _load_keys(K, V, TABLE, start_n, key_hi, stride_ks, stride_kp, stride_kd,
                                    HEAD_DIM, PAGE, BLOCK_N, MASK, True)  # fmt: skip
         # p_ij = exp(s_ij - lse_i)
@@ -528,39 +664,63 @@ def _bwd_dq_inner(
     return dq
 
 
+@triton.jit
+def _bwd_dq_walk(
+    dq, q, do, lse, delta, K, V, TABLE, SEL,
+    stride_ks, stride_kp, stride_kd,
+    q_pos, first, lo, full_lo, full_hi, hi, key_hi, qk_scale, cap,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, LISTED: tl.constexpr,
+):  # fmt: skip
+    """:func:`_fwd_walk`'s three ranges for dQ."""
+    dq = _bwd_dq_inner(dq, q, do, lse, delta, K, V, TABLE, SEL, stride_ks, stride_kp, stride_kd, q_pos, first, lo,
+                       full_lo, key_hi, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, True, PRECISION, SOFTCAP,
+                       LISTED)  # fmt: skip
+    dq = _bwd_dq_inner(dq, q, do, lse, delta, K, V, TABLE, SEL, stride_ks, stride_kp, stride_kd, q_pos, first,
+                       full_lo, full_hi, key_hi, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, False, PRECISION, SOFTCAP,
+                       LISTED)  # fmt: skip
+    dq = _bwd_dq_inner(dq, q, do, lse, delta, K, V, TABLE, SEL, stride_ks, stride_kp, stride_kd, q_pos, first,
+                       full_hi, hi, key_hi, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, True, PRECISION, SOFTCAP,
+                       LISTED)  # fmt: skip
+    return dq
+
+
 @triton.autotune(
     configs=_configs((128, 64, 8, 3), [(64, 32), (64, 64), (128, 32), (128, 64)], stages=(2, 3)),
-    key=["HEAD_DIM", "PAGE"],
+    key=["HEAD_DIM", "PAGE", "SPARSE"],
     prune_configs_by={"early_config_prune": _pruner("BLOCK_M", 1)},  # dq [BLOCK_M, HEAD_DIM]
     pre_hook=_restore_dq.pre,
     post_hook=_restore_dq.post,
 )
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, TABLE, DQ, FIRST,
+    Q, K, V, DO, LSE, DELTA, TABLE, DQ, FIRST, SEL,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_ks, stride_kh, stride_kp, stride_kd,
     stride_tb,
-    num_heads, group, q_len, q_start, key_lo, key_hi, window, scale, qk_scale, cap,
+    num_heads, group, q_len, q_start, key_lo, key_hi, window, scale, qk_scale, cap, n_sel,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
-    SOFTCAP: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr, ROWS: tl.constexpr, SPARSE: tl.constexpr, K_P2: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """dQ over keys ``[key_lo, key_hi)``: written to ``DQ``, or with ``ACCUMULATE`` added into fp32 ``DQ``."""
-    q, K, V, TABLE, rows, row_offs, row_ok, q_pos, first, lo, full_lo, full_hi, hi = _query_block(
-        Q, K, V, TABLE, FIRST, stride_qb, stride_qh, stride_qm, stride_qd, stride_kh, stride_tb,
-        num_heads, group, q_len, q_start, key_lo, key_hi, window, HEAD_DIM, BLOCK_M, BLOCK_N, ROWS,
+    """dQ over keys ``[key_lo, key_hi)``: written to ``DQ``, or with ``ACCUMULATE`` added into fp32 ``DQ``;
+    ``SPARSE`` as in the forward."""
+    q, K, V, TABLE, SEL, rows, row_offs, row_ok, q_pos, first, lo, full_lo, full_hi, hi, t_lo, t_full, t_hi = (
+        _query_block(Q, K, V, TABLE, FIRST, SEL, stride_qb, stride_qh, stride_qm, stride_qd, stride_kh, stride_tb,
+                     num_heads, group, q_len, q_start, key_lo, key_hi, window, n_sel, HEAD_DIM, PAGE, BLOCK_M,
+                     BLOCK_N, ROWS, SPARSE, K_P2)
     )  # fmt: skip
     do = tl.load(DO + row_offs, mask=row_ok[:, None], other=0.0)
     lse = tl.load(LSE + rows, mask=row_ok, other=0.0) * _LOG2E
     delta = tl.load(DELTA + rows, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    dq = _bwd_dq_inner(dq, q, do, lse, delta, K, V, TABLE, stride_ks, stride_kp, stride_kd, q_pos, first, lo, full_lo,
-                       key_hi, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, True, PRECISION, SOFTCAP)  # fmt: skip
-    dq = _bwd_dq_inner(dq, q, do, lse, delta, K, V, TABLE, stride_ks, stride_kp, stride_kd, q_pos, first, full_lo,
-                       full_hi, key_hi, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, False, PRECISION,
-                       SOFTCAP)  # fmt: skip
-    dq = _bwd_dq_inner(dq, q, do, lse, delta, K, V, TABLE, stride_ks, stride_kp, stride_kd, q_pos, first, full_hi, hi,
-                       key_hi, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, True, PRECISION, SOFTCAP)  # fmt: skip
+    if SPARSE:
+        dq = _bwd_dq_walk(dq, q, do, lse, delta, K, V, TABLE, SEL, stride_ks, stride_kp, stride_kd, q_pos, first,
+                          t_lo, t_full, t_hi, t_hi, key_hi, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, PRECISION,
+                          SOFTCAP, True)  # fmt: skip
+    dq = _bwd_dq_walk(dq, q, do, lse, delta, K, V, TABLE, SEL, stride_ks, stride_kp, stride_kd, q_pos, first, lo,
+                      full_lo, full_hi, hi, key_hi, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, PRECISION, SOFTCAP,
+                      False)  # fmt: skip
     dq = dq * scale
     if ACCUMULATE:  # this program is the only writer of these rows: a plain read-modify-write, no atomics
         dq = dq + tl.load(DQ + row_offs, mask=row_ok[:, None], other=0.0)
@@ -650,6 +810,30 @@ def _rows_seeing(first: torch.Tensor, key_hi: int, page: int) -> torch.Tensor:
     )
 
 
+def _inverse_lists(select: torch.Tensor, past_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The selection inverted (CSR, int32): the query blocks listing row ``b``'s past page ``p`` are
+    ``blocks[offsets[i] : offsets[i + 1]]`` with ``i = b * past_pages + p``, ascending. Built on the device with
+    static shapes and no host sync (a stable sort of the entries by ``(b, page)``; padding sorts last)."""
+    batch, blocks, width = select.shape
+    rows = torch.arange(batch, device=select.device).view(-1, 1, 1) * past_pages
+    valid = (select >= 0) & (select < past_pages)
+    key = torch.where(valid, select.long() + rows, batch * past_pages).flatten()
+    order = torch.argsort(key, stable=True)
+    owners = torch.arange(blocks, device=select.device, dtype=torch.int32).view(1, -1, 1).expand_as(select)
+    counts = torch.zeros(batch * past_pages + 1, dtype=torch.int32, device=select.device)
+    counts.index_add_(0, key, torch.ones_like(key, dtype=torch.int32))
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32) - counts  # exclusive: [i] = entries of keys below i
+    return offsets, owners.flatten()[order].contiguous()
+
+
+def _selection_args(select: torch.Tensor | None, fallback: torch.Tensor) -> tuple:
+    """``(SEL, n_sel, K_P2)`` of the forward and dQ kernels: the list, its width and that rounded up to a power of
+    two (the vector load's size); without a selection a dummy pointer and sizes the kernels never use."""
+    if select is None:
+        return fallback, 0, 1
+    return select, select.shape[2], triton.next_power_of_2(max(select.shape[2], 1))
+
+
 def _score_scales(scale: float, softcap: float | None) -> tuple[float, float]:
     """``(qk_scale, cap)`` of :func:`_scores`: ``(scale * log2 e, unused)``, soft-capped ``(scale / c, c log2 e)``."""
     check_softcap(softcap)
@@ -684,6 +868,7 @@ def paged_attention_forward(
     state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     softcap: float | None = None,
     doc_start: torch.Tensor | None = None,
+    page_select: torch.Tensor | None = None,
     visits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``out [B, Hq, Lq, D]`` (dtype of ``q``, contiguous) and ``lse [B, Hq, Lq]`` (float32, natural log).
@@ -691,11 +876,14 @@ def paged_attention_forward(
     ``key_range=(lo, hi)`` visits only the keys at positions ``[lo, hi)`` (page-table entries of other pages are
     never read). With ``state=(acc, m, l)`` (fp32, see the module docstring) the keys are folded into the state in
     place and ``None`` is returned. ``softcap``: scores ``c * tanh(q . k * scale / c)``. ``doc_start``: int
-    ``[B, Lq]``, each query's document start (packed rows). ``visits``: an int32 ``[1]`` counter the number of
-    (query block, key block) tiles computed is added to."""
+    ``[B, Lq]``, each query's document start (packed rows). ``page_select``: int32 ``[B, ceil(Lq / P), K]``, each
+    query block's pages before ``q_start`` (sparse attention; the contract's rules): only those pages and the
+    chunk's own are read. ``visits``: an int32 ``[1]`` counter the number of (query block, key block) tiles computed
+    is added to."""
     b, hq, lq, d, hkv, page, key_lo, key_hi = _check(q, k_pages, v_pages, page_table, q_start, key_range)
     qk_scale, cap = _score_scales(scale, softcap)
     first = _row_firsts(check_doc_start(doc_start, (b, lq), q.device), q_start, lq, window)
+    select = check_page_select(page_select, (b, lq), page, q_start, q.device)
     if state is None:
         out = torch.empty((b, hq, lq, d), dtype=q.dtype, device=q.device)
         lse = l_sum = torch.empty((b, hq, lq), dtype=torch.float32, device=q.device)
@@ -706,13 +894,14 @@ def paged_attention_forward(
             check_buffer(f"state {name}", x, shape, torch.float32, q.device)
     if out.numel() == 0:
         return None if state is not None else (out, lse)
+    sel, n_sel, k_p2 = _selection_args(select, page_table)
     _fwd_kernel[_query_grid(lq, b * hq)](
-        q, k_pages, v_pages, page_table, page_table if first is None else first, out, lse, l_sum,
+        q, k_pages, v_pages, page_table, page_table if first is None else first, sel, out, lse, l_sum,
         lse if visits is None else visits,
         *q.stride(), *k_pages.stride(), page_table.stride(0),
-        hq, hq // hkv, lq, q_start, key_lo, key_hi, _window(window, q_start, lq), qk_scale, cap,
+        hq, hq // hkv, lq, q_start, key_lo, key_hi, _window(window, q_start, lq), qk_scale, cap, n_sel,
         HEAD_DIM=d, PAGE=page, PRECISION=_precision(q.dtype), CARRY=state is not None, SOFTCAP=softcap is not None,
-        ROWS=first is not None, COUNT=visits is not None,
+        ROWS=first is not None, COUNT=visits is not None, SPARSE=select is not None, K_P2=k_p2,
     )  # fmt: skip
     return None if state is not None else (out, lse)
 
@@ -736,6 +925,7 @@ def paged_attention_backward(
     dq: torch.Tensor | None = None,
     softcap: float | None = None,
     doc_start: torch.Tensor | None = None,
+    page_select: torch.Tensor | None = None,
     visits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Return ``dq`` (dtype of ``q``) and **add** dK, dV of every page read into ``dk_pages``, ``dv_pages``
@@ -743,11 +933,13 @@ def paged_attention_backward(
 
     ``key_range=(lo, hi)``: only keys ``[lo, hi)`` (``out``, ``lse`` are still the final ones, over all keys).
     ``delta``: a precomputed ``rowsum(dout * out)`` (fp32 ``[B, Hq, Lq]``). ``dq``: an fp32 ``[B, Hq, Lq, D]``
-    accumulator the contribution is added into (and which is returned). ``softcap``, ``doc_start``: as in the
-    forward; ``visits`` counts the dK/dV kernel's tiles."""
+    accumulator the contribution is added into (and which is returned). ``softcap``, ``doc_start``,
+    ``page_select``: as in the forward (past pages no query block lists get nothing added, bit for bit);
+    ``visits`` counts the dK/dV kernel's tiles."""
     b, hq, lq, d, hkv, page, key_lo, key_hi = _check(q, k_pages, v_pages, page_table, q_start, key_range)
     qk_scale, cap = _score_scales(scale, softcap)
     first = _row_firsts(check_doc_start(doc_start, (b, lq), q.device), q_start, lq, window)
+    select = check_page_select(page_select, (b, lq), page, q_start, q.device)
     grads = (dk_pages, dv_pages)
     if any(g.shape != k_pages.shape or g.dtype not in _GRAD_DTYPES or not g.is_contiguous() for g in grads):
         raise ValueError(
@@ -774,19 +966,22 @@ def paged_attention_backward(
     first_key = max(0, q_start - window + 1, key_lo)  # keys before q_start - window + 1 are in no window
     if first_key < key_hi:
         seeing = page_table if first is None else _rows_seeing(first, key_hi, page)
+        past_pages = q_start // page
+        inv_ptr, inv_idx = (page_table, page_table) if select is None else _inverse_lists(select, past_pages)
         _bwd_dkdv_kernel[_key_grid(first_key, key_hi, b * hkv)](
             q, k_pages, v_pages, dout, lse, delta, page_table, dk_pages, dv_pages,
-            page_table if first is None else first, seeing, lse if visits is None else visits,
+            page_table if first is None else first, seeing, lse if visits is None else visits, inv_ptr, inv_idx,
             *q.stride(), *k_pages.stride(), page_table.stride(0),
-            hq, hkv, hq // hkv, lq, q_start, first_key, key_hi, window, scale, qk_scale, cap,
+            hq, hkv, hq // hkv, lq, q_start, first_key, key_hi, window, scale, qk_scale, cap, past_pages,
             HEAD_DIM=d, PAGE=page, PRECISION=precision, SOFTCAP=softcap is not None, ROWS=first is not None,
-            COUNT=visits is not None,
+            COUNT=visits is not None, SPARSE=select is not None,
         )  # fmt: skip
+    sel, n_sel, k_p2 = _selection_args(select, page_table)
     _bwd_dq_kernel[_query_grid(lq, b * hq)](
-        q, k_pages, v_pages, dout, lse, delta, page_table, dq, page_table if first is None else first,
+        q, k_pages, v_pages, dout, lse, delta, page_table, dq, page_table if first is None else first, sel,
         *q.stride(), *k_pages.stride(), page_table.stride(0),
-        hq, hq // hkv, lq, q_start, key_lo, key_hi, window, scale, qk_scale, cap,
+        hq, hq // hkv, lq, q_start, key_lo, key_hi, window, scale, qk_scale, cap, n_sel,
         HEAD_DIM=d, PAGE=page, PRECISION=precision, ACCUMULATE=accumulate, SOFTCAP=softcap is not None,
-        ROWS=first is not None,
+        ROWS=first is not None, SPARSE=select is not None, K_P2=k_p2,
     )  # fmt: skip
     return dq

@@ -106,6 +106,24 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> CausalLMModule:
     return CausalLMModule(config=config, **optim)
 
 
+def build_trainer(args: argparse.Namespace, callbacks: list[Callback], **strategy_options) -> L.Trainer:
+    """The demo's Trainer: ``strategy="oomb"`` at ``--chunk-size`` (plus ``strategy_options``), quiet."""
+    return L.Trainer(
+        strategy=OOMBStrategy(chunk_size=args.chunk_size, page_size=128, **strategy_options),
+        accelerator=args.accelerator,
+        devices=1,
+        precision=args.precision,
+        max_epochs=None if args.text else 1,  # text: as many passes over the files as the steps need
+        max_steps=args.steps if args.text else args.short_steps + args.steps,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        gradient_clip_val=DEMO_CLIP,
+    )
+
+
 @dataclass
 class StepRecord:
     seq_len: int
@@ -212,20 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
     data = build_data(args)
     module = build_model(args, data.vocab_size)
     meter = StepMeter()
-    trainer = L.Trainer(
-        strategy=OOMBStrategy(chunk_size=args.chunk_size, page_size=128),
-        accelerator=args.accelerator,
-        devices=1,
-        precision=args.precision,
-        max_epochs=None if args.text else 1,  # text: as many passes over the files as the steps need
-        max_steps=args.steps if args.text else args.short_steps + args.steps,
-        callbacks=[meter],
-        logger=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        gradient_clip_val=DEMO_CLIP,
-    )
+    trainer = build_trainer(args, [meter])
     trainer.fit(module, data)
 
     full = [s for s in meter.steps if s.seq_len == args.seq_len]

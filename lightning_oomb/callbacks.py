@@ -10,6 +10,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from lightning_oomb.engine.errors import OOMBConfigError
+from lightning_oomb.engine.sparse import check_budget
 
 # what OOMBMonitor shows in the progress bar as well (the rest goes to the loggers only)
 PROGRESS_BAR = ("oomb/tokens_per_s", "oomb/pool_bytes")
@@ -82,3 +83,78 @@ class OOMBOffload(OOMBMonitor):
             raise OOMBConfigError(
                 "OOMBOffload already logs everything OOMBMonitor logs — keep only OOMBOffload in callbacks."
             )
+
+
+class OOMBSparseBudget(Callback):
+    """Steer sparse attention's page budget during training and log what the selection keeps.
+
+    Args:
+        schedule: the page budget per global step: a dict ``{step: budget}`` (each budget holds from its step on;
+            before the first key the strategy's ``page_budget``) or a callable ``step -> budget``; a budget is a
+            positive number of past pages per query block or ``None`` (dense). ``{0: None, 1000: 64}`` starts dense
+            and goes sparse; ``lambda step: max(8, 256 - step)`` ramps down.
+        recall_every: measure ``oomb/selection_recall`` every this many steps (``0``: never). The probe attends one
+            query block per sparse layer call a second time, densely: a few percent of a step's attention work.
+
+    Logs per step: ``oomb/page_budget`` (0 when dense), ``oomb/attended_fraction`` (pages attended / pages visible,
+    over every layer, chunk, row and query block; 1.0 when dense) and, on the measured steps,
+    ``oomb/selection_recall``: the mean share, over the probed query blocks' rows and heads, of their dense attention
+    mass that falls on the keys they attend (the selected pages and the chunk's own pages).
+    """
+
+    def __init__(self, schedule, recall_every: int = 50) -> None:
+        if isinstance(schedule, dict):
+            for step, budget in schedule.items():
+                if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+                    raise OOMBConfigError(
+                        f"OOMBSparseBudget schedule key {step!r} is not a global step — use non-negative ints, "
+                        "e.g. {0: None, 1000: 64}."
+                    )
+                check_budget(budget)
+        elif not callable(schedule):
+            raise OOMBConfigError(
+                f"OOMBSparseBudget schedule {schedule!r} must be a dict {{step: budget}} or a callable step -> "
+                "budget."
+            )
+        if isinstance(recall_every, bool) or not isinstance(recall_every, int) or recall_every < 0:
+            raise OOMBConfigError(f"recall_every={recall_every!r} must be a non-negative int (0: never).")
+        self.schedule, self.recall_every = schedule, recall_every
+        self._initial: int | None = None
+
+    def budget_at(self, step: int) -> int | None:
+        """The budget of global step ``step``."""
+        if callable(self.schedule):
+            budget = self.schedule(step)
+            check_budget(budget)
+            return budget
+        started = [s for s in self.schedule if s <= step]
+        return self.schedule[max(started)] if started else self._initial
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        config = getattr(trainer.strategy, "oomb_config", None)
+        if config is None:
+            raise OOMBConfigError(
+                f"OOMBSparseBudget steers the OOMB engine's sparse attention but the strategy is "
+                f"{type(trainer.strategy).__name__} — use Trainer(strategy='oomb') or drop the callback."
+            )
+        self._initial = config.page_budget
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, *_: Any) -> None:
+        engine, step = trainer.strategy.engine, trainer.global_step
+        engine.page_budget = self.budget_at(step)
+        engine.probe_recall = bool(self.recall_every) and step % self.recall_every == 0
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *_: Any) -> None:
+        sparse = trainer.strategy.engine.stats.sparse
+        metrics = {"oomb/page_budget": 0.0, "oomb/attended_fraction": 1.0}
+        if sparse is not None:
+            metrics = {
+                "oomb/page_budget": float(sparse.page_budget),
+                "oomb/attended_fraction": sparse.attended_fraction,
+            }
+            if sparse.selection_recall is not None:
+                metrics["oomb/selection_recall"] = sparse.selection_recall
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False)

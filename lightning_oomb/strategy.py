@@ -158,6 +158,8 @@ class OOMBStrategy(_OOMBStrategyMixin, SingleDeviceStrategy):
         hbm_budget: int | str = "auto",
         staging_buffers: int = 4,
         prefetch_depth: int | None = None,
+        page_budget: int | None = None,
+        page_score: str = "bound",
         target_module: str | None = None,
         verify_exactness: bool = True,
         device: str | torch.device | None = None,

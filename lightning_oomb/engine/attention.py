@@ -8,6 +8,10 @@ see one uniform paged sequence ``[0, chunk.start + Lq)`` with lower-right causal
 the chunk's accumulated gradient pages as the gradient of ``k, v`` — they already hold every later chunk's
 contribution because the backward sweep runs chunks in reverse.
 
+Sparse steps (``page_budget``): each layer call's page selection (:mod:`lightning_oomb.engine.sparse`) is made
+once in the forward sweep, from the pool's page summaries, and handed to the kernels as ``page_select`` in the
+forward, the recompute and the backward alike.
+
 Dispatch is choosing a module with the contract's two functions (``csrc_triton.contract``): the Triton kernels
 (``csrc_triton.paged_attention``) for CUDA tensors, the plain-torch reference
 (:mod:`lightning_oomb.engine.reference`) elsewhere; ``OOMBConfig.attention_backend`` or the environment variable
@@ -29,6 +33,7 @@ from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.kv_pool import KVPool
 from lightning_oomb.engine.lse import add_sinks, attention_delta, finish_state, init_state, sink_grad
 from lightning_oomb.engine.pages import PagedKV, PoolShape
+from lightning_oomb.engine.sparse import Selection, SparseStep, select_pages
 
 Backend = Literal["torch", "triton"]
 
@@ -40,7 +45,7 @@ class ChunkContext:
     ``shape``: the step's pool shape without the K/V dtype (the first chunk written decides it). ``step_loss``: the
     step's extra loss term, if the model has one (:class:`lightning_oomb.engine.model.StepLoss`). ``doc_start``:
     packed documents, each of the chunk's tokens' document start ``[B, L]``; ``key_floor``: no query of the chunk
-    sees a key before it (its earliest document start).
+    sees a key before it (its earliest document start). ``sparse``: the step's selections (a sparse step).
     """
 
     pool: KVPool
@@ -51,6 +56,7 @@ class ChunkContext:
     step_loss: object | None = None
     doc_start: torch.Tensor | None = None
     key_floor: int = 0
+    sparse: SparseStep | None = None
 
 
 def resolve_backend(name: str, device: torch.device) -> Backend:
@@ -105,35 +111,70 @@ def _whole(kv: PagedKV, num_keys: int) -> bool:
     return kv.keys is None or kv.keys == (0, num_keys)
 
 
+@dataclass
+class Probe:
+    """Query rows ``[lo, hi)`` of a call also attended densely (no selection, no sinks), to measure how much of their
+    attention the selection keeps: :func:`attend` sets ``sparse_lse`` and ``dense_lse`` (``[B, Hq, hi - lo]``, the
+    log-sum-exp over the keys attended and over every visible key)."""
+
+    lo: int
+    hi: int
+    sparse_lse: torch.Tensor | None = None
+    dense_lse: torch.Tensor | None = None
+
+
 def attend(
-    backend: Backend, q, parts, q_start: int, scale: float, window, softcap=None, sinks=None, docs=None
-):
+    backend: Backend, q, parts, q_start: int, scale: float, window, softcap=None, sinks=None, docs=None,
+    select=None, probe: Probe | None = None,
+):  # fmt: skip
     """``(out, lse)`` of ``q`` over the key parts of :meth:`KVPool.parts`: one call for a part holding every key,
     else each part folded into one running softmax state (the log-sum-exp merge), and the sinks folded in last.
-    ``docs``: the queries' document starts (packed rows)."""
+    ``docs``: the queries' document starts (packed rows); ``select``: their page selection (sparse)."""
     ops, num_keys, state = kernels(backend), q_start + q.shape[2], None
-    terms = {"softcap": softcap, "doc_start": docs}
+    terms = {"softcap": softcap, "doc_start": docs, "page_select": select}
+    dense = None
     for kv in parts:
-        if state is None and sinks is None and _whole(kv, num_keys):
+        if state is None and sinks is None and probe is None and _whole(kv, num_keys):
             return ops.paged_attention_forward(q, kv.k, kv.v, kv.page_table, q_start, scale, window, **terms)
         if state is None:
             state = init_state(q)
         ops.paged_attention_forward(
             q, kv.k, kv.v, kv.page_table, q_start, scale, window, key_range=kv.keys, state=state, **terms
         )
+        if probe is not None:
+            dense = _probe_part(ops, q, kv, q_start, probe, scale, window, softcap, docs, dense)
+    if probe is not None:
+        probe.sparse_lse = (state[1] + torch.log(state[2]))[..., probe.lo : probe.hi]
+        probe.dense_lse = dense[1] + torch.log(dense[2])
     if sinks is not None:
         add_sinks(state, sinks)
     return finish_state(state, q.dtype)
 
 
+def _probe_part(ops, q, kv: PagedKV, q_start: int, probe: Probe, scale, window, softcap, docs, state):
+    """Fold the part's keys that the probe rows can see into their dense state (made at the first part)."""
+    rows = q[:, :, probe.lo : probe.hi]
+    start, end = q_start + probe.lo, q_start + probe.hi
+    lo, hi = kv.keys or (0, q_start + q.shape[2])
+    if state is None:
+        state = init_state(rows)
+    if lo < end:
+        docs = None if docs is None else docs[:, probe.lo : probe.hi].contiguous()
+        ops.paged_attention_forward(
+            rows.contiguous(), kv.k, kv.v, kv.page_table, start, scale, window, key_range=(lo, min(hi, end)),
+            state=state, softcap=softcap, doc_start=docs,
+        )  # fmt: skip
+    return state
+
+
 def attend_backward(
     backend: Backend, q, out, lse, dout, parts, q_start: int, scale: float, window, softcap=None, delta=None,
-    docs=None,
+    docs=None, select=None,
 ):  # fmt: skip
     """``dq``, adding dK/dV into every part's gradient pages; dQ is summed over the parts. ``delta``: a precomputed
     ``rowsum(dout * out)`` (else computed once)."""
     ops, num_keys, dq = kernels(backend), q_start + q.shape[2], None
-    terms = {"softcap": softcap, "doc_start": docs}
+    terms = {"softcap": softcap, "doc_start": docs, "page_select": select}
     for kv in parts:
         pages = (kv.k, kv.v, kv.dk, kv.dv, kv.page_table)
         if dq is None and _whole(kv, num_keys):
@@ -161,19 +202,34 @@ class PagedAttention(torch.autograd.Function):
             if pool.shape != shape:
                 pool.reserve(shape, k.device)
         pool.write(layer, chunk.start, k, v, window)
-        parts = pool.parts(layer, chunk.start + q.shape[2], first_key=_first_key(chunk, window))
         with torch.autocast(q.device.type, enabled=False):
+            selection = _selection(chunk, layer, q, window)
+            select = None if selection is None else selection.pages
+            probe = _probe(chunk, selection, q.shape[2])
+            parts = pool.parts(layer, chunk.start + q.shape[2], first_key=_first_key(chunk, window))
             out, lse = attend(
-                chunk.backend, q, parts, chunk.start, scale, window, softcap, sinks, chunk.doc_start
+                chunk.backend,
+                q,
+                parts,
+                chunk.start,
+                scale,
+                window,
+                softcap,
+                sinks,
+                chunk.doc_start,
+                select,
+                probe,
             )
-        ctx.save_for_backward(q, out, lse, sinks, *((k, v) if pool.restages(layer) else ()))
+            if probe is not None:
+                chunk.sparse.add_recall(probe.sparse_lse, probe.dense_lse)
+        ctx.save_for_backward(q, out, lse, sinks, select, *((k, v) if pool.restages(layer) else ()))
         ctx.args = (chunk, layer, scale, window, softcap, k.dtype)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        q, out, lse, sinks, *kv = ctx.saved_tensors
+        q, out, lse, sinks, select, *kv = ctx.saved_tensors
         chunk, layer, scale, window, softcap, kv_dtype = ctx.args
         pool = chunk.pool
         if kv:
@@ -197,10 +253,37 @@ class PagedAttention(torch.autograd.Function):
                 softcap,
                 delta,
                 chunk.doc_start,
+                select,
             )
             dsinks = sink_grad(sinks, lse, delta) if sinks is not None and ctx.needs_input_grad[8] else None
         dk, dv = pool.read_grad(layer, chunk.start, q.shape[2])
         return dq, dk.to(kv_dtype), dv.to(kv_dtype), None, None, None, None, None, dsinks
+
+
+def _selection(chunk: ChunkContext, layer: int, q: torch.Tensor, window) -> Selection | None:
+    """The call's page selection in a sparse step: made now (forward, eval) or the forward sweep's (backward)."""
+    sparse = chunk.sparse
+    if sparse is None:
+        return None
+    page = chunk.shape.page_size
+
+    def make() -> Selection:
+        with torch.no_grad():
+            summaries = chunk.pool.summaries(layer, chunk.start // page)
+            return select_pages(q, summaries, chunk.start, page, sparse.budget, window, chunk.doc_start)
+
+    return sparse.select(layer, chunk.start, chunk.sweep, make)
+
+
+def _probe(chunk: ChunkContext, selection: Selection | None, lq: int) -> Probe | None:
+    """The query block whose selection recall this call measures, if any (forward and eval sweeps)."""
+    if chunk.sweep == "backward" or selection is None:
+        return None
+    block = chunk.sparse.probe_block(selection)
+    if block is None:
+        return None
+    page = chunk.shape.page_size
+    return Probe(block * page, min((block + 1) * page, lq))
 
 
 def paged_attention(

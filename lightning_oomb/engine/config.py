@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.pages import GRAD_DTYPES
+from lightning_oomb.engine.sparse import check_budget, check_page_score
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -43,6 +44,14 @@ class OOMBConfig:
             and one prefix block); 3 overlaps copies in with compute, 4 (default) also overlaps write-backs.
         prefetch_depth: predicted block uses staged ahead of time when offloading; ``None`` (default): as many as
             free buffers allow, ``0``: copies only on demand (a debugging aid: no overlap).
+        page_budget: sparse attention: each block of ``page_size`` queries attends to its chunk's own pages and to
+            the ``page_budget`` earlier pages whose key summaries score highest (a block with fewer earlier pages
+            is dense); ``None`` (default): dense, exact. The selection is made in the forward sweep and reused by
+            the backward (exact gradients of the sparse loss); ``OOMBSparseBudget`` changes it during training.
+        page_score: how a query block scores earlier pages for ``page_budget``: ``"bound"`` (default; each page keeps
+            its keys' elementwise max and min, and a query scores the upper bound of its dot product with any of
+            them: a page holding one strongly matching key scores high) or ``"mean"`` (the mean key, the OOMB
+            paper's rule; half the summary memory, but blind to single keys: see ``benchmarks/sparse_quality.py``).
     """
 
     chunk_size: int = 4096
@@ -55,6 +64,8 @@ class OOMBConfig:
     hbm_budget: int | str = "auto"
     staging_buffers: int = 4
     prefetch_depth: int | None = None
+    page_budget: int | None = None
+    page_score: str = "bound"
 
     def __post_init__(self) -> None:
         for name in ("chunk_size", "page_size", "loss_block"):
@@ -92,6 +103,8 @@ class OOMBConfig:
                 f"prefetch_depth={depth!r} must be None (as deep as the buffers allow) or an integer >= 0 — it "
                 "counts the block uses staged ahead of time."
             )
+        check_budget(self.page_budget)
+        check_page_score(self.page_score)
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

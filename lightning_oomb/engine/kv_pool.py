@@ -17,7 +17,8 @@ the recomputed, identical K/V of a host layer on the device and changes nothing 
 hands out the pages of ``[0, num_tokens)`` as one :class:`~lightning_oomb.engine.pages.PagedKV` (HBM layer) or one
 per block (host layer), each with the key range it covers — with ``grads=True`` the caller adds into their
 gradient pages before taking the next part; :meth:`KVPool.read_grad` returns a chunk's accumulated gradients and,
-in the backward sweep, frees the chunk's gradient pages. A write zeroes the new pages' gradients.
+in the backward sweep, frees the chunk's gradient pages. A write zeroes the new pages' gradients and, for a sparse
+step, stores the new pages' summaries (:meth:`KVPool.summaries`; always on the device, counted in its bytes).
 :meth:`KVPool.begin_sweep` / :meth:`KVPool.end_sweep` bracket each sweep. The pool is sized per step from the
 sequence length and reused across steps: arenas only grow.
 """
@@ -34,6 +35,7 @@ from lightning_oomb.engine.config import OOMBConfig
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.offload import Offloader, StagingCache, Transfer, Transport, default_transport
 from lightning_oomb.engine.pages import Arena, PagedKV, PoolShape, arena_bytes, gather_tokens, write_tokens
+from lightning_oomb.engine.sparse import summarize
 
 AUTO_HEADROOM = 0.25  # hbm_budget="auto" leaves this fraction of the device for params, grads and activations
 HOST_RESERVE_BYTES = 2 << 30  # host memory never pinned: left to the OS, the data loader and Python
@@ -120,6 +122,7 @@ class KVPool:
         self._hbm: Arena | None = None
         self._host: Arena | None = None
         self._staging: Arena | None = None
+        self._summaries: torch.Tensor | None = None  # sparse steps: PoolShape.summary_shape
         self._tables: dict[int, torch.Tensor] = {}  # HBM layer -> its page table [batch, pages]
         self._offload: Offloader | None = None
         self._sweep = "forward"
@@ -150,6 +153,9 @@ class KVPool:
         self._hbm = self._grow(self._hbm, slots["hbm"], shape, device)
         self._staging = self._grow(self._staging, slots["staging"], shape, device)
         self._host = self._grow(self._host, slots["host"], shape, host_device, host=True)
+        if self._summaries_short(shape, device):
+            self._summaries = None
+            self._summaries = torch.zeros(shape.summary_shape, dtype=shape.dtype, device=device)
         self._tables, base = {}, 0
         for layer in plan.hbm_layers:
             self._tables[layer] = shape.layer_table(layer, base, device)
@@ -215,6 +221,9 @@ class KVPool:
                 strict=True,
             )
         )
+        if self._summaries_short(shape, device):
+            new_device += shape.summary_bytes
+            freed_device += self._summary_bytes
         available = host_memory_available() if new_host or device.type == "cpu" else None
         host_usable = None if available is None else available + freed_host - HOST_RESERVE_BYTES
         if new_host and host_usable is not None:
@@ -227,6 +236,20 @@ class KVPool:
             self._refuse_if_short(shape, plan, new_device, free + cached + freed_device, device)
         elif device.type == "cpu" and host_usable is not None:
             self._refuse_if_short(shape, plan, new_device, host_usable - new_host + freed_device, device)
+
+    def _summaries_short(self, shape: PoolShape, device: torch.device) -> bool:
+        """A sparse step whose summaries do not fit the ones held (they only grow, like the arenas)."""
+        if shape.page_score is None:
+            return False
+        held = self._summaries
+        want = shape.summary_shape
+        return not (
+            held is not None
+            and held.device == device
+            and held.dtype == shape.dtype
+            and held.shape[:2] + held.shape[3:] == want[:2] + want[3:]
+            and held.shape[2] >= want[2]
+        )
 
     @staticmethod
     def _new_bytes(arena: Arena | None, slots: int, shape: PoolShape, device) -> tuple[int, int]:
@@ -252,7 +275,6 @@ class KVPool:
             ways.append("a smaller hbm_budget (or 'auto')")
         elif device.type == "cuda":
             ways.append("offload=True (pages beyond hbm_budget go to pinned host memory)")
-        ways.append("sparse attention once available")
         tokens = f"({shape.batch} x {shape.seq_len} tokens)"
         if device is None:
             raise OOMBConfigError(
@@ -287,14 +309,19 @@ class KVPool:
         for arena in (self._hbm, self._staging, self._host):
             if arena is not None:
                 arena.free()
-        self._hbm = self._host = self._staging = self._offload = None
+        self._hbm = self._host = self._staging = self._offload = self._summaries = None
         self._tables = {}
         self.shape = self.plan = None
 
     @property
     def device_bytes(self) -> int:
-        """Bytes of the pool's device arenas (HBM tier + staging buffers)."""
-        return sum(a.nbytes for a in (self._hbm, self._staging) if a is not None)
+        """Bytes of the pool's device arenas (HBM tier + staging buffers) and page summaries."""
+        return sum(a.nbytes for a in (self._hbm, self._staging) if a is not None) + self._summary_bytes
+
+    @property
+    def _summary_bytes(self) -> int:
+        held = self._summaries
+        return held.numel() * held.element_size() if held is not None else 0
 
     @property
     def host_bytes(self) -> int:
@@ -345,6 +372,7 @@ class KVPool:
             "hbm_pool_bytes": self._hbm.nbytes if self._hbm else 0,
             "staging_bytes": self._staging.nbytes if self._staging else 0,
             "host_pool_bytes": self.host_bytes,
+            "summary_bytes": self._summary_bytes,
             "h2d_bytes": 0,
             "d2h_bytes": 0,
             "copy_wait_s": 0.0,
@@ -383,6 +411,10 @@ class KVPool:
                 "the model's `layer_windows` match its attention calls (or drop it: every page is then kept)."
             )
         backward = self._sweep == "backward"
+        if shape.page_score is not None and not backward:
+            first = start // shape.page_size
+            summary = summarize(k, shape.page_size, shape.page_score)
+            self._summaries[layer, :, first : first + summary.shape[1]] = summary
         if not self.streams(layer):
             table = self._layer_table(layer)
             if not backward:
@@ -439,6 +471,11 @@ class KVPool:
         for block, table in self._offload.stream(layer, chunk, grads, shape.block_of(first_key)):
             keys = shape.block_keys(block, num_tokens)
             yield PagedKV(arena.k, arena.v, arena.dk, arena.dv, table[:, :pages], keys)
+
+    def summaries(self, layer: int, num_pages: int) -> torch.Tensor:
+        """The summaries ``[batch, num_pages, vectors, kv_heads, head_dim]`` of ``layer``'s first pages (a sparse
+        step; :func:`~lightning_oomb.engine.sparse.summarize`)."""
+        return self._summaries[layer, :, :num_pages]
 
     def read_grad(self, layer: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Accumulated ``dk, dv [B, kv_heads, length, head_dim]`` of tokens ``[start, start + length)`` (one

@@ -39,6 +39,7 @@ import torch
 from lightning_oomb.engine.errors import OOMBConfigError
 
 GRAD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PAGE_SCORES = {"bound": 2, "mean": 1}  # sparse attention's page score -> summary vectors per page and KV head
 _ALIGN = 512  # byte alignment of the four views inside an arena (DMA friendly, divisible by every itemsize)
 
 Part = Literal["kv", "grad"]  # the K and V pages, or the dK and dV pages
@@ -63,6 +64,8 @@ class PoolShape:
     ``dtype``: the K/V dtype, which the first chunk written decides (:meth:`for_dtype`); ``None`` until then.
     ``kv_grad_dtype``: the gradient-page option; :attr:`grad_dtype` is what it resolves to for ``dtype``.
     ``windows``: each layer's sliding window as the model declares it (``None``: unknown, every layer full).
+    ``page_score``: the step attends sparsely, so every page also keeps its summary for this page score on the
+    device (:mod:`lightning_oomb.engine.sparse`); ``None``: dense.
     """
 
     num_layers: int
@@ -75,6 +78,7 @@ class PoolShape:
     kv_grad_dtype: str = "float32"
     dtype: torch.dtype | None = None
     windows: tuple[int | None, ...] | None = None  # per layer: its sliding window (None: full attention)
+    page_score: str | None = None
 
     def for_dtype(self, dtype: torch.dtype) -> PoolShape:
         """This shape with K/V in ``dtype``."""
@@ -146,6 +150,19 @@ class PoolShape:
     def grad_bytes(self) -> int:
         """Bytes of the dK and dV gradient pages."""
         return 2 * self.num_slots * self.page_numel * self.grad_dtype.itemsize
+
+    @property
+    def summary_bytes(self) -> int:
+        """Bytes of the page summaries (key-sized vectors per page and KV head, every layer; 0 when dense)."""
+        if self.page_score is None:
+            return 0
+        return math.prod(self.summary_shape) * self.dtype.itemsize
+
+    @property
+    def summary_shape(self) -> tuple[int, ...]:
+        """``[layers, batch, pages, vectors, kv_heads, head_dim]`` of the page summaries (a sparse step)."""
+        vectors = PAGE_SCORES[self.page_score]
+        return (self.num_layers, self.batch, self.pages_per_row, vectors, self.kv_heads, self.head_dim)
 
     @property
     def layer_bytes(self) -> int:

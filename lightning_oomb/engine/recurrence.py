@@ -28,6 +28,7 @@ from lightning_oomb.engine.loss import IGNORE_INDEX, linear_cross_entropy
 from lightning_oomb.engine.model import ChunkModel
 from lightning_oomb.engine.offload import Transport, default_transport
 from lightning_oomb.engine.pages import PoolShape
+from lightning_oomb.engine.sparse import SparseStats, SparseStep, check_budget
 
 
 @dataclass
@@ -40,6 +41,7 @@ class StepStats:
     kv_bytes: int = 0
     grad_bytes: int = 0
     extra: dict = field(default_factory=dict)
+    sparse: SparseStats | None = None  # a sparse step's budget, attended fraction and selection recall
 
 
 class _RNGState:
@@ -94,6 +96,7 @@ class _Step:
     doc_start: torch.Tensor | None  # packed documents: each token's document start [B, N]
     floors: list[int]  # per chunk, the first key its queries can see through their documents
     step_loss: object | None = None  # the model's StepLoss for this step
+    sparse: SparseStep | None = None  # a sparse step's selections
 
 
 class OOMBEngine:
@@ -107,6 +110,9 @@ class OOMBEngine:
         config: the options (:class:`~lightning_oomb.engine.config.OOMBConfig`).
         transport: a factory ``transport(device)`` for the offload copies (race checks inject
             :func:`~lightning_oomb.engine.offload.delaying_transport`).
+
+    ``page_budget`` (from the config; settable between steps, e.g. by ``OOMBSparseBudget``) makes the next steps
+    sparse; ``probe_recall = True`` makes the next steps (and evaluations) measure their selection recall.
     """
 
     def __init__(
@@ -119,6 +125,19 @@ class OOMBEngine:
         self.config = config or OOMBConfig()
         self.pool = KVPool(self.config, transport)
         self.stats = StepStats()
+        self._page_budget = self.config.page_budget
+        self.probe_recall = False
+        self._steps = 0
+
+    @property
+    def page_budget(self) -> int | None:
+        """Past pages each query block attends to in the next steps (``None``: dense)."""
+        return self._page_budget
+
+    @page_budget.setter
+    def page_budget(self, budget: int | None) -> None:
+        check_budget(budget)
+        self._page_budget = budget
 
     # ------------------------------------------------------------------------------------------ public API
     def loss(
@@ -201,6 +220,10 @@ class OOMBEngine:
         targets = layout.targets
         batch, seq_len = input_ids.shape
         cfg, model = self.config, self.model
+        sparse = None
+        if self.page_budget is not None:
+            self._steps += 1
+            sparse = SparseStep(self.page_budget, cfg.page_score, probe=self.probe_recall, seed=self._steps)
         shape = PoolShape(
             model.num_layers,
             batch,
@@ -211,6 +234,7 @@ class OOMBEngine:
             cfg.chunk_size,
             cfg.kv_grad_dtype,
             windows=getattr(model, "layer_windows", None),
+            page_score=None if sparse is None else sparse.score,
         )
         bounds = [(a, min(a + cfg.chunk_size, seq_len)) for a in range(0, seq_len, cfg.chunk_size)]
         denominator = int((targets != IGNORE_INDEX).sum())
@@ -218,7 +242,7 @@ class OOMBEngine:
         new_step_loss = getattr(model, "new_step_loss", None)
         step_loss = new_step_loss() if new_step_loss is not None else None
         return _Step(input_ids, targets, denominator, shape, backend, bounds, layout.positions, layout.doc_start,
-                     floors, step_loss)  # fmt: skip
+                     floors, step_loss, sparse)  # fmt: skip
 
     def _check_ranges(self, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
         """Token ids inside the embedding, labels inside the LM head's vocabulary or ``IGNORE_INDEX``."""
@@ -242,7 +266,15 @@ class OOMBEngine:
         start, end = step.bounds[index]
         docs = None if step.doc_start is None else step.doc_start[:, start:end]
         chunk = ChunkContext(
-            self.pool, step.shape, start, sweep, step.backend, step.step_loss, docs, step.floors[index]
+            self.pool,
+            step.shape,
+            start,
+            sweep,
+            step.backend,
+            step.step_loss,
+            docs,
+            step.floors[index],
+            step.sparse,
         )
         ids = step.input_ids[:, start:end]
         hidden = self.model.hidden_states(ids, step.positions[:, start:end], chunk)
@@ -292,6 +324,7 @@ class OOMBEngine:
             kv_bytes=shape.kv_bytes if shape else 0,
             grad_bytes=shape.grad_bytes if shape else 0,
             extra=self.pool.stats(),
+            sparse=None if step.sparse is None else step.sparse.stats(),
         )
 
 

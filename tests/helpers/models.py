@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -94,19 +96,25 @@ def build_family(family: str, dtype=torch.float64, seed: int = 0, **overrides):
 
 
 def _reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
-                         softcap=None, s_aux=None, **kwargs):  # fmt: skip
-    """Textbook attention over the whole sequence in the inputs' dtype (the float64 oracle's attention)."""
+                         softcap=None, s_aux=None, masks=None, **kwargs):  # fmt: skip
+    """Textbook attention over the whole sequence in the inputs' dtype (the float64 oracle's attention); ``masks``:
+    per layer index, a bool ``[B, N, N]`` narrowing what each query sees (sparse selections, documents)."""
     from tests.helpers.attention import dense_attention
 
-    out = dense_attention(query, key, value, 0, scaling, sliding_window, softcap=softcap, sinks=s_aux)
+    mask = None if masks is None else masks[module.layer_idx]
+    out = dense_attention(
+        query, key, value, 0, scaling, sliding_window, softcap=softcap, sinks=s_aux, mask=mask
+    )
     return out.transpose(1, 2), None
 
 
-def _reference_forward(model, input_ids, **kwargs):
+def _reference_forward(model, input_ids, masks=None, **kwargs):
     """The model's own forward with textbook attention in the model's dtype (the float64 oracle's forward)."""
     import transformers as tf
 
-    tf.AttentionInterface.register("oomb_test_reference", _reference_attention)
+    tf.AttentionInterface.register(
+        "oomb_test_reference", functools.partial(_reference_attention, masks=masks)
+    )
     previous = model.config._attn_implementation
     model.config._attn_implementation = "oomb_test_reference"
     try:
@@ -125,6 +133,12 @@ def exact_full_sequence_loss(model, input_ids, labels=None):
     """Full-sequence training loss of ``model`` as a float64 oracle: the model's own forward (with its logit scale
     and softcap) with textbook attention in the model's dtype, and a cross-entropy in it."""
     return _cross_entropy(_reference_forward(model, input_ids).logits, input_ids, labels)
+
+
+def masked_full_sequence_loss(model, input_ids, masks, labels=None, **kwargs):
+    """:func:`exact_full_sequence_loss` with each layer's attention narrowed by ``masks[layer]`` (bool
+    ``[B, N, N]``); ``kwargs`` go to the model (e.g. ``position_ids``)."""
+    return _cross_entropy(_reference_forward(model, input_ids, masks, **kwargs).logits, input_ids, labels)
 
 
 def _cohere_norm(x, m):

@@ -13,7 +13,14 @@ import triton
 from csrc_triton import paged_attention as triton_kernels
 from lightning_oomb.engine.attention import kernels
 from lightning_oomb.engine.pages import PagedKV
-from tests.helpers.attention import BACKENDS, dense_attention, from_pages, shuffled_pages
+from tests.helpers.attention import (
+    BACKENDS,
+    dense_attention,
+    from_pages,
+    random_selection,
+    selection_mask,
+    shuffled_pages,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # max |got - want| / max |want|; 16-bit inputs round P (and dS) to 16 bits before the second matmul
@@ -34,6 +41,7 @@ class Case:
     grad_dtype: torch.dtype = torch.float32
     softcap: float | None = None
     docs: tuple[int, ...] = ()  # packed rows: document starts (row b shifted by 3 * b), besides position 0
+    select: int = 0  # sparse: a random page selection of up to this many pages per query block
 
 
 CASES = {
@@ -54,6 +62,12 @@ CASES = {
     "packed": Case(hq=4, hkv=2, q_start=48, lq=45, docs=(21, 40, 60, 77)),
     "packed-window": Case(hq=4, hkv=2, q_start=48, lq=45, window=11, docs=(21, 40, 60, 77)),
     "packed-single-token-docs": Case(b=1, hq=2, hkv=1, q_start=16, lq=20, docs=(16, 17, 18, 30)),
+    # sparse: random selections of past pages (some blocks none), beside the chunk's own pages
+    "sparse": Case(q_start=96, lq=37, select=3),
+    "sparse-one-block": Case(b=1, hq=2, hkv=2, q_start=64, lq=9, select=2),
+    "sparse-window": Case(hq=4, hkv=2, q_start=96, lq=40, window=50, select=4),
+    "sparse-packed": Case(hq=4, hkv=2, q_start=80, lq=45, docs=(21, 40, 60, 77, 100), select=3),
+    "sparse-softcap-fp16": Case(hq=4, hkv=1, q_start=64, lq=33, softcap=3.0, dtype=torch.float16, select=2),
 }
 
 
@@ -67,6 +81,19 @@ def doc_starts(case: Case) -> torch.Tensor | None:
         starts = torch.tensor([0, *(d + 3 * b for d in case.docs)])
         rows.append(starts[torch.searchsorted(starts, positions, right=True) - 1])
     return torch.stack(rows).int().to(DEVICE)
+
+
+def page_selection(case: Case) -> torch.Tensor | None:
+    """The case's page selection (the same on every call)."""
+    if not case.select:
+        return None
+    gen = torch.Generator().manual_seed(case.q_start + case.lq)
+    return random_selection(case.b, case.lq, case.q_start, case.page, case.select, gen).to(DEVICE)
+
+
+def score_terms(case: Case) -> dict:
+    """The keyword arguments of both kernels for the case's score terms."""
+    return {"softcap": case.softcap, "doc_start": doc_starts(case), "page_select": page_selection(case)}
 
 
 def make_inputs(case: Case, seed: int = 0):
@@ -107,8 +134,10 @@ def oracle(case: Case, q, dout, kv: PagedKV):
     n = case.q_start + case.lq
     leaves = [x.detach().double().requires_grad_() for x in (q, from_pages(kv.k, kv.page_table, n),
                                                                from_pages(kv.v, kv.page_table, n))]  # fmt: skip
+    select = page_selection(case)
+    mask = None if select is None else selection_mask(select.cpu(), case.q_start, case.lq, n, case.page)
     out, lse = dense_attention(*leaves, case.q_start, case.d**-0.5, case.window, True, case.softcap,
-                               doc_start=doc_starts(case))  # fmt: skip
+                               doc_start=doc_starts(case), mask=mask)  # fmt: skip
     out.backward(dout.double())
     pad = kv.page_table.shape[1] * case.page - n
     dk, dv = (torch.nn.functional.pad(x.grad, (0, 0, 0, pad)) for x in leaves[1:])
@@ -118,9 +147,8 @@ def oracle(case: Case, q, dout, kv: PagedKV):
 def check_forward(backend: str, case: Case):
     q, dout, kv = make_inputs(case)
     out, lse = kernels(backend).paged_attention_forward(
-        q, kv.k, kv.v, kv.page_table, case.q_start, case.d**-0.5, case.window, softcap=case.softcap,
-        doc_start=doc_starts(case),
-    )  # fmt: skip
+        q, kv.k, kv.v, kv.page_table, case.q_start, case.d**-0.5, case.window, **score_terms(case)
+    )
     want_out, want_lse = oracle(case, q, dout, kv)[:2]
     assert out.dtype == q.dtype and lse.dtype == torch.float32 and lse.shape == q.shape[:-1]
     assert_close(out, want_out, TOLERANCE[case.dtype], "out")
@@ -129,11 +157,7 @@ def check_forward(backend: str, case: Case):
 
 def check_backward(backend: str, case: Case):
     q, dout, kv = make_inputs(case)
-    ops, scale, terms = (
-        kernels(backend),
-        case.d**-0.5,
-        {"softcap": case.softcap, "doc_start": doc_starts(case)},
-    )
+    ops, scale, terms = kernels(backend), case.d**-0.5, score_terms(case)
     out, lse = ops.paged_attention_forward(
         q, kv.k, kv.v, kv.page_table, case.q_start, scale, case.window, **terms
     )
@@ -165,6 +189,13 @@ def check_backward(backend: str, case: Case):
         assert_close(added, want, grad_tol, f"added {name}")
     untouched = torch.ones(kv.dk.shape[0], dtype=torch.bool, device=DEVICE)
     untouched[kv.page_table.flatten().long()] = False
+    select = terms["page_select"]
+    if select is not None:  # past pages no query block selected are neither read nor written
+        past = case.q_start // case.page
+        for row in range(case.b):
+            chosen = set(select[row].flatten().tolist())
+            unread = [p for p in range(past) if p not in chosen]
+            untouched[kv.page_table[row, unread].long()] = True
     assert torch.equal(got.dk[untouched], kv.dk[untouched]) and torch.equal(
         got.dv[untouched], kv.dv[untouched]
     )
@@ -184,7 +215,9 @@ def test_backward_matches_dense(backend: str, case: Case):
     check_backward(backend, case)
 
 
-@pytest.mark.parametrize("case", ["gqa7-ragged", "window", "fp16", "softcap", "packed-window"])
+@pytest.mark.parametrize(
+    "case", ["gqa7-ragged", "window", "fp16", "softcap", "packed-window", "sparse-window", "sparse-packed"]
+)
 def test_triton_matches_reference(case: str):
     """The kernels against their plain-torch reference on the same inputs (the kernels' own oracle)."""
     case = CASES[case]
@@ -193,7 +226,7 @@ def test_triton_matches_reference(case: str):
     results = {}
     for backend in BACKENDS:
         ops, grads = kernels(backend), copy_grads(kv)
-        terms = {"softcap": case.softcap, "doc_start": doc_starts(case)}
+        terms = score_terms(case)
         out, lse = ops.paged_attention_forward(q, kv.k, kv.v, kv.page_table, case.q_start, scale, case.window,
                                                **terms)  # fmt: skip
         dq = ops.paged_attention_backward(q, out, lse, dout, grads.k, grads.v, grads.dk, grads.dv,

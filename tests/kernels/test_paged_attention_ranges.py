@@ -2,8 +2,8 @@
 
 One attention call split into calls over shuffled page-aligned key ranges must combine to the one-shot result,
 never read the page-table entries of other pages, and leave pages outside the range untouched; every step is
-compared with the torch reference doing the same step, and the result with the one-shot call. Triton's autotuning
-must restore every in-place argument between its runs.
+compared with the torch reference doing the same step, and the result with the one-shot call — with a page
+selection (sparse attention) too. Triton's autotuning must restore every in-place argument between its runs.
 """
 
 from __future__ import annotations
@@ -19,14 +19,24 @@ from lightning_oomb.engine import reference
 from lightning_oomb.engine.attention import kernels
 from lightning_oomb.engine.lse import attention_delta, finish_state, init_state
 from lightning_oomb.engine.pages import PagedKV
-from tests.helpers.attention import BACKENDS, dense_attention, shuffled_pages
-from tests.kernels.test_paged_attention import DEVICE, TOLERANCE, Case, assert_close, copy_grads, make_inputs
+from tests.helpers.attention import BACKENDS, dense_attention, selection_mask, shuffled_pages
+from tests.kernels.test_paged_attention import (
+    DEVICE,
+    TOLERANCE,
+    Case,
+    assert_close,
+    copy_grads,
+    make_inputs,
+    page_selection,
+)
 
 GARBAGE = 2**31 - 1  # far outside every arena: reading it faults (or, on the reference, raises)
 CASES = {  # q_start > 0, Lq not a multiple of the page, GQA 2, batch 2
     "gqa2": Case(hq=4, hkv=2, q_start=40, lq=37),
     "gqa2-window": Case(hq=4, hkv=2, q_start=40, lq=37, window=20),  # keys [0, 21) are in no query's window
     "fp16-window": Case(b=1, hq=2, hkv=1, q_start=24, lq=21, window=12, dtype=torch.float16),
+    # selections of up to 2 of the 4 past pages, some outside the window
+    "sparse-window": Case(hq=4, hkv=2, q_start=64, lq=37, window=40, select=2),
 }
 
 
@@ -62,10 +72,14 @@ def poisoned_inputs(case: Case):
 
 
 def sees(case: Case, key_range: tuple[int, int]) -> torch.Tensor:
-    """Bool [Lq]: which query rows see at least one key of ``key_range``."""
-    qpos = torch.arange(case.q_start, case.q_start + case.lq, device=DEVICE)
-    first = qpos - (case.window or qpos.max() + 1) + 1
-    return torch.clamp(first, min=key_range[0]) <= torch.clamp(qpos, max=key_range[1] - 1)
+    """Bool [B, 1, Lq]: which query rows see at least one key of ``key_range`` (through the case's selection)."""
+    qpos = torch.arange(case.q_start, case.q_start + case.lq)[:, None]
+    kpos = torch.arange(key_range[1])[None]
+    visible = (kpos >= key_range[0]) & (kpos <= qpos) & (kpos > qpos - (case.window or qpos.max() + 1))
+    select = page_selection(case)
+    if select is not None:
+        visible = visible & selection_mask(select.cpu(), case.q_start, case.lq, key_range[1], case.page)
+    return visible.expand(case.b, -1, -1).any(-1)[:, None].to(DEVICE)
 
 
 def check_state(got, want, seen: torch.Tensor, tol: float):
@@ -81,43 +95,50 @@ def check_state(got, want, seen: torch.Tensor, tol: float):
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_forward_key_ranges_fold_to_one_shot(backend: str, case: Case):
-    ops = kernels(backend)
+    ops, terms = kernels(backend), {"page_select": page_selection(case)}
     q, _, kv, poison = poisoned_inputs(case)
     scale, num_keys = case.d**-0.5, case.q_start + case.lq
     ranges = split_keys(num_keys, case.page, seed=case.lq)
-    assert any(0 < sees(case, r).sum() < case.lq for r in ranges)  # a range only some rows see
+    assert any(0 < sees(case, r).sum() < case.b * case.lq for r in ranges)  # a range only some rows see
     got, want = init_state(q), init_state(q)
     seen = torch.zeros(case.b, case.hq, case.lq, dtype=torch.bool, device=DEVICE)
     for key_range in ranges:
         view = with_garbage(kv, key_range, poison)
         before = [x.clone() for x in got]
         assert ops.paged_attention_forward(q, view.k, view.v, view.page_table, case.q_start, scale,
-                                           case.window, key_range=key_range, state=got) is None  # fmt: skip
-        reference.paged_attention_forward(
-            q, kv.k, kv.v, kv.page_table, case.q_start, scale, case.window, key_range=key_range, state=want
-        )
+                                           case.window, key_range=key_range, state=got, **terms) is None  # fmt: skip
+        reference.paged_attention_forward(q, kv.k, kv.v, kv.page_table, case.q_start, scale, case.window,
+                                          key_range=key_range, state=want, **terms)  # fmt: skip
         seen |= sees(case, key_range)
         check_state(got, want, seen, TOLERANCE[case.dtype])
-        blind = (~sees(case, key_range))[None, None] & (before[1] > -1e29)  # blind rows with a real state
+        blind = ~sees(case, key_range) & (before[1] > -1e29)  # blind rows with a real state
         for x, y in zip(got, before):
             assert torch.equal(x[blind], y[blind])
 
     out, lse = finish_state(got, q.dtype)
     want_out, want_lse = ops.paged_attention_forward(
-        q, kv.k, kv.v, kv.page_table, case.q_start, scale, case.window
+        q, kv.k, kv.v, kv.page_table, case.q_start, scale, case.window, **terms
     )
     assert_close(out, want_out, TOLERANCE[case.dtype], "out")
     assert_close(lse, want_lse, 1e-5, "lse")
 
 
+def close_or_zero(got: torch.Tensor, want: torch.Tensor, tol: float, what: str):
+    """:func:`assert_close`, or both exactly zero (no row has seen a key yet: e.g. a first range no block selected)."""
+    if want.any():
+        assert_close(got, want, tol, what)
+    else:
+        assert not got.any(), what
+
+
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_backward_key_ranges_accumulate_to_one_shot(backend: str, case: Case):
-    ops = kernels(backend)
+    ops, terms = kernels(backend), {"page_select": page_selection(case)}
     q, dout, kv, poison = poisoned_inputs(case)
     scale, num_keys = case.d**-0.5, case.q_start + case.lq
     out, lse = reference.paged_attention_forward(
-        q, kv.k, kv.v, kv.page_table, case.q_start, scale, case.window
+        q, kv.k, kv.v, kv.page_table, case.q_start, scale, case.window, **terms
     )
     delta = attention_delta(out, dout)
     got, want = copy_grads(kv), copy_grads(kv)
@@ -131,21 +152,21 @@ def test_backward_key_ranges_accumulate_to_one_shot(backend: str, case: Case):
         dk, dv = got.dk.clone(), got.dv.clone()
         assert ops.paged_attention_backward(
             q, out, lse, dout, view.k, view.v, view.dk, view.dv, view.page_table, case.q_start, scale, case.window,
-            key_range=key_range, delta=delta, dq=dq,
+            key_range=key_range, delta=delta, dq=dq, **terms,
         ) is dq  # fmt: skip
         reference.paged_attention_backward(q, out, lse, dout, want.k, want.v, want.dk, want.dv, want.page_table,
                                            case.q_start, scale, case.window, key_range=key_range, delta=delta,
-                                           dq=want_dq)  # fmt: skip
-        assert_close(dq, want_dq, tol, f"dq after {key_range}")
-        assert_close(got.dk - kv.dk, want.dk - kv.dk, tol, f"added dk after {key_range}")
-        assert_close(got.dv - kv.dv, want.dv - kv.dv, tol, f"added dv after {key_range}")
+                                           dq=want_dq, **terms)  # fmt: skip
+        close_or_zero(dq, want_dq, tol, f"dq after {key_range}")
+        close_or_zero(got.dk - kv.dk, want.dk - kv.dk, tol, f"added dk after {key_range}")
+        close_or_zero(got.dv - kv.dv, want.dv - kv.dv, tol, f"added dv after {key_range}")
         outside = torch.ones(kv.dk.shape[0], dtype=torch.bool, device=DEVICE)
         outside[kv.page_table[:, range_pages(kv, key_range)].flatten().long()] = False
         assert torch.equal(got.dk[outside], dk[outside]) and torch.equal(got.dv[outside], dv[outside])
 
     whole = copy_grads(kv)
     want_full = ops.paged_attention_backward(q, out, lse, dout, whole.k, whole.v, whole.dk, whole.dv,
-                                             whole.page_table, case.q_start, scale, case.window)  # fmt: skip
+                                             whole.page_table, case.q_start, scale, case.window, **terms)  # fmt: skip
     assert_close(dq.to(q.dtype), want_full, tol, "accumulated dq")
     assert_close(got.dk - kv.dk, whole.dk - kv.dk, tol, "dk over all ranges")
     assert_close(got.dv - kv.dv, whole.dv - kv.dv, tol, "dv over all ranges")
@@ -230,14 +251,16 @@ def test_restore_hooks_touch_only_the_key_range():
     assert hook.saved is None
 
 
-def test_autotuning_restores_in_place_arguments(monkeypatch):
+@pytest.mark.parametrize("select", [0, 1], ids=["dense", "sparse"])
+def test_autotuning_restores_in_place_arguments(monkeypatch, select: int):
     """Tuning runs every kernel once per config and repeat; with key ranges, a carried state and a dQ
-    accumulator the result must equal one untuned run bitwise (the first config is the untuned one and wins)."""
-    case = Case(b=1, hq=2, hkv=1, q_start=16, lq=20)
+    accumulator (and a page selection) the result must equal one untuned run bitwise (the first config is the
+    untuned one and wins)."""
+    case = Case(b=1, hq=2, hkv=1, q_start=16, lq=20, select=select)
     q, dout, kv, poison = poisoned_inputs(case)
-    scale, ranges = case.d**-0.5, [(16, 36), (0, 16)]
+    scale, ranges, terms = case.d**-0.5, [(16, 36), (0, 16)], {"page_select": page_selection(case)}
     out, lse = reference.paged_attention_forward(
-        q, kv.k, kv.v, kv.page_table, case.q_start, scale, case.window
+        q, kv.k, kv.v, kv.page_table, case.q_start, scale, case.window, **terms
     )
     delta = attention_delta(out, dout)
 
@@ -247,15 +270,19 @@ def test_autotuning_restores_in_place_arguments(monkeypatch):
         for key_range in ranges:
             view = with_garbage(grads, key_range, poison)
             triton_kernels.paged_attention_forward(q, view.k, view.v, view.page_table, case.q_start, scale, None,
-                                                   key_range=key_range, state=state)  # fmt: skip
+                                                   key_range=key_range, state=state, **terms)  # fmt: skip
             triton_kernels.paged_attention_backward(q, out, lse, dout, view.k, view.v, view.dk, view.dv,
                                                     view.page_table, case.q_start, scale, None, key_range=key_range,
-                                                    delta=delta, dq=dq)  # fmt: skip
+                                                    delta=delta, dq=dq, **terms)  # fmt: skip
         return *state, dq, grads.dk, grads.dv
 
     untuned = run()
     monkeypatch.setenv("OOMB_TRITON_AUTOTUNE", "1")
-    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": 16}, num_warps=4, num_stages=1) for m in (16, 32)]
+    # (a sparse call clamps BLOCK_M to the page: the stages keep the two configs apart)
+    configs = [
+        triton.Config({"BLOCK_M": m, "BLOCK_N": 16}, num_warps=4, num_stages=st)
+        for m, st in ((16, 1), (32, 2))
+    ]
     tuners = (triton_kernels._fwd_kernel, triton_kernels._bwd_dkdv_kernel, triton_kernels._bwd_dq_kernel)
     benched = []
 
