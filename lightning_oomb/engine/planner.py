@@ -23,19 +23,32 @@ options that would make it fit (each tried in the planner).
   ``4cI`` (gate, SiLU, up, product) — ``Q = Hq x head_dim``. Under autocast every decoder weight is saved once more
   as a ``c`` copy. With ``layer_checkpointing`` a layer saves only its input (``rH``). Plus the final norm and the
   loss's hidden states (``4H + 4 + 2rH``), the targets (8 B/token) and the step's token ids (8 B x batch x N).
-- *loss transients* (:func:`loss_backward_bytes`, from ``engine/loss.py``): the backward of the chunked
-  cross-entropy holds ``dh`` (``T x H``), a float32 LM-head gradient (``V x H``) and, per block of ``loss_block``
-  tokens, float32 logits, softmax and two products plus the previous block's gradient (``(4 x 4 + c) x block x V``)
-  — or the ``V x H`` product of the weight gradient.
-- *layer transients*: the backward of the last decoder layer — with checkpointing its whole recompute — plus the
-  gradients in flight and, on the torch attention backend (the CPU path), its ``[Lq, KEY_BLOCK]`` score blocks.
-- *optimizer step*: torch's ``foreach`` Adam/AdamW (its default on CUDA) makes one state-sized ``sqrt`` copy.
+- *loss transients* (:func:`loss_backward_bytes`, from ``engine/loss.py``): the cross-entropy's backward holds
+  ``dh`` (``T x rH``), the float32 LM-head gradient (``4VH``) and its block's largest moment: with ``b =
+  min(loss_block, T)``, float32 logits and softmax, two float32 products and the previous block's logit gradient
+  (``(16 + c) b V``), or logits, softmax, gradient and the ``V x H`` product of the weight gradient (``(8 + c) b V +
+  cVH``, ``+ 4VH`` for its float32 copy when ``c`` is 2); under autocast each use casts the weight (``cVH``).
+- *layer transients* (:func:`layer_backward_bytes`): while the last decoder layer back-propagates — with
+  checkpointing its recompute's saved tensors again — the gradients in flight (``3cI + 2rH`` per token in the MLP,
+  ``2rQ + 4Q + 4 r Hkv D + 2rH`` in attention) and, on the torch attention backend (the CPU path), four float32
+  score blocks of ``[batch x Hq x Lq, min(KEY_BLOCK, keys)]``.
+- *optimizer step*: torch's ``foreach`` Adam/AdamW (its default on CUDA) makes one state-sized ``sqrt`` copy of
+  the largest parameter group (the for-loop one of the largest parameter; fused: none).
 
 The peak is the persistent part (weights, gradients, optimizer states, the pool's device arenas) plus the largest
-of the backward sweep's moments (loss backward, last layer's MLP and attention backward) and the optimizer step.
-Gradients count as allocated throughout the backward sweep (they are, from the second chunk on and whenever
-gradients accumulate). Other families than Llama / Qwen2 / Qwen3 / Mistral are estimated with the same layer
-formula and say so in :attr:`MemoryPlan.notes`.
+of the moments (loss backward, the last layer's MLP and attention backward, the embedding's dense gradient, the
+optimizer step). Gradients count as allocated throughout (they are from the second chunk on, and whenever
+gradients accumulate). The plan is of allocated bytes (``torch.cuda.max_memory_allocated``): the caching
+allocator's fragmentation and the CUDA context come on top. Calibrated on CPU runs of tiny Llama / Qwen2 / Qwen3 /
+Mistral models (saved tensors exact, a step's allocation peak within a few percent); other families and
+non-Hugging-Face ChunkModels use the same layer formula and say so in :attr:`MemoryPlan.notes`; frozen layers
+(LoRA) save less than counted.
+
+**Options.** When the step does not fit, :func:`plan` plans the changes that could make it fit and lists those that
+do (:attr:`MemoryPlan.options`): ``kv_grad_dtype="bfloat16"``, ``layer_checkpointing=True``, the largest smaller
+``chunk_size``, ``offload=True`` with ``hbm_budget="auto"`` or the largest explicit budget (whole layers), pairs of
+these when no single one suffices, a fused optimizer, 16-bit weights instead of autocast, the longest ``seq_len``
+that fits, and the fewest devices once context parallelism exists.
 
 **Step time.** :attr:`MemoryPlan.step_time_s` is the hook for a time prediction from measured rates
 (:data:`MEASURED_STEP_RATES`: attention and dense FLOP/s, host-device bandwidth, per device kind). No GPU
@@ -62,12 +75,8 @@ from lightning_oomb.engine.reference import KEY_BLOCK
 # empty until benchmarks/ records GPU measurements: then MemoryPlan.step_time_s can be predicted from them
 MEASURED_STEP_RATES: Mapping[str, Mapping[str, float]] = {}
 
-CALIBRATED = (
-    "llama",
-    "qwen2",
-    "qwen3",
-    "mistral",
-)  # families whose layers the activation formula was measured on
+# families whose layers the activation formula was measured on (tests/engine/test_planner.py)
+CALIBRATED = ("llama", "qwen2", "qwen3", "mistral")
 NORM_BYTES = 4  # HF's RMSNorm computes in float32 whatever the model's dtype
 ID_BYTES = 8  # token ids and targets are int64
 
@@ -88,8 +97,9 @@ _ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mi
 class ModelShape:
     """What the planner needs of a model. ``params`` / ``trainable``: parameter counts (``None``: from the
     Llama-style formula); ``weight_bytes`` / ``grad_bytes``: exact bytes when a module was read (else counts x the
-    precision's dtype); ``largest_param``: elements of the largest parameter; ``mlp_width``: MLP width a token
-    passes through (``experts_per_token x`` the expert width for MoE)."""
+    precision's dtype); ``largest_param``: elements of the largest parameter; ``head_trainable`` /
+    ``embedding_trainable``: whether the LM head / input embedding get gradients (not under LoRA); ``mlp_width``: MLP
+    width a token passes through (``experts_per_token x`` the expert width for MoE)."""
 
     num_layers: int
     hidden_size: int
@@ -110,6 +120,8 @@ class ModelShape:
     weight_bytes: int | None = None
     grad_bytes: int | None = None
     largest_param: int | None = None
+    head_trainable: bool = True
+    embedding_trainable: bool = True
 
     @property
     def mlp_width(self) -> int:
@@ -171,7 +183,13 @@ def model_shape(model: Any) -> ModelShape:
 
 
 class _AttrDict(dict):
-    __getattr__ = dict.get
+    """A dict of config fields read like a config object."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError as err:
+            raise AttributeError(name) from err
 
 
 def _is_config(obj: Any) -> bool:
@@ -222,8 +240,16 @@ def _shape_of_chunk_model(model: torch.nn.Module) -> ModelShape:
 def _with_parameters(shape: ModelShape, module: torch.nn.Module) -> ModelShape:
     params = list(module.parameters())  # shared (tied) parameters appear once
     trainable = [p for p in params if p.requires_grad]
+    if callable(getattr(module, "get_output_embeddings", None)):  # Hugging Face
+        head, embedding = module.get_output_embeddings().weight, module.get_input_embeddings().weight
+    else:  # a ChunkModel: its embedding is the parameter shaped [num_embeddings, hidden]
+        head = module.lm_head().weight
+        shaped = [p for p in params if p.shape == (shape.num_embeddings, shape.hidden_size)]
+        embedding = next((p for p in shaped if p is not head), head)
     return dataclasses.replace(
         shape,
+        head_trainable=head.requires_grad,
+        embedding_trainable=embedding.requires_grad,
         params=sum(p.numel() for p in params),
         trainable=sum(p.numel() for p in trainable),
         weight_bytes=sum(p.numel() * p.element_size() for p in params),
@@ -428,7 +454,7 @@ def _head_bytes_per_token(shape: ModelShape, dtypes: Dtypes) -> int:
 
 
 def loss_backward_bytes(
-    shape: ModelShape, dtypes: Dtypes, tokens: int, loss_block: int, head_trainable=True
+    shape: ModelShape, dtypes: Dtypes, tokens: int, loss_block: int, head_trainable: bool = True
 ) -> int:
     """Peak bytes the chunked cross-entropy's backward allocates for a chunk of ``tokens`` (``engine/loss.py``):
     ``dh``, the float32 LM-head gradient and the largest moment of a block (see the module docstring)."""
@@ -610,7 +636,7 @@ class MemoryPlan:
         """A plain-text table of every term, the verdict and the options."""
         lines = [f"{'term':<34}{'device':>14}{'host':>14}"]
         for label, dev, host in self.rows():
-            lines.append(f"{label:<34}{_cell(dev):>14}{_cell(host):>14}")
+            lines.append(f"{label:<34}{gib(dev):>14}{gib(host):>14}")
         lines += [f"{'peak (' + self.peak_phase + ')':<34}{gib(self.peak_device):>14}{gib(self.host_tier):>14}",
                   self.summary()]  # fmt: skip
         lines.append(
@@ -636,11 +662,14 @@ LABELS = {
 
 
 def gib(n: int | None) -> str:
-    return "" if n is None else f"{n / 2**30:.2f} GiB"
-
-
-def _cell(n: int | None) -> str:
-    return "" if n is None else gib(n)
+    """Bytes in the largest binary unit up to GiB, e.g. ``"21.00 GiB"``, ``"64.0 MiB"`` (``""`` for ``None``: no
+    such term)."""
+    if n is None:
+        return ""
+    for unit, size, digits in (("GiB", 2**30, 2), ("MiB", 2**20, 1), ("KiB", 2**10, 1)):
+        if abs(n) >= size:
+            return f"{n / size:.{digits}f} {unit}"
+    return f"{n} B"
 
 
 def plan(
@@ -677,7 +706,8 @@ def plan(
     for name, value in (("seq_len", seq_len), ("batch", batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise OOMBConfigError(
-                f"{name}={value!r} must be a positive integer (tokens per row, rows per step)."
+                f"{name}={value!r} is not a positive integer — a step has rows of tokens — pass seq_len (tokens "
+                "per row) and batch (rows per step) as positive ints."
             )
     machine = _machine(machine, device_memory, host_memory)
     module = model if isinstance(model, torch.nn.Module) else getattr(model, "model", None)
@@ -750,9 +780,9 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
         group = spec.largest_group if spec.largest_group is not None else updated
         step = (group if foreach else largest) * state_size
 
-    # the pool, exactly as KVPool.reserve sizes it (one device of `devices`: context parallelism splits pages)
-    rows = math.ceil(seq_len / devices)
-    pool = PoolShape(shape.num_layers, batch, rows, shape.kv_heads, shape.head_dim, config.page_size,
+    # the pool, exactly as KVPool.reserve sizes it (for one of `devices`: context parallelism splits the pages)
+    owned = math.ceil(seq_len / devices)
+    pool = PoolShape(shape.num_layers, batch, owned, shape.kv_heads, shape.head_dim, config.page_size,
                      config.chunk_size, config.kv_grad_dtype, dtypes.activation)  # fmt: skip
     budget = _budget(config, machine, weights)
     tiers = plan_tiers(pool.num_layers, pool.layer_bytes, budget, config.staging_buffers, pool.block_bytes)
@@ -765,13 +795,13 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     saved = saved_bytes(shape, dtypes, batch, seq_len, config.chunk_size, ckpt, len(tiers.host_layers))
     activations = sum(saved.values())
     tokens = batch * min(config.chunk_size, seq_len)
-    loss = loss_backward_bytes(shape, dtypes, tokens, config.loss_block)
+    loss = loss_backward_bytes(shape, dtypes, tokens, config.loss_block, shape.head_trainable)
     streamed = bool(tiers.host_layers) and tiers.host_layers[-1] == shape.num_layers - 1
     mlp_bwd, attn_bwd = layer_backward_bytes(
         shape, dtypes, batch, seq_len, config.chunk_size, ckpt, backend, streamed
     )
     below_head = activations - saved["head"]
-    embed = shape.num_embeddings * shape.hidden_size * dtypes.activation.itemsize
+    embed = shape.num_embeddings * shape.hidden_size * dtypes.activation.itemsize * shape.embedding_trainable
     phases = {
         "loss backward": activations + loss,
         "MLP backward": below_head + mlp_bwd,
@@ -835,9 +865,8 @@ def _notes(inputs: _Inputs, config: OOMBConfig) -> list[str]:
 
 # ------------------------------------------------------------------------------------------------------ options
 def _options(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int) -> list[Option]:
-    """The changes that make the step fit, each planned: single options (the largest chunk size and the largest
-    ``hbm_budget`` that fit), then — if none does — pairs of them, then the longest context that fits and the
-    fewest devices."""
+    """The changes that make the step fit, each planned (see the module docstring), the fastest of each kind
+    first."""
     fitting: list[Option] = []
 
     def attempt(changes: dict, cfg: OOMBConfig, n: int = seq_len, devices: int = 1, text: str | None = None):
@@ -860,6 +889,30 @@ def _options(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int) -> l
                 both = {**a, **b}
                 if not a.keys() & b.keys():
                     attempt(both, dataclasses.replace(config, **both))
+    # outside the strategy's options: a fused optimizer step (no state-sized temporary), 16-bit weights and states
+    spec, dtypes, other = inputs.optimizer, inputs.dtypes, []
+    if spec.sqrt_copy and not spec.fused:
+        name = "AdamW" if spec.name == "adamw" else "Adam"
+        fused = dataclasses.replace(inputs, optimizer=dataclasses.replace(spec, fused=True))
+        other.append(
+            (fused, {"optimizer": "fused"}, f"a fused optimizer (torch.optim.{name}(..., fused=True))")
+        )
+    if dtypes.mixed and dtypes.compute.itemsize == 2:
+        flag = "bf16-true" if dtypes.compute == torch.bfloat16 else "16-true"
+        half = dataclasses.replace(
+            inputs,
+            shape=dataclasses.replace(inputs.shape, weight_bytes=None, grad_bytes=None),
+            dtypes=precision_dtypes(flag),
+            optimizer=dataclasses.replace(spec, state_bytes=None),
+            precision=flag,
+        )
+        other.append(
+            (half, {"precision": flag}, f"precision='{flag}' (16-bit weights, gradients and states)")
+        )
+    for changed, changes, text in other:
+        result = _plan(changed, config, batch, seq_len)
+        if result.fits:
+            fitting.append(Option(changes, text, result.peak_device, result.host_tier))
     page = config.page_size  # the longest context (whole pages) that fits, by bisection
     lo, hi = 0, (seq_len - 1) // page
     while lo < hi:

@@ -226,6 +226,18 @@ def test_qwen2_5_7b_on_an_h200():
     assert "would run out of memory" in at_1m.refusal() and "offload=True" in at_1m.refusal()
 
 
+@pytest.mark.parametrize(
+    ("precision", "config", "device_gib", "changes"),
+    [("bf16-true", OOMBConfig(layer_checkpointing=True), 88, {"optimizer": "fused"}),
+     ("bf16-mixed", OOMBConfig(), 141e9 / 2**30, {"precision": "bf16-true"})],
+)  # fmt: skip
+def test_options_beyond_the_strategys_own(precision, config, device_gib, changes):
+    """At the optimizer step's peak a fused AdamW fits; under autocast, 16-bit weights and states do."""
+    machine = Machine("cuda", int(device_gib * 2**30), 128 * 2**30)
+    result = plan(qwen2_5_7b_config(), 131072, 1, config, precision, "adamw", machine)
+    assert not result.fits and changes in [o.changes for o in result.options]
+
+
 def test_weights_alone_too_large_say_so():
     tiny_gpu = Machine("cuda", 20 * 2**30, 128 * 2**30)
     result = plan(qwen2_5_7b_config(), 4096, 1, OOMBConfig(), "bf16-true", "adamw", tiny_gpu)
