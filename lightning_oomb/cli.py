@@ -141,8 +141,9 @@ def model_config(model: LightningModule, override: str | None = None) -> Any:
         ) from err
 
 
-def plan_command(args: list[str], print_table: bool = True) -> MemoryPlan:
-    """``oomb plan``: parse the fit config of ``args`` and print (and return) the step's memory plan."""
+def plan_command(args: list[str], print_table: bool = True) -> MemoryPlan | None:
+    """``oomb plan``: parse the fit config of ``args`` and print (and return) the step's memory plan (``--help``:
+    print the options, return ``None``)."""
     own = argparse.ArgumentParser(prog="oomb plan", add_help=False)
     own.add_argument("--device-memory", help="device memory, e.g. 141GB (default: this machine's)")
     own.add_argument("--host-memory", help="host memory, e.g. 128GiB (default: MemAvailable)")
@@ -151,6 +152,12 @@ def plan_command(args: list[str], print_table: bool = True) -> MemoryPlan:
     own.add_argument("--batch-size", type=int)
     own.add_argument("--optimizer", default="adamw", help="none, sgd, sgd-momentum, adam, adamw, ...")
     opts, rest = own.parse_known_args(args)
+    if {"-h", "--help"} & set(rest):
+        print(
+            own.format_help()
+            + "\nEvery other argument is `oomb fit`'s (--config, --trainer..., --model..., --data...)."
+        )
+        return None
     memory = {k: parse_bytes(v) for k, v in (("device_memory", opts.device_memory), ("host_memory", opts.host_memory))
               if v is not None}  # fmt: skip
     loggers = [logging.getLogger(n) for n in ("lightning.pytorch", "lightning.fabric")]
@@ -177,7 +184,10 @@ def plan_command(args: list[str], print_table: bool = True) -> MemoryPlan:
         )
     hparams = getattr(cli.model, "hparams", {})
     dtype = hparams.get("dtype")
-    device = "cpu" if cli.accelerator == "cpu" else "cuda"
+    gpu = cli.accelerator in ("gpu", "cuda") or (
+        cli.accelerator == "auto" and (torch.cuda.is_available() or memory)
+    )
+    device = "cuda" if gpu else "cpu"
     result = plan(
         model_config(cli.model, opts.model_config),
         seq_len,

@@ -87,8 +87,8 @@ class _OOMBStrategyMixin:
         and configured the optimizers, so the plan counts the real parameters (trainable ones, LoRA included), the
         real optimizer's states and the Trainer's precision. The sequence length is only known at the first step,
         so the plan uses the datamodule's ``seq_len`` and ``batch_size`` (attributes or hyperparameters; this
-        project's datamodules have both); without a ``seq_len`` no plan is made here, and the pool's own check at the first step still guards the KV
-        pool. ``OOMBStrategy(plan_memory=False)`` skips it.
+        project's datamodules have both); without a ``seq_len`` no plan is made here, and the pool's own check at
+        the first step still guards the KV pool. ``OOMBStrategy(plan_memory=False)`` skips it.
         """
         seq_len, batch = step_size_of(trainer.datamodule)
         if not self._plan_memory or trainer.state.fn != "fit" or seq_len is None:

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -376,11 +377,17 @@ class Machine:
     @classmethod
     def local(cls, device: str | torch.device | None = None, resident_bytes: int = 0) -> Machine:
         """This machine now: on CUDA, free device memory plus what this process's allocator holds; on a CPU,
-        ``MemAvailable`` plus ``resident_bytes`` (e.g. the weights already loaded, which the plan counts)."""
+        ``MemAvailable`` plus ``resident_bytes`` (e.g. the weights already loaded, which the plan counts); where
+        ``MemAvailable`` cannot be read, host memory counts as unlimited."""
         device = torch.device(
             device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
         )
-        host = (host_memory_available() or 0) + (resident_bytes if device.type == "cpu" else 0)
+        available = (
+            host_memory_available()
+        )  # None where unreadable: unlimited, as the pool's own check takes it
+        host = (
+            sys.maxsize if available is None else available + (resident_bytes if device.type == "cpu" else 0)
+        )
         if device.type != "cuda":
             return cls(device.type, host, host)
         free, total = torch.cuda.mem_get_info(device)
@@ -741,7 +748,7 @@ def _machine(machine: Machine | str | None, device_memory: int | None, host_memo
     if device_memory is None and kind == "cuda" and not torch.cuda.is_available():
         raise OOMBConfigError(
             "planning for a CUDA device on a machine without one — its memory cannot be read here — pass "
-            "device_memory (bytes, e.g. 141 * 10**9 for an H200)."
+            "device_memory (bytes, e.g. 141 * 10**9 for an H200; oomb plan: --device-memory 141GB)."
         )
     local = Machine.local(kind) if device_memory is None or host_memory is None else None
     host = int(host_memory) if host_memory is not None else local.host_bytes
