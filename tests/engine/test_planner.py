@@ -22,6 +22,16 @@ from lightning_oomb.models import qwen2_5_7b_config
 from tests.helpers.lightning import TinyLM, batches, make_trainer
 from tests.helpers.models import FAMILIES, build_causal_lm
 
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The models are tiny: one thread is fastest, and steady on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 BIG_CPU = Machine("cpu", 1 << 40, 1 << 40)  # room for anything: fits, and no option search
 H200 = Machine("cuda", 141 * 10**9, 128 * 2**30)
 DTYPES = {"32-true": torch.float32, "bf16-true": torch.bfloat16, "bf16-mixed": torch.float32}
