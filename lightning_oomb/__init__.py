@@ -6,6 +6,7 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_oomb.engine import OOMBConfig, OOMBConfigError, OOMBEngine
+from lightning_oomb.engine.planner import plan  # lightning_oomb.plan(...): a step's memory, before allocating
 from lightning_oomb.precision import OOMBPrecision
 from lightning_oomb.strategy import OOMBStrategy
 
@@ -13,4 +14,12 @@ __version__ = "0.1.0.dev0"
 
 OOMBStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["OOMBConfig", "OOMBConfigError", "OOMBEngine", "OOMBPrecision", "OOMBStrategy", "__version__"]
+__all__ = [
+    "OOMBConfig",
+    "OOMBConfigError",
+    "OOMBEngine",
+    "OOMBPrecision",
+    "OOMBStrategy",
+    "__version__",
+    "plan",
+]

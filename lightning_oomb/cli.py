@@ -7,9 +7,26 @@
 e.g. ``lightning_oomb.models.CausalLMModule`` and ``lightning_oomb.data.TextFileDataModule``); the strategy is
 ``trainer.strategy: oomb`` or ``{class_path: lightning_oomb.OOMBStrategy, init_args: {chunk_size: 4096, ...}}``.
 One extra top-level option, ``num_threads``, sets ``torch.set_num_threads`` before anything is built (CPU runs).
+
+``oomb plan --config x.yaml [--device-memory 141GB] [--host-memory 128GiB]`` prints the step's memory plan
+(:func:`lightning_oomb.plan`) for the run that ``oomb fit --config x.yaml`` would start: the same parser reads the
+same YAML (and the same ``--trainer...``/``--model...``/``--data...`` overrides) but nothing is loaded or
+allocated. The model's shape comes from ``--model-config`` (a known hub id, a local model directory, a
+``config.json``/YAML file or a JSON dict), else ``model.init_args.config``, else ``model_name_or_path``: the hub
+ids of :data:`KNOWN_MODELS` are built from their shape (no download), a local directory is read, any other id is
+fetched with ``AutoConfig`` where the hub can be reached. ``--seq-len``/``--batch-size`` override the datamodule's,
+``--optimizer`` the optimizer (default ``adamw``: what ``CausalLMModule`` trains with).
 """
 
 from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sys
+from pathlib import Path
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule
@@ -20,7 +37,9 @@ import lightning_oomb  # noqa: F401  (registers strategy="oomb")
 # imported so that their short names work in configs and on the command line (`--model CausalLMModule`) and that
 # `oomb fit --help` lists them among the available subclasses
 from lightning_oomb.data import NeedleRetrievalDataModule, TextFileDataModule  # noqa: F401
-from lightning_oomb.models import CausalLMModule  # noqa: F401
+from lightning_oomb.engine import OOMBConfigError
+from lightning_oomb.engine.planner import MemoryPlan, gib, plan, step_size_of
+from lightning_oomb.models import CausalLMModule, build_config, qwen2_5_7b_config  # noqa: F401
 
 
 class OOMBCLI(LightningCLI):
@@ -55,5 +74,164 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> OOMBCLI:
 
 
 def main() -> None:
-    """The ``oomb`` console script."""
+    """The ``oomb`` console script: ``oomb plan ...`` prints a memory plan, every other subcommand is LightningCLI's."""
+    if sys.argv[1:2] == ["plan"]:
+        args, sys.argv = sys.argv[2:], sys.argv[:1]  # LightningCLI must not read sys.argv as well
+        plan_command(args)
+        return
     build_cli()
+
+
+# ---------------------------------------------------------------------------------------------------- oomb plan
+KNOWN_MODELS = {"Qwen/Qwen2.5-7B": qwen2_5_7b_config}  # hub ids whose shape is known without a download
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
+          "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+def parse_bytes(text: str) -> int:
+    """``"141GB"`` (10^9), ``"128GiB"`` (2^30), ``"1.5e11"`` -> bytes."""
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
+    if not match or match.group(2) not in _UNITS:
+        raise OOMBConfigError(
+            f"{text!r} is not a memory size — the planner compares bytes — write e.g. 141GB, 128GiB or 80e9."
+        )
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+class _PlanCLI(OOMBCLI):
+    """The fit CLI's parser and classes, built on the CPU (nothing is loaded): records the accelerator asked for."""
+
+    def before_instantiate_classes(self) -> None:
+        super().before_instantiate_classes()
+        trainer = self.config["trainer"]
+        self.accelerator = str(trainer["accelerator"])
+        trainer["accelerator"], trainer["devices"], trainer["logger"] = "cpu", 1, False
+
+
+def model_config(model: LightningModule, override: str | None = None) -> Any:
+    """The transformers config of the run's model (see the module docstring for the order)."""
+    from transformers import AutoConfig
+
+    hparams = getattr(model, "hparams", {})
+    source = override or hparams.get("model_name_or_path")
+    if override is None and hparams.get("config") is not None:
+        return build_config(dict(hparams["config"]))
+    if source is None:
+        raise OOMBConfigError(
+            f"{type(model).__name__} names no model_name_or_path or config — the planner needs the model's shape — "
+            "pass --model-config (a hub id, a local model directory, a config.json or a JSON dict)."
+        )
+    if source in KNOWN_MODELS:
+        return KNOWN_MODELS[source]()
+    path = Path(source)
+    if path.is_file():
+        text = path.read_text()
+        import yaml
+
+        return build_config(json.loads(text) if path.suffix == ".json" else yaml.safe_load(text))
+    if source.lstrip().startswith("{"):
+        return build_config(json.loads(source))
+    try:
+        return AutoConfig.from_pretrained(source)  # a local directory, or the hub where it can be reached
+    except (OSError, ValueError) as err:
+        raise OOMBConfigError(
+            f"cannot read the config of {source!r} — it is not a local directory and cannot be downloaded here — "
+            f"pass --model-config with a local model directory, a config.json, a JSON dict or one of "
+            f"{sorted(KNOWN_MODELS)}."
+        ) from err
+
+
+def plan_command(args: list[str], print_table: bool = True) -> MemoryPlan | None:
+    """``oomb plan``: parse the fit config of ``args`` and print (and return) the step's memory plan (``--help``:
+    print the options, return ``None``)."""
+    own = argparse.ArgumentParser(prog="oomb plan", add_help=False)
+    own.add_argument("--device-memory", help="device memory, e.g. 141GB (default: this machine's)")
+    own.add_argument("--host-memory", help="host memory, e.g. 128GiB (default: MemAvailable)")
+    own.add_argument("--model-config", help="model shape: a hub id, a local directory, a config file or JSON")
+    own.add_argument("--seq-len", type=int)
+    own.add_argument("--batch-size", type=int)
+    own.add_argument("--optimizer", default="adamw", help="none, sgd, sgd-momentum, adam, adamw, ...")
+    opts, rest = own.parse_known_args(args)
+    if {"-h", "--help"} & set(rest):
+        print(
+            own.format_help()
+            + "\nEvery other argument is `oomb fit`'s (--config, --trainer..., --model..., --data...)."
+        )
+        return None
+    memory = {k: parse_bytes(v) for k, v in (("device_memory", opts.device_memory), ("host_memory", opts.host_memory))
+              if v is not None}  # fmt: skip
+    loggers = [logging.getLogger(n) for n in ("lightning.pytorch", "lightning.fabric")]
+    levels = [x.level for x in loggers]
+    for x in loggers:
+        x.setLevel(logging.WARNING)  # no "GPU available" or "Seed set" lines for a plan
+    try:
+        cli = _PlanCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
+                       args=rest, run=False)  # fmt: skip
+    finally:
+        for x, level in zip(loggers, levels):
+            x.setLevel(level)
+    strategy = cli.trainer.strategy
+    if not hasattr(strategy, "oomb_config"):
+        raise OOMBConfigError(
+            f"the config trains with {type(strategy).__name__} — oomb plan predicts the OOMB strategy's memory — "
+            "set trainer.strategy: oomb (or lightning_oomb.OOMBStrategy)."
+        )
+    data_seq_len, data_batch = step_size_of(cli.datamodule)
+    seq_len, batch = opts.seq_len or data_seq_len, opts.batch_size or data_batch
+    if seq_len is None:
+        raise OOMBConfigError(
+            f"{type(cli.datamodule).__name__} declares no seq_len — the plan is per step length — pass --seq-len."
+        )
+    hparams = getattr(cli.model, "hparams", {})
+    dtype = hparams.get("dtype")
+    gpu = cli.accelerator in ("gpu", "cuda") or (
+        cli.accelerator == "auto" and (torch.cuda.is_available() or memory)
+    )
+    device = "cuda" if gpu else "cpu"
+    result = plan(
+        model_config(cli.model, opts.model_config),
+        seq_len,
+        batch,
+        strategy.oomb_config,
+        cli.trainer.precision,
+        opts.optimizer,
+        device,
+        **memory,
+        param_dtype=getattr(torch, dtype) if dtype not in (None, "auto") else None,
+    )
+    if print_table:
+        print_plan(result)
+    return result
+
+
+def print_plan(result: MemoryPlan) -> None:
+    """The plan as a table (rich when installed, plain text otherwise)."""
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(result.format())
+        return
+    cfg = result.config
+    console = Console(width=max(110, Console().width))
+    console.print(
+        f"oomb plan: {result.model.family}, {result.batch} x {result.seq_len} tokens, {result.precision}, "
+        f"{result.optimizer}, chunk_size {cfg.chunk_size}, layer_checkpointing {cfg.layer_checkpointing}, "
+        f"kv_grad_dtype {cfg.kv_grad_dtype}, offload {cfg.offload} ({result.hbm_layers} HBM / "
+        f"{result.host_layers} host layers)"
+    )
+    table = Table()
+    table.add_column("term")
+    table.add_column("device", justify="right")
+    table.add_column("host", justify="right")
+    for label, dev, host in result.rows():
+        table.add_row(label, gib(dev), gib(host))
+    table.add_row(f"peak ({result.peak_phase})", gib(result.peak_device), gib(result.host_tier), style="bold")
+    console.print(table)
+    console.print("moments (persistent + transients): " + ", ".join(
+        f"{name} {gib(result.persistent + extra)}" for name, extra in result.phases.items()))  # fmt: skip
+    console.print(result.summary())
+    for option in result.options:
+        console.print(f"  would fit: {option.text} (peak {gib(option.peak_device)})")
+    for note in result.notes:
+        console.print(f"  note: {note}")

@@ -28,6 +28,7 @@ from typing_extensions import override
 
 from lightning_oomb.engine import OOMBConfig, OOMBConfigError, OOMBEngine
 from lightning_oomb.engine.model import ManagedModel
+from lightning_oomb.engine.planner import Machine, plan, step_size_of
 from lightning_oomb.integrations import managed_model
 from lightning_oomb.precision import OOMBPrecision
 
@@ -75,6 +76,38 @@ class _OOMBStrategyMixin:
         )
         self.engine = OOMBEngine(self.model_adapter, config)
         self.engine.check_device(self.root_device)  # backend, head dim and page size, before any work
+
+    # ---- memory plan at setup (lightning_oomb.engine.planner) -------------------------------------------------
+    _plan_memory: bool = True
+
+    def _check_memory_plan(self, trainer) -> None:
+        """Refuse, before the first step allocates anything of OOMB's, a fit whose step cannot fit the device.
+
+        Runs at the end of ``setup``, after Lightning's own setup has converted the model to its precision, moved it
+        and configured the optimizers, so the plan counts the real parameters (trainable ones, LoRA included), the
+        real optimizer's states and the Trainer's precision. The sequence length is only known at the first step,
+        so the plan uses the datamodule's ``seq_len`` and ``batch_size`` (attributes or hyperparameters; this
+        project's datamodules have both); without a ``seq_len`` no plan is made here, and the pool's own check at
+        the first step still guards the KV pool. ``OOMBStrategy(plan_memory=False)`` skips it.
+        """
+        seq_len, batch = step_size_of(trainer.datamodule)
+        if not self._plan_memory or trainer.state.fn != "fit" or seq_len is None:
+            return
+        optimizer = self.optimizers[0] if self.optimizers else None
+        params = sum(p.numel() * p.element_size() for p in trainer.lightning_module.parameters())
+        result = plan(
+            self.model_adapter,
+            seq_len,
+            batch,
+            self.oomb_config,
+            self.precision_plugin.precision,
+            optimizer if isinstance(optimizer, torch.optim.Optimizer) else None,
+            Machine.local(self.root_device, resident_bytes=params),
+        )
+        if not result.fits:
+            raise OOMBConfigError(
+                f"{result.refusal()[:-1]} (OOMBStrategy(plan_memory=False) skips this check)."
+            )
 
     @contextlib.contextmanager
     def _engine_answers_model_calls(self, mode: str) -> Iterator[list]:
@@ -138,6 +171,9 @@ class OOMBStrategy(_OOMBStrategyMixin, SingleDeviceStrategy):
         verify_exactness: at setup, train a float64 twin of the model's architecture (tiny width, CPU, about a
             second) in chunks against full-sequence training and refuse the model if they differ — the guard
             against architectures that chunking would silently change; ``False`` skips it.
+        plan_memory: at setup, predict the step's peak memory (``lightning_oomb.plan``, for the datamodule's
+            ``seq_len`` and ``batch_size``) and refuse, before the first step, a run that cannot fit, naming the
+            options that would; ``False`` skips it.
         device: explicit device; by default the Trainer's accelerator decides (``accelerator="auto"`` works).
         accelerator, checkpoint_io, precision_plugin: as for Lightning's ``SingleDeviceStrategy`` (a stock
             precision plugin is wrapped in :class:`~lightning_oomb.precision.OOMBPrecision`).
@@ -162,6 +198,7 @@ class OOMBStrategy(_OOMBStrategyMixin, SingleDeviceStrategy):
         page_score: str = "bound",
         target_module: str | None = None,
         verify_exactness: bool = True,
+        plan_memory: bool = True,
         device: str | torch.device | None = None,
         accelerator: Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
@@ -170,6 +207,7 @@ class OOMBStrategy(_OOMBStrategyMixin, SingleDeviceStrategy):
         self.oomb_config = config_from_arguments(locals())
         self._target_module = target_module
         self._verify_exactness = verify_exactness
+        self._plan_memory = plan_memory
         self._explicit_device = None if device is None else torch.device(device)
         self._parallel_devices: list[torch.device] | None = None
         super().__init__(
@@ -209,6 +247,7 @@ class OOMBStrategy(_OOMBStrategyMixin, SingleDeviceStrategy):
     def setup(self, trainer) -> None:
         self._build_engine(trainer.lightning_module)
         super().setup(trainer)
+        self._check_memory_plan(trainer)
 
     @classmethod
     @override

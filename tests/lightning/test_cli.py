@@ -13,7 +13,8 @@ from lightning.pytorch import LightningDataModule
 
 from lightning_oomb import OOMBStrategy
 from lightning_oomb.callbacks import OOMBOffload
-from lightning_oomb.cli import build_cli
+from lightning_oomb.cli import build_cli, main, plan_command
+from lightning_oomb.engine import OOMBConfigError
 from lightning_oomb.models import CausalLMModule
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -117,3 +118,50 @@ def test_cli_fits_the_packed_text_config(tmp_path):
          f"--trainer.default_root_dir={tmp_path}"]
     )  # fmt: skip
     assert cli.trainer.global_step == 2 and cli.trainer.strategy.engine.stats.chunks == 4
+
+
+# ---------------------------------------------------------------------------------------------------- oomb plan
+H200_ARGS = ["--device-memory", "141GB", "--host-memory", "128GiB"]
+
+
+@pytest.mark.parametrize(
+    ("name", "hbm", "host"),
+    [
+        ("qwen2.5-7b-128k.yaml", "21.00 GiB", "0 B"),
+        ("qwen2.5-7b-256k-offload.yaml", "0 B", "28.00 GiB"),
+    ],
+)
+def test_oomb_plan_prints_the_table_of_an_example_config(name, hbm, host, capsys):
+    """The hub id Qwen/Qwen2.5-7B is planned from its known shape (no download); the YAML is fit's."""
+    result = plan_command(["--config", str(EXAMPLES / "configs" / name), *H200_ARGS])
+    text = capsys.readouterr().out
+    assert result.fits and result.machine.device_type == "cuda" and result.precision == "bf16-true"
+    assert result.config == build_cli(["--config", str(EXAMPLES / "configs" / name), "--trainer.accelerator=cpu"],
+                                      run=False).trainer.strategy.oomb_config  # fmt: skip
+    assert result.model.num_layers == 28 and result.seq_len == {"128k": 131072}.get(name[11:15], 262144)
+    row = next(line for line in text.splitlines() if "KV pool, HBM tier" in line)
+    assert hbm in row and host in next(line for line in text.splitlines() if "pinned host tier" in line)
+    assert "optimizer states" in text and "fits" in text and "128.00 GiB" not in text
+
+
+def test_oomb_console_script_plans_the_cpu_demo(monkeypatch, capsys):
+    """``oomb plan`` through the console script: the demo's model config dict, on this machine's CPU."""
+    monkeypatch.setattr(sys, "argv", ["oomb", "plan", "--config", str(DEMO_CONFIG), "--optimizer", "sgd"])
+    main()
+    text = capsys.readouterr().out
+    assert "16384 tokens" in text and "host memory" in text and "fits" in text
+
+
+def test_oomb_plan_reads_a_model_config_override(tmp_path, capsys):
+    from lightning_oomb.models import qwen2_5_7b_config
+
+    qwen2_5_7b_config(num_hidden_layers=2).save_pretrained(tmp_path)
+    config = EXAMPLES / "configs" / "qwen2.5-7b-128k.yaml"
+    override = plan_command(["--config", str(config), "--model-config", str(tmp_path), "--seq-len", "8192",
+                             *H200_ARGS])  # fmt: skip
+    assert override.model.num_layers == 2 and override.seq_len == 8192
+    with pytest.raises(OOMBConfigError, match="cannot be downloaded here.*--model-config"):
+        plan_command(["--config", str(config), "--model.init_args.model_name_or_path", "/no/such/model",
+                      *H200_ARGS])  # fmt: skip
+    with pytest.raises(OOMBConfigError, match="not a memory size"):
+        plan_command(["--config", str(config), "--device-memory", "lots"])

@@ -1,0 +1,975 @@
+"""Memory planner: a training step's peak memory, predicted before anything is allocated.
+
+:func:`plan` takes a model (a transformers config, an ``nn.Module``, a :class:`~lightning_oomb.engine.model.
+ChunkModel` or a :class:`ModelShape`), ``batch x seq_len``, an :class:`~lightning_oomb.engine.config.OOMBConfig`,
+a Lightning precision flag, an optimizer and a :class:`Machine`, and returns a :class:`MemoryPlan`: every term of
+the device's peak and of the pinned host tier, in bytes, whether the step fits, and — when it does not — the
+options that would make it fit (each tried in the planner).
+
+**Terms** (``T = batch x min(chunk_size, seq_len)`` tokens per chunk; ``r`` / ``c``: itemsize of the activations
+(the parameters' dtype) and of the compute dtype, which differ only under autocast):
+
+- *weights*, *gradients* (trainable parameters, their dtype), *optimizer states* (parameter-sized tensors per
+  trainable parameter, in the parameters' dtype as torch keeps them: AdamW 2, SGD with momentum 1, SGD 0).
+- *KV pool*: :func:`~lightning_oomb.engine.kv_pool.plan_tiers` and :func:`~lightning_oomb.engine.pages.arena_bytes`
+  of the engine's own :class:`~lightning_oomb.engine.pages.PoolShape` — exactly what ``KVPool.reserve`` allocates
+  (HBM tier and staging buffers on the device, the host tier pinned). K/V take the dtype of the keys after RoPE:
+  the parameters' dtype (float32 under ``bf16-mixed``: RoPE's cos/sin promote them).
+- *activations*: what autograd saves during one chunk's recompute (:func:`saved_bytes`; calibrated on
+  :class:`~lightning_oomb.engine.memory.SavedTensorMeter`); per decoder layer and token of a Llama-style layer
+  (HF's RMSNorm computes in float32): each norm ``4H + 4 + rH`` (its float32 input, 1/rms, the normed input) plus
+  the projections' input (``rH``; under autocast one cast copy per projection, ``cH`` each), attention ``2rQ``
+  (query after RoPE, output) ``+ 4 Hq`` (float32 LSE) ``+ rQ`` (o_proj input; ``cQ`` under autocast), the MLP
+  ``4cI`` (gate, SiLU, up, product) — ``Q = Hq x head_dim``. Under autocast every decoder weight is saved once more
+  as a ``c`` copy. With ``layer_checkpointing`` a layer saves only its input (``rH``). Plus the final norm and the
+  loss's hidden states (``4H + 4 + 2rH``), the targets (8 B/token) and the step's token ids (8 B x batch x N).
+- *loss transients* (:func:`loss_backward_bytes`, from ``engine/loss.py``): the cross-entropy's backward holds
+  ``dh`` (``T x rH``), the float32 LM-head gradient (``4VH``) and its block's largest moment: with ``b =
+  min(loss_block, T)``, float32 logits and softmax, two float32 products and the previous block's logit gradient
+  (``(16 + c) b V``), or logits, softmax, gradient and the ``V x H`` product of the weight gradient (``(8 + c) b V +
+  cVH``, ``+ 4VH`` for its float32 copy when ``c`` is 2); under autocast each use casts the weight (``cVH``).
+- *layer transients* (:func:`layer_backward_bytes`): while the last decoder layer back-propagates — with
+  checkpointing its recompute's saved tensors again — the gradients in flight (``3cI + 2rH`` per token in the MLP,
+  ``2rQ + 4Q + 4 r Hkv D + 2rH`` in attention) and, on the torch attention backend (the CPU path), four float32
+  score blocks of ``[batch x Hq x Lq, min(KEY_BLOCK, keys)]``.
+- *optimizer step*: torch's ``foreach`` Adam/AdamW (its default on CUDA) makes one state-sized ``sqrt`` copy of
+  the largest parameter group (the for-loop one of the largest parameter; fused: none).
+
+The peak is the persistent part (weights, gradients, optimizer states, the pool's device arenas) plus the largest
+of the moments (loss backward, the last layer's MLP and attention backward, the embedding's dense gradient, the
+optimizer step). Gradients count as allocated throughout (they are from the second chunk on, and whenever
+gradients accumulate). The plan is of allocated bytes (``torch.cuda.max_memory_allocated``): the caching
+allocator's fragmentation and the CUDA context come on top. Calibrated on CPU runs of tiny Llama / Qwen2 / Qwen3 /
+Mistral models (saved tensors exact, a step's allocation peak within a few percent); other families and
+non-Hugging-Face ChunkModels use the same layer formula and say so in :attr:`MemoryPlan.notes`; frozen layers
+(LoRA) save less than counted.
+
+**Options.** When the step does not fit, :func:`plan` plans the changes that could make it fit and lists those that
+do (:attr:`MemoryPlan.options`): ``kv_grad_dtype="bfloat16"``, ``layer_checkpointing=True``, the largest smaller
+``chunk_size``, ``offload=True`` with ``hbm_budget="auto"`` or the largest explicit budget (whole layers), pairs of
+these when no single one suffices, a fused optimizer, 16-bit weights instead of autocast, the longest ``seq_len``
+that fits, and the fewest devices once context parallelism exists.
+
+**Step time.** :attr:`MemoryPlan.step_time_s` is the hook for a time prediction from measured rates
+(:data:`MEASURED_STEP_RATES`: attention and dense FLOP/s, host-device bandwidth, per device kind). No GPU
+measurements exist yet, so the table is empty and no time is predicted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lightning_oomb.engine.config import OOMBConfig
+from lightning_oomb.engine.errors import OOMBConfigError
+from lightning_oomb.engine.kv_pool import AUTO_HEADROOM, HOST_RESERVE_BYTES, host_memory_available, plan_tiers
+from lightning_oomb.engine.pages import GRAD_DTYPES, PoolShape, arena_bytes
+from lightning_oomb.engine.reference import KEY_BLOCK
+
+# measured step rates per device kind ("nvidia-h200": {"attention_flops": ..., "dense_flops": ..., "h2d_bytes": ...});
+# empty until benchmarks/ records GPU measurements: then MemoryPlan.step_time_s can be predicted from them
+MEASURED_STEP_RATES: Mapping[str, Mapping[str, float]] = {}
+
+# families whose layers the activation formula was measured on (tests/engine/test_planner.py)
+CALIBRATED = ("llama", "qwen2", "qwen3", "mistral")
+NORM_BYTES = 4  # HF's RMSNorm computes in float32 whatever the model's dtype
+ID_BYTES = 8  # token ids and targets are int64
+
+# Lightning precision flags -> (parameter dtype, autocast dtype or None)
+PRECISIONS: dict[str, tuple[torch.dtype, torch.dtype | None]] = {
+    "32-true": (torch.float32, None),
+    "64-true": (torch.float64, None),
+    "bf16-true": (torch.bfloat16, None),
+    "16-true": (torch.float16, None),
+    "bf16-mixed": (torch.float32, torch.bfloat16),
+    "16-mixed": (torch.float32, torch.float16),
+}
+_ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed"}
+
+
+# ------------------------------------------------------------------------------------------------------ inputs
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs of a model. ``params`` / ``trainable``: parameter counts (``None``: from the
+    Llama-style formula); ``weight_bytes`` / ``grad_bytes``: exact bytes when a module was read (else counts x the
+    precision's dtype); ``largest_param``: elements of the largest parameter; ``head_trainable`` /
+    ``embedding_trainable``: whether the LM head / input embedding get gradients (not under LoRA); ``mlp_width``: MLP
+    width a token passes through (``experts_per_token x`` the expert width for MoE)."""
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    kv_heads: int
+    head_dim: int
+    vocab_size: int
+    num_embeddings: int
+    tied_embeddings: bool = False
+    qk_norm: bool = False
+    qkv_bias: bool = False
+    family: str = "llama"
+    num_experts: int = 0
+    experts_per_token: int = 0
+    params: int | None = None
+    trainable: int | None = None
+    weight_bytes: int | None = None
+    grad_bytes: int | None = None
+    largest_param: int | None = None
+    head_trainable: bool = True
+    embedding_trainable: bool = True
+
+    @property
+    def mlp_width(self) -> int:
+        return self.intermediate_size * (self.experts_per_token or 1)
+
+    @property
+    def attention_params(self) -> int:
+        """Elements of one decoder layer's q, k, v and o projection weights."""
+        return 2 * self.hidden_size * (self.num_heads + self.kv_heads) * self.head_dim
+
+    @property
+    def mlp_params(self) -> int:
+        """Elements of one decoder layer's MLP weights (every expert's, for MoE)."""
+        return 3 * self.hidden_size * self.intermediate_size * max(self.num_experts, 1)
+
+    @property
+    def layer_linear_params(self) -> int:
+        return self.attention_params + self.mlp_params
+
+    def parameter_count(self) -> int:
+        """Parameters of a Llama-style causal LM of this shape (exact for Llama, Qwen2/3, Mistral)."""
+        if self.params is not None:
+            return self.params
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.kv_heads * self.head_dim
+        layer = self.layer_linear_params + 2 * h + (q + 2 * kv if self.qkv_bias else 0)
+        layer += 2 * self.head_dim if self.qk_norm else 0
+        layer += h * self.num_experts  # the router
+        head = 0 if self.tied_embeddings else self.vocab_size * h
+        return self.num_embeddings * h + self.num_layers * layer + h + head
+
+    @property
+    def calibrated(self) -> bool:
+        return self.family in CALIBRATED and not self.num_experts
+
+
+def model_shape(model: Any) -> ModelShape:
+    """The :class:`ModelShape` of ``model``: a :class:`ModelShape`, a transformers config (or a
+    ``{"model_type": ...}``-style dict of its fields), an ``nn.Module`` holding one (its parameters are counted
+    exactly), a ChunkModel adapter around one, or any ChunkModel (its MLP width and head count read off its
+    modules)."""
+    if isinstance(model, ModelShape):
+        return model
+    if isinstance(model, Mapping):
+        return _shape_of_config(_AttrDict(model))
+    config = getattr(model, "config", None)
+    if isinstance(model, torch.nn.Module) and _is_config(config):
+        return _with_parameters(_shape_of_config(config), model)
+    inner = getattr(model, "model", None)  # e.g. the Hugging Face adapter around a PreTrainedModel
+    if not isinstance(model, torch.nn.Module) and isinstance(inner, torch.nn.Module):
+        return model_shape(inner)
+    if _is_config(model):
+        return _shape_of_config(model)
+    if isinstance(model, torch.nn.Module) and hasattr(model, "num_layers") and hasattr(model, "lm_head"):
+        return _with_parameters(_shape_of_chunk_model(model), model)
+    raise OOMBConfigError(
+        f"cannot read a model shape from {type(model).__name__} — the planner needs layers, widths, heads and the "
+        "vocabulary — pass a transformers config, the model itself, or a lightning_oomb.engine.planner.ModelShape."
+    )
+
+
+class _AttrDict(dict):
+    """A dict of config fields read like a config object."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError as err:
+            raise AttributeError(name) from err
+
+
+def _is_config(obj: Any) -> bool:
+    return obj is not None and all(hasattr(obj, k) for k in ("num_hidden_layers", "hidden_size"))
+
+
+def _shape_of_config(cfg: Any) -> ModelShape:
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or 0
+    family = getattr(cfg, "model_type", None) or "llama"
+    return ModelShape(
+        num_layers=cfg.num_hidden_layers,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=(getattr(cfg, "moe_intermediate_size", None) if experts else None)
+        or cfg.intermediate_size,
+        num_heads=heads,
+        kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        vocab_size=cfg.vocab_size,
+        num_embeddings=cfg.vocab_size,
+        tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        qk_norm=family.startswith("qwen3") or family.startswith("gemma3"),
+        qkv_bias=bool(getattr(cfg, "attention_bias", family in ("qwen2", "qwen2_moe"))),
+        family=family,
+        num_experts=experts,
+        experts_per_token=(getattr(cfg, "num_experts_per_tok", None) or 0) if experts else 0,
+    )
+
+
+def _shape_of_chunk_model(model: torch.nn.Module) -> ModelShape:
+    head = model.lm_head().weight
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight is not head]
+    widest = max((max(m.in_features, m.out_features) for m in linears), default=4 * head.shape[1])
+    return ModelShape(
+        num_layers=model.num_layers,
+        hidden_size=head.shape[1],
+        intermediate_size=widest,
+        num_heads=max(1, head.shape[1] // model.head_dim),
+        kv_heads=model.kv_heads,
+        head_dim=model.head_dim,
+        vocab_size=model.vocab_size,
+        num_embeddings=model.num_embeddings,
+        family=type(model).__name__,
+    )
+
+
+def _with_parameters(shape: ModelShape, module: torch.nn.Module) -> ModelShape:
+    params = list(module.parameters())  # shared (tied) parameters appear once
+    trainable = [p for p in params if p.requires_grad]
+    if callable(getattr(module, "get_output_embeddings", None)):  # Hugging Face
+        head, embedding = module.get_output_embeddings().weight, module.get_input_embeddings().weight
+    else:  # a ChunkModel: its embedding is the parameter shaped [num_embeddings, hidden]
+        head = module.lm_head().weight
+        shaped = [p for p in params if p.shape == (shape.num_embeddings, shape.hidden_size)]
+        embedding = next((p for p in shaped if p is not head), head)
+    return dataclasses.replace(
+        shape,
+        head_trainable=head.requires_grad,
+        embedding_trainable=embedding.requires_grad,
+        params=sum(p.numel() for p in params),
+        trainable=sum(p.numel() for p in trainable),
+        weight_bytes=sum(p.numel() * p.element_size() for p in params),
+        grad_bytes=sum(p.numel() * p.element_size() for p in trainable),
+        largest_param=max((p.numel() for p in trainable), default=0),
+    )
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    """``param``: weights, gradients and optimizer states; ``activation``: the residual stream, K/V and what
+    layers save (the parameters' dtype); ``compute``: what matmuls produce (the autocast dtype under ``*-mixed``)."""
+
+    param: torch.dtype
+    activation: torch.dtype
+    compute: torch.dtype
+
+    @property
+    def mixed(self) -> bool:
+        return self.compute != self.activation
+
+
+def precision_dtypes(precision: str | int, param_dtype: torch.dtype | None = None) -> Dtypes:
+    """The dtypes a Lightning ``precision`` flag gives (``param_dtype``: the model's own, when it is known and not
+    converted by the flag, e.g. a bf16 checkpoint under ``32-true``)."""
+    flag = _ALIASES.get(str(precision), str(precision))
+    if flag not in PRECISIONS:
+        raise OOMBConfigError(
+            f"precision={precision!r} is not a precision the OOMB strategy runs — the planner needs the dtypes of "
+            f"weights and compute — use one of {sorted(PRECISIONS)}."
+        )
+    param, autocast = PRECISIONS[flag]
+    param = param_dtype or param
+    return Dtypes(param, param, autocast or param)
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """``states``: parameter-sized state tensors per trainable parameter; ``state_dtype``: their dtype (``None``:
+    the parameter's, as torch's ``zeros_like``/``clone`` keep them); ``sqrt_copy``: a step makes a state-sized
+    ``sqrt`` temporary (Adam's), of the largest parameter group with ``foreach`` (``None``: torch's default, on
+    for CUDA) or of the largest parameter in the for-loop implementation, none when ``fused``; ``params``,
+    ``state_bytes``, ``largest_group``: what an optimizer instance updates (``None``: every trainable parameter)."""
+
+    name: str
+    states: int
+    state_dtype: torch.dtype | None = None
+    sqrt_copy: bool = False
+    foreach: bool | None = None
+    fused: bool = False
+    params: int | None = None
+    state_bytes: int | None = None
+    largest_group: int | None = None
+
+
+_OPTIMIZERS = {"none": 0, "sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2, "adagrad": 1, "rmsprop": 1}
+
+
+def optimizer_spec(optimizer: Any) -> OptimizerSpec:
+    """The :class:`OptimizerSpec` of ``optimizer``: ``None`` / ``"none"``, ``"sgd"``, ``"sgd-momentum"``,
+    ``"adamw"``, ``"adam"``, ..., an :class:`OptimizerSpec`, or a ``torch.optim.Optimizer`` (its type, options and
+    parameter groups are read; an unknown type is assumed to keep two states per parameter, like Adam)."""
+    if isinstance(optimizer, OptimizerSpec):
+        return optimizer
+    if optimizer is None:
+        return OptimizerSpec("none", 0)
+    if isinstance(optimizer, str):
+        name = optimizer.lower().replace("_", "-")
+        if name not in _OPTIMIZERS:
+            raise OOMBConfigError(
+                f"optimizer={optimizer!r} is unknown to the planner — it counts each optimizer's state tensors — "
+                f"use one of {sorted(_OPTIMIZERS)}, an OptimizerSpec, or the torch optimizer itself."
+            )
+        return OptimizerSpec(name, _OPTIMIZERS[name], sqrt_copy=name in ("adam", "adamw"))
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return _spec_of_optimizer(optimizer)
+    raise OOMBConfigError(
+        f"optimizer={optimizer!r} is not an optimizer — the planner counts its states — pass a name such as "
+        "'adamw', an OptimizerSpec, or a torch.optim.Optimizer."
+    )
+
+
+def _spec_of_optimizer(optimizer: torch.optim.Optimizer) -> OptimizerSpec:
+    kind = type(optimizer).__name__.lower()
+    d = optimizer.defaults
+    if kind == "sgd":
+        states = int(bool(d.get("momentum", 0)))
+    elif kind in ("adam", "adamw"):
+        states = 2 + int(bool(d.get("amsgrad", False)))
+    elif kind == "rmsprop":
+        states = 1 + int(bool(d.get("momentum", 0))) + int(bool(d.get("centered", False)))
+    else:
+        states = _OPTIMIZERS.get(kind, 2)
+    groups = [[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
+    params = [p for g in groups for p in g]
+    return OptimizerSpec(
+        kind if kind in _OPTIMIZERS else f"{type(optimizer).__name__} (assumed Adam-like)",
+        states,
+        sqrt_copy=kind in ("adam", "adamw"),
+        foreach=d.get("foreach"),
+        fused=bool(d.get("fused")),
+        params=sum(p.numel() for p in params),
+        state_bytes=states * sum(p.numel() * p.element_size() for p in params),
+        largest_group=max((sum(p.numel() for p in g) for g in groups), default=0),
+    )
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Where the step runs: ``device_type`` ``"cuda"`` or ``"cpu"``; ``device_bytes``: device memory the run may
+    use (on a CPU, host memory: the device *is* host memory); ``host_bytes``: host memory for the pinned tier;
+    ``device_total``: the device's size, which ``hbm_budget="auto"`` leaves a quarter of (default
+    ``device_bytes``)."""
+
+    device_type: str
+    device_bytes: int
+    host_bytes: int
+    device_total: int | None = None
+
+    @property
+    def total(self) -> int:
+        return self.device_total if self.device_total is not None else self.device_bytes
+
+    @classmethod
+    def local(cls, device: str | torch.device | None = None, resident_bytes: int = 0) -> Machine:
+        """This machine now: on CUDA, free device memory plus what this process's allocator holds; on a CPU,
+        ``MemAvailable`` plus ``resident_bytes`` (e.g. the weights already loaded, which the plan counts); where
+        ``MemAvailable`` cannot be read, host memory counts as unlimited."""
+        device = torch.device(
+            device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+        )
+        available = (
+            host_memory_available()
+        )  # None where unreadable: unlimited, as the pool's own check takes it
+        host = (
+            sys.maxsize if available is None else available + (resident_bytes if device.type == "cpu" else 0)
+        )
+        if device.type != "cuda":
+            return cls(device.type, host, host)
+        free, total = torch.cuda.mem_get_info(device)
+        return cls("cuda", free + torch.cuda.memory_reserved(device), host, total)
+
+
+def step_size_of(data: Any) -> tuple[int | None, int]:
+    """``(seq_len, batch_size)`` a data module declares, as attributes or saved hyperparameters (``None``: no
+    ``seq_len``; batch 1 when it declares none)."""
+    hparams = getattr(data, "hparams", None) or {}
+    seq_len, batch = (getattr(data, k, None) or hparams.get(k) for k in ("seq_len", "batch_size"))
+    valid = [isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in (seq_len, batch)]
+    return (seq_len if valid[0] else None), (batch if valid[1] else 1)
+
+
+# ------------------------------------------------------------------------------------------------------ terms
+def saved_bytes(
+    shape: ModelShape,
+    dtypes: Dtypes,
+    batch: int,
+    seq_len: int,
+    chunk_size: int,
+    layer_checkpointing: bool,
+    host_layers: int = 0,
+) -> dict[str, int]:
+    """Bytes autograd holds at the end of one full chunk's recompute, by part: ``layers`` (decoder layers),
+    ``weight_copies`` (autocast's cast weights), ``head`` (final norm, the loss's hidden states, targets) and
+    ``other`` (the step's token ids, RoPE cos/sin) — what :class:`~lightning_oomb.engine.memory.SavedTensorMeter`
+    measures as its peak."""
+    tokens = batch * min(chunk_size, seq_len)
+    r, c = dtypes.activation.itemsize, dtypes.compute.itemsize
+    if layer_checkpointing:  # a checkpointed layer saves its input only
+        layers = shape.num_layers * r * shape.hidden_size * tokens
+        copies = rope = 0
+    else:
+        attn, mlp = _layer_bytes_per_token(shape, dtypes, streamed=False)
+        streamed = 2 * r * shape.kv_heads * shape.head_dim  # a host-tier layer saves its chunk's K and V too
+        layers = (shape.num_layers * (attn + mlp) + host_layers * streamed) * tokens
+        copies = shape.num_layers * shape.layer_linear_params * c if dtypes.mixed else 0
+        rope = 2 * min(chunk_size, seq_len) * shape.head_dim * r  # cos and sin, shared by every layer
+    return {
+        "layers": layers,
+        "weight_copies": copies,
+        "head": _head_bytes_per_token(shape, dtypes) * tokens,
+        "other": ID_BYTES * batch * seq_len + rope,
+    }
+
+
+def _layer_bytes_per_token(shape: ModelShape, dtypes: Dtypes, streamed: bool) -> tuple[int, int]:
+    """Bytes per token one decoder layer saves: (input norm + attention, post-attention norm + MLP)."""
+    r, c, f = dtypes.activation.itemsize, dtypes.compute.itemsize, NORM_BYTES
+    h, heads, kv_heads = shape.hidden_size, shape.num_heads, shape.kv_heads
+    q, kv = heads * shape.head_dim, kv_heads * shape.head_dim
+    lse = 8 if dtypes.activation == torch.float64 else 4
+
+    def norm(readers: int) -> int:  # float32 input, 1/rms, normed input, then what the projections save
+        return f * h + f + r * h + (readers * c * h if dtypes.mixed else r * h)
+
+    attn = norm(3) + 2 * r * q + lse * heads + (c if dtypes.mixed else r) * q
+    if shape.qk_norm:  # per-head norms of q and k: float32 input, 1/rms, normed (in the compute dtype)
+        attn += (f + c) * (q + kv) + f * (heads + kv_heads)
+    if streamed:
+        attn += 2 * r * kv
+    mlp = norm(2) + 4 * c * shape.mlp_width
+    return attn, mlp
+
+
+def _head_bytes_per_token(shape: ModelShape, dtypes: Dtypes) -> int:
+    r = dtypes.activation.itemsize
+    return NORM_BYTES * shape.hidden_size + NORM_BYTES + 2 * r * shape.hidden_size + ID_BYTES
+
+
+def loss_backward_bytes(
+    shape: ModelShape, dtypes: Dtypes, tokens: int, loss_block: int, head_trainable: bool = True
+) -> int:
+    """Peak bytes the chunked cross-entropy's backward allocates for a chunk of ``tokens`` (``engine/loss.py``):
+    ``dh``, the float32 LM-head gradient and the largest moment of a block (see the module docstring)."""
+    v, h = shape.vocab_size, shape.hidden_size
+    c, r, p = dtypes.compute.itemsize, dtypes.activation.itemsize, dtypes.param.itemsize
+    acc = 8 if dtypes.compute == torch.float64 else 4
+    block = min(loss_block, tokens)
+    bv = block * v
+    cast = v * h * c if dtypes.param != dtypes.compute else 0  # weight.to(compute dtype), per use
+    dl = c if c != acc else acc  # a block's logit gradient, in the compute dtype
+    multi = tokens > block  # the previous block's logits, softmax and gradient live until rebound
+    moments = [
+        (2 * acc + dl) * bv * multi + max(cast + c * bv, (c + acc) * bv if c != acc else c * bv),  # logits
+        2 * acc * bv + (acc + dl) * bv * multi,  # softmax next to the previous block's
+        4 * acc * bv + dl * bv * multi,  # probs * valid * grad: two temporaries
+        (2 * acc + dl) * bv + cast,  # the block's dh
+        (2 * acc + dl) * bv + v * h * c + (v * h * acc if c != acc else 0),  # the weight gradient's product
+    ]
+    dw = v * h * acc if head_trainable else 0
+    end = (2 * acc + dl) * bv + (v * h * p if head_trainable and p != acc else 0)  # dw.to(weight dtype)
+    return tokens * h * r + dw + max(max(moments), end)
+
+
+def layer_backward_bytes(
+    shape: ModelShape,
+    dtypes: Dtypes,
+    batch: int,
+    seq_len: int,
+    chunk_size: int,
+    checkpointing: bool,
+    backend: str,
+    streamed: bool = False,
+) -> tuple[int, int]:
+    """Bytes beyond the saved activations while the last decoder layer back-propagates: (its MLP, its attention)
+    — with ``checkpointing`` its recompute (what the part still holds), without it less the MLP's saved tensors,
+    already freed when attention back-propagates; plus the gradients in flight and, on the torch attention backend
+    (the CPU path), four float32 score blocks ``[batch x heads x Lq, keys]`` of ``min(KEY_BLOCK, keys)`` keys
+    (keys: the sequence, or one chunk's block for a ``streamed`` host-tier layer) and float32 copies of q and dO."""
+    lq = min(chunk_size, seq_len)
+    tokens = batch * lq
+    r, c = dtypes.activation.itemsize, dtypes.compute.itemsize
+    acc = 8 if dtypes.activation == torch.float64 else 4
+    h, q, kv = shape.hidden_size, shape.num_heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    attn, mlp = _layer_bytes_per_token(shape, dtypes, streamed)
+    attn_copies, mlp_copies = (shape.attention_params * c, shape.mlp_params * c) if dtypes.mixed else (0, 0)
+    if checkpointing:  # the recomputed layer holds its saved tensors (and autocast's weight copies) again
+        held_mlp, held_attn = (attn + mlp) * tokens + attn_copies + mlp_copies, attn * tokens + attn_copies
+    else:
+        held_mlp, held_attn = 0, -mlp * tokens - mlp_copies
+    mlp_flight = (3 * c * shape.mlp_width + 2 * r * h) * tokens
+    attn_flight = (2 * r * q + acc * q + 4 * r * kv + 2 * r * h) * tokens
+    if backend == "torch":
+        keys = min(KEY_BLOCK, chunk_size if streamed else seq_len)
+        attn_flight += 4 * batch * shape.num_heads * lq * keys * acc + (
+            2 * acc * q * tokens if r != acc else 0
+        )
+    return held_mlp + mlp_flight, held_attn + attn_flight
+
+
+# ------------------------------------------------------------------------------------------------------ plan
+@dataclass(frozen=True)
+class Option:
+    """A change that makes the step fit: ``changes`` (``OOMBConfig`` fields, or ``seq_len`` / ``devices``),
+    ``text`` (how to say it) and the plan with it."""
+
+    changes: dict
+    text: str
+    peak_device: int
+    host_tier: int
+
+
+@dataclass
+class MemoryPlan:
+    """A step's predicted memory (bytes). ``device``: every term of the device's peak (``peak_device`` = persistent
+    terms + the largest moment, ``peak_phase``); ``host_tier``: the pinned host arena (on a CPU machine it lives in
+    the same memory as the device terms); ``fits``, and ``options`` that fit when it does not; ``notes``: what is
+    approximate; ``step_time_s``: always ``None`` until measured step rates exist (:data:`MEASURED_STEP_RATES`)."""
+
+    seq_len: int
+    batch: int
+    config: OOMBConfig
+    precision: str
+    optimizer: str
+    machine: Machine
+    model: ModelShape
+    pool: PoolShape
+    hbm_layers: int
+    host_layers: int
+    device: dict[str, int]
+    phases: dict[str, int]
+    host_tier: int
+    saved: dict[str, int]
+    fits: bool = True
+    options: list[Option] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    step_time_s: float | None = None
+
+    @property
+    def persistent(self) -> int:
+        """Device bytes held through the whole step: weights, gradients, optimizer states, the pool's arenas."""
+        return sum(self.device[k] for k in PERSISTENT)
+
+    @property
+    def peak_device(self) -> int:
+        return self.persistent + max(self.phases.values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.phases.get)
+
+    @property
+    def device_capacity(self) -> int:
+        """Device bytes the step may use (on a CPU: host memory less what the pinned tier and the OS keep)."""
+        if self.machine.device_type == "cpu":
+            return self.machine.device_bytes - HOST_RESERVE_BYTES - self.host_tier
+        return self.machine.device_bytes
+
+    @property
+    def host_capacity(self) -> int:
+        return self.machine.host_bytes - HOST_RESERVE_BYTES
+
+    @property
+    def device_fits(self) -> bool:
+        return self.peak_device <= self.device_capacity
+
+    @property
+    def host_fits(self) -> bool:
+        return self.machine.device_type == "cpu" or self.host_tier <= self.host_capacity
+
+    def rows(self) -> list[tuple[str, int | None, int | None]]:
+        """``(term, device bytes, host bytes)`` in the order a table shows them."""
+        out = [(LABELS[k], v, None) for k, v in self.device.items()]
+        return [*out, ("pinned host tier", None, self.host_tier)]
+
+    def summary(self) -> str:
+        """One line: the peak, its moment, the capacity, fits or not."""
+        where = "host memory" if self.machine.device_type == "cpu" else "device memory"
+        verdict = "fits" if self.fits else "does NOT fit"
+        host = (
+            ""
+            if self.machine.device_type == "cpu"
+            else f"; pinned host {gib(self.host_tier)} of {gib(self.host_capacity)}"
+        )
+        return (
+            f"{self.batch} x {self.seq_len} tokens, {self.precision}, {self.optimizer}: peak {gib(self.peak_device)} "
+            f"of {gib(self.device_capacity)} {where} (at {self.peak_phase}){host} — {verdict}"
+        )
+
+    def refusal(self) -> str:
+        """Why the step does not fit and what would (the text of the strategy's refusal)."""
+        terms = ", ".join(f"{LABELS[k]} {gib(v)}" for k, v in self.device.items() if v)
+        tokens = f"{self.batch} x {self.seq_len} tokens"
+        if not self.device_fits:
+            where = (
+                "host memory (the model runs on the CPU)"
+                if self.machine.device_type == "cpu"
+                else "GPU memory"
+            )
+            what = (
+                f"the training step ({tokens}) needs {gib(self.peak_device)} of {where} at its peak "
+                f"({self.peak_phase}; {terms}) but only {gib(max(self.device_capacity, 0))} is available"
+            )
+        else:
+            what = (
+                f"the KV pool's pinned host tier ({tokens}) needs {gib(self.host_tier)} but only "
+                f"{gib(max(self.host_capacity, 0))} of host memory is available"
+            )
+        if self.options:
+            fix = "use " + ", or ".join(o.text for o in self.options)
+        else:
+            static = sum(self.device[k] for k in ("weights", "gradients", "optimizer_states"))
+            fix = (
+                f"no OOMB option makes it fit: weights, gradients and optimizer states alone need {gib(static)} — "
+                "train fewer parameters (e.g. LoRA adapters), use an optimizer with less state, or a larger device"
+            )
+        return f"{what} — it would run out of memory — {fix}."
+
+    def format(self) -> str:
+        """A plain-text table of every term, the verdict and the options."""
+        lines = [f"{'term':<34}{'device':>14}{'host':>14}"]
+        for label, dev, host in self.rows():
+            lines.append(f"{label:<34}{gib(dev):>14}{gib(host):>14}")
+        lines += [f"{'peak (' + self.peak_phase + ')':<34}{gib(self.peak_device):>14}{gib(self.host_tier):>14}",
+                  self.summary()]  # fmt: skip
+        lines.append(
+            "moments: " + ", ".join(f"{k} {gib(self.persistent + v)}" for k, v in self.phases.items())
+        )
+        lines += [f"  would fit: {o.text}" for o in self.options]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+PERSISTENT = ("weights", "gradients", "optimizer_states", "kv_hbm", "staging")
+LABELS = {
+    "weights": "weights",
+    "gradients": "gradients",
+    "optimizer_states": "optimizer states",
+    "kv_hbm": "KV pool, HBM tier",
+    "staging": "KV pool, staging buffers",
+    "activations": "activations (one chunk)",
+    "loss_transients": "loss backward transients",
+    "layer_transients": "layer backward transients",
+    "optimizer_transients": "optimizer step transients",
+}
+
+
+def gib(n: int | None) -> str:
+    """Bytes in the largest binary unit up to GiB, e.g. ``"21.00 GiB"``, ``"64.0 MiB"`` (``""`` for ``None``: no
+    such term)."""
+    if n is None:
+        return ""
+    for unit, size, digits in (("GiB", 2**30, 2), ("MiB", 2**20, 1), ("KiB", 2**10, 1)):
+        if abs(n) >= size:
+            return f"{n / size:.{digits}f} {unit}"
+    return f"{n} B"
+
+
+def plan(
+    model: Any,
+    seq_len: int,
+    batch: int = 1,
+    config: OOMBConfig | None = None,
+    precision: str | int = "32-true",
+    optimizer: Any = "adamw",
+    machine: Machine | str | None = None,
+    *,
+    device_memory: int | None = None,
+    host_memory: int | None = None,
+    param_dtype: torch.dtype | None = None,
+    suggest: bool = True,
+) -> MemoryPlan:
+    """Predict one training step's memory without allocating anything (see the module docstring).
+
+    Args:
+        model: a transformers config (or a dict of its fields), the model (``nn.Module``, counted exactly), a
+            ChunkModel, or a :class:`ModelShape`.
+        seq_len, batch: tokens per row and rows per step.
+        config: the engine options (default ``OOMBConfig()``).
+        precision: a Lightning precision flag (``"32-true"``, ``"bf16-true"``, ``"bf16-mixed"``, ``"16-mixed"``,
+            ``"64-true"``, ...).
+        optimizer: ``None``/``"none"``, ``"sgd"``, ``"sgd-momentum"``, ``"adamw"``, ..., an
+            :class:`OptimizerSpec` or a ``torch.optim.Optimizer``.
+        machine: where it runs: a :class:`Machine`, or ``"cuda"`` / ``"cpu"`` / ``None`` (this machine's device,
+            :meth:`Machine.local`) with ``device_memory`` / ``host_memory`` (bytes) overriding what it reports.
+        param_dtype: the weights' dtype when the flag does not convert them (a module's own is read from it).
+        suggest: when it does not fit, try the options that could (``MemoryPlan.options``).
+    """
+    config = config or OOMBConfig()
+    for name, value in (("seq_len", seq_len), ("batch", batch)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise OOMBConfigError(
+                f"{name}={value!r} is not a positive integer — a step has rows of tokens — pass seq_len (tokens "
+                "per row) and batch (rows per step) as positive ints."
+            )
+    machine = _machine(machine, device_memory, host_memory)
+    module = model if isinstance(model, torch.nn.Module) else getattr(model, "model", None)
+    if param_dtype is None and isinstance(module, torch.nn.Module):
+        param_dtype = _dominant_dtype(module)
+    shape = model_shape(model)
+    dtypes = precision_dtypes(precision, param_dtype)
+    spec = optimizer_spec(optimizer)
+    inputs = _Inputs(shape, dtypes, spec, machine, str(precision))
+    result = _plan(inputs, config, batch, seq_len)
+    if suggest and not result.fits:
+        result.options = _options(inputs, config, batch, seq_len)
+    return result
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    shape: ModelShape
+    dtypes: Dtypes
+    optimizer: OptimizerSpec
+    machine: Machine
+    precision: str
+
+
+def _machine(machine: Machine | str | None, device_memory: int | None, host_memory: int | None) -> Machine:
+    if isinstance(machine, Machine):
+        return machine
+    kind = machine or ("cuda" if device_memory is not None or torch.cuda.is_available() else "cpu")
+    if kind not in ("cuda", "cpu"):
+        raise OOMBConfigError(f"machine={machine!r} is not a device type — use 'cuda', 'cpu' or a Machine.")
+    if device_memory is None and kind == "cuda" and not torch.cuda.is_available():
+        raise OOMBConfigError(
+            "planning for a CUDA device on a machine without one — its memory cannot be read here — pass "
+            "device_memory (bytes, e.g. 141 * 10**9 for an H200; oomb plan: --device-memory 141GB)."
+        )
+    local = Machine.local(kind) if device_memory is None or host_memory is None else None
+    host = int(host_memory) if host_memory is not None else local.host_bytes
+    if kind == "cpu":  # the device is host memory
+        size = int(device_memory) if device_memory is not None else host
+        return Machine("cpu", size, size)
+    size = int(device_memory) if device_memory is not None else local.device_bytes
+    return Machine("cuda", size, host, size if device_memory is not None else local.total)
+
+
+def _dominant_dtype(module: torch.nn.Module) -> torch.dtype | None:
+    counts: dict[torch.dtype, int] = {}
+    for p in module.parameters():
+        if p.is_floating_point():
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    return max(counts, key=counts.get) if counts else None
+
+
+def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices: int = 1) -> MemoryPlan:
+    shape, dtypes, spec, machine = inputs.shape, inputs.dtypes, inputs.optimizer, inputs.machine
+    p = dtypes.param.itemsize
+    params = shape.parameter_count()
+    trainable = shape.trainable if shape.trainable is not None else params
+    weights = shape.weight_bytes if shape.weight_bytes is not None else params * p
+    grads = shape.grad_bytes if shape.grad_bytes is not None else trainable * p
+    updated = spec.params if spec.params is not None else trainable
+    state_size = spec.state_dtype.itemsize if spec.state_dtype is not None else p
+    if spec.state_bytes is not None and spec.state_dtype is None:
+        states = spec.state_bytes
+    else:
+        states = spec.states * updated * state_size
+    step = 0
+    if spec.sqrt_copy and not spec.fused:
+        foreach = spec.foreach if spec.foreach is not None else machine.device_type == "cuda"
+        largest = shape.largest_param or max(shape.num_embeddings, shape.vocab_size) * shape.hidden_size
+        group = spec.largest_group if spec.largest_group is not None else updated
+        step = (group if foreach else largest) * state_size
+
+    # the pool, exactly as KVPool.reserve sizes it (for one of `devices`: context parallelism splits the pages)
+    owned = math.ceil(seq_len / devices)
+    pool = PoolShape(shape.num_layers, batch, owned, shape.kv_heads, shape.head_dim, config.page_size,
+                     config.chunk_size, config.kv_grad_dtype, dtypes.activation)  # fmt: skip
+    budget = _budget(config, machine, weights)
+    tiers = plan_tiers(pool.num_layers, pool.layer_bytes, budget, config.staging_buffers, pool.block_bytes)
+    hbm = arena_bytes(len(tiers.hbm_layers) * pool.layer_slots, pool)
+    staging = arena_bytes(tiers.staging_buffers * pool.block_slots, pool) if tiers.host_layers else 0
+    host = arena_bytes(len(tiers.host_layers) * pool.layer_slots, pool)
+
+    backend = _backend(config, machine)
+    ckpt = config.layer_checkpointing
+    saved = saved_bytes(shape, dtypes, batch, seq_len, config.chunk_size, ckpt, len(tiers.host_layers))
+    activations = sum(saved.values())
+    tokens = batch * min(config.chunk_size, seq_len)
+    loss = loss_backward_bytes(shape, dtypes, tokens, config.loss_block, shape.head_trainable)
+    streamed = bool(tiers.host_layers) and tiers.host_layers[-1] == shape.num_layers - 1
+    mlp_bwd, attn_bwd = layer_backward_bytes(
+        shape, dtypes, batch, seq_len, config.chunk_size, ckpt, backend, streamed
+    )
+    below_head = activations - saved["head"]
+    embed = shape.num_embeddings * shape.hidden_size * dtypes.activation.itemsize * shape.embedding_trainable
+    phases = {
+        "loss backward": activations + loss,
+        "MLP backward": below_head + mlp_bwd,
+        "attention backward": below_head + attn_bwd,
+        "embedding backward": saved["other"] + embed,
+        "optimizer step": step,
+    }
+    device = {
+        "weights": weights,
+        "gradients": grads,
+        "optimizer_states": states,
+        "kv_hbm": hbm,
+        "staging": staging,
+        "activations": activations,
+        "loss_transients": loss,
+        "layer_transients": max(mlp_bwd, attn_bwd),
+        "optimizer_transients": step,
+    }
+    result = MemoryPlan(
+        seq_len, batch, config, inputs.precision, spec.name, machine, shape, pool, len(tiers.hbm_layers),
+        len(tiers.host_layers), device, phases, host, saved,
+    )  # fmt: skip
+    result.fits = result.device_fits and result.host_fits
+    result.notes = _notes(inputs, config)
+    return result
+
+
+def _budget(config: OOMBConfig, machine: Machine, weights: int) -> int | None:
+    """The ``hbm_budget`` the pool will compute at the first step, when only the weights are on the device."""
+    if not config.offload:
+        return None
+    if config.hbm_budget != "auto":
+        return int(config.hbm_budget)
+    if machine.device_type != "cuda":
+        return None
+    return max(0, machine.device_bytes - weights - int(AUTO_HEADROOM * machine.total))
+
+
+def _backend(config: OOMBConfig, machine: Machine) -> str:
+    if config.attention_backend != "auto":
+        return config.attention_backend
+    return "triton" if machine.device_type == "cuda" else "torch"
+
+
+def _notes(inputs: _Inputs, config: OOMBConfig) -> list[str]:
+    notes = []
+    shape, dtypes = inputs.shape, inputs.dtypes
+    if not shape.calibrated:
+        notes.append(
+            f"activations of {shape.family} estimated with the Llama-style layer formula (calibrated on "
+            f"{', '.join(CALIBRATED)}): treat them as approximate"
+        )
+    if config.kv_grad_dtype == "bfloat16" and dtypes.activation.itemsize > GRAD_DTYPES["bfloat16"].itemsize:
+        notes.append(f"kv_grad_dtype='bfloat16' has no effect with {dtypes.activation} K/V (never narrower)")
+    if dtypes.mixed:
+        notes.append(
+            f"under {inputs.precision} K/V are {dtypes.activation} (RoPE's cos/sin promote the keys)"
+        )
+    return notes
+
+
+# ------------------------------------------------------------------------------------------------------ options
+def _options(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int) -> list[Option]:
+    """The changes that make the step fit, each planned (see the module docstring), the fastest of each kind
+    first."""
+    fitting: list[Option] = []
+
+    def attempt(changes: dict, cfg: OOMBConfig, n: int = seq_len, devices: int = 1, text: str | None = None):
+        result = _plan(inputs, cfg, batch, n, devices)
+        if result.fits:
+            fitting.append(Option(changes, text or _say(changes), result.peak_device, result.host_tier))
+        return result.fits
+
+    singles = []
+    for group in _candidates(inputs, config, batch, seq_len):
+        fit = next(
+            (c for c in group if _plan(inputs, dataclasses.replace(config, **c), batch, seq_len).fits), None
+        )
+        singles.append(fit or group[-1])  # the most a pair can gain from this group
+        if fit:
+            attempt(fit, dataclasses.replace(config, **fit))
+    if not fitting:
+        for i, a in enumerate(singles):
+            for b in singles[i + 1 :]:
+                both = {**a, **b}
+                if not a.keys() & b.keys():
+                    attempt(both, dataclasses.replace(config, **both))
+    # outside the strategy's options: a fused optimizer step (no state-sized temporary), 16-bit weights and states
+    spec, dtypes, other = inputs.optimizer, inputs.dtypes, []
+    if spec.sqrt_copy and not spec.fused:
+        name = "AdamW" if spec.name == "adamw" else "Adam"
+        fused = dataclasses.replace(inputs, optimizer=dataclasses.replace(spec, fused=True))
+        other.append(
+            (fused, {"optimizer": "fused"}, f"a fused optimizer (torch.optim.{name}(..., fused=True))")
+        )
+    if dtypes.mixed and dtypes.compute.itemsize == 2:
+        flag = "bf16-true" if dtypes.compute == torch.bfloat16 else "16-true"
+        half = dataclasses.replace(
+            inputs,
+            shape=dataclasses.replace(inputs.shape, weight_bytes=None, grad_bytes=None),
+            dtypes=precision_dtypes(flag),
+            optimizer=dataclasses.replace(spec, state_bytes=None),
+            precision=flag,
+        )
+        other.append(
+            (half, {"precision": flag}, f"precision='{flag}' (16-bit weights, gradients and states)")
+        )
+    for changed, changes, text in other:
+        result = _plan(changed, config, batch, seq_len)
+        if result.fits:
+            fitting.append(Option(changes, text, result.peak_device, result.host_tier))
+    page = config.page_size  # the longest context (whole pages) that fits, by bisection
+    lo, hi = 0, (seq_len - 1) // page
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if _plan(inputs, config, batch, mid * page).fits else (lo, mid - 1)
+    if lo:
+        attempt(
+            {"seq_len": lo * page}, config, lo * page, text=f"seq_len={lo * page} or fewer tokens per row"
+        )
+    for devices in (2, 4, 8, 16, 32, 64):
+        text = f"{devices} devices with context parallelism (strategy 'oomb_cp': planned, not available yet)"
+        if attempt({"devices": devices}, config, seq_len, devices, text):
+            break
+    return fitting
+
+
+def _candidates(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int) -> list[list[dict]]:
+    """Groups of alternative changes, the preferred (fastest) first in each group."""
+    groups = []
+    if config.kv_grad_dtype == "float32" and inputs.dtypes.activation.itemsize < 4:
+        groups.append([{"kv_grad_dtype": "bfloat16"}])
+    if not config.layer_checkpointing:
+        groups.append([{"layer_checkpointing": True}])
+    chunks, chunk = [], config.chunk_size // 2
+    while chunk >= config.page_size and chunk % config.page_size == 0:
+        chunks.append({"chunk_size": chunk})
+        chunk //= 2
+    if chunks:
+        groups.append(chunks)
+    if inputs.machine.device_type == "cuda":
+        offload = (
+            []
+            if config.offload and config.hbm_budget == "auto"
+            else [{"offload": True, "hbm_budget": "auto"}]
+        )
+        shape = inputs.shape
+        pool = PoolShape(shape.num_layers, batch, seq_len, shape.kv_heads, shape.head_dim, config.page_size,
+                         config.chunk_size, config.kv_grad_dtype, inputs.dtypes.activation)  # fmt: skip
+        staging = config.staging_buffers * pool.block_bytes  # k layers on the device, most first
+        offload += [{"offload": True, "hbm_budget": k * pool.layer_bytes + staging}
+                    for k in range(shape.num_layers - 1, -1, -1)]  # fmt: skip
+        groups.append(offload)
+    return groups
+
+
+def _say(changes: dict) -> str:
+    parts = []
+    for key, value in changes.items():
+        if key == "hbm_budget" and isinstance(value, int):
+            parts.append(f"hbm_budget={value} ({gib(value)})")
+        else:
+            parts.append(f"{key}={value!r}")
+    return ", ".join(parts)

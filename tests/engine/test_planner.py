@@ -1,0 +1,332 @@
+"""The memory planner: its KV pool is the pool's exact bytes, its activations what autograd saves, its whole chunk
+peak what a step allocates on the CPU, its states what the optimizer keeps; a run that cannot fit is refused at
+setup with the option that would."""
+
+from __future__ import annotations
+
+import contextlib
+
+import lightning as L
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import lightning_oomb
+from lightning_oomb.engine import KVPool, OOMBConfig, OOMBConfigError, OOMBEngine, PoolShape, planner
+from lightning_oomb.engine.memory import SavedTensorMeter
+from lightning_oomb.engine.planner import Machine, ModelShape, OptimizerSpec, model_shape, plan
+from lightning_oomb.integrations.hf import HFChunkModel
+from lightning_oomb.models import qwen2_5_7b_config
+from tests.helpers.lightning import TinyLM, batches, make_trainer
+from tests.helpers.models import FAMILIES, build_causal_lm
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The models are tiny: one thread is fastest, and steady on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+BIG_CPU = Machine("cpu", 1 << 40, 1 << 40)  # room for anything: fits, and no option search
+H200 = Machine("cuda", 141 * 10**9, 128 * 2**30)
+DTYPES = {"32-true": torch.float32, "bf16-true": torch.bfloat16, "bf16-mixed": torch.float32}
+
+
+def tiny_shape(layers: int, kv_heads: int, head_dim: int) -> ModelShape:
+    return ModelShape(layers, 64, 128, 4 * kv_heads, kv_heads, head_dim, 101, 101)
+
+
+# ------------------------------------------------------------------------------------------------------ KV pool
+@pytest.mark.filterwarnings("ignore:kv_grad_dtype='bfloat16' has no effect")  # float32 K/V: the plan knows
+@pytest.mark.parametrize("grad", ["float32", "bfloat16"])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+@pytest.mark.parametrize(
+    ("layers", "batch", "seq_len", "kv_heads", "head_dim", "chunk", "budget"),
+    [
+        (2, 1, 64, 1, 8, 32, None),  # no offload
+        (3, 2, 100, 2, 16, 32, None),  # a ragged last page
+        (4, 1, 256, 2, 8, 64, 0),  # every layer on the host
+        (5, 3, 96, 1, 32, 32, 60_000),  # some layers on the device, the rest streamed
+    ],
+)
+def test_pool_bytes_are_the_pools_arenas_exactly(grad, precision, layers, batch, seq_len, kv_heads, head_dim,
+                                                 chunk, budget):  # fmt: skip
+    offload = {} if budget is None else {"offload": True, "hbm_budget": budget}
+    config = OOMBConfig(chunk_size=chunk, page_size=16, kv_grad_dtype=grad, **offload)
+    shape = tiny_shape(layers, kv_heads, head_dim)
+    predicted = plan(shape, seq_len, batch, config, precision, None, BIG_CPU)
+    pool = KVPool(config)
+    pool.reserve(PoolShape(layers, batch, seq_len, kv_heads, head_dim, 16, chunk, grad, DTYPES[precision]),
+                 torch.device("cpu"))  # fmt: skip
+    stats = pool.stats()
+    assert predicted.device["kv_hbm"] == stats["hbm_pool_bytes"]
+    assert predicted.device["staging"] == stats["staging_bytes"]
+    assert predicted.host_tier == stats["host_pool_bytes"]
+    assert (predicted.hbm_layers, predicted.host_layers) == (stats["hbm_layers"], stats["host_layers"])
+    assert (budget is None) == (predicted.host_layers == 0)
+    pool.release()
+
+
+def test_mixed_precision_pages_are_float32():
+    """Under autocast RoPE's float32 cos/sin promote the keys: the pool holds float32 K/V (bf16 gradient pages
+    would be no narrower), and the plan says so."""
+    model = build_causal_lm("qwen2", dtype=torch.float32)
+    engine = OOMBEngine(HFChunkModel(model), OOMBConfig(chunk_size=32, page_size=16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        engine.loss(torch.randint(0, 97, (1, 64))).backward()
+    assert engine.pool.shape.dtype == torch.float32
+    predicted = plan(model, 64, 1, engine.config, "bf16-mixed", None, BIG_CPU)
+    assert predicted.pool.dtype == torch.float32 and predicted.device["kv_hbm"] == engine.pool.device_bytes
+    assert any("float32" in note for note in predicted.notes)
+
+
+# -------------------------------------------------------------------------------------------------- activations
+class LiveBytes(TorchDispatchMode):
+    """Peak bytes of the CPU storages created inside the block (sampled at every op), ``exclude`` not counted."""
+
+    def __init__(self, exclude=()):
+        super().__init__()
+        self.exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.current = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
+            self.current -= self.live.pop(key)[1]
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key and key not in self.live and key not in self.exclude and storage.nbytes():
+                    self.live[key] = (StorageWeakRef(storage), storage.nbytes())
+                    self.current += storage.nbytes()
+        self.peak = max(self.peak, self.current)
+        return out
+
+
+def measure(family, precision, checkpointing, chunk, seq_len=None, vocab=97, live=False):
+    """(plan, saved-tensor peak, live-bytes peak or None) of a second step (gradients exist) of a tiny model."""
+    model = build_causal_lm(family, dtype=DTYPES[precision], vocab_size=vocab)
+    config = OOMBConfig(chunk_size=chunk, page_size=16, layer_checkpointing=checkpointing, loss_block=32)
+    engine = OOMBEngine(HFChunkModel(model, layer_checkpointing=checkpointing), config)
+    ids = torch.randint(0, vocab, (2, seq_len or 3 * chunk), generator=torch.Generator().manual_seed(chunk))
+    autocast = (
+        torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else contextlib.nullcontext()
+    )
+    with autocast:
+        loss = engine.loss(ids)
+    loss.backward()
+    held = [*model.parameters(), *(p.grad for p in model.parameters())]
+    held += [a.storage for a in (engine.pool._hbm, engine.pool._staging, engine.pool._host) if a is not None]
+    tracker = LiveBytes(held) if live else contextlib.nullcontext()
+    with SavedTensorMeter(exclude=model.parameters()) as meter, tracker:
+        with autocast:
+            loss = engine.loss(ids)
+        loss.backward()
+    predicted = plan(model, ids.shape[1], 2, config, precision, None, BIG_CPU)
+    return predicted, meter.peak, tracker.peak if live else None
+
+
+@pytest.mark.parametrize("chunk", [32, 64])
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_activations_are_what_autograd_saves(family, precision, checkpointing, chunk):
+    predicted, measured, _ = measure(family, precision, checkpointing, chunk)
+    # the formula counts every saved tensor (measured: exact); the contract is 10 %
+    assert abs(predicted.device["activations"] / measured - 1) <= 0.10, (predicted.saved, measured)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_activations_of_qk_norms_windows_and_autocast(family, precision):
+    """Qwen3's per-head norms, Mistral's window, autocast's cast copies (of inputs and weights)."""
+    predicted, measured, _ = measure(family, precision, False, 32)
+    assert abs(predicted.device["activations"] / measured - 1) <= 0.10, (predicted.saved, measured)
+
+
+@pytest.mark.parametrize(
+    ("precision", "checkpointing", "vocab"),
+    [("32-true", False, 97), ("bf16-true", True, 97), ("bf16-mixed", False, 97), ("32-true", True, 16384),
+     ("bf16-mixed", True, 16384)],
+)  # fmt: skip
+def test_a_steps_peak_is_what_the_cpu_allocates(precision, checkpointing, vocab):
+    """Activations + the largest transient (attention score blocks at a small vocabulary, the loss backward at a
+    larger one) = the peak of the bytes a step allocates beyond parameters, gradients and pool."""
+    predicted, _, measured = measure("qwen2", precision, checkpointing, 64, vocab=vocab, live=True)
+    backward = max(v for k, v in predicted.phases.items() if k != "optimizer step")
+    assert abs(backward / measured - 1) <= 0.10, (predicted.phases, measured)
+
+
+def test_activations_do_not_grow_with_the_context():
+    """Only the step's token ids (8 bytes a token) grow with the sequence; everything else is one chunk's."""
+    short, long = (plan(qwen2_5_7b_config(), n, 1, OOMBConfig(layer_checkpointing=True), "bf16-true", None, H200)
+                   for n in (32768, 1 << 20))  # fmt: skip
+    assert long.device["activations"] - short.device["activations"] == 8 * ((1 << 20) - 32768)
+    assert long.device["kv_hbm"] == 32 * short.device["kv_hbm"]
+
+
+# ------------------------------------------------------------------------------------- parameters and optimizers
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_parameter_formula_counts_the_model(family, tied):
+    model = build_causal_lm(family, tie_word_embeddings=tied)
+    assert model_shape(model.config).parameter_count() == sum(p.numel() for p in model.parameters())
+
+
+def test_optimizer_states_in_the_parameters_dtype():
+    """torch keeps Adam's moments in the parameters' dtype: 2x the weights; float32 moments of bf16 weights 4x."""
+    cfg, config = qwen2_5_7b_config(), OOMBConfig(layer_checkpointing=True)
+    for precision in ("bf16-true", "bf16-mixed"):
+        states = {name: plan(cfg, 4096, 1, config, precision, opt, H200).device
+                  for name, opt in [("none", None), ("sgd", "sgd"), ("momentum", "sgd-momentum"), ("adamw", "adamw"),
+                                    ("fp32", OptimizerSpec("adamw", 2, state_dtype=torch.float32))]}  # fmt: skip
+        weights = states["none"]["weights"]
+        assert weights == model_shape(cfg).parameter_count() * DTYPES[precision].itemsize
+        assert [states[k]["optimizer_states"] / weights for k in states] == (
+            [0, 0, 1, 2, 4] if precision == "bf16-true" else [0, 0, 1, 2, 2]
+        )
+        assert states["adamw"]["gradients"] == weights
+
+
+@pytest.mark.parametrize(
+    "make", [lambda ps: torch.optim.AdamW(ps, lr=1e-3), lambda ps: torch.optim.SGD(ps, 0.1, 0.9)]
+)
+def test_a_real_optimizers_states_are_counted_exactly(make):
+    model = build_causal_lm("qwen2", dtype=torch.float32)
+    model.model.embed_tokens.weight.requires_grad_(False)  # a frozen parameter keeps no state
+    optimizer = make([p for p in model.parameters() if p.requires_grad])
+    predicted = plan(model, 64, 1, OOMBConfig(chunk_size=32, page_size=16), "32-true", optimizer, BIG_CPU)
+    engine = OOMBEngine(HFChunkModel(model), predicted.config)
+    engine.loss(torch.randint(0, 97, (1, 64))).backward()
+    optimizer.step()
+    held = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if t.dim())
+    assert predicted.device["optimizer_states"] == held
+    assert predicted.device["gradients"] == sum(
+        p.grad.numel() * 4 for p in model.parameters() if p.grad is not None
+    )
+
+
+# --------------------------------------------------------------------------------------------------- fit or not
+def test_qwen2_5_7b_on_an_h200():
+    """The example configs' runs fit; a 1M-token step does not, and every option named fits when planned."""
+    cfg = qwen2_5_7b_config()
+    at_128k = plan(cfg, 131072, 1, OOMBConfig(layer_checkpointing=True), "bf16-true", "adamw", H200)
+    assert at_128k.fits and at_128k.device["kv_hbm"] == 21 * 2**30  # 168 KiB per token
+    offload = OOMBConfig(layer_checkpointing=True, kv_grad_dtype="bfloat16", offload=True, hbm_budget=0)
+    at_256k = plan(cfg, 262144, 1, offload, "bf16-true", "adamw", H200)
+    assert at_256k.fits and at_256k.host_tier == 28 * 2**30 and at_256k.device["staging"] == 64 * 2**20
+    at_1m = plan(cfg, 1 << 20, 1, OOMBConfig(layer_checkpointing=True), "bf16-true", "adamw", H200)
+    assert not at_1m.fits and at_1m.options
+    assert any(o.changes.get("offload") for o in at_1m.options)
+    for option in at_1m.options:
+        changes = {k: v for k, v in option.changes.items() if k in OOMBConfig.field_names()}
+        n = option.changes.get("seq_len", 1 << 20)
+        if "devices" not in option.changes:
+            replanned = plan(
+                cfg, n, 1, OOMBConfig(layer_checkpointing=True, **changes), "bf16-true", "adamw", H200
+            )
+            assert replanned.fits and replanned.peak_device == option.peak_device, option.text
+    assert "would run out of memory" in at_1m.refusal() and "offload=True" in at_1m.refusal()
+
+
+@pytest.mark.parametrize(
+    ("precision", "config", "device_gib", "changes"),
+    [("bf16-true", OOMBConfig(layer_checkpointing=True), 88, {"optimizer": "fused"}),
+     ("bf16-mixed", OOMBConfig(), 141e9 / 2**30, {"precision": "bf16-true"})],
+)  # fmt: skip
+def test_options_beyond_the_strategys_own(precision, config, device_gib, changes):
+    """At the optimizer step's peak a fused AdamW fits; under autocast, 16-bit weights and states do."""
+    machine = Machine("cuda", int(device_gib * 2**30), 128 * 2**30)
+    result = plan(qwen2_5_7b_config(), 131072, 1, config, precision, "adamw", machine)
+    assert not result.fits and changes in [o.changes for o in result.options]
+
+
+def test_weights_alone_too_large_say_so():
+    tiny_gpu = Machine("cuda", 20 * 2**30, 128 * 2**30)
+    result = plan(qwen2_5_7b_config(), 4096, 1, OOMBConfig(), "bf16-true", "adamw", tiny_gpu)
+    assert not result.fits and "no OOMB option makes it fit" in result.refusal()
+
+
+def test_host_tier_beyond_host_memory_does_not_fit():
+    config = OOMBConfig(layer_checkpointing=True, offload=True, hbm_budget=0)
+    small_host = Machine("cuda", 141 * 10**9, 32 * 2**30)
+    result = plan(qwen2_5_7b_config(), 262144, 1, config, "bf16-true", "adamw", small_host)
+    assert result.device_fits and not result.host_fits and "pinned host tier" in result.refusal()
+    assert any("kv_grad_dtype" in o.text or "hbm_budget" in o.text for o in result.options)
+
+
+def test_no_step_time_is_predicted_without_measurements():
+    assert not planner.MEASURED_STEP_RATES
+    assert plan(qwen2_5_7b_config(), 4096, machine=H200).step_time_s is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"precision": "transformer-engine"}, "not a precision"),
+        ({"optimizer": "lion"}, "unknown to the planner"),
+        ({"seq_len": 0}, "positive integer"),
+        ({"model": object()}, "cannot read a model shape"),
+        ({"machine": "tpu"}, "not a device type"),
+    ],
+)
+def test_bad_input_is_refused_with_the_fix(kwargs, match):
+    args = {"model": qwen2_5_7b_config(), "seq_len": 4096, "machine": H200, **kwargs}
+    with pytest.raises(OOMBConfigError, match=match):
+        plan(**args)
+
+
+def test_the_public_entry_point():
+    assert lightning_oomb.plan is plan
+    result = lightning_oomb.plan(qwen2_5_7b_config(), 131072, precision="bf16-true", device_memory=141 * 10**9,
+                                 host_memory=128 * 2**30)  # fmt: skip
+    assert result.machine.device_type == "cuda" and "weights" in result.format()
+
+
+# ------------------------------------------------------------------------------------------ the strategy at setup
+class SizedData(L.LightningDataModule):
+    """The tiny batches, with the seq_len and batch_size the strategy plans for."""
+
+    seq_len, batch_size = 40, 2
+
+    def train_dataloader(self):
+        return batches(n=2, seq=self.seq_len)
+
+
+def cpu_of(size: int):
+    return classmethod(lambda cls, device=None, resident_bytes=0: cls("cpu", size, size))
+
+
+def tight_machine() -> int:
+    """Host bytes between the tiny run's planned peak with and without layer checkpointing."""
+    model = TinyLM().model
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    peaks = [plan(model, 40, 2, OOMBConfig(chunk_size=16, page_size=8, layer_checkpointing=c), "32-true",
+                  optimizer, BIG_CPU).peak_device for c in (False, True)]  # fmt: skip
+    assert peaks[1] < peaks[0]
+    return planner.HOST_RESERVE_BYTES + (peaks[0] + peaks[1]) // 2
+
+
+def test_a_run_that_cannot_fit_is_refused_at_setup_with_the_option_that_fits(monkeypatch):
+    monkeypatch.setattr(planner.Machine, "local", cpu_of(tight_machine()))
+    module = TinyLM()
+    trainer = make_trainer(
+        lightning_oomb.OOMBStrategy(chunk_size=16, page_size=8, verify_exactness=False), steps=1
+    )
+    with pytest.raises(OOMBConfigError, match="would run out of memory.*layer_checkpointing=True") as err:
+        trainer.fit(module, datamodule=SizedData())
+    assert "setup" in "".join(str(f.name) for f in err.traceback)
+    assert trainer.strategy.engine.pool.shape is None  # nothing of OOMB's was allocated
+    # the option it names fits on the same machine, and the check can be skipped
+    for options in ({"layer_checkpointing": True}, {"plan_memory": False}):
+        strategy = lightning_oomb.OOMBStrategy(chunk_size=16, page_size=8, verify_exactness=False, **options)
+        trainer = make_trainer(strategy, steps=1, limit_val_batches=0)
+        trainer.fit(TinyLM(), datamodule=SizedData())
+        assert trainer.global_step == 1
