@@ -14,7 +14,8 @@ options that would make it fit (each tried in the planner).
 - *KV pool*: :func:`~lightning_oomb.engine.kv_pool.plan_tiers` and :func:`~lightning_oomb.engine.pages.arena_bytes`
   of the engine's own :class:`~lightning_oomb.engine.pages.PoolShape` — exactly what ``KVPool.reserve`` allocates
   (HBM tier and staging buffers on the device, the host tier pinned). K/V take the dtype of the keys after RoPE:
-  the parameters' dtype (float32 under ``bf16-mixed``: RoPE's cos/sin promote them).
+  the parameters' dtype (float32 under ``bf16-mixed``: RoPE's cos/sin promote them). A sparse step
+  (``page_budget``) adds the page summaries (``PoolShape.summary_bytes``, on the device).
 - *activations*: what autograd saves during one chunk's recompute (:func:`saved_bytes`; calibrated on
   :class:`~lightning_oomb.engine.memory.SavedTensorMeter`); per decoder layer and token of a Llama-style layer
   (HF's RMSNorm computes in float32): each norm ``4H + 4 + rH`` (its float32 input, 1/rms, the normed input) plus
@@ -35,7 +36,7 @@ options that would make it fit (each tried in the planner).
 - *optimizer step*: torch's ``foreach`` Adam/AdamW (its default on CUDA) makes one state-sized ``sqrt`` copy of
   the largest parameter group (the for-loop one of the largest parameter; fused: none).
 
-The peak is the persistent part (weights, gradients, optimizer states, the pool's device arenas) plus the largest
+The peak is the persistent part (weights, gradients, optimizer states, the pool's device arenas and summaries) plus the largest
 of the moments (loss backward, the last layer's MLP and attention backward, the embedding's dense gradient, the
 optimizer step). Gradients count as allocated throughout (they are from the second chunk on, and whenever
 gradients accumulate). The plan is of allocated bytes (``torch.cuda.max_memory_allocated``): the caching
@@ -654,13 +655,14 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-PERSISTENT = ("weights", "gradients", "optimizer_states", "kv_hbm", "staging")
+PERSISTENT = ("weights", "gradients", "optimizer_states", "kv_hbm", "staging", "page_summaries")
 LABELS = {
     "weights": "weights",
     "gradients": "gradients",
     "optimizer_states": "optimizer states",
     "kv_hbm": "KV pool, HBM tier",
     "staging": "KV pool, staging buffers",
+    "page_summaries": "page summaries (sparse)",
     "activations": "activations (one chunk)",
     "loss_transients": "loss backward transients",
     "layer_transients": "layer backward transients",
@@ -789,8 +791,9 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
 
     # the pool, exactly as KVPool.reserve sizes it (for one of `devices`: context parallelism splits the pages)
     owned = math.ceil(seq_len / devices)
+    sparse = config.page_score if config.page_budget is not None else None
     pool = PoolShape(shape.num_layers, batch, owned, shape.kv_heads, shape.head_dim, config.page_size,
-                     config.chunk_size, config.kv_grad_dtype, dtypes.activation)  # fmt: skip
+                     config.chunk_size, config.kv_grad_dtype, dtypes.activation, page_score=sparse)  # fmt: skip
     budget = _budget(config, machine, weights)
     tiers = plan_tiers(pool.num_layers, pool.layer_bytes, budget, config.staging_buffers, pool.block_bytes)
     hbm = arena_bytes(len(tiers.hbm_layers) * pool.layer_slots, pool)
@@ -822,6 +825,7 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
         "optimizer_states": states,
         "kv_hbm": hbm,
         "staging": staging,
+        "page_summaries": pool.summary_bytes,
         "activations": activations,
         "loss_transients": loss,
         "layer_transients": max(mlp_bwd, attn_bwd),

@@ -330,3 +330,18 @@ def test_a_run_that_cannot_fit_is_refused_at_setup_with_the_option_that_fits(mon
         trainer = make_trainer(strategy, steps=1, limit_val_batches=0)
         trainer.fit(TinyLM(), datamodule=SizedData())
         assert trainer.global_step == 1
+
+
+def test_sparse_steps_count_their_page_summaries():
+    """A sparse step keeps the pool's page summaries on the device: the plan counts exactly PoolShape's bytes."""
+    from lightning_oomb.engine import OOMBConfig
+    from lightning_oomb.engine.pages import PoolShape
+
+    config = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 101}  # fmt: skip
+    dense = plan(config, 4096, config=OOMBConfig(512, 128), machine="cpu", host_memory=2**40)
+    sparse = plan(config, 4096, config=OOMBConfig(512, 128, page_budget=4), machine="cpu", host_memory=2**40)
+    want = PoolShape(2, 1, 4096, 2, 16, 128, 512, dtype=torch.float32, page_score="bound").summary_bytes
+    assert want == 2 * 32 * 2 * 2 * 16 * 4
+    assert dense.device["page_summaries"] == 0 and sparse.device["page_summaries"] == want
+    assert sparse.peak_device - dense.peak_device == want
