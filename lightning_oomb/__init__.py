@@ -1,10 +1,12 @@
 """lightning_oomb: exact long-context training of Hugging Face LLMs as a PyTorch Lightning strategy.
 
-``import lightning_oomb`` registers the strategy name ``"oomb"`` (``Trainer(strategy="oomb")``).
+``import lightning_oomb`` registers the strategy names ``"oomb"`` (``Trainer(strategy="oomb")``), ``"oomb_offload"``
+and ``"oomb_cp"`` (context parallelism across devices).
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_oomb.context_parallel import OOMBContextParallelStrategy
 from lightning_oomb.engine import OOMBConfig, OOMBConfigError, OOMBEngine
 from lightning_oomb.engine.planner import plan  # lightning_oomb.plan(...): a step's memory, before allocating
 from lightning_oomb.precision import OOMBPrecision
@@ -13,10 +15,12 @@ from lightning_oomb.strategy import OOMBStrategy
 __version__ = "0.1.0.dev0"
 
 OOMBStrategy.register_strategies(StrategyRegistry)
+OOMBContextParallelStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
     "OOMBConfig",
     "OOMBConfigError",
+    "OOMBContextParallelStrategy",
     "OOMBEngine",
     "OOMBPrecision",
     "OOMBStrategy",

@@ -105,7 +105,20 @@ class _PlanCLI(OOMBCLI):
         super().before_instantiate_classes()
         trainer = self.config["trainer"]
         self.accelerator = str(trainer["accelerator"])
+        self.world = _device_count(trainer["devices"]) * int(trainer.get("num_nodes") or 1)
         trainer["accelerator"], trainer["devices"], trainer["logger"] = "cpu", 1, False
+
+
+def _device_count(devices: Any) -> int:
+    """Devices per node of a ``trainer.devices`` value (``"auto"`` / ``-1``: this machine's GPUs, at least 1)."""
+    if isinstance(devices, (list, tuple)):
+        return len(devices)
+    text = str(devices).strip().rstrip(",")
+    if "," in text:
+        return len([d for d in text.split(",") if d.strip()])
+    if text.lstrip("-").isdigit() and int(text) > 0:
+        return int(text)
+    return max(torch.cuda.device_count(), 1)
 
 
 def model_config(model: LightningModule, override: str | None = None) -> Any:
@@ -198,6 +211,7 @@ def plan_command(args: list[str], print_table: bool = True) -> MemoryPlan | None
         device,
         **memory,
         param_dtype=getattr(torch, dtype) if dtype not in (None, "auto") else None,
+        context_parallel=strategy.context_size_on(cli.world) if hasattr(strategy, "context_size_on") else 1,
     )
     if print_table:
         print_plan(result)

@@ -74,7 +74,7 @@ class _OOMBStrategyMixin:
         self.model_adapter = managed_model(
             module, self._target_module, config.layer_checkpointing, self._verify_exactness
         )
-        self.engine = OOMBEngine(self.model_adapter, config)
+        self.engine = OOMBEngine(self.model_adapter, config, context=self._context_group())
         self.engine.check_device(self.root_device)  # backend, head dim and page size, before any work
 
     # ---- memory plan at setup (lightning_oomb.engine.planner) -------------------------------------------------
@@ -103,11 +103,16 @@ class _OOMBStrategyMixin:
             self.precision_plugin.precision,
             optimizer if isinstance(optimizer, torch.optim.Optimizer) else None,
             Machine.local(self.root_device, resident_bytes=params),
+            context_parallel=self.engine.context.size if self.engine.context is not None else 1,
         )
         if not result.fits:
             raise OOMBConfigError(
                 f"{result.refusal()[:-1]} (OOMBStrategy(plan_memory=False) skips this check)."
             )
+
+    def _context_group(self):
+        """The ranks sharing each sequence (context parallelism); ``None`` on one device."""
+        return None
 
     @contextlib.contextmanager
     def _engine_answers_model_calls(self, mode: str) -> Iterator[list]:
@@ -239,7 +244,7 @@ class OOMBStrategy(_OOMBStrategyMixin, SingleDeviceStrategy):
         if self._parallel_devices and len(self._parallel_devices) > 1:
             raise OOMBConfigError(
                 f"strategy='oomb' runs on one device but the Trainer asked for {len(self._parallel_devices)} — "
-                "context parallelism across devices is not available yet — use devices=1."
+                "use strategy='oomb_cp' (context parallelism: each sequence shared by the devices), or devices=1."
             )
         super().setup_environment()
 

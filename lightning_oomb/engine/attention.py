@@ -27,7 +27,7 @@ from typing import Literal
 
 import torch
 
-from lightning_oomb.engine import reference
+from lightning_oomb.engine import context, reference
 from lightning_oomb.engine.config import check_backend_name
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.kv_pool import KVPool
@@ -46,6 +46,8 @@ class ChunkContext:
     step's extra loss term, if the model has one (:class:`lightning_oomb.engine.model.StepLoss`). ``doc_start``:
     packed documents, each of the chunk's tokens' document start ``[B, L]``; ``key_floor``: no query of the chunk
     sees a key before it (its earliest document start). ``sparse``: the step's selections (a sparse step).
+    ``context``: context parallelism — this rank runs its slice of the chunk, whose queries are attended across the
+    group (:mod:`lightning_oomb.engine.context`); ``start`` stays the chunk's absolute start.
     """
 
     pool: KVPool
@@ -57,6 +59,7 @@ class ChunkContext:
     doc_start: torch.Tensor | None = None
     key_floor: int = 0
     sparse: SparseStep | None = None
+    context: context.ContextChunk | None = None
 
 
 def resolve_backend(name: str, device: torch.device) -> Backend:
@@ -201,6 +204,8 @@ class PagedAttention(torch.autograd.Function):
             shape = chunk.shape.for_dtype(k.dtype)
             if pool.shape != shape:
                 pool.reserve(shape, k.device)
+        if chunk.context is not None:
+            return _forward_across_group(ctx, q, k, v, chunk, layer, scale, window, softcap, sinks)
         pool.write(layer, chunk.start, k, v, window)
         with torch.autocast(q.device.type, enabled=False):
             selection = _selection(chunk, layer, q, window)
@@ -229,6 +234,9 @@ class PagedAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
+        chunk = ctx.args[0]
+        if chunk.context is not None:
+            return _backward_across_group(ctx, dout)
         q, out, lse, sinks, select, *kv = ctx.saved_tensors
         chunk, layer, scale, window, softcap, kv_dtype = ctx.args
         pool = chunk.pool
@@ -258,6 +266,62 @@ class PagedAttention(torch.autograd.Function):
             dsinks = sink_grad(sinks, lse, delta) if sinks is not None and ctx.needs_input_grad[8] else None
         dk, dv = pool.read_grad(layer, chunk.start, q.shape[2])
         return dq, dk.to(kv_dtype), dv.to(kv_dtype), None, None, None, None, None, dsinks
+
+
+def _forward_across_group(ctx, q, k, v, chunk: ChunkContext, layer, scale, window, softcap, sinks):
+    """The forward of a context-parallel call: this rank's slice (``own`` rows; a stand-in rank has none and
+    returns zeros for its one token)."""
+    cp, pool = chunk.context, chunk.pool
+    own = cp.own
+    if own:
+        pool.write(layer, cp.local_start, k, v, window)
+    with torch.autocast(q.device.type, enabled=False):
+        rows = q[:, :, :own]
+        out, lse = context.attend_forward(
+            kernels(chunk.backend),
+            cp,
+            pool,
+            layer,
+            rows,
+            chunk.start,
+            scale,
+            window,
+            softcap,
+            sinks,
+            chunk.doc_start,
+        )
+    ctx.save_for_backward(rows, out, lse, sinks, *((k, v) if own and pool.restages(layer) else ()))
+    ctx.args = (chunk, layer, scale, window, softcap, k.dtype)
+    return _rows_like(out, q)
+
+
+def _backward_across_group(ctx, dout):
+    rows, out, lse, sinks, *kv = ctx.saved_tensors
+    chunk, layer, scale, window, softcap, kv_dtype = ctx.args
+    cp, pool = chunk.context, chunk.pool
+    own = cp.own
+    if kv:
+        pool.write(layer, cp.local_start, *kv, window)
+    grads_out = dout[:, :, :own].contiguous()
+    with torch.autocast(dout.device.type, enabled=False):
+        delta = attention_delta(out, grads_out)
+        dq = context.attend_backward(kernels(chunk.backend), cp, pool, layer, rows, lse, grads_out, delta,
+                                     chunk.start, scale, window, softcap, chunk.doc_start)  # fmt: skip
+        dsinks = sink_grad(sinks, lse, delta) if sinks is not None and ctx.needs_input_grad[8] else None
+    if own:
+        dk, dv = (g.to(kv_dtype) for g in pool.read_grad(layer, cp.local_start, own))
+    else:  # the stand-in's token: no keys stored, no gradient
+        shape = pool.shape
+        dk = dv = dout.new_zeros(
+            (dout.shape[0], shape.kv_heads, dout.shape[2], shape.head_dim), dtype=kv_dtype
+        )
+    return _rows_like(dq.to(rows.dtype), dout), dk, dv, None, None, None, None, None, dsinks
+
+
+def _rows_like(x: torch.Tensor, like: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    """``x [B, H, n, D]`` padded with zero rows to ``rows`` (default: ``like``'s)."""
+    rows = like.shape[2] if rows is None else rows
+    return torch.nn.functional.pad(x, (0, 0, 0, rows - x.shape[2])) if x.shape[2] < rows else x
 
 
 def _selection(chunk: ChunkContext, layer: int, q: torch.Tensor, window) -> Selection | None:

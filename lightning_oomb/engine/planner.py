@@ -694,6 +694,7 @@ def plan(
     host_memory: int | None = None,
     param_dtype: torch.dtype | None = None,
     suggest: bool = True,
+    context_parallel: int = 1,
 ) -> MemoryPlan:
     """Predict one training step's memory without allocating anything (see the module docstring).
 
@@ -710,6 +711,8 @@ def plan(
             :meth:`Machine.local`) with ``device_memory`` / ``host_memory`` (bytes) overriding what it reports.
         param_dtype: the weights' dtype when the flag does not convert them (a module's own is read from it).
         suggest: when it does not fit, try the options that could (``MemoryPlan.options``).
+        context_parallel: ranks sharing each sequence (``strategy="oomb_cp"``): each keeps ``1 / context_parallel``
+            of the pages (a chunk's activations are still counted whole: an upper bound).
     """
     config = config or OOMBConfig()
     for name, value in (("seq_len", seq_len), ("batch", batch)):
@@ -726,7 +729,7 @@ def plan(
     dtypes = precision_dtypes(precision, param_dtype)
     spec = optimizer_spec(optimizer)
     inputs = _Inputs(shape, dtypes, spec, machine, str(precision))
-    result = _plan(inputs, config, batch, seq_len)
+    result = _plan(inputs, config, batch, seq_len, context_parallel)
     if suggest and not result.fits:
         result.options = _options(inputs, config, batch, seq_len)
     return result
@@ -934,7 +937,7 @@ def _options(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int) -> l
             {"seq_len": lo * page}, config, lo * page, text=f"seq_len={lo * page} or fewer tokens per row"
         )
     for devices in (2, 4, 8, 16, 32, 64):
-        text = f"{devices} devices with context parallelism (strategy 'oomb_cp': planned, not available yet)"
+        text = f"{devices} devices with context parallelism (strategy='oomb_cp', context_parallel_size={devices})"
         if attempt({"devices": devices}, config, seq_len, devices, text):
             break
     return fitting

@@ -14,6 +14,7 @@ target token gives loss 0 and zero gradients (documented choice; Hugging Face wo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ import torch
 from lightning_oomb.engine.attention import ChunkContext, check_kernel_shapes, resolve_backend
 from lightning_oomb.engine.batch import key_floors, plan_layout
 from lightning_oomb.engine.config import OOMBConfig
+from lightning_oomb.engine.context import ContextChunk, ContextGroup, Layout, fingerprint
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.kv_pool import KVPool
 from lightning_oomb.engine.loss import IGNORE_INDEX, linear_cross_entropy
@@ -97,6 +99,7 @@ class _Step:
     floors: list[int]  # per chunk, the first key its queries can see through their documents
     step_loss: object | None = None  # the model's StepLoss for this step
     sparse: SparseStep | None = None  # a sparse step's selections
+    layout: Layout | None = None  # context parallelism: this rank's slices
 
 
 class OOMBEngine:
@@ -110,6 +113,9 @@ class OOMBEngine:
         config: the options (:class:`~lightning_oomb.engine.config.OOMBConfig`).
         transport: a factory ``transport(device)`` for the offload copies (race checks inject
             :func:`~lightning_oomb.engine.offload.delaying_transport`).
+        context: context parallelism: the :class:`~lightning_oomb.engine.context.ContextGroup` of ranks sharing
+            each sequence (every rank of it calls ``loss`` with the same batch; each runs its slice of every chunk
+            and keeps its slices' pages); ``None``: one device.
 
     ``page_budget`` (from the config; settable between steps, e.g. by ``OOMBSparseBudget``) makes the next steps
     sparse; ``probe_recall = True`` makes the next steps (and evaluations) measure their selection recall.
@@ -120,9 +126,13 @@ class OOMBEngine:
         model: ChunkModel,
         config: OOMBConfig | None = None,
         transport: Callable[[torch.device], Transport] = default_transport,
+        context: ContextGroup | None = None,
     ):
         self.model = model
         self.config = config or OOMBConfig()
+        self.context = context
+        if context is not None:
+            check_context(self.config, context.size)
         self.pool = KVPool(self.config, transport)
         self.stats = StepStats()
         self._page_budget = self.config.page_budget
@@ -154,10 +164,11 @@ class OOMBEngine:
         One step at a time: the pool holds this step's pages until its backward sweep, so call ``backward`` on
         the result before the next ``loss``.
         """
-        step = self._plan(input_ids, labels, position_ids, attention_mask)
-        weight = self.model.lm_head().weight
-        anchor = weight.new_zeros((), dtype=torch.float32).requires_grad_(True)
-        return _ChunkRecurrentStep.apply(anchor, self, step)
+        with self._reporting():
+            step = self._plan(input_ids, labels, position_ids, attention_mask)
+            weight = self.model.lm_head().weight
+            anchor = weight.new_zeros((), dtype=torch.float32).requires_grad_(True)
+            return _ChunkRecurrentStep.apply(anchor, self, step)
 
     def evaluate(
         self,
@@ -171,15 +182,20 @@ class OOMBEngine:
         Works under ``torch.inference_mode`` (Lightning's evaluation loop): the pool is kept out of inference
         mode so that the next training step can keep writing into it.
         """
-        step = self._plan(input_ids, labels, position_ids, attention_mask)
-        with torch.inference_mode(False), torch.no_grad():  # leaving inference mode re-enables grad
-            loss, _ = self.forward_sweep(step, sweep="eval")
+        with self._reporting():
+            step = self._plan(input_ids, labels, position_ids, attention_mask)
+            with torch.inference_mode(False), torch.no_grad():  # leaving inference mode re-enables grad
+                loss, _ = self.forward_sweep(step, sweep="eval")
         return loss
 
     def release(self) -> None:
         """Free the pool, pinned host memory included (after an exception or at teardown); the next step
         reallocates it."""
         self.pool.release()
+
+    def _reporting(self):
+        """Context parallelism: a failure names the rank it started on (:meth:`ContextGroup.reporting`)."""
+        return self.context.reporting() if self.context is not None else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def _sweep(self, kind: str):
@@ -201,7 +217,10 @@ class OOMBEngine:
         return backend
 
     def _plan(self, input_ids, labels, position_ids=None, attention_mask=None) -> _Step:
-        """Validate the inputs and cut the step into chunks, before any work."""
+        """Validate the inputs and cut the step into chunks, before any work (under context parallelism, first
+        check that every rank of the group has the same batch)."""
+        if self.context is not None:
+            self.context.check_same(fingerprint(input_ids, labels, position_ids, attention_mask), "batch")
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
             raise OOMBConfigError(
                 f"input_ids must be an integer tensor [batch, tokens], got {tuple(input_ids.shape)} "
@@ -216,10 +235,11 @@ class OOMBEngine:
             )
         self._check_ranges(input_ids, labels)
         backend = self.check_device(input_ids.device)
-        layout = plan_layout(input_ids, labels, position_ids, attention_mask)
-        targets = layout.targets
+        batch_layout = plan_layout(input_ids, labels, position_ids, attention_mask)
+        targets = batch_layout.targets
         batch, seq_len = input_ids.shape
         cfg, model = self.config, self.model
+        layout = self._layout(input_ids, labels, position_ids, attention_mask)
         sparse = None
         if self.page_budget is not None:
             self._steps += 1
@@ -227,22 +247,46 @@ class OOMBEngine:
         shape = PoolShape(
             model.num_layers,
             batch,
-            seq_len,
+            seq_len if layout is None else layout.local_len,
             model.kv_heads,
             model.head_dim,
             cfg.page_size,
-            cfg.chunk_size,
+            cfg.chunk_size if layout is None else cfg.chunk_size // layout.size,
             cfg.kv_grad_dtype,
-            windows=getattr(model, "layer_windows", None),
+            windows=getattr(model, "layer_windows", None) if layout is None else None,
             page_score=None if sparse is None else sparse.score,
         )
-        bounds = [(a, min(a + cfg.chunk_size, seq_len)) for a in range(0, seq_len, cfg.chunk_size)]
+        bounds = chunk_bounds(seq_len, cfg.chunk_size)
         denominator = int((targets != IGNORE_INDEX).sum())
-        floors = key_floors(layout.doc_start, [start for start, _ in bounds])
+        floors = key_floors(batch_layout.doc_start, [start for start, _ in bounds])
         new_step_loss = getattr(model, "new_step_loss", None)
         step_loss = new_step_loss() if new_step_loss is not None else None
-        return _Step(input_ids, targets, denominator, shape, backend, bounds, layout.positions, layout.doc_start,
-                     floors, step_loss, sparse)  # fmt: skip
+        if step_loss is not None and layout is not None:
+            raise OOMBConfigError(
+                "the model trains with an extra loss over all tokens (an MoE router's load balancing) which context "
+                "parallelism does not gather across ranks yet — use strategy='oomb', or turn the router loss off "
+                "(output_router_logits=False)."
+            )
+        return _Step(input_ids, targets, denominator, shape, backend, bounds, batch_layout.positions,
+                     batch_layout.doc_start, floors, step_loss, sparse, layout)  # fmt: skip
+
+    def _layout(self, input_ids, labels, position_ids, attention_mask) -> Layout | None:
+        """Context parallelism: this rank's slices of the step (``None`` on one device)."""
+        group = self.context
+        if group is None:
+            return None
+        check_context(self.config, group.size)
+        if self.page_budget is not None:
+            check_context(dataclasses.replace(self.config, page_budget=self.page_budget), group.size)
+        page, seq_len = self.config.page_size, input_ids.shape[1]
+        first = -(-min(seq_len, self.config.chunk_size) // page)
+        if first < group.size:
+            raise OOMBConfigError(
+                f"a sequence of {seq_len} tokens has {first} pages of {page} in its first chunk, fewer than the "
+                f"{group.size} ranks of the context group — every rank needs a page of it — use longer sequences, "
+                "a smaller page_size or a smaller context_parallel_size."
+            )
+        return Layout.plan(chunk_bounds(seq_len, self.config.chunk_size), page, group.rank, group.size)
 
     def _check_ranges(self, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
         """Token ids inside the embedding, labels inside the LM head's vocabulary or ``IGNORE_INDEX``."""
@@ -276,11 +320,18 @@ class OOMBEngine:
             step.floors[index],
             step.sparse,
         )
-        ids = step.input_ids[:, start:end]
-        hidden = self.model.hidden_states(ids, step.positions[:, start:end], chunk)
-        total = linear_cross_entropy(
-            hidden, self.model.lm_head(), step.targets[:, start:end], self.config.loss_block
-        )
+        lo, hi = start, end
+        targets = step.targets[:, lo:hi]
+        # this rank's slice; a rank without one runs a stand-in token with no target
+        if step.layout is not None:
+            chunk.context, chunk.key_floor = ContextChunk(self.context, step.layout, index), 0
+            lo, hi = step.layout.mine(index)
+            targets = (
+                step.targets[:, lo:hi] if hi > lo else torch.full_like(step.targets[:, :1], IGNORE_INDEX)
+            )
+            lo, hi = (lo, hi) if hi > lo else (start, start + 1)
+        hidden = self.model.hidden_states(step.input_ids[:, lo:hi], step.positions[:, lo:hi], chunk)
+        total = linear_cross_entropy(hidden, self.model.lm_head(), targets, self.config.loss_block)
         loss = total / max(step.denominator, 1)
         if step.step_loss is not None and sweep == "backward":
             loss = loss + step.step_loss.chunk_term()
@@ -296,6 +347,9 @@ class OOMBEngine:
                 losses.append(self._chunk_loss(step, index, sweep))
         self._record(step)
         loss = torch.stack(losses).sum()
+        # every rank returns the group's loss; each back-propagates its own chunks
+        if self.context is not None:
+            loss = self.context.sum_(loss.clone())
         if step.step_loss is not None:  # a term coupling all tokens: its value is known once every chunk ran
             loss = loss + step.step_loss.value().to(loss.dtype)
         return loss, rng
@@ -307,7 +361,7 @@ class OOMBEngine:
         device = step.input_ids.device
         devices = [device] if device.type == "cuda" else []
         fork = torch.random.fork_rng(devices=devices, device_type=device.type)
-        with fork, self._sweep("backward"), self.model.engaged(step.input_ids.shape[1]):
+        with self._reporting(), fork, self._sweep("backward"), self.model.engaged(step.input_ids.shape[1]):
             for index in reversed(range(len(step.bounds))):
                 rng[index].restore()
                 with torch.enable_grad(), autocast():
@@ -325,6 +379,27 @@ class OOMBEngine:
             grad_bytes=shape.grad_bytes if shape else 0,
             extra=self.pool.stats(),
             sparse=None if step.sparse is None else step.sparse.stats(),
+        )
+
+
+def chunk_bounds(seq_len: int, chunk_size: int) -> list[tuple[int, int]]:
+    """The step's chunks: ``[start, end)`` token ranges of ``chunk_size`` (the last one ragged)."""
+    return [(a, min(a + chunk_size, seq_len)) for a in range(0, seq_len, chunk_size)]
+
+
+def check_context(config: OOMBConfig, size: int) -> None:
+    """Refuse options context parallelism cannot honour, before any work."""
+    pages = config.chunk_size // config.page_size
+    if pages % size:
+        raise OOMBConfigError(
+            f"chunk_size={config.chunk_size} is {pages} pages of {config.page_size}, which do not split into "
+            f"{size} equal slices of whole pages (one per rank of the context group) — use a chunk_size that is a "
+            f"multiple of {size * config.page_size} (e.g. {max(1, pages // size) * size * config.page_size})."
+        )
+    if config.page_budget is not None:
+        raise OOMBConfigError(
+            "page_budget (sparse attention) does not run under context parallelism yet — the selection needs "
+            "every rank's page summaries — use strategy='oomb' for sparse runs, or page_budget=None."
         )
 
 

@@ -50,7 +50,8 @@ def make_trainer(strategy, steps: int = 3, **kwargs) -> L.Trainer:
         kwargs.setdefault(key, value)
     if "plugins" not in kwargs:
         kwargs.setdefault("precision", "32-true")
-    return L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, **kwargs)
+    kwargs.setdefault("devices", 1)
+    return L.Trainer(strategy=strategy, accelerator="cpu", max_steps=steps, **kwargs)
 
 
 def fit(strategy, module=None, data=None, steps: int = 3, **kwargs):

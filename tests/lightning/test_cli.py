@@ -4,6 +4,7 @@ demo script's run, and a tiny fit goes end to end through the CLI."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from lightning.pytorch import LightningDataModule
 
-from lightning_oomb import OOMBStrategy
+from lightning_oomb import OOMBContextParallelStrategy, OOMBStrategy
 from lightning_oomb.callbacks import OOMBOffload
 from lightning_oomb.cli import build_cli, main, plan_command
 from lightning_oomb.engine import OOMBConfigError
@@ -50,7 +51,9 @@ def test_there_are_example_configs():
 def test_example_config_parses_and_builds(path):
     # GPU configs are built on the CPU here; from_pretrained only runs in configure_model (at fit)
     cli = build_cli(["--config", str(path), "--trainer.accelerator=cpu"], run=False)
-    assert isinstance(cli.trainer.strategy, OOMBStrategy)
+    assert isinstance(
+        cli.trainer.strategy, OOMBContextParallelStrategy if re.search(r"-cp\d", path.name) else OOMBStrategy
+    )
     assert isinstance(cli.model, CausalLMModule) and cli.model.model is None
     assert isinstance(cli.datamodule, LightningDataModule)
     if "offload" in path.name:  # offload on in the strategy, its streams tuned by the callback
@@ -129,6 +132,7 @@ H200_ARGS = ["--device-memory", "141GB", "--host-memory", "128GiB"]
     [
         ("qwen2.5-7b-128k.yaml", "21.00 GiB", "0 B"),
         ("qwen2.5-7b-256k-offload.yaml", "0 B", "28.00 GiB"),
+        ("qwen2.5-7b-1m-cp8.yaml", "14.00 GiB", "0 B"),  # 1/8 of the pages per GPU
     ],
 )
 def test_oomb_plan_prints_the_table_of_an_example_config(name, hbm, host, capsys):
@@ -138,7 +142,8 @@ def test_oomb_plan_prints_the_table_of_an_example_config(name, hbm, host, capsys
     assert result.fits and result.machine.device_type == "cuda" and result.precision == "bf16-true"
     assert result.config == build_cli(["--config", str(EXAMPLES / "configs" / name), "--trainer.accelerator=cpu"],
                                       run=False).trainer.strategy.oomb_config  # fmt: skip
-    assert result.model.num_layers == 28 and result.seq_len == {"128k": 131072}.get(name[11:15], 262144)
+    assert result.model.num_layers == 28
+    assert result.seq_len == {"128k": 131072, "1m-c": 1 << 20}.get(name[11:15], 262144)
     row = next(line for line in text.splitlines() if "KV pool, HBM tier" in line)
     assert hbm in row and host in next(line for line in text.splitlines() if "pinned host tier" in line)
     assert "optimizer states" in text and "fits" in text and "128.00 GiB" not in text

@@ -1,0 +1,205 @@
+"""``OOMBContextParallelStrategy`` ("oomb_cp"): OOMB across devices, every sequence shared by a context group.
+
+The devices form a 2-D mesh ``("data", "context")``: the ``context_parallel_size`` ranks of a context group train
+one sequence together — each runs its slice of every chunk and keeps its slices' K/V pages (KV memory, host memory
+under offload and page traffic divided by the group size), attention exchanges only a chunk's queries and partial
+outputs (:mod:`lightning_oomb.engine.context`) — and the data dimension replicates that over different batches (the
+sampler shards batches over "data" only). There is no DDP wrapper (the backward sweep runs inside the loop's own
+``backward``): after the backward of the last micro-batch of an optimizer step the gradients are summed over the
+context group and averaged over the data replicas, once, before clipping and the optimizer step. torch.distributed
+is the engine (NCCL on GPUs, gloo on CPU), launched the Lightning way (``devices=N`` starts the processes, torchrun
+or SLURM set the ranks), so it runs across nodes unchanged. Checkpoints are saved by rank 0; every rank holds the
+whole model and optimizer state, so a run resumes on any device count that divides as the new mesh needs.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.environments import ClusterEnvironment
+from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from typing_extensions import override
+
+from lightning_oomb.engine import OOMBConfigError
+from lightning_oomb.engine.context import ContextGroup
+from lightning_oomb.strategy import _OOMBStrategyMixin, config_from_arguments, strategy_doc
+
+
+class OOMBContextParallelStrategy(_OOMBStrategyMixin, DDPStrategy):
+    __doc__ = strategy_doc(
+        """Train a causal LM on sequences too long for one device's memory or time, exactly, by OOMB across devices:
+    each sequence is shared by a context group of ``context_parallel_size`` devices, which split every chunk and its
+    KV pages between them. ``Trainer(strategy="oomb_cp", devices=N)``.""",
+        """
+        context_parallel_size: devices sharing each sequence (default: all); the others replicate it over different
+            batches (data parallelism). ``chunk_size / page_size`` must be a multiple of it.
+        target_module, verify_exactness, plan_memory: as for ``OOMBStrategy``.
+        collective_timeout: seconds a rank waits in a collective before it gives up (a failed rank ends the others
+            within this time, with an error naming it).
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend,
+            start_method: as for Lightning's ``DDPStrategy`` (``start_method="spawn"`` for notebooks and tests).
+        """,
+    )
+
+    strategy_name = "oomb_cp"
+
+    def __init__(
+        self,
+        chunk_size: int = 4096,
+        page_size: int = 128,
+        kv_grad_dtype: str = "float32",
+        layer_checkpointing: bool = False,
+        attention_backend: str = "auto",
+        loss_block: int = 1024,
+        offload: bool = False,
+        hbm_budget: int | str = "auto",
+        staging_buffers: int = 4,
+        prefetch_depth: int | None = None,
+        page_budget: int | None = None,
+        page_score: str = "bound",
+        context_parallel_size: int | None = None,
+        target_module: str | None = None,
+        verify_exactness: bool = True,
+        plan_memory: bool = True,
+        collective_timeout: float = 600.0,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        start_method: str = "popen",
+    ) -> None:
+        self.oomb_config = config_from_arguments(locals())
+        size = context_parallel_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise OOMBConfigError(
+                f"context_parallel_size={size!r} must be a positive number of devices per sequence (or None: all)."
+            )
+        self._context_parallel_size = size
+        self._target_module = target_module
+        self._verify_exactness = verify_exactness
+        self._plan_memory = plan_memory
+        self._mesh = None
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=datetime.timedelta(seconds=collective_timeout),
+            start_method=start_method,
+        )
+
+    # ----------------------------------------------------------------------------------------------------- mesh
+    @property
+    def context_parallel_size(self) -> int:
+        return self.context_size_on(self.world_size)
+
+    def context_size_on(self, world: int) -> int:
+        """Devices of a context group when the job has ``world`` devices (``oomb plan`` asks before launch)."""
+        return self._context_parallel_size or world
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // self.context_parallel_size
+
+    @override
+    def setup_environment(self) -> None:
+        size, world = self.context_parallel_size, self.world_size
+        if world % size:
+            raise OOMBConfigError(
+                f"{world} devices do not divide into context groups of context_parallel_size={size} — each data "
+                f"replica needs a whole group — use a device count that is a multiple of {size} (or change "
+                "context_parallel_size)."
+            )
+        backend = self._get_process_group_backend()
+        device = self.root_device.type
+        if (backend == "nccl") != (device == "cuda"):
+            raise OOMBConfigError(
+                f"process_group_backend={backend!r} cannot run the collectives of {device} tensors — use 'nccl' on "
+                "GPUs and 'gloo' on CPUs (or leave it unset)."
+            )
+        super().setup_environment()
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self._mesh = init_device_mesh(device, (world // size, size), mesh_dim_names=("data", "context"))
+
+    @override
+    def _context_group(self) -> ContextGroup:
+        return ContextGroup.of(self._mesh["context"].get_group())
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.data_parallel_size, "rank": self._mesh.get_local_rank("data")}
+
+    # ---------------------------------------------------------------------------------------------------- setup
+    @override
+    def setup(self, trainer) -> None:
+        self._agreeing(self._build_engine, trainer.lightning_module)
+        super().setup(trainer)
+        self._agreeing(self._check_memory_plan, trainer)
+
+    def _agreeing(self, check, *args) -> None:
+        """Run ``check`` on every rank; if it refused on any, every rank raises, naming the rank (no rank goes on
+        into a collective the others never join)."""
+        error = None
+        try:
+            check(*args)
+        except OOMBConfigError as e:
+            error = str(e)
+        errors: list = [None] * self.world_size
+        dist.all_gather_object(errors, error)
+        failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+        if failed:
+            rank, message = failed[0]
+            raise OOMBConfigError(f"rank {rank}: {message}")
+
+    @override
+    def configure_ddp(self) -> None:
+        """No DDP wrapper: the gradients are reduced once per optimizer step (:meth:`post_backward`)."""
+
+    # ---------------------------------------------------------------------------------------------- gradients
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        trainer = self.lightning_module.trainer
+        if trainer.fit_loop.epoch_loop._should_accumulate():
+            return
+        self.reduce_gradients()
+
+    def reduce_gradients(self) -> None:
+        """Sum every gradient over its context group and average over the data replicas (one all-reduce per dtype,
+        over flattened buckets)."""
+        params = [p for p in self.lightning_module.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in params:
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for grads in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat)
+            flat /= self.data_parallel_size
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(
+                cls.strategy_name,
+                cls,
+                description="OOMB with every sequence shared by a context group of devices",
+            )

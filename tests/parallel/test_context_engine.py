@@ -1,0 +1,136 @@
+"""Context parallelism through the engine (2 gloo processes, float64): loss and every gradient equal one process
+and full-sequence training; pool bytes per rank; communication per chunk independent of the length."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_oomb.engine import OOMBConfig, OOMBEngine
+from lightning_oomb.engine.context import ContextGroup
+from lightning_oomb.integrations.hf import HFChunkModel
+from tests.helpers.distributed import failing_ranks, run_ranks
+from tests.helpers.models import build_causal_lm, full_sequence_loss, grads_of, max_relative_error
+
+pytestmark = pytest.mark.slow
+TOL = 1e-10
+
+
+def _step(rank, world, family, seq, checkpointing, offload):
+    model = build_causal_lm(family)
+    ids = torch.randint(0, 97, (2, seq), generator=torch.Generator().manual_seed(seq))
+    extra = {"offload": True, "hbm_budget": 0, "staging_buffers": 3} if offload else {}
+    engine = OOMBEngine(HFChunkModel(model, layer_checkpointing=checkpointing), OOMBConfig(16, 8, **extra),
+                        context=ContextGroup.of())  # fmt: skip
+    loss = engine.loss(ids)
+    loss.backward()
+    grads = grads_of(model)
+    for g in grads.values():
+        dist.all_reduce(g)
+    return {"loss": loss.detach(), "grads": grads, "pool": engine.pool.allocated_bytes,
+            "sent": engine.context.sent_bytes}  # fmt: skip
+
+
+def reference(family, seq, checkpointing):
+    model = build_causal_lm(family)
+    ids = torch.randint(0, 97, (2, seq), generator=torch.Generator().manual_seed(seq))
+    want = full_sequence_loss(model, ids)
+    want.backward()
+    full = grads_of(model)
+    model.zero_grad()
+    engine = OOMBEngine(HFChunkModel(model, layer_checkpointing=checkpointing), OOMBConfig(16, 8))
+    loss = engine.loss(ids)
+    loss.backward()
+    return want.detach(), full, loss.detach(), grads_of(model), engine.pool.allocated_bytes
+
+
+@pytest.mark.parametrize(("family", "seq", "checkpointing", "offload"), [
+    ("qwen2", 53, False, False),  # a ragged last chunk of 5 tokens: one page, so rank 1 runs a stand-in
+    ("mistral", 45, True, False),  # sliding window 11; ragged last chunk of 13 tokens (a page each)
+    ("qwen2", 45, False, True),  # every layer offloaded on each rank
+])  # fmt: skip
+def test_two_ranks_equal_one_process_and_full_sequence(tmp_path, family, seq, checkpointing, offload):
+    results = run_ranks(_step, 2, tmp_path, family, seq, checkpointing, offload)
+    want, full, one_loss, one_grads, _ = reference(family, seq, checkpointing)
+    for r in results:
+        assert abs(r["loss"].item() - want.item()) <= TOL * want.item()
+        assert abs(r["loss"].item() - one_loss.item()) <= TOL * want.item()
+        assert max_relative_error(r["grads"], full) <= TOL
+        assert max_relative_error(r["grads"], one_grads) <= TOL
+
+
+def test_pool_is_split_and_traffic_does_not_grow_with_the_length(tmp_path):
+    """Each rank's pool is half the one-process pool (64 and 128 tokens, whole chunks), and the bytes a rank sends
+    per layer and chunk are the same at both lengths."""
+    per_chunk = []
+    for seq in (64, 128):
+        results = run_ranks(_step, 2, tmp_path, "qwen2", seq, False, False)
+        *_, one_pool = reference("qwen2", seq, False)
+        assert all(r["pool"] == one_pool // 2 for r in results)
+        per_chunk.append(results[0]["sent"] / (2 * seq // 16))  # 2 layers, seq / 16 chunks
+    assert per_chunk[0] == per_chunk[1] > 0
+
+
+def _data_and_context(rank, world):
+    """4 ranks as 2 (data) x 2 (context): ranks {0, 1} and {2, 3} share a batch each."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    context = ContextGroup.of(groups[rank // 2])
+    model = build_causal_lm("qwen2")
+    ids = torch.randint(0, 97, (1, 45), generator=torch.Generator().manual_seed(rank // 2))
+    engine = OOMBEngine(HFChunkModel(model), OOMBConfig(16, 8), context=context)
+    loss = engine.loss(ids)
+    loss.backward()
+    grads = grads_of(model)
+    for g in grads.values():  # the sum over the context group, the mean over the data replicas
+        dist.all_reduce(g)
+        g /= 2
+    return {"loss": loss.detach(), "grads": grads}
+
+
+def test_data_times_context_equals_the_mean_of_full_sequence_steps(tmp_path):
+    results = run_ranks(_data_and_context, 4, tmp_path)
+    model = build_causal_lm("qwen2")
+    losses = []
+    for seed in (0, 1):
+        ids = torch.randint(0, 97, (1, 45), generator=torch.Generator().manual_seed(seed))
+        loss = full_sequence_loss(model, ids) / 2
+        loss.backward()
+        losses.append(2 * loss.item())
+    want = grads_of(model)
+    for rank, r in enumerate(results):
+        assert abs(r["loss"].item() - losses[rank // 2]) <= TOL * losses[rank // 2]
+        assert max_relative_error(r["grads"], want) <= TOL
+
+
+def _failing_step(rank, world, where):
+    model = build_causal_lm("qwen2")
+    seed = rank if where == "batch" else 0
+    ids = torch.randint(0, 97, (1, 45), generator=torch.Generator().manual_seed(seed))
+    if where == "model" and rank == 1:  # rank 1 fails in the forward sweep of its second chunk
+        layer = model.model.layers[1]
+        calls = []
+
+        def explode(module, args):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("rank 1 ran out of something")
+
+        layer.register_forward_pre_hook(explode)
+    engine = OOMBEngine(HFChunkModel(model), OOMBConfig(16, 8), context=ContextGroup.of())
+    engine.loss(ids).backward()
+
+
+def test_a_batch_that_differs_across_the_group_is_refused_on_every_rank(tmp_path):
+    errors = failing_ranks(_failing_step, 2, tmp_path, "batch")
+    assert all(e is not None and "ranks [1] differs from rank 0's" in e for e in errors)
+
+
+def test_a_failing_rank_ends_the_others_naming_it(tmp_path):
+    start = time.perf_counter()
+    errors = failing_ranks(_failing_step, 2, tmp_path, "model", timeout_s=10.0)
+    assert time.perf_counter() - start < 60
+    assert "rank 1 ran out of something" in errors[1]
+    assert "RankFailure" in errors[0] and "rank 1: RuntimeError: rank 1 ran out of something" in errors[0]
