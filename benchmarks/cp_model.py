@@ -6,10 +6,10 @@ collective (:attr:`ContextGroup.sent`). :func:`sent_per_chunk` is the formula th
 exits 1 unless it equals every count exactly, and the counts per layer and chunk do not depend on the length.
 
 **2. Predicted** (no GPU rates are measured yet, so the compute rates are stated assumptions, in the JSON):
-per GPU and step, the dense FLOPs (every decoder layer ``f + 2`` times per token: ``f`` attention forwards — 3
-with layer checkpointing as built: forward sweep, chunk recompute, the layer's own recompute — and the backward;
-the LM head 4 times) and the attention FLOPs (causal, ``f + 2.5`` forward-equivalents), divided by the group size
-``R``; plus the collectives on the wire (ring algorithms: an all-gather sends ``R - 1`` parts, a reduce-scatter
+per GPU and step, the dense FLOPs (every decoder layer's linear layers 4 times per token — forward sweep, chunk
+recompute, backward — plus once more with layer checkpointing; the LM head 4 times) and the attention FLOPs
+(causal; two forwards — the checkpoint's recompute reuses the chunk recompute's result — and a backward of 2.5
+forwards), divided by the group size ``R``; plus the collectives on the wire (ring algorithms: an all-gather sends ``R - 1`` parts, a reduce-scatter
 ``(R - 1) / R`` of its buffer, an all-reduce twice that), not overlapped with compute (they are synchronous as
 built), with a fixed latency per collective; plus the once-per-step gradient all-reduce. Memory per GPU is
 :func:`lightning_oomb.plan` with ``context_parallel=R`` (weights, gradients and AdamW states are replicated on
@@ -50,6 +50,7 @@ ASSUMED = {  # H200, bf16: stated, not measured (benchmarks/results holds no GPU
     "latency_s": {"nvlink": 20e-6, "pcie": 40e-6},  # per collective call
 }
 GPUS = (1, 2, 4, 8)
+ATTENTION_FORWARDS = 2  # per layer, chunk and step, with or without layer checkpointing (attention.Kept)
 LENGTHS = (262144, 1048576)
 
 
@@ -98,7 +99,7 @@ def count(world: int = 2, lengths=(256, 512), checkpointing_modes=(False, True))
             with tempfile.TemporaryDirectory() as tmp:
                 counted = run_ranks(_count, world, Path(tmp), seq, checkpointing, timeout_s=300)
             chunks, layers = seq // 64, SMALL["num_hidden_layers"]
-            per = sent_per_chunk(shape, 1, [64 // world] * world, 2, 4, 3 if checkpointing else 2)
+            per = sent_per_chunk(shape, 1, [64 // world] * world, 2, 4, ATTENTION_FORWARDS)
             for rank, sent in enumerate(counted):
                 rows.append({"seq_len": seq, "layer_checkpointing": checkpointing, "rank": rank,
                              "counted_per_layer_chunk": {k: v / (chunks * layers) for k, v in sent.items()},
@@ -111,9 +112,10 @@ def count(world: int = 2, lengths=(256, 512), checkpointing_modes=(False, True))
 def predict(seq: int, gpus: int, link: str, chunk: int = 4096, checkpointing: bool = True) -> dict:
     """One step of Qwen2.5-7B (bf16-true, AdamW) on ``seq`` tokens shared by ``gpus`` GPUs over ``link``."""
     shape = model_shape(QWEN25_7B | {"model_type": "qwen2"})
-    forwards = 3 if checkpointing else 2
+    forwards = ATTENTION_FORWARDS
     layers, h, heads, d = shape.num_layers, shape.hidden_size, shape.num_heads, shape.head_dim
-    dense = 2 * seq * (layers * shape.layer_linear_params * (forwards + 2) + 4 * h * shape.vocab_size)
+    passes = 4 + checkpointing  # forward sweep, chunk recompute, (the layer's recompute), backward (2)
+    dense = 2 * seq * (layers * shape.layer_linear_params * passes + 4 * h * shape.vocab_size)
     attention = layers * 2 * heads * d * seq * seq * (forwards + 2.5)
     compute = (dense / ASSUMED["dense_flops"] + attention / ASSUMED["attention_flops"]) / gpus
     chunks = math.ceil(seq / chunk)

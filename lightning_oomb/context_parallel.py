@@ -54,7 +54,7 @@ class OOMBContextParallelStrategy(_OOMBStrategyMixin, DDPStrategy):
         chunk_size: int = 4096,
         page_size: int = 128,
         kv_grad_dtype: str = "float32",
-        layer_checkpointing: bool = False,
+        layer_checkpointing: bool | str = False,
         attention_backend: str = "auto",
         loss_block: int = 1024,
         offload: bool = False,

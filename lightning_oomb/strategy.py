@@ -71,8 +71,8 @@ class _OOMBStrategyMixin:
                 "and anything else your override does is applied to the step's loss only."
             )
         config = self.oomb_config
-        self.model_adapter = managed_model(
-            module, self._target_module, config.layer_checkpointing, self._verify_exactness
+        self.model_adapter = managed_model(  # "auto": on until the memory plan decides (_check_memory_plan)
+            module, self._target_module, config.layer_checkpointing is not False, self._verify_exactness
         )
         self.engine = OOMBEngine(self.model_adapter, config, context=self._context_group())
         self.engine.check_device(self.root_device)  # backend, head dim and page size, before any work
@@ -88,10 +88,12 @@ class _OOMBStrategyMixin:
         real optimizer's states and the Trainer's precision. The sequence length is only known at the first step,
         so the plan uses the datamodule's ``seq_len`` and ``batch_size`` (attributes or hyperparameters; this
         project's datamodules have both); without a ``seq_len`` no plan is made here, and the pool's own check at
-        the first step still guards the KV pool. ``OOMBStrategy(plan_memory=False)`` skips it.
+        the first step still guards the KV pool. ``OOMBStrategy(plan_memory=False)`` skips it. The same plan decides
+        ``layer_checkpointing="auto"`` (without a ``seq_len`` it stays on).
         """
         seq_len, batch = step_size_of(trainer.datamodule)
-        if not self._plan_memory or trainer.state.fn != "fit" or seq_len is None:
+        auto = self.oomb_config.layer_checkpointing == "auto"
+        if not (self._plan_memory or auto) or trainer.state.fn != "fit" or seq_len is None:
             return
         optimizer = self.optimizers[0] if self.optimizers else None
         params = sum(p.numel() * p.element_size() for p in trainer.lightning_module.parameters())
@@ -105,7 +107,10 @@ class _OOMBStrategyMixin:
             Machine.local(self.root_device, resident_bytes=params),
             context_parallel=self.engine.context.size if self.engine.context is not None else 1,
         )
-        if not result.fits:
+        if auto:  # the plan's decision, for the engine and the model
+            self.engine.config = result.config
+            self.model_adapter.layer_checkpointing = result.config.layer_checkpointing
+        if self._plan_memory and not result.fits:
             raise OOMBConfigError(
                 f"{result.refusal()[:-1]} (OOMBStrategy(plan_memory=False) skips this check)."
             )
@@ -192,7 +197,7 @@ class OOMBStrategy(_OOMBStrategyMixin, SingleDeviceStrategy):
         chunk_size: int = 4096,
         page_size: int = 128,
         kv_grad_dtype: str = "float32",
-        layer_checkpointing: bool = False,
+        layer_checkpointing: bool | str = False,
         attention_backend: str = "auto",
         loss_block: int = 1024,
         offload: bool = False,

@@ -47,7 +47,8 @@ class ChunkContext:
     packed documents, each of the chunk's tokens' document start ``[B, L]``; ``key_floor``: no query of the chunk
     sees a key before it (its earliest document start). ``sparse``: the step's selections (a sparse step).
     ``context``: context parallelism — this rank runs its slice of the chunk, whose queries are attended across the
-    group (:mod:`lightning_oomb.engine.context`); ``start`` stays the chunk's absolute start.
+    group (:mod:`lightning_oomb.engine.context`); ``start`` stays the chunk's absolute start. ``kept``: the backward
+    sweep's attention results of the chunk's recompute per layer, until the layer's backward (:class:`Kept`).
     """
 
     pool: KVPool
@@ -60,6 +61,21 @@ class ChunkContext:
     key_floor: int = 0
     sparse: SparseStep | None = None
     context: context.ContextChunk | None = None
+    kept: dict[int, Kept] | None = None
+
+
+@dataclass(frozen=True)
+class Kept:
+    """One layer's attention result in a chunk's recompute. With per-layer checkpointing the layer's forward runs
+    twice in the backward sweep (the chunk's recompute, then the checkpoint's right before the layer's backward);
+    the second call takes this instead of attending again (same queries, same pages: the same result), so a step
+    attends twice forward, as full-sequence training with checkpointing does, and streams no page twice. Held until
+    the layer's backward: ``O(chunk)`` per layer under checkpointing, nothing extra without it (the same tensors
+    are saved for the backward)."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    select: torch.Tensor | None
 
 
 def resolve_backend(name: str, device: torch.device) -> Backend:
@@ -204,32 +220,19 @@ class PagedAttention(torch.autograd.Function):
             shape = chunk.shape.for_dtype(k.dtype)
             if pool.shape != shape:
                 pool.reserve(shape, k.device)
+        kept = chunk.kept.pop(layer, None) if chunk.kept is not None else None
         if chunk.context is not None:
-            return _forward_across_group(ctx, q, k, v, chunk, layer, scale, window, softcap, sinks)
-        pool.write(layer, chunk.start, k, v, window)
-        with torch.autocast(q.device.type, enabled=False):
-            selection = _selection(chunk, layer, q, window)
-            select = None if selection is None else selection.pages
-            probe = _probe(chunk, selection, q.shape[2])
-            parts = pool.parts(layer, chunk.start + q.shape[2], first_key=_first_key(chunk, window))
-            out, lse = attend(
-                chunk.backend,
-                q,
-                parts,
-                chunk.start,
-                scale,
-                window,
-                softcap,
-                sinks,
-                chunk.doc_start,
-                select,
-                probe,
-            )
-            if probe is not None:
-                chunk.sparse.add_recall(probe.sparse_lse, probe.dense_lse)
+            return _forward_across_group(ctx, q, k, v, chunk, layer, scale, window, softcap, sinks, kept)
+        if kept is not None:  # the layer's checkpoint recompute
+            out, lse, select = kept.out, kept.lse, kept.select
+        else:
+            pool.write(layer, chunk.start, k, v, window)
+            out, lse, select = _attend_call(q, chunk, layer, scale, window, softcap, sinks)
+            if chunk.kept is not None:
+                chunk.kept[layer] = Kept(out, lse, select)
         ctx.save_for_backward(q, out, lse, sinks, select, *((k, v) if pool.restages(layer) else ()))
         ctx.args = (chunk, layer, scale, window, softcap, k.dtype)
-        return out
+        return out.detach()  # a fresh alias: a kept result is returned by two calls
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -239,6 +242,7 @@ class PagedAttention(torch.autograd.Function):
             return _backward_across_group(ctx, dout)
         q, out, lse, sinks, select, *kv = ctx.saved_tensors
         chunk, layer, scale, window, softcap, kv_dtype = ctx.args
+        chunk.kept.pop(layer, None)  # a layer not checkpointed: its result was kept for nothing
         pool = chunk.pool
         if kv:
             pool.write(layer, chunk.start, *kv, window)
@@ -268,19 +272,46 @@ class PagedAttention(torch.autograd.Function):
         return dq, dk.to(kv_dtype), dv.to(kv_dtype), None, None, None, None, None, dsinks
 
 
-def _forward_across_group(ctx, q, k, v, chunk: ChunkContext, layer, scale, window, softcap, sinks):
+def _attend_call(q, chunk: ChunkContext, layer: int, scale, window, softcap, sinks):
+    """``(out, lse, page selection)`` of one call on one device (the chunk's own K/V already written)."""
+    pool = chunk.pool
+    with torch.autocast(q.device.type, enabled=False):
+        selection = _selection(chunk, layer, q, window)
+        select = None if selection is None else selection.pages
+        probe = _probe(chunk, selection, q.shape[2])
+        parts = pool.parts(layer, chunk.start + q.shape[2], first_key=_first_key(chunk, window))
+        out, lse = attend(chunk.backend, q, parts, chunk.start, scale, window, softcap, sinks, chunk.doc_start,
+                          select, probe)  # fmt: skip
+        if probe is not None:
+            chunk.sparse.add_recall(probe.sparse_lse, probe.dense_lse)
+    return out, lse, select
+
+
+def _forward_across_group(ctx, q, k, v, chunk: ChunkContext, layer, scale, window, softcap, sinks, kept):
     """The forward of a context-parallel call: this rank's slice (``own`` rows; a stand-in rank has none and
-    returns zeros for its one token)."""
+    returns zeros for its one token). A ``kept`` result skips the group's attention (every rank has one)."""
     cp, pool = chunk.context, chunk.pool
     own = cp.own
-    if own:
-        pool.write(layer, cp.local_start, k, v, window)
-    with torch.autocast(q.device.type, enabled=False):
-        rows = q[:, :, :own]
-        out, lse = context.attend_forward(
+    rows = q[:, :, :own]
+    if kept is not None:
+        out, lse = kept.out, kept.lse
+    else:
+        if own:
+            pool.write(layer, cp.local_start, k, v, window)
+        out, lse = _attend_across_group(chunk, layer, rows, scale, window, softcap, sinks)
+        if chunk.kept is not None:
+            chunk.kept[layer] = Kept(out, lse, None)
+    ctx.save_for_backward(rows, out, lse, sinks, *((k, v) if own and pool.restages(layer) else ()))
+    ctx.args = (chunk, layer, scale, window, softcap, k.dtype)
+    return _rows_like(out, q).detach()
+
+
+def _attend_across_group(chunk: ChunkContext, layer, rows, scale, window, softcap, sinks):
+    with torch.autocast(rows.device.type, enabled=False):
+        return context.attend_forward(
             kernels(chunk.backend),
-            cp,
-            pool,
+            chunk.context,
+            chunk.pool,
             layer,
             rows,
             chunk.start,
@@ -290,14 +321,12 @@ def _forward_across_group(ctx, q, k, v, chunk: ChunkContext, layer, scale, windo
             sinks,
             chunk.doc_start,
         )
-    ctx.save_for_backward(rows, out, lse, sinks, *((k, v) if own and pool.restages(layer) else ()))
-    ctx.args = (chunk, layer, scale, window, softcap, k.dtype)
-    return _rows_like(out, q)
 
 
 def _backward_across_group(ctx, dout):
     rows, out, lse, sinks, *kv = ctx.saved_tensors
     chunk, layer, scale, window, softcap, kv_dtype = ctx.args
+    chunk.kept.pop(layer, None)
     cp, pool = chunk.context, chunk.pool
     own = cp.own
     if kv:

@@ -25,8 +25,11 @@ class OOMBConfig:
         page_size: tokens per KV page (``P``, the kernel tile; the Triton kernels take powers of two >= 16).
         kv_grad_dtype: ``"float32"`` (default) or ``"bfloat16"`` gradient pages: half the memory, more rounding;
             never narrower than the K/V dtype (with float32 K/V the pages stay float32).
-        layer_checkpointing: also checkpoint each decoder layer inside a chunk's recompute (less activation
-            memory per chunk, one more forward per layer).
+        layer_checkpointing: also checkpoint each decoder layer inside a chunk's recompute: a chunk's activations
+            shrink to each layer's input (plus its attention output, kept so the attention is not recomputed), at
+            the price of one more pass through each layer's other parts. ``"auto"``: on when the memory plan
+            (:func:`lightning_oomb.plan`) says the step would not fit without it, off otherwise (the strategies
+            decide at setup from the datamodule's ``seq_len``; without one, on).
         attention_backend: ``"auto"`` (Triton on CUDA, the torch reference elsewhere; the environment variable
             ``OOMB_ATTENTION_BACKEND`` overrides ``auto``), ``"torch"`` or ``"triton"`` (CUDA only).
         loss_block: tokens per block of LM-head logits in the cross-entropy (the logits of at most this many
@@ -57,7 +60,7 @@ class OOMBConfig:
     chunk_size: int = 4096
     page_size: int = 128
     kv_grad_dtype: str = "float32"
-    layer_checkpointing: bool = False
+    layer_checkpointing: bool | str = False
     attention_backend: str = "auto"
     loss_block: int = 1024
     offload: bool = False
@@ -82,9 +85,12 @@ class OOMBConfig:
                 f"kv_grad_dtype={self.kv_grad_dtype!r} is not supported — use one of {sorted(GRAD_DTYPES)}."
             )
         check_backend_name(self.attention_backend)
-        for name in ("layer_checkpointing", "offload"):
-            if not isinstance(getattr(self, name), bool):
-                raise OOMBConfigError(f"{name}={getattr(self, name)!r} must be True or False.")
+        if not isinstance(self.offload, bool):
+            raise OOMBConfigError(f"offload={self.offload!r} must be True or False.")
+        if not isinstance(self.layer_checkpointing, bool) and self.layer_checkpointing != "auto":
+            raise OOMBConfigError(
+                f"layer_checkpointing={self.layer_checkpointing!r} must be True, False or 'auto'."
+            )
         budget = self.hbm_budget
         if budget != "auto" and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
             raise OOMBConfigError(

@@ -103,8 +103,7 @@ class KVPool:
     Args:
         config: the engine options; the pool reads ``offload``, ``hbm_budget`` (``"auto"``: on CUDA the free
             device memory, cached blocks and the pool's own arenas included, minus ``AUTO_HEADROOM`` of the device;
-            elsewhere no limit: the device is host memory already), ``staging_buffers``, ``prefetch_depth`` and
-            ``layer_checkpointing`` (the backward sweep's order, for prefetch).
+            elsewhere no limit: the device is host memory already), ``staging_buffers`` and ``prefetch_depth``.
         transport: a factory ``transport(device) -> Transport`` for the offload copies
             (:func:`~lightning_oomb.engine.offload.default_transport`: CUDA streams on CUDA, synchronous copies
             elsewhere).

@@ -33,6 +33,9 @@ options that would make it fit (each tried in the planner).
   checkpointing its recompute's saved tensors again — the gradients in flight (``3cI + 2rH`` per token in the MLP,
   ``2rQ + 4Q + 4 r Hkv D + 2rH`` in attention) and, on the torch attention backend (the CPU path), four float32
   score blocks of ``[batch x Hq x Lq, min(KEY_BLOCK, keys)]``.
+- *kept attention* (with ``layer_checkpointing``): the chunk recompute's attention output and LSE of every layer
+  (``rQ + 4 Hq`` per token and layer; ``8 Hq`` in float64), held for the layer's checkpoint recompute
+  (:class:`~lightning_oomb.engine.attention.Kept`) through the chunk's backward.
 - *optimizer step*: torch's ``foreach`` Adam/AdamW (its default on CUDA) makes one state-sized ``sqrt`` copy of
   the largest parameter group (the for-loop one of the largest parameter; fused: none).
 
@@ -437,6 +440,13 @@ def saved_bytes(
     }
 
 
+def kept_attention_bytes(shape: ModelShape, dtypes: Dtypes, tokens: int) -> int:
+    """Bytes of every layer's kept attention output and LSE for a chunk of ``tokens`` (with layer checkpointing)."""
+    r = dtypes.activation.itemsize
+    lse = 8 if dtypes.activation == torch.float64 else 4
+    return shape.num_layers * (r * shape.num_heads * shape.head_dim + lse * shape.num_heads) * tokens
+
+
 def _layer_bytes_per_token(shape: ModelShape, dtypes: Dtypes, streamed: bool) -> tuple[int, int]:
     """Bytes per token one decoder layer saves: (input norm + attention, post-attention norm + MLP)."""
     r, c, f = dtypes.activation.itemsize, dtypes.compute.itemsize, NORM_BYTES
@@ -664,6 +674,7 @@ LABELS = {
     "staging": "KV pool, staging buffers",
     "page_summaries": "page summaries (sparse)",
     "activations": "activations (one chunk)",
+    "kept_attention": "attention results kept (checkpointing)",
     "loss_transients": "loss backward transients",
     "layer_transients": "layer backward transients",
     "optimizer_transients": "optimizer step transients",
@@ -711,6 +722,8 @@ def plan(
             :meth:`Machine.local`) with ``device_memory`` / ``host_memory`` (bytes) overriding what it reports.
         param_dtype: the weights' dtype when the flag does not convert them (a module's own is read from it).
         suggest: when it does not fit, try the options that could (``MemoryPlan.options``).
+        ``config.layer_checkpointing="auto"`` is decided here (off when the step fits without it): the plan's
+        ``config`` holds the decision.
         context_parallel: ranks sharing each sequence (``strategy="oomb_cp"``): each keeps ``1 / context_parallel``
             of the pages (a chunk's activations are still counted whole: an upper bound).
     """
@@ -729,10 +742,19 @@ def plan(
     dtypes = precision_dtypes(precision, param_dtype)
     spec = optimizer_spec(optimizer)
     inputs = _Inputs(shape, dtypes, spec, machine, str(precision))
+    if config.layer_checkpointing == "auto":
+        config = _resolved_checkpointing(inputs, config, batch, seq_len, context_parallel)
     result = _plan(inputs, config, batch, seq_len, context_parallel)
     if suggest and not result.fits:
         result.options = _options(inputs, config, batch, seq_len)
     return result
+
+
+def _resolved_checkpointing(inputs, config: OOMBConfig, batch: int, seq_len: int, devices: int) -> OOMBConfig:
+    """``layer_checkpointing="auto"`` decided: off when the step fits without it, else on."""
+    off = dataclasses.replace(config, layer_checkpointing=False)
+    fits = _plan(inputs, off, batch, seq_len, devices).fits
+    return off if fits else dataclasses.replace(config, layer_checkpointing=True)
 
 
 @dataclass(frozen=True)
@@ -815,10 +837,11 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     )
     below_head = activations - saved["head"]
     embed = shape.num_embeddings * shape.hidden_size * dtypes.activation.itemsize * shape.embedding_trainable
+    kept = kept_attention_bytes(shape, dtypes, tokens) if ckpt else 0
     phases = {
-        "loss backward": activations + loss,
-        "MLP backward": below_head + mlp_bwd,
-        "attention backward": below_head + attn_bwd,
+        "loss backward": activations + kept + loss,
+        "MLP backward": below_head + kept + mlp_bwd,
+        "attention backward": below_head + kept + attn_bwd,
         "embedding backward": saved["other"] + embed,
         "optimizer step": step,
     }
@@ -830,6 +853,7 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
         "staging": staging,
         "page_summaries": pool.summary_bytes,
         "activations": activations,
+        "kept_attention": kept,
         "loss_transients": loss,
         "layer_transients": max(mlp_bwd, attn_bwd),
         "optimizer_transients": step,

@@ -319,6 +319,7 @@ class OOMBEngine:
             docs,
             step.floors[index],
             step.sparse,
+            kept={} if sweep == "backward" else None,
         )
         lo, hi = start, end
         targets = step.targets[:, lo:hi]

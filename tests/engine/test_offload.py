@@ -134,10 +134,11 @@ def scrambled(start: int) -> list[int]:
     return [(i * 3 + start) % 4 for i in range(4)]
 
 
-def drive(pool: KVPool, checkpointing: bool = False, order=None):
+def drive(pool: KVPool, twice: bool = False, order=None):
     """Replay the attention op's pool calls for one step (see ``PagedAttention``) with synthetic K/V and
     gradient adds; return everything the op would have read: each call's keys (K, V) in position order and each
-    chunk's gradients."""
+    chunk's gradients. ``twice``: each layer streamed again right before its backward (a model that recomputes
+    its layers without the engine's kept attention results: the schedule does not predict it)."""
     gen = torch.Generator().manual_seed(0)
     shape, layers = POOL_SHAPE, range(POOL_SHAPE.num_layers)
     kv_of = {}
@@ -178,7 +179,7 @@ def drive(pool: KVPool, checkpointing: bool = False, order=None):
         for layer in layers:  # recompute
             attend(layer, start, n)
         for layer in order(start) if order else reversed(layers):
-            if checkpointing:  # the layer's forward is recomputed right before its backward
+            if twice:  # the layer's forward is recomputed right before its backward
                 attend(layer, start, n)
             attend(layer, start, n, grads=True)
             seen.extend(pool.read_grad(layer, start, n - start))
@@ -194,24 +195,24 @@ def transfers(pool, **match):
     return [t for t in pool.transfers if all(getattr(t, k) == v for k, v in match.items())]
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("twice", [False, True])
 @pytest.mark.parametrize("buffers", [2, 3, 4])
-def test_schedule_reads_exactly_what_the_device_tier_reads(checkpointing, buffers):
-    want = drive(KVPool(), checkpointing)
-    pool = offload_pool(hbm_budget=0, staging_buffers=buffers, layer_checkpointing=checkpointing)
-    assert same(drive(pool, checkpointing), want)
+def test_schedule_reads_exactly_what_the_device_tier_reads(twice, buffers):
+    want = drive(KVPool(), twice)
+    pool = offload_pool(hbm_budget=0, staging_buffers=buffers)
+    assert same(drive(pool, twice), want)
     stats = pool.stats()
     if buffers == 2:  # the chunk's block + one buffer for the prefix: blocks beyond the first come on demand
         assert stats["demand_copies"] > 0
-    else:  # the walk (climbing forward; recompute up, backward down, checkpointed or not) predicted every use
+    elif not twice:  # the walk (climbing forward; recompute up, backward down) predicted every use
         assert stats["demand_copies"] == 0 and stats["prefetch_copies"] > 0
 
 
 @pytest.mark.parametrize("depth", [0, 1])
 def test_prefetch_depth_limits_how_far_ahead_blocks_are_staged(depth):
-    want = drive(KVPool(), True)
-    pool = offload_pool(hbm_budget=0, staging_buffers=4, layer_checkpointing=True, prefetch_depth=depth)
-    assert same(drive(pool, True), want)
+    want = drive(KVPool())
+    pool = offload_pool(hbm_budget=0, staging_buffers=4, prefetch_depth=depth)
+    assert same(drive(pool), want)
     stats = pool.stats()
     if depth == 0:  # a debugging aid: every copy on demand, nothing overlaps
         assert stats["prefetch_copies"] == 0 and stats["demand_copies"] > 0
@@ -220,19 +221,17 @@ def test_prefetch_depth_limits_how_far_ahead_blocks_are_staged(depth):
 
 
 def test_schedule_stays_correct_when_predictions_are_wrong():
-    """Layers' backward in a scrambled order each chunk (and the prefetch told the wrong checkpointing mode):
-    prefetch guesses wrong, demand copies fix it."""
+    """Layers' backward in a scrambled order each chunk: prefetch guesses wrong, demand copies fix it."""
     want = drive(KVPool(), order=scrambled)
-    pool = offload_pool(hbm_budget=0, staging_buffers=3, layer_checkpointing=True)
+    pool = offload_pool(hbm_budget=0, staging_buffers=3)
     assert same(drive(pool, order=scrambled), want)
     assert pool.stats()["demand_copies"] > 0
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_write_back_schedule_and_dirty_tracking(checkpointing):
+def test_write_back_schedule_and_dirty_tracking():
     budget = budget_for(POOL_SHAPE, 1, 4)
-    pool = offload_pool(hbm_budget=budget, staging_buffers=4, layer_checkpointing=checkpointing)
-    drive(pool, checkpointing)
+    pool = offload_pool(hbm_budget=budget, staging_buffers=4)
+    drive(pool)
     host = pool.plan.host_layers
     assert len(host) == 3
     blocks = [(0, 2), (2, 4), (4, 5)]  # pages of each chunk's block
@@ -259,28 +258,25 @@ def test_write_back_schedule_and_dirty_tracking(checkpointing):
 
 
 # -------------------------------------------------------------------------------- stream ordering, simulated
-def check_ordering(broken=None, buffers=3, hbm_layers=0, checkpointing=False, order=None):
+def check_ordering(broken=None, buffers=3, hbm_layers=0, twice=False, order=None):
     sim = RecordingTransport(ignore_waits_on=broken)
     budget = budget_for(POOL_SHAPE, hbm_layers, buffers)
-    pool = KVPool(
-        OOMBConfig(CHUNK, PAGE, offload=True, hbm_budget=budget, staging_buffers=buffers,
-                   layer_checkpointing=checkpointing),
-        transport=lambda device: sim,
-    )  # fmt: skip
-    got = drive(pool, checkpointing, order)
-    assert same(got, drive(KVPool(), checkpointing, order))
+    pool = KVPool(OOMBConfig(CHUNK, PAGE, offload=True, hbm_budget=budget, staging_buffers=buffers),
+                  transport=lambda device: sim)  # fmt: skip
+    got = drive(pool, twice, order)
+    assert same(got, drive(KVPool(), twice, order))
     assert {op[0] for op in sim.ops} == {"compute", "h2d", "d2h"}
     return sim.hazards()
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("twice", [False, True])
 @pytest.mark.parametrize(
     ("buffers", "hbm_layers", "order"), [(2, 0, None), (3, 0, None), (4, 1, None), (3, 0, scrambled)]
 )
-def test_every_cross_stream_hazard_is_ordered_by_events(buffers, hbm_layers, order, checkpointing):
+def test_every_cross_stream_hazard_is_ordered_by_events(buffers, hbm_layers, order, twice):
     """The CUDA schedule's events, checked on CPU: no two conflicting operations on different streams (kernel
     reads/adds, K/V writes, gradient gathers, copies in and out, zero-fills) are left unordered."""
-    assert check_ordering(None, buffers, hbm_layers, checkpointing, order) == []
+    assert check_ordering(None, buffers, hbm_layers, twice, order) == []
 
 
 @pytest.mark.parametrize("broken", ["compute", "h2d", "d2h"])

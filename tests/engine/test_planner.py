@@ -332,6 +332,26 @@ def test_a_run_that_cannot_fit_is_refused_at_setup_with_the_option_that_fits(mon
         assert trainer.global_step == 1
 
 
+def test_auto_checkpointing_is_off_when_the_step_fits_and_on_when_not(monkeypatch):
+    """``layer_checkpointing="auto"``: the plan decides (and so does the strategy at setup, for the model)."""
+    model = TinyLM().model
+    config = OOMBConfig(chunk_size=16, page_size=8, layer_checkpointing="auto")
+    assert plan(model, 40, 2, config, "32-true", None, BIG_CPU).config.layer_checkpointing is False
+    tight = planner.Machine("cpu", tight_machine(), tight_machine())
+    decided = plan(
+        model, 40, 2, config, "32-true", torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9), tight
+    )
+    assert decided.config.layer_checkpointing is True and decided.fits
+    for machine, want in ((cpu_of(tight_machine()), True), (cpu_of(BIG_CPU.device_bytes), False)):
+        monkeypatch.setattr(planner.Machine, "local", machine)
+        strategy = lightning_oomb.OOMBStrategy(chunk_size=16, page_size=8, verify_exactness=False,
+                                               layer_checkpointing="auto")  # fmt: skip
+        trainer = make_trainer(strategy, steps=1, limit_val_batches=0)
+        trainer.fit(TinyLM(), datamodule=SizedData())
+        assert strategy.model_adapter.layer_checkpointing is want and trainer.global_step == 1
+        assert strategy.engine.config.layer_checkpointing is want
+
+
 def test_sparse_steps_count_their_page_summaries():
     """A sparse step keeps the pool's page summaries on the device: the plan counts exactly PoolShape's bytes."""
     from lightning_oomb.engine import OOMBConfig

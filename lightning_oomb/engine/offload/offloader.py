@@ -22,7 +22,7 @@ class Offloader:
 
     Args:
         cache: the staging buffers of the step's host-tier layers (their shape, layers and transport).
-        config: ``prefetch_depth`` and ``layer_checkpointing`` (the backward sweep's order).
+        config: ``prefetch_depth``.
         sweep: the sweep in progress (the pool is reserved during a forward or eval sweep).
     """
 
@@ -31,9 +31,7 @@ class Offloader:
         depth = config.prefetch_depth
         self.prefetch_depth = len(cache.buffers) if depth is None else depth
         self._host_layers = frozenset(cache.host_layers)
-        self.schedule = OffloadSchedule(
-            self.shape.num_layers, self.shape.num_blocks, cache.host_layers, config.layer_checkpointing
-        )
+        self.schedule = OffloadSchedule(self.shape.num_layers, self.shape.num_blocks, cache.host_layers)
         self._fresh: tuple[int, int] | None = None  # a block just written for the stream about to start
         self._wait_s = 0.0
         self.begin_sweep(sweep)

@@ -3,8 +3,8 @@
 A *stream* is one attention call of one layer for chunk ``s`` (:class:`Visit`): it uses the chunk's own block ``s``
 and the prefix blocks ``first .. s-1`` (``first > 0`` under a sliding window), each a :class:`Need`. Sweep order:
 forward and eval sweeps climb the layers, chunk after chunk; the backward sweep recomputes each chunk climbing and
-back-propagates it descending, and with layer checkpointing each layer's forward is recomputed right before its
-backward (so the same layer is streamed twice in a row). :meth:`OffloadSchedule.upcoming` walks that order from the
+back-propagates it descending (a checkpointed layer's recompute reuses the climb's attention result and streams
+nothing: :class:`~lightning_oomb.engine.attention.Kept`). :meth:`OffloadSchedule.upcoming` walks that order from the
 current position: what the staging cache should prefetch. Correctness never depends on it — a prediction that turns
 out wrong only costs a copy.
 """
@@ -21,7 +21,6 @@ class Visit(NamedTuple):
     layer: int
     chunk: int
     grads: bool
-    descending: bool = False  # backward sweep: the descending half (the layers' backward)
 
 
 class Need(NamedTuple):
@@ -41,15 +40,11 @@ class OffloadSchedule:
         num_layers: layers of the model (every layer's visit moves the position, HBM layers included).
         num_blocks: blocks (chunks) of the sequence.
         host_layers: the layers whose blocks are streamed (only their uses are predicted).
-        layer_checkpointing: the backward sweep recomputes each layer right before its backward.
     """
 
-    def __init__(
-        self, num_layers: int, num_blocks: int, host_layers: Sequence[int], layer_checkpointing: bool
-    ) -> None:
+    def __init__(self, num_layers: int, num_blocks: int, host_layers: Sequence[int]) -> None:
         self.num_layers, self.num_blocks = num_layers, num_blocks
         self.host_layers = frozenset(host_layers)
-        self.layer_checkpointing = layer_checkpointing
         self.sweep = "forward"
         self.written = [0] * num_layers  # leading blocks of each layer whose K/V are on the host
         self.begin_sweep("forward")
@@ -63,12 +58,7 @@ class OffloadSchedule:
 
     def visit(self, layer: int, chunk: int, grads: bool = False) -> Visit:
         """Move to the start of ``layer``'s stream for chunk ``chunk``."""
-        previous, descending = self.at, grads
-        if self.sweep == "backward" and previous is not None and not grads:
-            # after a layer's backward comes the layer below (recomputed first with checkpointing) or, at the
-            # bottom, the next chunk's climb; the same layer twice is a checkpointed recompute
-            descending = layer == previous.layer - 1 if previous.grads else layer == previous.layer
-        self.at = Visit(layer, chunk, grads, descending)
+        self.at = Visit(layer, chunk, grads)
         self._rest = ((), 0)
         return self.at
 
@@ -93,15 +83,13 @@ class OffloadSchedule:
         last = self.num_layers - 1
         if self.sweep != "backward":
             return Visit(v.layer + 1, v.chunk, False) if v.layer < last else Visit(0, v.chunk + 1, False)
-        if v.grads:  # a layer's backward: the layer below, recomputed first with checkpointing
+        if v.grads:  # a layer's backward: the layer below's, or at the bottom the previous chunk's climb
             if v.layer == 0:
                 return Visit(0, v.chunk - 1, False) if v.chunk > 0 else None
-            return Visit(v.layer - 1, v.chunk, not self.layer_checkpointing, True)
-        if v.descending:  # checkpointing: a layer's recompute right before its backward
-            return Visit(v.layer, v.chunk, True, True)
+            return Visit(v.layer - 1, v.chunk, True)
         if v.layer < last:
             return Visit(v.layer + 1, v.chunk, False)
-        return Visit(last, v.chunk, not self.layer_checkpointing, True)
+        return Visit(last, v.chunk, True)
 
     def upcoming(self) -> Iterator[Need]:
         """Predicted block uses after now, nearest first: the rest of this stream, then the next streams' (up to
