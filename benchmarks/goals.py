@@ -475,7 +475,8 @@ def goal_table(scale: Scale, rows: list[dict], kernels: dict, plans: list[dict],
         first = (oomb.get("warmup_s") or 0) - oomb["step_s"]
         add("first step: no minutes of autotuning", "< 60 s extra", first, first < 60,
             f"{first:.1f} s over a warm step (compilation at default tiles); kernel benchmark tuning "
-            f"{fmt(kernels.get('tuning_s'), '.0f', ' s')}", "OOMB_TRITON_AUTOTUNE=0 for the steps")  # fmt: skip
+            f"{fmt(kernels.get('tuning_s'), '.0f', ' s')}",
+            "OOMB_TRITON_AUTOTUNE=0; run_gpu.sh gives the steps a cold Triton cache")  # fmt: skip
 
     dense = ok(rows, "256k-offload")
     if dense:
