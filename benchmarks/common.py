@@ -1,10 +1,17 @@
-"""What the benchmark scripts share: building models from config classes, timing a step with its peak memory,
-writing results. Baselines that the tests also use (the dense attention oracle, paged layouts) come from
-``tests/helpers`` (run the scripts from the repository root with ``PYTHONPATH=$PWD``)."""
+"""What the benchmark scripts share: building models from config classes, one training step per method, timing
+steps with their peak memory, the planner's prediction, a FLOP count, writing rows as they are measured. Baselines
+that the tests also use (the dense attention oracle, paged layouts) come from ``tests/helpers`` (run the scripts from
+the repository root with ``PYTHONPATH=$PWD``)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -12,6 +19,7 @@ from pathlib import Path
 import torch
 
 GIB = 2**30
+HF, OOMB = "hf", "oomb"
 
 
 def build_qwen2(device: torch.device, dtype: torch.dtype, config) -> torch.nn.Module:
@@ -46,6 +54,201 @@ def timed(step: Callable[[], object], device: torch.device) -> tuple[float, int,
     synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     return time.perf_counter() - start, peak, result
+
+
+def measure(step: Callable[[], object], device: torch.device, repeats: int, warmup: int = 0) -> dict:
+    """``warmup`` untimed runs (compilation, first allocations; their seconds in ``warmup_s``), then ``repeats``
+    timed ones: ``step_s`` (median), ``min_s``, ``steps_s``, ``peak_gib`` (the largest peak of the timed runs,
+    ``torch.cuda.max_memory_allocated``; ``None`` off CUDA)."""
+    warm = [timed(step, device)[0] for _ in range(warmup)]
+    runs = [timed(step, device) for _ in range(repeats)]
+    seconds = [r[0] for r in runs]
+    return {
+        "step_s": statistics.median(seconds),
+        "min_s": min(seconds),
+        "steps_s": seconds,
+        "warmup_s": sum(warm) if warm else None,
+        "peak_gib": max(r[1] for r in runs) / GIB if device.type == "cuda" else None,
+    }
+
+
+# --------------------------------------------------------------------------------------------------- steps
+def make_step(model, method: str, config=None) -> tuple[Callable[[torch.Tensor], None], object]:
+    """``(step(ids), engine)``: one forward + backward on ``ids [1, N]`` (gradients kept allocated, as in training)
+    by ``method``: ``"hf"`` — transformers + SDPA + per-layer checkpointing, the usual recipe (engine ``None``) — or
+    ``"oomb"`` — the OOMB engine with ``config`` (an ``OOMBConfig``; its ``layer_checkpointing`` checkpoints each
+    layer inside a chunk's recompute)."""
+    from lightning_oomb.engine import OOMBEngine
+    from lightning_oomb.integrations.hf import HFChunkModel, set_layer_checkpointing
+
+    set_layer_checkpointing(model, method == HF)
+    if method == HF:
+
+        def step(ids: torch.Tensor) -> None:
+            model.zero_grad(set_to_none=False)
+            model(input_ids=ids, labels=ids).loss.backward()
+
+        return step, None
+    engine = OOMBEngine(HFChunkModel(model, layer_checkpointing=config.layer_checkpointing), config)
+
+    def step(ids: torch.Tensor) -> None:
+        model.zero_grad(set_to_none=False)
+        engine.loss(ids).backward()
+
+    return step, engine
+
+
+def head_dim(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def pool_shape(model, config, seq_len: int, dtype: torch.dtype | None = None):
+    """The ``PoolShape`` a step of ``seq_len`` tokens of the HF ``model`` (or its config) under ``config`` needs
+    (K/V in ``dtype``; default: the module's parameters', or bf16 for a config)."""
+    from lightning_oomb.engine import PoolShape
+
+    if dtype is None:
+        dtype = next(model.parameters()).dtype if isinstance(model, torch.nn.Module) else torch.bfloat16
+    cfg = getattr(model, "config", model)
+    return PoolShape(
+        cfg.num_hidden_layers, 1, seq_len, cfg.num_key_value_heads, head_dim(cfg),
+        config.page_size, config.chunk_size, config.kv_grad_dtype, dtype=dtype,
+        page_score=None if config.page_budget is None else config.page_score,
+    )  # fmt: skip
+
+
+def reserve_pool(engine, model, seq_len: int, device: torch.device) -> None:
+    """Size ``engine``'s pool for ``seq_len`` tokens before a timed step (its arenas only grow, so the step then
+    allocates nothing; pinning a host tier takes seconds)."""
+    engine.pool.reserve(pool_shape(model, engine.config, seq_len), device)
+
+
+def hbm_budget_for(device_layers: int, shape, staging_buffers: int) -> int:
+    """The ``hbm_budget`` that keeps the first ``device_layers`` full layers of ``shape`` on the device (HBM tier)
+    and the rest in pinned host memory (whole layers are placed; the staging buffers count against it)."""
+    return shape.layer_bytes * device_layers + staging_buffers * shape.block_bytes
+
+
+def engine_stats(engine) -> dict:
+    """Where the last step's pages were and what moved: device / host pool GiB, GiB copied each way, copy waits,
+    and a sparse step's attended fraction."""
+    extra = engine.stats.extra
+    row = {
+        "pool_device_gib": (extra.get("hbm_pool_bytes", 0) + extra.get("staging_bytes", 0)) / GIB,
+        "pool_host_gib": extra.get("host_pool_bytes", 0) / GIB,
+        "h2d_gib": extra.get("h2d_bytes", 0) / GIB,
+        "d2h_gib": extra.get("d2h_bytes", 0) / GIB,
+        "copy_wait_s": extra.get("copy_wait_s", 0.0),
+        "hbm_layers": extra.get("hbm_layers"),
+        "host_layers": extra.get("host_layers"),
+    }
+    if engine.stats.sparse is not None:
+        row["attended_fraction"] = engine.stats.sparse.attended_fraction
+    return row
+
+
+def planned_peak_gib(
+    model, seq_len: int, config, device: torch.device, precision: str = "bf16-true"
+) -> float | None:
+    """The memory planner's predicted device peak (GiB) of an OOMB step without optimizer state (what the
+    benchmarks run) for ``model`` (a module or config); ``None`` if it cannot plan it."""
+    from lightning_oomb import plan
+
+    try:
+        return plan(model, seq_len, 1, config, precision, None, device.type, suggest=False).peak_device / GIB
+    except Exception as e:  # the plan is a side note of a measured row: never the reason a row is lost
+        print(f"planner: {type(e).__name__}: {e}", file=sys.stderr)
+        return None
+
+
+# --------------------------------------------------------------------------------------------------- FLOPs
+def step_flops(
+    cfg,
+    seq_len: int,
+    method: str = OOMB,
+    layers: int | None = None,
+    chunk_size: int = 4096,
+    page_size: int = 128,
+    page_budget: int | None = None,
+    layer_checkpointing: bool = True,
+) -> tuple[float, float]:
+    """``(matmul, attention)`` FLOPs of one training step on ``seq_len`` tokens of a Qwen2-style ``cfg`` with
+    ``layers`` decoder layers (default: the config's).
+
+    Matmuls: 2 FLOPs per weight and token per forward, a backward = 2 forwards. Per decoder layer HF with
+    checkpointing runs 2 forwards + a backward; OOMB the forward sweep, the recompute, (checkpointing) the layer's
+    recompute and the backward; the LM head HF 1 + backward, OOMB 2 + backward. Attention: 4 * head_dim FLOPs per
+    query-key pair and query head per forward, a backward = 2.5 forwards (FlashAttention's count); pairs are the
+    causal ones, or for ``page_budget`` each query block's own chunk causally plus ``page_budget`` earlier pages."""
+    layers = cfg.num_hidden_layers if layers is None else layers
+    h, d = cfg.hidden_size, head_dim(cfg)
+    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    layer_params = 2 * h * hq * d + 2 * h * hkv * d + 3 * h * cfg.intermediate_size
+    extra = 1 if layer_checkpointing else 0
+    layer_passes, head_passes = (3 + extra, 3) if method == HF else (4 + extra, 4)
+    dense = 2 * seq_len * (layers * layer_params * layer_passes + cfg.vocab_size * h * head_passes)
+    if page_budget is None:
+        pairs = seq_len * (seq_len + 1) / 2
+    else:
+        pairs = 0.0
+        for start in range(0, seq_len, chunk_size):
+            length = min(chunk_size, seq_len - start)
+            pairs += length * (length + 1) / 2 + length * min(page_budget * page_size, start)
+    attention_passes = (1 + extra if method == HF else 2 + extra) + 2.5
+    return dense, 4 * d * hq * pairs * layers * attention_passes
+
+
+# -------------------------------------------------------------------------------------------------- report
+def versions() -> dict:
+    """The software and machine a result came from."""
+    out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    for name in ("triton", "transformers", "lightning"):
+        try:
+            out[name] = __import__(name).__version__
+        except Exception:
+            out[name] = None
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name()
+        out["gpu_memory_gib"] = torch.cuda.get_device_properties(0).total_memory / GIB
+    with contextlib.suppress(OSError, KeyError, ValueError):
+        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        out["host_memory_gib"] = int(meminfo["MemTotal"].split()[0]) * 1024 / GIB
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out["commit"] = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+    out["env"] = {k: v for k, v in os.environ.items() if k.startswith(("OOMB_", "TRITON_"))}
+    return out
+
+
+def command() -> str:
+    return " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])
+
+
+class Report:
+    """One script's results: ``{"command", "versions", **meta, "rows": [...]}`` in ``path``, rewritten after every
+    row so a run cut short keeps what it measured; the command and versions, then each row, are also printed as
+    one JSON line each."""
+
+    def __init__(self, path: Path, **meta):
+        self.path = path
+        self.data = {"command": command(), "versions": versions()}
+        self.data.update(meta, rows=[])
+        print(json.dumps({"command": self.data["command"], "versions": self.data["versions"]}), flush=True)
+        self.save()
+
+    @property
+    def rows(self) -> list[dict]:
+        return self.data["rows"]
+
+    def add(self, row: dict) -> dict:
+        self.rows.append(row)
+        print(json.dumps(row, default=float), flush=True)
+        self.save()
+        return row
+
+    def save(self) -> None:
+        write_json(self.path, self.data)
 
 
 def write_json(path: Path, data) -> None:

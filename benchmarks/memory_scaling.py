@@ -23,9 +23,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import GIB, build_qwen2, timed, write_json
-from lightning_oomb.engine import OOMBConfig, OOMBEngine
-from lightning_oomb.integrations.hf import HFChunkModel, set_layer_checkpointing
+from benchmarks.common import GIB, HF, build_qwen2, engine_stats, make_step, measure, reserve_pool, write_json
+from lightning_oomb.engine import OOMBConfig
 from lightning_oomb.models import qwen2_5_7b_config
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -36,49 +35,23 @@ def build_model(tiny: bool, device: torch.device):
     return build_qwen2(device, torch.bfloat16, TINY if tiny else qwen2_5_7b_config())
 
 
-def measure(step, device: torch.device, repeats: int, warmup: bool) -> tuple[float, float]:
-    """Run ``step`` once to warm up (if ``warmup``), then ``repeats`` times; return (peak GiB over the timed runs,
-    median seconds)."""
-    if warmup:
-        step()
-    runs = [timed(step, device) for _ in range(repeats)]
-    peak = max(r[1] for r in runs) / GIB if device.type == "cuda" else float("nan")
-    return peak, sorted(r[0] for r in runs)[len(runs) // 2]
-
-
 def run_method(method: str, model, context: int, args, device, warmup: bool = True) -> dict:
     ids = torch.randint(0, model.config.vocab_size, (1, context), device=device)
-    engine = None
-    if method == "hf":
-        set_layer_checkpointing(model, True)
-
-        def step():
-            model.zero_grad(set_to_none=False)
-            model(input_ids=ids, labels=ids).loss.backward()
-
-    else:
-        set_layer_checkpointing(model, False)
-        config = OOMBConfig(
-            chunk_size=args.chunk_size,
-            layer_checkpointing=True,
-            offload=method == "oomb-offload",
-            hbm_budget=0 if method == "oomb-offload" else "auto",
-        )
-        engine = OOMBEngine(HFChunkModel(model, layer_checkpointing=True), config)
-
-        def step():
-            model.zero_grad(set_to_none=False)
-            engine.loss(ids).backward()
-
+    config = None
+    if method != HF:
+        offload = method == "oomb-offload"
+        config = OOMBConfig(args.chunk_size, layer_checkpointing=True, offload=offload,
+                            hbm_budget=0 if offload else "auto")  # fmt: skip
+    step, engine = make_step(model, HF if method == HF else "oomb", config)
     row = {"method": method, "context": context, "peak_gib": None, "step_s": None, "oom": False}
     try:
-        row["peak_gib"], row["step_s"] = measure(step, device, args.repeats, warmup)
+        if engine is not None:
+            reserve_pool(engine, model, context, device)
+        timing = measure(lambda: step(ids), device, args.repeats, warmup=int(warmup))
+        row["step_s"] = timing["step_s"]
+        row["peak_gib"] = float("nan") if timing["peak_gib"] is None else timing["peak_gib"]  # nan off CUDA
         if engine is not None:  # where the pages were and what moved in the last step
-            extra = engine.stats.extra
-            row["pool_device_gib"] = (extra["hbm_pool_bytes"] + extra["staging_bytes"]) / GIB
-            row["pool_host_gib"] = extra["host_pool_bytes"] / GIB
-            row["h2d_gib"], row["d2h_gib"] = extra["h2d_bytes"] / GIB, extra["d2h_bytes"] / GIB
-            row["copy_wait_s"] = extra["copy_wait_s"]
+            row.update(engine_stats(engine))
     except torch.OutOfMemoryError:
         row["oom"] = True
     finally:
@@ -143,7 +116,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -161,7 +134,11 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model (smoke test of the script)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/memory-scaling-h200.json"))
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
 
     device = torch.device(args.device)
     model = build_model(args.tiny, device)

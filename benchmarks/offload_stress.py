@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import GIB, build_qwen2, timed, write_json
+from benchmarks.common import GIB, build_qwen2, hbm_budget_for, timed, write_json
 from lightning_oomb.engine import OOMBConfig, OOMBEngine
 from lightning_oomb.engine.offload import default_transport, delaying_transport
 from lightning_oomb.engine.pages import PoolShape
@@ -55,7 +55,7 @@ def run_step(model, engine, ids, device: torch.device):
     return loss, grads, seconds, peak
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -69,7 +69,11 @@ def main() -> None:
         default=None,
         help="write a gzipped Chrome trace (Perfetto) of one host_all_4buf step: the streams' timeline",
     )
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     if args.tiny:
@@ -99,8 +103,7 @@ def main() -> None:
     def make_engine(options: dict, transport=default_transport) -> OOMBEngine:
         options = dict(options)
         if options.get("hbm_budget") == "mixed":  # half the layers on the device
-            buffers = options["staging_buffers"]
-            options["hbm_budget"] = pool_shape.layer_bytes * (layers // 2) + buffers * pool_shape.block_bytes
+            options["hbm_budget"] = hbm_budget_for(layers // 2, pool_shape, options["staging_buffers"])
         adapter = HFChunkModel(model, layer_checkpointing=options.get("layer_checkpointing", False))
         return OOMBEngine(adapter, OOMBConfig(chunk, page, **options), transport)
 

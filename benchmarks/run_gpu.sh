@@ -1,31 +1,90 @@
 #!/usr/bin/env bash
-# All GPU checks of this version in one run (H200: at most 10 minutes, the sum of the limits below; the machine's
-# start comes on top). Results (run.log, JSON, PNG, a stream timeline: 7 files) go to $1 (default
-# benchmarks/results); copy the ones you cite into benchmarks/results/.
-#   bash benchmarks/run_gpu.sh "$OUT"
+# Every goal of docs/design.md section 4 measured in one run on one GPU (H200, Qwen2.5-7B shape, bf16), at most
+# 8 minutes: the sum of the part limits below (the machine's start comes on top). Results go to $1 (default
+# benchmarks/results): run.log (everything printed), kernels-<gpu>.json/.png, goals-compare.json,
+# goals-reduced.json, summary.json, summary.md, goals.png — 8 files; the goal table (summary.md) is printed last.
+# Every row is printed and written to its JSON as it is measured, so a run cut short keeps its rows.
+#   bash benchmarks/run_gpu.sh "$OUT"               # the goals: kernels compare reduced summary
+#   bash benchmarks/run_gpu.sh "$OUT" tests stress  # other parts by name: tests, stress, scaling
+#   OOMB_BENCH_TINY=1 bash benchmarks/run_gpu.sh /tmp/out  # every part at tiny shapes on the CPU (a dry run of
+#                                                           # the script itself; tests/test_benchmarks.py runs it)
+#
+# Part limits, sized by FLOP counts (benchmarks.common.step_flops) at ~500 TFLOP/s for matmuls and ~300 for
+# attention (HF's measured 5.2 s at 32K is ~1.3x faster than that): a 7B step is ~7e10 matmul FLOPs per token
+# with OOMB's recomputation, attention 4 * d * 28 heads * N^2 / 2 per layer and pass, 5.5 passes. A 28-layer
+# step is ~8 s at 32K, ~25 s at 64K, ~5 min at 256K: longer contexts run 4 (or 2) layers and scale per layer.
+#   kernels 130 s  2 key lengths x (our dense and sparse kernels at default tiles, then tuned; SDPA x2;
+#                  FlexAttention, compiled once per length: ~20 s each); tuning capped at 3 configs per kernel
+#                  and key (a compilation each, ~1-3 s); rows end by 110 s, then the accuracy check and the
+#                  kernel records (chosen config, n_regs, n_spills)
+#   compare 140 s  28 layers: HF 32K warm-up + 3 steps (~25 s), OOMB 32K warm-up + 3 (~35 s + compilation),
+#                  OOMB 64K 1 step (~25 s: the check of the layer scaling), model build and imports (~20 s)
+#   reduced 180 s  4 then 2 layers at 64K (the fit, ~17 s); 2 layers: 128K without and with offload (3 + 3 steps,
+#                  ~42 s), 256K offloaded (~24 s), 1M sparse with one HBM and one host layer (~30 s), 256K
+#                  sparse (~6 s); ~125 s at the nominal rates, the rest for model builds and pinning
+#   summary  20 s  the planner (1M tokens, the longest step), the goal table
+# Each Python part starts a row only if its predicted time is left of its budget (limit - 20 s; the prediction is
+# calibrated on the rows before it; a skipped row says why); `timeout` is the backstop. The steps use each
+# kernel's default tile (OOMB_TRITON_AUTOTUNE=0): no tuning inside a step. Each part's log starts with its command
+# and versions (torch, triton, transformers, lightning, GPU, commit).
 set -uo pipefail
 out="${1:-benchmarks/results}"
+shift $(($# > 0 ? 1 : 0))
+parts=("$@")
+[ ${#parts[@]} -gt 0 ] || parts=(kernels compare reduced summary)
 mkdir -p "$out"
-export TRITON_CACHE_AUTOTUNING=1  # kernels.py tunes once; the later scripts reuse it
+# OOMB_BENCH_TINY=1: the same commands at tiny shapes on the CPU (kernels through the Triton interpreter)
+tiny=()
+smoke=()
+scaling_tiny=()
+tests=(tests/kernels)
+if [ "${OOMB_BENCH_TINY:-0}" != "0" ]; then
+  tiny=(--tiny --device cpu)
+  smoke=(--smoke)
+  scaling_tiny=(--tiny --device cpu --hf-max 256 --contexts 128,256 --offload-contexts 128,256 --chunk-size 64)
+  tests=(tests/kernels/test_paged_attention.py -k tuning)
+fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-log="$out/run.log"  # one log for everything: the device tool brings back at most 8 files
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$log"
-python3 -c "import torch, triton, transformers, lightning; print(torch.__version__, triton.__version__, transformers.__version__, lightning.__version__)" | tee -a "$log"
+log="$out/run.log"  # one log for everything: the device tool brings back only a handful of files
+: >"$log"
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 || true; } | tee -a "$log"
 status=0
-run() {  # run NAME TIMEOUT_S CMD...: keeps going when one check fails, so every check reports
+run() {  # run NAME LIMIT_S CMD...: keeps going when one part fails, so every part reports
   local name=$1 limit=$2
   shift 2
-  echo "== $name ($(date +%T))" | tee -a "$log"
-  timeout "$limit" "$@" 2>&1 | tee -a "$log"
+  echo "== $name (limit ${limit} s, $(date +%T))" | tee -a "$log"
+  local start=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$log"
   local rc=${PIPESTATUS[0]}
-  [ "$rc" -eq 0 ] || { echo "!! $name exited $rc" | tee -a "$log"; status=1; }
+  echo "== $name: exit $rc after $((SECONDS - start)) s" | tee -a "$log"
+  [ "$rc" -eq 0 ] || { echo "!! $name failed (exit $rc; 124: over its limit)" | tee -a "$log"; status=1; }
 }
-# the kernel tests on CUDA first (bf16 included; the CPU suite runs them under the interpreter only), at each
-# kernel's default tile: tuning every test shape would take minutes
-run gpu-tests 90 env OOMB_TRITON_AUTOTUNE=0 python3 -m pytest -q -x -p no:cacheprovider tests/kernels
-run kernels 180 python3 benchmarks/kernels.py --out "$out/kernels-h200.json"  # tunes; later scripts reuse it
-run memory-scaling 240 python3 benchmarks/memory_scaling.py --warmup-once --hf-max 32768 \
-  --contexts 8192,32768,131072 --offload-contexts 32768,131072 --out "$out/memory-scaling-h200.json"
-run offload-stress 80 python3 benchmarks/offload_stress.py --steps 5 --out "$out/offload-stress-h200.json" \
-  --trace "$out/offload-timeline.json.gz"
+# the steps compile into their own Triton cache, so the first OOMB step (the "first step" goal) compiles from cold
+# rather than reusing what the kernel benchmark compiled; outside "$out", which comes back as files
+steps_cache=$(mktemp -d "${TMPDIR:-/tmp}/oomb-triton-cache.XXXXXX")
+trap 'rm -rf "$steps_cache"' EXIT
+goals() {  # goals PART LIMIT_S: a part of benchmarks/goals.py that plans its rows for LIMIT_S - 20 s
+  run "$1" "$2" env OOMB_TRITON_AUTOTUNE=0 TRITON_CACHE_DIR="$steps_cache" python3 benchmarks/goals.py --part "$1" \
+    --out-dir "$out" \
+    --budget-s $(($2 - 20)) ${tiny[@]+"${tiny[@]}"}
+}
+for part in "${parts[@]}"; do
+  case "$part" in
+    kernels) run kernels 130 env TRITON_PRINT_AUTOTUNING=1 python3 benchmarks/kernels.py --out "$out/kernels-h200.json" \
+      --methods paged,sparse,sdpa-repeat,sdpa-gqa,flex --default-tiles --tune-configs 3 --warmup 2 --iters 5 \
+      --budget-s 110 ${smoke[@]+"${smoke[@]}"} ;;
+    compare) goals compare 140 ;;
+    reduced) goals reduced 180 ;;
+    summary) goals summary 20 ;;
+    # optional parts (not in the 8 minutes): the kernel tests on CUDA (bf16 included; the CPU suite runs them
+    # under the interpreter only) at each kernel's default tile, the offload race check, the context sweep
+    tests) run tests 240 env OOMB_TRITON_AUTOTUNE=0 python3 -m pytest -q -x -p no:cacheprovider "${tests[@]}" ;;
+    stress) run stress 120 python3 benchmarks/offload_stress.py --steps 5 --out "$out/offload-stress-h200.json" \
+      ${tiny[@]+"${tiny[@]}"} ;;
+    scaling) run scaling 300 env OOMB_TRITON_AUTOTUNE=0 python3 benchmarks/memory_scaling.py --warmup-once \
+      --hf-max 32768 --contexts 8192,32768 --offload-contexts 32768,65536 --out "$out/memory-scaling-h200.json" \
+      ${scaling_tiny[@]+"${scaling_tiny[@]}"} ;;
+    *) echo "!! unknown part '$part' (kernels compare reduced summary tests stress scaling)" | tee -a "$log"; status=1 ;;
+  esac
+done
 exit $status

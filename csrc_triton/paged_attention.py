@@ -29,7 +29,9 @@ the few on the causal diagonal / window edge / ragged last page that do; blocks 
 Tiles, warps and stages come from ``triton.autotune`` keyed on ``HEAD_DIM``, ``PAGE``, ``SPARSE`` (and the dtypes),
 over spaces pruned of tiles whose accumulators spill (checked with ptxas for sm_90); tuning happens at the first call
 of each key (``TRITON_CACHE_AUTOTUNING=1`` keeps the result on disk, ``OOMB_TRITON_AUTOTUNE=0`` skips tuning and
-uses each kernel's default tile). Under ``TRITON_INTERPRET=1`` one tiny config is used so CPU tests stay fast.
+uses each kernel's default tile, ``OOMB_TRITON_TUNE_CONFIGS=N`` tries at most N configs per key — the default and
+the rest spread over the space — each one compilation). Under ``TRITON_INTERPRET=1`` one tiny config is used so
+CPU tests stay fast.
 
 Key ranges, carried state, dQ accumulation — so that the caller can stream the keys through fixed-size device
 buffers (offloaded to host memory), one attention call splits into calls over disjoint ``key_range=(lo, hi)``
@@ -108,7 +110,8 @@ def _pruner(accumulator_rows: str, factor: int):
     ``HEAD_DIM``: clamps ``BLOCK_N`` to ``PAGE`` (key blocks never straddle pages) and, with ``SPARSE``, ``BLOCK_M``
     too (a query tile lies inside one selection block and divides it), and drops tiles needing more than 64
     accumulator registers per thread (they spill: ptxas for sm_90 at head_dim 128). With
-    ``OOMB_TRITON_AUTOTUNE=0`` only the default (first) config is kept: no tuning at the first call."""
+    ``OOMB_TRITON_AUTOTUNE=0`` only the default (first) config is kept: no tuning at the first call; with
+    ``OOMB_TRITON_TUNE_CONFIGS=N`` at most N (:func:`_spread`)."""
 
     def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
         kept, page = {}, kwargs["PAGE"]
@@ -120,9 +123,32 @@ def _pruner(accumulator_rows: str, factor: int):
             if factor * kw[accumulator_rows] * kwargs["HEAD_DIM"] <= 64 * 32 * c.num_warps or not kept:
                 kept.setdefault(key, triton.Config(kw, num_warps=c.num_warps, num_stages=c.num_stages))
         tune = os.environ.get("OOMB_TRITON_AUTOTUNE", "1") != "0"
-        return list(kept.values()) if tune else list(kept.values())[:1]
+        return _spread(list(kept.values()), _tune_cap()) if tune else list(kept.values())[:1]
 
     return prune
+
+
+def _tune_cap() -> int | None:
+    """``OOMB_TRITON_TUNE_CONFIGS`` as a positive int (``None``: unset, every config)."""
+    value = os.environ.get("OOMB_TRITON_TUNE_CONFIGS", "")
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(
+            f"OOMB_TRITON_TUNE_CONFIGS={value!r} must be a positive number of configs to try per kernel and tuning "
+            "key (unset: all; OOMB_TRITON_AUTOTUNE=0: the default tile only)."
+        )
+    return int(value)
+
+
+def _spread(configs: list, cap: int | None) -> list:
+    """At most ``cap`` of ``configs``: the first (the default) and the rest evenly spaced over the list, so a
+    capped search still spans the tiles."""
+    if cap is None or len(configs) <= cap:
+        return configs
+    if cap == 1:
+        return configs[:1]
+    return [configs[round(i * (len(configs) - 1) / (cap - 1))] for i in range(cap)]
 
 
 class _Restore:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "run_gpu.sh"
 
 
 def run(*args: str) -> str:
@@ -45,3 +46,155 @@ def test_offload_stress_smoke(tmp_path):
 
 def test_kernel_benchmark_help():
     assert "FlexAttention" in run("benchmarks/kernels.py", "--help")
+
+
+@pytest.mark.slow
+def test_kernel_benchmark_smoke(tmp_path):
+    """Dense and sparse rows (default tiles, then tuned), the sparse accuracy check, ratios and kernel records."""
+    out = tmp_path / "kernels.json"
+    text = run("benchmarks/kernels.py", "--smoke", "--methods", "paged,sparse", "--default-tiles",
+               "--tune-configs", "2", "--out", str(out))  # fmt: skip
+    data = json.loads(out.read_text())
+    methods = {r["method"] for r in data["throughput"]}
+    assert methods == {"oomb triton (paged)", "oomb triton (paged, sparse)",
+                       "oomb triton (paged) at default tiles", "oomb triton (paged, sparse) at default tiles"}  # fmt: skip
+    sparse = next(r for r in data["throughput"] if r["method"] == "oomb triton (paged, sparse)")
+    assert sparse["attended_keys_per_query"] < next(r for r in data["throughput"])["attended_keys_per_query"]
+    assert all(e["ok"] for e in data["accuracy"]["errors_vs_fp32"].values())
+    assert "dk (sparse)" in data["accuracy"]["errors_vs_fp32"]
+    assert data["sparse_over_dense"] and "kernels" in data and data["versions"]["torch"]
+    assert "sparse / dense, per attended key" in text
+
+
+@pytest.mark.slow
+def test_goals_smoke(tmp_path):
+    """Every part of the goal run at tiny shapes on the CPU: rows, their planner column, the summary table."""
+    from benchmarks import goals
+
+    common = ["--tiny", "--device", "cpu", "--out-dir", str(tmp_path)]
+    assert goals.main(["--part", "compare", "--repeats", "1", *common]) == 0
+    assert goals.main(["--part", "reduced", *common]) == 0
+    assert goals.main(["--part", "summary", *common]) == 0
+    rows = json.loads((tmp_path / "goals-reduced.json").read_text())["rows"]
+    assert all("step_s" in r for r in rows), [r for r in rows if "step_s" not in r]
+    assert all(r["planned_gib"] > 0 for r in rows)
+    host = next(r for r in rows if r["role"] == "1m-sparse-host")
+    assert host["hbm_layers"] == 1 and host["host_layers"] == 1 and host["attended_fraction"] < 1
+    summary = (tmp_path / "summary.md").read_text()
+    for goal in ("32K step time", "offload overhead at 128K", "sparse (chunk 4096 + 64 pages) at 256K",
+                 "1M tokens in one step", "check: layer scaling of step time at 64K"):  # fmt: skip
+        assert goal in summary, goal
+    data = json.loads((tmp_path / "summary.json").read_text())
+    assert {p["role"] for p in data["plans"]} == {"plan-1m", "plan-longest", "plan-1m-adamw"}
+    assert data["command"] and "1M tokens in one training step with AdamW" in summary
+
+
+def test_goals_budget_skips_rows_that_would_not_fit(tmp_path):
+    from benchmarks import goals
+
+    args = ["--part", "reduced", "--tiny", "--device", "cpu", "--out-dir", str(tmp_path), "--budget-s", "0"]
+    assert goals.main(args) == 0
+    rows = json.loads((tmp_path / "goals-reduced.json").read_text())["rows"]
+    assert rows and all("skipped" in r and "step_s" not in r for r in rows)
+
+
+def test_flop_count():
+    """The FLOP model the budget and the README predictions use: 2 per weight and token per forward, causal pairs."""
+    from transformers import Qwen2Config
+
+    from benchmarks.common import step_flops
+
+    cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=100)  # fmt: skip
+    layer = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128
+    dense, attention = step_flops(cfg, 256, "hf", chunk_size=64, page_size=16)
+    assert dense == 2 * 256 * (2 * layer * 4 + 100 * 64 * 3)  # 2 forwards + backward; head forward + backward
+    assert attention == 4 * 16 * 4 * (256 * 257 / 2) * 2 * 4.5
+    _, sparse = step_flops(
+        cfg, 256, chunk_size=64, page_size=16, page_budget=2
+    )  # 4 chunks, 32 earlier keys max
+    pairs = 4 * 64 * 65 / 2 + 64 * (0 + 32 + 32 + 32)
+    assert sparse == 4 * 16 * 4 * pairs * 2 * 5.5
+
+
+def script_commands(tmp_path, parts: list[str], **env) -> list[list[str]]:
+    """The ``python3`` command lines ``run_gpu.sh`` runs for ``parts`` (a stand-in ``python3`` records them)."""
+    fake = tmp_path / "bin"
+    fake.mkdir(exist_ok=True)
+    calls = tmp_path / "calls"
+    calls.unlink(missing_ok=True)
+    (fake / "python3").write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" "--end--" >> "{calls}"\n')
+    (fake / "python3").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}", **env}
+    done = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out"), *parts], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert (tmp_path / "out" / "run.log").exists()
+    return [c.strip("\n").split("\n") for c in calls.read_text().split("--end--\n") if c.strip()]
+
+
+@pytest.mark.parametrize("tiny", [False, True])
+def test_run_gpu_script(tmp_path, tiny):
+    """``bash -n`` passes, and every command the script runs (all parts) parses with its script's own parser; with
+    ``OOMB_BENCH_TINY=1`` each one runs at tiny shapes on the CPU."""
+    assert subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True).returncode == 0
+    parts = ["kernels", "compare", "reduced", "summary", "tests", "stress", "scaling"]
+    commands = script_commands(tmp_path, parts, **({"OOMB_BENCH_TINY": "1"} if tiny else {}))
+    from benchmarks import goals, kernels, memory_scaling, offload_stress
+
+    parsers = {"benchmarks/goals.py": goals.parse_args, "benchmarks/kernels.py": kernels.parse_args,
+               "benchmarks/memory_scaling.py": memory_scaling.parse_args,
+               "benchmarks/offload_stress.py": offload_stress.parse_args}  # fmt: skip
+    checked = []
+    for argv in commands:
+        if argv[0] in parsers:
+            args = parsers[argv[0]](argv[1:])
+            small = args.smoke if argv[0] == "benchmarks/kernels.py" else args.tiny and args.device == "cpu"
+            assert small == tiny, argv
+            checked.append(argv[0])
+        else:
+            assert argv[:2] == ["-m", "pytest"], argv
+            assert all((ROOT / a.split("::")[0]).exists() for a in argv if a.startswith("tests/"))
+    assert sorted(set(checked)) == sorted(parsers) and checked.count("benchmarks/goals.py") == 3
+    if not tiny:  # the 8-minute default: kernels compare reduced summary, in that order
+        default = [c[:3] for c in script_commands(tmp_path, []) if c[0] == "benchmarks/goals.py"]
+        assert [c[2] for c in default] == ["compare", "reduced", "summary"]
+
+
+def test_goal_table_arithmetic():
+    """The goal table from made-up rows (no timings): the ratios, the per-layer scaling of time (checked at 64K), the
+    offload overhead scaled per layer, the measured part of the memory slope."""
+    import dataclasses
+
+    import torch
+
+    from benchmarks import goals
+    from lightning_oomb.engine import OOMBConfig
+
+    scale = goals.TINY
+    dense = dataclasses.asdict(OOMBConfig(64, 16, layer_checkpointing=True))
+    off = dataclasses.asdict(OOMBConfig(64, 16, layer_checkpointing=True, offload=True, hbm_budget=0))
+
+    def row(role, layers, length, step, peak, config=dense, method="oomb"):
+        r = {"role": role, "method": method, "layers": layers, "context": scale.lengths[length], "repeats": 3,
+             "step_s": step, "min_s": step, "warmup_s": step + 1, "peak_gib": peak}  # fmt: skip
+        return r if config is None else {**r, "config": config}
+
+    rows = [row("hf-32k", 3, "32k", 1.0, 10.0, None, "hf"), row("oomb-32k", 3, "32k", 1.1, 4.0),
+            row("oomb-64k", 3, "64k", 2.0, 5.0), row("fit-64k", 2, "64k", 1.4, 3.0),
+            row("fit-64k", 1, "64k", 0.8, 2.0), row("128k-dense", 1, "128k", 1.0, 2.5),
+            row("warm-offload", 1, "32k", 0.3, 1.0, off), row("128k-offload", 1, "128k", 1.01, 1.001, off),
+            row("256k-offload", 1, "256k", 2.0, 1.002, off)]  # fmt: skip
+    table = {g["goal"]: g for g in goals.goal_table(scale, rows, {}, [], torch.device("cpu"))}
+    assert table["32K step time vs HF + SDPA + checkpointing"]["value"] == pytest.approx(1.1)
+    assert (
+        table["32K peak vs HF's"]["value"] == pytest.approx(0.4) and table["32K peak vs HF's"]["met"] == "yes"
+    )
+    # fit: t(L) = 0.2 + 0.6 L at 192 tokens; 2 layers scaled to 3 = 2.0 s, the measured 3-layer step
+    assert table["check: layer scaling of step time at 64K"]["value"] == pytest.approx(0.0, abs=1e-12)
+    a = 0.2 / 192 * 256  # the per-token part at 128K's tiny length
+    overhead = table["offload overhead at 128K"]["value"]
+    assert overhead == pytest.approx(3 * 0.01 / (a + 3 * (1.0 - a)))
+    slope = table["GPU memory growth with offload"]
+    assert f"1 layers measured: {0.002 * 2**30 / 1e6 / (256 / 1e4):.2f}" in slope["measured"]
+    assert "peaks at 128, 256, 384" in slope["how"]

@@ -321,6 +321,19 @@ def test_tuning_space_fits_pages_and_registers(monkeypatch):
     assert len(prune(configs, {}, PAGE=64, HEAD_DIM=128)) == 1
 
 
+def test_tuning_cap_keeps_the_default_and_spreads(monkeypatch):
+    """OOMB_TRITON_TUNE_CONFIGS=N: at most N configs per key, the default first, the rest spread over the space."""
+    monkeypatch.delenv("OOMB_TRITON_AUTOTUNE", raising=False)
+    configs = [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=s) for s in range(1, 8)]
+    prune = triton_kernels._pruner("BLOCK_M", 1)
+    for cap, stages in (("1", [1]), ("3", [1, 4, 7]), ("7", list(range(1, 8))), ("", list(range(1, 8)))):
+        monkeypatch.setenv("OOMB_TRITON_TUNE_CONFIGS", cap)
+        assert [c.num_stages for c in prune(configs, {}, PAGE=64, HEAD_DIM=64)] == stages, cap
+    monkeypatch.setenv("OOMB_TRITON_TUNE_CONFIGS", "0")
+    with pytest.raises(ValueError, match="positive number of configs"):
+        prune(configs, {}, PAGE=64, HEAD_DIM=64)
+
+
 def test_rejects_unsupported_inputs():
     q, _, kv = make_inputs(Case(b=1, lq=4, q_start=0))
     with pytest.raises(TypeError, match="torch reference"):
