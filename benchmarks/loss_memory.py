@@ -11,7 +11,7 @@ and eval sweeps), median of ``--repeats``; in 16-bit precisions the relative err
 gradients against float64 on the same inputs. Then both formulas at Qwen2.5-7B's shape (152,064 x 3,584, chunks of
 4,096 tokens, blocks of 1,024).
 
-Writes JSON (``--out``), a PNG and a Markdown table next to it.
+Writes JSON (``--out``), a PNG and a Markdown table next to it; about 50 s on one CPU thread.
 
     PYTHONPATH=$PWD python benchmarks/loss_memory.py --out benchmarks/results/loss-memory-cpu.json
 """
