@@ -198,3 +198,17 @@ def test_goal_table_arithmetic():
     slope = table["GPU memory growth with offload"]
     assert f"1 layers measured: {0.002 * 2**30 / 1e6 / (256 / 1e4):.2f}" in slope["measured"]
     assert "peaks at 128, 256, 384" in slope["how"]
+
+
+@pytest.mark.slow
+def test_loss_memory_smoke(tmp_path):
+    """The fused loss's counted peak equals its formula and is below the unfused loss's, measured in one run."""
+    out = tmp_path / "loss.json"
+    run("benchmarks/loss_memory.py", "--vocab", "512", "--hidden", "32", "--tokens", "64", "--block", "16",
+        "--repeats", "1", "--out", str(out))  # fmt: skip
+    rows = {(r["precision"], r["method"]): r for r in json.loads(out.read_text())["rows"]}
+    for precision in ("32-true", "bf16-true", "bf16-mixed"):
+        fused, unfused = rows[precision, "fused"], rows[precision, "unfused"]
+        assert fused["peak_bytes"] < unfused["peak_bytes"]
+        assert 0 <= fused["peak_bytes"] - fused["formula_bytes"] <= 8 * 16 * 32
+    assert out.with_suffix(".md").exists()

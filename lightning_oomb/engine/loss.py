@@ -1,11 +1,28 @@
-"""Cross-entropy on final hidden states, computing logits for a block of tokens at a time.
+"""Cross-entropy on final hidden states through the LM head, a block of tokens at a time (fused linear CE).
 
-Never materialises ``[tokens, vocab]`` logits for more than ``block`` tokens: forward keeps only the hidden
-states, backward recomputes each block's logits. Arithmetic matches Hugging Face's causal-LM loss: logits in the
+Logits exist for at most ``block`` tokens at once. Arithmetic matches Hugging Face's causal-LM loss: logits in the
 compute dtype (the autocast dtype when autocast is on), log-softmax in float32 (float64 for float64 models),
 ``ignore_index=-100``, summed (the caller divides by the global target count). An :class:`LMHead` may rescale the
 logits (Cohere's ``logit_scale``, Granite's ``1 / logits_scaling``) and soft-cap them (Gemma 2/3's
 ``final_logit_softcapping``: ``c * tanh(z / c)``), both applied in the log-softmax dtype.
+
+**Without grad** (the engine's forward and eval sweeps) only the value is computed. **With grad** (the backward
+sweep's recompute, back-propagated at once) the forward computes the value *and* the gradients of the hidden
+states, the weight and the bias from the same logits: each block's logits are computed once (not once for the
+value and again in backward), the softmax and the logit gradient overwrite the float32 logits in place, and ``dh``
+rows and the weight gradient are written in place into the tensors autograd receives. Backward only rescales them
+by ``grad / expected_grad``: exactly 1 when the caller says which gradient it will back-propagate (the engine does),
+so the logit gradient is scaled before its cast to the compute dtype, as in HF.
+
+The weight gradient accumulates in the weight's dtype, one ``addmm_`` per block (its GEMM sums the block's tokens
+in float32 or wider): a 16-bit weight's running sum is rounded once per block — as a bf16 ``.grad`` is once per
+chunk — since a float32 accumulator would cost ``4VH`` bytes more, and ``2VH`` again for the cast autograd needs.
+Float32 weights under autocast get each block's compute-dtype product (as HF makes it), added in slabs of
+vocabulary rows no larger than the block's logits. The bias gradient (``V`` numbers) is summed in float32. Memory
+with grad, beyond the inputs: ``dh``, the weight gradient (``VH`` in the weight's dtype), under autocast one
+compute-dtype copy of the weight, and one block's logits: float32 logits and their compute-dtype cast (or the soft
+cap's derivative, if larger; under autocast plus a slab) — what
+:func:`~lightning_oomb.engine.planner.loss_backward_bytes` counts.
 """
 
 from __future__ import annotations
@@ -35,91 +52,154 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    head: LMHead,
+    targets: torch.Tensor,
+    block: int = 1024,
+    expected_grad: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Summed CE of ``hidden [..., H]`` through the LM ``head`` against ``targets [...]``, ``block`` tokens at a time.
+
+    With grad enabled and an input that requires it, the gradients are computed here, at once (module docstring);
+    ``expected_grad``: the gradient the caller will back-propagate into the result, if known (the engine's backward
+    sweep), so that they are computed at that scale. Back-propagate once (``retain_graph`` is refused)."""
+    if block < 1:
+        raise ValueError(f"block must be a positive number of tokens, got {block}")
+    hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    inputs = (hidden, head.weight, head.bias)
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs):
+        return LinearCrossEntropy.apply(*inputs, targets, block, head.scale, head.softcap, expected_grad)
+    return _sweep(*inputs, targets, block, head.scale, head.softcap)
+
+
+@dataclass
+class _Grads:
+    """Where a sweep adds its gradients (``None``: not wanted) and the factor of its logit gradient."""
+
+    hidden: torch.Tensor | None
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+    scale: torch.Tensor
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """``sum_i CE(hidden_i @ W^T + b, target_i)`` over non-ignored targets; gradients made in ``forward``."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, block, scale, softcap, expected_grad):
+        acc = _acc_dtype(_compute_dtype(hidden))
+        factor = torch.ones((), dtype=acc, device=hidden.device)
+        if expected_grad is not None:  # a zero would lose the gradients: then rescale from 1
+            factor = torch.where(expected_grad == 0, factor, expected_grad.to(acc))
+        need, device = ctx.needs_input_grad, hidden.device
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.grads = _Grads(
+            torch.empty(hidden.shape, dtype=hidden.dtype, device=device) if need[0] else None,
+            torch.zeros(weight.shape, dtype=weight.dtype, device=device) if need[1] else None,
+            torch.zeros(bias.shape, dtype=acc, device=device) if need[2] else None,  # V floats: summed wide
+            factor,
+        )
+        return _sweep(hidden, weight, bias, targets, block, scale, softcap, ctx.grads)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_total):
+        grads, ctx.grads = ctx.grads, None  # handed out, not kept: autograd can adopt the weight gradient
+        if grads is None:
+            raise RuntimeError(
+                "linear_cross_entropy's gradients were already handed out by an earlier backward — they are made "
+                "once, in its forward — back-propagate through it once (without retain_graph), or call it again."
+            )
+        ratio = grad_total / grads.scale
+        dh, dw, db = (None if g is None else g.mul_(ratio) for g in (grads.hidden, grads.weight, grads.bias))
+        del grads
+        return dh, dw, None if db is None else db.to(ctx.bias_dtype), None, None, None, None, None
+
+
 def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
     device = hidden.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
 
 
-class LinearCrossEntropy(torch.autograd.Function):
-    """``sum_i CE(hidden_i @ W^T + b, target_i)`` over non-ignored targets."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, block: int, scale: float, softcap: float | None):
-        dtype = _compute_dtype(hidden)
-        acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        total = torch.zeros((), dtype=acc_dtype, device=hidden.device)
-        with torch.autocast(hidden.device.type, enabled=False):
-            for i in range(0, hidden.shape[0], block):
-                logits, _ = _transformed(_logits(hidden[i : i + block], weight, bias, dtype).to(acc_dtype), scale,
-                                         softcap)  # fmt: skip
-                t = targets[i : i + block]
-                valid = t != IGNORE_INDEX
-                picked = logits.gather(1, t.clamp_min(0)[:, None]).squeeze(1)
-                total += ((torch.logsumexp(logits, 1) - picked) * valid).sum()
-        ctx.save_for_backward(hidden, weight, bias, targets)
-        ctx.args = (block, dtype, scale, softcap)
-        return total
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_total):
-        hidden, weight, bias, targets = ctx.saved_tensors
-        block, dtype, scale, softcap = ctx.args
-        acc_dtype = grad_total.dtype
-        dh = torch.empty_like(hidden)
-        dw = (
-            torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device)
-            if ctx.needs_input_grad[1]
-            else None
-        )
-        db = torch.zeros(bias.shape, dtype=acc_dtype, device=bias.device) if ctx.needs_input_grad[2] else None
-        with torch.autocast(hidden.device.type, enabled=False):
-            for i in range(0, hidden.shape[0], block):
-                h = hidden[i : i + block]
-                t = targets[i : i + block]
-                valid = (t != IGNORE_INDEX)[:, None]
-                logits, chain = _transformed(_logits(h, weight, bias, dtype).to(acc_dtype), scale, softcap)
-                probs = torch.softmax(logits, 1)
-                probs.scatter_add_(1, t.clamp_min(0)[:, None], -valid.to(acc_dtype))
-                dlogits = probs * valid * grad_total
-                dlogits = (dlogits if chain is None else dlogits * chain).to(dtype)
-                dh[i : i + block] = (dlogits @ weight.to(dtype)).to(hidden.dtype)
-                if dw is not None:
-                    dw += (dlogits.t() @ h.to(dtype)).to(acc_dtype)
-                if db is not None:
-                    db += dlogits.sum(0).to(acc_dtype)
-        return (
-            dh,
-            None if dw is None else dw.to(weight.dtype),
-            None if db is None else db.to(bias.dtype),
-            None,
-            None,
-            None,
-            None,
-        )
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The log-softmax dtype: float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _logits(h, weight, bias, dtype):
-    logits = h.to(dtype) @ weight.to(dtype).t()
-    return logits if bias is None else logits + bias.to(dtype)
+def _sweep(hidden, weight, bias, targets, block, scale, softcap, grads: _Grads | None = None) -> torch.Tensor:
+    """The summed loss over blocks of ``block`` tokens; with ``grads``, each block also adds its gradients."""
+    dtype = _compute_dtype(hidden)
+    total = torch.zeros((), dtype=_acc_dtype(dtype), device=hidden.device)
+    with torch.autocast(hidden.device.type, enabled=False):
+        w = weight.to(dtype)  # under autocast: one compute-dtype copy for every block
+        b = None if bias is None else bias.to(dtype)
+        for start in range(0, hidden.shape[0], block):
+            rows = slice(start, start + block)
+            total += _block(hidden[rows], targets[rows], w, b, scale, softcap, grads, rows)
+    return total
 
 
-def _transformed(logits: torch.Tensor, scale: float, softcap: float | None):
-    """``softcap(scale * logits)`` and ``d out / d logits`` (``None`` when it is 1: no transform)."""
-    if scale == 1.0 and softcap is None:
-        return logits, None
-    z = logits * scale if scale != 1.0 else logits
+def _block(h, t, w, b, scale, softcap, grads: _Grads | None, rows: slice) -> torch.Tensor:
+    """One block's summed loss; with ``grads``, adds its gradients into them. Its tensors die on return."""
+    hc = h.to(w.dtype)
+    z = torch.mm(hc, w.t()) if b is None else torch.addmm(b, hc, w.t())
+    z = z.to(_acc_dtype(w.dtype))  # the compute-dtype logits die here
+    chain = _transform_(z, scale, softcap, grads is not None)
+    valid = t != IGNORE_INDEX
+    target = t.clamp_min(0)[:, None]
+    picked = z.gather(1, target).squeeze(1)
+    top = z.amax(1, keepdim=True)
+    top.masked_fill_(top.isinf(), 0)  # as torch.logsumexp
+    z.sub_(top).exp_()
+    sums = z.sum(1, keepdim=True)
+    loss = ((sums.log().add_(top).squeeze(1) - picked) * valid).sum()
+    if grads is None:
+        return loss
+    dz = z.div_(sums)  # the softmax, as torch.softmax makes it
+    dz.scatter_add_(1, target, -valid[:, None].to(dz.dtype))
+    dz.mul_((valid * grads.scale)[:, None])
+    if chain is not None:
+        dz.mul_(chain)
+    del chain
+    dzc = dz.to(w.dtype)  # the logit gradient in the compute dtype (an alias when it is float32/64 already)
+    if grads.hidden is not None:
+        out = grads.hidden[rows]
+        if out.dtype == dzc.dtype:
+            torch.mm(dzc, w, out=out)
+        else:  # autocast: the compute-dtype product, cast into float32 rows
+            out.copy_(dzc @ w)
+    if grads.weight is not None:
+        _add_weight_grad(grads.weight, dzc, hc)
+    if grads.bias is not None:
+        grads.bias.add_(dz.sum(0))
+    return loss
+
+
+def _add_weight_grad(gw: torch.Tensor, dz: torch.Tensor, h: torch.Tensor) -> None:
+    """``gw += dz^T @ h`` in place: one ``addmm_`` in ``gw``'s dtype; a wider ``gw`` (float32 weights under autocast)
+    gets the compute-dtype product, as HF makes it, slab by slab of vocabulary rows (each at most ``dz``'s size)."""
+    if gw.dtype == dz.dtype:
+        gw.addmm_(dz.t(), h)
+        return
+    slab = dz.new_empty((min(gw.shape[0], max(1, dz.numel() // h.shape[1])), h.shape[1]))
+    for start in range(0, gw.shape[0], slab.shape[0]):
+        rows = gw[start : start + slab.shape[0]]
+        product = torch.mm(dz[:, start : start + rows.shape[0]].t(), h, out=slab[: rows.shape[0]])
+        rows.add_(product)
+
+
+def _transform_(z: torch.Tensor, scale: float, softcap: float | None, chain: bool):
+    """In place ``z <- softcap(scale * z)``; with ``chain``, ``d out / d z`` (``None`` when it is 1)."""
+    if scale != 1.0:
+        z.mul_(scale)
     if softcap is None:
-        return z, scale
-    t = torch.tanh(z / softcap)
-    return t * softcap, (1 - t * t) * scale
-
-
-def linear_cross_entropy(
-    hidden: torch.Tensor, head: LMHead, targets: torch.Tensor, block: int = 1024
-) -> torch.Tensor:
-    """Summed CE of ``hidden [..., H]`` through the LM ``head`` against ``targets [...]``."""
-    return LinearCrossEntropy.apply(
-        hidden.reshape(-1, hidden.shape[-1]), head.weight, head.bias, targets.reshape(-1), block, head.scale,
-        head.softcap,
-    )  # fmt: skip
+        return scale if chain and scale != 1.0 else None
+    t = z.div_(softcap).tanh_()
+    derivative = None
+    if chain:  # (1 - t^2) * scale, in place
+        derivative = (t * t).neg_().add_(1)
+        if scale != 1.0:
+            derivative.mul_(scale)
+    t.mul_(softcap)
+    return derivative

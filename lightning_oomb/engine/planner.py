@@ -22,13 +22,14 @@ options that would make it fit (each tried in the planner).
   the projections' input (``rH``; under autocast one cast copy per projection, ``cH`` each), attention ``2rQ``
   (query after RoPE, output) ``+ 4 Hq`` (float32 LSE) ``+ rQ`` (o_proj input; ``cQ`` under autocast), the MLP
   ``4cI`` (gate, SiLU, up, product) — ``Q = Hq x head_dim``. Under autocast every decoder weight is saved once more
-  as a ``c`` copy. With ``layer_checkpointing`` a layer saves only its input (``rH``). Plus the final norm and the
-  loss's hidden states (``4H + 4 + 2rH``), the targets (8 B/token) and the step's token ids (8 B x batch x N).
-- *loss transients* (:func:`loss_backward_bytes`, from ``engine/loss.py``): the cross-entropy's backward holds
-  ``dh`` (``T x rH``), the float32 LM-head gradient (``4VH``) and its block's largest moment: with ``b =
-  min(loss_block, T)``, float32 logits and softmax, two float32 products and the previous block's logit gradient
-  (``(16 + c) b V``), or logits, softmax, gradient and the ``V x H`` product of the weight gradient (``(8 + c) b V +
-  cVH``, ``+ 4VH`` for its float32 copy when ``c`` is 2); under autocast each use casts the weight (``cVH``).
+  as a ``c`` copy. With ``layer_checkpointing`` a layer saves only its input (``rH``). Plus the final norm
+  (``4H + 4 + rH``; the cross-entropy saves nothing) and the step's token ids (8 B x batch x N).
+- *loss transients* (:func:`loss_backward_bytes`, from ``engine/loss.py``, whose recompute makes the gradients in
+  its forward): its hidden states and ``dh`` (``2rH`` per token), the targets (8 B/token), the LM-head gradient in
+  the weight's dtype (``pVH``), under autocast the weight's compute-dtype copy (``cVH``), and one block's logits
+  (``b = min(loss_block, T)``): float32 logits plus their compute-dtype cast, ``(4 + c) b V`` (``4bV`` in float32,
+  ``8bV`` in float64; a soft cap's derivative makes it at least ``8bV``), under autocast plus a ``c min(b, H) V``
+  slab of the weight gradient's product.
 - *layer transients* (:func:`layer_backward_bytes`): while the last decoder layer back-propagates — with
   checkpointing its recompute's saved tensors again — the gradients in flight (``3cI + 2rH`` per token in the MLP,
   ``2rQ + 4Q + 4 r Hkv D + 2rH`` in attention) and, on the torch attention backend (the CPU path), four float32
@@ -104,7 +105,8 @@ class ModelShape:
     Llama-style formula); ``weight_bytes`` / ``grad_bytes``: exact bytes when a module was read (else counts x the
     precision's dtype); ``largest_param``: elements of the largest parameter; ``head_trainable`` /
     ``embedding_trainable``: whether the LM head / input embedding get gradients (not under LoRA); ``mlp_width``: MLP
-    width a token passes through (``experts_per_token x`` the expert width for MoE)."""
+    width a token passes through (``experts_per_token x`` the expert width for MoE); ``logit_softcap``: the head
+    soft-caps its logits (Gemma 2/3)."""
 
     num_layers: int
     hidden_size: int
@@ -127,6 +129,7 @@ class ModelShape:
     largest_param: int | None = None
     head_trainable: bool = True
     embedding_trainable: bool = True
+    logit_softcap: bool = False
 
     @property
     def mlp_width(self) -> int:
@@ -222,11 +225,13 @@ def _shape_of_config(cfg: Any) -> ModelShape:
         family=family,
         num_experts=experts,
         experts_per_token=(getattr(cfg, "num_experts_per_tok", None) or 0) if experts else 0,
+        logit_softcap=getattr(cfg, "final_logit_softcapping", None) is not None,
     )
 
 
 def _shape_of_chunk_model(model: torch.nn.Module) -> ModelShape:
-    head = model.lm_head().weight
+    lm_head = model.lm_head()
+    head = lm_head.weight
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight is not head]
     widest = max((max(m.in_features, m.out_features) for m in linears), default=4 * head.shape[1])
     return ModelShape(
@@ -239,6 +244,7 @@ def _shape_of_chunk_model(model: torch.nn.Module) -> ModelShape:
         vocab_size=model.vocab_size,
         num_embeddings=model.num_embeddings,
         family=type(model).__name__,
+        logit_softcap=lm_head.softcap is not None,
     )
 
 
@@ -467,33 +473,27 @@ def _layer_bytes_per_token(shape: ModelShape, dtypes: Dtypes, streamed: bool) ->
 
 
 def _head_bytes_per_token(shape: ModelShape, dtypes: Dtypes) -> int:
-    r = dtypes.activation.itemsize
-    return NORM_BYTES * shape.hidden_size + NORM_BYTES + 2 * r * shape.hidden_size + ID_BYTES
+    """The final norm's saved tensors (the cross-entropy saves none: its gradients are made in its forward)."""
+    return NORM_BYTES * shape.hidden_size + NORM_BYTES + dtypes.activation.itemsize * shape.hidden_size
 
 
 def loss_backward_bytes(
     shape: ModelShape, dtypes: Dtypes, tokens: int, loss_block: int, head_trainable: bool = True
 ) -> int:
-    """Peak bytes the chunked cross-entropy's backward allocates for a chunk of ``tokens`` (``engine/loss.py``):
-    ``dh``, the float32 LM-head gradient and the largest moment of a block (see the module docstring)."""
+    """Peak bytes the chunked cross-entropy allocates with grad for a chunk of ``tokens`` (``engine/loss.py``): its
+    hidden states, ``dh`` and targets, the LM-head gradient, the weight's autocast copy and one block's logits (see
+    the module docstring)."""
     v, h = shape.vocab_size, shape.hidden_size
     c, r, p = dtypes.compute.itemsize, dtypes.activation.itemsize, dtypes.param.itemsize
     acc = 8 if dtypes.compute == torch.float64 else 4
     block = min(loss_block, tokens)
-    bv = block * v
-    cast = v * h * c if dtypes.param != dtypes.compute else 0  # weight.to(compute dtype), per use
-    dl = c if c != acc else acc  # a block's logit gradient, in the compute dtype
-    multi = tokens > block  # the previous block's logits, softmax and gradient live until rebound
-    moments = [
-        (2 * acc + dl) * bv * multi + max(cast + c * bv, (c + acc) * bv if c != acc else c * bv),  # logits
-        2 * acc * bv + (acc + dl) * bv * multi,  # softmax next to the previous block's
-        4 * acc * bv + dl * bv * multi,  # probs * valid * grad: two temporaries
-        (2 * acc + dl) * bv + cast,  # the block's dh
-        (2 * acc + dl) * bv + v * h * c + (v * h * acc if c != acc else 0),  # the weight gradient's product
-    ]
-    dw = v * h * acc if head_trainable else 0
-    end = (2 * acc + dl) * bv + (v * h * p if head_trainable and p != acc else 0)  # dw.to(weight dtype)
-    return tokens * h * r + dw + max(max(moments), end)
+    widened = dtypes.param != dtypes.compute  # autocast: the weight cast once, its gradient made in slabs
+    logits = (acc + (c if c != acc else 0)) * block * v  # float32 logits and their 16-bit original or cast
+    moments = [logits, 2 * acc * block * v if shape.logit_softcap else 0]  # + a soft cap's derivative
+    if widened and head_trainable:  # + a compute-dtype slab of the weight gradient (<= the logits' size)
+        moments.append(logits + c * min(block, h) * v)
+    head = v * h * (p if head_trainable else 0) + (v * h * c if widened else 0)
+    return (2 * r * h + ID_BYTES) * tokens + head + max(moments)
 
 
 def layer_backward_bytes(

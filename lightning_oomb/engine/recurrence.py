@@ -306,7 +306,9 @@ class OOMBEngine:
                 f"ignore to {IGNORE_INDEX}."
             )
 
-    def _chunk_loss(self, step: _Step, index: int, sweep: str) -> torch.Tensor:
+    def _chunk_loss(self, step: _Step, index: int, sweep: str, grad_output=None) -> torch.Tensor:
+        """The chunk's loss; ``grad_output``: what the backward sweep will back-propagate into the step's loss (the
+        cross-entropy then makes its gradients at once, at the scale autograd's division gives them)."""
         start, end = step.bounds[index]
         docs = None if step.doc_start is None else step.doc_start[:, start:end]
         chunk = ChunkContext(
@@ -332,8 +334,11 @@ class OOMBEngine:
             )
             lo, hi = (lo, hi) if hi > lo else (start, start + 1)
         hidden = self.model.hidden_states(step.input_ids[:, lo:hi], step.positions[:, lo:hi], chunk)
-        total = linear_cross_entropy(hidden, self.model.lm_head(), targets, self.config.loss_block)
-        loss = total / max(step.denominator, 1)
+        denominator = max(step.denominator, 1)
+        # the gradient autograd will hand the cross-entropy: the division's backward, the same op
+        expected = None if grad_output is None else grad_output / denominator
+        total = linear_cross_entropy(hidden, self.model.lm_head(), targets, self.config.loss_block, expected)
+        loss = total / denominator
         if step.step_loss is not None and sweep == "backward":
             loss = loss + step.step_loss.chunk_term()
         return loss
@@ -366,7 +371,7 @@ class OOMBEngine:
             for index in reversed(range(len(step.bounds))):
                 rng[index].restore()
                 with torch.enable_grad(), autocast():
-                    loss = self._chunk_loss(step, index, "backward")
+                    loss = self._chunk_loss(step, index, "backward", grad_output)
                 torch.autograd.backward(loss, grad_output)
         self.stats.extra.update(self.pool.stats())
 

@@ -103,3 +103,17 @@ def test_dropout_is_replayed_in_the_recompute():
     loss, got, _ = oomb_loss_and_grads(model, ids, None, 8, False)
     assert abs(loss.item() - want_loss.item()) <= TOL * want_loss.item()
     assert max_relative_error(got, want) <= TOL
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_tied_lm_head_gets_both_gradients(checkpointing):
+    """Tied embeddings: the LM head is the input embedding, whose gradient sums the lookup's and the loss's."""
+    model = build_causal_lm("qwen2", tie_word_embeddings=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ids = torch.randint(0, 97, (2, SEQ), generator=torch.Generator().manual_seed(5))
+    want_loss = full_sequence_loss(model, ids)
+    want_loss.backward()
+    want = grads_of(model)
+    loss, got, _ = oomb_loss_and_grads(model, ids, None, 16, checkpointing)
+    assert abs(loss.item() - want_loss.item()) <= TOL * want_loss.item()
+    assert max_relative_error(got, want) <= TOL

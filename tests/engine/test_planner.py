@@ -9,9 +9,6 @@ import contextlib
 import lightning as L
 import pytest
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import lightning_oomb
 from lightning_oomb.engine import KVPool, OOMBConfig, OOMBConfigError, OOMBEngine, PoolShape, planner
@@ -20,6 +17,7 @@ from lightning_oomb.engine.planner import Machine, ModelShape, OptimizerSpec, mo
 from lightning_oomb.integrations.hf import HFChunkModel
 from lightning_oomb.models import qwen2_5_7b_config
 from tests.helpers.lightning import TinyLM, batches, make_trainer
+from tests.helpers.memory import LiveBytes, cross_entropy_peak
 from tests.helpers.models import FAMILIES, build_causal_lm
 
 
@@ -86,30 +84,6 @@ def test_mixed_precision_pages_are_float32():
 
 
 # -------------------------------------------------------------------------------------------------- activations
-class LiveBytes(TorchDispatchMode):
-    """Peak bytes of the CPU storages created inside the block (sampled at every op), ``exclude`` not counted."""
-
-    def __init__(self, exclude=()):
-        super().__init__()
-        self.exclude = {t.untyped_storage().data_ptr() for t in exclude}
-        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.current = self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
-            self.current -= self.live.pop(key)[1]
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                key = storage.data_ptr()
-                if key and key not in self.live and key not in self.exclude and storage.nbytes():
-                    self.live[key] = (StorageWeakRef(storage), storage.nbytes())
-                    self.current += storage.nbytes()
-        self.peak = max(self.peak, self.current)
-        return out
-
-
 def measure(family, precision, checkpointing, chunk, seq_len=None, vocab=97, live=False):
     """(plan, saved-tensor peak, live-bytes peak or None) of a second step (gradients exist) of a tiny model."""
     model = build_causal_lm(family, dtype=DTYPES[precision], vocab_size=vocab)
@@ -154,7 +128,7 @@ def test_activations_of_qk_norms_windows_and_autocast(family, precision):
 @pytest.mark.parametrize(
     ("precision", "checkpointing", "vocab"),
     [("32-true", False, 97), ("bf16-true", True, 97), ("bf16-mixed", False, 97), ("32-true", True, 16384),
-     ("bf16-mixed", True, 16384)],
+     ("bf16-true", True, 16384), ("bf16-mixed", True, 16384)],
 )  # fmt: skip
 def test_a_steps_peak_is_what_the_cpu_allocates(precision, checkpointing, vocab):
     """Activations + the largest transient (attention score blocks at a small vocabulary, the loss backward at a
@@ -162,6 +136,26 @@ def test_a_steps_peak_is_what_the_cpu_allocates(precision, checkpointing, vocab)
     predicted, _, measured = measure("qwen2", precision, checkpointing, 64, vocab=vocab, live=True)
     backward = max(v for k, v in predicted.phases.items() if k != "optimizer step")
     assert abs(backward / measured - 1) <= 0.10, (predicted.phases, measured)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "autocast", "softcap", "frozen"),
+    [(torch.bfloat16, None, None, False), (torch.float32, None, None, False), (torch.float64, None, None, False),
+     (torch.float32, torch.bfloat16, None, False), (torch.bfloat16, None, 30.0, False),
+     (torch.float32, torch.bfloat16, 30.0, False), (torch.bfloat16, None, None, True)],
+)  # fmt: skip
+@pytest.mark.parametrize(("tokens", "block"), [(32, 4), (30, 7), (16, 32)])
+def test_loss_transients_are_what_the_cross_entropy_allocates(
+    dtype, autocast, softcap, frozen, tokens, block
+):
+    """The loss term of the plan is the chunked cross-entropy's allocation peak (up to a block's per-row vectors and,
+    under autocast, its hidden states' bf16 copy)."""
+    vocab, hidden = 1024, 64
+    shape = ModelShape(1, hidden, hidden, 1, 1, hidden, vocab, vocab, logit_softcap=softcap is not None)
+    dtypes = planner.Dtypes(dtype, dtype, autocast or dtype)
+    predicted = planner.loss_backward_bytes(shape, dtypes, tokens, block, head_trainable=not frozen)
+    measured = cross_entropy_peak(vocab, hidden, tokens, block, dtype, autocast, softcap, frozen)
+    assert 0 <= measured - predicted <= 8 * block * hidden, (measured, predicted)
 
 
 def test_activations_do_not_grow_with_the_context():
