@@ -33,6 +33,9 @@ options that would make it fit (each tried in the planner).
   checkpointing its recompute's saved tensors again — the gradients in flight (``3cI + 2rH`` per token in the MLP,
   ``2rQ + 4Q + 4 r Hkv D + 2rH`` in attention) and, on the torch attention backend (the CPU path), four float32
   score blocks of ``[batch x Hq x Lq, min(KEY_BLOCK, keys)]``.
+- *float32 gradient sums* (``grad_accumulation="float32"``, the default): during the backward sweep every trainable
+  16-bit parameter's gradient is a 4-byte sum instead of its 2-byte ``.grad`` (:mod:`~lightning_oomb.engine.grads`):
+  2 bytes per such parameter, in every moment of the sweep, not at the optimizer step.
 - *optimizer step*: torch's ``foreach`` Adam/AdamW (its default on CUDA) makes one state-sized ``sqrt`` copy of
   the largest parameter group (the for-loop one of the largest parameter; fused: none).
 
@@ -46,7 +49,8 @@ non-Hugging-Face ChunkModels use the same layer formula and say so in :attr:`Mem
 (LoRA) save less than counted.
 
 **Options.** When the step does not fit, :func:`plan` plans the changes that could make it fit and lists those that
-do (:attr:`MemoryPlan.options`): ``kv_grad_dtype="bfloat16"``, ``layer_checkpointing=True``, the largest smaller
+do (:attr:`MemoryPlan.options`): ``kv_grad_dtype="bfloat16"``, ``grad_accumulation="native"`` (16-bit parameters),
+``layer_checkpointing=True``, the largest smaller
 ``chunk_size``, ``offload=True`` with ``hbm_budget="auto"`` or the largest explicit budget (whole layers), pairs of
 these when no single one suffices, a fused optimizer, 16-bit weights instead of autocast, the longest ``seq_len``
 that fits, and the fewest devices once context parallelism exists.
@@ -69,6 +73,7 @@ import torch
 
 from lightning_oomb.engine.config import OOMBConfig
 from lightning_oomb.engine.errors import OOMBConfigError
+from lightning_oomb.engine.grads import HALF_DTYPES
 from lightning_oomb.engine.kv_pool import AUTO_HEADROOM, HOST_RESERVE_BYTES, host_memory_available, plan_tiers
 from lightning_oomb.engine.pages import GRAD_DTYPES, PoolShape, arena_bytes
 from lightning_oomb.engine.reference import KEY_BLOCK
@@ -100,8 +105,9 @@ class ModelShape:
     """What the planner needs of a model. ``params`` / ``trainable``: parameter counts (``None``: from the
     Llama-style formula); ``weight_bytes`` / ``grad_bytes``: exact bytes when a module was read (else counts x the
     precision's dtype); ``largest_param``: elements of the largest parameter; ``head_trainable`` /
-    ``embedding_trainable``: whether the LM head / input embedding get gradients (not under LoRA); ``mlp_width``: MLP
-    width a token passes through (``experts_per_token x`` the expert width for MoE)."""
+    ``embedding_trainable``: whether the LM head / input embedding get gradients (not under LoRA); ``half_trainable``:
+    trainable elements in a 16-bit dtype (``None``: all trainable ones when the precision's parameters are 16-bit);
+    ``mlp_width``: MLP width a token passes through (``experts_per_token x`` the expert width for MoE)."""
 
     num_layers: int
     hidden_size: int
@@ -124,6 +130,7 @@ class ModelShape:
     largest_param: int | None = None
     head_trainable: bool = True
     embedding_trainable: bool = True
+    half_trainable: int | None = None
 
     @property
     def mlp_width(self) -> int:
@@ -257,6 +264,7 @@ def _with_parameters(shape: ModelShape, module: torch.nn.Module) -> ModelShape:
         weight_bytes=sum(p.numel() * p.element_size() for p in params),
         grad_bytes=sum(p.numel() * p.element_size() for p in trainable),
         largest_param=max((p.numel() for p in trainable), default=0),
+        half_trainable=sum(p.numel() for p in trainable if p.dtype in HALF_DTYPES),
     )
 
 
@@ -663,6 +671,7 @@ LABELS = {
     "kv_hbm": "KV pool, HBM tier",
     "staging": "KV pool, staging buffers",
     "page_summaries": "page summaries (sparse)",
+    "grad_sums": "float32 gradient sums (backward)",
     "activations": "activations (one chunk)",
     "loss_transients": "loss backward transients",
     "layer_transients": "layer backward transients",
@@ -815,11 +824,12 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     )
     below_head = activations - saved["head"]
     embed = shape.num_embeddings * shape.hidden_size * dtypes.activation.itemsize * shape.embedding_trainable
+    sums = grad_sum_bytes(inputs, config)
     phases = {
-        "loss backward": activations + loss,
-        "MLP backward": below_head + mlp_bwd,
-        "attention backward": below_head + attn_bwd,
-        "embedding backward": saved["other"] + embed,
+        "loss backward": sums + activations + loss,
+        "MLP backward": sums + below_head + mlp_bwd,
+        "attention backward": sums + below_head + attn_bwd,
+        "embedding backward": sums + saved["other"] + embed,
         "optimizer step": step,
     }
     device = {
@@ -829,6 +839,7 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
         "kv_hbm": hbm,
         "staging": staging,
         "page_summaries": pool.summary_bytes,
+        "grad_sums": sums,
         "activations": activations,
         "loss_transients": loss,
         "layer_transients": max(mlp_bwd, attn_bwd),
@@ -841,6 +852,18 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     result.fits = result.device_fits and result.host_fits
     result.notes = _notes(inputs, config)
     return result
+
+
+def grad_sum_bytes(inputs: _Inputs, config: OOMBConfig) -> int:
+    """Bytes the backward sweep's float32 gradient sums add: 2 per trainable 16-bit parameter (see the module
+    docstring; 0 with ``grad_accumulation="native"``)."""
+    if config.grad_accumulation != "float32":
+        return 0
+    shape = inputs.shape
+    if shape.half_trainable is not None:
+        return 2 * shape.half_trainable
+    trainable = shape.trainable if shape.trainable is not None else shape.parameter_count()
+    return 2 * trainable if inputs.dtypes.param in HALF_DTYPES else 0
 
 
 def _budget(config: OOMBConfig, machine: Machine, weights: int) -> int | None:
@@ -915,7 +938,7 @@ def _options(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int) -> l
         flag = "bf16-true" if dtypes.compute == torch.bfloat16 else "16-true"
         half = dataclasses.replace(
             inputs,
-            shape=dataclasses.replace(inputs.shape, weight_bytes=None, grad_bytes=None),
+            shape=dataclasses.replace(inputs.shape, weight_bytes=None, grad_bytes=None, half_trainable=None),
             dtypes=precision_dtypes(flag),
             optimizer=dataclasses.replace(spec, state_bytes=None),
             precision=flag,
@@ -948,6 +971,8 @@ def _candidates(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int) -
     groups = []
     if config.kv_grad_dtype == "float32" and inputs.dtypes.activation.itemsize < 4:
         groups.append([{"kv_grad_dtype": "bfloat16"}])
+    if grad_sum_bytes(inputs, config):
+        groups.append([{"grad_accumulation": "native"}])
     if not config.layer_checkpointing:
         groups.append([{"layer_checkpointing": True}])
     chunks, chunk = [], config.chunk_size // 2

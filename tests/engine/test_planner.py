@@ -87,33 +87,41 @@ def test_mixed_precision_pages_are_float32():
 
 # -------------------------------------------------------------------------------------------------- activations
 class LiveBytes(TorchDispatchMode):
-    """Peak bytes of the CPU storages created inside the block (sampled at every op), ``exclude`` not counted."""
+    """Peak bytes of the CPU storages created inside the block (sampled at every op) less those of ``exclude`` (held
+    before it) freed so far: the peak of what the block adds."""
 
     def __init__(self, exclude=()):
         super().__init__()
-        self.exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self.exclude = {t.untyped_storage().data_ptr(): self._entry(t.untyped_storage()) for t in exclude}
         self.live: dict[int, tuple[StorageWeakRef, int]] = {}
         self.current = self.peak = 0
 
+    @staticmethod
+    def _entry(storage) -> tuple[StorageWeakRef, int]:
+        return StorageWeakRef(storage), storage.nbytes()
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
-            self.current -= self.live.pop(key)[1]
+        for held in (self.live, self.exclude):
+            for key in [k for k, (ref, _) in held.items() if ref.expired()]:
+                self.current -= held.pop(key)[1]
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
                 key = storage.data_ptr()
                 if key and key not in self.live and key not in self.exclude and storage.nbytes():
-                    self.live[key] = (StorageWeakRef(storage), storage.nbytes())
+                    self.live[key] = self._entry(storage)
                     self.current += storage.nbytes()
         self.peak = max(self.peak, self.current)
         return out
 
 
-def measure(family, precision, checkpointing, chunk, seq_len=None, vocab=97, live=False):
+def measure(family, precision, checkpointing, chunk, seq_len=None, vocab=97, live=False,
+            accumulation="float32"):  # fmt: skip
     """(plan, saved-tensor peak, live-bytes peak or None) of a second step (gradients exist) of a tiny model."""
     model = build_causal_lm(family, dtype=DTYPES[precision], vocab_size=vocab)
-    config = OOMBConfig(chunk_size=chunk, page_size=16, layer_checkpointing=checkpointing, loss_block=32)
+    config = OOMBConfig(chunk_size=chunk, page_size=16, layer_checkpointing=checkpointing, loss_block=32,
+                        grad_accumulation=accumulation)  # fmt: skip
     engine = OOMBEngine(HFChunkModel(model, layer_checkpointing=checkpointing), config)
     ids = torch.randint(0, vocab, (2, seq_len or 3 * chunk), generator=torch.Generator().manual_seed(chunk))
     autocast = (
@@ -125,6 +133,7 @@ def measure(family, precision, checkpointing, chunk, seq_len=None, vocab=97, liv
     held = [*model.parameters(), *(p.grad for p in model.parameters())]
     held += [a.storage for a in (engine.pool._hbm, engine.pool._staging, engine.pool._host) if a is not None]
     tracker = LiveBytes(held) if live else contextlib.nullcontext()
+    del held  # the float32 gradient sums free the 16-bit .grad they replace
     with SavedTensorMeter(exclude=model.parameters()) as meter, tracker:
         with autocast:
             loss = engine.loss(ids)
@@ -162,6 +171,28 @@ def test_a_steps_peak_is_what_the_cpu_allocates(precision, checkpointing, vocab)
     predicted, _, measured = measure("qwen2", precision, checkpointing, 64, vocab=vocab, live=True)
     backward = max(v for k, v in predicted.phases.items() if k != "optimizer step")
     assert abs(backward / measured - 1) <= 0.10, (predicted.phases, measured)
+
+
+def test_float32_gradient_sums_count_two_bytes_per_trainable_16_bit_parameter():
+    """The backward sweep's float32 sums replace the 16-bit .grad: 2 bytes per trainable 16-bit parameter in every
+    moment of the sweep (an upper bound of what a step adds: the first chunk's backward is still creating them),
+    none under native accumulation, for 32-bit parameters or for frozen ones."""
+    model = build_causal_lm("qwen2", dtype=torch.bfloat16)
+    model.model.embed_tokens.weight.requires_grad_(False)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    plans = {acc: plan(model, 64, 1, OOMBConfig(32, 16, grad_accumulation=acc), "bf16-true", None, BIG_CPU)
+             for acc in ("float32", "native")}  # fmt: skip
+    assert plans["float32"].device["grad_sums"] == 2 * trainable and plans["native"].device["grad_sums"] == 0
+    for phase, native in plans["native"].phases.items():
+        assert plans["float32"].phases[phase] - native == (0 if phase == "optimizer step" else 2 * trainable)
+    assert plan(model.float(), 64, 1, OOMBConfig(32, 16), "32-true", None, BIG_CPU).device["grad_sums"] == 0
+    cfg = qwen2_5_7b_config()
+    at_4k = plan(cfg, 4096, 1, OOMBConfig(), "bf16-true", None, H200)
+    assert at_4k.device["grad_sums"] == 2 * model_shape(cfg).parameter_count()
+
+    (predicted, _, summed), (_, _, native) = (measure("qwen2", "bf16-true", True, 64, live=True, accumulation=acc)
+                                               for acc in ("float32", "native"))  # fmt: skip
+    assert 0 < summed - native <= predicted.device["grad_sums"]
 
 
 def test_activations_do_not_grow_with_the_context():
@@ -238,11 +269,13 @@ def test_qwen2_5_7b_on_an_h200():
 
 @pytest.mark.parametrize(
     ("precision", "config", "device_gib", "changes"),
-    [("bf16-true", OOMBConfig(layer_checkpointing=True), 88, {"optimizer": "fused"}),
-     ("bf16-mixed", OOMBConfig(), 141e9 / 2**30, {"precision": "bf16-true"})],
+    [("bf16-true", OOMBConfig(layer_checkpointing=True, grad_accumulation="native"), 88, {"optimizer": "fused"}),
+     ("bf16-mixed", OOMBConfig(), 141e9 / 2**30, {"precision": "bf16-true"}),
+     ("bf16-true", OOMBConfig(layer_checkpointing=True), 95, {"grad_accumulation": "native"})],
 )  # fmt: skip
 def test_options_beyond_the_strategys_own(precision, config, device_gib, changes):
-    """At the optimizer step's peak a fused AdamW fits; under autocast, 16-bit weights and states do."""
+    """At the optimizer step's peak a fused AdamW fits; under autocast, 16-bit weights and states do; at the loss
+    backward's peak with the float32 gradient sums, native accumulation does."""
     machine = Machine("cuda", int(device_gib * 2**30), 128 * 2**30)
     result = plan(qwen2_5_7b_config(), 131072, 1, config, precision, "adamw", machine)
     assert not result.fits and changes in [o.changes for o in result.options]
