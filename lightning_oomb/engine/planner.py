@@ -50,10 +50,10 @@ non-Hugging-Face ChunkModels use the same layer formula and say so in :attr:`Mem
 
 **Options.** When the step does not fit, :func:`plan` plans the changes that could make it fit and lists those that
 do (:attr:`MemoryPlan.options`): ``kv_grad_dtype="bfloat16"``, ``grad_accumulation="native"`` (16-bit parameters),
-``layer_checkpointing=True``, the largest smaller
-``chunk_size``, ``offload=True`` with ``hbm_budget="auto"`` or the largest explicit budget (whole layers), pairs of
-these when no single one suffices, a fused optimizer, 16-bit weights instead of autocast, the longest ``seq_len``
-that fits, and the fewest devices once context parallelism exists.
+``layer_checkpointing=True``, the largest smaller ``chunk_size``, ``offload=True`` with ``hbm_budget="auto"`` or the
+largest explicit budget (whole layers), pairs of these when no single one suffices, a fused optimizer, 16-bit
+weights instead of autocast, the longest ``seq_len`` that fits, and the fewest devices once context parallelism
+exists.
 
 **Step time.** :attr:`MemoryPlan.step_time_s` is the hook for a time prediction from measured rates
 (:data:`MEASURED_STEP_RATES`: attention and dense FLOP/s, host-device bandwidth, per device kind). No GPU
@@ -824,7 +824,7 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     )
     below_head = activations - saved["head"]
     embed = shape.num_embeddings * shape.hidden_size * dtypes.activation.itemsize * shape.embedding_trainable
-    sums = grad_sum_bytes(inputs, config)
+    sums = _grad_sums(inputs, config)
     phases = {
         "loss backward": sums + activations + loss,
         "MLP backward": sums + below_head + mlp_bwd,
@@ -854,7 +854,7 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     return result
 
 
-def grad_sum_bytes(inputs: _Inputs, config: OOMBConfig) -> int:
+def _grad_sums(inputs: _Inputs, config: OOMBConfig) -> int:
     """Bytes the backward sweep's float32 gradient sums add: 2 per trainable 16-bit parameter (see the module
     docstring; 0 with ``grad_accumulation="native"``)."""
     if config.grad_accumulation != "float32":
@@ -971,7 +971,7 @@ def _candidates(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int) -
     groups = []
     if config.kv_grad_dtype == "float32" and inputs.dtypes.activation.itemsize < 4:
         groups.append([{"kv_grad_dtype": "bfloat16"}])
-    if grad_sum_bytes(inputs, config):
+    if _grad_sums(inputs, config):
         groups.append([{"grad_accumulation": "native"}])
     if not config.layer_checkpointing:
         groups.append([{"layer_checkpointing": True}])
