@@ -2,11 +2,12 @@
 
 Autograd adds each chunk's parameter gradient into ``.grad`` in the parameter's dtype, so under ``bf16-true`` the
 running sum is rounded to bf16 once per chunk and its error grows with the number of chunks (at 1024 chunks 3.7x
-that of ordinary bf16 training, 32x on the final norm's weight: ``benchmarks/bf16_grad_fidelity.py``). :class:`Float32GradSums` keeps one float32
-sum per trainable 16-bit parameter in place of its ``.grad`` while the sweep runs: a post-accumulate-grad hook moves
-each chunk's gradient into the sum as soon as autograd has made it, and on exit the sum is written back into
-``.grad``, rounded once — what ``.grad`` held before (earlier micro-batches of gradient accumulation) added to it
-exactly once. Cost: during the sweep a parameter's gradient takes 4 bytes instead of 2, nothing outside it.
+that of ordinary bf16 training, 32x on the final norm's weight: ``benchmarks/bf16_grad_fidelity.py``).
+:class:`Float32GradSums` keeps one float32 sum per trainable 16-bit parameter in place of its ``.grad`` while the
+sweep runs: a post-accumulate-grad hook moves each chunk's gradient into the sum as soon as autograd has made it,
+and on exit the sum is written back into ``.grad``, rounded once — what ``.grad`` held before (earlier
+micro-batches of gradient accumulation) added to it exactly once. Cost: during the sweep a parameter's gradient takes 4 bytes instead of 2, nothing outside it. (A
+compensated bf16 pair — ``.grad`` plus a bf16 error term — would cost the same 2 bytes for fewer bits.)
 Parameters of other dtypes (float32, float64, frozen ones) are left to autograd.
 """
 
