@@ -63,6 +63,7 @@ class OOMBContextParallelStrategy(_OOMBStrategyMixin, DDPStrategy):
         prefetch_depth: int | None = None,
         page_budget: int | None = None,
         page_score: str = "bound",
+        grad_accumulation: str = "float32",
         context_parallel_size: int | None = None,
         target_module: str | None = None,
         verify_exactness: bool = True,

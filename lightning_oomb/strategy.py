@@ -206,6 +206,7 @@ class OOMBStrategy(_OOMBStrategyMixin, SingleDeviceStrategy):
         prefetch_depth: int | None = None,
         page_budget: int | None = None,
         page_score: str = "bound",
+        grad_accumulation: str = "float32",
         target_module: str | None = None,
         verify_exactness: bool = True,
         plan_memory: bool = True,

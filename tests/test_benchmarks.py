@@ -212,3 +212,15 @@ def test_loss_memory_smoke(tmp_path):
         assert fused["peak_bytes"] < unfused["peak_bytes"]
         assert 0 <= fused["peak_bytes"] - fused["formula_bytes"] <= 8 * 16 * 32
     assert out.with_suffix(".md").exists()
+
+
+@pytest.mark.slow
+def test_bf16_grad_fidelity_smoke(tmp_path):
+    out = tmp_path / "fidelity.json"
+    run("benchmarks/bf16_grad_fidelity.py", "--seq-len", "128", "--chunks", "1", "8", "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["precision"], r["accumulation"], r["chunks"]) for r in rows} == {
+        (p, a, c) for p, a in (("bf16-mixed", "float32"), ("bf16-true", "native"), ("bf16-true", "float32"))
+        for c in (1, 8)
+    }  # fmt: skip
+    assert all(0 < r["ratio"] < 2 for r in rows) and out.with_suffix(".md").exists()

@@ -3,11 +3,12 @@
 :class:`ChunkModel` is what :class:`~lightning_oomb.engine.recurrence.OOMBEngine` drives: the model's shape, one
 chunk's final hidden states (its attention modules call :func:`~lightning_oomb.engine.attention.paged_attention`
 with their layer index and the :class:`~lightning_oomb.engine.attention.ChunkContext` the engine passes), and the
-LM head. :class:`ManagedModel` adds what the Lightning strategies need: answering the user's own model calls inside
-``training_step`` / ``validation_step`` / ``test_step`` with the engine's loss. ``integrations.hf.HFChunkModel``
-implements both for Hugging Face causal LMs; any other ``nn.Module`` can implement them too — with
-:class:`ManagedModelMixin` it only adds the shape attributes, ``hidden_states`` and ``lm_head`` (see
-``examples/custom_model.py``), and the strategies train it directly.
+LM head; ``parameters()``, where a model has it (an ``nn.Module``'s own), is how the engine finds the 16-bit
+parameters whose chunk gradients it sums in float32 (``grad_accumulation``). :class:`ManagedModel` adds what the
+Lightning strategies need: answering the user's own model calls inside ``training_step`` / ``validation_step`` /
+``test_step`` with the engine's loss. ``integrations.hf.HFChunkModel`` implements both for Hugging Face causal LMs;
+any other ``nn.Module`` can implement them too — with :class:`ManagedModelMixin` it only adds the shape attributes,
+``hidden_states`` and ``lm_head`` (see ``examples/custom_model.py``), and the strategies train it directly.
 """
 
 from __future__ import annotations

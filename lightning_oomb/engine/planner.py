@@ -37,6 +37,9 @@ options that would make it fit (each tried in the planner).
 - *kept attention* (with ``layer_checkpointing``): the chunk recompute's attention output and LSE of every layer
   (``rQ + 4 Hq`` per token and layer; ``8 Hq`` in float64), held for the layer's checkpoint recompute
   (:class:`~lightning_oomb.engine.attention.Kept`) through the chunk's backward.
+- *float32 gradient sums* (``grad_accumulation="float32"``, the default): during the backward sweep every trainable
+  16-bit parameter's gradient is a 4-byte sum instead of its 2-byte ``.grad`` (:mod:`~lightning_oomb.engine.grads`):
+  2 bytes per such parameter, in every moment of the sweep, not at the optimizer step.
 - *optimizer step*: torch's ``foreach`` Adam/AdamW (its default on CUDA) makes one state-sized ``sqrt`` copy of
   the largest parameter group (the for-loop one of the largest parameter; fused: none).
 
@@ -50,10 +53,11 @@ non-Hugging-Face ChunkModels use the same layer formula and say so in :attr:`Mem
 (LoRA) save less than counted.
 
 **Options.** When the step does not fit, :func:`plan` plans the changes that could make it fit and lists those that
-do (:attr:`MemoryPlan.options`): ``kv_grad_dtype="bfloat16"``, ``layer_checkpointing=True``, the largest smaller
-``chunk_size``, ``offload=True`` with ``hbm_budget="auto"`` or the largest explicit budget (whole layers), pairs of
-these when no single one suffices, a fused optimizer, 16-bit weights instead of autocast, the longest ``seq_len``
-that fits, and the fewest devices once context parallelism exists.
+do (:attr:`MemoryPlan.options`): ``kv_grad_dtype="bfloat16"``, ``grad_accumulation="native"`` (16-bit parameters),
+``layer_checkpointing=True``, the largest smaller ``chunk_size``, ``offload=True`` with ``hbm_budget="auto"`` or the
+largest explicit budget (whole layers), pairs of these when no single one suffices, a fused optimizer, 16-bit
+weights instead of autocast, the longest ``seq_len`` that fits, and the fewest devices once context parallelism
+exists.
 
 **Step time.** :attr:`MemoryPlan.step_time_s` is the hook for a time prediction from measured rates
 (:data:`MEASURED_STEP_RATES`: attention and dense FLOP/s, host-device bandwidth, per device kind). No GPU
@@ -73,6 +77,7 @@ import torch
 
 from lightning_oomb.engine.config import OOMBConfig
 from lightning_oomb.engine.errors import OOMBConfigError
+from lightning_oomb.engine.grads import HALF_DTYPES
 from lightning_oomb.engine.kv_pool import AUTO_HEADROOM, HOST_RESERVE_BYTES, host_memory_available, plan_tiers
 from lightning_oomb.engine.pages import GRAD_DTYPES, PoolShape, arena_bytes
 from lightning_oomb.engine.reference import KEY_BLOCK
@@ -104,9 +109,10 @@ class ModelShape:
     """What the planner needs of a model. ``params`` / ``trainable``: parameter counts (``None``: from the
     Llama-style formula); ``weight_bytes`` / ``grad_bytes``: exact bytes when a module was read (else counts x the
     precision's dtype); ``largest_param``: elements of the largest parameter; ``head_trainable`` /
-    ``embedding_trainable``: whether the LM head / input embedding get gradients (not under LoRA); ``mlp_width``: MLP
-    width a token passes through (``experts_per_token x`` the expert width for MoE); ``logit_softcap``: the head
-    soft-caps its logits (Gemma 2/3)."""
+    ``embedding_trainable``: whether the LM head / input embedding get gradients (not under LoRA); ``half_trainable``:
+    trainable elements in a 16-bit dtype (``None``: all trainable ones when the precision's parameters are 16-bit);
+    ``mlp_width``: MLP width a token passes through (``experts_per_token x`` the expert width for MoE);
+    ``logit_softcap``: the head soft-caps its logits (Gemma 2/3)."""
 
     num_layers: int
     hidden_size: int
@@ -130,6 +136,7 @@ class ModelShape:
     head_trainable: bool = True
     embedding_trainable: bool = True
     logit_softcap: bool = False
+    half_trainable: int | None = None
 
     @property
     def mlp_width(self) -> int:
@@ -266,6 +273,7 @@ def _with_parameters(shape: ModelShape, module: torch.nn.Module) -> ModelShape:
         weight_bytes=sum(p.numel() * p.element_size() for p in params),
         grad_bytes=sum(p.numel() * p.element_size() for p in trainable),
         largest_param=max((p.numel() for p in trainable), default=0),
+        half_trainable=sum(p.numel() for p in trainable if p.dtype in HALF_DTYPES),
     )
 
 
@@ -673,6 +681,7 @@ LABELS = {
     "kv_hbm": "KV pool, HBM tier",
     "staging": "KV pool, staging buffers",
     "page_summaries": "page summaries (sparse)",
+    "grad_sums": "float32 gradient sums (backward)",
     "activations": "activations (one chunk)",
     "kept_attention": "attention results kept (checkpointing)",
     "loss_transients": "loss backward transients",
@@ -838,11 +847,12 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     below_head = activations - saved["head"]
     embed = shape.num_embeddings * shape.hidden_size * dtypes.activation.itemsize * shape.embedding_trainable
     kept = kept_attention_bytes(shape, dtypes, tokens) if ckpt else 0
+    sums = _grad_sums(inputs, config)
     phases = {
-        "loss backward": activations + kept + loss,
-        "MLP backward": below_head + kept + mlp_bwd,
-        "attention backward": below_head + kept + attn_bwd,
-        "embedding backward": saved["other"] + embed,
+        "loss backward": sums + activations + kept + loss,
+        "MLP backward": sums + below_head + kept + mlp_bwd,
+        "attention backward": sums + below_head + kept + attn_bwd,
+        "embedding backward": sums + saved["other"] + embed,
         "optimizer step": step,
     }
     device = {
@@ -852,6 +862,7 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
         "kv_hbm": hbm,
         "staging": staging,
         "page_summaries": pool.summary_bytes,
+        "grad_sums": sums,
         "activations": activations,
         "kept_attention": kept,
         "loss_transients": loss,
@@ -865,6 +876,18 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     result.fits = result.device_fits and result.host_fits
     result.notes = _notes(inputs, config)
     return result
+
+
+def _grad_sums(inputs: _Inputs, config: OOMBConfig) -> int:
+    """Bytes the backward sweep's float32 gradient sums add: 2 per trainable 16-bit parameter (see the module
+    docstring; 0 with ``grad_accumulation="native"``)."""
+    if config.grad_accumulation != "float32":
+        return 0
+    shape = inputs.shape
+    if shape.half_trainable is not None:
+        return 2 * shape.half_trainable
+    trainable = shape.trainable if shape.trainable is not None else shape.parameter_count()
+    return 2 * trainable if inputs.dtypes.param in HALF_DTYPES else 0
 
 
 def _budget(config: OOMBConfig, machine: Machine, weights: int) -> int | None:
@@ -939,7 +962,7 @@ def _options(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int) -> l
         flag = "bf16-true" if dtypes.compute == torch.bfloat16 else "16-true"
         half = dataclasses.replace(
             inputs,
-            shape=dataclasses.replace(inputs.shape, weight_bytes=None, grad_bytes=None),
+            shape=dataclasses.replace(inputs.shape, weight_bytes=None, grad_bytes=None, half_trainable=None),
             dtypes=precision_dtypes(flag),
             optimizer=dataclasses.replace(spec, state_bytes=None),
             precision=flag,
@@ -972,6 +995,8 @@ def _candidates(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int) -
     groups = []
     if config.kv_grad_dtype == "float32" and inputs.dtypes.activation.itemsize < 4:
         groups.append([{"kv_grad_dtype": "bfloat16"}])
+    if _grad_sums(inputs, config):
+        groups.append([{"grad_accumulation": "native"}])
     if not config.layer_checkpointing:
         groups.append([{"layer_checkpointing": True}])
     chunks, chunk = [], config.chunk_size // 2

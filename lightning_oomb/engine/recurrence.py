@@ -4,7 +4,8 @@
 loss is summed (the step's loss, exact). ``backward`` is the **backward sweep**: chunks in reverse, each recomputed
 with grad (same RNG and autocast state as in the forward sweep) and back-propagated at once with the incoming
 ``grad_output`` (so AMP loss scale and ``1 / accumulate_grad_batches`` arrive for free). Parameter ``.grad``
-accumulates as in ordinary training; nothing of size O(N) is ever in autograd.
+accumulates as in ordinary training — 16-bit parameters' in a float32 sum written back once per sweep
+(``grad_accumulation``, :mod:`lightning_oomb.engine.grads`); nothing of size O(N) is ever in autograd.
 
 Chunk loss ``s`` = summed token CE over the chunk / number of target tokens in the whole batch (labels shifted
 over the full sequence first), so the sum over chunks is the exact full-sequence mean. A batch without any
@@ -25,6 +26,7 @@ from lightning_oomb.engine.batch import key_floors, plan_layout
 from lightning_oomb.engine.config import OOMBConfig
 from lightning_oomb.engine.context import ContextChunk, ContextGroup, Layout, fingerprint
 from lightning_oomb.engine.errors import OOMBConfigError
+from lightning_oomb.engine.grads import Float32GradSums
 from lightning_oomb.engine.kv_pool import KVPool
 from lightning_oomb.engine.loss import IGNORE_INDEX, linear_cross_entropy
 from lightning_oomb.engine.model import ChunkModel
@@ -363,17 +365,26 @@ class OOMBEngine:
     def backward_sweep(
         self, step: _Step, rng: list[_RNGState], autocast: _AutocastState, grad_output
     ) -> None:
-        """Recompute chunks in reverse with grad and back-propagate each at once."""
+        """Recompute chunks in reverse with grad and back-propagate each at once (16-bit parameters' gradients
+        summed in float32 unless ``grad_accumulation="native"``)."""
         device = step.input_ids.device
         devices = [device] if device.type == "cuda" else []
         fork = torch.random.fork_rng(devices=devices, device_type=device.type)
-        with self._reporting(), fork, self._sweep("backward"), self.model.engaged(step.input_ids.shape[1]):
+        native = self.config.grad_accumulation == "native"
+        sums = contextlib.nullcontext() if native else Float32GradSums(self._parameters())
+        engaged = self.model.engaged(step.input_ids.shape[1])
+        with self._reporting(), fork, sums, self._sweep("backward"), engaged:
             for index in reversed(range(len(step.bounds))):
                 rng[index].restore()
                 with torch.enable_grad(), autocast():
                     loss = self._chunk_loss(step, index, "backward", grad_output)
                 torch.autograd.backward(loss, grad_output)
         self.stats.extra.update(self.pool.stats())
+
+    def _parameters(self) -> list[torch.Tensor]:
+        """The model's parameters (``parameters()``, an ``nn.Module``'s own; none for a model without it)."""
+        parameters = getattr(self.model, "parameters", None)
+        return list(parameters()) if callable(parameters) else []
 
     def _record(self, step: _Step) -> None:
         shape = self.pool.shape

@@ -84,10 +84,12 @@ def test_mixed_precision_pages_are_float32():
 
 
 # -------------------------------------------------------------------------------------------------- activations
-def measure(family, precision, checkpointing, chunk, seq_len=None, vocab=97, live=False):
+def measure(family, precision, checkpointing, chunk, seq_len=None, vocab=97, live=False,
+            accumulation="float32"):  # fmt: skip
     """(plan, saved-tensor peak, live-bytes peak or None) of a second step (gradients exist) of a tiny model."""
     model = build_causal_lm(family, dtype=DTYPES[precision], vocab_size=vocab)
-    config = OOMBConfig(chunk_size=chunk, page_size=16, layer_checkpointing=checkpointing, loss_block=32)
+    config = OOMBConfig(chunk_size=chunk, page_size=16, layer_checkpointing=checkpointing, loss_block=32,
+                        grad_accumulation=accumulation)  # fmt: skip
     engine = OOMBEngine(HFChunkModel(model, layer_checkpointing=checkpointing), config)
     ids = torch.randint(0, vocab, (2, seq_len or 3 * chunk), generator=torch.Generator().manual_seed(chunk))
     autocast = (
@@ -99,6 +101,7 @@ def measure(family, precision, checkpointing, chunk, seq_len=None, vocab=97, liv
     held = [*model.parameters(), *(p.grad for p in model.parameters())]
     held += [a.storage for a in (engine.pool._hbm, engine.pool._staging, engine.pool._host) if a is not None]
     tracker = LiveBytes(held) if live else contextlib.nullcontext()
+    del held  # the float32 gradient sums free the 16-bit .grad they replace
     with SavedTensorMeter(exclude=model.parameters()) as meter, tracker:
         with autocast:
             loss = engine.loss(ids)
@@ -156,6 +159,28 @@ def test_loss_transients_are_what_the_cross_entropy_allocates(
     predicted = planner.loss_backward_bytes(shape, dtypes, tokens, block, head_trainable=not frozen)
     measured = cross_entropy_peak(vocab, hidden, tokens, block, dtype, autocast, softcap, frozen)
     assert 0 <= measured - predicted <= 8 * block * hidden, (measured, predicted)
+
+
+def test_float32_gradient_sums_count_two_bytes_per_trainable_16_bit_parameter():
+    """The backward sweep's float32 sums replace the 16-bit .grad: 2 bytes per trainable 16-bit parameter in every
+    moment of the sweep (an upper bound of what a step adds: the first chunk's backward is still creating them),
+    none under native accumulation, for 32-bit parameters or for frozen ones."""
+    model = build_causal_lm("qwen2", dtype=torch.bfloat16)
+    model.model.embed_tokens.weight.requires_grad_(False)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    plans = {acc: plan(model, 64, 1, OOMBConfig(32, 16, grad_accumulation=acc), "bf16-true", None, BIG_CPU)
+             for acc in ("float32", "native")}  # fmt: skip
+    assert plans["float32"].device["grad_sums"] == 2 * trainable and plans["native"].device["grad_sums"] == 0
+    for phase, native in plans["native"].phases.items():
+        assert plans["float32"].phases[phase] - native == (0 if phase == "optimizer step" else 2 * trainable)
+    assert plan(model.float(), 64, 1, OOMBConfig(32, 16), "32-true", None, BIG_CPU).device["grad_sums"] == 0
+    cfg = qwen2_5_7b_config()
+    at_4k = plan(cfg, 4096, 1, OOMBConfig(), "bf16-true", None, H200)
+    assert at_4k.device["grad_sums"] == 2 * model_shape(cfg).parameter_count()
+
+    (predicted, _, summed), (_, _, native) = (measure("qwen2", "bf16-true", True, 64, live=True, accumulation=acc)
+                                               for acc in ("float32", "native"))  # fmt: skip
+    assert 0 < summed - native <= predicted.device["grad_sums"]
 
 
 def test_activations_do_not_grow_with_the_context():
@@ -232,11 +257,13 @@ def test_qwen2_5_7b_on_an_h200():
 
 @pytest.mark.parametrize(
     ("precision", "config", "device_gib", "changes"),
-    [("bf16-true", OOMBConfig(layer_checkpointing=True), 88, {"optimizer": "fused"}),
-     ("bf16-mixed", OOMBConfig(), 141e9 / 2**30, {"precision": "bf16-true"})],
+    [("bf16-true", OOMBConfig(layer_checkpointing=True, grad_accumulation="native"), 88, {"optimizer": "fused"}),
+     ("bf16-mixed", OOMBConfig(), 141e9 / 2**30, {"precision": "bf16-true"}),
+     ("bf16-true", OOMBConfig(layer_checkpointing=True), 95, {"grad_accumulation": "native"})],
 )  # fmt: skip
 def test_options_beyond_the_strategys_own(precision, config, device_gib, changes):
-    """At the optimizer step's peak a fused AdamW fits; under autocast, 16-bit weights and states do."""
+    """At the optimizer step's peak a fused AdamW fits; under autocast, 16-bit weights and states do; at the loss
+    backward's peak with the float32 gradient sums, native accumulation does."""
     machine = Machine("cuda", int(device_gib * 2**30), 128 * 2**30)
     result = plan(qwen2_5_7b_config(), 131072, 1, config, precision, "adamw", machine)
     assert not result.fits and changes in [o.changes for o in result.options]

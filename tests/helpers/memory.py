@@ -9,24 +9,30 @@ from torch.utils._pytree import tree_flatten
 
 
 class LiveBytes(TorchDispatchMode):
-    """Peak bytes of the CPU storages created inside the block (sampled at every op), ``exclude`` not counted."""
+    """Peak bytes of the CPU storages created inside the block (sampled at every op) less those of ``exclude`` (held
+    before it) freed so far: the peak of what the block adds."""
 
     def __init__(self, exclude=()):
         super().__init__()
-        self.exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self.exclude = {t.untyped_storage().data_ptr(): self._entry(t.untyped_storage()) for t in exclude}
         self.live: dict[int, tuple[StorageWeakRef, int]] = {}
         self.current = self.peak = 0
 
+    @staticmethod
+    def _entry(storage) -> tuple[StorageWeakRef, int]:
+        return StorageWeakRef(storage), storage.nbytes()
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
-            self.current -= self.live.pop(key)[1]
+        for held in (self.live, self.exclude):
+            for key in [k for k, (ref, _) in held.items() if ref.expired()]:
+                self.current -= held.pop(key)[1]
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
                 key = storage.data_ptr()
                 if key and key not in self.live and key not in self.exclude and storage.nbytes():
-                    self.live[key] = (StorageWeakRef(storage), storage.nbytes())
+                    self.live[key] = self._entry(storage)
                     self.current += storage.nbytes()
         self.peak = max(self.peak, self.current)
         return out

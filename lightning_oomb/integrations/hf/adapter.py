@@ -134,6 +134,10 @@ class HFChunkModel:
         self.layer_windows = _layer_windows(model)
         self._balances_experts = bool(getattr(config, "output_router_logits", False))
 
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        """The wrapped model's parameters (the engine sums 16-bit ones' chunk gradients in float32)."""
+        return self.model.parameters()
+
     def new_step_loss(self) -> RouterBalanceLoss | None:
         """The step's MoE load-balancing term when the model trains with one (``output_router_logits=True``)."""
         if not self._balances_experts:

@@ -1,0 +1,118 @@
+"""16-bit parameters' chunk gradients are summed in float32 and written into ``.grad`` once per backward sweep: the
+gradient's error against float64 does not grow with the number of chunks (it does with autograd's native bf16
+accumulation, the negative control), earlier ``.grad`` is added once, other parameters are left to autograd."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_oomb.engine import OOMBConfig, OOMBConfigError, OOMBEngine
+from lightning_oomb.engine.grads import Float32GradSums
+from lightning_oomb.integrations.hf import HFChunkModel
+from tests.helpers.models import build_causal_lm, full_sequence_loss, grads_of
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """bf16 rounding depends on how matmuls split their sums: one thread makes the errors reproducible."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def backward_n_times(sums, params, times: int) -> None:
+    """``times`` backward passes, each adding a gradient of exactly 1 to every parameter."""
+    with sums:
+        for _ in range(times):
+            sum(p.sum() for p in params).backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_earlier_grad_plus_the_chunks_is_rounded_once(dtype):
+    """An earlier .grad of 256 plus 64 chunks' gradients of 1: bf16 rounds every +1 back to 256 (its ulp is 2
+    there; float16's at 2048), the float32 sum gives 320, rounded once."""
+    p = torch.nn.Parameter(torch.ones(3, dtype=dtype))
+    big = 256.0 if dtype == torch.bfloat16 else 2048.0  # 1 is half an ulp there
+    earlier = torch.full((3,), big, dtype=dtype)  # an earlier micro-batch
+    p.grad = earlier.clone()
+    backward_n_times(Float32GradSums([p]), [p], 64)
+    assert p.grad.dtype == dtype and torch.equal(p.grad, earlier + 64)
+
+    native = torch.nn.Parameter(torch.ones(3, dtype=dtype))
+    native.grad = earlier.clone()
+    backward_n_times(torch.enable_grad(), [native], 64)
+    assert torch.equal(native.grad, earlier)  # the control: autograd's own sum stagnates
+
+
+def test_other_parameters_are_left_to_autograd():
+    """float32/float64 and frozen parameters get no sum; a 16-bit one without a gradient keeps its .grad; a
+    parameter used twice (tied) gets both uses' gradient."""
+    wide = torch.nn.Parameter(torch.ones(2, dtype=torch.float32))
+    frozen = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16), requires_grad=False)
+    unused = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+    unused.grad = torch.full((2,), 5.0, dtype=torch.bfloat16)
+    tied = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+    sums = Float32GradSums([wide, frozen, unused, tied, tied])
+    assert sums.params == [unused, tied]
+    with sums:
+        for _ in range(3):
+            (wide.sum() + (tied * 2).sum() + (tied * 3).sum()).backward()
+            assert wide.grad is not None and tied.grad is None  # the sum holds tied's gradient meanwhile
+    assert torch.equal(wide.grad, torch.full((2,), 3.0))
+    assert torch.equal(tied.grad, torch.full_like(tied, 15.0))
+    assert torch.equal(unused.grad, torch.full_like(unused, 5.0)) and frozen.grad is None
+
+
+def gradient_errors(accumulation: str, chunk_size: int, seq_len: int = 1024) -> dict[str, float]:
+    """Each parameter's relative gradient error of one bf16 OOMB step against float64 (the same bf16 weights)."""
+    ids = torch.randint(0, 97, (1, seq_len), generator=torch.Generator().manual_seed(0))
+    truth_model = build_causal_lm("qwen2", dtype=torch.bfloat16).double()
+    full_sequence_loss(truth_model, ids).backward()
+    model = build_causal_lm("qwen2", dtype=torch.bfloat16)
+    config = OOMBConfig(chunk_size, min(chunk_size, 8), grad_accumulation=accumulation)
+    OOMBEngine(HFChunkModel(model), config).loss(ids).backward()
+    got = grads_of(model)
+    return {n: ((got[n].double() - t).norm() / t.norm()).item() for n, t in grads_of(truth_model).items()}
+
+
+@pytest.mark.parametrize(("accumulation", "grows"), [("float32", False), ("native", True)])
+def test_bf16_gradient_error_does_not_grow_with_the_chunks(accumulation, grows):
+    """1 vs 256 chunks of 1024 tokens. The final norm's weight, whose gradient every token adds to, shows the
+    per-chunk rounding most: native bf16 accumulation (the control) makes its error ~3.5x, the float32 sums keep
+    it; no parameter's error grows by more than a few percent with them."""
+    one, many = gradient_errors(accumulation, 1024), gradient_errors(accumulation, 4)
+    norm = many["model.norm.weight"] / one["model.norm.weight"]
+    assert norm > 2 if grows else norm < 1.25, (one, many)
+    if not grows:
+        assert max(many[n] / one[n] for n in one) < 1.25, (one, many)
+
+
+def step_grads(dtype, checkpointing: bool = False, accumulation: str = "float32") -> dict[str, torch.Tensor]:
+    """The gradients of one 4-chunk OOMB step of a tiny Qwen2 in ``dtype``."""
+    ids = torch.randint(0, 97, (1, 64), generator=torch.Generator().manual_seed(2))
+    model = build_causal_lm("qwen2", dtype=dtype)
+    engine = OOMBEngine(HFChunkModel(model, checkpointing), OOMBConfig(16, 8, grad_accumulation=accumulation))
+    engine.loss(ids).backward()
+    return grads_of(model)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "one", "other"),
+    [
+        # checkpointed layers back-propagate inside their own recompute: the sums still get every gradient
+        (torch.bfloat16, {"checkpointing": True}, {"checkpointing": False}),
+        # nothing changes for 64-bit parameters
+        (torch.float64, {"accumulation": "float32"}, {"accumulation": "native"}),
+    ],
+    ids=["bf16-checkpointing", "float64"],
+)
+def test_same_bits(dtype, one, other):
+    want, got = step_grads(dtype, **one), step_grads(dtype, **other)
+    assert all(torch.equal(want[n], got[n]) for n in want)
+
+
+def test_unknown_accumulation_is_refused():
+    with pytest.raises(OOMBConfigError, match="grad_accumulation='bf16'.*'float32', 'native'"):
+        OOMBConfig(grad_accumulation="bf16")
