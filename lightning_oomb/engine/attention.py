@@ -294,37 +294,29 @@ def _forward_across_group(ctx, q, k, v, chunk: ChunkContext, layer, scale, windo
     own = cp.own
     rows = q[:, :, :own]
     if kept is not None:
-        out, lse = kept.out, kept.lse
+        out, lse, select = kept.out, kept.lse, kept.select
     else:
         if own:
             pool.write(layer, cp.local_start, k, v, window)
-        out, lse = _attend_across_group(chunk, layer, rows, scale, window, softcap, sinks)
+        out, lse, select = _attend_across_group(
+            chunk, layer, rows, k[:, :, :own], scale, window, softcap, sinks
+        )
         if chunk.kept is not None:
-            chunk.kept[layer] = Kept(out, lse, None)
-    ctx.save_for_backward(rows, out, lse, sinks, *((k, v) if own and pool.restages(layer) else ()))
+            chunk.kept[layer] = Kept(out, lse, select)
+    ctx.save_for_backward(rows, out, lse, sinks, select, *((k, v) if own and pool.restages(layer) else ()))
     ctx.args = (chunk, layer, scale, window, softcap, k.dtype)
     return _rows_like(out, q).detach()
 
 
-def _attend_across_group(chunk: ChunkContext, layer, rows, scale, window, softcap, sinks):
+def _attend_across_group(chunk: ChunkContext, layer, rows, k, scale, window, softcap, sinks):
     with torch.autocast(rows.device.type, enabled=False):
-        return context.attend_forward(
-            kernels(chunk.backend),
-            chunk.context,
-            chunk.pool,
-            layer,
-            rows,
-            chunk.start,
-            scale,
-            window,
-            softcap,
-            sinks,
-            chunk.doc_start,
-        )
+        return context.attend_forward(kernels(chunk.backend), chunk.context, chunk.pool, layer, rows, k, chunk.start,
+                                      scale, window, softcap, sinks, chunk.doc_start, chunk.sparse,
+                                      chunk.sweep)  # fmt: skip
 
 
 def _backward_across_group(ctx, dout):
-    rows, out, lse, sinks, *kv = ctx.saved_tensors
+    rows, out, lse, sinks, select, *kv = ctx.saved_tensors
     chunk, layer, scale, window, softcap, kv_dtype = ctx.args
     chunk.kept.pop(layer, None)
     cp, pool = chunk.context, chunk.pool
@@ -335,7 +327,7 @@ def _backward_across_group(ctx, dout):
     with torch.autocast(dout.device.type, enabled=False):
         delta = attention_delta(out, grads_out)
         dq = context.attend_backward(kernels(chunk.backend), cp, pool, layer, rows, lse, grads_out, delta,
-                                     chunk.start, scale, window, softcap, chunk.doc_start)  # fmt: skip
+                                     chunk.start, scale, window, softcap, chunk.doc_start, select)  # fmt: skip
         dsinks = sink_grad(sinks, lse, delta) if sinks is not None and ctx.needs_input_grad[8] else None
     if own:
         dk, dv = (g.to(kv_dtype) for g in pool.read_grad(layer, cp.local_start, own))

@@ -16,6 +16,10 @@ all-gathered, each rank adds dK/dV into its own gradient pages and the partial d
 per layer and chunk are ``O(chunk x heads x head_dim)``, independent of the sequence length and of the number of KV
 heads (:attr:`ContextGroup.sent_bytes` counts them).
 
+**Sparse steps** (``page_budget``): each rank summarises its slice's pages and the group all-gathers each chunk's
+new summaries (:class:`SharedSummaries`: every page's summary on every rank), so every rank selects with the
+gathered queries exactly what one process would; each attends the selected pages it owns.
+
 Collectives are ``torch.distributed``'s (NCCL on GPUs, gloo on CPU); ``reduce_scatter`` where the backend has it,
 else an all-reduce and the rank's own rows.
 """
@@ -32,6 +36,7 @@ import torch.distributed as dist
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.lse import State, add_sinks, finish_state, init_state
 from lightning_oomb.engine.pages import PagedKV
+from lightning_oomb.engine.sparse import Selection, SparseStep, select_pages, summarize
 
 FAILED_KEY = "lightning_oomb/failed_rank"
 
@@ -233,6 +238,7 @@ class ContextChunk:
     group: ContextGroup
     layout: Layout
     index: int
+    summaries: SharedSummaries | None = None
 
     @property
     def lengths(self) -> list[int]:
@@ -273,41 +279,76 @@ def _listed(ranges: list[tuple[int, int]], page: int, batch: int, blocks: int, d
     return pages.to(device=device, dtype=torch.int32).expand(batch, blocks, -1).contiguous()
 
 
-def _calls(kv: PagedKV, ranges: list[tuple[int, int]], q: torch.Tensor, q_start: int):
+def _owned(selected: torch.Tensor, ranges: list[tuple[int, int]], page: int) -> torch.Tensor:
+    """The pages of ``ranges`` among each query block's ``selected`` pages (``[B, blocks, K]``, ascending,
+    ``-1``-padded), in the same form."""
+    pages = torch.cat([torch.arange(a // page, math.ceil(b / page)) for a, b in ranges])
+    keep = torch.isin(selected, pages.to(device=selected.device, dtype=selected.dtype))
+    last = torch.iinfo(selected.dtype).max
+    kept = torch.where(keep, selected, last).sort(-1).values
+    return torch.where(kept == last, -1, kept)
+
+
+def _calls(kv: PagedKV, ranges: list[tuple[int, int]], q: torch.Tensor, q_start: int, selected=None):
     """The kernel calls covering ``ranges``: ``(key_range, page_select)`` — the rank's slice of the chunk (keys
-    from ``q_start`` on) as a plain key range, its pages before the chunk in one call listing them."""
+    from ``q_start`` on) as a plain key range, its pages before the chunk in one call listing them (those of them
+    ``selected`` in a sparse step)."""
     for lo, hi in ranges:
         if lo >= q_start:
             yield (lo, hi), None
     past = [r for r in ranges if r[0] < q_start]
     if past:
-        blocks = math.ceil(q.shape[2] / kv.page_size)
-        yield (past[0][0], past[-1][1]), _listed(past, kv.page_size, q.shape[0], blocks, q.device)
+        page = kv.page_size
+        blocks = math.ceil(q.shape[2] / page)
+        listed = (
+            _listed(past, page, q.shape[0], blocks, q.device)
+            if selected is None
+            else _owned(selected, past, page)
+        )
+        yield (past[0][0], past[-1][1]), listed
 
 
-def attend_forward(ops, cp: ContextChunk, pool, layer, q, q_start, scale, window, softcap, sinks, docs):
+def attend_forward(ops, cp: ContextChunk, pool, layer, q, k, q_start, scale, window, softcap, sinks, docs,
+                   sparse: SparseStep | None = None, sweep: str = "forward"):  # fmt: skip
     """This rank's rows ``(out, lse)`` of the attention of the whole chunk's queries over every rank's pages (the
-    module docstring); ``q``: this rank's rows (none for a stand-in)."""
+    module docstring), and the chunk's page selection (a sparse step; ``None``: dense); ``q``, ``k``: this rank's
+    rows (none for a stand-in)."""
     group = cp.group
     queries = group.gather_rows(q, cp.lengths)
+    selected = None
+    if sparse is not None:
+        selected = select_across_group(cp, sparse, layer, queries, k, q_start, window, docs, sweep).pages
     num_keys = q_start + queries.shape[2]
     state = init_state(queries)
     terms = {"softcap": softcap, "doc_start": docs}
     for kv, ranges in cp.own_parts(pool, layer, num_keys):
-        for keys, select in _calls(kv, ranges, queries, q_start):
+        for keys, select in _calls(kv, ranges, queries, q_start, selected):
             ops.paged_attention_forward(queries, kv.k, kv.v, kv.page_table, q_start, scale, window, key_range=keys,
                                         state=state, page_select=select, **terms)  # fmt: skip
     merged = merge_states(group, state, cp.lengths)
     if sinks is not None:
         add_sinks(merged, sinks)
-    return finish_state(merged, q.dtype)
+    return (*finish_state(merged, q.dtype), selected)
 
 
 def attend_backward(
-    ops, cp: ContextChunk, pool, layer, q, lse, dout, delta, q_start, scale, window, softcap, docs
+    ops,
+    cp: ContextChunk,
+    pool,
+    layer,
+    q,
+    lse,
+    dout,
+    delta,
+    q_start,
+    scale,
+    window,
+    softcap,
+    docs,
+    selected=None,
 ):
     """This rank's rows of dQ, adding dK/dV of every chunk query into this rank's gradient pages; ``lse`` and
-    ``delta`` are this rank's rows' final ones."""
+    ``delta`` are this rank's rows' final ones; ``selected``: the chunk's page selection (sparse)."""
     group, lengths = cp.group, cp.lengths
     queries = group.gather_rows(q, lengths)
     grads_out = group.gather_rows(dout, lengths)
@@ -317,7 +358,7 @@ def attend_backward(
     terms = {"softcap": softcap, "doc_start": docs}
     for kv, ranges in cp.own_parts(pool, layer, q_start + queries.shape[2], grads=True):
         pages = (kv.k, kv.v, kv.dk, kv.dv, kv.page_table)
-        for keys, select in _calls(kv, ranges, queries, q_start):
+        for keys, select in _calls(kv, ranges, queries, q_start, selected):
             # ``out`` is only read to compute ``delta``, which is given: dO stands in for it
             ops.paged_attention_backward(queries, grads_out, lse_all, grads_out, *pages, q_start, scale, window,
                                          key_range=keys, delta=delta_all, dq=dq, page_select=select,
@@ -336,3 +377,48 @@ def merge_states(group: ContextGroup, state: State, lengths: list[int]) -> State
     rank = group.rank
     rows = slice(sum(lengths[:rank]), sum(lengths[: rank + 1]))
     return mine[..., :-1].contiguous(), top[..., rows].contiguous(), mine[..., -1].contiguous()
+
+
+# ------------------------------------------------------------------------------------------------------- sparse
+class SharedSummaries:
+    """Every page's summary (:func:`~lightning_oomb.engine.sparse.summarize`) in absolute page order, the same on
+    each rank of the group: each rank summarises the pages of its slice and the group all-gathers them, chunk by
+    chunk (``O(chunk)`` bytes per layer and chunk), so every rank selects exactly what one process would —
+    ``pages``: ``[layers, B, pages, vectors, kv_heads, head_dim]`` once the first chunk is summarised."""
+
+    def __init__(self, num_layers: int, score: str) -> None:
+        self.num_layers, self.score = num_layers, score
+        self.pages: torch.Tensor | None = None
+
+    def add(self, cp: ContextChunk, layer: int, k: torch.Tensor) -> None:
+        """Summarise this rank's rows ``k [B, Hkv, own, D]`` of chunk ``cp.index`` and gather the chunk's."""
+        layout, page = cp.layout, cp.layout.page
+        own = summarize(k, page, self.score) if k.shape[2] else None
+        vectors = 1 if self.score == "mean" else 2
+        b, heads, _, d = k.shape
+        if own is None:
+            own = k.new_zeros((b, 0, vectors, heads, d))
+        lengths = [math.ceil((hi - lo) / page) for lo, hi in layout.slices[cp.index]]
+        rows = own.permute(0, 2, 3, 1, 4)  # pages at dim -2, as gather_rows wants
+        chunk = cp.group.gather_rows(rows, lengths).permute(0, 3, 1, 2, 4)
+        if self.pages is None:
+            total = math.ceil(layout.slices[-1][-1][1] / page)
+            self.pages = k.new_zeros((self.num_layers, b, total, vectors, heads, d))
+        first = layout.slices[cp.index][0][0] // page
+        self.pages[layer, :, first : first + chunk.shape[1]] = chunk
+
+
+def select_across_group(
+    cp: ContextChunk, sparse: SparseStep, layer, queries, k, q_start, window, docs, sweep
+):
+    """The chunk's page selection from the gathered ``queries`` and every rank's summaries (made in the forward and
+    eval sweeps, the stored one in the backward sweep: :meth:`SparseStep.select`)."""
+
+    def make() -> Selection:
+        with torch.no_grad():
+            cp.summaries.add(cp, layer, k)
+            page = cp.layout.page
+            past = cp.summaries.pages[layer, :, : q_start // page]
+            return select_pages(queries, past, q_start, page, sparse.budget, window, docs)
+
+    return sparse.select(layer, q_start, sweep, make)

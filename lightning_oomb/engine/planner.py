@@ -823,11 +823,14 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
         group = spec.largest_group if spec.largest_group is not None else updated
         step = (group if foreach else largest) * state_size
 
-    # the pool, exactly as KVPool.reserve sizes it (for one of `devices`: context parallelism splits the pages)
+    # the pool, exactly as KVPool.reserve sizes it (for one of `devices`: context parallelism splits the pages and
+    # each chunk, and replicates every page's summary on each rank: context.SharedSummaries)
     owned = math.ceil(seq_len / devices)
     sparse = config.page_score if config.page_budget is not None else None
     pool = PoolShape(shape.num_layers, batch, owned, shape.kv_heads, shape.head_dim, config.page_size,
-                     config.chunk_size, config.kv_grad_dtype, dtypes.activation, page_score=sparse)  # fmt: skip
+                     config.chunk_size // devices, config.kv_grad_dtype, dtypes.activation,
+                     page_score=sparse if devices == 1 else None)  # fmt: skip
+    summaries = dataclasses.replace(pool, seq_len=seq_len, page_score=sparse).summary_bytes
     budget = _budget(config, machine, weights)
     tiers = plan_tiers(pool.num_layers, pool.layer_bytes, budget, config.staging_buffers, pool.block_bytes)
     hbm = arena_bytes(len(tiers.hbm_layers) * pool.layer_slots, pool)
@@ -861,7 +864,7 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
         "optimizer_states": states,
         "kv_hbm": hbm,
         "staging": staging,
-        "page_summaries": pool.summary_bytes,
+        "page_summaries": summaries,
         "grad_sums": sums,
         "activations": activations,
         "kept_attention": kept,

@@ -15,7 +15,6 @@ target token gives loss 0 and zero gradients (documented choice; Hugging Face wo
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -24,7 +23,7 @@ import torch
 from lightning_oomb.engine.attention import ChunkContext, check_kernel_shapes, resolve_backend
 from lightning_oomb.engine.batch import key_floors, plan_layout
 from lightning_oomb.engine.config import OOMBConfig
-from lightning_oomb.engine.context import ContextChunk, ContextGroup, Layout, fingerprint
+from lightning_oomb.engine.context import ContextChunk, ContextGroup, Layout, SharedSummaries, fingerprint
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.grads import Float32GradSums
 from lightning_oomb.engine.kv_pool import KVPool
@@ -102,6 +101,7 @@ class _Step:
     step_loss: object | None = None  # the model's StepLoss for this step
     sparse: SparseStep | None = None  # a sparse step's selections
     layout: Layout | None = None  # context parallelism: this rank's slices
+    summaries: SharedSummaries | None = None  # context parallelism, sparse: every rank's page summaries
 
 
 class OOMBEngine:
@@ -256,7 +256,7 @@ class OOMBEngine:
             cfg.chunk_size if layout is None else cfg.chunk_size // layout.size,
             cfg.kv_grad_dtype,
             windows=getattr(model, "layer_windows", None) if layout is None else None,
-            page_score=None if sparse is None else sparse.score,
+            page_score=None if sparse is None or layout is not None else sparse.score,
         )
         bounds = chunk_bounds(seq_len, cfg.chunk_size)
         denominator = int((targets != IGNORE_INDEX).sum())
@@ -269,8 +269,9 @@ class OOMBEngine:
                 "parallelism does not gather across ranks yet — use strategy='oomb', or turn the router loss off "
                 "(output_router_logits=False)."
             )
+        shared = SharedSummaries(model.num_layers, sparse.score) if sparse and layout else None
         return _Step(input_ids, targets, denominator, shape, backend, bounds, batch_layout.positions,
-                     batch_layout.doc_start, floors, step_loss, sparse, layout)  # fmt: skip
+                     batch_layout.doc_start, floors, step_loss, sparse, layout, shared)  # fmt: skip
 
     def _layout(self, input_ids, labels, position_ids, attention_mask) -> Layout | None:
         """Context parallelism: this rank's slices of the step (``None`` on one device)."""
@@ -278,8 +279,6 @@ class OOMBEngine:
         if group is None:
             return None
         check_context(self.config, group.size)
-        if self.page_budget is not None:
-            check_context(dataclasses.replace(self.config, page_budget=self.page_budget), group.size)
         page, seq_len = self.config.page_size, input_ids.shape[1]
         first = -(-min(seq_len, self.config.chunk_size) // page)
         if first < group.size:
@@ -329,7 +328,7 @@ class OOMBEngine:
         targets = step.targets[:, lo:hi]
         # this rank's slice; a rank without one runs a stand-in token with no target
         if step.layout is not None:
-            chunk.context, chunk.key_floor = ContextChunk(self.context, step.layout, index), 0
+            chunk.context, chunk.key_floor = ContextChunk(self.context, step.layout, index, step.summaries), 0
             lo, hi = step.layout.mine(index)
             targets = (
                 step.targets[:, lo:hi] if hi > lo else torch.full_like(step.targets[:, :1], IGNORE_INDEX)
@@ -412,11 +411,6 @@ def check_context(config: OOMBConfig, size: int) -> None:
             f"chunk_size={config.chunk_size} is {pages} pages of {config.page_size}, which do not split into "
             f"{size} equal slices of whole pages (one per rank of the context group) — use a chunk_size that is a "
             f"multiple of {size * config.page_size} (e.g. {max(1, pages // size) * size * config.page_size})."
-        )
-    if config.page_budget is not None:
-        raise OOMBConfigError(
-            "page_budget (sparse attention) does not run under context parallelism yet — the selection needs "
-            "every rank's page summaries — use strategy='oomb' for sparse runs, or page_budget=None."
         )
 
 

@@ -386,3 +386,7 @@ def test_sparse_steps_count_their_page_summaries():
     assert want == 2 * 32 * 2 * 2 * 16 * 4
     assert dense.device["page_summaries"] == 0 and sparse.device["page_summaries"] == want
     assert sparse.peak_device - dense.peak_device == want
+    # context parallelism: each rank holds half the pages but every page's summary (context.SharedSummaries)
+    shared = plan(config, 4096, config=OOMBConfig(512, 128, page_budget=4), machine="cpu", host_memory=2**40,
+                  context_parallel=2)  # fmt: skip
+    assert shared.device["page_summaries"] == want and shared.device["kv_hbm"] == sparse.device["kv_hbm"] // 2

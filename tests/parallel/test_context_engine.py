@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from lightning_oomb.engine import OOMBConfig, OOMBEngine
 from lightning_oomb.engine.context import ContextGroup
+from lightning_oomb.engine.planner import plan
 from lightning_oomb.integrations.hf import HFChunkModel
 from tests.helpers.distributed import failing_ranks, run_ranks
 from tests.helpers.models import build_causal_lm, full_sequence_loss, grads_of, max_relative_error
@@ -70,6 +71,10 @@ def test_pool_is_split_and_traffic_does_not_grow_with_the_length(tmp_path):
         results = run_ranks(_step, 2, tmp_path, "qwen2", seq, False, False)
         *_, one_pool = reference("qwen2", seq, False)
         assert all(r["pool"] == one_pool // 2 for r in results)
+        planned = plan(
+            build_causal_lm("qwen2"), seq, 2, OOMBConfig(16, 8), "64-true", None, "cpu", context_parallel=2
+        )
+        assert planned.device["kv_hbm"] == results[0]["pool"]  # the planner plans one rank's pool exactly
         per_chunk.append(results[0]["sent"] / (2 * seq // 16))  # 2 layers, seq / 16 chunks
     assert per_chunk[0] == per_chunk[1] > 0
 
@@ -134,3 +139,33 @@ def test_a_failing_rank_ends_the_others_naming_it(tmp_path):
     assert time.perf_counter() - start < 60
     assert "rank 1 ran out of something" in errors[1]
     assert "RankFailure" in errors[0] and "rank 1: RuntimeError: rank 1 ran out of something" in errors[0]
+
+
+def _sparse_step(rank, world, family, checkpointing, budget):
+    model = build_causal_lm(family)
+    ids = torch.randint(0, 97, (2, 61), generator=torch.Generator().manual_seed(7))
+    config = OOMBConfig(16, 8, page_budget=budget)
+    context = ContextGroup.of() if world > 1 else None
+    engine = OOMBEngine(HFChunkModel(model, layer_checkpointing=checkpointing), config, context=context)
+    loss = engine.loss(ids)
+    loss.backward()
+    grads = grads_of(model)
+    if world > 1:
+        for g in grads.values():
+            dist.all_reduce(g)
+    return {"loss": loss.detach(), "grads": grads, "attended": engine.stats.sparse.attended_fraction}
+
+
+@pytest.mark.parametrize(
+    ("family", "checkpointing", "budget"), [("qwen2", False, 1), ("qwen2", True, 2), ("mistral", True, 1)]
+)
+def test_sparse_steps_select_and_train_as_one_process(tmp_path, family, checkpointing, budget):
+    """Page summaries are gathered, so every rank selects what one process selects: the same sparse loss and
+    gradients (fp64), and the same attended fraction (< 1: the step was sparse)."""
+    results = run_ranks(_sparse_step, 2, tmp_path, family, checkpointing, budget)
+    one = _sparse_step(0, 1, family, checkpointing, budget)
+    assert one["attended"] < 1
+    for r in results:
+        assert abs(r["loss"].item() - one["loss"].item()) <= TOL * one["loss"].item()
+        assert max_relative_error(r["grads"], one["grads"]) <= TOL
+        assert r["attended"] == pytest.approx(one["attended"], rel=1e-12)
