@@ -61,6 +61,10 @@ class StepLoss(Protocol):
     def chunk_term(self) -> torch.Tensor:
         """Backward sweep: the recomputed chunk's differentiable share (the shares' gradients sum to the term's)."""
 
+    def reduce(self, sum_) -> None:
+        """Context parallelism, after the forward sweep: make the collected constants the group's (``sum_(t)``
+        sums a tensor over the group's ranks, in place, and returns it)."""
+
 
 @runtime_checkable
 class ManagedModel(ChunkModel, Protocol):

@@ -263,11 +263,10 @@ class OOMBEngine:
         floors = key_floors(batch_layout.doc_start, [start for start, _ in bounds])
         new_step_loss = getattr(model, "new_step_loss", None)
         step_loss = new_step_loss() if new_step_loss is not None else None
-        if step_loss is not None and layout is not None:
+        if step_loss is not None and layout is not None and not hasattr(step_loss, "reduce"):
             raise OOMBConfigError(
-                "the model trains with an extra loss over all tokens (an MoE router's load balancing) which context "
-                "parallelism does not gather across ranks yet — use strategy='oomb', or turn the router loss off "
-                "(output_router_logits=False)."
+                f"the model's step loss {type(step_loss).__name__} has no reduce(sum_) — under context parallelism "
+                "each rank collects its own tokens' share and the group must sum it — implement StepLoss.reduce."
             )
         shared = SharedSummaries(model.num_layers, sparse.score) if sparse and layout else None
         return _Step(input_ids, targets, denominator, shape, backend, bounds, batch_layout.positions,
@@ -357,6 +356,8 @@ class OOMBEngine:
         # every rank returns the group's loss; each back-propagates its own chunks
         if self.context is not None:
             loss = self.context.sum_(loss.clone())
+        if step.step_loss is not None and self.context is not None:  # each rank has its own tokens' share
+            step.step_loss.reduce(self.context.sum_)
         if step.step_loss is not None:  # a term coupling all tokens: its value is known once every chunk ran
             loss = loss + step.step_loss.value().to(loss.dtype)
         return loss, rng

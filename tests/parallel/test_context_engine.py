@@ -14,7 +14,14 @@ from lightning_oomb.engine.context import ContextGroup
 from lightning_oomb.engine.planner import plan
 from lightning_oomb.integrations.hf import HFChunkModel
 from tests.helpers.distributed import failing_ranks, run_ranks
-from tests.helpers.models import build_causal_lm, full_sequence_loss, grads_of, max_relative_error
+from tests.helpers.models import (
+    build_causal_lm,
+    build_family,
+    exact_moe_loss,
+    full_sequence_loss,
+    grads_of,
+    max_relative_error,
+)
 
 pytestmark = pytest.mark.slow
 TOL = 1e-10
@@ -169,3 +176,29 @@ def test_sparse_steps_select_and_train_as_one_process(tmp_path, family, checkpoi
         assert abs(r["loss"].item() - one["loss"].item()) <= TOL * one["loss"].item()
         assert max_relative_error(r["grads"], one["grads"]) <= TOL
         assert r["attended"] == pytest.approx(one["attended"], rel=1e-12)
+
+
+def _moe_step(rank, world, family):
+    model = build_family(family, output_router_logits=True, router_aux_loss_coef=0.5)
+    ids = torch.randint(0, 64, (2, 53), generator=torch.Generator().manual_seed(3))
+    engine = OOMBEngine(HFChunkModel(model), OOMBConfig(16, 8), context=ContextGroup.of())
+    loss = engine.loss(ids)
+    loss.backward()
+    grads = grads_of(model)
+    for g in grads.values():
+        dist.all_reduce(g)
+    return {"loss": loss.detach(), "grads": grads}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_router_balancing_loss_across_the_group_is_exact(tmp_path, family):
+    """The router's load-balancing term couples all tokens: the ranks sum its constants, so loss and gradients equal
+    full-sequence training with it (fp64; 53 tokens: rank 1 runs a stand-in in the last chunk)."""
+    results = run_ranks(_moe_step, 2, tmp_path, family)
+    model = build_family(family, output_router_logits=True, router_aux_loss_coef=0.5)
+    ids = torch.randint(0, 64, (2, 53), generator=torch.Generator().manual_seed(3))
+    want = exact_moe_loss(model, ids)
+    want.backward()
+    for r in results:
+        assert abs(r["loss"].item() - want.item()) <= TOL * want.item()
+        assert max_relative_error(r["grads"], grads_of(model)) <= TOL

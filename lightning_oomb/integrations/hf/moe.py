@@ -5,7 +5,9 @@ transformers' ``load_balancing_loss_func`` (Switch Transformer; Mixtral, Qwen-Mo
 ``e``, ``S_e`` its summed router probabilities, ``R`` the routed rows. It couples every token of the step, but only
 through ``C`` and ``R``, which carry no gradient: the forward sweep collects them (and ``S``, for the value), and in
 the backward sweep each chunk contributes ``coef * E / R^2 * sum_e C_e * S_chunk,e``, whose sum over chunks has
-exactly the gradient of ``coef * aux``. The step's loss adds ``coef * aux`` as Hugging Face's does.
+exactly the gradient of ``coef * aux``. The step's loss adds ``coef * aux`` as Hugging Face's does. Under context
+parallelism each rank collects its own tokens' ``C``, ``S`` and ``R`` and the engine sums them over the group
+(:meth:`RouterBalanceLoss.reduce`) before the value and the backward shares are made.
 """
 
 from __future__ import annotations
@@ -54,8 +56,11 @@ class RouterBalanceLoss:
         return counts, probs_sum, rows
 
     def record(self, chunk: ChunkContext, router_logits) -> None:
-        """A chunk's router logits (one ``[rows, E]`` tensor per layer), in every sweep."""
+        """A chunk's router logits (one ``[rows, E]`` tensor per layer), in every sweep (a context-parallel
+        rank's stand-in token routes nothing: its share is zero)."""
         counts, probs_sum, rows = self._stats(router_logits)
+        if chunk.context is not None and not chunk.context.own:
+            counts, probs_sum, rows = counts * 0, probs_sum * 0, 0
         if chunk.sweep != "backward":
             self.counts = counts if self.counts is None else self.counts + counts
             self.prob_sum = (
@@ -64,6 +69,13 @@ class RouterBalanceLoss:
             self.rows += rows
         else:  # C and R are the whole step's (the forward sweep's), the probabilities this chunk's
             self._term = self.coef * self.num_experts * (self.counts * probs_sum).sum() / self.rows**2
+
+    def reduce(self, sum_) -> None:
+        """Context parallelism, after the forward sweep: the group's ``C``, ``S`` and ``R`` (``sum_`` sums a tensor
+        over the group in place)."""
+        self.counts = sum_(self.counts.clone())
+        self.prob_sum = sum_(self.prob_sum.clone())
+        self.rows = int(sum_(torch.tensor([self.rows], device=self.counts.device)).item())
 
     def value(self) -> torch.Tensor:
         """``coef * aux`` of the step (after the forward sweep)."""
