@@ -57,7 +57,9 @@ def reference(family, seq, checkpointing):
 
 @pytest.mark.parametrize(("family", "seq", "checkpointing", "offload"), [
     ("qwen2", 53, False, False),  # a ragged last chunk of 5 tokens: one page, so rank 1 runs a stand-in
+    ("qwen2", 53, True, False),
     ("mistral", 45, True, False),  # sliding window 11; ragged last chunk of 13 tokens (a page each)
+    ("mistral", 45, False, False),
     ("qwen2", 45, False, True),  # every layer offloaded on each rank
 ])  # fmt: skip
 def test_two_ranks_equal_one_process_and_full_sequence(tmp_path, family, seq, checkpointing, offload):

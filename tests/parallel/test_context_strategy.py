@@ -41,6 +41,11 @@ def test_context_size_must_divide_the_devices():
         fit(cp(context_parallel_size=2), devices=3, steps=1)
 
 
+def test_a_backend_that_cannot_run_on_the_device_is_refused():
+    with pytest.raises(Exception, match="process_group_backend='nccl' cannot run the collectives of cpu"):
+        fit(cp(process_group_backend="nccl"), devices=2, steps=1)
+
+
 def test_chunk_must_split_into_whole_pages_per_rank():
     with pytest.raises(Exception, match="equal slices of whole pages"):
         fit(OOMBContextParallelStrategy(chunk_size=8, page_size=8, start_method="spawn"), devices=2, steps=1)
