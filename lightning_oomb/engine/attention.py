@@ -248,7 +248,7 @@ class PagedAttention(torch.autograd.Function):
             pool.write(layer, chunk.start, *kv, window)
         first_key = _first_key(chunk, window)
         # the kernels add into each part's dk, dv
-        parts = pool.parts(layer, chunk.start + q.shape[2], True, first_key)
+        parts = pool.parts(layer, chunk.start + q.shape[2], True, first_key, _selected_blocks(chunk, layer))
         dout = dout.contiguous()
         with torch.autocast(q.device.type, enabled=False):
             delta = attention_delta(out, dout) if sinks is not None else None
@@ -279,7 +279,10 @@ def _attend_call(q, chunk: ChunkContext, layer: int, scale, window, softcap, sin
         selection = _selection(chunk, layer, q, window)
         select = None if selection is None else selection.pages
         probe = _probe(chunk, selection, q.shape[2])
-        parts = pool.parts(layer, chunk.start + q.shape[2], first_key=_first_key(chunk, window))
+        blocks = _selected_blocks(chunk, layer, selection)
+        parts = pool.parts(
+            layer, chunk.start + q.shape[2], first_key=_first_key(chunk, window), blocks=blocks
+        )
         out, lse = attend(chunk.backend, q, parts, chunk.start, scale, window, softcap, sinks, chunk.doc_start,
                           select, probe)  # fmt: skip
         if probe is not None:
@@ -358,6 +361,16 @@ def _selection(chunk: ChunkContext, layer: int, q: torch.Tensor, window) -> Sele
             return select_pages(q, summaries, chunk.start, page, sparse.budget, window, chunk.doc_start)
 
     return sparse.select(layer, chunk.start, chunk.sweep, make)
+
+
+def _selected_blocks(
+    chunk: ChunkContext, layer: int, selection: Selection | None = None
+) -> frozenset[int] | None:
+    """A sparse call's offload blocks holding a selected page (the stored selection unless given; ``None``: all)."""
+    if chunk.sparse is None:
+        return None
+    selection = selection or chunk.sparse.selections.get((layer, chunk.start))
+    return None if selection is None else selection.blocks(chunk.shape.block_pages)
 
 
 def _probe(chunk: ChunkContext, selection: Selection | None, lq: int) -> Probe | None:

@@ -125,6 +125,7 @@ class KVPool:
         self._tables: dict[int, torch.Tensor] = {}  # HBM layer -> its page table [batch, pages]
         self._offload: Offloader | None = None
         self._sweep = "forward"
+        self._selected = None
         self._warned: set[str] = set()
 
     # ----------------------------------------------------------------------------------------------- sizing
@@ -170,6 +171,7 @@ class KVPool:
                 self.transport(device),
             )
             self._offload = Offloader(cache, cfg, self._sweep)
+            self._offload.schedule.predict_selection(self._selected)
         self.shape, self.plan = shape, plan
 
     def _warn_no_effect(self, shape: PoolShape, device: torch.device) -> None:
@@ -347,12 +349,16 @@ class KVPool:
         return self.streams(layer) or self.recycles(layer)
 
     # ------------------------------------------------------------------------------------------------ sweeps
-    def begin_sweep(self, kind: str) -> None:
+    def begin_sweep(
+        self, kind: str, selected: Callable[[int, int], frozenset[int] | None] | None = None
+    ) -> None:
         """Start a ``"forward"``/``"eval"`` sweep (a new step: every page is rewritten, gradients zero) or the
-        ``"backward"`` sweep (pages are read, gradient pages accumulated)."""
-        self._sweep = kind
+        ``"backward"`` sweep (pages are read, gradient pages accumulated). ``selected(layer, chunk)``: a sparse
+        step's selected prefix blocks of a stream where known (``None``: every block), for prefetch."""
+        self._sweep, self._selected = kind, selected
         if self._offload is not None:
             self._offload.begin_sweep(kind)
+            self._offload.schedule.predict_selection(selected)
 
     def end_sweep(self) -> None:
         """Finish the sweep's bookkeeping (copy-wait timings; on CUDA this waits for the compute stream)."""
@@ -451,12 +457,14 @@ class KVPool:
             arena.dv.index_fill_(0, flat, 0)
 
     def parts(
-        self, layer: int, num_tokens: int, grads: bool = False, first_key: int = 0
-    ) -> Iterator[PagedKV]:
+        self, layer: int, num_tokens: int, grads: bool = False, first_key: int = 0,
+        blocks: frozenset[int] | None = None,
+    ) -> Iterator[PagedKV]:  # fmt: skip
         """The pages of ``layer`` holding tokens ``[0, num_tokens)`` (the chunk ending there and everything
         before), for the attention op: one :class:`PagedKV` for an HBM layer, one per block for a host layer
-        (the chunk's own block first; blocks wholly before ``first_key`` — outside a sliding window — are
-        skipped). ``grads=True``: the caller adds into each part's ``dk``/``dv`` before it takes the next part."""
+        (the chunk's own block first; blocks wholly before ``first_key`` — outside a sliding window — and, given
+        ``blocks``, earlier blocks not in it — a sparse call's unselected ones — are skipped). ``grads=True``: the
+        caller adds into each part's ``dk``/``dv`` before it takes the next part."""
         shape = self.shape
         pages = shape.num_pages(num_tokens)
         chunk = shape.block_of(num_tokens - 1)
@@ -467,7 +475,7 @@ class KVPool:
             yield PagedKV(arena.k, arena.v, arena.dk, arena.dv, table[:, :pages], (0, num_tokens))
             return
         arena = self._staging
-        for block, table in self._offload.stream(layer, chunk, grads, shape.block_of(first_key)):
+        for block, table in self._offload.stream(layer, chunk, grads, shape.block_of(first_key), blocks):
             keys = shape.block_keys(block, num_tokens)
             yield PagedKV(arena.k, arena.v, arena.dk, arena.dv, table[:, :pages], keys)
 

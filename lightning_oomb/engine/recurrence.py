@@ -200,9 +200,13 @@ class OOMBEngine:
         return self.context.reporting() if self.context is not None else contextlib.nullcontext()
 
     @contextlib.contextmanager
-    def _sweep(self, kind: str):
+    def _sweep(self, kind: str, step: _Step):
         """Bracket a sweep for the pool; an exception frees the pool, so the next step starts clean."""
-        self.pool.begin_sweep(kind)
+        sparse = step.sparse if step.layout is None else None
+        selected = (
+            None if sparse is None else sparse.blocks_of(step.shape.block_pages, self.config.chunk_size)
+        )
+        self.pool.begin_sweep(kind, selected)
         try:
             yield
         except BaseException:
@@ -347,7 +351,7 @@ class OOMBEngine:
         """Run every chunk without a graph; return the summed loss and each chunk's RNG state."""
         device = step.input_ids.device
         rng, losses = [], []
-        with self._sweep(sweep), self.model.engaged(step.input_ids.shape[1]):
+        with self._sweep(sweep, step), self.model.engaged(step.input_ids.shape[1]):
             for index in range(len(step.bounds)):
                 rng.append(_RNGState(device))
                 losses.append(self._chunk_loss(step, index, sweep))
@@ -373,7 +377,7 @@ class OOMBEngine:
         native = self.config.grad_accumulation == "native"
         sums = contextlib.nullcontext() if native else Float32GradSums(self._parameters())
         engaged = self.model.engaged(step.input_ids.shape[1])
-        with self._reporting(), fork, sums, self._sweep("backward"), engaged:
+        with self._reporting(), fork, sums, self._sweep("backward", step), engaged:
             for index in reversed(range(len(step.bounds))):
                 rng[index].restore()
                 with torch.enable_grad(), autocast():

@@ -104,6 +104,16 @@ class Selection:
     selected: torch.Tensor
     candidates: torch.Tensor
     local: torch.Tensor
+    _blocks: dict[int, frozenset[int]] = field(default_factory=dict, repr=False)
+
+    def blocks(self, block_pages: int) -> frozenset[int] | None:
+        """The offload blocks (of ``block_pages`` pages) holding a selected page (``None``: dense); computed once."""
+        if self.pages is None:
+            return None
+        if block_pages not in self._blocks:
+            chosen = self.pages[self.pages >= 0].div(block_pages, rounding_mode="floor").unique()
+            self._blocks[block_pages] = frozenset(chosen.tolist())
+        return self._blocks[block_pages]
 
 
 def select_pages(
@@ -193,6 +203,15 @@ class SparseStep:
         self._attended.append((selection.selected + selection.local).sum())
         self._visible.append((selection.candidates + selection.local).sum())
         return selection
+
+    def blocks_of(self, block_pages: int, chunk_tokens: int):
+        """``selected(layer, chunk)`` for the offload prefetch: the stored selection's blocks, where made."""
+
+        def selected(layer: int, chunk: int) -> frozenset[int] | None:
+            selection = self.selections.get((layer, chunk * chunk_tokens))
+            return None if selection is None else selection.blocks(block_pages)
+
+        return selected
 
     def probe_block(self, selection: Selection) -> int | None:
         """A query block to measure the recall on, for a sparse call with probing on (else ``None``)."""

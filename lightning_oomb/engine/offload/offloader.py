@@ -94,15 +94,20 @@ class Offloader:
         return buf is not None and buf.kv
 
     def stream(
-        self, layer: int, chunk: int, grads: bool = False, first: int = 0
+        self,
+        layer: int,
+        chunk: int,
+        grads: bool = False,
+        first: int = 0,
+        blocks: frozenset[int] | None = None,
     ) -> Iterator[tuple[int, torch.Tensor]]:
         """Yield ``(block, page table)`` for the blocks chunk ``chunk`` of ``layer`` attends to: its own block
         (already written or restaged) first, then the prefix ``first .. chunk-1`` (blocks before ``first`` are
-        outside a sliding window), each staged (with its gradient pages if ``grads``) and ordered before the
+        outside a sliding window; only ``blocks``, if given: a sparse call's selected ones), each staged (with its gradient pages if ``grads``) and ordered before the
         compute stream's next use. With ``grads`` the caller adds into the gradient pages before asking for the
         next block; a prefix block's are then written back."""
         self.cache.tick()
-        needs = self.schedule.stream(layer, chunk, grads, first)
+        needs = self.schedule.stream(layer, chunk, grads, first, blocks)
         self._fresh = None
         parts = ("kv", "grad") if grads else ("kv",)
         for i, need in enumerate(needs):

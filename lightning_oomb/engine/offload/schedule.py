@@ -11,8 +11,12 @@ out wrong only costs a copy.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
+
+
+def _every_block(layer: int, chunk: int) -> None:
+    return None
 
 
 class Visit(NamedTuple):
@@ -45,6 +49,7 @@ class OffloadSchedule:
     def __init__(self, num_layers: int, num_blocks: int, host_layers: Sequence[int]) -> None:
         self.num_layers, self.num_blocks = num_layers, num_blocks
         self.host_layers = frozenset(host_layers)
+        self.selected = _every_block
         self.sweep = "forward"
         self.written = [0] * num_layers  # leading blocks of each layer whose K/V are on the host
         self.begin_sweep("forward")
@@ -56,19 +61,27 @@ class OffloadSchedule:
         if kind != "backward":
             self.written = [0] * self.num_layers
 
+    def predict_selection(self, selected: Callable[[int, int], frozenset[int] | None] | None) -> None:
+        """A sparse step's selected prefix blocks of a ``(layer, chunk)`` stream where already known (``None``
+        from it, or no ``selected``: every block is predicted)."""
+        self.selected = selected or _every_block
+
     def visit(self, layer: int, chunk: int, grads: bool = False) -> Visit:
         """Move to the start of ``layer``'s stream for chunk ``chunk``."""
         self.at = Visit(layer, chunk, grads)
         self._rest = ((), 0)
         return self.at
 
-    def stream(self, layer: int, chunk: int, grads: bool, first: int = 0) -> list[Need]:
-        """Start ``layer``'s stream for chunk ``chunk`` over the prefix blocks ``first .. chunk-1``; return its
-        needs in use order: the chunk's own block (already on the device: its K/V were just written or restaged),
-        then the prefix blocks from the host."""
+    def stream(
+        self, layer: int, chunk: int, grads: bool, first: int = 0, blocks: frozenset[int] | None = None
+    ) -> list[Need]:
+        """Start ``layer``'s stream for chunk ``chunk`` over the prefix blocks ``first .. chunk-1`` (those in
+        ``blocks`` only: a sparse call's selected ones); return its needs in use order: the chunk's own block
+        (already on the device: its K/V were just written or restaged), then the prefix blocks from the host."""
         self.visit(layer, chunk, grads)
         self.span = chunk - first
-        return [Need(layer, chunk, False, grads), *(Need(layer, j, True, grads) for j in range(first, chunk))]
+        prefix = [j for j in range(first, chunk) if blocks is None or j in blocks]
+        return [Need(layer, chunk, False, grads), *(Need(layer, j, True, grads) for j in prefix)]
 
     def using(self, needs: Sequence[Need], i: int) -> None:
         """``needs[i]`` of the current stream is in use: the prediction continues with ``needs[i + 1:]``."""
@@ -104,5 +117,7 @@ class OffloadSchedule:
             if visit.layer in self.host_layers:
                 yield Need(visit.layer, visit.chunk, False, visit.grads)
                 first = max(0, visit.chunk - self.span)  # a sliding window spans as many blocks as last time
+                chosen = self.selected(visit.layer, visit.chunk)
                 for j in range(first, min(visit.chunk, self.written[visit.layer])):
-                    yield Need(visit.layer, j, True, visit.grads)
+                    if chosen is None or j in chosen:
+                        yield Need(visit.layer, j, True, visit.grads)
