@@ -89,10 +89,13 @@ class _OOMBStrategyMixin:
         so the plan uses the datamodule's ``seq_len`` and ``batch_size`` (attributes or hyperparameters; this
         project's datamodules have both); without a ``seq_len`` no plan is made here, and the pool's own check at
         the first step still guards the KV pool. ``OOMBStrategy(plan_memory=False)`` skips it. The same plan decides
-        ``layer_checkpointing="auto"`` (without a ``seq_len`` it stays on).
+        ``layer_checkpointing="auto"`` (without a ``seq_len`` it stays on) and, under offload on a GPU,
+        ``hbm_budget="auto"`` with the optimizer states counted (:func:`~lightning_oomb.engine.planner.decide_auto`;
+        without a ``seq_len`` the pool decides at the first step from the free memory).
         """
         seq_len, batch = step_size_of(trainer.datamodule)
-        auto = self.oomb_config.layer_checkpointing == "auto"
+        config = self.oomb_config
+        auto = config.layer_checkpointing == "auto" or (config.offload and config.hbm_budget == "auto")
         if not (self._plan_memory or auto) or trainer.state.fn != "fit" or seq_len is None:
             return
         optimizer = self.optimizers[0] if self.optimizers else None
@@ -107,8 +110,8 @@ class _OOMBStrategyMixin:
             Machine.local(self.root_device, resident_bytes=params),
             context_parallel=self.engine.context.size if self.engine.context is not None else 1,
         )
-        if auto:  # the plan's decision, for the engine and the model
-            self.engine.config = result.config
+        if result.config != config:  # the plan decided the "auto" options: for the engine and the model
+            self.engine.reconfigure(result.config)
             self.model_adapter.layer_checkpointing = result.config.layer_checkpointing
         if self._plan_memory and not result.fits:
             raise OOMBConfigError(

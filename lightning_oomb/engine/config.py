@@ -40,8 +40,11 @@ class OOMBConfig:
             rounding. On a CPU device with ``hbm_budget="auto"`` it changes nothing (pages are in host memory
             already; an explicit budget streams them anyway, which tests the schedule).
         hbm_budget: device bytes for pages (HBM-tier layers + staging buffers) when ``offload`` is on: an int, or
-            ``"auto"`` = free device memory minus a quarter of the device. Whole layers are placed; a budget below
-            the staging buffers puts every layer on the host.
+            ``"auto"``: the strategies decide it at setup from the memory plan (the device bytes left by weights,
+            gradients, optimizer states and one chunk's activations and transients, less 5 % of the device); the
+            engine alone (or without a ``seq_len`` to plan for) takes the free device memory at the first step
+            minus a quarter of the device. Whole layers are placed; a budget below the staging buffers puts every
+            layer on the host.
         staging_buffers: device buffers of one block each — one chunk's K, V, dK, dV pages of one layer,
             ``2 * batch * chunk_size * kv_heads * head_dim * (kv itemsize + grad itemsize)`` bytes (24 MiB for
             Qwen2.5-7B at chunk 4096) — through which host-tier layers stream; at least 2 (the chunk's own block

@@ -86,6 +86,9 @@ from lightning_oomb.engine.reference import KEY_BLOCK
 # empty until benchmarks/ records GPU measurements: then MemoryPlan.step_time_s can be predicted from them
 MEASURED_STEP_RATES: Mapping[str, Mapping[str, float]] = {}
 
+PLANNED_HEADROOM = (
+    0.05  # a planned hbm_budget="auto" leaves this share of the device (allocator, CUDA context)
+)
 # families whose layers the activation formula was measured on (tests/engine/test_planner.py)
 CALIBRATED = ("llama", "qwen2", "qwen3", "mistral")
 NORM_BYTES = 4  # HF's RMSNorm computes in float32 whatever the model's dtype
@@ -731,8 +734,8 @@ def plan(
             :meth:`Machine.local`) with ``device_memory`` / ``host_memory`` (bytes) overriding what it reports.
         param_dtype: the weights' dtype when the flag does not convert them (a module's own is read from it).
         suggest: when it does not fit, try the options that could (``MemoryPlan.options``).
-        ``config.layer_checkpointing="auto"`` is decided here (off when the step fits without it): the plan's
-        ``config`` holds the decision.
+        Its ``"auto"`` options are decided here as the strategies decide them (:func:`decide_auto`): the plan's
+        ``config`` holds the decisions.
         context_parallel: ranks sharing each sequence (``strategy="oomb_cp"``): each keeps ``1 / context_parallel``
             of the pages (a chunk's activations are still counted whole: an upper bound).
     """
@@ -751,19 +754,35 @@ def plan(
     dtypes = precision_dtypes(precision, param_dtype)
     spec = optimizer_spec(optimizer)
     inputs = _Inputs(shape, dtypes, spec, machine, str(precision))
-    if config.layer_checkpointing == "auto":
-        config = _resolved_checkpointing(inputs, config, batch, seq_len, context_parallel)
+    config = decide_auto(inputs, config, batch, seq_len, context_parallel)
     result = _plan(inputs, config, batch, seq_len, context_parallel)
     if suggest and not result.fits:
         result.options = _options(inputs, config, batch, seq_len)
     return result
 
 
-def _resolved_checkpointing(inputs, config: OOMBConfig, batch: int, seq_len: int, devices: int) -> OOMBConfig:
-    """``layer_checkpointing="auto"`` decided: off when the step fits without it, else on."""
-    off = dataclasses.replace(config, layer_checkpointing=False)
-    fits = _plan(inputs, off, batch, seq_len, devices).fits
-    return off if fits else dataclasses.replace(config, layer_checkpointing=True)
+def decide_auto(inputs, config: OOMBConfig, batch: int, seq_len: int, devices: int = 1) -> OOMBConfig:
+    """The ``"auto"`` options decided as the strategies decide them at setup: ``layer_checkpointing`` off when the
+    step fits without it; under offload on a CUDA device, ``hbm_budget`` = the device bytes the rest of the step
+    leaves (every term of its plan with no HBM-tier layer, less ``PLANNED_HEADROOM`` of the device) — unlike the
+    engine's own ``"auto"``, which sees only what is allocated at the first step (not yet the optimizer states)."""
+    if config.layer_checkpointing == "auto":
+        off = _budgeted(
+            inputs, dataclasses.replace(config, layer_checkpointing=False), batch, seq_len, devices
+        )
+        fits = _plan(inputs, off, batch, seq_len, devices).fits
+        config = off if fits else dataclasses.replace(config, layer_checkpointing=True)
+    return _budgeted(inputs, config, batch, seq_len, devices)
+
+
+def _budgeted(inputs, config: OOMBConfig, batch: int, seq_len: int, devices: int) -> OOMBConfig:
+    machine = inputs.machine
+    if not (config.offload and config.hbm_budget == "auto" and machine.device_type == "cuda"):
+        return config
+    rest = _plan(inputs, dataclasses.replace(config, hbm_budget=0), batch, seq_len, devices)
+    others = rest.peak_device - rest.device["staging"]  # the budget holds the staging buffers too
+    spare = machine.device_bytes - others - int(PLANNED_HEADROOM * machine.device_bytes)
+    return dataclasses.replace(config, hbm_budget=max(0, spare))
 
 
 @dataclass(frozen=True)

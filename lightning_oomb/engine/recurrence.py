@@ -141,6 +141,13 @@ class OOMBEngine:
         self.probe_recall = False
         self._steps = 0
 
+    def reconfigure(self, config: OOMBConfig) -> None:
+        """Use ``config`` from the next step on (its ``"auto"`` options decided, e.g. by the strategy's memory plan);
+        the context-parallel constraints are checked again."""
+        if self.context is not None:
+            check_context(config, self.context.size)
+        self.config = self.pool.config = config
+
     @property
     def page_budget(self) -> int | None:
         """Past pages each query block attends to in the next steps (``None``: dense)."""

@@ -5,6 +5,7 @@ setup with the option that would."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import lightning as L
 import pytest
@@ -390,3 +391,23 @@ def test_sparse_steps_count_their_page_summaries():
     shared = plan(config, 4096, config=OOMBConfig(512, 128, page_budget=4), machine="cpu", host_memory=2**40,
                   context_parallel=2)  # fmt: skip
     assert shared.device["page_summaries"] == want and shared.device["kv_hbm"] == sparse.device["kv_hbm"] // 2
+
+
+def test_a_planned_auto_hbm_budget_leaves_room_for_the_optimizer_states():
+    """``hbm_budget="auto"`` as the strategies decide it: the HBM tier gets what the rest of the step leaves (AdamW's
+    states included), so the plan fits; the pool's own first-step "auto" (only the weights allocated) would not."""
+    cfg, config = (
+        qwen2_5_7b_config(),
+        OOMBConfig(layer_checkpointing=True, kv_grad_dtype="bfloat16", offload=True),
+    )
+    decided = plan(cfg, 1 << 20, 1, config, "bf16-true", "adamw", H200)
+    assert decided.fits and isinstance(decided.config.hbm_budget, int) and 0 < decided.hbm_layers < 28
+    assert decided.peak_device <= (1 - planner.PLANNED_HEADROOM) * H200.device_bytes
+    first_step = planner._budget(config, H200, decided.device["weights"])
+    runtime = plan(
+        cfg, 1 << 20, 1, dataclasses.replace(config, hbm_budget=first_step), "bf16-true", "adamw", H200
+    )
+    assert not runtime.fits and runtime.hbm_layers > decided.hbm_layers
+    engine = OOMBEngine(HFChunkModel(build_causal_lm("qwen2")), config)
+    engine.reconfigure(decided.config)
+    assert engine.pool.config.hbm_budget == decided.config.hbm_budget
