@@ -363,10 +363,9 @@ def _selection(chunk: ChunkContext, layer: int, q: torch.Tensor, window) -> Sele
     return sparse.select(layer, chunk.start, chunk.sweep, make)
 
 
-def _selected_blocks(
-    chunk: ChunkContext, layer: int, selection: Selection | None = None
-) -> frozenset[int] | None:
-    """A sparse call's offload blocks holding a selected page (the stored selection unless given; ``None``: all)."""
+def _selected_blocks(chunk: ChunkContext, layer: int, selection: Selection | None = None) -> dict | None:
+    """A sparse call's offload blocks holding a selected page, with those pages (the stored selection unless
+    given; ``None``: all)."""
     if chunk.sparse is None:
         return None
     selection = selection or chunk.sparse.selections.get((layer, chunk.start))

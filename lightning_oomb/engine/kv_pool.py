@@ -349,9 +349,7 @@ class KVPool:
         return self.streams(layer) or self.recycles(layer)
 
     # ------------------------------------------------------------------------------------------------ sweeps
-    def begin_sweep(
-        self, kind: str, selected: Callable[[int, int], frozenset[int] | None] | None = None
-    ) -> None:
+    def begin_sweep(self, kind: str, selected: Callable[[int, int], dict | None] | None = None) -> None:
         """Start a ``"forward"``/``"eval"`` sweep (a new step: every page is rewritten, gradients zero) or the
         ``"backward"`` sweep (pages are read, gradient pages accumulated). ``selected(layer, chunk)``: a sparse
         step's selected prefix blocks of a stream where known (``None``: every block), for prefetch."""
@@ -458,12 +456,13 @@ class KVPool:
 
     def parts(
         self, layer: int, num_tokens: int, grads: bool = False, first_key: int = 0,
-        blocks: frozenset[int] | None = None,
+        blocks: dict[int, frozenset[int]] | None = None,
     ) -> Iterator[PagedKV]:  # fmt: skip
         """The pages of ``layer`` holding tokens ``[0, num_tokens)`` (the chunk ending there and everything
         before), for the attention op: one :class:`PagedKV` for an HBM layer, one per block for a host layer
         (the chunk's own block first; blocks wholly before ``first_key`` — outside a sliding window — and, given
-        ``blocks``, earlier blocks not in it — a sparse call's unselected ones — are skipped). ``grads=True``: the
+        ``blocks`` (block -> page offsets: a sparse call's selection), earlier blocks not in it are skipped and
+        only the listed pages of the others staged). ``grads=True``: the
         caller adds into each part's ``dk``/``dv`` before it takes the next part."""
         shape = self.shape
         pages = shape.num_pages(num_tokens)

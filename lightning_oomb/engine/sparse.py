@@ -104,15 +104,18 @@ class Selection:
     selected: torch.Tensor
     candidates: torch.Tensor
     local: torch.Tensor
-    _blocks: dict[int, frozenset[int]] = field(default_factory=dict, repr=False)
+    _blocks: dict = field(default_factory=dict, repr=False)
 
-    def blocks(self, block_pages: int) -> frozenset[int] | None:
-        """The offload blocks (of ``block_pages`` pages) holding a selected page (``None``: dense); computed once."""
+    def blocks(self, block_pages: int) -> dict[int, frozenset[int]] | None:
+        """The offload blocks (of ``block_pages`` pages) holding a selected page, each with the offsets of its
+        selected pages (``None``: dense); computed once."""
         if self.pages is None:
             return None
         if block_pages not in self._blocks:
-            chosen = self.pages[self.pages >= 0].div(block_pages, rounding_mode="floor").unique()
-            self._blocks[block_pages] = frozenset(chosen.tolist())
+            chosen: dict[int, set[int]] = {}
+            for page in self.pages[self.pages >= 0].unique().tolist():
+                chosen.setdefault(page // block_pages, set()).add(page % block_pages)
+            self._blocks[block_pages] = {block: frozenset(p) for block, p in chosen.items()}
         return self._blocks[block_pages]
 
 
@@ -205,11 +208,12 @@ class SparseStep:
         return selection
 
     def blocks_of(self, block_pages: int, chunk_tokens: int):
-        """``selected(layer, chunk)`` for the offload prefetch: the stored selection's blocks, where made."""
+        """``selected(layer, chunk)`` for the offload prefetch: the stored selection's blocks and pages, where made
+        (``{}`` where not yet: nothing of the prefix is predicted; ``None``: a dense call, every block)."""
 
-        def selected(layer: int, chunk: int) -> frozenset[int] | None:
+        def selected(layer: int, chunk: int) -> dict[int, frozenset[int]] | None:
             selection = self.selections.get((layer, chunk * chunk_tokens))
-            return None if selection is None else selection.blocks(block_pages)
+            return {} if selection is None else selection.blocks(block_pages)  # {}: not made yet
 
         return selected
 

@@ -59,25 +59,27 @@ class _DropsWaits(_DeferredCopies):
         self._wander()
 
 
-def offloaded_step(model, ids, transport, checkpointing: bool):
+def offloaded_step(model, ids, transport, checkpointing: bool, page_budget=None):
     model.zero_grad()
-    config = OOMBConfig(
-        16, 8, layer_checkpointing=checkpointing, offload=True, hbm_budget=0, staging_buffers=3
-    )
+    config = OOMBConfig(16, 8, layer_checkpointing=checkpointing, offload=True, hbm_budget=0, staging_buffers=3,
+                        page_budget=page_budget)  # fmt: skip
     engine = OOMBEngine(HFChunkModel(model, layer_checkpointing=checkpointing), config, transport)
     loss = engine.loss(ids)
     loss.backward()
     return loss.detach(), grads_of(model), engine.stats.extra
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize(("checkpointing", "page_budget"), [(False, None), (True, None), (False, 1)])
 @pytest.mark.parametrize(("seed", "chance"), [(0, 0.0), (1, 0.3), (2, 0.9)])
-def test_a_step_with_delayed_copies_equals_synchronous_copies_bitwise(seed, chance, checkpointing):
+def test_a_step_with_delayed_copies_equals_synchronous_copies_bitwise(
+    seed, chance, checkpointing, page_budget
+):
+    """Also a sparse step, whose copies move single pages."""
     model = build_causal_lm("qwen2", num_hidden_layers=3)
     ids = torch.randint(0, 97, (2, 50), generator=torch.Generator().manual_seed(seed))
-    want_loss, want, want_stats = offloaded_step(model, ids, SyncTransport, checkpointing)
+    want_loss, want, want_stats = offloaded_step(model, ids, SyncTransport, checkpointing, page_budget)
     transport = functools.partial(delaying_transport, seed=seed, chance=chance)
-    loss, got, stats = offloaded_step(model, ids, transport, checkpointing)
+    loss, got, stats = offloaded_step(model, ids, transport, checkpointing, page_budget)
     assert torch.equal(loss, want_loss)
     assert all(torch.equal(got[n], want[n]) for n in want)
     assert stats == want_stats  # the same schedule: only when the copies run differs

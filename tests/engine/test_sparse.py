@@ -346,10 +346,11 @@ def test_triton_backend_matches_torch(budget, offload, checkpointing):
         assert max_relative_error(grads_t, grads_of(model)) <= 1e-4
 
 
-def test_offloaded_sparse_steps_stream_only_selected_blocks():
-    """Under offload a sparse step skips the blocks holding no selected page: the backward sweep copies in only
-    the K/V of blocks a selection of that layer names (or the chunk's own), every copy is predicted (no demand
-    copy), fewer bytes move than in the dense step, and the result equals the step without offload."""
+def test_offloaded_sparse_steps_stream_only_selected_pages():
+    """Under offload a sparse step copies in only selected pages: every K/V copy from the host (both sweeps) holds
+    pages a selection of that layer names, at most the selected pages' bytes per stream move, every backward copy
+    is predicted (no demand copy), fewer bytes move than in the dense step, and the result equals the step
+    without offload."""
     model = build_causal_lm("qwen2")
     ids = torch.randint(0, 97, (2, SEQ), generator=torch.Generator().manual_seed(11))
     loss, grads, selections, engine = oomb(model, ids, 1, offload=True)
@@ -359,13 +360,32 @@ def test_offloaded_sparse_steps_stream_only_selected_blocks():
         and max_relative_error(grads, want) <= TOL
     )
     pool = engine.pool
-    block_pages = pool.shape.block_pages
-    named = {(layer, page // block_pages) for (layer, _), s in selections.items() if s.pages is not None
-             for page in s.pages[s.pages >= 0].tolist()}  # fmt: skip
-    named |= {(layer, start // CHUNK) for layer, start in selections}  # each chunk's own block
-    copied = {(t.layer, t.first // block_pages) for t in pool.transfers if t.sweep == "backward"
-              and t.direction == "h2d" and t.what == "kv"}  # fmt: skip
-    assert copied and copied <= named
-    assert pool.stats()["demand_copies"] == 0  # the backward's streams were predicted from the selections
+    named = {layer: set() for layer, _ in selections}
+    streamed = 0  # selected pages of every stream: one in the forward sweep, two in the backward
+    for (layer, _), s in selections.items():
+        if s.pages is not None:
+            pages = set(s.pages[s.pages >= 0].tolist())
+            named[layer] |= pages
+            streamed += 3 * len(pages)
+    copies = [t for t in pool.transfers if t.direction == "h2d" and t.what == "kv"]
+    assert copies and all(set(range(t.first, t.end)) <= named[t.layer] for t in copies)
+    assert sum(t.nbytes for t in copies) <= streamed * pool.shape.page_bytes("kv")
+    backward = [t for t in copies if t.sweep == "backward"]
+    assert backward and all(t.cause == "prefetch" for t in backward)  # predicted from the stored selections
     *_, dense = oomb(model, ids, None, offload=True)
     assert pool.stats()["h2d_bytes"] < dense.pool.stats()["h2d_bytes"]
+
+
+def test_page_copies_of_a_sparse_step_are_ordered_by_events():
+    """The CUDA schedule's events, checked on CPU for a sparse step (copies of single pages, partial buffers): no two
+    conflicting operations on different streams are left unordered."""
+    from tests.helpers.streams import RecordingTransport
+
+    sim = RecordingTransport()
+    model = build_causal_lm("qwen2")
+    ids = torch.randint(0, 97, (2, SEQ), generator=torch.Generator().manual_seed(11))
+    config = OOMBConfig(CHUNK, PAGE, page_budget=1, offload=True, hbm_budget=0, staging_buffers=3)
+    engine = OOMBEngine(HFChunkModel(model), config, transport=lambda device: sim)
+    engine.loss(ids).backward()
+    assert {op[0] for op in sim.ops} == {"compute", "h2d", "d2h"}
+    assert sim.hazards() == []

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from lightning_oomb.engine.config import OOMBConfig
-from lightning_oomb.engine.offload.schedule import Need, OffloadSchedule
+from lightning_oomb.engine.offload.schedule import Need, OffloadSchedule, Selected
 from lightning_oomb.engine.offload.staging import StagingCache, Transfer
 
 
@@ -99,11 +99,12 @@ class Offloader:
         chunk: int,
         grads: bool = False,
         first: int = 0,
-        blocks: frozenset[int] | None = None,
+        blocks: Selected | None = None,
     ) -> Iterator[tuple[int, torch.Tensor]]:
         """Yield ``(block, page table)`` for the blocks chunk ``chunk`` of ``layer`` attends to: its own block
         (already written or restaged) first, then the prefix ``first .. chunk-1`` (blocks before ``first`` are
-        outside a sliding window; only ``blocks``, if given: a sparse call's selected ones), each staged (with its gradient pages if ``grads``) and ordered before the
+        outside a sliding window; only ``blocks``, if given: a sparse call's selected ones, and only their selected
+        pages), each staged (with its gradient pages if ``grads``) and ordered before the
         compute stream's next use. With ``grads`` the caller adds into the gradient pages before asking for the
         next block; a prefix block's are then written back."""
         self.cache.tick()
@@ -114,7 +115,7 @@ class Offloader:
             self.schedule.using(needs, i)  # what prefetch predicts first: needs[i + 1:]
             self.cache.tick()
             buf = self.cache.stage(need, "demand", self._protected(need))
-            assert buf.kv, "the chunk's own block is written before it is streamed"
+            assert buf.kv or need.pages is not None, "the chunk's own block is written before it is streamed"
             self.cache.use(buf, reads=parts, writes=parts[1:])
             if grads:
                 self.cache.added_grads(buf)

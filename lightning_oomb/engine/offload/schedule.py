@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
+Selected = dict[int, frozenset[int]]  # a sparse stream's prefix blocks -> their selected pages (offsets)
+
 
 def _every_block(layer: int, chunk: int) -> None:
     return None
@@ -29,12 +31,14 @@ class Visit(NamedTuple):
 
 class Need(NamedTuple):
     """A block use: stage its K/V (``kv``) and/or gradient pages (``grads``); neither = hold a buffer for the
-    chunk's own block, which the compute stream writes."""
+    chunk's own block, which the compute stream writes. ``pages``: only these pages of the block (offsets in it: a
+    sparse call's selected ones); ``None``: all."""
 
     layer: int
     block: int
     kv: bool
     grads: bool
+    pages: frozenset[int] | None = None
 
 
 class OffloadSchedule:
@@ -61,9 +65,10 @@ class OffloadSchedule:
         if kind != "backward":
             self.written = [0] * self.num_layers
 
-    def predict_selection(self, selected: Callable[[int, int], frozenset[int] | None] | None) -> None:
-        """A sparse step's selected prefix blocks of a ``(layer, chunk)`` stream where already known (``None``
-        from it, or no ``selected``: every block is predicted)."""
+    def predict_selection(self, selected: Callable[[int, int], Selected | None] | None) -> None:
+        """A sparse step's selected prefix blocks (and pages) of a ``(layer, chunk)`` stream — ``{}`` where not yet
+        known (nothing of the prefix is predicted), ``None`` for a dense stream (every block) — or no
+        ``selected``: a dense step."""
         self.selected = selected or _every_block
 
     def visit(self, layer: int, chunk: int, grads: bool = False) -> Visit:
@@ -73,15 +78,15 @@ class OffloadSchedule:
         return self.at
 
     def stream(
-        self, layer: int, chunk: int, grads: bool, first: int = 0, blocks: frozenset[int] | None = None
+        self, layer: int, chunk: int, grads: bool, first: int = 0, blocks: Selected | None = None
     ) -> list[Need]:
-        """Start ``layer``'s stream for chunk ``chunk`` over the prefix blocks ``first .. chunk-1`` (those in
-        ``blocks`` only: a sparse call's selected ones); return its needs in use order: the chunk's own block
-        (already on the device: its K/V were just written or restaged), then the prefix blocks from the host."""
+        """Start ``layer``'s stream for chunk ``chunk`` over the prefix blocks ``first .. chunk-1`` (given
+        ``blocks``, a sparse call's: only those, and only their selected pages); return its needs in use order: the
+        chunk's own block (already on the device: its K/V were just written or restaged), then the prefix blocks
+        from the host."""
         self.visit(layer, chunk, grads)
         self.span = chunk - first
-        prefix = [j for j in range(first, chunk) if blocks is None or j in blocks]
-        return [Need(layer, chunk, False, grads), *(Need(layer, j, True, grads) for j in prefix)]
+        return [Need(layer, chunk, False, grads), *_prefix(layer, range(first, chunk), grads, blocks)]
 
     def using(self, needs: Sequence[Need], i: int) -> None:
         """``needs[i]`` of the current stream is in use: the prediction continues with ``needs[i + 1:]``."""
@@ -118,6 +123,14 @@ class OffloadSchedule:
                 yield Need(visit.layer, visit.chunk, False, visit.grads)
                 first = max(0, visit.chunk - self.span)  # a sliding window spans as many blocks as last time
                 chosen = self.selected(visit.layer, visit.chunk)
-                for j in range(first, min(visit.chunk, self.written[visit.layer])):
-                    if chosen is None or j in chosen:
-                        yield Need(visit.layer, j, True, visit.grads)
+                written = range(first, min(visit.chunk, self.written[visit.layer]))
+                yield from _prefix(visit.layer, written, visit.grads, chosen)
+
+
+def _prefix(layer: int, blocks: range, grads: bool, selected: Selected | None) -> Iterator[Need]:
+    """The needs of a stream's prefix ``blocks`` (only the selected ones, with their pages, given ``selected``)."""
+    for j in blocks:
+        if selected is None:
+            yield Need(layer, j, True, grads)
+        elif j in selected:
+            yield Need(layer, j, True, grads, selected[j])

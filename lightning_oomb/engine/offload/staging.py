@@ -1,6 +1,7 @@
 """The staging-buffer cache: fixed-size device buffers holding blocks of host-tier layers, and their copies.
 
-Each of the ``staging_buffers`` buffers holds one block (one chunk's K, V, dK, dV pages of one layer, all rows).
+Each of the ``staging_buffers`` buffers holds one block (one chunk's K, V, dK, dV pages of one layer, all rows),
+or some of its pages (a sparse call stages only its selected ones; copies move runs of consecutive pages).
 The cache stages a block into a buffer (evicting the least recently used one that nothing protects), tracks what
 each buffer holds (K/V valid, gradient pages valid, *dirty* = gradient adds since the last write-back), writes
 back K/V (once, right after they are written) and gradient pages (only after adds), and orders every copy with
@@ -45,9 +46,13 @@ class Transfer(NamedTuple):
     cause: str  # "prefetch" | "demand" | "writeback"
 
 
+ALL: frozenset[int] | None = None  # a page set meaning every page of the block
+
+
 @dataclass
 class Buffer:
-    """One staging buffer: room for one block (all rows)."""
+    """One staging buffer: room for one block (all rows). A sparse stream stages only some pages of a block:
+    ``kv_pages`` / ``grad_pages`` are the valid ones while ``kv`` / ``grads`` (every page valid) are not set."""
 
     index: int
     block: tuple[int, int] | None = None  # (layer, block) held here
@@ -57,9 +62,16 @@ class Buffer:
     last_use: int = 0
     ready: object = None  # transport events (see the module docstring)
     flushed: object = None
+    kv_pages: frozenset[int] = frozenset()
+    grad_pages: frozenset[int] = frozenset()
 
     def clear(self) -> None:
         self.block, self.kv, self.grads, self.dirty = None, False, False, False
+        self.kv_pages = self.grad_pages = frozenset()
+
+    def drop_grads(self) -> None:
+        self.grads = self.dirty = False
+        self.grad_pages = frozenset()
 
 
 class StagingCache:
@@ -97,7 +109,9 @@ class StagingCache:
         self._holder: dict[tuple[int, int], Buffer] = {}
         for buf in self.buffers:
             buf.clear()
-        self._grads_on_host: set[tuple[int, int]] = set()
+        self._grads_on_host: dict[
+            tuple[int, int], frozenset[int] | None
+        ] = {}  # pages written back (None: all)
         self.trace: deque[Transfer] = deque(maxlen=TRACE_LIMIT)
         self.counts = {"h2d_bytes": 0, "d2h_bytes": 0, "prefetch_copies": 0, "demand_copies": 0}
 
@@ -105,7 +119,7 @@ class StagingCache:
         """A sweep starts: the clock restarts; a forward/eval sweep is a new step, the backward sweep keeps the
         staged K/V but no gradient page (they restart at zero; the host holds none)."""
         self.sweep, self._now = kind, 0
-        self._grads_on_host = set()
+        self._grads_on_host = {}
         if kind != "backward":
             self.new_step()
         self.drop_grads()
@@ -113,7 +127,7 @@ class StagingCache:
     def drop_grads(self) -> None:
         """Every staged gradient page has been handed over (end of the backward sweep) or is stale."""
         for buf in self.buffers:
-            buf.grads = buf.dirty = False
+            buf.drop_grads()
 
     def tick(self) -> None:
         """Advance the clock of least-recently-used eviction."""
@@ -163,23 +177,24 @@ class StagingCache:
         sweeps) — send them to the host now (the only write-back of K/V ever: they never change afterwards)."""
         buf.kv = True
         if persist:
-            self._grads_on_host.discard(buf.block)
+            self._grads_on_host.pop(buf.block, None)
             self._flush(buf, "kv")
 
     def added_grads(self, buf: Buffer) -> None:
         buf.dirty = True
 
     def write_back(self, buf: Buffer) -> None:
-        """Send the block's gradient pages to the host; from now on the host copy is current."""
-        self._flush(buf, "grad")
-        self._grads_on_host.add(buf.block)
+        """Send the block's valid gradient pages to the host; from now on the host copy of them is current."""
+        pages = ALL if buf.grads else buf.grad_pages
+        self._flush(buf, "grad", pages)
+        self._grads_on_host[buf.block] = _union(self._grads_on_host.get(buf.block, frozenset()), pages)
         buf.dirty = False
 
     def consumed(self, key: tuple[int, int]) -> None:
         """The block's gradient pages were handed to autograd: they are free."""
         buf = self._holder.get(key)
         if buf is not None:
-            buf.grads = buf.dirty = False
+            buf.drop_grads()
 
     # ------------------------------------------------------------------------------------------------ copies
     def _evict(self, buf: Buffer) -> None:
@@ -191,45 +206,96 @@ class StagingCache:
         buf.clear()
 
     def _fill(self, buf: Buffer, need: Need, cause: str) -> None:
-        need_kv = need.kv and not buf.kv
-        need_grads = need.grads and not buf.grads
-        if not (need_kv or need_grads):
+        kv = self._missing(buf, buf.kv, buf.kv_pages, need.pages) if need.kv else frozenset()
+        grads = self._missing(buf, buf.grads, buf.grad_pages, need.pages) if need.grads else frozenset()
+        if kv == frozenset() and grads == frozenset():
             return
         key = buf.block
         after = [self.transport.mark(), buf.flushed, self._host_written.get(key)]
-        if need_kv:
-            event, after = self._move("h2d", buf, "kv", cause, after), []
-            buf.kv = True
-        if need_grads:
-            if key in self._grads_on_host:
-                event = self._move("h2d", buf, "grad", cause, after)
-            else:  # never written back in this sweep: still zero
-                event = self.transport.zero(self._views(buf, "grad"), after)
-            buf.grads = True
+        if kv != frozenset():
+            event, after = self._move("h2d", buf, "kv", cause, after, kv), []
+            buf.kv, buf.kv_pages = self._merged(buf, buf.kv_pages, kv)
+        if grads != frozenset():
+            hosted = self._grads_on_host.get(key, frozenset())
+            copied, zeroed = _split(grads, hosted, self._block_range(buf))
+            if copied != frozenset():
+                event, after = self._move("h2d", buf, "grad", cause, after, copied), []
+            if zeroed != frozenset():  # never written back in this sweep: still zero
+                event = self.transport.zero(self._views(buf, "grad", zeroed), after)
+            buf.grads, buf.grad_pages = self._merged(buf, buf.grad_pages, grads)
         buf.ready = self._host_read[key] = event
 
-    def _flush(self, buf: Buffer, part: Part) -> None:
+    def _block_range(self, buf: Buffer) -> range:
+        first, end = self.shape.block_pages_range(buf.block[1])
+        return range(end - first)
+
+    def _missing(self, buf: Buffer, full: bool, some: frozenset[int], want) -> frozenset[int] | None:
+        """The pages of ``want`` (``ALL``: every page) not valid in ``buf`` (``ALL`` when none is)."""
+        if full:
+            return frozenset()
+        if want is ALL:
+            return ALL if not some else frozenset(self._block_range(buf)) - some
+        return want - some
+
+    def _merged(self, buf: Buffer, some: frozenset[int], added) -> tuple[bool, frozenset[int]]:
+        """``(every page valid, the valid pages otherwise)`` after ``added`` pages were staged."""
+        pages = frozenset(self._block_range(buf)) if added is ALL else some | added
+        full = len(pages) == len(self._block_range(buf))
+        return full, frozenset() if full else pages
+
+    def _flush(self, buf: Buffer, part: Part, pages=ALL) -> None:
         key = buf.block
         after = [self.transport.mark(), self._host_read.get(key)]
-        buf.flushed = self._host_written[key] = self._move("d2h", buf, part, "writeback", after)
+        buf.flushed = self._host_written[key] = self._move("d2h", buf, part, "writeback", after, pages)
 
-    def _views(self, buf: Buffer, part: Part) -> tuple[torch.Tensor, torch.Tensor]:
-        """``buf``'s pages of its block: K and V, or dK and dV."""
+    def _runs(self, buf: Buffer, pages) -> list[tuple[int, int]]:
+        """Runs ``[first, end)`` of consecutive page offsets of ``pages`` (``ALL``: the whole block) in the block."""
+        if pages is ALL:
+            return [(0, len(self._block_range(buf)))]
+        runs: list[tuple[int, int]] = []
+        for p in sorted(pages):
+            if runs and runs[-1][1] == p:
+                runs[-1] = (runs[-1][0], p + 1)
+            else:
+                runs.append((p, p + 1))
+        return runs
+
+    def _views(self, buf: Buffer, part: Part, pages=ALL) -> list[torch.Tensor]:
+        """``buf``'s pages (``ALL``, or those offsets) of its block: K and V, or dK and dV — a view per run."""
         slots = self.shape.buffer_block_slots(buf.index, buf.block[1])
-        return tuple(t[slots] for t in self._staging.pages(part))
+        return [t[slots][a * self.shape.batch : b * self.shape.batch] for a, b in self._runs(buf, pages)
+                for t in self._staging.pages(part)]  # fmt: skip
 
-    def _move(self, direction: str, buf: Buffer, part: Part, cause: str, after) -> object:
-        """Copy ``part`` of ``buf``'s block between its buffer and its host pages; return the copy's event."""
+    def _move(self, direction: str, buf: Buffer, part: Part, cause: str, after, pages=ALL) -> object:
+        """Copy ``part`` of ``buf``'s block (``ALL`` its pages, or those offsets) between its buffer and its host
+        pages; return the copy's event."""
         layer, block = buf.block
         hosted = self.shape.layer_block_slots(self._rank[layer], block)
-        host = tuple(t[hosted] for t in self._host.pages(part))
-        staged = self._views(buf, part)
+        host = [t[hosted][a * self.shape.batch : b * self.shape.batch] for a, b in self._runs(buf, pages)
+                for t in self._host.pages(part)]  # fmt: skip
+        staged = self._views(buf, part, pages)
         pairs = list(zip(staged, host)) if direction == "h2d" else list(zip(host, staged))
         event = self.transport.copy(direction, pairs, after)
-        first, end = self.shape.block_pages_range(block)
-        nbytes = (end - first) * self.shape.page_bytes(part)
-        self.counts[f"{direction}_bytes"] += nbytes
+        first = self.shape.block_pages_range(block)[0]
+        for a, b in self._runs(buf, pages):
+            nbytes = (b - a) * self.shape.page_bytes(part)
+            self.counts[f"{direction}_bytes"] += nbytes
+            self.trace.append(
+                Transfer(self.sweep, direction, layer, part, first + a, first + b, nbytes, cause)
+            )
         if cause in ("prefetch", "demand"):
             self.counts[f"{cause}_copies"] += 1
-        self.trace.append(Transfer(self.sweep, direction, layer, part, first, end, nbytes, cause))
         return event
+
+
+def _union(a: frozenset[int] | None, b: frozenset[int] | None) -> frozenset[int] | None:
+    return ALL if a is ALL or b is ALL else a | b
+
+
+def _split(pages, hosted, block: range) -> tuple[frozenset[int], frozenset[int]]:
+    """``pages`` (``ALL``: the block's) split into those the host holds (``hosted``; ``ALL``: every one) and the
+    rest."""
+    pages = frozenset(block) if pages is ALL else pages
+    if hosted is ALL:
+        return pages, frozenset()
+    return pages & hosted, pages - hosted
