@@ -315,7 +315,7 @@ def _attend_across_group(chunk: ChunkContext, layer, rows, k, scale, window, sof
     with torch.autocast(rows.device.type, enabled=False):
         return context.attend_forward(kernels(chunk.backend), chunk.context, chunk.pool, layer, rows, k, chunk.start,
                                       scale, window, softcap, sinks, chunk.doc_start, chunk.sparse,
-                                      chunk.sweep)  # fmt: skip
+                                      chunk.sweep, chunk.backend)  # fmt: skip
 
 
 def _backward_across_group(ctx, dout):
@@ -358,7 +358,8 @@ def _selection(chunk: ChunkContext, layer: int, q: torch.Tensor, window) -> Sele
     def make() -> Selection:
         with torch.no_grad():
             summaries = chunk.pool.summaries(layer, chunk.start // page)
-            return select_pages(q, summaries, chunk.start, page, sparse.budget, window, chunk.doc_start)
+            return select_pages(q, summaries, chunk.start, page, sparse.budget, window, chunk.doc_start,
+                                chunk.backend)  # fmt: skip
 
     return sparse.select(layer, chunk.start, chunk.sweep, make)
 

@@ -309,7 +309,7 @@ def _calls(kv: PagedKV, ranges: list[tuple[int, int]], q: torch.Tensor, q_start:
 
 
 def attend_forward(ops, cp: ContextChunk, pool, layer, q, k, q_start, scale, window, softcap, sinks, docs,
-                   sparse: SparseStep | None = None, sweep: str = "forward"):  # fmt: skip
+                   sparse: SparseStep | None = None, sweep: str = "forward", backend: str = "torch"):  # fmt: skip
     """This rank's rows ``(out, lse)`` of the attention of the whole chunk's queries over every rank's pages (the
     module docstring), and the chunk's page selection (a sparse step; ``None``: dense); ``q``, ``k``: this rank's
     rows (none for a stand-in)."""
@@ -317,7 +317,9 @@ def attend_forward(ops, cp: ContextChunk, pool, layer, q, k, q_start, scale, win
     queries = group.gather_rows(q, cp.lengths)
     selected = None
     if sparse is not None:
-        selected = select_across_group(cp, sparse, layer, queries, k, q_start, window, docs, sweep).pages
+        selected = select_across_group(
+            cp, sparse, layer, queries, k, q_start, window, docs, sweep, backend
+        ).pages
     num_keys = q_start + queries.shape[2]
     state = init_state(queries)
     terms = {"softcap": softcap, "doc_start": docs}
@@ -409,7 +411,7 @@ class SharedSummaries:
 
 
 def select_across_group(
-    cp: ContextChunk, sparse: SparseStep, layer, queries, k, q_start, window, docs, sweep
+    cp: ContextChunk, sparse: SparseStep, layer, queries, k, q_start, window, docs, sweep, backend="torch"
 ):
     """The chunk's page selection from the gathered ``queries`` and every rank's summaries (made in the forward and
     eval sweeps, the stored one in the backward sweep: :meth:`SparseStep.select`)."""
@@ -419,6 +421,6 @@ def select_across_group(
             cp.summaries.add(cp, layer, k)
             page = cp.layout.page
             past = cp.summaries.pages[layer, :, : q_start // page]
-            return select_pages(queries, past, q_start, page, sparse.budget, window, docs)
+            return select_pages(queries, past, q_start, page, sparse.budget, window, docs, backend)
 
     return sparse.select(layer, q_start, sweep, make)

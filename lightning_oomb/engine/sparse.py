@@ -127,9 +127,12 @@ def select_pages(
     budget: int,
     window: int | None = None,
     doc_start: torch.Tensor | None = None,
+    backend: str = "torch",
 ) -> Selection:
     """The rule of the module docstring for ``q [B, Hq, Lq, D]`` at ``q_start`` (page aligned) over the
-    ``summaries [B, q_start / page, vectors, Hkv, D]`` of the pages before it (:func:`summarize`)."""
+    ``summaries [B, q_start / page, vectors, Hkv, D]`` of the pages before it (:func:`summarize`). ``backend``:
+    ``"triton"`` scores the pages with the kernel of ``csrc_triton.page_scores`` (float32; the torch scores
+    here are its oracle, float64 for float64 queries)."""
     b, hq, lq, d = q.shape
     past, hkv = summaries.shape[1], summaries.shape[3]
     blocks = math.ceil(lq / page)
@@ -144,22 +147,36 @@ def select_pages(
     counts = candidate.sum(-1)
     if past == 0 or int(counts.max()) <= budget:
         return Selection(None, counts, counts, local)
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dtype = torch.float64 if q.dtype == torch.float64 and backend != "triton" else torch.float32
     grouped = q.to(dtype).view(b, hkv, hq // hkv, lq, d).sum(2)  # [B, Hkv, Lq, D]
     keys = summaries.to(dtype).permute(0, 3, 2, 4, 1)  # [B, Hkv, vectors, D, past]
-    score = torch.zeros(b, blocks, past, dtype=dtype, device=q.device)
-    step = max(page, SCORE_ELEMENTS // max(1, b * hkv * past) // page * page)
-    for lo in range(0, lq, step):
-        hi = min(lo + step, lq)
-        s = _page_scores(grouped[:, :, lo:hi], keys).masked_fill(~visible[:, None, lo:hi], -math.inf)
-        p = torch.softmax(s, -1).nan_to_num_(0.0).sum(1)  # [B, rows, past]; a row seeing no page adds nothing
-        block = torch.arange(lo, hi, device=q.device) // page
-        score.index_add_(1, block, p)
+    if backend == "triton":
+        from csrc_triton.page_scores import block_scores
+
+        score = block_scores(grouped, keys, first, page)
+    else:
+        score = _block_scores(grouped, keys, visible, page, blocks)
     score = score.masked_fill(~candidate, -math.inf)
     top = score.topk(min(budget, past), -1)
     pages = torch.where(torch.isinf(top.values), past, top.indices).sort(-1).values
     pages = torch.where(pages == past, -1, pages).to(torch.int32)
     return Selection(pages, torch.clamp(counts, max=budget), counts, local)
+
+
+def _block_scores(grouped, keys, visible, page: int, blocks: int) -> torch.Tensor:
+    """``[B, blocks, past]``: per query block, the sum over KV heads and rows of each row's softmax over the pages
+    it sees (``visible [B, Lq, past]``) of its page scores; in pieces of at most ``SCORE_ELEMENTS`` scores."""
+    b, hkv, lq, _ = grouped.shape
+    past = keys.shape[-1]
+    score = torch.zeros(b, blocks, past, dtype=grouped.dtype, device=grouped.device)
+    step = max(page, SCORE_ELEMENTS // max(1, b * hkv * past) // page * page)
+    for lo in range(0, lq, step):
+        hi = min(lo + step, lq)
+        s = _page_scores(grouped[:, :, lo:hi], keys).masked_fill(~visible[:, None, lo:hi], -math.inf)
+        p = torch.softmax(s, -1).nan_to_num_(0.0).sum(1)  # [B, rows, past]; a row seeing no page adds nothing
+        block = torch.arange(lo, hi, device=grouped.device) // page
+        score.index_add_(1, block, p)
+    return score
 
 
 @dataclass
