@@ -45,3 +45,16 @@ def test_offload_stress_smoke(tmp_path):
 
 def test_kernel_benchmark_help():
     assert "FlexAttention" in run("benchmarks/kernels.py", "--help")
+
+
+@pytest.mark.slow
+def test_cpu_step_smoke(tmp_path):
+    """One tiny case of the CPU step benchmark, in process (timings are recorded, never checked)."""
+    from benchmarks.cpu_step import main
+
+    out = tmp_path / "cpu-step.json"
+    main(["--cases", "128:128", "--repeats", "1", "--torch-up-to", "128", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    methods = [(r["method"], r["backend"]) for r in rows]
+    assert methods == [("hf", "sdpa"), ("oomb", "auto"), ("oomb", "torch")]
+    assert "| oomb | 128 | 128 | auto |" in out.with_suffix(".md").read_text()
