@@ -11,6 +11,7 @@ Writes the rows ``{"method", "context", "chunk", "backend", "step_s", "vs_hf"}``
 table next to it, and prints the table last.
 
     PYTHONPATH=$PWD python benchmarks/cpu_step.py --out benchmarks/results/cpu-step.json
+    PYTHONPATH=$PWD python benchmarks/cpu_step.py --threads 1 --out benchmarks/results/cpu-step-1thread.json
     PYTHONPATH=$PWD python benchmarks/cpu_step.py --cases 256:256 --repeats 1 --out /tmp/cpu-step.json  # smoke
 """
 
@@ -100,10 +101,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cases", nargs="+", default=list(CASES), help="context:chunk pairs")
     parser.add_argument("--backends", nargs="+", default=["auto", "torch"], help="attention_backend values")
     parser.add_argument("--torch-up-to", type=int, default=2048, help="longest context the reference runs at")
+    parser.add_argument("--threads", type=int, help="torch's intra-op threads (default: torch's choice)")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per case after one warm-up step")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu-step.json"))
     args = parser.parse_args(argv)
     cases = [tuple(int(x) for x in case.split(":")) for case in args.cases]
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rows = run(cases, args.backends, args.repeats, args.torch_up_to)
     meta = {"threads": torch.get_num_threads(), "torch": torch.__version__, "model": LLAMA}
     write_json(args.out, {"meta": meta, "rows": rows})

@@ -71,6 +71,18 @@ def _attend(q, k, v, causal: bool, scale: float):
     return out.reshape(b, hq, lq, d), lse.reshape(b, hq, lq)
 
 
+def _attend_backward(dout, q, out, lse, k, v, causal: bool, scale: float):
+    """``(dq [B, Hq, L, D], dk, dv [B, Hkv, Lk, D])`` of one piece, as :func:`_attend` splits it."""
+    hq, hkv = q.shape[1], k.shape[1]
+    if causal:
+        dq, dk, dv = _flash_backward(dout, q, _per_query_head(k, hq), _per_query_head(v, hq), out, lse, 0.0, True,
+                                     scale=scale)  # fmt: skip
+        return dq, _grouped_sum(dk, hkv), _grouped_sum(dv, hkv)
+    dout, qs, out, lse = (_stacked(x, hkv) for x in (dout, q, out, lse))
+    dq, dk, dv = _flash_backward(dout, qs, k, v, out, lse, 0.0, False, scale=scale)
+    return dq.reshape(q.shape), dk, dv
+
+
 def paged_attention_forward(
     q: torch.Tensor,
     k_pages: torch.Tensor,
@@ -142,7 +154,7 @@ def paged_attention_backward(
     terms = {"softcap": softcap, "doc_start": doc_start, "page_select": page_select, "visits": visits}
     if not fast_path(q, q_start, window, softcap, doc_start, page_select, visits):
         return reference.paged_attention_backward(*args, key_range=key_range, delta=delta, dq=dq, **terms)
-    lq, hq, page = q.shape[2], q.shape[1], k_pages.shape[2]
+    lq, page = q.shape[2], k_pages.shape[2]
     check_terms(q, page, q_start, window, softcap, doc_start, page_select)
     lo, hi = checked_key_range(key_range, q_start + lq, page)
     dtype = compute_dtype(q)
@@ -155,27 +167,20 @@ def paged_attention_backward(
     qc, doc, outc, lsec = (x.to(dtype) for x in (q, dout, out, lse))
     if (
         delta is not None
-    ):  # rowsum(dO' * O') = delta with dO' = [dO, 1], O' = [0, delta]; q, k, v get a 0 column
+    ):  # rowsum(dO' * O') = delta for dO' = [dO, 1], O' = [0, delta]; q, k, v get a 0 column
         qc, doc = _with_column(qc, 0.0), _with_column(doc, 1.0)
         outc = torch.cat([torch.zeros_like(outc), delta[..., None]], -1)
+    d = q.shape[3]
     for row, first, end, causal in _pieces(q_start, lo, hi):
         k, slots, start = _keys(k_pages, page_table, first, end, dtype)
         v = _keys(v_pages, page_table, first, end, dtype)[0]
         if delta is not None:
             k, v = _with_column(k, 0.0), _with_column(v, 0.0)
-        piece = [x[:, :, row:] for x in (doc, qc, outc, lsec)]
-        if causal:
-            gq, gk, gv = _flash_backward(piece[0], piece[1], _per_query_head(k, hq), _per_query_head(v, hq),
-                                         piece[2], piece[3], 0.0, True, scale=scale)  # fmt: skip
-            gk, gv = (_grouped_sum(g, k.shape[1]) for g in (gk, gv))
-        else:
-            hkv = k.shape[1]
-            gq, gk, gv = _flash_backward(*(_stacked(x, hkv) for x in piece[:2]), k, v,
-                                         *(_stacked(x, hkv) for x in piece[2:]), 0.0, False, scale=scale)  # fmt: skip
-            gq = gq.reshape(piece[1].shape)
-        dq[:, :, row:] += gq[..., : q.shape[3]]
-        _add(dk_pages, slots, start, gk[..., : q.shape[3]])
-        _add(dv_pages, slots, start, gv[..., : q.shape[3]])
+        rows = [x[:, :, row:] for x in (doc, qc, outc, lsec)]
+        gq, gk, gv = _attend_backward(*rows, k, v, causal, scale)
+        dq[:, :, row:] += gq[..., :d]
+        _add(dk_pages, slots, start, gk[..., :d])
+        _add(dv_pages, slots, start, gv[..., :d])
     return dq.to(q.dtype) if own else dq
 
 
