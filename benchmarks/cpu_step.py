@@ -104,19 +104,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, help="torch's intra-op threads (default: torch's choice)")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per case after one warm-up step")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu-step.json"))
+    parser.add_argument("--note", default="", help="a line for the table (e.g. what else loaded the machine)")
     args = parser.parse_args(argv)
     cases = [tuple(int(x) for x in case.split(":")) for case in args.cases]
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = run(cases, args.backends, args.repeats, args.torch_up_to)
-    meta = {"threads": torch.get_num_threads(), "torch": torch.__version__, "model": LLAMA}
+    meta = {"threads": torch.get_num_threads(), "torch": torch.__version__, "model": LLAMA, "note": args.note}
     write_json(args.out, {"meta": meta, "rows": rows})
+    print(write_table(args.out.with_suffix(".md"), meta, rows))
+
+
+def write_table(path: Path, meta: dict, rows: list[dict]) -> str:
+    """The Markdown table of ``rows`` under a line saying how they were measured; returns the table."""
     text = table(rows)
-    args.out.with_suffix(".md").write_text(
+    note = f" {meta['note']}" if meta.get("note") else ""
+    path.write_text(
         f"One step (forward + backward), float32, {meta['threads']} CPU threads, torch {meta['torch']}; "
-        f"`{Path(__file__).name}`.\n\n{text}"
+        f"`{Path(__file__).name}`.{note}\n\n{text}"
     )
-    print(text)
+    return text
 
 
 if __name__ == "__main__":
