@@ -1,7 +1,9 @@
-"""The call contract of paged attention, shared by the Triton kernels and their torch reference (plain Python).
+"""The call contract of paged attention, shared by the Triton kernels, their torch reference and the fused CPU path
+(plain Python).
 
-Both backends expose the same two functions with the same arguments, so that dispatch is choosing a module
-(``csrc_triton.paged_attention`` or ``lightning_oomb.engine.reference``) and one test suite runs over both::
+Every backend exposes the same two functions with the same arguments, so that dispatch is choosing a module
+(``csrc_triton.paged_attention``, ``lightning_oomb.engine.reference`` or ``lightning_oomb.engine.cpu_attention``) and
+one test suite runs over all::
 
     paged_attention_forward(q, k_pages, v_pages, page_table, q_start, scale, window=None, *,
                             key_range=None, state=None, softcap=None, doc_start=None, page_select=None,
@@ -28,7 +30,7 @@ Both backends expose the same two functions with the same arguments, so that dis
   into a carried softmax state in place and return ``None``; ``delta``/``dq``: a precomputed ``rowsum(dO * O)``
   and an accumulator dQ is added into (all checked by :func:`check_buffer`).
 - ``out`` has ``q``'s dtype, ``lse`` (natural log) and the buffers are float32 (float64 for float64 inputs, which
-  only the reference takes). Backward **adds** dK/dV of every key it visits into ``dk_pages``/``dv_pages``.
+  only the torch backends take). Backward **adds** dK/dV of every key it visits into ``dk_pages``/``dv_pages``.
 
 Attention sinks (a learned logit per query head in the softmax denominator) need no kernel argument: they are
 applied to the merged ``(out, lse)`` and the backward takes the sink-corrected ones (``lightning_oomb.engine.lse``).

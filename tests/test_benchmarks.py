@@ -224,3 +224,16 @@ def test_bf16_grad_fidelity_smoke(tmp_path):
         for c in (1, 8)
     }  # fmt: skip
     assert all(0 < r["ratio"] < 2 for r in rows) and out.with_suffix(".md").exists()
+
+
+@pytest.mark.slow
+def test_cpu_step_smoke(tmp_path):
+    """One tiny case of the CPU step benchmark, in process (timings are recorded, never checked)."""
+    from benchmarks.cpu_step import main
+
+    out = tmp_path / "cpu-step.json"
+    main(["--cases", "128:128", "--repeats", "1", "--torch-up-to", "128", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    methods = [(r["method"], r["backend"]) for r in rows]
+    assert methods == [("hf", "sdpa"), ("oomb", "auto"), ("oomb", "torch")]
+    assert "| oomb | 128 | 128 | auto |" in out.with_suffix(".md").read_text()

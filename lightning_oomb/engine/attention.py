@@ -13,9 +13,10 @@ once in the forward sweep, from the pool's page summaries, and handed to the ker
 forward, the recompute and the backward alike.
 
 Dispatch is choosing a module with the contract's two functions (``csrc_triton.contract``): the Triton kernels
-(``csrc_triton.paged_attention``) for CUDA tensors, the plain-torch reference
-(:mod:`lightning_oomb.engine.reference`) elsewhere; ``OOMBConfig.attention_backend`` or the environment variable
-``OOMB_ATTENTION_BACKEND`` (``auto`` | ``torch`` | ``triton``) forces one.
+(``csrc_triton.paged_attention``) for CUDA tensors, torch's fused CPU attention
+(:mod:`lightning_oomb.engine.cpu_attention`, the reference for the calls it does not cover) for CPU tensors, the
+plain-torch reference (:mod:`lightning_oomb.engine.reference`, the oracle) elsewhere; ``OOMBConfig.attention_backend``
+or the environment variable ``OOMB_ATTENTION_BACKEND`` (``auto`` | ``torch`` | ``cpu`` | ``triton``) forces one.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Literal
 
 import torch
 
-from lightning_oomb.engine import context, reference
+from lightning_oomb.engine import context, cpu_attention, reference
 from lightning_oomb.engine.config import check_backend_name
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.kv_pool import KVPool
@@ -35,7 +36,11 @@ from lightning_oomb.engine.lse import add_sinks, attention_delta, finish_state, 
 from lightning_oomb.engine.pages import PagedKV, PoolShape
 from lightning_oomb.engine.sparse import Selection, SparseStep, select_pages
 
-Backend = Literal["torch", "triton"]
+Backend = Literal["torch", "cpu", "triton"]
+_DEVICE_OF = {
+    "cpu": ("cpu", "torch's fused CPU attention takes CPU tensors"),
+    "triton": ("cuda", "the Triton kernels need CUDA"),
+}
 
 
 @dataclass
@@ -79,17 +84,18 @@ class Kept:
 
 
 def resolve_backend(name: str, device: torch.device) -> Backend:
-    """``auto`` -> Triton on CUDA, the torch reference elsewhere; ``OOMB_ATTENTION_BACKEND`` overrides ``auto``.
-    ``triton`` on a device the kernels cannot run on is refused (the Triton interpreter, for tests, runs them on
-    CPU tensors)."""
+    """``auto`` -> Triton on CUDA, the fused CPU path on CPU, the torch reference elsewhere;
+    ``OOMB_ATTENTION_BACKEND`` overrides ``auto``. ``cpu`` or ``triton`` on a device they cannot run on is refused
+    (the Triton interpreter, for tests, runs the kernels on CPU tensors)."""
     if name == "auto":
         name = os.environ.get("OOMB_ATTENTION_BACKEND", "auto")
     check_backend_name(name)
     if name == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return {"cuda": "triton", "cpu": "cpu"}.get(device.type, "torch")
+    interpreted = name == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
+    if name in _DEVICE_OF and device.type != _DEVICE_OF[name][0] and not interpreted:
         raise OOMBConfigError(
-            f"attention_backend='triton' cannot run on a {device.type} device — the Triton kernels need CUDA — "
+            f"attention_backend={name!r} cannot run on a {device.type} device — {_DEVICE_OF[name][1]} — "
             "use attention_backend='auto' (or 'torch')."
         )
     return name
@@ -118,7 +124,7 @@ def kernels(backend: Backend) -> ModuleType:
         from csrc_triton import paged_attention
 
         return paged_attention
-    return reference
+    return cpu_attention if backend == "cpu" else reference
 
 
 def _first_key(chunk: ChunkContext, window: int | None) -> int:

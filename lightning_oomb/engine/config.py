@@ -12,7 +12,7 @@ from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.pages import GRAD_DTYPES
 from lightning_oomb.engine.sparse import check_budget, check_page_score
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "cpu", "triton")
 GRAD_ACCUMULATIONS = ("float32", "native")
 
 
@@ -31,8 +31,11 @@ class OOMBConfig:
             the price of one more pass through each layer's other parts. ``"auto"``: on when the memory plan
             (:func:`lightning_oomb.plan`) says the step would not fit without it, off otherwise (the strategies
             decide at setup from the datamodule's ``seq_len``; without one, on).
-        attention_backend: ``"auto"`` (Triton on CUDA, the torch reference elsewhere; the environment variable
-            ``OOMB_ATTENTION_BACKEND`` overrides ``auto``), ``"torch"`` or ``"triton"`` (CUDA only).
+        attention_backend: ``"auto"`` (Triton on CUDA, ``"cpu"`` on CPU, the torch reference elsewhere; the
+            environment variable ``OOMB_ATTENTION_BACKEND`` overrides ``auto``), ``"torch"`` (the plain-torch
+            reference, the oracle: any device, slow), ``"cpu"`` (CPU only: torch's fused CPU flash attention where
+            a call allows it — no softcap, packed documents, page budget or window shorter than the keys — and
+            the reference for the rest) or ``"triton"`` (CUDA only).
         loss_block: tokens per block of LM-head logits in the cross-entropy (the logits of at most this many
             tokens exist at once).
         offload: keep the K/V and gradient pages of layers beyond ``hbm_budget`` in pinned host memory, streamed

@@ -1,8 +1,9 @@
-"""Log-sum-exp merging of attention over disjoint key parts (shared by both attention backends).
+"""Log-sum-exp merging of attention over disjoint key parts (shared by the attention backends).
 
 Attention over keys split into parts (offload blocks, and later other ranks' pages) combines exactly: the forward
 folds every part into one carried softmax state ``(acc, m, l)`` — ``acc`` the unnormalised ``sum exp(s - m) v``,
-``m`` the running max of the scaled scores, ``l = sum exp(s - m)`` — in any order, and :func:`finish_state` turns
+``m`` the running max of the scaled scores (any reference point at or above it does: the fused CPU path folds
+whole parts with :func:`add_part`, at their log-sum-exp), ``l = sum exp(s - m)`` — in any order, and :func:`finish_state` turns
 it into ``out = acc / l`` and ``lse = m + log(l)``; the backward of every part shares the final ``out``/``lse`` and
 one ``delta = rowsum(dO * O)`` (:func:`attention_delta`), and adds its dQ into one accumulator.
 
@@ -38,6 +39,17 @@ def finish_state(state: State, dtype: torch.dtype) -> tuple[torch.Tensor, torch.
     """``(out, lse)`` of a state that has seen every key: ``out = acc / l`` in ``dtype``, ``lse = m + log(l)``."""
     acc, m, l_sum = state
     return (acc / l_sum[..., None]).to(dtype), m + torch.log(l_sum)
+
+
+def add_part(state: State, out: torch.Tensor, lse: torch.Tensor, first_row: int = 0) -> None:
+    """Fold a part's normalised attention ``(out, lse)`` of the rows from ``first_row`` on into ``state``, in place
+    (a part whose rows each see at least one key: ``lse`` finite)."""
+    acc, m, l_sum = (x[:, :, first_row:] for x in state)
+    m_new = torch.maximum(m, lse)
+    alpha, beta = torch.exp(m - m_new), torch.exp(lse - m_new)
+    acc.mul_(alpha[..., None]).add_(out * beta[..., None])
+    l_sum.mul_(alpha).add_(beta)
+    m.copy_(m_new)
 
 
 def attention_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:

@@ -32,8 +32,10 @@ options that would make it fit (each tried in the planner).
   slab of the weight gradient's product.
 - *layer transients* (:func:`layer_backward_bytes`): while the last decoder layer back-propagates — with
   checkpointing its recompute's saved tensors again — the gradients in flight (``3cI + 2rH`` per token in the MLP,
-  ``2rQ + 4Q + 4 r Hkv D + 2rH`` in attention) and, on the torch attention backend (the CPU path), four float32
-  score blocks of ``[batch x Hq x Lq, min(KEY_BLOCK, keys)]``.
+  ``2rQ + 4Q + 4 r Hkv D + 2rH`` in attention) and, on the torch reference attention backend, four float32
+  score blocks of ``[batch x Hq x Lq, min(KEY_BLOCK, keys)]``; on the fused CPU path (``cpu``, the CPU default)
+  the copies its kernels take: K/V and their gradients per query head (``4 x 4Q`` per token) and the keys before
+  the chunk (``2 x 4 Hkv D`` per key, ``min(PAST_BLOCK, keys)`` keys).
 - *kept attention* (with ``layer_checkpointing``): the chunk recompute's attention output and LSE of every layer
   (``rQ + 4 Hq`` per token and layer; ``8 Hq`` in float64), held for the layer's checkpoint recompute
   (:class:`~lightning_oomb.engine.attention.Kept`) through the chunk's backward.
@@ -76,6 +78,7 @@ from typing import Any
 import torch
 
 from lightning_oomb.engine.config import OOMBConfig
+from lightning_oomb.engine.cpu_attention import PAST_BLOCK
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.grads import HALF_DTYPES
 from lightning_oomb.engine.kv_pool import AUTO_HEADROOM, HOST_RESERVE_BYTES, host_memory_available, plan_tiers
@@ -519,9 +522,10 @@ def layer_backward_bytes(
 ) -> tuple[int, int]:
     """Bytes beyond the saved activations while the last decoder layer back-propagates: (its MLP, its attention)
     — with ``checkpointing`` its recompute (what the part still holds), without it less the MLP's saved tensors,
-    already freed when attention back-propagates; plus the gradients in flight and, on the torch attention backend
-    (the CPU path), four float32 score blocks ``[batch x heads x Lq, keys]`` of ``min(KEY_BLOCK, keys)`` keys
-    (keys: the sequence, or one chunk's block for a ``streamed`` host-tier layer) and float32 copies of q and dO."""
+    already freed when attention back-propagates; plus the gradients in flight and, on the torch attention backend,
+    four float32 score blocks ``[batch x heads x Lq, keys]`` of ``min(KEY_BLOCK, keys)`` keys (keys: the sequence,
+    or one chunk's block for a ``streamed`` host-tier layer) and float32 copies of q and dO; on the fused CPU path
+    its copies of K/V per query head, of their gradients and of ``min(PAST_BLOCK, keys)`` earlier keys."""
     lq = min(chunk_size, seq_len)
     tokens = batch * lq
     r, c = dtypes.activation.itemsize, dtypes.compute.itemsize
@@ -535,11 +539,12 @@ def layer_backward_bytes(
         held_mlp, held_attn = 0, -mlp * tokens - mlp_copies
     mlp_flight = (3 * c * shape.mlp_width + 2 * r * h) * tokens
     attn_flight = (2 * r * q + acc * q + 4 * r * kv + 2 * r * h) * tokens
-    if backend == "torch":
-        keys = min(KEY_BLOCK, chunk_size if streamed else seq_len)
-        attn_flight += 4 * batch * shape.num_heads * lq * keys * acc + (
-            2 * acc * q * tokens if r != acc else 0
-        )
+    keys = chunk_size if streamed else seq_len
+    copies = acc * q * tokens if r != acc else 0  # one [tokens, Q] tensor cast to the arithmetic's dtype
+    if backend == "torch":  # q and dO cast
+        attn_flight += 4 * batch * shape.num_heads * lq * min(KEY_BLOCK, keys) * acc + 2 * copies
+    elif backend == "cpu":  # q, dO and out cast, and one more such temporary (measured on CPU)
+        attn_flight += 4 * acc * q * tokens + 2 * acc * kv * batch * min(PAST_BLOCK, keys) + 4 * copies
     return held_mlp + mlp_flight, held_attn + attn_flight
 
 
@@ -926,7 +931,7 @@ def _budget(config: OOMBConfig, machine: Machine, weights: int) -> int | None:
 def _backend(config: OOMBConfig, machine: Machine) -> str:
     if config.attention_backend != "auto":
         return config.attention_backend
-    return "triton" if machine.device_type == "cuda" else "torch"
+    return {"cuda": "triton", "cpu": "cpu"}.get(machine.device_type, "torch")
 
 
 def _notes(inputs: _Inputs, config: OOMBConfig) -> list[str]:

@@ -14,7 +14,7 @@ SEQ, CHUNK, PAGE = 45, 16, 8  # 3 chunks, the last ragged
 
 
 def counted_step(checkpointing: bool, **options):
-    """Loss, gradients and the number of reference forward / backward kernel calls of one step."""
+    """Loss, gradients and the number of reference forward / backward kernel calls of one step (the torch backend)."""
     calls = {"forward": 0, "backward": 0}
     with pytest.MonkeyPatch.context() as patch:
         for name in calls:
@@ -31,7 +31,7 @@ def counted_step(checkpointing: bool, **options):
 def _step(checkpointing: bool, options: dict):
     model = build_causal_lm("mistral" if options.pop("window", False) else "qwen2")
     ids = torch.randint(0, 97, (2, SEQ), generator=torch.Generator().manual_seed(0))
-    config = OOMBConfig(CHUNK, PAGE, layer_checkpointing=checkpointing, **options)
+    config = OOMBConfig(CHUNK, PAGE, layer_checkpointing=checkpointing, attention_backend="torch", **options)
     engine = OOMBEngine(HFChunkModel(model, layer_checkpointing=checkpointing), config)
     loss = engine.loss(ids)
     loss.backward()

@@ -9,7 +9,7 @@ import torch
 
 from lightning_oomb.engine.pages import PagedKV, gather_tokens, write_tokens
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "cpu", "triton")
 
 
 def dense_attention(

@@ -1,0 +1,164 @@
+"""The fused CPU attention backend against the plain reference (its oracle) on fresh random inputs, and its dispatch:
+which calls take the fused kernels, which fall back, and which backend ``auto`` picks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_oomb.engine import OOMBConfigError, cpu_attention, reference
+from lightning_oomb.engine.attention import resolve_backend
+from lightning_oomb.engine.lse import attention_delta, finish_state, init_state
+from tests.helpers.attention import shuffled_pages
+
+# (batch, query heads, KV heads, Lq, q_start, page, head dim): GQA, ragged Lq, offsets on and off page boundaries
+SHAPES = {
+    "first-chunk": (1, 4, 2, 29, 0, 8, 8),
+    "gqa4-deep": (2, 8, 2, 37, 48, 16, 16),
+    "mha-one-token": (1, 2, 2, 1, 40, 16, 8),
+    "unaligned-start": (2, 3, 1, 21, 13, 8, 8),
+}
+TOL = {torch.float64: 1e-12, torch.float32: 2e-5}
+
+
+def inputs(shape, dtype, seed=0):
+    b, hq, hkv, lq, q_start, page, d = shape
+    gen = torch.Generator().manual_seed(seed)
+    n = q_start + lq
+    k, v = (torch.randn(b, hkv, n, d, generator=gen).to(dtype) for _ in "kv")
+    kv, _ = shuffled_pages(k, v, page, gen)
+    q = torch.randn(b, lq, hq, d, generator=gen).to(dtype).transpose(1, 2)  # HF's transposed view
+    dout = torch.randn(b, hq, lq, d, generator=gen).to(dtype)
+    return q, dout, kv, q_start
+
+
+def close(got, want, tol, what):
+    err = ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
+    assert err <= tol, f"{what}: relative error {err:.1e}"
+
+
+def both_backward(q, out, lse, dout, kv, q_start, scale, window=None, **kw):
+    """dq and the dK/dV added by each backend, from the same gradient pages."""
+    results = []
+    for ops in (cpu_attention, reference):
+        dk, dv = kv.dk.clone(), kv.dv.clone()
+        dq = ops.paged_attention_backward(q, out, lse, dout, kv.k, kv.v, dk, dv, kv.page_table, q_start, scale,
+                                          window, **kw)  # fmt: skip
+        results.append((dq, dk - kv.dk, dv - kv.dv))
+    return results
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_one_call_matches_the_reference(shape, dtype):
+    q, dout, kv, q_start = inputs(shape, dtype)
+    scale, window = q.shape[-1] ** -0.5, q_start + q.shape[2]  # a window no key falls out of: fused too
+    assert cpu_attention.fast_path(q, q_start, window, None, None, None, None)
+    out, lse = cpu_attention.paged_attention_forward(q, kv.k, kv.v, kv.page_table, q_start, scale, window)
+    want_out, want_lse = reference.paged_attention_forward(
+        q, kv.k, kv.v, kv.page_table, q_start, scale, window
+    )
+    assert out.dtype == q.dtype and lse.dtype == want_lse.dtype and lse.shape == want_lse.shape
+    close(out, want_out, TOL[dtype], "out")
+    close(lse, want_lse, TOL[dtype], "lse")
+    got, want = both_backward(q, want_out, want_lse, dout, kv, q_start, scale, window)
+    for name, x, y in zip(("dq", "dk", "dv"), got, want):
+        close(x, y, TOL[dtype], name)
+
+
+@pytest.mark.parametrize("past_block", [16384, 16])  # 16: the keys before q_start in several calls
+@pytest.mark.parametrize("shape", ["gqa4-deep", "unaligned-start"])
+def test_key_ranges_state_and_accumulators_match_the_reference(monkeypatch, shape, past_block):
+    """Calls over page-aligned key ranges, folded into one state and one dQ accumulator, with a given delta."""
+    monkeypatch.setattr(cpu_attention, "PAST_BLOCK", past_block)
+    q, dout, kv, q_start = inputs(SHAPES[shape], torch.float64, seed=1)
+    page, n = kv.k.shape[2], q_start + q.shape[2]
+    edges = [0, *range(page, n, 2 * page), n]
+    ranges = list(zip(edges[:-1], edges[1:]))[::-1]
+    scale = 0.3
+    states = init_state(q), init_state(q)
+    for key_range in ranges:
+        for ops, state in zip((cpu_attention, reference), states):
+            ops.paged_attention_forward(q, kv.k, kv.v, kv.page_table, q_start, scale, key_range=key_range,
+                                        state=state)  # fmt: skip
+    (out, lse), (want_out, want_lse) = (finish_state(s, q.dtype) for s in states)
+    close(out, want_out, 1e-12, "out")
+    close(lse, want_lse, 1e-12, "lse")
+    delta = attention_delta(want_out, dout)
+    dqs = torch.zeros(q.shape, dtype=q.dtype), torch.zeros(q.shape, dtype=q.dtype)
+    grads = [[kv.dk.clone(), kv.dv.clone()] for _ in "ab"]
+    for key_range in ranges:
+        for ops, dq, (dk, dv) in zip((cpu_attention, reference), dqs, grads):
+            placeholder = torch.full_like(want_out, float("nan"))  # a given delta: out is not read
+            ops.paged_attention_backward(q, placeholder, want_lse, dout, kv.k, kv.v, dk, dv, kv.page_table,
+                                         q_start, scale, key_range=key_range, delta=delta, dq=dq)  # fmt: skip
+    close(dqs[0], dqs[1], 1e-12, "dq")
+    for name, got, want, before in zip(("dk", "dv"), *grads, (kv.dk, kv.dv)):
+        close(got - before, want - before, 1e-12, name)
+
+
+def test_bf16_inputs_compute_in_float32():
+    q, dout, kv, q_start = inputs(SHAPES["gqa4-deep"], torch.bfloat16)
+    out, lse = cpu_attention.paged_attention_forward(q, kv.k, kv.v, kv.page_table, q_start, 0.25)
+    want_out, want_lse = reference.paged_attention_forward(q, kv.k, kv.v, kv.page_table, q_start, 0.25)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    close(out, want_out, 1e-2, "out")
+    close(lse, want_lse, 1e-5, "lse")
+
+
+TERMS = {
+    "short window": dict(window=10),
+    "softcap": dict(softcap=5.0),
+    "documents": dict(doc_start=True),
+    "page selection": dict(page_select=True),
+    "tile counter": dict(visits=True),
+}
+
+
+@pytest.mark.parametrize("term", TERMS.values(), ids=TERMS.keys())
+def test_other_calls_fall_back_to_the_reference(monkeypatch, term):
+    """A call with a term the fused kernels do not take is the reference's call, with every argument."""
+    q, dout, kv, q_start = inputs(SHAPES["gqa4-deep"], torch.float64)
+    b, lq, page = q.shape[0], q.shape[2], kv.k.shape[2]
+    kw = dict(term)
+    if "doc_start" in kw:
+        kw["doc_start"] = torch.full((b, lq), 5)
+    if "page_select" in kw:
+        kw["page_select"] = torch.tensor([0, 2], dtype=torch.int32).expand(b, -(-lq // page), 2).contiguous()
+    if "visits" in kw:
+        kw["visits"] = torch.zeros(1, dtype=torch.int32)
+    window = kw.pop("window", None)
+    assert not cpu_attention.fast_path(q, q_start, window, kw.get("softcap"), kw.get("doc_start"),
+                                       kw.get("page_select"), kw.get("visits"))  # fmt: skip
+    calls = []
+    for name in ("paged_attention_forward", "paged_attention_backward"):
+        original = getattr(reference, name)
+        monkeypatch.setattr(reference, name, lambda *a, _f=original, **k: calls.append(k) or _f(*a, **k))
+    out, lse = cpu_attention.paged_attention_forward(q, kv.k, kv.v, kv.page_table, q_start, 0.3, window, **kw)
+    cpu_attention.paged_attention_backward(q, out, lse, dout, kv.k, kv.v, kv.dk, kv.dv, kv.page_table, q_start,
+                                           0.3, window, **kw)  # fmt: skip
+    assert len(calls) == 2 and all(all(c[k] is v for k, v in kw.items()) for c in calls)
+
+
+def test_fused_calls_never_reach_the_reference(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the reference ran")
+
+    monkeypatch.setattr(reference, "paged_attention_forward", refuse)
+    monkeypatch.setattr(reference, "paged_attention_backward", refuse)
+    q, dout, kv, q_start = inputs(SHAPES["gqa4-deep"], torch.float32)
+    out, lse = cpu_attention.paged_attention_forward(q, kv.k, kv.v, kv.page_table, q_start, 0.3)
+    cpu_attention.paged_attention_backward(
+        q, out, lse, dout, kv.k, kv.v, kv.dk, kv.dv, kv.page_table, q_start, 0.3
+    )
+
+
+def test_backend_selection(monkeypatch):
+    monkeypatch.delenv("OOMB_ATTENTION_BACKEND", raising=False)
+    cpu, cuda, mps = (torch.device(t) for t in ("cpu", "cuda", "mps"))
+    assert [resolve_backend("auto", d) for d in (cpu, cuda, mps)] == ["cpu", "triton", "torch"]
+    assert resolve_backend("torch", cpu) == "torch"  # the plain reference, forced
+    with pytest.raises(OOMBConfigError, match="attention_backend='cpu' cannot run on a cuda device.*'auto'"):
+        resolve_backend("cpu", cuda)
+    monkeypatch.setenv("OOMB_ATTENTION_BACKEND", "torch")
+    assert resolve_backend("auto", cpu) == "torch"
