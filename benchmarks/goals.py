@@ -156,7 +156,7 @@ def reduced_rows(scale: Scale) -> list:
     """In priority order (the budget cuts from the end); consecutive rows of one configuration share an engine: the
     64K fit (both layer counts: every scaled row needs it), then on the fewer layers the 128K pair (the overhead),
     the offloaded 256K step (peak, throughput, the slope's far end), the 1M-token step (one HBM and one host layer),
-    256K sparse."""
+    256K sparse, 64K sparse (against the 64K fit's dense step)."""
     small, large = scale.reduced
     sparse_host = dict(offload=True, sparse=True, long_chunk=True, device_layers=1)
     return [
@@ -172,6 +172,7 @@ def reduced_rows(scale: Scale) -> list:
         Row("1m-sparse-host", 2, "1m", **sparse_host),
         Row("warm-sparse", small, "32k", 1, 1, sparse=True),
         Row("256k-sparse", small, "256k", sparse=True),
+        Row("64k-sparse", small, "64k", 2, sparse=True),  # next to fit-64k on as many layers: sparse vs dense
     ]
 
 
@@ -508,6 +509,16 @@ def goal_table(scale: Scale, rows: list[dict], kernels: dict, plans: list[dict],
             f"{fmt(tps, ',.0f', ' tokens/s')} ({fmt(t, '.1f', ' s')} per step; attended "
             f"{fmt(sparse.get('attended_fraction'), '.1%')}; peak {fmt(sparse.get('peak_gib'), '.1f')} GiB)",
             f"{sparse['layers']} layers {sparse['step_s']:.1f} s scaled to {full}")  # fmt: skip
+
+    sparse64 = ok(rows, "64k-sparse")
+    dense64 = [
+        r for r in rows if r.get("role") == "fit-64k" and sparse64 and r.get("layers") == sparse64["layers"]
+    ]
+    if sparse64 and dense64 and dense64[0].get("step_s"):
+        x = dense64[0]["step_s"] / sparse64["step_s"]
+        add("check: sparse vs dense at 64K", "faster", x, x > 1,
+            f"{x:.2f}x ({sparse64['step_s']:.2f} s vs {dense64[0]['step_s']:.2f} s; attended "
+            f"{fmt(sparse64.get('attended_fraction'), '.1%')})", f"{sparse64['layers']} layers, same run")  # fmt: skip
 
     slope = offload_slope(rows, scaling)
     if slope is not None:

@@ -82,7 +82,8 @@ def test_goals_smoke(tmp_path):
     assert host["hbm_layers"] == 1 and host["host_layers"] == 1 and host["attended_fraction"] < 1
     summary = (tmp_path / "summary.md").read_text()
     for goal in ("32K step time", "offload overhead at 128K", "sparse (chunk 4096 + 64 pages) at 256K",
-                 "1M tokens in one step", "check: layer scaling of step time at 64K"):  # fmt: skip
+                 "1M tokens in one step", "check: layer scaling of step time at 64K",
+                 "check: sparse vs dense at 64K"):  # fmt: skip
         assert goal in summary, goal
     data = json.loads((tmp_path / "summary.json").read_text())
     assert {p["role"] for p in data["plans"]} == {"plan-1m", "plan-longest", "plan-1m-adamw"}

@@ -111,7 +111,7 @@ def test_the_chunked_balancing_term_is_transformers_own():
     gen = torch.Generator().manual_seed(0)
     layers = [torch.randn(37, 6, generator=gen) for _ in range(3)]
     term = RouterBalanceLoss(num_experts=6, top_k=2, coef=1.0)
-    chunk = type("Chunk", (), {"sweep": "forward"})()
+    chunk = type("Chunk", (), {"sweep": "forward", "context": None})()
     for part in (slice(0, 16), slice(16, 37)):  # two chunks
         term.record(chunk, [layer[part] for layer in layers])
     torch.testing.assert_close(term.value(), load_balancing_loss_func(tuple(layers), 6, 2), rtol=1e-6, atol=0)
