@@ -178,8 +178,10 @@ def step_flops(
     Matmuls: 2 FLOPs per weight and token per forward, a backward = 2 forwards. Per decoder layer HF with
     checkpointing runs 2 forwards + a backward; OOMB the forward sweep, the recompute, (checkpointing) the layer's
     recompute and the backward; the LM head HF 1 + backward, OOMB 2 + backward. Attention: 4 * head_dim FLOPs per
-    query-key pair and query head per forward, a backward = 2.5 forwards (FlashAttention's count); pairs are the
-    causal ones, or for ``page_budget`` each query block's own chunk causally plus ``page_budget`` earlier pages."""
+    query-key pair and query head per forward, a backward = 2.5 forwards (FlashAttention's count); HF with
+    checkpointing attends twice forward, OOMB twice with or without it (the layer's recompute reuses the chunk
+    recompute's result); pairs are the causal ones, or for ``page_budget`` each query block's own chunk causally plus
+    ``page_budget`` earlier pages."""
     layers = cfg.num_hidden_layers if layers is None else layers
     h, d = cfg.hidden_size, head_dim(cfg)
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -194,7 +196,7 @@ def step_flops(
         for start in range(0, seq_len, chunk_size):
             length = min(chunk_size, seq_len - start)
             pairs += length * (length + 1) / 2 + length * min(page_budget * page_size, start)
-    attention_passes = (1 + extra if method == HF else 2 + extra) + 2.5
+    attention_passes = (1 + extra if method == HF else 2) + 2.5
     return dense, 4 * d * hq * pairs * layers * attention_passes
 
 
