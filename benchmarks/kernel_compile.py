@@ -13,7 +13,7 @@ tile in the forward and dQ kernels, the key tile in dK/dV): ``mma_rows > tile_ro
 
 Flags: ``SPARSE`` (a page selection), ``CARRY`` (a carried state: offload's key parts), ``ACCUMULATE`` (dQ added
 into an accumulator), ``ROWS`` (packed documents), ``SOFTCAP``. ``--all`` compiles every config the pruner keeps
-(the tuning space), not only the defaults (without the score terms); ``--quick`` only the defaults per tuning key
+(the tuning space), not only the defaults (plain variants only); ``--quick`` only the defaults per tuning key
 (``tests/kernels/test_kernel_compile.py``). Writes ``benchmarks/results/kernel-compile-sm90.json`` and ``.md`` and
 prints the table.
 """
@@ -167,7 +167,7 @@ def variants(kernels, name: str, head_dim: int, page: int, every: bool, quick: b
         key = {"HEAD_DIM": head_dim, "PAGE": page, "SPARSE": sparse}
         configs = kernels.tuning_space(tuner, key) if every else [kernels.default_config(tuner, key)]
         for config in configs:
-            for flags in extra[:1] if quick else extra:
+            for flags in extra[:1] if quick or every else extra:
                 for rows, softcap in TERMS[:1] if every or quick else TERMS:
                     yield config, {"SPARSE": sparse, **flags, "ROWS": rows, "SOFTCAP": softcap}
 

@@ -25,13 +25,20 @@ version (bf16 ``atomic_add`` does not), and no fp32 dQ scratch or atomic traffic
 recomputing ``Q K^T`` and ``dO V^T`` in both kernels (7 instead of 5 matmuls). The Triton fused-attention
 tutorial makes the same trade for Hopper; FlashAttention-2's CUDA kernel instead adds dQ atomically into fp32.
 
+Why the forward and dQ kernels run one program per query head rather than all query heads of a KV head packed in
+one tile: a tile's rows are bounded by registers (128 rows of head_dim 128 in fp32 on 8 warps), so packing G heads
+leaves 128 / G queries per tile and each K/V tile is still loaded once per 128 rows — the same K/V bytes per row —
+while power-of-two tiles would waste 1/8 of the rows at G = 7 (28:4). The heads of a group are launched close
+together (query blocks vary fastest), so their K/V tiles are mostly re-read from L2 (predicted, not measured).
+Packing pays where a call has few queries (decoding), which training chunks never are.
+
 Every key range is split into blocks that need no mask (all their keys visible to every query of the block) and
 the few on the causal diagonal / window edge / ragged last page that do; blocks nobody sees are never visited.
 Tiles, warps and stages: by default each kernel runs at its shipped tile (:data:`SM90_DEFAULTS`, chosen for
 sm_90 and checked offline with ptxas: no spills, no MMA rows computed twice; ``benchmarks/kernel_compile.py``),
 fitted to the call's ``HEAD_DIM``, ``PAGE`` and ``SPARSE`` (:func:`_fitted`) — the first step compiles but never
 tunes. ``OOMB_TRITON_AUTOTUNE=1`` turns on ``triton.autotune`` keyed on those (and the dtypes), over spaces pruned
-of tiles that duplicate MMA rows or whose accumulators take more than half the registers; tuning then happens at
+of tiles that duplicate MMA rows or whose accumulators take too many registers; tuning then happens at
 the first call of each key (``TRITON_CACHE_AUTOTUNING=1`` keeps the result on disk, ``OOMB_TRITON_TUNE_CONFIGS=N``
 tries at most N configs per key — the default and the rest spread over the space — each one compilation). Under
 ``TRITON_INTERPRET=1`` one tiny config is used so CPU tests stay fast.
@@ -139,12 +146,13 @@ def _fitted(c: triton.Config, mma_rows: str, page: int, sparse: bool) -> triton.
     return triton.Config(kw, num_warps=warps, num_stages=c.num_stages)
 
 
-def _pruner(mma_rows: str, factor: int):
+def _pruner(mma_rows: str, factor: int, max_regs: int = 64):
     """``early_config_prune`` for a kernel whose MMAs have ``mma_rows`` rows and whose fp32 accumulators hold
     ``factor * <mma_rows>`` rows of ``HEAD_DIM``: every config fitted to the call (:func:`_fitted`; duplicates
-    dropped), and of the rest those needing at most 128 accumulator registers per thread (half the register file;
-    ``benchmarks/kernel_compile.py --all`` compiles the kept ones for sm_90 and reports which spill). The default
-    (first) always stays. With tuning off (the default, :func:`_autotune`) only the default is kept; with
+    dropped), and of the rest those needing at most ``max_regs`` accumulator registers per thread. The limits are
+    measured (``benchmarks/kernel_compile.py --all``, sm_90, head_dim 128): 64 for the forward and dQ (their 128-row
+    tiles on 4 warps spill 0.1-4 KB), 128 for dK/dV (its duplication-free 128-key tiles on 8 warps need it; at 16
+    queries per step they do not spill). The default (first) always stays. With tuning off (the default, :func:`_autotune`) only the default is kept; with
     ``OOMB_TRITON_TUNE_CONFIGS=N`` at most N (:func:`_spread`). ``prune.space(configs, **key)``: the whole space."""
 
     def space(configs: list[triton.Config], **kwargs) -> list[triton.Config]:
@@ -152,7 +160,7 @@ def _pruner(mma_rows: str, factor: int):
         for i, c in enumerate(configs):
             f = _fitted(c, mma_rows, kwargs["PAGE"], kwargs.get("SPARSE", False))
             key = (f.kwargs["BLOCK_M"], f.kwargs["BLOCK_N"], f.num_warps, f.num_stages)
-            if i == 0 or factor * f.kwargs[mma_rows] * kwargs["HEAD_DIM"] <= 128 * 32 * f.num_warps:
+            if i == 0 or factor * f.kwargs[mma_rows] * kwargs["HEAD_DIM"] <= max_regs * 32 * f.num_warps:
                 kept.setdefault(key, f)
         return list(kept.values())
 
@@ -635,9 +643,9 @@ def _bwd_dkdv_walk(
 
 
 @triton.autotune(
-    configs=_configs("dkdv", [(16, 128), (32, 64), (32, 128), (64, 64), (64, 128)], stages=(2, 3, 4)),
+    configs=_configs("dkdv", [(16, 128), (32, 64), (32, 128)], stages=(2, 3)),  # 64 queries or 4 stages spill
     key=["HEAD_DIM", "PAGE", "SPARSE"],
-    prune_configs_by={"early_config_prune": _pruner("BLOCK_N", 2)},  # dk, dv [BLOCK_N, HEAD_DIM]
+    prune_configs_by={"early_config_prune": _pruner("BLOCK_N", 2, 128)},  # dk, dv [BLOCK_N, HEAD_DIM]
     pre_hook=_restore_grad_pages.pre,
     post_hook=_restore_grad_pages.post,
 )

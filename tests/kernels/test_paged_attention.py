@@ -316,11 +316,11 @@ def test_tuning_space_fits_pages_and_registers(monkeypatch):
         return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps) for c in prune(configs, {}, **key)]
 
     # BLOCK_N clamped to the page; 64 MMA rows get 4 warps, not 8 (duplicates dropped); 256 x 128 at 4 warps
-    # needs 256 accumulator registers per thread; under 64 rows (mma.sync) the warps stay
+    # needs 256 accumulator registers per thread (> 64); under 64 rows (mma.sync) the warps stay
     assert kept(PAGE=64, HEAD_DIM=128) == [(128, 64, 8), (64, 64, 4), (32, 64, 8)]
     # the dK/dV kernel's MMA rows are its key tile: a default clamped to a smaller page keeps no idle warpgroup
     dkdv = [triton.Config({"BLOCK_M": 16, "BLOCK_N": 128}, num_warps=8, num_stages=3)]
-    fitted = triton_kernels._pruner("BLOCK_N", 2)(dkdv, {}, PAGE=64, HEAD_DIM=128)
+    fitted = triton_kernels._pruner("BLOCK_N", 2, 128)(dkdv, {}, PAGE=64, HEAD_DIM=128)
     assert [(c.kwargs["BLOCK_N"], c.num_warps) for c in fitted] == [(64, 4)]
     for off in ("0", ""):  # tuning off (the default): the default tile only
         monkeypatch.setenv("OOMB_TRITON_AUTOTUNE", off)
