@@ -210,7 +210,9 @@ def main(argv=None) -> int:
     md = table(records)
     args.out.with_suffix(".md").write_text(
         f"# Offline sm_90 compile of the paged-attention kernels\n\n`{result['command']}`\n\n"
-        f"Triton {result['versions'].get('triton')}; bf16 inputs, float32 gradient pages, page {args.page}.\n\n"
+        f"Triton {result['versions'].get('triton')}; bf16 inputs, float32 gradient pages, page {args.page}. Registers "
+        "per thread and spill bytes from `ptxas -v`; MMA rows: the rows one MMA layout covers (16 per warp along "
+        "M), above the tile's rows the extra warps compute the same rows again.\n\n"
         f"{md}\n"
     )
     print(md)
