@@ -1,7 +1,7 @@
 """The call contract of paged attention, shared by the Triton kernels, their torch reference and the fused CPU path
 (plain Python).
 
-Every backend exposes the same two functions with the same arguments, so that dispatch is choosing a module
+Every backend exposes the same three functions with the same arguments, so that dispatch is choosing a module
 (``csrc_triton.paged_attention``, ``lightning_oomb.engine.reference`` or ``lightning_oomb.engine.cpu_attention``) and
 one test suite runs over all::
 
@@ -11,6 +11,7 @@ one test suite runs over all::
     paged_attention_backward(q, out, lse, dout, k_pages, v_pages, dk_pages, dv_pages, page_table, q_start, scale,
                              window=None, *, key_range=None, delta=None, dq=None, softcap=None, doc_start=None,
                              page_select=None, visits=None) -> dq
+    attention_delta(out, dout) -> delta
 
 - ``q [B, Hq, Lq, D]`` at absolute positions ``[q_start, q_start + Lq)``; pages ``[slots, Hkv, P, D]``;
   ``page_table`` int32 ``[B, n_pages]`` (row ``b``'s page ``j`` is slot ``page_table[b, j]``).
@@ -29,6 +30,8 @@ one test suite runs over all::
 - ``key_range=(lo, hi)``: only keys ``[lo, hi)`` (:func:`checked_key_range`); ``state=(acc, m, l)``: fold the keys
   into a carried softmax state in place and return ``None``; ``delta``/``dq``: a precomputed ``rowsum(dO * O)``
   and an accumulator dQ is added into (all checked by :func:`check_buffer`).
+- ``attention_delta``: ``rowsum(dout * out)`` ``[B, Hq, Lq]``, the ``delta`` that the backward calls of several
+  key parts share (the Triton backend computes it with its pre-pass kernel, the reference in torch).
 - ``out`` has ``q``'s dtype, ``lse`` (natural log) and the buffers are float32 (float64 for float64 inputs, which
   only the torch backends take). Backward **adds** dK/dV of every key it visits into ``dk_pages``/``dv_pages``.
 

@@ -12,7 +12,8 @@ the natural log):
 
 - ``_fwd_kernel``: one program per (query block, query head); walks the key blocks it can see through the page
   table, keeping the running max ``m_i``, normaliser ``l_i`` and accumulator ``acc``.
-- ``_bwd_preprocess``: ``delta_i = rowsum(dO_i * O_i)``.
+- ``_bwd_preprocess``: ``delta_i = rowsum(dO_i * O_i)`` (:func:`attention_delta`: also the delta that the backward
+  calls of several key parts share, as offload and context parallelism make them).
 - ``_bwd_dkdv_kernel``: one program per (key block, KV head) **owns** that block of the K/V pages: it loops over
   every query head of its group and every query block that sees it, accumulates dK, dV in registers and adds them
   into the gradient pages with a plain load + add + store.
@@ -24,14 +25,23 @@ version (bf16 ``atomic_add`` does not), and no fp32 dQ scratch or atomic traffic
 recomputing ``Q K^T`` and ``dO V^T`` in both kernels (7 instead of 5 matmuls). The Triton fused-attention
 tutorial makes the same trade for Hopper; FlashAttention-2's CUDA kernel instead adds dQ atomically into fp32.
 
+Why the forward and dQ kernels run one program per query head rather than all query heads of a KV head packed in
+one tile: a tile's rows are bounded by registers (128 rows of head_dim 128 in fp32 on 8 warps), so packing G heads
+leaves 128 / G queries per tile and each K/V tile is still loaded once per 128 rows — the same K/V bytes per row —
+while power-of-two tiles would waste 1/8 of the rows at G = 7 (28:4). The heads of a group are launched close
+together (query blocks vary fastest), so their K/V tiles are mostly re-read from L2 (predicted, not measured).
+Packing pays where a call has few queries (decoding), which training chunks never are.
+
 Every key range is split into blocks that need no mask (all their keys visible to every query of the block) and
 the few on the causal diagonal / window edge / ragged last page that do; blocks nobody sees are never visited.
-Tiles, warps and stages come from ``triton.autotune`` keyed on ``HEAD_DIM``, ``PAGE``, ``SPARSE`` (and the dtypes),
-over spaces pruned of tiles whose accumulators spill (checked with ptxas for sm_90); tuning happens at the first call
-of each key (``TRITON_CACHE_AUTOTUNING=1`` keeps the result on disk, ``OOMB_TRITON_AUTOTUNE=0`` skips tuning and
-uses each kernel's default tile, ``OOMB_TRITON_TUNE_CONFIGS=N`` tries at most N configs per key — the default and
-the rest spread over the space — each one compilation). Under ``TRITON_INTERPRET=1`` one tiny config is used so
-CPU tests stay fast.
+Tiles, warps and stages: by default each kernel runs at its shipped tile (:data:`SM90_DEFAULTS`, chosen for
+sm_90 and checked offline with ptxas: no spills, no MMA rows computed twice; ``benchmarks/kernel_compile.py``),
+fitted to the call's ``HEAD_DIM``, ``PAGE`` and ``SPARSE`` (:func:`_fitted`) — the first step compiles but never
+tunes. ``OOMB_TRITON_AUTOTUNE=1`` turns on ``triton.autotune`` keyed on those (and the dtypes), over spaces pruned
+of tiles that duplicate MMA rows or whose accumulators take too many registers; tuning then happens at
+the first call of each key (``TRITON_CACHE_AUTOTUNING=1`` keeps the result on disk, ``OOMB_TRITON_TUNE_CONFIGS=N``
+tries at most N configs per key — the default and the rest spread over the space — each one compilation). Under
+``TRITON_INTERPRET=1`` one tiny config is used so CPU tests stay fast.
 
 Key ranges, carried state, dQ accumulation — so that the caller can stream the keys through fixed-size device
 buffers (offloaded to host memory), one attention call splits into calls over disjoint ``key_range=(lo, hi)``
@@ -94,8 +104,19 @@ def _interpreting() -> bool:
     return triton.knobs.runtime.interpret
 
 
-def _configs(default: tuple[int, int, int, int], tiles: list[tuple[int, int]], stages: tuple[int, ...]):
-    """Tuning space: ``default`` ``(BLOCK_M, BLOCK_N, warps, stages)`` first, then ``tiles`` x warps x ``stages``."""
+# The tiles used without tuning, (BLOCK_M, BLOCK_N, warps, stages), chosen for sm_90 (H100/H200) at head_dim 128,
+# page 128, bf16: every MMA has >= 16 rows per warp (no duplicated MMA work, see _fitted) and ptxas reports no
+# spills (benchmarks/results/kernel-compile-sm90.md). The forward and dQ: 128 query rows on 8 warps (two
+# warpgroups), 64 keys per step. dK/dV: 128 keys on 8 warps, 16 queries per step, the largest query step whose
+# score tiles fit beside the dK, dV accumulators (128 registers per thread) without spilling; 64 keys on 8 warps
+# (the previous default) computed Q K^T and V dO^T twice, 64 keys on 4 warps spills; 2 stages, as 3 spill with a
+# page selection or documents (dK/dV with a selection and documents or softcap still spills 28-108 bytes).
+SM90_DEFAULTS = {"forward": (128, 64, 8, 3), "dkdv": (16, 128, 8, 2), "dq": (128, 64, 8, 3)}
+
+
+def _configs(kernel: str, tiles: list[tuple[int, int]], stages: tuple[int, ...]):
+    """Tuning space: the kernel's default (:data:`SM90_DEFAULTS`) first, then ``tiles`` x warps x ``stages``."""
+    default = SM90_DEFAULTS[kernel]
     if _interpreting():
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)]
     space = [default] + [(m, n, w, st) for m, n in tiles for w in (4, 8) for st in stages]
@@ -105,38 +126,86 @@ def _configs(default: tuple[int, int, int, int], tiles: list[tuple[int, int]], s
     ]
 
 
-def _pruner(accumulator_rows: str, factor: int):
-    """``early_config_prune`` for a kernel whose fp32 accumulators hold ``factor * <accumulator_rows>`` rows of
-    ``HEAD_DIM``: clamps ``BLOCK_N`` to ``PAGE`` (key blocks never straddle pages) and, with ``SPARSE``, ``BLOCK_M``
-    too (a query tile lies inside one selection block and divides it), and drops tiles needing more than 64
-    accumulator registers per thread (they spill: ptxas for sm_90 at head_dim 128). With
-    ``OOMB_TRITON_AUTOTUNE=0`` only the default (first) config is kept: no tuning at the first call; with
-    ``OOMB_TRITON_TUNE_CONFIGS=N`` at most N (:func:`_spread`)."""
+def _autotune() -> bool:
+    """``OOMB_TRITON_AUTOTUNE=1``: tune at the first call of each key; unset or ``0``: the shipped default tiles."""
+    return os.environ.get("OOMB_TRITON_AUTOTUNE", "0") not in ("", "0")
+
+
+def _fitted(c: triton.Config, mma_rows: str, page: int, sparse: bool) -> triton.Config:
+    """``c`` fitted to a call: ``BLOCK_N`` clamped to ``PAGE`` (key blocks never straddle pages) and, with
+    ``SPARSE``, ``BLOCK_M`` too (a query tile lies inside one selection block and divides it); then at most
+    ``rows / 16`` warps for an MMA of ``rows >= 64`` rows (``mma_rows``: its M). On sm_90 such an MMA is a wgmma whose
+    warps tile the rows 16 each (chained dots put every warp on M), so more warps would compute the same rows twice
+    (8 warps on 64 rows: both warpgroups do the same ``Q K^T``); a smaller MMA is an ``mma.sync`` laid out along N."""
+    kw = {**c.kwargs, "BLOCK_N": min(c.kwargs["BLOCK_N"], page)}
+    if sparse:
+        kw["BLOCK_M"] = min(kw["BLOCK_M"], page)
+    rows, warps = kw[mma_rows], c.num_warps
+    if rows >= 64:
+        warps = min(warps, rows // 16)
+    return triton.Config(kw, num_warps=warps, num_stages=c.num_stages)
+
+
+def _pruner(mma_rows: str, factor: int, max_regs: int = 64):
+    """``early_config_prune`` for a kernel whose MMAs have ``mma_rows`` rows and whose fp32 accumulators hold
+    ``factor * <mma_rows>`` rows of ``HEAD_DIM``: every config fitted to the call (:func:`_fitted`; duplicates
+    dropped), and of the rest those needing at most ``max_regs`` accumulator registers per thread. The limits are
+    measured (``benchmarks/kernel_compile.py --all``, sm_90, head_dim 128): 64 for the forward and dQ (their 128-row
+    tiles on 4 warps spill 0.1-4 KB), 128 for dK/dV (its duplication-free 128-key tiles on 8 warps need it; at 16
+    queries per step they do not spill). The default (first) always stays. With tuning off (the default, :func:`_autotune`) only the default is kept; with
+    ``OOMB_TRITON_TUNE_CONFIGS=N`` at most N (:func:`_spread`). ``prune.space(configs, **key)``: the whole space."""
+
+    def space(configs: list[triton.Config], **kwargs) -> list[triton.Config]:
+        kept = {}
+        for i, c in enumerate(configs):
+            f = _fitted(c, mma_rows, kwargs["PAGE"], kwargs.get("SPARSE", False))
+            key = (f.kwargs["BLOCK_M"], f.kwargs["BLOCK_N"], f.num_warps, f.num_stages)
+            if i == 0 or factor * f.kwargs[mma_rows] * kwargs["HEAD_DIM"] <= max_regs * 32 * f.num_warps:
+                kept.setdefault(key, f)
+        return list(kept.values())
 
     def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-        kept, page = {}, kwargs["PAGE"]
-        for c in configs:
-            kw = {**c.kwargs, "BLOCK_N": min(c.kwargs["BLOCK_N"], page)}
-            if kwargs.get("SPARSE"):
-                kw["BLOCK_M"] = min(kw["BLOCK_M"], page)
-            key = (kw["BLOCK_M"], kw["BLOCK_N"], c.num_warps, c.num_stages)
-            if factor * kw[accumulator_rows] * kwargs["HEAD_DIM"] <= 64 * 32 * c.num_warps or not kept:
-                kept.setdefault(key, triton.Config(kw, num_warps=c.num_warps, num_stages=c.num_stages))
-        tune = os.environ.get("OOMB_TRITON_AUTOTUNE", "1") != "0"
-        return _spread(list(kept.values()), _tune_cap()) if tune else list(kept.values())[:1]
+        kept = space(configs, **kwargs)
+        return _spread(kept, _tune_cap()) if _autotune() else kept[:1]
 
+    prune.space = space
     return prune
 
 
+def tuning_space(tuner, key: dict) -> list[triton.Config]:
+    """The configs an autotuned kernel of this module tries for ``key`` (``HEAD_DIM``, ``PAGE``, ``SPARSE``), the
+    default first."""
+    return tuner.early_config_prune.space(tuner.configs, **key)
+
+
+def default_config(tuner, key: dict) -> triton.Config:
+    """The config a kernel runs with when tuning is off: its shipped default fitted to ``key``."""
+    return tuning_space(tuner, key)[0]
+
+
+def _launch(tuner, grid, *args, **kwargs) -> None:
+    """Run an autotuned kernel: through its autotuner with ``OOMB_TRITON_AUTOTUNE=1``, else straight at
+    :func:`default_config` for the call's key (recorded in ``tuner.cache``) — no benchmarking on any Triton
+    version."""
+    if _autotune():
+        tuner[grid](*args, **kwargs)
+        return
+    key = ("default", kwargs["HEAD_DIM"], kwargs["PAGE"], kwargs["SPARSE"])
+    config = tuner.cache.get(key)
+    if config is None:
+        config = tuner.cache[key] = default_config(tuner, dict(zip(("HEAD_DIM", "PAGE", "SPARSE"), key[1:])))
+    tuner.fn.run(*args, grid=grid, warmup=False, **kwargs, **config.all_kwargs())
+
+
 def _tune_cap() -> int | None:
-    """``OOMB_TRITON_TUNE_CONFIGS`` as a positive int (``None``: unset, every config)."""
+    """``OOMB_TRITON_TUNE_CONFIGS`` as a positive int (``None``: unset, every config; read when tuning)."""
     value = os.environ.get("OOMB_TRITON_TUNE_CONFIGS", "")
     if not value:
         return None
     if not value.isdigit() or int(value) < 1:
         raise ValueError(
             f"OOMB_TRITON_TUNE_CONFIGS={value!r} must be a positive number of configs to try per kernel and tuning "
-            "key (unset: all; OOMB_TRITON_AUTOTUNE=0: the default tile only)."
+            "key with OOMB_TRITON_AUTOTUNE=1 (unset: all)."
         )
     return int(value)
 
@@ -430,7 +499,7 @@ def _fwd_walk(
 
 
 @triton.autotune(
-    configs=_configs((128, 64, 8, 3), [(64, 64), (64, 128), (128, 64), (128, 128)], stages=(2, 3)),
+    configs=_configs("forward", [(64, 64), (64, 128), (128, 64), (128, 128)], stages=(2, 3)),
     key=["HEAD_DIM", "PAGE", "SPARSE"],
     prune_configs_by={"early_config_prune": _pruner("BLOCK_M", 1)},  # acc [BLOCK_M, HEAD_DIM]
     pre_hook=_restore_state.pre,
@@ -574,9 +643,9 @@ def _bwd_dkdv_walk(
 
 
 @triton.autotune(
-    configs=_configs((32, 64, 8, 3), [(32, 64), (32, 128), (64, 64), (64, 128)], stages=(2, 3, 4)),
+    configs=_configs("dkdv", [(16, 128), (32, 64), (32, 128)], stages=(2, 3)),  # 64 queries or 4 stages spill
     key=["HEAD_DIM", "PAGE", "SPARSE"],
-    prune_configs_by={"early_config_prune": _pruner("BLOCK_N", 2)},  # dk, dv [BLOCK_N, HEAD_DIM]
+    prune_configs_by={"early_config_prune": _pruner("BLOCK_N", 2, 128)},  # dk, dv [BLOCK_N, HEAD_DIM]
     pre_hook=_restore_grad_pages.pre,
     post_hook=_restore_grad_pages.post,
 )
@@ -712,7 +781,7 @@ def _bwd_dq_walk(
 
 
 @triton.autotune(
-    configs=_configs((128, 64, 8, 3), [(64, 32), (64, 64), (128, 32), (128, 64)], stages=(2, 3)),
+    configs=_configs("dq", [(64, 32), (64, 64), (128, 32), (128, 64)], stages=(2, 3)),
     key=["HEAD_DIM", "PAGE", "SPARSE"],
     prune_configs_by={"early_config_prune": _pruner("BLOCK_M", 1)},  # dq [BLOCK_M, HEAD_DIM]
     pre_hook=_restore_dq.pre,
@@ -881,6 +950,25 @@ def _key_grid(first_key: int, key_hi: int, heads: int):
     return lambda meta: (triton.cdiv(key_hi, meta["BLOCK_N"]) - first_key // meta["BLOCK_N"], heads)
 
 
+def attention_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+    """``delta = rowsum(dout * out)`` fp32 ``[B, Hq, Lq]`` by the pre-pass kernel (``out``, ``dout``
+    ``[B, Hq, Lq, D]`` in dtypes the kernels take): one read of each, no fp32 temporaries."""
+    if out.shape != dout.shape or out.dim() != 4 or {out.dtype, dout.dtype} - set(_SUPPORTED):
+        raise ValueError(
+            f"attention_delta takes out and dout of one shape [B, Hq, Lq, D] in dtypes of {_SUPPORTED}; got "
+            f"{out.dtype} {tuple(out.shape)} and {dout.dtype} {tuple(dout.shape)}."
+        )
+    d = out.shape[-1]
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"head_dim={d} is not supported — the kernels need a power of two >= 16.")
+    delta = torch.empty(out.shape[:-1], dtype=torch.float32, device=out.device)
+    rows = delta.numel()
+    if rows:
+        grid = (triton.cdiv(rows, 64),)
+        _bwd_preprocess[grid](out.contiguous(), dout.contiguous(), delta, rows, HEAD_DIM=d, BLOCK_M=64)
+    return delta
+
+
 def paged_attention_forward(
     q: torch.Tensor,
     k_pages: torch.Tensor,
@@ -921,7 +1009,8 @@ def paged_attention_forward(
     if out.numel() == 0:
         return None if state is not None else (out, lse)
     sel, n_sel, k_p2 = _selection_args(select, page_table)
-    _fwd_kernel[_query_grid(lq, b * hq)](
+    _launch(
+        _fwd_kernel, _query_grid(lq, b * hq),
         q, k_pages, v_pages, page_table, page_table if first is None else first, sel, out, lse, l_sum,
         lse if visits is None else visits,
         *q.stride(), *k_pages.stride(), page_table.stride(0),
@@ -982,9 +1071,7 @@ def paged_attention_backward(
     dout, lse = dout.contiguous(), lse.contiguous()
     window = _window(window, q_start, lq)
     if delta is None:
-        delta = torch.empty_like(lse)
-        grid = (triton.cdiv(b * hq * lq, 64),)
-        _bwd_preprocess[grid](out.contiguous(), dout, delta, b * hq * lq, HEAD_DIM=d, BLOCK_M=64)
+        delta = attention_delta(out, dout)
     else:
         check_buffer("delta", delta, (b, hq, lq), torch.float32, q.device)
 
@@ -994,7 +1081,8 @@ def paged_attention_backward(
         seeing = page_table if first is None else _rows_seeing(first, key_hi, page)
         past_pages = q_start // page
         inv_ptr, inv_idx = (page_table, page_table) if select is None else _inverse_lists(select, past_pages)
-        _bwd_dkdv_kernel[_key_grid(first_key, key_hi, b * hkv)](
+        _launch(
+            _bwd_dkdv_kernel, _key_grid(first_key, key_hi, b * hkv),
             q, k_pages, v_pages, dout, lse, delta, page_table, dk_pages, dv_pages,
             page_table if first is None else first, seeing, lse if visits is None else visits, inv_ptr, inv_idx,
             *q.stride(), *k_pages.stride(), page_table.stride(0),
@@ -1003,7 +1091,8 @@ def paged_attention_backward(
             COUNT=visits is not None, SPARSE=select is not None,
         )  # fmt: skip
     sel, n_sel, k_p2 = _selection_args(select, page_table)
-    _bwd_dq_kernel[_query_grid(lq, b * hq)](
+    _launch(
+        _bwd_dq_kernel, _query_grid(lq, b * hq),
         q, k_pages, v_pages, dout, lse, delta, page_table, dq, page_table if first is None else first, sel,
         *q.stride(), *k_pages.stride(), page_table.stride(0),
         hq, hq // hkv, lq, q_start, key_lo, key_hi, window, scale, qk_scale, cap, n_sel,

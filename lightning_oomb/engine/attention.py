@@ -32,7 +32,7 @@ from lightning_oomb.engine import context, cpu_attention, reference
 from lightning_oomb.engine.config import check_backend_name
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.kv_pool import KVPool
-from lightning_oomb.engine.lse import add_sinks, attention_delta, finish_state, init_state, sink_grad
+from lightning_oomb.engine.lse import add_sinks, finish_state, init_state, sink_grad
 from lightning_oomb.engine.pages import PagedKV, PoolShape
 from lightning_oomb.engine.sparse import Selection, SparseStep, select_pages
 
@@ -197,7 +197,7 @@ def attend_backward(
     docs=None, select=None,
 ):  # fmt: skip
     """``dq``, adding dK/dV into every part's gradient pages; dQ is summed over the parts. ``delta``: a precomputed
-    ``rowsum(dout * out)`` (else computed once)."""
+    ``rowsum(dout * out)`` (else computed once, by the backend: the Triton pre-pass kernel)."""
     ops, num_keys, dq = kernels(backend), q_start + q.shape[2], None
     terms = {"softcap": softcap, "doc_start": docs, "page_select": select}
     for kv in parts:
@@ -207,7 +207,7 @@ def attend_backward(
                 q, out, lse, dout, *pages, q_start, scale, window, delta=delta, **terms
             )
         if dq is None:
-            delta = attention_delta(out, dout) if delta is None else delta
+            delta = ops.attention_delta(out, dout) if delta is None else delta
             dq = torch.zeros(q.shape, dtype=delta.dtype, device=q.device)
         ops.paged_attention_backward(
             q, out, lse, dout, *pages, q_start, scale, window, key_range=kv.keys, delta=delta, dq=dq, **terms
@@ -257,7 +257,7 @@ class PagedAttention(torch.autograd.Function):
         parts = pool.parts(layer, chunk.start + q.shape[2], True, first_key, _selected_blocks(chunk, layer))
         dout = dout.contiguous()
         with torch.autocast(q.device.type, enabled=False):
-            delta = attention_delta(out, dout) if sinks is not None else None
+            delta = kernels(chunk.backend).attention_delta(out, dout) if sinks is not None else None
             dq = attend_backward(
                 chunk.backend,
                 q,
@@ -334,7 +334,7 @@ def _backward_across_group(ctx, dout):
         pool.write(layer, cp.local_start, *kv, window)
     grads_out = dout[:, :, :own].contiguous()
     with torch.autocast(dout.device.type, enabled=False):
-        delta = attention_delta(out, grads_out)
+        delta = kernels(chunk.backend).attention_delta(out, grads_out)
         dq = context.attend_backward(kernels(chunk.backend), cp, pool, layer, rows, lse, grads_out, delta,
                                      chunk.start, scale, window, softcap, chunk.doc_start, select)  # fmt: skip
         dsinks = sink_grad(sinks, lse, delta) if sinks is not None and ctx.needs_input_grad[8] else None

@@ -19,8 +19,17 @@ import torch
 
 from csrc_triton.contract import check_buffer, check_terms, checked_key_range
 from lightning_oomb.engine import reference
-from lightning_oomb.engine.lse import State, add_part, compute_dtype, finish_state, init_state
+from lightning_oomb.engine.lse import (
+    State,
+    add_part,
+    attention_delta,
+    compute_dtype,
+    finish_state,
+    init_state,
+)
 from lightning_oomb.engine.pages import add_tokens, gather_tokens
+
+__all__ = ["attention_delta", "paged_attention_backward", "paged_attention_forward"]  # the backend contract
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default

@@ -1,12 +1,12 @@
 """Plain-torch reference of the paged attention kernels: the CPU path and the kernels' test oracle.
 
-The same two functions, with the same arguments, as ``csrc_triton.paged_attention`` (the contract is in
-``csrc_triton.contract``). Keys are visited in blocks of pages and merged by log-sum-exp, so memory is
-``O(Lq * KEY_BLOCK)``, not ``O(Lq * Lk)``. Arithmetic in float32 (float64 for float64 inputs, which only this
-backend takes). Key ranges, a carried forward state and a dQ accumulator split one call into calls over disjoint
-key ranges whose results combine exactly (:mod:`lightning_oomb.engine.lse`). A page selection (sparse attention)
-reads, per query block, only its selected pages before ``q_start`` (one tile each) and the keys from ``q_start``
-on as without it.
+The same functions, with the same arguments, as ``csrc_triton.paged_attention`` (the contract is in
+``csrc_triton.contract``; ``attention_delta`` is :func:`lightning_oomb.engine.lse.attention_delta`). Keys are
+visited in blocks of pages and merged by log-sum-exp, so memory is ``O(Lq * KEY_BLOCK)``, not ``O(Lq * Lk)``.
+Arithmetic in float32 (float64 for float64 inputs, which only this backend takes). Key ranges, a carried forward
+state and a dQ accumulator split one call into calls over disjoint key ranges whose results combine exactly
+(:mod:`lightning_oomb.engine.lse`). A page selection (sparse attention) reads, per query block, only its selected
+pages before ``q_start`` (one tile each) and the keys from ``q_start`` on as without it.
 """
 
 from __future__ import annotations

@@ -305,25 +305,49 @@ def test_dkdv_autotuning_adds_once(monkeypatch):
 
 
 def test_tuning_space_fits_pages_and_registers(monkeypatch):
-    monkeypatch.delenv("OOMB_TRITON_AUTOTUNE", raising=False)  # tuning on, whatever the caller's environment
+    monkeypatch.setenv("OOMB_TRITON_AUTOTUNE", "1")
     configs = [
         triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=2)
-        for m, n, w in [(128, 64, 8), (64, 128, 4), (128, 128, 4), (64, 64, 4)]
+        for m, n, w in [(128, 64, 8), (64, 128, 4), (256, 128, 4), (64, 64, 8), (32, 64, 8)]
     ]
     prune = triton_kernels._pruner("BLOCK_M", 1)
-    kept = [
-        (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps)
-        for c in prune(configs, {}, PAGE=64, HEAD_DIM=128)
-    ]
-    # BLOCK_N clamped to the page (duplicate dropped); 128x128x4w spills
-    assert kept == [(128, 64, 8), (64, 64, 4)]
-    monkeypatch.setenv("OOMB_TRITON_AUTOTUNE", "0")
-    assert len(prune(configs, {}, PAGE=64, HEAD_DIM=128)) == 1
+
+    def kept(**key):
+        return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps) for c in prune(configs, {}, **key)]
+
+    # BLOCK_N clamped to the page; 64 MMA rows get 4 warps, not 8 (duplicates dropped); 256 x 128 at 4 warps
+    # needs 256 accumulator registers per thread (> 64); under 64 rows (mma.sync) the warps stay
+    assert kept(PAGE=64, HEAD_DIM=128) == [(128, 64, 8), (64, 64, 4), (32, 64, 8)]
+    # the dK/dV kernel's MMA rows are its key tile: a default clamped to a smaller page keeps no idle warpgroup
+    dkdv = [triton.Config({"BLOCK_M": 16, "BLOCK_N": 128}, num_warps=8, num_stages=3)]
+    fitted = triton_kernels._pruner("BLOCK_N", 2, 128)(dkdv, {}, PAGE=64, HEAD_DIM=128)
+    assert [(c.kwargs["BLOCK_N"], c.num_warps) for c in fitted] == [(64, 4)]
+    for off in ("0", ""):  # tuning off (the default): the default tile only
+        monkeypatch.setenv("OOMB_TRITON_AUTOTUNE", off)
+        assert kept(PAGE=64, HEAD_DIM=128) == [(128, 64, 8)]
+
+
+def test_shipped_defaults_run_without_tuning(monkeypatch):
+    """Tuning off (the default): every kernel launches straight at its sm_90 default fitted to the call's key —
+    no MMA row computed twice (wgmma rows / 16 >= warps) — recorded in the tuner's cache, never benchmarked."""
+    monkeypatch.delenv("OOMB_TRITON_AUTOTUNE", raising=False)
+    for name, rows in (("forward", "BLOCK_M"), ("dkdv", "BLOCK_N"), ("dq", "BLOCK_M")):
+        m, n, warps, stages = triton_kernels.SM90_DEFAULTS[name]
+        default = triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=warps, num_stages=stages)
+        for page, sparse in ((128, False), (128, True), (64, False), (64, True), (32, True)):
+            c = triton_kernels._fitted(default, rows, page, sparse)
+            assert c.kwargs[rows] < 64 or c.kwargs[rows] >= 16 * c.num_warps, (name, page, sparse, c)
+    kernels = (triton_kernels._fwd_kernel, triton_kernels._bwd_dkdv_kernel, triton_kernels._bwd_dq_kernel)
+    for tuner in kernels:
+        monkeypatch.setattr(tuner, "cache", {})
+        monkeypatch.setitem(tuner.__dict__, "do_bench", None)  # benchmarking would fail
+    check_backward("triton", Case(b=1, hq=2, hkv=1, q_start=16, lq=20))
+    assert all(len(t.cache) == 1 and next(iter(t.cache))[0] == "default" for t in kernels)
 
 
 def test_tuning_cap_keeps_the_default_and_spreads(monkeypatch):
     """OOMB_TRITON_TUNE_CONFIGS=N: at most N configs per key, the default first, the rest spread over the space."""
-    monkeypatch.delenv("OOMB_TRITON_AUTOTUNE", raising=False)
+    monkeypatch.setenv("OOMB_TRITON_AUTOTUNE", "1")
     configs = [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=s) for s in range(1, 8)]
     prune = triton_kernels._pruner("BLOCK_M", 1)
     for cap, stages in (("1", [1]), ("3", [1, 4, 7]), ("7", list(range(1, 8))), ("", list(range(1, 8)))):

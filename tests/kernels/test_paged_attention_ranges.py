@@ -142,7 +142,7 @@ def test_backward_key_ranges_accumulate_to_one_shot(backend: str, case: Case):
     out, lse = reference.paged_attention_forward(
         q, kv.k, kv.v, kv.page_table, case.q_start, scale, case.window, **terms
     )
-    delta = attention_delta(out, dout)
+    delta = ops.attention_delta(out, dout)  # the Triton backend's pre-pass kernel
     got, want = copy_grads(kv), copy_grads(kv)
     dq, want_dq = (
         torch.zeros(q.shape, dtype=torch.float32, device=DEVICE),
@@ -172,6 +172,48 @@ def test_backward_key_ranges_accumulate_to_one_shot(backend: str, case: Case):
     assert_close(dq.to(q.dtype), want_full, tol, "accumulated dq")
     assert_close(got.dk - kv.dk, whole.dk - kv.dk, tol, "dk over all ranges")
     assert_close(got.dv - kv.dv, whole.dv - kv.dv, tol, "dv over all ranges")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_attention_delta_pre_pass(dtype):
+    """The Triton backend's ``attention_delta`` (the pre-pass kernel) is the reference's ``rowsum(dO * O)`` in fp32,
+    for mixed dtypes and an empty chunk too."""
+    gen = torch.Generator().manual_seed(3)
+    out, dout = (torch.randn(2, 3, 37, 16, generator=gen).to(dtype).to(DEVICE) for _ in "od")
+    got = triton_kernels.attention_delta(out, dout)
+    assert got.dtype == torch.float32 and got.shape == (2, 3, 37)
+    assert_close(got, attention_delta(out, dout), 1e-6, "delta")
+    mixed = triton_kernels.attention_delta(out, dout.float().transpose(1, 2).contiguous().transpose(1, 2))
+    assert_close(mixed, attention_delta(out, dout.float()), 1e-6, "delta of mixed dtypes, strided")
+    assert triton_kernels.attention_delta(out[:, :, :0], dout[:, :, :0]).shape == (2, 3, 0)
+    with pytest.raises(ValueError, match="one shape"):
+        triton_kernels.attention_delta(out, dout[:, :, :5])
+
+
+def test_key_parts_share_the_kernels_delta(monkeypatch):
+    """The engine's backward over several key parts (offload blocks) computes delta once, with the Triton pre-pass
+    kernel on the Triton backend, and matches the torch backend."""
+    from lightning_oomb.engine.attention import attend_backward
+
+    calls = []
+    kernel_delta = triton_kernels.attention_delta
+    monkeypatch.setattr(triton_kernels, "attention_delta", lambda *a: calls.append(1) or kernel_delta(*a))
+    case = CASES["gqa2-window"]
+    q, dout, kv = make_inputs(case)
+    scale, num_keys = case.d**-0.5, case.q_start + case.lq
+    out, lse = reference.paged_attention_forward(
+        q, kv.k, kv.v, kv.page_table, case.q_start, scale, case.window
+    )
+    results = {}
+    for backend in BACKENDS:
+        grads = copy_grads(kv)
+        arenas = (grads.k, grads.v, grads.dk, grads.dv, grads.page_table)
+        parts = [PagedKV(*arenas, (lo, min(lo + 32, num_keys))) for lo in range(0, num_keys, 32)]
+        dq = attend_backward(backend, q, out, lse, dout, parts, case.q_start, scale, case.window)
+        results[backend] = dq, grads.dk - kv.dk, grads.dv - kv.dv
+    assert calls == [1]
+    for name, got, want in zip(("dq", "dk", "dv"), results["triton"], results["torch"]):
+        assert_close(got, want, TOLERANCE[case.dtype], name)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

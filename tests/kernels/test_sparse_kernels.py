@@ -129,7 +129,7 @@ def test_inverse_lists():
 def test_sparse_tiles_fit_a_page(monkeypatch):
     """With SPARSE no tile's query rows exceed a page (a tile lies in one selection block, and divides it); the
     dense space keeps its tall tiles, and the tuning keys tell the two apart (a dense tile is never reused)."""
-    monkeypatch.delenv("OOMB_TRITON_AUTOTUNE", raising=False)
+    monkeypatch.setenv("OOMB_TRITON_AUTOTUNE", "1")
     configs = [
         triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=2)
         for m, n, w in [(128, 64, 8), (64, 128, 4), (32, 64, 4), (16, 16, 4)]
