@@ -389,3 +389,22 @@ def test_page_copies_of_a_sparse_step_are_ordered_by_events():
     engine.loss(ids).backward()
     assert {op[0] for op in sim.ops} == {"compute", "h2d", "d2h"}
     assert sim.hazards() == []
+
+
+def test_each_offloaded_stream_copies_exactly_its_selected_pages():
+    """With no buffer to keep a page between streams (2 buffers, no prefetch), every forward-sweep stream of a host
+    layer copies in exactly its selected pages (all earlier pages where the call is dense): the bytes counted by the
+    transport equal the selections' pages."""
+    model = build_causal_lm("qwen2")
+    ids = torch.randint(0, 97, (2, SEQ), generator=torch.Generator().manual_seed(5))
+    config = OOMBConfig(
+        CHUNK, PAGE, page_budget=1, offload=True, hbm_budget=0, staging_buffers=2, prefetch_depth=0
+    )
+    engine = OOMBEngine(HFChunkModel(model), config)
+    loss = engine.loss(ids)
+    selections = loss.grad_fn.step.sparse.selections
+    pages = 0
+    for (_, start), s in selections.items():
+        pages += start // PAGE if s.pages is None else len(s.pages[s.pages >= 0].unique())
+    copied = sum(t.nbytes for t in engine.pool.transfers if t.direction == "h2d" and t.what == "kv")
+    assert copied == pages * engine.pool.shape.page_bytes("kv") > 0
