@@ -372,8 +372,8 @@ def _selection(chunk: ChunkContext, layer: int, q: torch.Tensor, window) -> Sele
 
 def _selected_blocks(chunk: ChunkContext, layer: int, selection: Selection | None = None) -> dict | None:
     """A sparse call's offload blocks holding a selected page, with those pages (the stored selection unless
-    given; ``None``: all)."""
-    if chunk.sparse is None:
+    given; ``None``: all) — only for a streamed (host-tier) layer: finding them reads the selection on the host."""
+    if chunk.sparse is None or not chunk.pool.streams(layer):
         return None
     selection = selection or chunk.sparse.selections.get((layer, chunk.start))
     return None if selection is None else selection.blocks(chunk.shape.block_pages)

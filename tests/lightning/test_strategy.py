@@ -12,7 +12,7 @@ from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, 
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_oomb
-from lightning_oomb import OOMBConfigError, OOMBPrecision, OOMBStrategy
+from lightning_oomb import OOMBConfigError, OOMBContextParallelStrategy, OOMBPrecision, OOMBStrategy
 from tests.helpers.lightning import TinyLM, batches, fit, make_trainer, oomb
 
 
@@ -228,21 +228,22 @@ def test_offload_through_the_strategy_matches_no_offload():
     assert max_param_diff(plain, offloaded) <= 1e-5
 
 
-def test_strategy_arguments_are_the_config_options():
-    """OOMBConfig defines every option once; the strategy's typed __init__ (the YAML schema) has each with the
+@pytest.mark.parametrize("strategy_cls", [OOMBStrategy, OOMBContextParallelStrategy])
+def test_strategy_arguments_are_the_config_options(strategy_cls):
+    """OOMBConfig defines every option once; each strategy's typed __init__ (the YAML schema) has each with the
     same default and annotation, and its docstring carries each option's documentation."""
     import dataclasses
     import inspect
 
     from lightning_oomb.engine import OOMBConfig
 
-    params = inspect.signature(OOMBStrategy.__init__).parameters
+    params = inspect.signature(strategy_cls.__init__).parameters
     for field in dataclasses.fields(OOMBConfig):
         assert field.name in params, field.name
         assert params[field.name].default == field.default, field.name
         assert params[field.name].annotation == field.type, field.name
-    assert OOMBConfig.args_doc() in OOMBStrategy.__doc__
-    strategy = OOMBStrategy(loss_block=256, prefetch_depth=2)
+    assert OOMBConfig.args_doc() in strategy_cls.__doc__
+    strategy = strategy_cls(loss_block=256, prefetch_depth=2)
     assert strategy.oomb_config == OOMBConfig(loss_block=256, prefetch_depth=2)
 
 
