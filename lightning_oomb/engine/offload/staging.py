@@ -46,32 +46,33 @@ class Transfer(NamedTuple):
     cause: str  # "prefetch" | "demand" | "writeback"
 
 
-ALL: frozenset[int] | None = None  # a page set meaning every page of the block
-
-
 @dataclass
 class Buffer:
-    """One staging buffer: room for one block (all rows). A sparse stream stages only some pages of a block:
-    ``kv_pages`` / ``grad_pages`` are the valid ones while ``kv`` / ``grads`` (every page valid) are not set."""
+    """One staging buffer: room for one block (all rows). ``kv_pages`` / ``grad_pages``: the pages (offsets in the
+    held block of ``size`` pages) whose K/V / gradient pages are valid here — all of them, or those a sparse stream
+    staged."""
 
     index: int
     block: tuple[int, int] | None = None  # (layer, block) held here
-    kv: bool = False  # the block's K/V pages are valid here
-    grads: bool = False  # its gradient pages are valid here (staged or zero-filled)
+    size: int = 0
+    kv_pages: frozenset[int] = frozenset()
+    grad_pages: frozenset[int] = frozenset()  # staged or zero-filled
     dirty: bool = False  # gradient adds landed since the last write-back
     last_use: int = 0
     ready: object = None  # transport events (see the module docstring)
     flushed: object = None
-    kv_pages: frozenset[int] = frozenset()
-    grad_pages: frozenset[int] = frozenset()
+
+    @property
+    def kv(self) -> bool:
+        """Every K/V page of the held block is valid here."""
+        return self.size > 0 and len(self.kv_pages) == self.size
 
     def clear(self) -> None:
-        self.block, self.kv, self.grads, self.dirty = None, False, False, False
-        self.kv_pages = self.grad_pages = frozenset()
+        self.block, self.size, self.kv_pages = None, 0, frozenset()
+        self.drop_grads()
 
     def drop_grads(self) -> None:
-        self.grads = self.dirty = False
-        self.grad_pages = frozenset()
+        self.grad_pages, self.dirty = frozenset(), False
 
 
 class StagingCache:
@@ -152,7 +153,8 @@ class StagingCache:
                 return None
             buf = min(free, key=lambda b: (b.block is not None, b.last_use))
             self._evict(buf)
-            buf.block = key
+            first, end = self.shape.block_pages_range(need.block)
+            buf.block, buf.size = key, end - first
             self._holder[key] = buf
         buf.last_use = self._now
         self._fill(buf, need, cause)
@@ -175,7 +177,7 @@ class StagingCache:
     def wrote_kv(self, buf: Buffer, persist: bool) -> None:
         """The compute stream wrote the block's K/V into ``buf``. ``persist``: they are new (forward and eval
         sweeps) — send them to the host now (the only write-back of K/V ever: they never change afterwards)."""
-        buf.kv = True
+        buf.kv_pages = frozenset(range(buf.size))
         if persist:
             self._grads_on_host.pop(buf.block, None)
             self._flush(buf, "kv")
@@ -185,9 +187,8 @@ class StagingCache:
 
     def write_back(self, buf: Buffer) -> None:
         """Send the block's valid gradient pages to the host; from now on the host copy of them is current."""
-        pages = ALL if buf.grads else buf.grad_pages
-        self._flush(buf, "grad", pages)
-        self._grads_on_host[buf.block] = _union(self._grads_on_host.get(buf.block, frozenset()), pages)
+        self._flush(buf, "grad", buf.grad_pages)
+        self._grads_on_host[buf.block] = self._grads_on_host.get(buf.block, frozenset()) | buf.grad_pages
         buf.dirty = False
 
     def consumed(self, key: tuple[int, int]) -> None:
@@ -206,52 +207,35 @@ class StagingCache:
         buf.clear()
 
     def _fill(self, buf: Buffer, need: Need, cause: str) -> None:
-        kv = self._missing(buf, buf.kv, buf.kv_pages, need.pages) if need.kv else frozenset()
-        grads = self._missing(buf, buf.grads, buf.grad_pages, need.pages) if need.grads else frozenset()
-        if kv == frozenset() and grads == frozenset():
+        want = frozenset(range(buf.size)) if need.pages is None else need.pages
+        kv = want - buf.kv_pages if need.kv else frozenset()
+        grads = want - buf.grad_pages if need.grads else frozenset()
+        if not (kv or grads):
             return
         key = buf.block
         after = [self.transport.mark(), buf.flushed, self._host_written.get(key)]
-        if kv != frozenset():
+        if kv:
             event, after = self._move("h2d", buf, "kv", cause, after, kv), []
-            buf.kv, buf.kv_pages = self._merged(buf, buf.kv_pages, kv)
-        if grads != frozenset():
-            hosted = self._grads_on_host.get(key, frozenset())
-            copied, zeroed = _split(grads, hosted, self._block_range(buf))
-            if copied != frozenset():
-                event, after = self._move("h2d", buf, "grad", cause, after, copied), []
-            if zeroed != frozenset():  # never written back in this sweep: still zero
-                event = self.transport.zero(self._views(buf, "grad", zeroed), after)
-            buf.grads, buf.grad_pages = self._merged(buf, buf.grad_pages, grads)
+            buf.kv_pages |= kv
+        if grads:
+            hosted = grads & self._grads_on_host.get(key, frozenset())
+            if hosted:
+                event, after = self._move("h2d", buf, "grad", cause, after, hosted), []
+            if grads - hosted:  # never written back in this sweep: still zero
+                event = self.transport.zero(self._views(buf, "grad", grads - hosted), after)
+            buf.grad_pages |= grads
         buf.ready = self._host_read[key] = event
 
-    def _block_range(self, buf: Buffer) -> range:
-        first, end = self.shape.block_pages_range(buf.block[1])
-        return range(end - first)
-
-    def _missing(self, buf: Buffer, full: bool, some: frozenset[int], want) -> frozenset[int] | None:
-        """The pages of ``want`` (``ALL``: every page) not valid in ``buf`` (``ALL`` when none is)."""
-        if full:
-            return frozenset()
-        if want is ALL:
-            return ALL if not some else frozenset(self._block_range(buf)) - some
-        return want - some
-
-    def _merged(self, buf: Buffer, some: frozenset[int], added) -> tuple[bool, frozenset[int]]:
-        """``(every page valid, the valid pages otherwise)`` after ``added`` pages were staged."""
-        pages = frozenset(self._block_range(buf)) if added is ALL else some | added
-        full = len(pages) == len(self._block_range(buf))
-        return full, frozenset() if full else pages
-
-    def _flush(self, buf: Buffer, part: Part, pages=ALL) -> None:
+    def _flush(self, buf: Buffer, part: Part, pages: frozenset[int] | None = None) -> None:
         key = buf.block
         after = [self.transport.mark(), self._host_read.get(key)]
         buf.flushed = self._host_written[key] = self._move("d2h", buf, part, "writeback", after, pages)
 
-    def _runs(self, buf: Buffer, pages) -> list[tuple[int, int]]:
-        """Runs ``[first, end)`` of consecutive page offsets of ``pages`` (``ALL``: the whole block) in the block."""
-        if pages is ALL:
-            return [(0, len(self._block_range(buf)))]
+    @staticmethod
+    def _runs(buf: Buffer, pages: frozenset[int] | None) -> list[tuple[int, int]]:
+        """Runs ``[first, end)`` of consecutive page offsets of ``pages`` (``None``: the whole block) in the block."""
+        if pages is None:
+            return [(0, buf.size)]
         runs: list[tuple[int, int]] = []
         for p in sorted(pages):
             if runs and runs[-1][1] == p:
@@ -260,14 +244,14 @@ class StagingCache:
                 runs.append((p, p + 1))
         return runs
 
-    def _views(self, buf: Buffer, part: Part, pages=ALL) -> list[torch.Tensor]:
-        """``buf``'s pages (``ALL``, or those offsets) of its block: K and V, or dK and dV — a view per run."""
+    def _views(self, buf: Buffer, part: Part, pages: frozenset[int] | None = None) -> list[torch.Tensor]:
+        """``buf``'s pages (``None``: all, or those offsets) of its block: K and V, or dK and dV — a view per run."""
         slots = self.shape.buffer_block_slots(buf.index, buf.block[1])
         return [t[slots][a * self.shape.batch : b * self.shape.batch] for a, b in self._runs(buf, pages)
                 for t in self._staging.pages(part)]  # fmt: skip
 
-    def _move(self, direction: str, buf: Buffer, part: Part, cause: str, after, pages=ALL) -> object:
-        """Copy ``part`` of ``buf``'s block (``ALL`` its pages, or those offsets) between its buffer and its host
+    def _move(self, direction: str, buf: Buffer, part: Part, cause: str, after, pages=None) -> object:
+        """Copy ``part`` of ``buf``'s block (``None``: all its pages, or those offsets) between its buffer and its host
         pages; return the copy's event."""
         layer, block = buf.block
         hosted = self.shape.layer_block_slots(self._rank[layer], block)
@@ -286,16 +270,3 @@ class StagingCache:
         if cause in ("prefetch", "demand"):
             self.counts[f"{cause}_copies"] += 1
         return event
-
-
-def _union(a: frozenset[int] | None, b: frozenset[int] | None) -> frozenset[int] | None:
-    return ALL if a is ALL or b is ALL else a | b
-
-
-def _split(pages, hosted, block: range) -> tuple[frozenset[int], frozenset[int]]:
-    """``pages`` (``ALL``: the block's) split into those the host holds (``hosted``; ``ALL``: every one) and the
-    rest."""
-    pages = frozenset(block) if pages is ALL else pages
-    if hosted is ALL:
-        return pages, frozenset()
-    return pages & hosted, pages - hosted
