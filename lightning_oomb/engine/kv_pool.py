@@ -97,6 +97,20 @@ def _gib(n: int) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------- pool
+def hbm_budget(config: OOMBConfig, device_type: str, free: Callable[[], tuple[int, int]]) -> int | None:
+    """The device bytes of the pool's pages at its first step (``None``: no limit — no offload, or ``"auto"`` off
+    CUDA, where the device is host memory): the given ``hbm_budget``, or for ``"auto"`` the free device bytes less
+    ``AUTO_HEADROOM`` of the device (``free() -> (free bytes, total bytes)``, asked only then)."""
+    if not config.offload:
+        return None
+    if config.hbm_budget != "auto":
+        return int(config.hbm_budget)
+    if device_type != "cuda":
+        return None
+    available, total = free()
+    return max(0, available - int(AUTO_HEADROOM * total))
+
+
 class KVPool:
     """Paged K/V and dK/dV storage for one sequence batch (see the module docstring).
 
@@ -197,16 +211,12 @@ class KVPool:
             warnings.warn(message, UserWarning, stacklevel=4)
 
     def _budget(self, device: torch.device) -> int | None:
-        cfg = self.config
-        if not cfg.offload:
-            return None
-        if cfg.hbm_budget != "auto":
-            return int(cfg.hbm_budget)
-        if device.type != "cuda":
-            return None
-        free, total = torch.cuda.mem_get_info(device)
-        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return max(0, free + cached + self.device_bytes - int(AUTO_HEADROOM * total))
+        def free() -> tuple[int, int]:  # the free memory, cached blocks and this pool's own arenas included
+            available, total = torch.cuda.mem_get_info(device)
+            cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+            return available + cached + self.device_bytes, total
+
+        return hbm_budget(self.config, device.type, free)
 
     def _check_memory(self, shape: PoolShape, plan: TierPlan, slots: dict, device: torch.device) -> None:
         """Refuse a pool whose new arenas exceed the memory available to them (arenas they replace count as

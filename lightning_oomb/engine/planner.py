@@ -81,7 +81,7 @@ from lightning_oomb.engine.config import OOMBConfig
 from lightning_oomb.engine.cpu_attention import PAST_BLOCK
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.grads import HALF_DTYPES
-from lightning_oomb.engine.kv_pool import AUTO_HEADROOM, HOST_RESERVE_BYTES, host_memory_available, plan_tiers
+from lightning_oomb.engine.kv_pool import HOST_RESERVE_BYTES, hbm_budget, host_memory_available, plan_tiers
 from lightning_oomb.engine.pages import GRAD_DTYPES, PoolShape, arena_bytes
 from lightning_oomb.engine.reference import KEY_BLOCK
 
@@ -919,13 +919,7 @@ def _grad_sums(inputs: _Inputs, config: OOMBConfig) -> int:
 
 def _budget(config: OOMBConfig, machine: Machine, weights: int) -> int | None:
     """The ``hbm_budget`` the pool will compute at the first step, when only the weights are on the device."""
-    if not config.offload:
-        return None
-    if config.hbm_budget != "auto":
-        return int(config.hbm_budget)
-    if machine.device_type != "cuda":
-        return None
-    return max(0, machine.device_bytes - weights - int(AUTO_HEADROOM * machine.total))
+    return hbm_budget(config, machine.device_type, lambda: (machine.device_bytes - weights, machine.total))
 
 
 def _backend(config: OOMBConfig, machine: Machine) -> str:
