@@ -8,10 +8,12 @@ from lightning_oomb.engine.loss import LMHead
 from lightning_oomb.engine.model import ChunkModel, ManagedModel, ManagedModelMixin, StepLoss
 from lightning_oomb.engine.pages import PagedKV, PoolShape
 from lightning_oomb.engine.recurrence import OOMBEngine
+from lightning_oomb.engine.states import ChunkStates
 
 __all__ = [
     "ChunkContext",
     "ChunkModel",
+    "ChunkStates",
     "KVPool",
     "LMHead",
     "ManagedModel",

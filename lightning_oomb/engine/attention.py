@@ -35,6 +35,7 @@ from lightning_oomb.engine.kv_pool import KVPool
 from lightning_oomb.engine.lse import add_sinks, finish_state, init_state, sink_grad
 from lightning_oomb.engine.pages import PagedKV, PoolShape
 from lightning_oomb.engine.sparse import Selection, SparseStep, select_pages
+from lightning_oomb.engine.states import ChunkStates
 
 Backend = Literal["torch", "cpu", "triton"]
 _DEVICE_OF = {
@@ -54,6 +55,8 @@ class ChunkContext:
     ``context``: context parallelism — this rank runs its slice of the chunk, whose queries are attended across the
     group (:mod:`lightning_oomb.engine.context`); ``start`` stays the chunk's absolute start. ``kept``: the backward
     sweep's attention results of the chunk's recompute per layer, until the layer's backward (:class:`Kept`).
+    ``states``: a model with recurrent / convolution layers — the states they carry into and out of the chunk
+    (:mod:`lightning_oomb.engine.states`).
     """
 
     pool: KVPool
@@ -67,6 +70,7 @@ class ChunkContext:
     sparse: SparseStep | None = None
     context: context.ContextChunk | None = None
     kept: dict[int, Kept] | None = None
+    states: ChunkStates | None = None
 
 
 @dataclass(frozen=True)

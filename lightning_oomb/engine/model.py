@@ -9,6 +9,11 @@ Lightning strategies need: answering the user's own model calls inside ``trainin
 ``test_step`` with the engine's loss. ``integrations.hf.HFChunkModel`` implements both for Hugging Face causal LMs;
 any other ``nn.Module`` can implement them too — with :class:`ManagedModelMixin` it only adds the shape attributes,
 ``hidden_states`` and ``lm_head`` (see ``examples/custom_model.py``), and the strategies train it directly.
+
+A model with layers that carry a state along the sequence (a recurrence, a causal convolution) sets
+``carries_states = True``: the engine then passes each chunk's :class:`~lightning_oomb.engine.states.ChunkStates`
+as ``chunk.states``, whose ``incoming(key)`` the layer starts from and ``outgoing(key, state)`` it reports, and
+carries states and gradients across chunks (:mod:`lightning_oomb.engine.states`).
 """
 
 from __future__ import annotations

@@ -118,7 +118,10 @@ class ModelShape:
     ``embedding_trainable``: whether the LM head / input embedding get gradients (not under LoRA); ``half_trainable``:
     trainable elements in a 16-bit dtype (``None``: all trainable ones when the precision's parameters are 16-bit);
     ``mlp_width``: MLP width a token passes through (``experts_per_token x`` the expert width for MoE);
-    ``logit_softcap``: the head soft-caps its logits (Gemma 2/3)."""
+    ``logit_softcap``: the head soft-caps its logits (Gemma 2/3). A hybrid (recurrent / convolution layers beside
+    attention): ``kv_layers``, the layers that have KV pages (``None``: all), and per batch row, the elements of the
+    states carried at each chunk boundary — ``conv_state_elements`` (in the activations' dtype) and
+    ``recurrent_state_elements`` (float32, as the recurrences compute them)."""
 
     num_layers: int
     hidden_size: int
@@ -143,6 +146,9 @@ class ModelShape:
     embedding_trainable: bool = True
     logit_softcap: bool = False
     half_trainable: int | None = None
+    kv_layers: int | None = None
+    conv_state_elements: int = 0
+    recurrent_state_elements: int = 0
 
     @property
     def mlp_width(self) -> int:
@@ -177,6 +183,15 @@ class ModelShape:
     def calibrated(self) -> bool:
         return self.family in CALIBRATED and not self.num_experts
 
+    @property
+    def paged_layers(self) -> int:
+        """Layers with KV pages (a hybrid's attention layers)."""
+        return self.num_layers if self.kv_layers is None else self.kv_layers
+
+    def carried_state_bytes(self, activation: torch.dtype) -> int:
+        """One batch row's carried states at one chunk boundary (0 without recurrent / convolution layers)."""
+        return self.conv_state_elements * activation.itemsize + self.recurrent_state_elements * 4
+
 
 def model_shape(model: Any) -> ModelShape:
     """The :class:`ModelShape` of ``model``: a :class:`ModelShape`, a transformers config (or a
@@ -192,7 +207,7 @@ def model_shape(model: Any) -> ModelShape:
         return _with_parameters(_shape_of_config(config), model)
     inner = getattr(model, "model", None)  # e.g. the Hugging Face adapter around a PreTrainedModel
     if not isinstance(model, torch.nn.Module) and isinstance(inner, torch.nn.Module):
-        return model_shape(inner)
+        return _with_carried_states(model_shape(inner), model)
     if _is_config(model):
         return _shape_of_config(model)
     if isinstance(model, torch.nn.Module) and hasattr(model, "num_layers") and hasattr(model, "lm_head"):
@@ -258,6 +273,16 @@ def _shape_of_chunk_model(model: torch.nn.Module) -> ModelShape:
         num_embeddings=model.num_embeddings,
         family=type(model).__name__,
         logit_softcap=lm_head.softcap is not None,
+    )
+
+
+def _with_carried_states(shape: ModelShape, adapter: Any) -> ModelShape:
+    """A hybrid's adapter: its paged layers and carried state sizes (``carried_state_elements()``)."""
+    if not getattr(adapter, "carries_states", False):
+        return shape
+    conv, recurrent = adapter.carried_state_elements()
+    return dataclasses.replace(
+        shape, kv_layers=adapter.num_layers, conv_state_elements=conv, recurrent_state_elements=recurrent
     )
 
 
@@ -464,7 +489,7 @@ def kept_attention_bytes(shape: ModelShape, dtypes: Dtypes, tokens: int) -> int:
     """Bytes of every layer's kept attention output and LSE for a chunk of ``tokens`` (with layer checkpointing)."""
     r = dtypes.activation.itemsize
     lse = 8 if dtypes.activation == torch.float64 else 4
-    return shape.num_layers * (r * shape.num_heads * shape.head_dim + lse * shape.num_heads) * tokens
+    return shape.paged_layers * (r * shape.num_heads * shape.head_dim + lse * shape.num_heads) * tokens
 
 
 def _layer_bytes_per_token(shape: ModelShape, dtypes: Dtypes, streamed: bool) -> tuple[int, int]:
@@ -681,7 +706,15 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-PERSISTENT = ("weights", "gradients", "optimizer_states", "kv_hbm", "staging", "page_summaries")
+PERSISTENT = (
+    "weights",
+    "gradients",
+    "optimizer_states",
+    "kv_hbm",
+    "staging",
+    "page_summaries",
+    "carried_states",
+)
 LABELS = {
     "weights": "weights",
     "gradients": "gradients",
@@ -690,6 +723,7 @@ LABELS = {
     "staging": "KV pool, staging buffers",
     "page_summaries": "page summaries (sparse)",
     "grad_sums": "float32 gradient sums (backward)",
+    "carried_states": "recurrent / convolution states at chunk boundaries",
     "activations": "activations (one chunk)",
     "kept_attention": "attention results kept (checkpointing)",
     "loss_transients": "loss backward transients",
@@ -851,7 +885,7 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     # each chunk, and replicates every page's summary on each rank: context.SharedSummaries)
     owned = math.ceil(seq_len / devices)
     sparse = config.page_score if config.page_budget is not None else None
-    pool = PoolShape(shape.num_layers, batch, owned, shape.kv_heads, shape.head_dim, config.page_size,
+    pool = PoolShape(shape.paged_layers, batch, owned, shape.kv_heads, shape.head_dim, config.page_size,
                      config.chunk_size // devices, config.kv_grad_dtype, dtypes.activation,
                      page_score=sparse if devices == 1 else None)  # fmt: skip
     summaries = dataclasses.replace(pool, seq_len=seq_len, page_score=sparse).summary_bytes
@@ -867,7 +901,9 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     activations = sum(saved.values())
     tokens = batch * min(config.chunk_size, seq_len)
     loss = loss_backward_bytes(shape, dtypes, tokens, config.loss_block, shape.head_trainable)
-    streamed = bool(tiers.host_layers) and tiers.host_layers[-1] == shape.num_layers - 1
+    streamed = bool(tiers.host_layers) and tiers.host_layers[-1] == pool.num_layers - 1
+    boundaries = max(math.ceil(seq_len / config.chunk_size) - 1, 0)
+    carried = shape.carried_state_bytes(dtypes.activation) * batch * boundaries
     mlp_bwd, attn_bwd = layer_backward_bytes(
         shape, dtypes, batch, seq_len, config.chunk_size, ckpt, backend, streamed
     )
@@ -890,6 +926,7 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
         "staging": staging,
         "page_summaries": summaries,
         "grad_sums": sums,
+        "carried_states": carried,
         "activations": activations,
         "kept_attention": kept,
         "loss_transients": loss,
@@ -1033,11 +1070,11 @@ def _candidates(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int) -
             else [{"offload": True, "hbm_budget": "auto"}]
         )
         shape = inputs.shape
-        pool = PoolShape(shape.num_layers, batch, seq_len, shape.kv_heads, shape.head_dim, config.page_size,
+        pool = PoolShape(shape.paged_layers, batch, seq_len, shape.kv_heads, shape.head_dim, config.page_size,
                          config.chunk_size, config.kv_grad_dtype, inputs.dtypes.activation)  # fmt: skip
         staging = config.staging_buffers * pool.block_bytes  # k layers on the device, most first
         offload += [{"offload": True, "hbm_budget": k * pool.layer_bytes + staging}
-                    for k in range(shape.num_layers - 1, -1, -1)]  # fmt: skip
+                    for k in range(pool.num_layers - 1, -1, -1)]  # fmt: skip
         groups.append(offload)
     return groups
 

@@ -32,6 +32,7 @@ from lightning_oomb.engine.model import ChunkModel
 from lightning_oomb.engine.offload import Transport, default_transport
 from lightning_oomb.engine.pages import PoolShape
 from lightning_oomb.engine.sparse import SparseStats, SparseStep, check_budget
+from lightning_oomb.engine.states import CarriedStates, ChunkStates
 
 
 @dataclass
@@ -102,6 +103,9 @@ class _Step:
     sparse: SparseStep | None = None  # a sparse step's selections
     layout: Layout | None = None  # context parallelism: this rank's slices
     summaries: SharedSummaries | None = None  # context parallelism, sparse: every rank's page summaries
+    states: CarriedStates | None = (
+        None  # a model with recurrent / convolution layers: their chunk-boundary states
+    )
 
 
 class OOMBEngine:
@@ -280,8 +284,12 @@ class OOMBEngine:
                 "each rank collects its own tokens' share and the group must sum it — implement StepLoss.reduce."
             )
         shared = SharedSummaries(model.num_layers, sparse.score) if sparse and layout else None
+        states = None
+        if getattr(model, "carries_states", False):
+            check_carried_states(bounds, layout, batch_layout.doc_start)
+            states = CarriedStates()
         return _Step(input_ids, targets, denominator, shape, backend, bounds, batch_layout.positions,
-                     batch_layout.doc_start, floors, step_loss, sparse, layout, shared)  # fmt: skip
+                     batch_layout.doc_start, floors, step_loss, sparse, layout, shared, states)  # fmt: skip
 
     def _layout(self, input_ids, labels, position_ids, attention_mask) -> Layout | None:
         """Context parallelism: this rank's slices of the step (``None`` on one device)."""
@@ -317,9 +325,12 @@ class OOMBEngine:
                 f"ignore to {IGNORE_INDEX}."
             )
 
-    def _chunk_loss(self, step: _Step, index: int, sweep: str, grad_output=None) -> torch.Tensor:
+    def _chunk_loss(
+        self, step: _Step, index: int, sweep: str, grad_output=None, states: ChunkStates | None = None
+    ) -> torch.Tensor:
         """The chunk's loss; ``grad_output``: what the backward sweep will back-propagate into the step's loss (the
-        cross-entropy then makes its gradients at once, at the scale autograd's division gives them)."""
+        cross-entropy then makes its gradients at once, at the scale autograd's division gives them); ``states``:
+        the chunk's carried states (:mod:`lightning_oomb.engine.states`)."""
         start, end = step.bounds[index]
         docs = None if step.doc_start is None else step.doc_start[:, start:end]
         chunk = ChunkContext(
@@ -333,6 +344,7 @@ class OOMBEngine:
             step.floors[index],
             step.sparse,
             kept={} if sweep == "backward" else None,
+            states=states,
         )
         lo, hi = start, end
         targets = step.targets[:, lo:hi]
@@ -358,10 +370,16 @@ class OOMBEngine:
         """Run every chunk without a graph; return the summed loss and each chunk's RNG state."""
         device = step.input_ids.device
         rng, losses = [], []
+        carried = step.states
+        if carried is not None:
+            carried.keep = sweep != "eval"
         with self._sweep(sweep, step), self.model.engaged(step.input_ids.shape[1]):
             for index in range(len(step.bounds)):
                 rng.append(_RNGState(device))
-                losses.append(self._chunk_loss(step, index, sweep))
+                states = None if carried is None else carried.forward_chunk(index)
+                losses.append(self._chunk_loss(step, index, sweep, states=states))
+                if carried is not None and index + 1 < len(step.bounds):
+                    carried.finish_forward(index, states)
         self._record(step)
         loss = torch.stack(losses).sum()
         # every rank returns the group's loss; each back-propagates its own chunks
@@ -385,11 +403,18 @@ class OOMBEngine:
         sums = contextlib.nullcontext() if native else Float32GradSums(self._parameters())
         engaged = self.model.engaged(step.input_ids.shape[1])
         with self._reporting(), fork, sums, self._sweep("backward", step), engaged:
+            carried = step.states
             for index in reversed(range(len(step.bounds))):
                 rng[index].restore()
                 with torch.enable_grad(), autocast():
-                    loss = self._chunk_loss(step, index, "backward", grad_output)
-                torch.autograd.backward(loss, grad_output)
+                    states = None if carried is None else carried.backward_chunk(index)
+                    loss = self._chunk_loss(step, index, "backward", grad_output, states)
+                if carried is None:
+                    torch.autograd.backward(loss, grad_output)
+                    continue
+                boundary, grads = carried.boundary_gradients(states)
+                torch.autograd.backward([loss, *boundary], [grad_output, *grads])
+                carried.finish_backward()
         self.stats.extra.update(self.pool.stats())
 
     def _parameters(self) -> list[torch.Tensor]:
@@ -405,7 +430,8 @@ class OOMBEngine:
             pool_bytes=self.pool.allocated_bytes,
             kv_bytes=shape.kv_bytes if shape else 0,
             grad_bytes=shape.grad_bytes if shape else 0,
-            extra=self.pool.stats(),
+            extra=self.pool.stats()
+            | ({} if step.states is None else {"carried_state_bytes": step.states.nbytes}),
             sparse=None if step.sparse is None else step.sparse.stats(),
         )
 
@@ -423,6 +449,30 @@ def check_context(config: OOMBConfig, size: int) -> None:
             f"chunk_size={config.chunk_size} is {pages} pages of {config.page_size}, which do not split into "
             f"{size} equal slices of whole pages (one per rank of the context group) — use a chunk_size that is a "
             f"multiple of {size * config.page_size} (e.g. {max(1, pages // size) * size * config.page_size})."
+        )
+
+
+def check_carried_states(bounds: list[tuple[int, int]], layout: Layout | None, doc_start) -> None:
+    """Refuse, before any work, what a model with carried states cannot chunk exactly."""
+    if layout is not None:
+        raise OOMBConfigError(
+            "the model has recurrent / convolution layers whose state runs through each chunk token by token, so "
+            "a chunk cannot be split across a context group — train it with strategy='oomb' (one device per "
+            "sequence; data parallelism across devices)."
+        )
+    if doc_start is not None:
+        raise OOMBConfigError(
+            "packed documents (position_ids that restart) with a model whose recurrent / convolution layers carry "
+            "a state: the state would run across document boundaries (the model resets it only through "
+            "flash-attention's varlen keywords) — pad the documents to a common length instead of packing them."
+        )
+    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1:
+        length = bounds[-1][1]
+        raise OOMBConfigError(
+            f"a sequence of {length} tokens leaves one token in its last chunk; the model's recurrent layers take "
+            "a single token with a state as a decoding step (an in-place update, not differentiable) — use a "
+            f"length that is not 1 more than a multiple of chunk_size (e.g. {length - 1} or {length + 1}: drop a "
+            "token, or right-pad one with attention_mask)."
         )
 
 

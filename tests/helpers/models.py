@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -146,14 +147,24 @@ def _cohere_norm(x, m):
     return m.weight * centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + m.variance_epsilon)
 
 
+def _gated_norm(x, gate, m):
+    return m.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + m.variance_epsilon) * F.silu(gate)
+
+
+# RMSNorms that scale by (1 + weight) and compute in float32
+_ONE_PLUS_NORMS = ("Qwen3NextRMSNorm", "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm")
+
+
 def float64_norms(model) -> None:
-    """Gemma's RMSNorm and Cohere's LayerNorm compute in float32 whatever the model's dtype (a float32 reduction over
-    tokens in their weight gradient, which chunking reorders: ~1e-7); make them compute in the model's dtype so
-    float64 tests can ask 1e-10."""
+    """Gemma's and Qwen3-Next's RMSNorms (also the gated one of its linear attention) and Cohere's LayerNorm compute
+    in float32 whatever the model's dtype (a float32 reduction over tokens in their weight gradient, which chunking
+    reorders: ~1e-7); make them compute in the model's dtype so float64 tests can ask 1e-10."""
     for module in model.modules():
         name = type(module).__name__
-        if name.startswith("Gemma") and name.endswith("RMSNorm"):
+        if (name.startswith("Gemma") and name.endswith("RMSNorm")) or name in _ONE_PLUS_NORMS:
             module.forward = lambda x, m=module: m._norm(x) * (1.0 + m.weight)
+        elif name.endswith("RMSNormGated") and name.startswith("Qwen3"):
+            module.forward = lambda x, gate, m=module: _gated_norm(x, gate, m)
         elif name == "CohereLayerNorm":
             module.forward = lambda x, m=module: _cohere_norm(x, m)
 
@@ -172,3 +183,113 @@ def exact_moe_loss(model, input_ids):
     out = _reference_forward(model, input_ids, output_router_logits=True)
     aux = switch_balancing_loss(out.router_logits, model.num_experts, model.num_experts_per_tok)
     return _cross_entropy(out.logits, input_ids) + model.router_aux_loss_coef * aux
+
+
+# ------------------------------------------------------------------------------------------- hybrids, float64 oracle
+_HYBRID = dict(hidden_size=32, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+               vocab_size=64, num_hidden_layers=4, initializer_range=0.2, attention_dropout=0.0)  # fmt: skip
+_DELTA_NET = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                  linear_conv_kernel_dim=4, layer_types=["linear_attention", "linear_attention", "full_attention",
+                  "linear_attention"])  # fmt: skip
+_MOE = dict(
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16
+)
+_MAMBA2 = dict(
+    mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_n_groups=1
+)
+HYBRIDS = {  # model_type -> the tiny config's fields (every layer kind of the family present)
+    "qwen3_next": {**_DELTA_NET, **_MOE},
+    "qwen3_5_text": _DELTA_NET,
+    "qwen3_5_moe_text": {**_DELTA_NET, **_MOE},
+    "olmo_hybrid": dict(_DELTA_NET, pad_token_id=None, eos_token_id=None, bos_token_id=None),
+    "lfm2": dict(layer_types=["conv", "full_attention", "conv", "full_attention"], conv_L_cache=3, block_ff_dim=32),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention", "conv", "full_attention"], conv_L_cache=3,
+                     num_dense_layers=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+    "falcon_h1": dict(_MAMBA2, mamba_d_ssm=64, mamba_chunk_size=8),
+    "bamba": dict(_MAMBA2, attn_layer_indices=[1, 3], mamba_chunk_size=8),
+    "granitemoehybrid": dict(_MAMBA2, layer_types=["mamba", "attention", "mamba", "attention"], mamba_chunk_size=8,
+                             num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=16),
+    "nemotron_h": dict(mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, conv_kernel=4, n_groups=1,
+                       expand=2, chunk_size=8, layers_block_type=["mamba", "attention", "mamba", "moe"],
+                       n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                       moe_shared_expert_intermediate_size=16, n_group=1, topk_group=1),
+}  # fmt: skip
+
+
+def build_hybrid(family: str, dtype=torch.float64, seed: int = 0, **overrides):
+    """A tiny hybrid of ``family`` (a key of :data:`HYBRIDS`): attention layers beside recurrent, gated-delta or
+    short-convolution layers, MoE where the family has it (eager experts: float64)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(family, **{**_HYBRID, **HYBRIDS[family], **overrides})
+    config._experts_implementation = "eager"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).to(dtype)
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+def float64_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+                       use_qk_l2norm_in_kernel=False, **kwargs):  # fmt: skip
+    """The gated delta rule token by token in the inputs' dtype (transformers' computes in float32): the oracle
+    that lets float64 tests of Qwen3-Next-style layers ask 1e-10."""
+    hk, hv = key.shape[2], value.shape[2]
+    if hk != hv:
+        query, key = query.repeat_interleave(hv // hk, 2), key.repeat_interleave(hv // hk, 2)
+    if use_qk_l2norm_in_kernel:
+        query, key = F.normalize(query, dim=-1, eps=1e-6), F.normalize(key, dim=-1, eps=1e-6)
+    query = query * query.shape[-1] ** -0.5
+    b, n, h, dk = key.shape
+    state = (
+        query.new_zeros(b, h, dk, value.shape[-1]) if initial_state is None else initial_state.to(query.dtype)
+    )
+    outs = []
+    for t in range(n):
+        state = state * g[:, t].exp()[..., None, None]
+        delta = (value[:, t] - (state * key[:, t, ..., None]).sum(-2)) * beta[:, t][..., None]
+        state = state + key[:, t, ..., None] * delta[..., None, :]
+        outs.append((state * query[:, t, ..., None]).sum(-2))
+    return torch.stack(outs, 1), (state if output_final_state else None)
+
+
+def float64_ssd_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None,
+                     dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs):  # fmt: skip
+    """The Mamba2 (SSD) scan token by token in the inputs' dtype (transformers' computes in float32)."""
+    heads = hidden_states.shape[2]
+    dt = dt if dt_bias is None else dt + dt_bias
+    dt = (F.softplus(dt) if dt_softplus else dt).clamp(*dt_limit)
+    A = A.to(hidden_states.dtype)
+    B, C = (x.repeat_interleave(heads // x.shape[2], 2) for x in (B, C))
+    b, n, h, p = hidden_states.shape
+    state = hidden_states.new_zeros(b, h, p, B.shape[-1]) if initial_states is None else initial_states
+    ys = []
+    for t in range(n):
+        decay = torch.exp(dt[:, t] * A)[..., None, None]
+        state = state * decay + (dt[:, t, :, None] * hidden_states[:, t])[..., None] * B[:, t, :, None, :]
+        ys.append((state * C[:, t, :, None, :]).sum(-1))
+    y = torch.stack(ys, 1)
+    y = y if D is None else y + D[..., None] * hidden_states
+    return (y, state) if return_final_states else y
+
+
+_FLOAT64_RULES = {"torch_chunk_gated_delta_rule": float64_delta_rule,
+                  "torch_recurrent_gated_delta_rule": float64_delta_rule, "mamba2_chunk_scan": float64_ssd_scan}  # fmt: skip
+
+
+@contextlib.contextmanager
+def float64_hybrid(model):
+    """While the block runs, ``model``'s gated delta rule / Mamba2 scan and norms compute in its dtype (see
+    :func:`float64_delta_rule`, :func:`float64_ssd_scan`, :func:`float64_norms`)."""
+    import importlib
+
+    module = importlib.import_module(type(model).__module__)
+    names = [n for n in _FLOAT64_RULES if hasattr(module, n)]
+    saved = {n: getattr(module, n) for n in names}
+    float64_norms(model)
+    for name in names:
+        setattr(module, name, _FLOAT64_RULES[name])
+    try:
+        yield model
+    finally:
+        for name, func in saved.items():
+            setattr(module, name, func)

@@ -27,6 +27,7 @@ from lightning_oomb.engine.model import Respond
 from lightning_oomb.integrations.hf.attention import ATTN_NAME, register_attention
 from lightning_oomb.integrations.hf.moe import RouterBalanceLoss
 from lightning_oomb.integrations.hf.rope import length_dependent_rotaries, pinned_rope
+from lightning_oomb.integrations.hf.states import carried_mixers, carrying_states, state_elements
 from lightning_oomb.integrations.hf.support import check_supported, logit_transform, verify_exactness
 
 
@@ -58,22 +59,35 @@ def find_causal_lm(module: torch.nn.Module, target_module: str | None = None) ->
     return outermost[0][1]
 
 
-def _layer_windows(model: torch.nn.Module) -> tuple[int | None, ...] | None:
-    """Each decoder layer's sliding window as its attention passes it: the module's ``sliding_window`` (Qwen2/3,
-    Gemma, GPT-OSS: ``None`` on full layers) or, without one, the config's (Mistral, Phi-3: every layer). ``None``
-    when the layers cannot be read; the engine checks every call against what this declares."""
-    decoder = model.get_decoder()
-    layers = getattr(decoder, "layers", None)
-    if layers is None or len(layers) != model.config.num_hidden_layers:
-        return None
-    windows = []
-    for layer in layers:
-        attention = getattr(layer, "self_attn", None)
-        if attention is None:
+def _layer_windows(model: torch.nn.Module, attention: list[torch.nn.Module] | None = None):
+    """Each attention layer's sliding window as it passes it: the module's ``sliding_window`` (Qwen2/3, Gemma,
+    GPT-OSS: ``None`` on full layers) or, without one, the config's (Mistral, Phi-3: every layer). ``attention``:
+    the attention modules in pool order (default: every decoder layer's ``self_attn``). ``None`` when the layers
+    cannot be read; the engine checks every call against what this declares."""
+    if attention is None:
+        layers = getattr(model.get_decoder(), "layers", None)
+        if layers is None or len(layers) != model.config.num_hidden_layers:
             return None
-        window = getattr(attention, "sliding_window", getattr(model.config, "sliding_window", None))
+        attention = [getattr(layer, "self_attn", None) for layer in layers]
+        if any(module is None for module in attention):
+            return None
+    windows = []
+    for module in attention:
+        window = getattr(module, "sliding_window", getattr(model.config, "sliding_window", None))
         windows.append(window if isinstance(window, int) else None)
     return tuple(windows)
+
+
+def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """A hybrid's attention modules (``*Attention`` with a ``layer_idx``), in layer order: the layers that have
+    pages (a recurrent or convolution layer has none)."""
+    found = {}
+    for module in model.get_decoder().modules():
+        if type(module).__name__.endswith("Attention") and isinstance(
+            getattr(module, "layer_idx", None), int
+        ):
+            found.setdefault(module.layer_idx, module)
+    return [found[i] for i in sorted(found)]
 
 
 def verify_exactness_of(model: torch.nn.Module) -> bool:
@@ -133,6 +147,20 @@ class HFChunkModel:
         self._rotaries = length_dependent_rotaries(model)
         self.layer_windows = _layer_windows(model)
         self._balances_experts = bool(getattr(config, "output_router_logits", False))
+        # a hybrid: its recurrent / convolution layers' states are carried across chunks, and only its attention
+        # layers have pages (each gets its rank among them as its pool layer)
+        self._mixers = carried_mixers(model)
+        self.carries_states = bool(self._mixers)
+        self._attention = _attention_modules(model) if self.carries_states else []
+        if self.carries_states:
+            self.num_layers = len(self._attention)
+            self.layer_windows = _layer_windows(model, self._attention)
+        self._states = None  # the running chunk's carried states
+
+    def carried_state_elements(self) -> tuple[int, int]:
+        """A hybrid's carried states per batch row and chunk boundary: ``(convolution, recurrent)`` elements (the
+        planner's input; :func:`~lightning_oomb.integrations.hf.states.state_elements`)."""
+        return state_elements(self._mixers)
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         """The wrapped model's parameters (the engine sums 16-bit ones' chunk gradients in float32)."""
@@ -156,19 +184,24 @@ class HFChunkModel:
         config._attn_implementation = ATTN_NAME
         if checkpointing:
             set_layer_checkpointing(self.model, True)
+        for rank, module in enumerate(self._attention):
+            module.oomb_layer = rank
         try:
-            with pinned_rope(self._rotaries, num_tokens):
+            with pinned_rope(self._rotaries, num_tokens), carrying_states(self._mixers, lambda: self._states):
                 yield
         finally:
             config._attn_implementation = previous
             if checkpointing:
                 set_layer_checkpointing(self.model, False)
+            for module in self._attention:
+                del module.oomb_layer
 
     def hidden_states(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, chunk: ChunkContext
     ) -> torch.Tensor:
         """Final normed hidden states ``[B, L, H]`` of one chunk (and its router logits, into ``chunk.step_loss``)."""
         routed = {"output_router_logits": True} if chunk.step_loss is not None else {}
+        self._states = chunk.states  # read by the carried mixers, also in a checkpoint's recompute
         out = self.model.get_decoder()(
             input_ids=input_ids, position_ids=position_ids, use_cache=False, oomb_chunk=chunk, **routed
         )

@@ -44,9 +44,8 @@ def oomb_attention_forward(
             "apply — results would differ from the model's — set attention_dropout=0 in the model config."
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = paged_attention(
-        query, key, value, oomb_chunk, module.layer_idx, scale, sliding_window, softcap, s_aux
-    )
+    layer = getattr(module, "oomb_layer", module.layer_idx)  # a hybrid's attention layers: their rank
+    out = paged_attention(query, key, value, oomb_chunk, layer, scale, sliding_window, softcap, s_aux)
     return out.transpose(1, 2), None
 
 

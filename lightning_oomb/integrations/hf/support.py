@@ -2,8 +2,8 @@
 
 :func:`check_supported` reads the model before anything is allocated and refuses, naming the feature, what chunks
 cannot reproduce: layers that carry state along the sequence (Mamba/SSM mixers, linear attention, short
-convolutions, recurrent blocks: their state would be dropped at every chunk boundary), layer types other than full
-and sliding-window attention, attention that does not dispatch through ``AttentionInterface``, multi-head latent
+convolutions, recurrent blocks) other than the mixers whose state OOMB carries across chunks
+(:mod:`lightning_oomb.integrations.hf.states`), layer types other than attention and those hybrids' layers, attention that does not dispatch through ``AttentionInterface``, multi-head latent
 attention, attention dropout, the MoE router's auxiliary loss, non-causal attention, and length-dependent RoPE
 that cannot be pinned. :func:`logit_transform` reads the logit scale and softcap the model's head applies.
 
@@ -26,8 +26,11 @@ import torch
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.integrations.hf.moe import balancing_loss_of
 from lightning_oomb.integrations.hf.rope import can_pin, length_dependent_rotaries
+from lightning_oomb.integrations.hf.states import CARRIED_MIXERS
 
 SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+# a hybrid's other layer types, accepted when every stateful layer is one OOMB carries (token-wise MLP/MoE layers)
+HYBRID_LAYER_TYPES = frozenset({"linear_attention", "conv", "hybrid", "mamba", "mlp", "moe"})
 # words (of CamelCase class names) that name token mixers carrying state along the sequence
 _STATEFUL_WORDS = frozenset({"mamba", "ssm", "rglru", "rwkv", "hyena", "lstm", "mlstm", "slstm", "deltanet"})
 _STATEFUL_PAIRS = frozenset({("gated", "delta"), ("delta", "net"), ("linear", "attention"), ("lightning", "attention"),
@@ -56,21 +59,27 @@ def _words(name: str) -> list[str]:
     return [w.lower() for w in re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z0-9]+", name)]
 
 
-def _stateful_mixers(model: torch.nn.Module) -> list[str]:
-    """Class names of the decoder's modules that mix tokens with a state: convolutions over time and the known
-    recurrent / linear-attention mixers (a vision tower's patch convolution is outside the decoder)."""
-    found = set()
+def _stateful_mixers(model: torch.nn.Module) -> tuple[list[str], list[str]]:
+    """Class names of the decoder's modules that mix tokens with a state — convolutions over time and the known
+    recurrent / linear-attention mixers (a vision tower's patch convolution is outside the decoder) — split into
+    those whose state OOMB carries across chunks (:data:`CARRIED_MIXERS`, their insides included) and the rest."""
     decoder = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else None
-    for module in (decoder or model).modules():
-        name = type(module).__name__
-        words = _words(name)
-        if (
+    modules = list((decoder or model).modules())
+    mixers = [m for m in modules if type(m).__name__ in CARRIED_MIXERS]
+    settled = {id(m) for mixer in mixers for m in mixer.modules()}  # a carried mixer and its own convolution
+    settled |= {
+        id(m) for m in modules if any(x is mixer for mixer in mixers for x in m.modules())
+    }  # its layer
+    refused = set()
+    for module in modules:
+        words = _words(type(module).__name__)
+        if id(module) not in settled and (
             isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d))
             or _STATEFUL_WORDS.intersection(words)
             or _STATEFUL_PAIRS.intersection(zip(words, words[1:]))
         ):
-            found.add(name)
-    return sorted(found)[:4]
+            refused.add(type(module).__name__)
+    return sorted({type(m).__name__ for m in mixers}), sorted(refused)[:4]
 
 
 def logit_transform(config) -> tuple[float, float | None]:
@@ -101,13 +110,17 @@ def check_supported(model: torch.nn.Module) -> None:
     reasons = []
     if not type(model)._can_set_attn_implementation():
         reasons.append("its attention does not dispatch through transformers' AttentionInterface")
-    if other := _layer_types(config) - SUPPORTED_LAYER_TYPES:
+    carried, refused = _stateful_mixers(model)
+    known = SUPPORTED_LAYER_TYPES | (HYBRID_LAYER_TYPES if carried and not refused else frozenset())
+    if other := _layer_types(config) - known:
         reasons.append(
-            f"it has layers of type {sorted(other)} (only full and sliding-window attention chunk exactly)"
+            f"it has layers of type {sorted(other)} (full and sliding-window attention chunk exactly, and the "
+            "recurrent and convolution layers whose state OOMB carries)"
         )
-    if mixers := _stateful_mixers(model):
+    if refused:
         reasons.append(
-            f"its layers carry state along the sequence ({', '.join(mixers)}), which every chunk boundary would drop"
+            f"its layers carry state along the sequence ({', '.join(refused)}) by a rule OOMB cannot continue from "
+            "one chunk to the next (it carries the states of: " + ", ".join(sorted(CARRIED_MIXERS)) + ")"
         )
     if unpinnable := [type(m).__name__ for m, _ in length_dependent_rotaries(model) if not can_pin(m)]:
         reasons.append(f"its RoPE ({', '.join(unpinnable)}) picks frequencies from each call's length")

@@ -1,0 +1,175 @@
+"""Hugging Face hybrids: the states of their recurrent, linear-attention and short-convolution layers, carried
+across chunks.
+
+transformers' hybrid models let a token mixer continue a sequence through the cache object it is called with
+(``get_conv_state`` / ``update_conv_state``, ``get_recurrent_state`` / ``update_recurrent_state``; transformers
+5.17: ``has_previous_state`` and ``layers[i].recurrent_states``) — the path of a prefill that continues a cached
+prompt. While the engine runs a chunk, every carried mixer is called with a :class:`StateCache` over the chunk's
+:class:`~lightning_oomb.engine.states.ChunkStates` in place of the model's (absent) cache: it reads the state the
+previous chunk ended in and reports the state it ends in, and the engine carries both the states and their
+gradients (:mod:`lightning_oomb.engine.states`). Attention layers and masks are untouched.
+
+:data:`CARRIED_MIXERS` names the mixers whose multi-token call continues an incoming state exactly, each checked in
+float64 against full-sequence training by the test suite; a stateful layer not named there is refused
+(:mod:`lightning_oomb.integrations.hf.support`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from lightning_oomb.engine.errors import OOMBConfigError
+from lightning_oomb.engine.states import ChunkStates
+
+# token mixers (class names) that continue an incoming state exactly through their cache (tests/hf/test_hybrids.py)
+CARRIED_MIXERS = frozenset({
+    "Qwen3NextGatedDeltaNet",  # Qwen3-Next: gated delta rule + short convolution
+    "Qwen3_5GatedDeltaNet",  # Qwen3.5
+    "Qwen3_5MoeGatedDeltaNet",  # Qwen3.5-MoE
+    "OlmoHybridGatedDeltaNet",  # OLMo-Hybrid
+    "Lfm2ShortConv",  # LFM2: gated short convolution
+    "Lfm2MoeShortConv",  # LFM2-MoE
+    "FalconH1Mixer",  # Falcon-H1: Mamba2 mixer beside attention in every layer
+    "BambaMixer",  # Bamba: Mamba2
+    "NemotronHMamba2Mixer",  # Nemotron-H: Mamba2
+    "GraniteMoeHybridMambaLayer",  # Granite 4 hybrids: Mamba2
+})  # fmt: skip
+
+
+class _Slots:
+    """``cache.layers[i].conv_states`` / ``.recurrent_states`` as transformers 5.17 reads them."""
+
+    def __init__(self, cache: StateCache, layer: int, kind: str) -> None:
+        self._cache, self._layer, self._kind = cache, layer, kind
+
+    def __getitem__(self, index: int) -> torch.Tensor | None:
+        return self._cache._incoming(self._layer, self._kind, index)
+
+
+class _Layer:
+    """``cache.layers[i]`` as transformers 5.17 reads it; ``record_past`` keeps mixers on the multi-token path."""
+
+    record_past = True
+
+    def __init__(self, cache: StateCache, layer: int) -> None:
+        self.conv_states = _Slots(cache, layer, "conv")
+        self.recurrent_states = _Slots(cache, layer, "recurrent")
+
+
+class _Layers:
+    def __init__(self, cache: StateCache) -> None:
+        self._cache = cache
+
+    def __getitem__(self, layer: int) -> _Layer:
+        return _Layer(self._cache, layer)
+
+
+class StateCache:
+    """What a carried mixer gets as its ``cache``: the chunk's incoming states (a fresh copy per read, so a mixer
+    that updates a state in place never touches the stored one) and the report of its outgoing states.
+
+    ``is_recording_past`` answers ``True`` so that a mixer never takes its single-token decoding kernel (an
+    in-place update without a backward); the engine refuses a one-token last chunk for the same reason.
+    """
+
+    def __init__(self, states: ChunkStates) -> None:
+        self._states = states
+        self.layers = _Layers(self)
+
+    def _incoming(self, layer: int, kind: str, index: int) -> torch.Tensor | None:
+        state = self._states.incoming((layer, kind, index))
+        return None if state is None else state.clone()
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        return self._states.continues
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return True
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self._incoming(layer_idx, "conv", state_idx)
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self._incoming(layer_idx, "recurrent", state_idx)
+
+    def update_conv_state(
+        self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, conv_kernel_size=None, **kwargs
+    ) -> torch.Tensor:
+        """The chunk's convolution input with the previous chunk's last columns in front (what the causal
+        convolution reads); reports its last ``conv_kernel_size`` columns as the outgoing state."""
+        previous = self._incoming(layer_idx, "conv", state_idx)
+        width = conv_kernel_size or (previous if previous is not None else conv_states).shape[-1]
+        full = conv_states if previous is None else torch.cat([previous, conv_states.to(previous.dtype)], -1)
+        if full.shape[-1] < width:  # a first chunk shorter than the kernel: zeros before the sequence
+            full = F.pad(full, (width - full.shape[-1], 0))
+        self._states.outgoing((layer_idx, "conv", state_idx), full[..., -width:])
+        return full
+
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs
+    ) -> torch.Tensor:
+        self._states.outgoing((layer_idx, "recurrent", state_idx), recurrent_states)
+        return recurrent_states
+
+
+def state_elements(mixers: list[torch.nn.Module]) -> tuple[int, int]:
+    """Elements of one batch row's carried states at one chunk boundary: ``(convolution, recurrent)`` — each
+    mixer's causal convolution keeps ``channels x kernel`` inputs (in the activations' dtype), a gated delta-net
+    ``value heads x key dim x value dim``, a Mamba2 mixer ``heads x head dim x state size`` (float32, as their
+    rules compute)."""
+    conv = recurrent = 0
+    for mixer in mixers:
+        convolution = next(m for m in mixer.modules() if isinstance(m, torch.nn.Conv1d))
+        conv += convolution.in_channels * convolution.kernel_size[0]
+        if hasattr(mixer, "num_v_heads"):
+            recurrent += mixer.num_v_heads * mixer.head_k_dim * mixer.head_v_dim
+        elif hasattr(mixer, "ssm_state_size"):
+            recurrent += mixer.num_heads * mixer.head_dim * mixer.ssm_state_size
+    return conv, recurrent
+
+
+def carried_mixers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder's token mixers named in :data:`CARRIED_MIXERS`."""
+    return [m for m in model.get_decoder().modules() if type(m).__name__ in CARRIED_MIXERS]
+
+
+def _cache_parameter(mixer: torch.nn.Module) -> tuple[str, int]:
+    """The name and positional index (after ``self``) of the mixer's cache argument."""
+    names = list(inspect.signature(inspect.unwrap(type(mixer).forward)).parameters)[1:]
+    for name in ("cache", "cache_params", "past_key_values"):
+        if name in names:
+            return name, names.index(name)
+    raise OOMBConfigError(
+        f"{type(mixer).__name__}.forward takes no cache argument, so OOMB cannot hand it the previous chunk's "
+        "state — this transformers version is not supported for this model — use transformers >= 5.17."
+    )
+
+
+@contextlib.contextmanager
+def carrying_states(mixers: list[torch.nn.Module], current: Callable[[], ChunkStates]) -> Iterator[None]:
+    """While the block runs, each mixer is called with a :class:`StateCache` over ``current()`` (the running
+    chunk's states) as its cache."""
+
+    def hook(module, args, kwargs):
+        name, index = parameters[module]
+        cache = StateCache(current())
+        if len(args) > index:
+            args = (*args[:index], cache, *args[index + 1 :])
+        else:
+            for alias in ("cache", "cache_params", "past_key_values"):
+                kwargs.pop(alias, None)
+            kwargs[name] = cache
+        return args, kwargs
+
+    parameters = {m: _cache_parameter(m) for m in mixers}
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in mixers]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
