@@ -38,7 +38,7 @@ import lightning_oomb  # noqa: F401  (registers strategy="oomb")
 # `oomb fit --help` lists them among the available subclasses
 from lightning_oomb.data import NeedleRetrievalDataModule, TextFileDataModule  # noqa: F401
 from lightning_oomb.engine import OOMBConfigError
-from lightning_oomb.engine.planner import MemoryPlan, gib, plan, step_size_of
+from lightning_oomb.engine.planner import MemoryPlan, gib, plan, precision_dtypes, step_size_of
 from lightning_oomb.models import CausalLMModule, build_config, qwen2_5_7b_config  # noqa: F401
 
 
@@ -121,6 +121,22 @@ def _device_count(devices: Any) -> int:
     return max(torch.cuda.device_count(), 1)
 
 
+def planned_model(config: Any, precision: str, param_dtype: torch.dtype | None = None) -> Any:
+    """What the planner reads for ``config``: the config itself, or for a hybrid (layers other than attention) the
+    adapter of the model built on the meta device in the run's parameter dtype — its attention layers, carried
+    states and exact parameter count (nothing is allocated)."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_oomb.integrations.hf import HFChunkModel
+    from lightning_oomb.integrations.hf.support import is_hybrid
+
+    if not is_hybrid(config):
+        return config
+    dtype = precision_dtypes(precision, param_dtype).param
+    with torch.device("meta"):
+        return HFChunkModel(AutoModelForCausalLM.from_config(config, dtype=dtype))
+
+
 def model_config(model: LightningModule, override: str | None = None) -> Any:
     """The transformers config of the run's model (see the module docstring for the order)."""
     from transformers import AutoConfig
@@ -201,8 +217,9 @@ def plan_command(args: list[str], print_table: bool = True) -> MemoryPlan | None
         cli.accelerator == "auto" and (torch.cuda.is_available() or memory)
     )
     device = "cuda" if gpu else "cpu"
+    param_dtype = getattr(torch, dtype) if dtype not in (None, "auto") else None
     result = plan(
-        model_config(cli.model, opts.model_config),
+        planned_model(model_config(cli.model, opts.model_config), cli.trainer.precision, param_dtype),
         seq_len,
         batch,
         strategy.oomb_config,
@@ -210,7 +227,7 @@ def plan_command(args: list[str], print_table: bool = True) -> MemoryPlan | None
         opts.optimizer,
         device,
         **memory,
-        param_dtype=getattr(torch, dtype) if dtype not in (None, "auto") else None,
+        param_dtype=param_dtype,
         context_parallel=strategy.context_size_on(cli.world) if hasattr(strategy, "context_size_on") else 1,
     )
     if print_table:

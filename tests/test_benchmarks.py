@@ -238,3 +238,18 @@ def test_cpu_step_smoke(tmp_path):
     methods = [(r["method"], r["backend"]) for r in rows]
     assert methods == [("hf", "sdpa"), ("oomb", "auto"), ("oomb", "torch")]
     assert "| oomb | 128 | 128 | auto |" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.slow
+def test_hybrid_memory_smoke(tmp_path):
+    """The hybrid benchmark's rows at a tiny length: OOMB keeps the states of its boundaries and adds less than HF
+    without checkpointing (timings are recorded, never checked)."""
+    from benchmarks.hybrid_memory import main
+
+    out = tmp_path / "hybrid.json"
+    main(["--contexts", "512", "--chunk", "128", "--out", str(out)])
+    rows = {(r["method"], r["checkpointing"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {("hf", False), ("hf", True), ("oomb", True)}
+    assert rows["oomb", True]["carried_state_bytes"] > 0
+    assert rows["oomb", True]["peak_bytes"] < rows["hf", False]["peak_bytes"]
+    assert "| 512 |" in out.with_suffix(".md").read_text() and out.with_suffix(".png").exists()

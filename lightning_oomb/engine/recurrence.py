@@ -103,9 +103,7 @@ class _Step:
     sparse: SparseStep | None = None  # a sparse step's selections
     layout: Layout | None = None  # context parallelism: this rank's slices
     summaries: SharedSummaries | None = None  # context parallelism, sparse: every rank's page summaries
-    states: CarriedStates | None = (
-        None  # a model with recurrent / convolution layers: their chunk-boundary states
-    )
+    states: CarriedStates | None = None  # a hybrid's recurrent / convolution states at chunk boundaries
 
 
 class OOMBEngine:
@@ -409,12 +407,11 @@ class OOMBEngine:
                 with torch.enable_grad(), autocast():
                     states = None if carried is None else carried.backward_chunk(index)
                     loss = self._chunk_loss(step, index, "backward", grad_output, states)
-                if carried is None:
-                    torch.autograd.backward(loss, grad_output)
-                    continue
-                boundary, grads = carried.boundary_gradients(states)
+                # with carried states, their gradients from the next chunk flow in with the loss's
+                boundary, grads = ([], []) if carried is None else carried.boundary_gradients(states)
                 torch.autograd.backward([loss, *boundary], [grad_output, *grads])
-                carried.finish_backward()
+                if carried is not None:
+                    carried.finish_backward()
         self.stats.extra.update(self.pool.stats())
 
     def _parameters(self) -> list[torch.Tensor]:
@@ -457,8 +454,8 @@ def check_carried_states(bounds: list[tuple[int, int]], layout: Layout | None, d
     if layout is not None:
         raise OOMBConfigError(
             "the model has recurrent / convolution layers whose state runs through each chunk token by token, so "
-            "a chunk cannot be split across a context group — train it with strategy='oomb' (one device per "
-            "sequence; data parallelism across devices)."
+            "a chunk cannot be split across a context group — train it with strategy='oomb', or with "
+            "context_parallel_size=1 (data parallelism only)."
         )
     if doc_start is not None:
         raise OOMBConfigError(

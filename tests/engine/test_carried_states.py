@@ -106,3 +106,14 @@ def test_without_carrying_the_state_the_gradients_are_wrong():
     model.recur = lambda x, chunk: RecurrentLM.recur(model, x, None)  # the layer without the chunk's states
     loss = OOMBEngine(model, OOMBConfig(16, 8, attention_backend="torch")).loss(ids)
     assert abs(loss.item() - want_loss.item()) > 1e-3
+
+
+def test_context_parallelism_is_refused_for_carried_states():
+    """A state runs through a chunk token by token: a chunk cannot be split across ranks (checked at the step's
+    planning, before any allocation)."""
+    from lightning_oomb.engine.errors import OOMBConfigError
+    from lightning_oomb.engine.recurrence import check_carried_states
+
+    with pytest.raises(OOMBConfigError, match="context group.*context_parallel_size=1"):
+        check_carried_states([(0, 16), (16, 32)], layout=object(), doc_start=None)
+    check_carried_states([(0, 16), (16, 32)], layout=None, doc_start=None)  # one device: fine

@@ -227,3 +227,28 @@ def test_options_that_change_nothing_warn_once():
     assert len(messages) == 2  # one each, not one per step
     assert any("offload=True has no effect on a cpu device" in m for m in messages)
     assert any("kv_grad_dtype='bfloat16' has no effect with torch.float32 K/V" in m for m in messages)
+
+
+def test_full_layers_declare_no_window_even_if_the_module_keeps_the_attribute():
+    """EXAONE 4 keeps ``sliding_window`` on every attention module and passes it only on sliding layers: the
+    config's ``layer_types`` decides, and the chunked loss equals one chunk's (it used to be refused)."""
+    config = tf.Exaone4Config(**{**TINY, "num_hidden_layers": 4}, num_key_value_heads=2, sliding_window=4,
+                              layer_types=["sliding_attention"] * 3 + ["full_attention"])  # fmt: skip
+    model = tf.Exaone4ForCausalLM(config).double()
+    adapter = HFChunkModel(model)
+    assert adapter.layer_windows == (4, 4, 4, None)
+    ids = torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(0))
+    whole = OOMBEngine(HFChunkModel(model), OOMBConfig(64, 8)).evaluate(ids)
+    assert OOMBEngine(adapter, OOMBConfig(16, 8)).evaluate(ids).item() == pytest.approx(
+        whole.item(), rel=1e-12
+    )
+
+
+def test_the_self_checks_twin_keeps_a_logit_softcap():
+    """SDPA drops Gemma 2's attention-logit softcap in transformers 5.17 (the twin's own training would then be
+    wrong and refuse an exact model): a soft-capped twin attends eagerly."""
+    from lightning_oomb.integrations.hf.support import _twin
+    from tests.helpers.models import build_family
+
+    assert _twin(build_family("gemma2"))[0].config._attn_implementation == "eager"
+    assert _twin(build_causal_lm("qwen2"))[0].config._attn_implementation == "sdpa"

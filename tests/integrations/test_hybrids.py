@@ -209,3 +209,20 @@ def test_hybrid_attention_layers_offload_and_go_sparse(options):
     else:  # sparse: a different (masked) function, but finite and with every gradient
         assert engine.stats.sparse is not None and torch.isfinite(loss)
         assert set(grads) == set(want)
+
+
+def test_right_padding_is_exact():
+    """Padded positions come after a row's tokens: the states the real tokens see are the whole sequence's."""
+    with float64_hybrid(build_hybrid("qwen3_next")) as model:
+        ids = ids_for(model)
+        mask = torch.ones_like(ids)
+        mask[1, 40:] = 0
+        labels = ids.masked_fill(mask == 0, -100)
+        logits = model(input_ids=ids).logits[:, :-1]
+        want_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+        want_loss.backward()
+        want = grads_of(model)
+        model.zero_grad()
+        loss = OOMBEngine(HFChunkModel(model), OOMBConfig(16, 8)).loss(ids, attention_mask=mask)
+        loss.backward()
+        assert_exact(loss.detach(), grads_of(model), want_loss.detach(), want)

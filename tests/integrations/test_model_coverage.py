@@ -64,6 +64,25 @@ def test_length_dependent_rope_is_wrong_unless_pinned(family):
     assert abs(pinned - want) <= 1e-10 * want and abs(wrong - want) > 1e-4 * want
 
 
+def test_pinning_reaches_the_undecorated_forward_under_more_decorators():
+    """transformers 5.17 wraps the RoPE update in ``torch.no_grad()`` as well: pinning still calls the bare forward
+    (no per-chunk update), so the chunked loss stays the full one."""
+    import functools
+
+    ids = torch.randint(0, 64, (1, SEQ), generator=torch.Generator().manual_seed(0))
+    model = build_family("phi3_longrope")
+    want = exact_full_sequence_loss(model, ids).item()
+    rotary = model.model.rotary_emb
+    decorated = type(rotary).forward
+
+    class Rewrapped(type(rotary)):
+        forward = functools.wraps(decorated)(torch.no_grad()(decorated))  # the 5.17 layout
+
+    rotary.__class__ = Rewrapped
+    loss = OOMBEngine(HFChunkModel(model), OOMBConfig(16, 8)).evaluate(ids).item()
+    assert abs(loss - want) <= 1e-10 * want
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
 def test_softcap_and_sinks_with_the_triton_kernels(family):

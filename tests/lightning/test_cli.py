@@ -170,3 +170,20 @@ def test_oomb_plan_reads_a_model_config_override(tmp_path, capsys):
                       *H200_ARGS])  # fmt: skip
     with pytest.raises(OOMBConfigError, match="not a memory size"):
         plan_command(["--config", str(config), "--device-memory", "lots"])
+
+
+def test_oomb_plan_of_a_hybrid_pages_only_attention_layers_and_counts_the_carried_states(tmp_path):
+    """A Qwen3.5-style config (3 gated delta-net layers : 1 attention layer): planned from the model built on the
+    meta device — pages for the 2 attention layers, the states at every chunk boundary, exact parameters."""
+    from transformers import Qwen3_5TextConfig
+
+    Qwen3_5TextConfig(num_hidden_layers=8, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=64, vocab_size=1000).save_pretrained(tmp_path)  # fmt: skip
+    config = EXAMPLES / "configs" / "qwen2.5-7b-128k.yaml"
+    result = plan_command(["--config", str(config), "--model-config", str(tmp_path), "--seq-len", "16384",
+                           *H200_ARGS])  # fmt: skip
+    assert result.model.num_layers == 8 and result.pool.num_layers == 2 == result.model.kv_layers
+    boundaries = 16384 // result.config.chunk_size - 1
+    assert (
+        result.device["carried_states"] == boundaries * result.model.carried_state_bytes(torch.bfloat16) > 0
+    )

@@ -61,7 +61,8 @@ def find_causal_lm(module: torch.nn.Module, target_module: str | None = None) ->
 
 def _layer_windows(model: torch.nn.Module, attention: list[torch.nn.Module] | None = None):
     """Each attention layer's sliding window as it passes it: the module's ``sliding_window`` (Qwen2/3, Gemma,
-    GPT-OSS: ``None`` on full layers) or, without one, the config's (Mistral, Phi-3: every layer). ``attention``:
+    GPT-OSS: ``None`` on full layers) or, without one, the config's (Mistral, Phi-3: every layer); ``None`` on a
+    layer the config's ``layer_types`` calls ``full_attention``. ``attention``:
     the attention modules in pool order (default: every decoder layer's ``self_attn``). ``None`` when the layers
     cannot be read; the engine checks every call against what this declares."""
     if attention is None:
@@ -71,9 +72,15 @@ def _layer_windows(model: torch.nn.Module, attention: list[torch.nn.Module] | No
         attention = [getattr(layer, "self_attn", None) for layer in layers]
         if any(module is None for module in attention):
             return None
+    types = getattr(model.config, "layer_types", None)
     windows = []
     for module in attention:
         window = getattr(module, "sliding_window", getattr(model.config, "sliding_window", None))
+        index = getattr(module, "layer_idx", None)
+        if isinstance(types, (list, tuple)) and isinstance(index, int) and index < len(types):
+            window = (
+                None if types[index] == "full_attention" else window
+            )  # EXAONE 4 keeps the attribute on all
         windows.append(window if isinstance(window, int) else None)
     return tuple(windows)
 

@@ -12,6 +12,7 @@ sequence's length — exactly what a full-sequence step runs — and then lets t
 from __future__ import annotations
 
 import contextlib
+import inspect
 import types
 from collections.abc import Iterator
 
@@ -59,7 +60,8 @@ def pinned_rope(rotaries: list[tuple[torch.nn.Module, list[str | None]]], num_to
                 layer_type
             ) in layer_types:  # the full sequence's frequency update, as its own step would run it
                 decorated(module, x, last, **({} if layer_type is None else {"layer_type": layer_type}))
-        module.forward = types.MethodType(decorated.__wrapped__, module)
+        # undecorated: transformers 5.17 wraps the update in torch.no_grad() too
+        module.forward = types.MethodType(inspect.unwrap(decorated), module)
     try:
         yield
     finally:

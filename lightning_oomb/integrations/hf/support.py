@@ -54,6 +54,11 @@ def _layer_types(config) -> set[str]:
     return found
 
 
+def is_hybrid(config) -> bool:
+    """Whether the config declares layers other than attention (a hybrid's recurrent or convolution layers)."""
+    return bool(_layer_types(config) - SUPPORTED_LAYER_TYPES)
+
+
 def _words(name: str) -> list[str]:
     """``"Qwen3NextGatedDeltaNet"`` -> ``["qwen3", "next", "gated", "delta", "net"]``."""
     return [w.lower() for w in re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z0-9]+", name)]
@@ -209,7 +214,10 @@ def _twin(model: torch.nn.Module):
             twin = type(model)(tiny)
     finally:
         torch.set_default_dtype(previous)
-    if getattr(twin, "_supports_sdpa", False):  # float64 end to end (eager softmaxes in float32)
+    # float64 end to end (eager softmaxes in float32), unless SDPA would drop a logit softcap (transformers 5.17)
+    if any(getattr(c, "attn_logit_softcapping", None) for c in _configs(twin.config)):
+        twin.config._attn_implementation = "eager"
+    elif getattr(twin, "_supports_sdpa", False):
         twin.config._attn_implementation = "sdpa"
     return twin.double().eval(), tiny
 
