@@ -56,7 +56,8 @@ class ChunkContext:
     group (:mod:`lightning_oomb.engine.context`); ``start`` stays the chunk's absolute start. ``kept``: the backward
     sweep's attention results of the chunk's recompute per layer, until the layer's backward (:class:`Kept`).
     ``states``: a model with recurrent / convolution layers — the states they carry into and out of the chunk
-    (:mod:`lightning_oomb.engine.states`).
+    (:mod:`lightning_oomb.engine.states`). ``tokens``: right padding — which of the call's tokens ``[B, L]`` are real
+    (``None``: all; e.g. a router's balancing loss counts only those).
     """
 
     pool: KVPool
@@ -71,6 +72,7 @@ class ChunkContext:
     context: context.ContextChunk | None = None
     kept: dict[int, Kept] | None = None
     states: ChunkStates | None = None
+    tokens: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -27,11 +27,12 @@ from lightning_oomb.engine.loss import IGNORE_INDEX, shift_labels
 class Layout:
     """``positions [1 | B, N]``: each token's RoPE position; ``doc_start [B, N]`` int32 (``None``: one document per
     row): the position in the row where its document starts; ``targets [B, N]``: what each position predicts
-    (``IGNORE_INDEX``: nothing)."""
+    (``IGNORE_INDEX``: nothing); ``tokens [B, N]`` bool (``None``: no padding): the real (not padded) tokens."""
 
     positions: torch.Tensor
     doc_start: torch.Tensor | None
     targets: torch.Tensor
+    tokens: torch.Tensor | None = None
 
 
 def _documents(position_ids: torch.Tensor) -> torch.Tensor | None:
@@ -53,6 +54,7 @@ def plan_layout(
     """Validate ``position_ids`` / ``attention_mask`` of ``input_ids [B, N]`` and lay the batch out."""
     batch, seq_len = input_ids.shape
     labels = labels.clone()
+    tokens = None
     if attention_mask is not None:
         if tuple(attention_mask.shape) != (batch, seq_len):
             raise OOMBConfigError(
@@ -67,9 +69,10 @@ def plan_layout(
                 "(tokenizer.padding_side='right') or pack documents with position_ids that restart at 0."
             )
         labels[~keep] = IGNORE_INDEX
+        tokens = None if bool(keep.all()) else keep
     if position_ids is None:
         positions = torch.arange(seq_len, device=input_ids.device)[None]
-        return Layout(positions, None, shift_labels(labels))
+        return Layout(positions, None, shift_labels(labels), tokens)
     if position_ids.dim() != 2 or position_ids.shape[1] != seq_len or position_ids.shape[0] not in (1, batch):
         raise OOMBConfigError(
             f"position_ids {tuple(position_ids.shape)} do not match input_ids {(batch, seq_len)} — pass [batch, "
@@ -88,7 +91,7 @@ def plan_layout(
         boundary = torch.zeros_like(targets, dtype=torch.bool)
         boundary[:, :-1] = doc_start[:, 1:] == torch.arange(1, seq_len, device=doc_start.device)
         targets = targets.masked_fill(boundary, IGNORE_INDEX)
-    return Layout(position_ids, doc_start, targets)
+    return Layout(position_ids, doc_start, targets, tokens)
 
 
 def key_floors(doc_start: torch.Tensor | None, starts: list[int]) -> list[int]:

@@ -104,6 +104,7 @@ class _Step:
     layout: Layout | None = None  # context parallelism: this rank's slices
     summaries: SharedSummaries | None = None  # context parallelism, sparse: every rank's page summaries
     states: CarriedStates | None = None  # a hybrid's recurrent / convolution states at chunk boundaries
+    tokens: torch.Tensor | None = None  # right padding: the real tokens [B, N] (None: no padding)
 
 
 class OOMBEngine:
@@ -287,7 +288,8 @@ class OOMBEngine:
             check_carried_states(bounds, layout, batch_layout.doc_start)
             states = CarriedStates()
         return _Step(input_ids, targets, denominator, shape, backend, bounds, batch_layout.positions,
-                     batch_layout.doc_start, floors, step_loss, sparse, layout, shared, states)  # fmt: skip
+                     batch_layout.doc_start, floors, step_loss, sparse, layout, shared, states,
+                     batch_layout.tokens)  # fmt: skip
 
     def _layout(self, input_ids, labels, position_ids, attention_mask) -> Layout | None:
         """Context parallelism: this rank's slices of the step (``None`` on one device)."""
@@ -354,6 +356,7 @@ class OOMBEngine:
                 step.targets[:, lo:hi] if hi > lo else torch.full_like(step.targets[:, :1], IGNORE_INDEX)
             )
             lo, hi = (lo, hi) if hi > lo else (start, start + 1)
+        chunk.tokens = None if step.tokens is None else step.tokens[:, lo:hi]
         hidden = self.model.hidden_states(step.input_ids[:, lo:hi], step.positions[:, lo:hi], chunk)
         denominator = max(step.denominator, 1)
         # the gradient autograd will hand the cross-entropy: the division's backward, the same op
@@ -411,7 +414,7 @@ class OOMBEngine:
                 boundary, grads = ([], []) if carried is None else carried.boundary_gradients(states)
                 torch.autograd.backward([loss, *boundary], [grad_output, *grads])
                 if carried is not None:
-                    carried.finish_backward()
+                    carried.finish_backward(states)
         self.stats.extra.update(self.pool.stats())
 
     def _parameters(self) -> list[torch.Tensor]:

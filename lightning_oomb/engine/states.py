@@ -58,8 +58,8 @@ class CarriedStates:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the states held now (every chunk boundary's after a forward sweep)."""
-        return sum(t.numel() * t.element_size() for states in self._stored.values() for t in states.values())
+        """Bytes of the storages the held states keep alive (every chunk boundary's after a forward sweep)."""
+        return sum(t.untyped_storage().nbytes() for states in self._stored.values() for t in states.values())
 
     def forward_chunk(self, index: int) -> ChunkStates:
         """Chunk ``index`` of a forward sweep: its incoming states (without graph)."""
@@ -67,8 +67,9 @@ class CarriedStates:
         return ChunkStates(incoming)
 
     def finish_forward(self, index: int, chunk: ChunkStates) -> None:
-        """Keep what chunk ``index`` (not the last) reported as the next chunk's incoming states."""
-        self._stored[index + 1] = {key: state.detach() for key, state in chunk.reported.items()}
+        """Keep what chunk ``index`` (not the last) reported as the next chunk's incoming states: copies, so a state
+        that is a view (e.g. a convolution input's last columns) does not keep its whole base alive."""
+        self._stored[index + 1] = {key: state.detach().clone() for key, state in chunk.reported.items()}
 
     def backward_chunk(self, index: int) -> ChunkStates:
         """Chunk ``index`` of the backward sweep: its stored incoming states as leaves that require grad (freed
@@ -84,7 +85,10 @@ class CarriedStates:
         pairs = [(state, grad.to(state.dtype)) for state, grad in pairs if state.requires_grad]
         return [state for state, _ in pairs], [grad for _, grad in pairs]
 
-    def finish_backward(self) -> None:
-        """Hand the incoming leaves' gradients on to the previous chunk."""
+    def finish_backward(self, chunk: ChunkStates) -> None:
+        """Hand the incoming leaves' gradients on to the previous chunk, and drop the chunk's outgoing states: they
+        hold its graph, whose nodes (a checkpoint's saved arguments) may hold the chunk's context and so these
+        states — a cycle through autograd that Python's collector cannot see."""
         self._grads = {key: leaf.grad for key, leaf in self._leaves.items() if leaf.grad is not None}
         self._leaves = {}
+        chunk.reported.clear()

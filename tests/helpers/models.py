@@ -169,20 +169,27 @@ def float64_norms(model) -> None:
             module.forward = lambda x, m=module: _cohere_norm(x, m)
 
 
-def switch_balancing_loss(router_logits, num_experts: int, top_k: int) -> torch.Tensor:
+def switch_balancing_loss(router_logits, num_experts: int, top_k: int, tokens=None) -> torch.Tensor:
     """Switch Transformer load balancing over all tokens of all layers at once, in the logits' dtype (the oracle of
-    the chunked term): ``E * sum_{k,e} mean_t(mask_tke) * mean_t(p_te)``."""
+    the chunked term): ``E * sum_{k,e} mean_t(mask_tke) * mean_t(p_te)``; ``tokens [B, N]``: only those rows (right
+    padding excluded, as transformers' ``attention_mask`` excludes it)."""
     logits = torch.cat(list(router_logits), 0)
+    if tokens is not None:
+        logits = logits[tokens.reshape(-1).repeat(len(router_logits))]
     probs = torch.softmax(logits, -1)
     mask = F.one_hot(torch.topk(probs, top_k, -1).indices, num_experts).to(probs.dtype)
     return num_experts * (mask.mean(0) * probs.mean(0)).sum()
 
 
-def exact_moe_loss(model, input_ids):
-    """Full-sequence training loss of an MoE model trained with its router's load balancing (float64 oracle)."""
+def exact_moe_loss(model, input_ids, attention_mask=None):
+    """Full-sequence training loss of an MoE model trained with its router's load balancing (float64 oracle); a
+    right-padding ``attention_mask`` removes padded tokens from both terms (they come last: real ones never see
+    them)."""
     out = _reference_forward(model, input_ids, output_router_logits=True)
-    aux = switch_balancing_loss(out.router_logits, model.num_experts, model.num_experts_per_tok)
-    return _cross_entropy(out.logits, input_ids) + model.router_aux_loss_coef * aux
+    tokens = None if attention_mask is None else attention_mask.bool()
+    aux = switch_balancing_loss(out.router_logits, model.num_experts, model.num_experts_per_tok, tokens)
+    labels = None if tokens is None else input_ids.masked_fill(~tokens, -100)
+    return _cross_entropy(out.logits, input_ids, labels) + model.router_aux_loss_coef * aux
 
 
 # ------------------------------------------------------------------------------------------- hybrids, float64 oracle

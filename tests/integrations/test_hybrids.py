@@ -226,3 +226,17 @@ def test_right_padding_is_exact():
         loss = OOMBEngine(HFChunkModel(model), OOMBConfig(16, 8)).loss(ids, attention_mask=mask)
         loss.backward()
         assert_exact(loss.detach(), grads_of(model), want_loss.detach(), want)
+
+
+def test_no_chunk_state_outlives_its_backward_under_checkpointing():
+    """HF's layer checkpoint keeps its call's arguments (the chunk's context, hence its states) in the graph that
+    the chunk's outgoing states hold: a cycle through autograd that Python's collector cannot see. The engine breaks
+    it after each chunk's backward; before, the sweep kept every chunk's convolution inputs alive (O(N))."""
+    import gc
+
+    from lightning_oomb.engine.states import ChunkStates
+
+    model = build_hybrid("qwen3_5_text", dtype=torch.float32)
+    oomb(model, ids_for(model), 16, checkpointing=True)
+    gc.collect()
+    assert not [o for o in gc.get_objects() if isinstance(o, ChunkStates) and o.reported]

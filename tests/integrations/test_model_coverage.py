@@ -121,6 +121,24 @@ def test_router_balancing_loss_is_exact_across_chunks(family, chunk_size, checkp
     assert max_relative_error(grads, want) <= 1e-10
 
 
+@pytest.mark.parametrize("chunk_size", [64, 16], ids=["1-chunk", "4-chunks"])
+def test_router_balancing_loss_skips_right_padding_as_transformers_does(chunk_size):
+    """Under right padding transformers' ``attention_mask`` keeps padded tokens out of the balancing term; so does
+    OOMB (it used to count them: 7e-3 off in the loss, 0.36 in the gradients)."""
+    model = build_family("qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.5)
+    ids = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, 30:] = 0
+    want_loss = exact_moe_loss(model, ids, mask)
+    want_loss.backward()
+    want = grads_of(model)
+    model.zero_grad()
+    loss = OOMBEngine(HFChunkModel(model), oomb_config(chunk_size, False)).loss(ids, attention_mask=mask)
+    loss.backward()
+    assert abs(loss.item() - want_loss.item()) <= 1e-10 * want_loss.item()
+    assert max_relative_error(grads_of(model), want) <= 1e-10
+
+
 def test_the_chunked_balancing_term_is_transformers_own():
     """Our term's value equals transformers' ``load_balancing_loss_func`` on the same router logits."""
     from transformers.models.gpt_oss.modeling_gpt_oss import load_balancing_loss_func
@@ -130,7 +148,7 @@ def test_the_chunked_balancing_term_is_transformers_own():
     gen = torch.Generator().manual_seed(0)
     layers = [torch.randn(37, 6, generator=gen) for _ in range(3)]
     term = RouterBalanceLoss(num_experts=6, top_k=2, coef=1.0)
-    chunk = type("Chunk", (), {"sweep": "forward", "context": None})()
+    chunk = type("Chunk", (), {"sweep": "forward", "context": None, "tokens": None})()
     for part in (slice(0, 16), slice(16, 37)):  # two chunks
         term.record(chunk, [layer[part] for layer in layers])
     torch.testing.assert_close(term.value(), load_balancing_loss_func(tuple(layers), 6, 2), rtol=1e-6, atol=0)

@@ -40,13 +40,18 @@ class RouterBalanceLoss:
         self.rows = 0
         self._term = None
 
-    def _stats(self, router_logits) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Top-k assignment counts ``[E]``, summed probabilities ``[E]`` (differentiable) and rows of one chunk."""
+    def _stats(self, router_logits, tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Top-k assignment counts ``[E]``, summed probabilities ``[E]`` (differentiable) and rows of one chunk;
+        ``tokens``: the real tokens ``[B, L]`` under right padding (padded rows count nothing, as transformers'
+        ``attention_mask`` makes them)."""
         counts = probs_sum = None
         rows = 0
+        real = None if tokens is None else tokens.reshape(-1)
         for logits in router_logits:
             dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
             probs = torch.softmax(logits, dim=-1)
+            if real is not None:  # padded rows route nothing
+                probs = probs[real]
             chosen = torch.topk(probs, self.top_k, dim=-1).indices.reshape(-1)
             layer_counts = torch.bincount(chosen, minlength=self.num_experts).to(dtype)
             counts = layer_counts if counts is None else counts + layer_counts
@@ -58,7 +63,7 @@ class RouterBalanceLoss:
     def record(self, chunk: ChunkContext, router_logits) -> None:
         """A chunk's router logits (one ``[rows, E]`` tensor per layer), in every sweep (a context-parallel
         rank's stand-in token routes nothing: its share is zero)."""
-        counts, probs_sum, rows = self._stats(router_logits)
+        counts, probs_sum, rows = self._stats(router_logits, chunk.tokens)
         if chunk.context is not None and not chunk.context.own:
             counts, probs_sum, rows = counts * 0, probs_sum * 0, 0
         if chunk.sweep != "backward":

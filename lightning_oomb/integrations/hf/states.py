@@ -79,7 +79,11 @@ class StateCache:
 
     def __init__(self, states: ChunkStates) -> None:
         self._states = states
-        self.layers = _Layers(self)
+
+    @property
+    def layers(self) -> _Layers:
+        """``cache.layers[i]`` (transformers 5.17); made per access: no reference cycle keeps a chunk's states."""
+        return _Layers(self)
 
     def _incoming(self, layer: int, kind: str, index: int) -> torch.Tensor | None:
         state = self._states.incoming((layer, kind, index))

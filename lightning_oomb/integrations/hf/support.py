@@ -254,7 +254,10 @@ def _difference(got, want, tolerance: float, what: str) -> str | None:
 def _mismatch(twin: torch.nn.Module, adapter_cls) -> str | None:
     """``None`` if OOMB trains ``twin`` exactly: three chunks equal one chunk to 1e-6 and one chunk equals the
     model's own full-sequence training to 1e-5 (float64, but some models norm or softmax in float32 even then; a
-    chunking error — a dropped state, a wrong position, a missing gradient — is orders of magnitude larger)."""
+    chunking error — a dropped state, a wrong position, a missing gradient — is orders of magnitude larger). A
+    hybrid whose carried recurrences compute in float32 whatever the dtype (gated delta rule, Mamba2 scan) is
+    compared between chunkings at 1e-4: their float32 rounding differs by chunking (1e-5 measured for OLMo-Hybrid);
+    the carrying itself is checked in float64 by the test suite, per family."""
     from lightning_oomb.engine import OOMBConfig, OOMBEngine
 
     vocab = twin.get_output_embeddings().weight.shape[0]
@@ -277,8 +280,9 @@ def _mismatch(twin: torch.nn.Module, adapter_cls) -> str | None:
         raise _UnusableTwin from err
     chunked = _loss_and_grads(twin, ids, oomb(_TWIN_CHUNK))
     whole = _loss_and_grads(twin, ids, oomb(_TWIN_CHUNK * 4))
+    between = 1e-4 if _stateful_mixers(twin)[0] else 1e-6
     return _difference(whole, reference, 1e-5, "against the model's own training") or _difference(
-        chunked, whole, 1e-6, "between three chunks and one"
+        chunked, whole, between, "between three chunks and one"
     )
 
 
