@@ -255,3 +255,13 @@ def test_autocast_adds_no_error_with_carried_states(family):
         _, chunked, engine = oomb(model, ids, 16)
     assert engine.stats.extra["carried_state_bytes"] > 0
     assert max(errors(chunked, truth).values()) <= 1.5 * max(errors(own, truth).values())
+
+
+def test_the_self_check_skips_float32_recurrences_and_checks_convolutions():
+    """A float64 twin of a gated-delta or Mamba2 hybrid cannot tell chunking from the rules' float32 rounding: not
+    checked (the tests above are the check); a short-convolution hybrid (no float32 inside) is checked."""
+    from lightning_oomb.integrations.hf.support import verify_exactness
+
+    assert verify_exactness(build_hybrid("qwen3_next", dtype=torch.float32), HFChunkModel) is False
+    assert verify_exactness(build_hybrid("falcon_h1", dtype=torch.float32), HFChunkModel) is False
+    assert verify_exactness(build_hybrid("lfm2", dtype=torch.float32), HFChunkModel) is True

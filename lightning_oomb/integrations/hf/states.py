@@ -130,11 +130,22 @@ def state_elements(mixers: list[torch.nn.Module]) -> tuple[int, int]:
     for mixer in mixers:
         convolution = next(m for m in mixer.modules() if isinstance(m, torch.nn.Conv1d))
         conv += convolution.in_channels * convolution.kernel_size[0]
-        if hasattr(mixer, "num_v_heads"):
-            recurrent += mixer.num_v_heads * mixer.head_k_dim * mixer.head_v_dim
-        elif hasattr(mixer, "ssm_state_size"):
-            recurrent += mixer.num_heads * mixer.head_dim * mixer.ssm_state_size
+        recurrent += _recurrent_elements(mixer)
     return conv, recurrent
+
+
+def _recurrent_elements(mixer: torch.nn.Module) -> int:
+    if hasattr(mixer, "num_v_heads"):  # gated delta-net
+        return mixer.num_v_heads * mixer.head_k_dim * mixer.head_v_dim
+    if hasattr(mixer, "ssm_state_size"):  # Mamba2
+        return mixer.num_heads * mixer.head_dim * mixer.ssm_state_size
+    return 0
+
+
+def float32_recurrences(model: torch.nn.Module) -> bool:
+    """Whether a carried mixer of ``model`` runs a recurrence (gated delta rule, Mamba2 scan): transformers computes
+    those in float32 whatever the model's dtype, so their chunkings differ by float32 rounding even in float64."""
+    return any(_recurrent_elements(m) for m in carried_mixers(model))
 
 
 def carried_mixers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -26,7 +26,7 @@ import torch
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.integrations.hf.moe import balancing_loss_of
 from lightning_oomb.integrations.hf.rope import can_pin, length_dependent_rotaries
-from lightning_oomb.integrations.hf.states import CARRIED_MIXERS
+from lightning_oomb.integrations.hf.states import CARRIED_MIXERS, float32_recurrences
 
 SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 # a hybrid's other layer types, accepted when every stateful layer is one OOMB carries (token-wise MLP/MoE layers)
@@ -254,10 +254,7 @@ def _difference(got, want, tolerance: float, what: str) -> str | None:
 def _mismatch(twin: torch.nn.Module, adapter_cls) -> str | None:
     """``None`` if OOMB trains ``twin`` exactly: three chunks equal one chunk to 1e-6 and one chunk equals the
     model's own full-sequence training to 1e-5 (float64, but some models norm or softmax in float32 even then; a
-    chunking error — a dropped state, a wrong position, a missing gradient — is orders of magnitude larger). A
-    hybrid whose carried recurrences compute in float32 whatever the dtype (gated delta rule, Mamba2 scan) is
-    compared between chunkings at 1e-4: their float32 rounding differs by chunking (1e-5 measured for OLMo-Hybrid);
-    the carrying itself is checked in float64 by the test suite, per family."""
+    chunking error — a dropped state, a wrong position, a missing gradient — is orders of magnitude larger)."""
     from lightning_oomb.engine import OOMBConfig, OOMBEngine
 
     vocab = twin.get_output_embeddings().weight.shape[0]
@@ -280,9 +277,8 @@ def _mismatch(twin: torch.nn.Module, adapter_cls) -> str | None:
         raise _UnusableTwin from err
     chunked = _loss_and_grads(twin, ids, oomb(_TWIN_CHUNK))
     whole = _loss_and_grads(twin, ids, oomb(_TWIN_CHUNK * 4))
-    between = 1e-4 if _stateful_mixers(twin)[0] else 1e-6
     return _difference(whole, reference, 1e-5, "against the model's own training") or _difference(
-        chunked, whole, between, "between three chunks and one"
+        chunked, whole, 1e-6, "between three chunks and one"
     )
 
 
@@ -293,7 +289,15 @@ class _UnusableTwin(Exception):
 def verify_exactness(model: torch.nn.Module, adapter_cls) -> bool:
     """Refuse ``model`` if OOMB does not train a float64 twin of its architecture exactly (see the module
     docstring); ``adapter_cls`` builds the adapter of the twin. Returns whether the check ran (``False``: no twin
-    could be built, or it could not train itself). Verdicts are cached per architecture."""
+    could be built, or it could not train itself, or it is a hybrid with float32 recurrences). Verdicts are cached
+    per architecture.
+
+    A hybrid whose carried layers run a recurrence (gated delta rule, Mamba2 scan) is not checked: transformers
+    computes those in float32 whatever the dtype, so a float64 twin's chunkings differ by float32 rounding (up to
+    4e-2 in ``A_log``'s gradient of a tiny Qwen3-Next twin) and the check could not tell rounding from an error;
+    those families are checked in float64 by the test suite, with float64 versions of the same rules."""
+    if float32_recurrences(model):
+        return False
     try:
         twin, tiny = _twin(model)
     except Exception:  # a config that does not shrink: nothing to check against
