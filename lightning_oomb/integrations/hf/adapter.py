@@ -72,16 +72,14 @@ def _layer_windows(model: torch.nn.Module, attention: list[torch.nn.Module] | No
         attention = [getattr(layer, "self_attn", None) for layer in layers]
         if any(module is None for module in attention):
             return None
-    types = getattr(model.config, "layer_types", None)
+    types = list(getattr(model.config, "layer_types", None) or [])
     windows = []
     for module in attention:
         window = getattr(module, "sliding_window", getattr(model.config, "sliding_window", None))
         index = getattr(module, "layer_idx", None)
-        if isinstance(types, (list, tuple)) and isinstance(index, int) and index < len(types):
-            window = (
-                None if types[index] == "full_attention" else window
-            )  # EXAONE 4 keeps the attribute on all
-        windows.append(window if isinstance(window, int) else None)
+        # EXAONE 4 keeps the attribute on full layers too
+        full = isinstance(index, int) and types[index : index + 1] == ["full_attention"]
+        windows.append(window if isinstance(window, int) and not full else None)
     return tuple(windows)
 
 
@@ -152,7 +150,6 @@ class HFChunkModel:
         self.layer_checkpointing = layer_checkpointing
         self.logit_scale, self.logit_softcap = logit_transform(config)
         self._rotaries = length_dependent_rotaries(model)
-        self.layer_windows = _layer_windows(model)
         self._balances_experts = bool(getattr(config, "output_router_logits", False))
         # a hybrid: its recurrent / convolution layers' states are carried across chunks, and only its attention
         # layers have pages (each gets its rank among them as its pool layer)
@@ -161,7 +158,7 @@ class HFChunkModel:
         self._attention = _attention_modules(model) if self.carries_states else []
         if self.carries_states:
             self.num_layers = len(self._attention)
-            self.layer_windows = _layer_windows(model, self._attention)
+        self.layer_windows = _layer_windows(model, self._attention or None)
         self._states = None  # the running chunk's carried states
 
     def carried_state_elements(self) -> tuple[int, int]:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.states import ChunkStates
 
-# token mixers (class names) that continue an incoming state exactly through their cache (tests/hf/test_hybrids.py)
+# token mixers (class names) that continue an incoming state exactly through their cache (tests/integrations/test_hybrids.py)
 CARRIED_MIXERS = frozenset({
     "Qwen3NextGatedDeltaNet",  # Qwen3-Next: gated delta rule + short convolution
     "Qwen3_5GatedDeltaNet",  # Qwen3.5

@@ -69,22 +69,24 @@ def _stateful_mixers(model: torch.nn.Module) -> tuple[list[str], list[str]]:
     recurrent / linear-attention mixers (a vision tower's patch convolution is outside the decoder) — split into
     those whose state OOMB carries across chunks (:data:`CARRIED_MIXERS`, their insides included) and the rest."""
     decoder = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else None
-    modules = list((decoder or model).modules())
-    mixers = [m for m in modules if type(m).__name__ in CARRIED_MIXERS]
-    settled = {id(m) for mixer in mixers for m in mixer.modules()}  # a carried mixer and its own convolution
-    settled |= {
-        id(m) for m in modules if any(x is mixer for mixer in mixers for x in m.modules())
-    }  # its layer
+    named = list((decoder or model).named_modules())
+    carried = [name + "." for name, m in named if type(m).__name__ in CARRIED_MIXERS]
+
+    def settled(name: str) -> bool:  # a carried mixer, its own convolution, or a module around it (its layer)
+        path = name + "."
+        return any(path.startswith(c) or c.startswith(path) for c in carried)
+
     refused = set()
-    for module in modules:
+    for name, module in named:
         words = _words(type(module).__name__)
-        if id(module) not in settled and (
+        if not settled(name) and (
             isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d))
             or _STATEFUL_WORDS.intersection(words)
             or _STATEFUL_PAIRS.intersection(zip(words, words[1:]))
         ):
             refused.add(type(module).__name__)
-    return sorted({type(m).__name__ for m in mixers}), sorted(refused)[:4]
+    mixers = {type(m).__name__ for _, m in named if type(m).__name__ in CARRIED_MIXERS}
+    return sorted(mixers), sorted(refused)[:4]
 
 
 def logit_transform(config) -> tuple[float, float | None]:
