@@ -399,6 +399,23 @@ class Scaling:
             return None, full
         return row["peak_gib"] + full - reduced, full
 
+    def grad_sums_gib(self, row: dict) -> float | None:
+        """The planner's float32 gradient sums (GiB) of the full model in ``row``'s step (0 under ``native``)."""
+        if "config" not in row:
+            return None
+        config = OOMBConfig(**row["config"])
+        native = dataclasses.replace(config, grad_accumulation="native")
+        summed, plain = (planned_peak_gib(self.scale.config(), row["context"], c, self.device, precision(self.device))
+                         for c in (config, native))  # fmt: skip
+        return None if summed is None or plain is None else summed - plain
+
+
+def quadratic_time(n0: int, t0: float, n1: int, t1: float, n: int) -> float:
+    """``t(n)`` of ``t = a N + b N^2`` through ``(n0, t0)`` and ``(n1, t1)`` (per-token work + attention's)."""
+    b = (t1 / n1 - t0 / n0) / (n1 - n0)
+    a = t0 / n0 - b * n0
+    return a * n + b * n * n
+
 
 def offload_slope(rows: list[dict], scaling: Scaling) -> dict | None:
     """GPU memory growth (MB per 10K tokens) between the shortest and the longest measured step with every layer
@@ -491,6 +508,17 @@ def goal_table(scale: Scale, rows: list[dict], kernels: dict, plans: list[dict],
             f"{fmt(value, '.1f', ' GB')} ({fmt(peak, '.1f')} GiB; planner {fmt(planned, '.1f')} GiB)",
             f"{dense['layers']} layers measured {fmt(dense.get('peak_gib'), '.1f')} GiB + the planner's other layers",
         )
+        sums = scaling.grad_sums_gib(dense)  # the goal's bf16 gradients: the default float32 sums less
+        native = None if peak is None or sums is None else (peak - sums) * GIB / GB
+        add(
+            "peak at 256K with grad_accumulation: native",
+            "<= 33 GB",
+            native,
+            native is not None and native <= 33,
+            f"{fmt(native, '.1f', ' GB')} (the row above less the planner's float32 gradient sums, "
+            f"{fmt(sums, '.1f', ' GiB')})",
+            "bf16 .grad summed chunk by chunk (error grows with the chunks: bf16_grad_fidelity.py)",
+        )
         t = scaling.time(dense)
         tps = None if t is None else dense["context"] / t
         add(
@@ -500,6 +528,22 @@ def goal_table(scale: Scale, rows: list[dict], kernels: dict, plans: list[dict],
             tps is not None and tps >= 1500,
             f"{fmt(tps, ',.0f', ' tokens/s')} ({fmt(t, '.1f', ' s')} per step)",
             f"{dense['layers']} layers {dense['step_s']:.1f} s scaled to {full}; every layer offloaded",
+        )
+        mid = ok(rows, "128k-offload")
+        t_mid = None if mid is None else scaling.time(mid)
+        million = scaling.scale.lengths["1m"]
+        t_1m = (
+            None
+            if t is None or t_mid is None
+            else quadratic_time(mid["context"], t_mid, dense["context"], t, million)
+        )
+        add(
+            "dense 1M-token step (extrapolated)",
+            "<= 2,500 s",
+            t_1m,
+            t_1m is not None and t_1m <= 2500,
+            f"{fmt(t_1m, ',.0f', ' s')} (t = aN + bN^2 through the 128K and 256K offloaded steps, scaled to {full})",
+            "a prediction from measured steps, not a measured 1M step",
         )
     sparse = ok(rows, "256k-sparse")
     if sparse:

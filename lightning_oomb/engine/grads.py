@@ -38,11 +38,25 @@ class Float32GradSums:
 
     def _take(self, p: torch.Tensor) -> None:
         grad, p.grad = p.grad, None
+        if grad is None:  # autograd got no gradient for it (e.g. one added in place into the sum)
+            return
         held = self._sums[id(p)]
         if held is not None and held.dtype == torch.float32:
             held.add_(grad)
         else:
             self._sums[id(p)] = grad.float() if held is None else held.float().add_(grad)
+
+    def accumulator(self, p: torch.Tensor) -> torch.Tensor | None:
+        """``p``'s float32 sum, for a caller that adds a gradient into it in place (made now from the earlier
+        ``.grad`` or zeros); ``None`` if ``p`` is not one of the summed parameters."""
+        if id(p) not in self._sums:
+            return None
+        held = self._sums[id(p)]
+        if held is None or held.dtype != torch.float32:
+            held = self._sums[id(p)] = (
+                torch.zeros_like(p, dtype=torch.float32) if held is None else held.float()
+            )
+        return held
 
     def __exit__(self, *exc) -> None:
         for handle in self._handles:
@@ -51,3 +65,17 @@ class Float32GradSums:
         for p in self.params:  # one parameter at a time: at most one extra 16-bit copy exists at once
             total = self._sums.pop(id(p))
             p.grad = total if total is None or total.dtype == p.dtype else total.to(p.dtype)
+
+
+def gradient_accumulator(p: torch.Tensor, sums: Float32GradSums | None) -> torch.Tensor | None:
+    """Where a gradient of ``p`` may be added in place, as autograd would accumulate it: its float32 sum while
+    ``sums`` runs for it, else ``.grad`` (made zero if ``None``); ``None`` for a tensor autograd would not
+    accumulate into (frozen, or computed from others: not a leaf)."""
+    if not (p.requires_grad and p.is_leaf):
+        return None
+    held = None if sums is None else sums.accumulator(p)
+    if held is None:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        held = p.grad
+    return held

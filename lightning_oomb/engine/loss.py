@@ -12,17 +12,19 @@ states, the weight and the bias from the same logits: each block's logits are co
 value and again in backward), the softmax and the logit gradient overwrite the float32 logits in place, and ``dh``
 rows and the weight gradient are written in place into the tensors autograd receives. Backward only rescales them
 by ``grad / expected_grad``: exactly 1 when the caller says which gradient it will back-propagate (the engine does),
-so the logit gradient is scaled before its cast to the compute dtype, as in HF.
+so the logit gradient is scaled before its cast to the compute dtype, as in HF. Given ``weight_grad`` (the engine
+passes the weight's ``.grad``, or its float32 sum under :class:`~lightning_oomb.engine.grads.Float32GradSums`), the
+weight gradient is added into that tensor instead, so no ``[V, H]`` tensor is made per chunk (1 GiB at 7B) and
+autograd gets none for the weight.
 
-The weight gradient accumulates in the weight's dtype, one ``addmm_`` per block (its GEMM sums the block's tokens
-in float32 or wider): a 16-bit weight's running sum is rounded once per block — as a bf16 ``.grad`` is once per
-chunk — since a float32 accumulator would cost ``4VH`` bytes more, and ``2VH`` again for the cast autograd needs.
-Float32 weights under autocast get each block's compute-dtype product (as HF makes it), added in slabs of
-vocabulary rows no larger than the block's logits. The bias gradient (``V`` numbers) is summed in float32. Memory
-with grad, beyond the inputs: ``dh``, the weight gradient (``VH`` in the weight's dtype), under autocast one
-compute-dtype copy of the weight, and one block's logits: float32 logits and their compute-dtype cast (or the soft
-cap's derivative, if larger; under autocast plus a slab) — what
-:func:`~lightning_oomb.engine.planner.loss_backward_bytes` counts.
+The weight gradient accumulates in its target's dtype, one ``addmm_`` per block (its GEMM sums the block's tokens
+in float32 or wider): a 16-bit target's running sum is rounded once per block, as a bf16 ``.grad`` is by autograd
+once per chunk. A wider target (float32 weights under autocast, a float32 sum) gets each block's compute-dtype
+product (as HF makes it), added in slabs of vocabulary rows no larger than the block's logits. The bias gradient
+(``V`` numbers) is summed in float32. Memory with grad, beyond the inputs: ``dh``, the weight gradient (``VH`` in
+the weight's dtype) unless ``weight_grad`` is given, under autocast one compute-dtype copy of the weight, and one
+block's logits: float32 logits and their compute-dtype cast (or the soft cap's derivative, if larger; plus a slab
+for a wider target) — what :func:`~lightning_oomb.engine.planner.loss_backward_bytes` counts.
 """
 
 from __future__ import annotations
@@ -58,18 +60,30 @@ def linear_cross_entropy(
     targets: torch.Tensor,
     block: int = 1024,
     expected_grad: torch.Tensor | None = None,
+    weight_grad: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Summed CE of ``hidden [..., H]`` through the LM ``head`` against ``targets [...]``, ``block`` tokens at a time.
 
     With grad enabled and an input that requires it, the gradients are computed here, at once (module docstring);
     ``expected_grad``: the gradient the caller will back-propagate into the result, if known (the engine's backward
-    sweep), so that they are computed at that scale. Back-propagate once (``retain_graph`` is refused)."""
+    sweep), so that they are computed at that scale. ``weight_grad``: where to add the weight's gradient in place
+    (its ``.grad`` or a wider sum of it) instead of handing autograd a new ``[V, H]`` tensor; it needs
+    ``expected_grad``, which the result's gradient must then equal (checked). Back-propagate once (``retain_graph``
+    is refused)."""
     if block < 1:
         raise ValueError(f"block must be a positive number of tokens, got {block}")
+    if weight_grad is not None and (expected_grad is None or weight_grad.shape != head.weight.shape):
+        raise ValueError(
+            "weight_grad is added into in place before backward runs, so it needs expected_grad (the gradient "
+            f"that will reach the loss) and the weight's shape {tuple(head.weight.shape)}; got expected_grad="
+            f"{expected_grad!r}, weight_grad of shape {tuple(weight_grad.shape)}."
+        )
     hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     inputs = (hidden, head.weight, head.bias)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs):
-        return LinearCrossEntropy.apply(*inputs, targets, block, head.scale, head.softcap, expected_grad)
+        return LinearCrossEntropy.apply(
+            *inputs, targets, block, head.scale, head.softcap, expected_grad, weight_grad
+        )
     return _sweep(*inputs, targets, block, head.scale, head.softcap)
 
 
@@ -87,16 +101,21 @@ class LinearCrossEntropy(torch.autograd.Function):
     """``sum_i CE(hidden_i @ W^T + b, target_i)`` over non-ignored targets; gradients made in ``forward``."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, block, scale, softcap, expected_grad):
+    def forward(ctx, hidden, weight, bias, targets, block, scale, softcap, expected_grad, weight_grad):
         acc = _acc_dtype(_compute_dtype(hidden))
         factor = torch.ones((), dtype=acc, device=hidden.device)
-        if expected_grad is not None:  # a zero would lose the gradients: then rescale from 1
+        ctx.added = weight_grad is not None and ctx.needs_input_grad[1]  # the weight's gradient went in place
+        if ctx.added:  # at exactly that scale: it cannot be rescaled later
+            factor = expected_grad.to(acc)
+        elif expected_grad is not None:  # a zero would lose the gradients: then rescale from 1
             factor = torch.where(expected_grad == 0, factor, expected_grad.to(acc))
         need, device = ctx.needs_input_grad, hidden.device
         ctx.bias_dtype = None if bias is None else bias.dtype
+        if need[1] and not ctx.added:
+            weight_grad = torch.zeros(weight.shape, dtype=weight.dtype, device=device)
         ctx.grads = _Grads(
             torch.empty(hidden.shape, dtype=hidden.dtype, device=device) if need[0] else None,
-            torch.zeros(weight.shape, dtype=weight.dtype, device=device) if need[1] else None,
+            weight_grad if need[1] else None,
             torch.zeros(bias.shape, dtype=acc, device=device) if need[2] else None,  # V floats: summed wide
             factor,
         )
@@ -111,10 +130,16 @@ class LinearCrossEntropy(torch.autograd.Function):
                 "linear_cross_entropy's gradients were already handed out by an earlier backward — they are made "
                 "once, in its forward — back-propagate through it once (without retain_graph), or call it again."
             )
-        ratio = grad_total / grads.scale
-        dh, dw, db = (None if g is None else g.mul_(ratio) for g in (grads.hidden, grads.weight, grads.bias))
+        if ctx.added:  # made at the promised scale, the weight's already added: nothing to rescale
+            torch._assert_async(grad_total == grads.scale, "linear_cross_entropy: gradient != expected_grad")
+            dh, dw, db = grads.hidden, None, grads.bias
+        else:
+            ratio = grad_total / grads.scale
+            dh, dw, db = (
+                None if g is None else g.mul_(ratio) for g in (grads.hidden, grads.weight, grads.bias)
+            )
         del grads
-        return dh, dw, None if db is None else db.to(ctx.bias_dtype), None, None, None, None, None
+        return dh, dw, None if db is None else db.to(ctx.bias_dtype), None, None, None, None, None, None
 
 
 def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:

@@ -25,11 +25,12 @@ options that would make it fit (each tried in the planner).
   as a ``c`` copy. With ``layer_checkpointing`` a layer saves only its input (``rH``). Plus the final norm
   (``4H + 4 + rH``; the cross-entropy saves nothing) and the step's token ids (8 B x batch x N).
 - *loss transients* (:func:`loss_backward_bytes`, from ``engine/loss.py``, whose recompute makes the gradients in
-  its forward): its hidden states and ``dh`` (``2rH`` per token), the targets (8 B/token), the LM-head gradient in
-  the weight's dtype (``pVH``), under autocast the weight's compute-dtype copy (``cVH``), and one block's logits
-  (``b = min(loss_block, T)``): float32 logits plus their compute-dtype cast, ``(4 + c) b V`` (``4bV`` in float32,
-  ``8bV`` in float64; a soft cap's derivative makes it at least ``8bV``), under autocast plus a ``c min(b, H) V``
-  slab of the weight gradient's product.
+  its forward): its hidden states and ``dh`` (``2rH`` per token), the targets (8 B/token), under autocast the
+  weight's compute-dtype copy (``cVH``), and one block's logits (``b = min(loss_block, T)``): float32 logits plus
+  their compute-dtype cast, ``(4 + c) b V`` (``4bV`` in float32, ``8bV`` in float64; a soft cap's derivative makes
+  it at least ``8bV``), plus a ``c min(b, H) V`` slab of the weight gradient's product when that is added into a
+  wider tensor (float32 weights under autocast, float32 gradient sums). The LM-head gradient itself is added in
+  place into ``.grad`` or its float32 sum (counted there), not made anew per chunk.
 - *layer transients* (:func:`layer_backward_bytes`): while the last decoder layer back-propagates — with
   checkpointing its recompute's saved tensors again — the gradients in flight (``3cI + 2rH`` per token in the MLP,
   ``2rQ + 4Q + 4 r Hkv D + 2rH`` in attention) and, on the torch reference attention backend, four float32
@@ -517,21 +518,30 @@ def _head_bytes_per_token(shape: ModelShape, dtypes: Dtypes) -> int:
 
 
 def loss_backward_bytes(
-    shape: ModelShape, dtypes: Dtypes, tokens: int, loss_block: int, head_trainable: bool = True
+    shape: ModelShape,
+    dtypes: Dtypes,
+    tokens: int,
+    loss_block: int,
+    head_trainable: bool = True,
+    accumulator: torch.dtype | None = None,
 ) -> int:
     """Peak bytes the chunked cross-entropy allocates with grad for a chunk of ``tokens`` (``engine/loss.py``): its
-    hidden states, ``dh`` and targets, the LM-head gradient, the weight's autocast copy and one block's logits (see
-    the module docstring)."""
+    hidden states, ``dh`` and targets, the weight's autocast copy, one block's logits and the LM-head gradient — a
+    new ``[V, H]`` one in the weight's dtype, or with ``accumulator`` (the dtype of the tensor it is added into in
+    place, as the engine does) none; added into a wider tensor, in slabs (see the module docstring)."""
     v, h = shape.vocab_size, shape.hidden_size
     c, r, p = dtypes.compute.itemsize, dtypes.activation.itemsize, dtypes.param.itemsize
     acc = 8 if dtypes.compute == torch.float64 else 4
     block = min(loss_block, tokens)
-    widened = dtypes.param != dtypes.compute  # autocast: the weight cast once, its gradient made in slabs
+    widened = dtypes.param != dtypes.compute  # autocast: the weight cast once for every block
     logits = (acc + (c if c != acc else 0)) * block * v  # float32 logits and their 16-bit original or cast
     moments = [logits, 2 * acc * block * v if shape.logit_softcap else 0]  # + a soft cap's derivative
-    if widened and head_trainable:  # + a compute-dtype slab of the weight gradient (<= the logits' size)
+    if (
+        head_trainable and (accumulator or dtypes.param) != dtypes.compute
+    ):  # + a compute-dtype slab of its product
         moments.append(logits + c * min(block, h) * v)
-    head = v * h * (p if head_trainable else 0) + (v * h * c if widened else 0)
+    new_grad = v * h * p if head_trainable and accumulator is None else 0
+    head = new_grad + (v * h * c if widened else 0)
     return (2 * r * h + ID_BYTES) * tokens + head + max(moments)
 
 
@@ -900,7 +910,11 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     saved = saved_bytes(shape, dtypes, batch, seq_len, config.chunk_size, ckpt, len(tiers.host_layers))
     activations = sum(saved.values())
     tokens = batch * min(config.chunk_size, seq_len)
-    loss = loss_backward_bytes(shape, dtypes, tokens, config.loss_block, shape.head_trainable)
+    summed = (
+        config.grad_accumulation == "float32" and dtypes.param in HALF_DTYPES
+    )  # the head's gradient goes there
+    accumulator = torch.float32 if summed else dtypes.param
+    loss = loss_backward_bytes(shape, dtypes, tokens, config.loss_block, shape.head_trainable, accumulator)
     streamed = bool(tiers.host_layers) and tiers.host_layers[-1] == pool.num_layers - 1
     boundaries = max(math.ceil(seq_len / config.chunk_size) - 1, 0)
     carried = shape.carried_state_bytes(dtypes.activation) * batch * boundaries

@@ -25,7 +25,7 @@ from lightning_oomb.engine.batch import key_floors, plan_layout
 from lightning_oomb.engine.config import OOMBConfig
 from lightning_oomb.engine.context import ContextChunk, ContextGroup, Layout, SharedSummaries, fingerprint
 from lightning_oomb.engine.errors import OOMBConfigError
-from lightning_oomb.engine.grads import Float32GradSums
+from lightning_oomb.engine.grads import Float32GradSums, gradient_accumulator
 from lightning_oomb.engine.kv_pool import KVPool
 from lightning_oomb.engine.loss import IGNORE_INDEX, linear_cross_entropy
 from lightning_oomb.engine.model import ChunkModel
@@ -326,11 +326,18 @@ class OOMBEngine:
             )
 
     def _chunk_loss(
-        self, step: _Step, index: int, sweep: str, grad_output=None, states: ChunkStates | None = None
+        self,
+        step: _Step,
+        index: int,
+        sweep: str,
+        grad_output=None,
+        states: ChunkStates | None = None,
+        sums: Float32GradSums | None = None,
     ) -> torch.Tensor:
         """The chunk's loss; ``grad_output``: what the backward sweep will back-propagate into the step's loss (the
-        cross-entropy then makes its gradients at once, at the scale autograd's division gives them); ``states``:
-        the chunk's carried states (:mod:`lightning_oomb.engine.states`)."""
+        cross-entropy then makes its gradients at once, at the scale autograd's division gives them, and adds the
+        LM head's weight gradient in place into ``.grad`` or its float32 sum in ``sums``); ``states``: the chunk's
+        carried states (:mod:`lightning_oomb.engine.states`)."""
         start, end = step.bounds[index]
         docs = None if step.doc_start is None else step.doc_start[:, start:end]
         chunk = ChunkContext(
@@ -361,7 +368,9 @@ class OOMBEngine:
         denominator = max(step.denominator, 1)
         # the gradient autograd will hand the cross-entropy: the division's backward, the same op
         expected = None if grad_output is None else grad_output / denominator
-        total = linear_cross_entropy(hidden, self.model.lm_head(), targets, self.config.loss_block, expected)
+        head = self.model.lm_head()
+        into = None if expected is None else gradient_accumulator(head.weight, sums)
+        total = linear_cross_entropy(hidden, head, targets, self.config.loss_block, expected, into)
         loss = total / denominator
         if step.step_loss is not None and sweep == "backward":
             loss = loss + step.step_loss.chunk_term()
@@ -401,15 +410,21 @@ class OOMBEngine:
         devices = [device] if device.type == "cuda" else []
         fork = torch.random.fork_rng(devices=devices, device_type=device.type)
         native = self.config.grad_accumulation == "native"
-        sums = contextlib.nullcontext() if native else Float32GradSums(self._parameters())
+        sums = None if native else Float32GradSums(self._parameters())
         engaged = self.model.engaged(step.input_ids.shape[1])
-        with self._reporting(), fork, sums, self._sweep("backward", step), engaged:
+        with (
+            self._reporting(),
+            fork,
+            sums or contextlib.nullcontext(),
+            self._sweep("backward", step),
+            engaged,
+        ):
             carried = step.states
             for index in reversed(range(len(step.bounds))):
                 rng[index].restore()
                 with torch.enable_grad(), autocast():
                     states = None if carried is None else carried.backward_chunk(index)
-                    loss = self._chunk_loss(step, index, "backward", grad_output, states)
+                    loss = self._chunk_loss(step, index, "backward", grad_output, states, sums)
                 # with carried states, their gradients from the next chunk flow in with the loss's
                 boundary, grads = ([], []) if carried is None else carried.boundary_gradients(states)
                 torch.autograd.backward([loss, *boundary], [grad_output, *grads])

@@ -6,9 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_oomb.engine import OOMBConfig, OOMBEngine
+from lightning_oomb.engine import OOMBConfig, OOMBEngine, planner
 from lightning_oomb.engine import loss as loss_module
 from lightning_oomb.engine.loss import LMHead, linear_cross_entropy, shift_labels
+from lightning_oomb.engine.planner import ModelShape
 from lightning_oomb.integrations.hf import HFChunkModel
 from tests.helpers.memory import cross_entropy_peak
 from tests.helpers.models import build_causal_lm
@@ -132,6 +133,60 @@ def test_backward_holds_one_blocks_logits_and_one_bf16_weight_gradient():
         )  # + a block's per-row vectors (lse, ...)
         assert peak < 4 * vocab * hidden
     assert abs(peaks[8 * block] - peaks[block] - per_token * 7 * block) <= 256
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.37, 0.0])
+@pytest.mark.parametrize("into", [torch.float64, torch.float32], ids=["same-dtype", "wider"])
+def test_weight_gradient_added_in_place_into_a_given_tensor(scale, into):
+    """``weight_grad``: the weight's gradient is added into that tensor (a wider one too) at the promised scale —
+    zero included — autograd gets none for the weight, ``dh`` and the bias as without it; a backward with another
+    gradient than the promised one is an error, as is ``weight_grad`` without ``expected_grad``."""
+    dtype = torch.float64 if into == torch.float64 else torch.float32
+    h, w, b, t = random_inputs(11, dtype=dtype, bias=True)
+    head = LMHead(w, b, 0.5, 2.0)
+    _, (dh, dw, db) = loss_and_grads(linear_cross_entropy, h, head, t, scale, block=5)
+    earlier = torch.randn(w.shape, dtype=into, generator=torch.Generator().manual_seed(2))
+    target = earlier.clone()
+    expected = torch.tensor(scale, dtype=dtype)
+    _, grads = loss_and_grads(
+        linear_cross_entropy, h, head, t, scale, block=5, expected_grad=expected, weight_grad=target
+    )
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    assert grads[1] is None and torch.allclose(target - earlier, dw.to(into), atol=tol, rtol=0)
+    torch.testing.assert_close(grads[0], dh, atol=tol, rtol=0)
+    torch.testing.assert_close(grads[2], db, atol=tol, rtol=0)
+    with pytest.raises(RuntimeError, match="expected_grad"):
+        loss_and_grads(
+            linear_cross_entropy,
+            h,
+            head,
+            t,
+            2.0,
+            block=5,
+            expected_grad=torch.tensor(1.0),
+            weight_grad=target,
+        )
+    with pytest.raises(ValueError, match="needs expected_grad"):
+        linear_cross_entropy(h, head, t, 5, weight_grad=target)
+
+
+def test_no_weight_gradient_tensor_is_made_when_it_goes_in_place():
+    """bf16: with ``weight_grad`` the peak is the block's logits and the per-token part only (no [V, H] tensor), and
+    what the plan counts for it; into a float32 sum plus one bf16 slab of the product (at most the logits' size)."""
+    vocab, hidden, block, n = 1024, 64, 4, 32
+    shape = ModelShape(1, hidden, hidden, 1, 1, hidden, vocab, vocab)
+    dtypes = planner.Dtypes(torch.bfloat16, torch.bfloat16, torch.bfloat16)
+    for into in (torch.bfloat16, torch.float32):
+        target = torch.zeros(vocab, hidden, dtype=into)
+
+        def in_place(h, head, t, blk, target=target):
+            return linear_cross_entropy(h, head, t, blk, torch.ones((), dtype=torch.float32), target)
+
+        peak = cross_entropy_peak(vocab, hidden, n, block, loss_fn=in_place, exclude=[target])
+        predicted = planner.loss_backward_bytes(shape, dtypes, n, block, True, into)
+        assert 0 <= peak - predicted <= 8 * block * hidden, (into, peak, predicted)
+        slab = 2 * block * vocab if into == torch.float32 else 0
+        assert peak <= 6 * block * vocab + slab + (4 * hidden + 8) * n + 256, (into, peak)
 
 
 def test_gradients_are_made_once_and_handed_out_once():

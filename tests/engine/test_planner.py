@@ -172,8 +172,13 @@ def test_float32_gradient_sums_count_two_bytes_per_trainable_16_bit_parameter():
     plans = {acc: plan(model, 64, 1, OOMBConfig(32, 16, grad_accumulation=acc), "bf16-true", None, BIG_CPU)
              for acc in ("float32", "native")}  # fmt: skip
     assert plans["float32"].device["grad_sums"] == 2 * trainable and plans["native"].device["grad_sums"] == 0
+    shape, dtypes = planner.model_shape(model), planner.precision_dtypes("bf16-true")
+    slab = (planner.loss_backward_bytes(shape, dtypes, 32, 1024, True, torch.float32)
+            - planner.loss_backward_bytes(shape, dtypes, 32, 1024, True, torch.bfloat16))  # fmt: skip
+    assert slab > 0  # the head's gradient is added into its float32 sum a vocabulary slab at a time
     for phase, native in plans["native"].phases.items():
-        assert plans["float32"].phases[phase] - native == (0 if phase == "optimizer step" else 2 * trainable)
+        extra = {"optimizer step": 0, "loss backward": 2 * trainable + slab}.get(phase, 2 * trainable)
+        assert plans["float32"].phases[phase] - native == extra, phase
     assert plan(model.float(), 64, 1, OOMBConfig(32, 16), "32-true", None, BIG_CPU).device["grad_sums"] == 0
     cfg = qwen2_5_7b_config()
     at_4k = plan(cfg, 4096, 1, OOMBConfig(), "bf16-true", None, H200)
@@ -260,11 +265,11 @@ def test_qwen2_5_7b_on_an_h200():
     ("precision", "config", "device_gib", "changes"),
     [("bf16-true", OOMBConfig(layer_checkpointing=True, grad_accumulation="native"), 88, {"optimizer": "fused"}),
      ("bf16-mixed", OOMBConfig(), 141e9 / 2**30, {"precision": "bf16-true"}),
-     ("bf16-true", OOMBConfig(layer_checkpointing=True), 95, {"grad_accumulation": "native"})],
+     ("bf16-true", OOMBConfig(layer_checkpointing=True), 93, {"grad_accumulation": "native"})],
 )  # fmt: skip
 def test_options_beyond_the_strategys_own(precision, config, device_gib, changes):
     """At the optimizer step's peak a fused AdamW fits; under autocast, 16-bit weights and states do; at the loss
-    backward's peak with the float32 gradient sums, native accumulation does."""
+    backward's peak with the float32 gradient sums (94.8 GiB), native accumulation (91.9 GiB) does."""
     machine = Machine("cuda", int(device_gib * 2**30), 128 * 2**30)
     result = plan(qwen2_5_7b_config(), 131072, 1, config, precision, "adamw", machine)
     assert not result.fits and changes in [o.changes for o in result.options]

@@ -48,10 +48,11 @@ def cross_entropy_peak(
     softcap: float | None = None,
     frozen: bool = False,
     loss_fn=None,
+    exclude=(),
 ) -> int:
     """Peak bytes a forward + backward with grad of the chunked cross-entropy (or of ``loss_fn(hidden, head,
     targets, block)``) allocates on the CPU — its hidden states and targets made inside, as the engine makes them;
-    the LM-head weight (``[vocab, hidden]``) not counted."""
+    the LM-head weight (``[vocab, hidden]``) and ``exclude`` not counted."""
     from lightning_oomb.engine.loss import LMHead, linear_cross_entropy
 
     loss_fn = loss_fn or linear_cross_entropy
@@ -59,7 +60,7 @@ def cross_entropy_peak(
     w = torch.randn(vocab, hidden, dtype=dtype, generator=gen, requires_grad=not frozen)
     h0 = torch.randn(tokens, hidden, dtype=dtype, generator=gen)
     t0 = torch.randint(0, vocab, (tokens,), generator=gen)
-    with LiveBytes(exclude=[w]) as live:
+    with LiveBytes(exclude=[w, *exclude]) as live:
         h, t = h0.clone().requires_grad_(), t0.clone()
         with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
             loss = loss_fn(h, LMHead(w, softcap=softcap), t, block)
