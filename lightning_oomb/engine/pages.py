@@ -289,18 +289,11 @@ class Arena:
         for size in sizes[:-1]:
             offsets.append(offsets[-1] + math.ceil(size / _ALIGN) * _ALIGN)
         total = offsets[-1] + sizes[-1]
+        self._unpin = None
         if host:
-            storage = torch.empty(total, dtype=torch.uint8)
+            storage, self._unpin = page_locked_bytes(total, self)
         else:
             storage = torch.zeros(total, dtype=torch.uint8, device=device)
-        self._unpin = None
-        if host and torch.cuda.is_available():
-            _check_cuda(
-                torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), total, 0), "cudaHostRegister"
-            )
-            # unregister before the bytes go back to malloc, even if the arena is dropped without free()
-            self._unpin = weakref.finalize(self, _unregister, storage.data_ptr())
-            self._unpin.atexit = False
         dtypes = (shape.dtype, shape.dtype, shape.grad_dtype, shape.grad_dtype)
         self.k, self.v, self.dk, self.dv = (
             storage[o : o + n].view(t).view(slots, *page)
@@ -341,6 +334,20 @@ def arena_bytes(slots: int, shape: PoolShape) -> int:
         return 0
     sizes = [arena_part_bytes(slots, shape, part) for part in ("kv", "kv", "grad", "grad")]
     return sum(math.ceil(s / _ALIGN) * _ALIGN for s in sizes[:-1]) + sizes[-1]
+
+
+def page_locked_bytes(total: int, owner: object) -> tuple[torch.Tensor, weakref.finalize | None]:
+    """``total`` uninitialised CPU bytes, page-locked with ``cudaHostRegister`` when CUDA is available, and the
+    finalizer that unregisters them (called by the owner's ``free``, or when ``owner`` is collected; ``None``
+    without CUDA)."""
+    storage = torch.empty(total, dtype=torch.uint8)
+    if not torch.cuda.is_available():
+        return storage, None
+    _check_cuda(torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), total, 0), "cudaHostRegister")
+    # unregister before the bytes go back to malloc, even if the owner is dropped without free()
+    unpin = weakref.finalize(owner, _unregister, storage.data_ptr())
+    unpin.atexit = False
+    return storage, unpin
 
 
 def _check_cuda(code, what: str) -> None:

@@ -43,6 +43,10 @@ options that would make it fit (each tried in the planner).
 - *float32 gradient sums* (``grad_accumulation="float32"``, the default): during the backward sweep every trainable
   16-bit parameter's gradient is a 4-byte sum instead of its 2-byte ``.grad`` (:mod:`~lightning_oomb.engine.grads`):
   2 bytes per such parameter, in every moment of the sweep, not at the optimizer step.
+- *carried states* (hybrids: :mod:`~lightning_oomb.engine.states`): each row's recurrent / convolution states at
+  every chunk boundary; with ``offload=True`` they wait in a page-locked host buffer instead (counted in the host
+  tier, each boundary rounded up to 8 bytes) and the device holds two boundaries' worth (a chunk's incoming leaves
+  and the gradients it hands on).
 - *optimizer step*: torch's ``foreach`` Adam/AdamW (its default on CUDA) makes one state-sized ``sqrt`` copy of
   the largest parameter group (the for-loop one of the largest parameter; fused: none).
 
@@ -85,6 +89,7 @@ from lightning_oomb.engine.grads import HALF_DTYPES
 from lightning_oomb.engine.kv_pool import HOST_RESERVE_BYTES, hbm_budget, host_memory_available, plan_tiers
 from lightning_oomb.engine.pages import GRAD_DTYPES, PoolShape, arena_bytes
 from lightning_oomb.engine.reference import KEY_BLOCK
+from lightning_oomb.engine.states import BOUNDARY_ALIGN
 
 # measured step rates per device kind ("nvidia-h200": {"attention_flops": ..., "dense_flops": ..., "h2d_bytes": ...});
 # empty until benchmarks/ records GPU measurements: then MemoryPlan.step_time_s can be predicted from them
@@ -918,6 +923,12 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     streamed = bool(tiers.host_layers) and tiers.host_layers[-1] == pool.num_layers - 1
     boundaries = max(math.ceil(seq_len / config.chunk_size) - 1, 0)
     carried = shape.carried_state_bytes(dtypes.activation) * batch * boundaries
+    if (
+        config.offload and carried
+    ):  # kept in the host buffer; the device holds a chunk's leaves and their gradients
+        per_boundary = shape.carried_state_bytes(dtypes.activation) * batch
+        host += math.ceil(per_boundary / BOUNDARY_ALIGN) * BOUNDARY_ALIGN * boundaries
+        carried = per_boundary * min(boundaries, 2)
     mlp_bwd, attn_bwd = layer_backward_bytes(
         shape, dtypes, batch, seq_len, config.chunk_size, ckpt, backend, streamed
     )

@@ -32,7 +32,7 @@ from lightning_oomb.engine.model import ChunkModel
 from lightning_oomb.engine.offload import Transport, default_transport
 from lightning_oomb.engine.pages import PoolShape
 from lightning_oomb.engine.sparse import SparseStats, SparseStep, check_budget
-from lightning_oomb.engine.states import CarriedStates, ChunkStates
+from lightning_oomb.engine.states import CarriedStates, ChunkStates, HostStates
 
 
 @dataclass
@@ -139,6 +139,7 @@ class OOMBEngine:
         if context is not None:
             check_context(self.config, context.size)
         self.pool = KVPool(self.config, transport)
+        self.host_states = HostStates()  # the carried states' host buffer under offload (grows on first use)
         self.stats = StepStats()
         self._page_budget = self.config.page_budget
         self.probe_recall = False
@@ -286,7 +287,8 @@ class OOMBEngine:
         states = None
         if getattr(model, "carries_states", False):
             check_carried_states(bounds, layout, batch_layout.doc_start)
-            states = CarriedStates()
+            host = self.host_states if self.config.offload else None
+            states = CarriedStates(host=host, boundaries=len(bounds) - 1)
         return _Step(input_ids, targets, denominator, shape, backend, bounds, batch_layout.positions,
                      batch_layout.doc_start, floors, step_loss, sparse, layout, shared, states,
                      batch_layout.tokens)  # fmt: skip
@@ -446,7 +448,14 @@ class OOMBEngine:
             kv_bytes=shape.kv_bytes if shape else 0,
             grad_bytes=shape.grad_bytes if shape else 0,
             extra=self.pool.stats()
-            | ({} if step.states is None else {"carried_state_bytes": step.states.nbytes}),
+            | (
+                {}
+                if step.states is None
+                else {
+                    "carried_state_bytes": step.states.nbytes,
+                    "carried_state_host_bytes": step.states.host_nbytes,
+                }
+            ),
             sparse=None if step.sparse is None else step.sparse.stats(),
         )
 

@@ -12,13 +12,24 @@ A model's layer reads :meth:`ChunkStates.incoming` (``None`` in the first chunk)
 :meth:`ChunkStates.outgoing`; keys are any hashable naming the layer's state, e.g. ``(layer_idx, "conv", 0)``. A
 layer's second call in one chunk (the recompute of per-layer checkpointing) reads the same incoming leaves and
 its report is ignored: the first is the one in the chunk's graph.
+
+With ``offload=True`` the kept states wait in page-locked host memory (:class:`HostStates`, one buffer for all of
+a step's boundaries): the forward sweep copies each boundary's states out once and keeps on the device only those
+the next chunk starts from; the backward sweep copies a chunk's back before its recompute. The copies are
+asynchronous on the current stream, which orders each after the state it reads and before the recompute reading
+it; the buffer is only rewritten by the next step's forward sweep, after every copy back.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable
 
 import torch
+
+from lightning_oomb.engine.pages import page_locked_bytes
+
+BOUNDARY_ALIGN = 8  # bytes: every boundary's states start at a multiple, so each dtype's view is aligned
 
 
 class ChunkStates:
@@ -42,39 +53,120 @@ class ChunkStates:
         self.reported.setdefault(key, state)
 
 
+def boundary_bytes(states: dict[Hashable, torch.Tensor]) -> int:
+    """Bytes one boundary's states take in :class:`HostStates` (their sum, rounded up to ``BOUNDARY_ALIGN``)."""
+    total = sum(t.numel() * t.element_size() for t in states.values())
+    return math.ceil(total / BOUNDARY_ALIGN) * BOUNDARY_ALIGN
+
+
+class HostStates:
+    """Chunk boundaries' states in one page-locked host buffer, ``boundaries x boundary_bytes``; a boundary's states
+    lie back to back, widest dtype first (so each view is aligned). The buffer only grows, across steps."""
+
+    def __init__(self) -> None:
+        self._storage: torch.Tensor | None = None
+        self._unpin = None
+        self._layout: dict[Hashable, tuple[int, torch.Size, torch.dtype]] = {}
+        self._stride = 0
+        self.device: torch.device | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._storage is None else self._storage.numel()
+
+    def reserve(self, boundaries: int, states: dict[Hashable, torch.Tensor]) -> None:
+        """Lay out ``states`` (one boundary's, as every boundary of the step reports them) for ``boundaries``."""
+        offset, self._layout = 0, {}
+        for key, t in sorted(states.items(), key=lambda kv: -kv[1].element_size()):
+            self._layout[key] = (offset, t.shape, t.dtype)
+            offset += t.numel() * t.element_size()
+        self._stride, self.device = boundary_bytes(states), next(iter(states.values())).device
+        if self._storage is None or self._storage.numel() < boundaries * self._stride:
+            self.free()
+            self._storage, self._unpin = page_locked_bytes(boundaries * self._stride, self)
+
+    def fits(self, states: dict[Hashable, torch.Tensor]) -> bool:
+        """Whether ``states`` have the reserved layout (every boundary of a step has)."""
+        return states.keys() == self._layout.keys() and all(
+            (t.shape, t.dtype, t.device) == (*self._layout[k][1:], self.device) for k, t in states.items()
+        )
+
+    def put(self, boundary: int, states: dict[Hashable, torch.Tensor]) -> None:
+        """Copy boundary ``boundary``'s states (the ones chunk ``boundary`` starts from) out."""
+        for key, state in states.items():
+            self._view(boundary, key).copy_(state, non_blocking=True)
+
+    def get(self, boundary: int) -> dict[Hashable, torch.Tensor]:
+        """Boundary ``boundary``'s states, copied back to the device they came from."""
+        return {
+            key: self._view(boundary, key).to(self.device, non_blocking=True, copy=True)
+            for key in self._layout
+        }
+
+    def _view(self, boundary: int, key: Hashable) -> torch.Tensor:
+        offset, shape, dtype = self._layout[key]
+        start = (boundary - 1) * self._stride + offset
+        return self._storage[start : start + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+
+    def free(self) -> None:
+        """Unpin and drop the buffer (the next :meth:`reserve` makes a new one)."""
+        if self._unpin is not None:
+            self._unpin()  # synchronizes first: no copy may still use it
+        self._storage = self._unpin = None
+
+
 class CarriedStates:
     """One step's states at its chunk boundaries (see the module docstring).
 
     Args:
         keep: the forward sweep keeps every boundary's states for the backward sweep (``False``: evaluation, only
             the previous chunk's states are held).
+        host: where the kept states wait for the backward sweep (``offload=True``); ``None``: on their device.
+        boundaries: the step's chunk boundaries (chunks - 1), what ``host`` is reserved for.
     """
 
-    def __init__(self, keep: bool = True) -> None:
-        self.keep = keep
+    def __init__(self, keep: bool = True, host: HostStates | None = None, boundaries: int = 0) -> None:
+        self.keep, self.host, self.boundaries = keep, host, boundaries
         self._stored: dict[int, dict[Hashable, torch.Tensor]] = {}
+        self._on_host: set[int] = set()
         self._grads: dict[Hashable, torch.Tensor] = {}
         self._leaves: dict[Hashable, torch.Tensor] = {}
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the storages the held states keep alive (every chunk boundary's after a forward sweep)."""
+        """Bytes of the storages the held states keep alive on their device (after a forward sweep every chunk
+        boundary's, none with ``host``)."""
         return sum(t.untyped_storage().nbytes() for states in self._stored.values() for t in states.values())
+
+    @property
+    def host_nbytes(self) -> int:
+        """Bytes of the host buffer holding this step's states (0 without ``host``)."""
+        return self.host.nbytes if self._on_host else 0
 
     def forward_chunk(self, index: int) -> ChunkStates:
         """Chunk ``index`` of a forward sweep: its incoming states (without graph)."""
-        incoming = self._stored.get(index, {}) if self.keep else self._stored.pop(index, {})
-        return ChunkStates(incoming)
+        later = self.keep and index not in self._on_host  # the backward sweep reads them from here
+        return ChunkStates(self._stored.get(index, {}) if later else self._stored.pop(index, {}))
 
     def finish_forward(self, index: int, chunk: ChunkStates) -> None:
         """Keep what chunk ``index`` (not the last) reported as the next chunk's incoming states: copies, so a state
-        that is a view (e.g. a convolution input's last columns) does not keep its whole base alive."""
-        self._stored[index + 1] = {key: state.detach().clone() for key, state in chunk.reported.items()}
+        that is a view (e.g. a convolution input's last columns) does not keep its whole base alive; with ``host``,
+        copied out too, for the backward sweep."""
+        states = {key: state.detach().clone() for key, state in chunk.reported.items()}
+        self._stored[index + 1] = states
+        if self.host is None or not self.keep or not states:
+            return
+        if index == 0:
+            self.host.reserve(self.boundaries, states)
+        if self.host.fits(states):
+            self.host.put(index + 1, states)
+            self._on_host.add(index + 1)
 
     def backward_chunk(self, index: int) -> ChunkStates:
         """Chunk ``index`` of the backward sweep: its stored incoming states as leaves that require grad (freed
         from the store)."""
-        stored = self._stored.pop(index, {})
+        stored = self.host.get(index) if index in self._on_host else self._stored.pop(index, {})
+        self._on_host.discard(index)
         self._leaves = {key: state.detach().requires_grad_(True) for key, state in stored.items()}
         return ChunkStates(self._leaves)
 

@@ -77,25 +77,50 @@ def model_and_ids(seq: int = 45):
     return model, torch.randint(0, 32, (2, seq), generator=torch.Generator().manual_seed(1))
 
 
+@pytest.mark.parametrize("offload", [False, True], ids=["on-device", "host-buffer"])
 @pytest.mark.parametrize("checkpointing", [False, True])
 @pytest.mark.parametrize("chunk_size", [64, 16, 8])
-def test_states_and_their_gradients_cross_chunk_boundaries_exactly(chunk_size, checkpointing):
+def test_states_and_their_gradients_cross_chunk_boundaries_exactly(chunk_size, checkpointing, offload):
+    """On the device or, under offload, through the host buffer (two steps: the second reuses it)."""
     model, ids = model_and_ids()
     want_loss = model.full_sequence_loss(ids)
     want_loss.backward()
     want = grads_of(model)
-    model.zero_grad()
     model.layer_checkpointing = checkpointing
-    engine = OOMBEngine(model, OOMBConfig(chunk_size, 8, attention_backend="torch"))
-    loss = engine.loss(ids)
-    loss.backward()
-    assert abs(loss.item() - want_loss.item()) <= 1e-10 * want_loss.item()
-    assert max_relative_error(grads_of(model), want) <= 1e-10
-    boundaries = -(-45 // chunk_size) - 1
-    assert (
-        engine.stats.extra["carried_state_bytes"] == boundaries * 2 * 16 * 8
-    )  # one [B, dim] float64 state each
+    engine = OOMBEngine(model, OOMBConfig(chunk_size, 8, attention_backend="torch", offload=offload))
+    for _ in range(2):
+        model.zero_grad()
+        loss = engine.loss(ids)
+        loss.backward()
+        assert abs(loss.item() - want_loss.item()) <= 1e-10 * want_loss.item()
+        assert max_relative_error(grads_of(model), want) <= 1e-10
+    held = (-(-45 // chunk_size) - 1) * 2 * 16 * 8  # the boundaries' [B, dim] float64 states
+    on_device, on_host = (0, held) if offload else (held, 0)
+    assert engine.stats.extra["carried_state_bytes"] == on_device
+    assert engine.stats.extra["carried_state_host_bytes"] == on_host
     assert engine.evaluate(ids).item() == pytest.approx(want_loss.item(), rel=1e-12)
+
+
+def test_a_boundary_that_does_not_fit_the_host_layout_stays_on_the_device():
+    """The host buffer is laid out from the first boundary's states; a later boundary reporting others (a model
+    whose states change shape) keeps them on the device, and both come back as they went."""
+    from lightning_oomb.engine.states import CarriedStates, ChunkStates, HostStates
+
+    states = CarriedStates(host=HostStates(), boundaries=2)
+    first, second = (
+        {"h": torch.randn(2, 3)},
+        {"h": torch.randn(2, 5), "c": torch.randn(4, dtype=torch.float64)},
+    )
+    for index, reported in enumerate((first, second)):
+        states.forward_chunk(index)
+        chunk = ChunkStates({})
+        chunk.reported.update(reported)
+        states.finish_forward(index, chunk)
+    states.forward_chunk(2)
+    assert states.host_nbytes == 2 * 24 and states.nbytes == 2 * 5 * 4 + 4 * 8  # the second boundary's
+    for index, reported in ((2, second), (1, first)):
+        back = states.backward_chunk(index)
+        assert all(torch.equal(back.incoming(key), value) for key, value in reported.items())
 
 
 def test_without_carrying_the_state_the_gradients_are_wrong():

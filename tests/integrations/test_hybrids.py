@@ -170,19 +170,29 @@ def test_recurrent_models_oomb_cannot_continue_are_refused(layer, model):
         HFChunkModel(model)
 
 
+@pytest.mark.parametrize("offload", [False, True], ids=["on-device", "offload"])
 @pytest.mark.parametrize("family", list(HYBRIDS))
-def test_the_planner_predicts_the_pool_and_the_carried_states_exactly(family):
-    """Pages only for the attention layers, and the states kept at the chunk boundaries, as measured."""
+def test_the_planner_predicts_the_pool_and_the_carried_states_exactly(family, offload):
+    """Pages only for the attention layers, and the states kept at the chunk boundaries, as measured: on the device,
+    or under offload in the host buffer (the device then keeps none after the forward sweep)."""
     from lightning_oomb.engine.planner import Machine, plan
 
     model = build_hybrid(family, dtype=torch.float32)
     ids = ids_for(model)
     adapter = HFChunkModel(model)
-    config = OOMBConfig(16, 8)
+    config = OOMBConfig(16, 8, offload=offload)
     engine = OOMBEngine(adapter, config)
     engine.loss(ids).backward()
     predicted = plan(adapter, SEQ, 2, config, "32-true", None, Machine("cpu", 1 << 40, 1 << 40))
-    assert predicted.device["carried_states"] == engine.stats.extra["carried_state_bytes"] > 0
+    stats = engine.stats.extra
+    if offload:
+        assert stats["carried_state_bytes"] == 0 and stats["carried_state_host_bytes"] > 0
+        assert predicted.host_tier == stats["host_pool_bytes"] + stats["carried_state_host_bytes"]
+        boundaries = -(-SEQ // 16) - 1
+        assert predicted.device["carried_states"] * boundaries == 2 * stats["carried_state_host_bytes"]
+    else:
+        assert predicted.device["carried_states"] == stats["carried_state_bytes"] > 0
+        assert stats["carried_state_host_bytes"] == 0
     assert predicted.pool.num_layers == engine.pool.shape.num_layers < model.config.num_hidden_layers or (
         family == "falcon_h1"  # attention and Mamba2 side by side in every layer
     )
@@ -205,6 +215,7 @@ def test_hybrid_attention_layers_offload_and_go_sparse(options):
         grads = grads_of(model)
     if "offload" in options:
         assert engine.stats.extra["host_layers"] == 1 and engine.stats.extra["h2d_bytes"] > 0
+        assert engine.stats.extra["carried_state_host_bytes"] > 0  # the states waited in the host buffer
         assert_exact(loss.detach(), grads, want_loss, want)
     else:  # sparse: a different (masked) function, but finite and with every gradient
         assert engine.stats.sparse is not None and torch.isfinite(loss)
