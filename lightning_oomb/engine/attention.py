@@ -54,7 +54,8 @@ class ChunkContext:
     sees a key before it (its earliest document start). ``sparse``: the step's selections (a sparse step).
     ``context``: context parallelism — this rank runs its slice of the chunk, whose queries are attended across the
     group (:mod:`lightning_oomb.engine.context`); ``start`` stays the chunk's absolute start. ``kept``: the backward
-    sweep's attention results of the chunk's recompute per layer, until the layer's backward (:class:`Kept`).
+    sweep's attention results of the chunk's recompute per layer, until the layer's backward (:class:`Kept`);
+    ``park_kept``: they wait in host memory (offload with per-layer checkpointing).
     ``states``: a model with recurrent / convolution layers — the states they carry into and out of the chunk
     (:mod:`lightning_oomb.engine.states`). ``tokens``: right padding — which of the call's tokens ``[B, L]`` are real
     (``None``: all; e.g. a router's balancing loss counts only those).
@@ -71,6 +72,7 @@ class ChunkContext:
     sparse: SparseStep | None = None
     context: context.ContextChunk | None = None
     kept: dict[int, Kept] | None = None
+    park_kept: bool = False
     states: ChunkStates | None = None
     tokens: torch.Tensor | None = None
 
@@ -87,6 +89,26 @@ class Kept:
     out: torch.Tensor
     lse: torch.Tensor
     select: torch.Tensor | None
+    parked: bool = False
+
+    def park(self) -> Kept:
+        """This result in host memory (``offload``: ``O(chunk)`` per layer off the device until the layer's
+        backward): page-locked under CUDA and copied asynchronously on the current stream, which orders the copy
+        before any reuse of the device memory; the small page selection stays."""
+        return Kept(_host_copy(self.out), _host_copy(self.lse), self.select, parked=True)
+
+    def restore(self, device: torch.device) -> Kept:
+        """The result on ``device`` again (a parked one copied back, asynchronously on the current stream)."""
+        if not self.parked:
+            return self
+        out, lse = (t.to(device, non_blocking=True, copy=True) for t in (self.out, self.lse))
+        return Kept(out, lse, self.select)
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t`` copied into CPU memory (page-locked when it comes from CUDA, so the copy is asynchronous)."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+    return host.copy_(t, non_blocking=t.is_cuda)
 
 
 def resolve_backend(name: str, device: torch.device) -> Backend:
@@ -236,12 +258,12 @@ class PagedAttention(torch.autograd.Function):
         if chunk.context is not None:
             return _forward_across_group(ctx, q, k, v, chunk, layer, scale, window, softcap, sinks, kept)
         if kept is not None:  # the layer's checkpoint recompute
+            kept = kept.restore(q.device)
             out, lse, select = kept.out, kept.lse, kept.select
         else:
             pool.write(layer, chunk.start, k, v, window)
             out, lse, select = _attend_call(q, chunk, layer, scale, window, softcap, sinks)
-            if chunk.kept is not None:
-                chunk.kept[layer] = Kept(out, lse, select)
+            _keep(chunk, layer, out, lse, select)
         ctx.save_for_backward(q, out, lse, sinks, select, *((k, v) if pool.restages(layer) else ()))
         ctx.args = (chunk, layer, scale, window, softcap, k.dtype)
         return out.detach()  # a fresh alias: a kept result is returned by two calls
@@ -302,6 +324,13 @@ def _attend_call(q, chunk: ChunkContext, layer: int, scale, window, softcap, sin
     return out, lse, select
 
 
+def _keep(chunk: ChunkContext, layer: int, out, lse, select) -> None:
+    """In the backward sweep's chunk recompute: keep the layer's result for its checkpoint recompute."""
+    if chunk.kept is not None:
+        kept = Kept(out, lse, select)
+        chunk.kept[layer] = kept.park() if chunk.park_kept else kept
+
+
 def _forward_across_group(ctx, q, k, v, chunk: ChunkContext, layer, scale, window, softcap, sinks, kept):
     """The forward of a context-parallel call: this rank's slice (``own`` rows; a stand-in rank has none and
     returns zeros for its one token). A ``kept`` result skips the group's attention (every rank has one)."""
@@ -309,6 +338,7 @@ def _forward_across_group(ctx, q, k, v, chunk: ChunkContext, layer, scale, windo
     own = cp.own
     rows = q[:, :, :own]
     if kept is not None:
+        kept = kept.restore(q.device)
         out, lse, select = kept.out, kept.lse, kept.select
     else:
         if own:
@@ -316,8 +346,7 @@ def _forward_across_group(ctx, q, k, v, chunk: ChunkContext, layer, scale, windo
         out, lse, select = _attend_across_group(
             chunk, layer, rows, k[:, :, :own], scale, window, softcap, sinks
         )
-        if chunk.kept is not None:
-            chunk.kept[layer] = Kept(out, lse, select)
+        _keep(chunk, layer, out, lse, select)
     ctx.save_for_backward(rows, out, lse, sinks, select, *((k, v) if own and pool.restages(layer) else ()))
     ctx.args = (chunk, layer, scale, window, softcap, k.dtype)
     return _rows_like(out, q).detach()

@@ -39,7 +39,8 @@ options that would make it fit (each tried in the planner).
   the chunk (``2 x 4 Hkv D`` per key, ``min(PAST_BLOCK, keys)`` keys).
 - *kept attention* (with ``layer_checkpointing``): the chunk recompute's attention output and LSE of every layer
   (``rQ + 4 Hq`` per token and layer; ``8 Hq`` in float64), held for the layer's checkpoint recompute
-  (:class:`~lightning_oomb.engine.attention.Kept`) through the chunk's backward.
+  (:class:`~lightning_oomb.engine.attention.Kept`) through the chunk's backward; with ``offload=True`` parked in
+  page-locked host memory (counted in the host tier: :func:`parked_kept_bytes`), one layer's on the device.
 - *float32 gradient sums* (``grad_accumulation="float32"``, the default): during the backward sweep every trainable
   16-bit parameter's gradient is a 4-byte sum instead of its 2-byte ``.grad`` (:mod:`~lightning_oomb.engine.grads`):
   2 bytes per such parameter, in every moment of the sweep, not at the optimizer step.
@@ -498,6 +499,16 @@ def kept_attention_bytes(shape: ModelShape, dtypes: Dtypes, tokens: int) -> int:
     return shape.paged_layers * (r * shape.num_heads * shape.head_dim + lse * shape.num_heads) * tokens
 
 
+def parked_kept_bytes(shape: ModelShape, dtypes: Dtypes, tokens: int, pinned: bool) -> tuple[int, int]:
+    """(device, host) bytes of the kept attention results under offload (:meth:`~lightning_oomb.engine.attention.
+    Kept.park`): one layer's back on the device at a time; every layer's output and LSE in host memory, each
+    rounded up to a power of two when ``pinned`` (the caching host allocator's blocks)."""
+    out = dtypes.activation.itemsize * shape.num_heads * shape.head_dim * tokens
+    lse = (8 if dtypes.activation == torch.float64 else 4) * shape.num_heads * tokens
+    host = sum(1 << (n - 1).bit_length() if pinned else n for n in (out, lse))
+    return out + lse, shape.paged_layers * host
+
+
 def _layer_bytes_per_token(shape: ModelShape, dtypes: Dtypes, streamed: bool) -> tuple[int, int]:
     """Bytes per token one decoder layer saves: (input norm + attention, post-attention norm + MLP)."""
     r, c, f = dtypes.activation.itemsize, dtypes.compute.itemsize, NORM_BYTES
@@ -625,6 +636,9 @@ class MemoryPlan:
     options: list[Option] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     step_time_s: float | None = None
+    host_parts: dict[str, int] = field(
+        default_factory=dict
+    )  # the host tier's terms (pool arena, parked results)
 
     @property
     def persistent(self) -> int:
@@ -661,7 +675,9 @@ class MemoryPlan:
     def rows(self) -> list[tuple[str, int | None, int | None]]:
         """``(term, device bytes, host bytes)`` in the order a table shows them."""
         out = [(LABELS[k], v, None) for k, v in self.device.items()]
-        return [*out, ("pinned host tier", None, self.host_tier)]
+        parked = [(f"{LABELS[k]}, pinned", None, v) for k, v in self.host_parts.items() if k != "pool" and v]
+        pool = self.host_parts.get("pool", self.host_tier)
+        return [*out, ("pinned host tier", None, pool), *parked]
 
     def summary(self) -> str:
         """One line: the peak, its moment, the capacity, fits or not."""
@@ -909,6 +925,7 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     hbm = arena_bytes(len(tiers.hbm_layers) * pool.layer_slots, pool)
     staging = arena_bytes(tiers.staging_buffers * pool.block_slots, pool) if tiers.host_layers else 0
     host = arena_bytes(len(tiers.host_layers) * pool.layer_slots, pool)
+    host_parts = {"pool": host}
 
     backend = _backend(config, machine)
     ckpt = config.layer_checkpointing
@@ -927,7 +944,8 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
         config.offload and carried
     ):  # kept in the host buffer; the device holds a chunk's leaves and their gradients
         per_boundary = shape.carried_state_bytes(dtypes.activation) * batch
-        host += math.ceil(per_boundary / BOUNDARY_ALIGN) * BOUNDARY_ALIGN * boundaries
+        host_parts["carried_states"] = math.ceil(per_boundary / BOUNDARY_ALIGN) * BOUNDARY_ALIGN * boundaries
+        host += host_parts["carried_states"]
         carried = per_boundary * min(boundaries, 2)
     mlp_bwd, attn_bwd = layer_backward_bytes(
         shape, dtypes, batch, seq_len, config.chunk_size, ckpt, backend, streamed
@@ -935,6 +953,10 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     below_head = activations - saved["head"]
     embed = shape.num_embeddings * shape.hidden_size * dtypes.activation.itemsize * shape.embedding_trainable
     kept = kept_attention_bytes(shape, dtypes, tokens) if ckpt else 0
+    if ckpt and config.offload:  # parked in host memory until each layer's checkpoint recompute
+        kept, parked = parked_kept_bytes(shape, dtypes, tokens, machine.device_type == "cuda")
+        host += parked
+        host_parts["kept_attention"] = parked
     sums = _grad_sums(inputs, config)
     phases = {
         "loss backward": sums + activations + kept + loss,
@@ -964,6 +986,7 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     )  # fmt: skip
     result.fits = result.device_fits and result.host_fits
     result.notes = _notes(inputs, config)
+    result.host_parts = host_parts
     return result
 
 

@@ -353,6 +353,7 @@ class OOMBEngine:
             step.floors[index],
             step.sparse,
             kept={} if sweep == "backward" else None,
+            park_kept=sweep == "backward" and self.config.offload and self._checkpointed(),
             states=states,
         )
         lo, hi = start, end
@@ -433,6 +434,10 @@ class OOMBEngine:
                 if carried is not None:
                     carried.finish_backward(states)
         self.stats.extra.update(self.pool.stats())
+
+    def _checkpointed(self) -> bool:
+        """Whether the model checkpoints its layers (then kept attention results wait for the checkpoint)."""
+        return bool(getattr(self.model, "layer_checkpointing", False))
 
     def _parameters(self) -> list[torch.Tensor]:
         """The model's parameters (``parameters()``, an ``nn.Module``'s own; none for a model without it)."""

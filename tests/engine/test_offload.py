@@ -83,6 +83,34 @@ def test_offload_equals_no_offload_and_full_sequence(layers, hbm_layers, buffers
     assert max_relative_error(off_grads, want) <= 1e-10
 
 
+def test_kept_attention_results_wait_in_host_memory_under_offload(monkeypatch):
+    """With per-layer checkpointing under offload every layer's kept attention result goes to host memory in the
+    chunk's recompute and comes back for the layer's checkpoint recompute (exact, as the test above checks), in the
+    bytes the planner counts for it; without checkpointing nothing is parked (the results are saved anyway)."""
+    from lightning_oomb.engine import attention, planner
+
+    parked = []
+    park = attention.Kept.park
+
+    def spy(self):
+        out = park(self)
+        parked.append(out.out.untyped_storage().nbytes() + out.lse.untyped_storage().nbytes())
+        assert out.out.device.type == "cpu" and out.out.data_ptr() != self.out.data_ptr()
+        return out
+
+    monkeypatch.setattr(attention.Kept, "park", spy)
+    model = build_causal_lm("qwen2", num_hidden_layers=2)
+    ids = torch.randint(0, 97, (2, 48), generator=torch.Generator().manual_seed(3))
+    run_step(model, ids, False, offload=True)
+    assert parked == []
+    _, _, engine = run_step(model, ids, True, offload=True)
+    assert len(parked) == 2 * 3  # layers x chunks
+    shape = planner.model_shape(engine.model)
+    dtypes = planner.precision_dtypes("64-true")
+    device, host = planner.parked_kept_bytes(shape, dtypes, 2 * CHUNK, pinned=False)
+    assert host == sum(parked[:2]) and device == parked[0]
+
+
 # ------------------------------------------------------------------------------------------------- placement
 def test_plan_tiers_fills_the_budget_with_whole_layers():
     lb, bb = 100, 10
