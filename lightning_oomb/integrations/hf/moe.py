@@ -40,24 +40,26 @@ class RouterBalanceLoss:
         self.rows = 0
         self._term = None
 
-    def _stats(self, router_logits, tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Top-k assignment counts ``[E]``, summed probabilities ``[E]`` (differentiable) and rows of one chunk;
-        ``tokens``: the real tokens ``[B, L]`` under right padding (padded rows count nothing, as transformers'
-        ``attention_mask`` makes them)."""
+    def _stats(self, router_logits, tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, object]:
+        """Top-k assignment counts ``[E]``, summed probabilities ``[E]`` (differentiable) and rows (an int, or an
+        int64 tensor under padding) of one chunk; ``tokens``: the real tokens ``[B, L]`` under right padding
+        (padded rows count nothing, as transformers' ``attention_mask`` makes them). No host sync: the counts are
+        scattered into ``E`` bins (``bincount`` and boolean indexing would read sizes on the host)."""
         counts = probs_sum = None
         rows = 0
         real = None if tokens is None else tokens.reshape(-1)
         for logits in router_logits:
             dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
             probs = torch.softmax(logits, dim=-1)
-            if real is not None:  # padded rows route nothing
-                probs = probs[real]
-            chosen = torch.topk(probs, self.top_k, dim=-1).indices.reshape(-1)
-            layer_counts = torch.bincount(chosen, minlength=self.num_experts).to(dtype)
+            chosen = torch.topk(probs, self.top_k, dim=-1).indices
+            weight = probs.new_ones((), dtype=dtype) if real is None else real[:, None].to(dtype)
+            layer_counts = probs.new_zeros(self.num_experts, dtype=dtype).scatter_add_(
+                0, chosen.reshape(-1), weight.expand(chosen.shape).reshape(-1)
+            )
             counts = layer_counts if counts is None else counts + layer_counts
-            layer_sum = probs.to(dtype).sum(0)
+            layer_sum = (probs.to(dtype) * weight).sum(0)  # padded rows add exact zeros
             probs_sum = layer_sum if probs_sum is None else probs_sum + layer_sum
-            rows += probs.shape[0]
+            rows = rows + (probs.shape[0] if real is None else real.sum())
         return counts, probs_sum, rows
 
     def record(self, chunk: ChunkContext, router_logits) -> None:
@@ -80,7 +82,9 @@ class RouterBalanceLoss:
         over the group in place)."""
         self.counts = sum_(self.counts.clone())
         self.prob_sum = sum_(self.prob_sum.clone())
-        self.rows = int(sum_(torch.tensor([self.rows], device=self.counts.device)).item())
+        self.rows = sum_(torch.as_tensor(self.rows, dtype=torch.int64, device=self.counts.device).reshape(1))[
+            0
+        ]
 
     def value(self) -> torch.Tensor:
         """``coef * aux`` of the step (after the forward sweep)."""
