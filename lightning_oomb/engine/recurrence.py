@@ -15,6 +15,7 @@ target token gives loss 0 and zero gradients (documented choice; Hugging Face wo
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -140,6 +141,7 @@ class OOMBEngine:
             check_context(self.config, context.size)
         self.pool = KVPool(self.config, transport)
         self.host_states = HostStates()  # the carried states' host buffer under offload (grows on first use)
+        self._pending: weakref.ref | None = None  # the step whose loss waits for its backward
         self.stats = StepStats()
         self._page_budget = self.config.page_budget
         self.probe_recall = False
@@ -175,13 +177,18 @@ class OOMBEngine:
         :mod:`lightning_oomb.engine.batch`).
 
         One step at a time: the pool holds this step's pages until its backward sweep, so call ``backward`` on
-        the result before the next ``loss``.
+        the result before the next ``loss`` or :meth:`evaluate` (refused otherwise, before any work: the earlier
+        step's gradients would be silently wrong).
         """
+        self._check_nothing_pending("engine.loss")
         with self._reporting():
             step = self._plan(input_ids, labels, position_ids, attention_mask)
             weight = self.model.lm_head().weight
             anchor = weight.new_zeros((), dtype=torch.float32).requires_grad_(True)
-            return _ChunkRecurrentStep.apply(anchor, self, step)
+            loss = _ChunkRecurrentStep.apply(anchor, self, step)
+        if loss.requires_grad:
+            self._pending = weakref.ref(step)
+        return loss
 
     def evaluate(
         self,
@@ -195,11 +202,23 @@ class OOMBEngine:
         Works under ``torch.inference_mode`` (Lightning's evaluation loop): the pool is kept out of inference
         mode so that the next training step can keep writing into it.
         """
+        self._check_nothing_pending("engine.evaluate")
         with self._reporting():
             step = self._plan(input_ids, labels, position_ids, attention_mask)
             with torch.inference_mode(False), torch.no_grad():  # leaving inference mode re-enables grad
                 loss, _ = self.forward_sweep(step, sweep="eval")
         return loss
+
+    def _check_nothing_pending(self, call: str) -> None:
+        """Refuse a new sweep while an earlier step's loss (still alive) waits for its backward sweep."""
+        step = None if self._pending is None else self._pending()
+        if step is not None:
+            raise OOMBConfigError(
+                f"{call} while an earlier step's loss still waits for its backward: the pool holds one step's "
+                "pages until its backward sweep, so this sweep would overwrite them and that loss's gradients "
+                "would be wrong — call backward on each loss before the next step (gradients accumulate in .grad "
+                "as usual), put the sequences in one batch, or delete a loss you will not back-propagate."
+            )
 
     def release(self) -> None:
         """Free the pool, pinned host memory included (after an exception or at teardown); the next step
@@ -518,6 +537,8 @@ class _ChunkRecurrentStep(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
-        ctx.engine.backward_sweep(ctx.step, ctx.rng, ctx.autocast, grad_output)
-        ctx.step = ctx.rng = None
+        try:
+            ctx.engine.backward_sweep(ctx.step, ctx.rng, ctx.autocast, grad_output)
+        finally:  # done, or failed (the pool is released): either way no longer pending
+            ctx.step = ctx.rng = ctx.engine._pending = None
         return None, None, None

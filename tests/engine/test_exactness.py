@@ -117,3 +117,30 @@ def test_a_tied_lm_head_gets_both_gradients(checkpointing):
     loss, got, _ = oomb_loss_and_grads(model, ids, None, 16, checkpointing)
     assert abs(loss.item() - want_loss.item()) <= TOL * want_loss.item()
     assert max_relative_error(got, want) <= TOL
+
+
+def test_a_second_step_before_the_first_ones_backward_is_refused():
+    """The pool holds one step's pages until its backward: a second ``loss`` or ``evaluate`` while a loss still
+    waits for it would overwrite them (that loss's gradients were 2x off before) and is refused; once it is
+    back-propagated — or dropped — the next step runs, and gradient accumulation over steps is exact."""
+    from lightning_oomb.engine import OOMBConfigError
+
+    model = build_causal_lm("qwen2")
+    gen = torch.Generator().manual_seed(5)
+    a, b = (torch.randint(0, 97, (1, 40), generator=gen) for _ in range(2))
+    (full_sequence_loss(model, a) + full_sequence_loss(model, b)).backward()
+    want = grads_of(model)
+    model.zero_grad()
+    engine = OOMBEngine(HFChunkModel(model), OOMBConfig(16, 8))
+    first = engine.loss(a)
+    for call in (engine.loss, engine.evaluate):
+        with pytest.raises(OOMBConfigError, match="waits for its backward"):
+            call(b)
+    first.backward()
+    engine.loss(b).backward()
+    assert max_relative_error(grads_of(model), want) <= 1e-10
+    dropped = engine.loss(a)
+    del dropped  # never back-propagated: nothing waits
+    with torch.no_grad():  # no graph, nothing to wait for
+        engine.loss(a), engine.loss(b)
+    assert engine.evaluate(a) > 0
