@@ -454,6 +454,21 @@ class OOMBEngine:
                     carried.finish_backward(states)
         self.stats.extra.update(self.pool.stats())
 
+    def input_versions(self, step: _Step) -> tuple[int, ...]:
+        """In-place version counters of what the backward sweep recomputes from: the parameters and token ids."""
+        return tuple(t._version for t in (*self._parameters(), step.input_ids))
+
+    def check_unchanged(self, step: _Step, versions: tuple[int, ...]) -> None:
+        """Refuse a backward sweep whose weights or token ids changed in place since the step's forward sweep (as
+        autograd refuses a modified saved tensor): its recompute would not be the loss's computation."""
+        if self.input_versions(step) != versions:
+            raise RuntimeError(
+                "a parameter or the input ids were modified in place between engine.loss and its backward (e.g. "
+                "optimizer.step() or a weight update before loss.backward()): the backward sweep recomputes every "
+                "chunk from the current weights, so its gradients would not be this loss's — call backward "
+                "before changing the weights or the batch."
+            )
+
     def _checkpointed(self) -> bool:
         """Whether the model checkpoints its layers (then kept attention results wait for the checkpoint)."""
         return bool(getattr(self.model, "layer_checkpointing", False))
@@ -531,6 +546,7 @@ class _ChunkRecurrentStep(torch.autograd.Function):
     def forward(ctx, anchor, engine: OOMBEngine, step: _Step):
         ctx.engine, ctx.step = engine, step
         ctx.autocast = _AutocastState(step.input_ids.device)
+        ctx.versions = engine.input_versions(step)
         loss, ctx.rng = engine.forward_sweep(step)
         return loss
 
@@ -538,6 +554,7 @@ class _ChunkRecurrentStep(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
         try:
+            ctx.engine.check_unchanged(ctx.step, ctx.versions)
             ctx.engine.backward_sweep(ctx.step, ctx.rng, ctx.autocast, grad_output)
         finally:  # done, or failed (the pool is released): either way no longer pending
             ctx.step = ctx.rng = ctx.engine._pending = None

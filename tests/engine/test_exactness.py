@@ -144,3 +144,22 @@ def test_a_second_step_before_the_first_ones_backward_is_refused():
     with torch.no_grad():  # no graph, nothing to wait for
         engine.loss(a), engine.loss(b)
     assert engine.evaluate(a) > 0
+
+
+@pytest.mark.parametrize("change", ["weights", "ids"])
+def test_weights_or_ids_changed_before_the_backward_are_refused(change):
+    """The backward sweep recomputes from the current weights and ids: changed in place since the loss (an
+    optimizer step before backward), it would silently give another function's gradients — refused, as autograd
+    refuses a modified saved tensor."""
+    model = build_causal_lm("qwen2")
+    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(6))
+    engine = OOMBEngine(HFChunkModel(model), OOMBConfig(16, 8))
+    loss = engine.loss(ids)
+    with torch.no_grad():
+        if change == "weights":
+            next(model.parameters()).mul_(1.01)
+        else:
+            ids[0, 3] = (ids[0, 3] + 1) % 97
+    with pytest.raises(RuntimeError, match="modified in place between engine.loss and its backward"):
+        loss.backward()
+    engine.loss(ids).backward()  # the next step runs
