@@ -454,14 +454,24 @@ class OOMBEngine:
                     carried.finish_backward(states)
         self.stats.extra.update(self.pool.stats())
 
-    def input_versions(self, step: _Step) -> tuple[int, ...]:
-        """In-place version counters of what the backward sweep recomputes from: the parameters and token ids."""
-        return tuple(t._version for t in (*self._parameters(), step.input_ids))
+    def input_versions(self, step: _Step) -> tuple:
+        """What the backward sweep recomputes from: the in-place version counters of the parameters, token ids and
+        positions, and the model's train / eval mode (dropout)."""
+        tensors = (*self._parameters(), step.input_ids, step.positions, step.tokens)
+        return (*(t._version for t in tensors if t is not None), getattr(self.model, "training", None))
 
-    def check_unchanged(self, step: _Step, versions: tuple[int, ...]) -> None:
-        """Refuse a backward sweep whose weights or token ids changed in place since the step's forward sweep (as
-        autograd refuses a modified saved tensor): its recompute would not be the loss's computation."""
-        if self.input_versions(step) != versions:
+    def check_unchanged(self, step: _Step, versions: tuple) -> None:
+        """Refuse a backward sweep whose weights, ids or mode changed since the step's forward sweep (as autograd
+        refuses a modified saved tensor): its recompute would not be the loss's computation."""
+        now = self.input_versions(step)
+        if now[-1] != versions[-1]:
+            raise RuntimeError(
+                f"the model went from {'train' if versions[-1] else 'eval'} to {'train' if now[-1] else 'eval'} "
+                "mode between engine.loss and its backward: the backward sweep recomputes every chunk, with "
+                "dropout as the mode says, so its gradients would not be this loss's — call backward before "
+                "switching the mode."
+            )
+        if now != versions:
             raise RuntimeError(
                 "a parameter or the input ids were modified in place between engine.loss and its backward (e.g. "
                 "optimizer.step() or a weight update before loss.backward()): the backward sweep recomputes every "

@@ -146,7 +146,7 @@ def test_a_second_step_before_the_first_ones_backward_is_refused():
     assert engine.evaluate(a) > 0
 
 
-@pytest.mark.parametrize("change", ["weights", "ids"])
+@pytest.mark.parametrize("change", ["weights", "ids", "mode"])
 def test_weights_or_ids_changed_before_the_backward_are_refused(change):
     """The backward sweep recomputes from the current weights and ids: changed in place since the loss (an
     optimizer step before backward), it would silently give another function's gradients — refused, as autograd
@@ -158,8 +158,11 @@ def test_weights_or_ids_changed_before_the_backward_are_refused(change):
     with torch.no_grad():
         if change == "weights":
             next(model.parameters()).mul_(1.01)
-        else:
+        elif change == "ids":
             ids[0, 3] = (ids[0, 3] + 1) % 97
-    with pytest.raises(RuntimeError, match="modified in place between engine.loss and its backward"):
+        else:
+            model.eval()
+    match = "to eval mode" if change == "mode" else "modified in place"
+    with pytest.raises(RuntimeError, match=f"{match}.*between engine.loss and its backward"):
         loss.backward()
     engine.loss(ids).backward()  # the next step runs

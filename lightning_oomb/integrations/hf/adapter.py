@@ -170,6 +170,11 @@ class HFChunkModel:
         """The wrapped model's parameters (the engine sums 16-bit ones' chunk gradients in float32)."""
         return self.model.parameters()
 
+    @property
+    def training(self) -> bool:
+        """The wrapped model's train / eval mode (the engine checks it is the same in both sweeps)."""
+        return self.model.training
+
     def new_step_loss(self) -> RouterBalanceLoss | None:
         """The step's MoE load-balancing term when the model trains with one (``output_router_logits=True``)."""
         if not self._balances_experts:
