@@ -73,8 +73,9 @@ def measure(step: Callable[[], object], device: torch.device, repeats: int, warm
 
 
 # --------------------------------------------------------------------------------------------------- steps
-def make_step(model, method: str, config=None) -> tuple[Callable[[torch.Tensor], None], object]:
-    """``(step(ids), engine)``: one forward + backward on ``ids [1, N]`` (gradients kept allocated, as in training)
+def make_step(model, method: str, config=None) -> tuple[Callable[[torch.Tensor], torch.Tensor], object]:
+    """``(step(ids) -> loss, engine)``: one forward + backward on ``ids [1, N]`` (gradients kept allocated, as in
+    training)
     by ``method``: ``"hf"`` — transformers + SDPA + per-layer checkpointing, the usual recipe (engine ``None``) — or
     ``"oomb"`` — the OOMB engine with ``config`` (an ``OOMBConfig``; its ``layer_checkpointing`` checkpoints each
     layer inside a chunk's recompute)."""
@@ -84,18 +85,31 @@ def make_step(model, method: str, config=None) -> tuple[Callable[[torch.Tensor],
     set_layer_checkpointing(model, method == HF)
     if method == HF:
 
-        def step(ids: torch.Tensor) -> None:
+        def step(ids: torch.Tensor) -> torch.Tensor:
             model.zero_grad(set_to_none=False)
-            model(input_ids=ids, labels=ids).loss.backward()
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            return loss.detach()
 
         return step, None
     engine = OOMBEngine(HFChunkModel(model, layer_checkpointing=config.layer_checkpointing), config)
 
-    def step(ids: torch.Tensor) -> None:
+    def step(ids: torch.Tensor) -> torch.Tensor:
         model.zero_grad(set_to_none=False)
-        engine.loss(ids).backward()
+        loss = engine.loss(ids)
+        loss.backward()
+        return loss.detach()
 
     return step, engine
+
+
+def grad_probe(model) -> torch.Tensor:
+    """A few small parameters' gradients of a Qwen2-style ``model`` (the final norm's, the first layer's input
+    norm's and the last layer's post-attention norm's) as one float32 vector: a fingerprint of a step's gradients
+    to compare methods by (every layer's gradient flows through them)."""
+    inner = model.model
+    parts = (inner.norm, inner.layers[0].input_layernorm, inner.layers[-1].post_attention_layernorm)
+    return torch.cat([m.weight.grad.float().flatten() for m in parts if m.weight.grad is not None])
 
 
 def head_dim(cfg) -> int:

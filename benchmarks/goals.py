@@ -59,6 +59,7 @@ from benchmarks.common import (
     build_qwen2,
     command,
     engine_stats,
+    grad_probe,
     hbm_budget_for,
     make_step,
     measure,
@@ -239,6 +240,7 @@ class Runner:
         self.args, self.scale, self.device, self.report, self.clock = args, scale, device, report, clock
         self.model, self.layers = None, None
         self.step = self.engine = self.key = None
+        self.reference: tuple | None = None  # (context, loss, grad probe) of the full model's HF row
 
     def use_model(self, layers: int | None) -> None:
         if self.model is not None and layers == self.layers:
@@ -288,9 +290,12 @@ class Runner:
             if self.engine is not None:
                 out["planned_gib"] = planned_peak_gib(self.model, tokens, config, device, precision(device))
                 reserve_pool(self.engine, self.model, tokens, device)
-            ids = torch.randint(0, self.model.config.vocab_size, (1, tokens), device=device)
-            out.update(measure(lambda: self.step(ids), device, row.repeats, row.warmup))
+            gen = torch.Generator(device).manual_seed(tokens)  # one batch per length: the methods compare
+            ids = torch.randint(0, self.model.config.vocab_size, (1, tokens), device=device, generator=gen)
+            last = {}
+            out.update(measure(lambda: last.update(loss=self.step(ids)), device, row.repeats, row.warmup))
             out["tokens_per_s"] = tokens / out["step_s"]
+            self.agreement(row, out, float(last["loss"]))
             if self.engine is not None:
                 out.update(engine_stats(self.engine))
             self.clock.calibrate(row, scale, tokens, config, out["step_s"])
@@ -304,6 +309,20 @@ class Runner:
             self.drop_engine()
             self.free()
         return self.report.add(out)
+
+    def agreement(self, row: Row, out: dict, loss: float) -> None:
+        """Record the step's loss; a full-model OOMB row after HF's on the same batch also records how far its loss
+        and gradients (:func:`grad_probe`) are from HF's — a kernel bug on this GPU would show here."""
+        out["loss"] = loss
+        if row.layers is not None:
+            return
+        probe = grad_probe(self.model)
+        if row.method == HF:
+            self.reference = (out["context"], loss, probe)
+        elif self.reference is not None and self.reference[0] == out["context"]:
+            _, ref_loss, ref_probe = self.reference
+            out["loss_vs_hf"] = abs(loss - ref_loss) / abs(ref_loss)
+            out["grads_vs_hf"] = float((probe - ref_probe).norm() / ref_probe.norm())
 
 
 def run_part(rows: list, args, scale: Scale, device: torch.device, report: Report, clock: Clock) -> int:
@@ -490,6 +509,12 @@ def goal_table(scale: Scale, rows: list[dict], kernels: dict, plans: list[dict],
             add("32K peak vs HF's", "<= 50 %", m, m <= 0.5,
                 f"{100 * m:.0f} % ({oomb['peak_gib']:.1f} vs {hf['peak_gib']:.1f} GiB; planned "
                 f"{fmt(oomb.get('planned_gib'), '.1f')})", "torch.cuda.max_memory_allocated")  # fmt: skip
+        if oomb.get("grads_vs_hf") is not None:
+            worst = max(oomb["loss_vs_hf"] / 0.01, oomb["grads_vs_hf"] / 0.05)
+            add("check: OOMB's loss and gradients = HF's at 32K", "loss <= 1 %, grads <= 5 % apart", worst,
+                worst <= 1, f"loss {oomb['loss_vs_hf']:.1e}, gradients {oomb['grads_vs_hf']:.1e} apart (relative)",
+                "the same batch and weights; gradients of the norms every layer's flow through (bf16 rounding "
+                "apart)")  # fmt: skip
         first = (oomb.get("warmup_s") or 0) - oomb["step_s"]
         add("first step: no minutes of autotuning", "< 60 s extra", first, first < 60,
             f"{first:.1f} s over a warm step (compilation at default tiles); kernel benchmark tuning "
