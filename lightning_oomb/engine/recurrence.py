@@ -563,6 +563,11 @@ class _ChunkRecurrentStep(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
+        if ctx.step is None:
+            raise RuntimeError(
+                "engine.loss was back-propagated a second time (retain_graph=True): its backward sweep consumed the "
+                "step's pages — back-propagate it once (sum what must share it first), or call engine.loss again."
+            )
         try:
             ctx.engine.check_unchanged(ctx.step, ctx.versions)
             ctx.engine.backward_sweep(ctx.step, ctx.rng, ctx.autocast, grad_output)

@@ -139,6 +139,11 @@ def test_a_second_step_before_the_first_ones_backward_is_refused():
     first.backward()
     engine.loss(b).backward()
     assert max_relative_error(grads_of(model), want) <= 1e-10
+    twice = engine.loss(a)
+    twice.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="back-propagated a second time"):
+        twice.backward()
+    model.zero_grad()
     dropped = engine.loss(a)
     del dropped  # never back-propagated: nothing waits
     with torch.no_grad():  # no graph, nothing to wait for
