@@ -140,15 +140,6 @@ def test_bad_config_is_rejected(kwargs, match):
         OOMBConfig(**kwargs)
 
 
-def test_bad_inputs_are_rejected_before_any_work():
-    engine = OOMBEngine(HFChunkModel(build_causal_lm("qwen2")), OOMBConfig(16, 8))
-    with pytest.raises(OOMBConfigError, match="integer tensor"):
-        engine.loss(torch.randn(1, 8))
-    with pytest.raises(OOMBConfigError, match="one label per input token"):
-        engine.loss(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 7, dtype=torch.long))
-    assert engine.pool.allocated_bytes == 0
-
-
 def test_no_target_tokens_give_zero_loss_and_zero_gradients():
     model = build_causal_lm("qwen2")
     engine = OOMBEngine(HFChunkModel(model), OOMBConfig(16, 8))
@@ -188,6 +179,25 @@ def test_token_ids_outside_the_embedding_are_refused_before_any_work():
         engine.loss(ids)
     with pytest.raises(OOMBConfigError, match="input_ids contain"):
         engine.evaluate(-ids)
+    assert engine.pool.allocated_bytes == 0
+
+
+@pytest.mark.parametrize(
+    ("ids", "labels", "match"),
+    [((1, 0), None, "non-empty integer tensor"), ((40,), None, "non-empty integer tensor"),
+     ("float", None, "integer tensor"), ((1, 40), "float", r"do not match input_ids.*integer label"),
+     ((1, 40), (1, 30), "one integer label per input token")],
+)  # fmt: skip
+def test_malformed_batches_are_refused_before_any_work(ids, labels, match):
+    """Float, empty or unbatched ids, float or misshapen labels: named errors, not one from deep inside."""
+    engine = OOMBEngine(HFChunkModel(build_causal_lm("qwen2")), OOMBConfig(16, 8))
+    tokens = torch.randn(1, 8) if ids == "float" else torch.randint(0, 97, ids)
+    if labels == "float":
+        labels = tokens.float()
+    elif labels is not None:
+        labels = torch.randint(0, 97, labels)
+    with pytest.raises(OOMBConfigError, match=match):
+        engine.loss(tokens, labels)
     assert engine.pool.allocated_bytes == 0
 
 
