@@ -131,7 +131,11 @@ class LinearCrossEntropy(torch.autograd.Function):
                 "once, in its forward — back-propagate through it once (without retain_graph), or call it again."
             )
         if ctx.added:  # made at the promised scale, the weight's already added: nothing to rescale
-            torch._assert_async(grad_total == grads.scale, "linear_cross_entropy: gradient != expected_grad")
+            torch._assert_async(
+                grad_total == grads.scale,
+                "linear_cross_entropy got another gradient than expected_grad, at whose scale the weight's gradient "
+                "was already added into weight_grad — pass the gradient that will reach the loss",
+            )
             dh, dw, db = grads.hidden, None, grads.bias
         else:
             ratio = grad_total / grads.scale
