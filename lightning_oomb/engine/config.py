@@ -30,7 +30,8 @@ class OOMBConfig:
             shrink to each layer's input (plus its attention output, kept so the attention is not recomputed), at
             the price of one more pass through each layer's other parts. ``"auto"``: on when the memory plan
             (:func:`lightning_oomb.plan`) says the step would not fit without it, off otherwise (the strategies
-            decide at setup from the datamodule's ``seq_len``; without one, on).
+            decide at setup from the datamodule's ``seq_len``; without one, on). ``True`` turns the model's
+            checkpointing on (e.g. ``HFChunkModel.layer_checkpointing``) when the engine is made.
         attention_backend: ``"auto"`` (Triton on CUDA, ``"cpu"`` on CPU, the torch reference elsewhere; the
             environment variable ``OOMB_ATTENTION_BACKEND`` overrides ``auto``), ``"torch"`` (the plain-torch
             reference, the oracle: any device, slow), ``"cpu"`` (CPU only: torch's fused CPU flash attention where

@@ -89,7 +89,8 @@ class ManagedModelMixin:
     their layer index when a chunk context is given) and ``lm_head``. This mixin adds: ``engaged`` (nothing to
     switch), ``answer_calls`` (inside the strategy's steps, ``model(input_ids, labels=None, position_ids=None,
     attention_mask=None)`` returns the engine's loss tensor — override it if your ``forward`` differs), and ``layer_checkpointing``, which
-    the strategy sets from its option (checkpoint your blocks in ``hidden_states`` when it is on).
+    the strategy sets from its option, as an engine does whose config says ``True`` (checkpoint your blocks in
+    ``hidden_states`` when it is on).
     """
 
     layer_checkpointing: bool = False

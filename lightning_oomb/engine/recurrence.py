@@ -139,6 +139,7 @@ class OOMBEngine:
         self.context = context
         if context is not None:
             check_context(self.config, context.size)
+        self._apply_checkpointing(self.config)
         self.pool = KVPool(self.config, transport)
         self.host_states = HostStates()  # the carried states' host buffer under offload (grows on first use)
         self._pending: weakref.ref | None = None  # the step whose loss waits for its backward
@@ -153,6 +154,13 @@ class OOMBEngine:
         if self.context is not None:
             check_context(config, self.context.size)
         self.config = self.pool.config = config
+        self._apply_checkpointing(config)
+
+    def _apply_checkpointing(self, config: OOMBConfig) -> None:
+        """``layer_checkpointing=True`` turns the model's per-layer checkpointing on (``"auto"`` is decided by the
+        strategies' memory plan, which sets the model's flag; an explicit ``False`` leaves a model's own choice)."""
+        if config.layer_checkpointing is True and hasattr(self.model, "layer_checkpointing"):
+            self.model.layer_checkpointing = True
 
     @property
     def page_budget(self) -> int | None:

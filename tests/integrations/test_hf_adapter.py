@@ -262,3 +262,17 @@ def test_the_self_checks_twin_keeps_a_logit_softcap():
 
     assert _twin(build_family("gemma2"))[0].config._attn_implementation == "eager"
     assert _twin(build_causal_lm("qwen2"))[0].config._attn_implementation == "sdpa"
+
+
+def test_the_engines_layer_checkpointing_option_reaches_the_adapter():
+    """``OOMBConfig(layer_checkpointing=True)`` checkpoints the layers without also passing it to the adapter
+    (before, only ``HFChunkModel(..., layer_checkpointing=True)`` did, and the plan counted what did not happen)."""
+    model = build_causal_lm("qwen2")
+    seen = []
+    model.model.layers[0].register_forward_pre_hook(lambda m, a: seen.append(m.gradient_checkpointing))
+    engine = OOMBEngine(HFChunkModel(model), OOMBConfig(16, 8, layer_checkpointing=True))
+    engine.loss(torch.randint(0, 97, (1, 24))).backward()
+    assert seen and all(seen)
+    seen.clear()
+    OOMBEngine(HFChunkModel(model), OOMBConfig(16, 8)).loss(torch.randint(0, 97, (1, 24))).backward()
+    assert seen and not any(seen)
