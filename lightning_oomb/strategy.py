@@ -210,6 +210,7 @@ class OOMBStrategy(_OOMBStrategyMixin, SingleDeviceStrategy):
         page_budget: int | None = None,
         page_score: str = "bound",
         grad_accumulation: str = "float32",
+        mlp_tile: int | None = None,
         target_module: str | None = None,
         verify_exactness: bool = True,
         plan_memory: bool = True,

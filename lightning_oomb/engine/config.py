@@ -72,6 +72,13 @@ class OOMBConfig:
             ``.grad``, rounded once per chunk (one 4096-token step: 1.3x ordinary bf16 training's error at 256
             chunks, 3.7x at 1024, 32x on the final norm's weight; ``benchmarks/bf16_grad_fidelity.py``).
             Parameters of 32 and 64 bits are summed by autograd either way.
+        mlp_tile: run each decoder layer's MLP ``mlp_tile`` tokens at a time with grad, keeping only its input: its
+            backward recomputes and back-propagates one tile at a time (:mod:`lightning_oomb.engine.tiles`), so the
+            MLP's activations and backward transients shrink from a chunk's tokens to a tile's (Qwen2.5-7B, chunk
+            4096, tiles of 1024: the last layer's MLP backward 1.4 → 0.4 GiB), at the price of one more MLP forward
+            per step (~16 % more matmul FLOPs at 7B); exact (under ``grad_accumulation="native"`` each tile's
+            parameter gradient is added into the 16-bit ``.grad``). ``None`` (default): whole chunks. Dense MLPs of
+            Hugging Face models (a layer's ``mlp`` whose class name ends in ``MLP``; MoE blocks are left whole).
     """
 
     chunk_size: int = 4096
@@ -87,6 +94,7 @@ class OOMBConfig:
     page_budget: int | None = None
     page_score: str = "bound"
     grad_accumulation: str = "float32"
+    mlp_tile: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("chunk_size", "page_size", "loss_block"):
@@ -129,6 +137,12 @@ class OOMBConfig:
             )
         check_budget(self.page_budget)
         check_page_score(self.page_score)
+        tile = self.mlp_tile
+        if tile is not None and (isinstance(tile, bool) or not isinstance(tile, int) or tile <= 0):
+            raise OOMBConfigError(
+                f"mlp_tile={tile!r} must be None (whole chunks) or a positive number of tokens per MLP tile "
+                "(e.g. 1024)."
+            )
         if self.grad_accumulation not in GRAD_ACCUMULATIONS:
             raise OOMBConfigError(
                 f"grad_accumulation={self.grad_accumulation!r} is unknown — it says how the chunks' gradients of "

@@ -62,10 +62,11 @@ non-Hugging-Face ChunkModels use the same layer formula and say so in :attr:`Mem
 
 **Options.** When the step does not fit, :func:`plan` plans the changes that could make it fit and lists those that
 do (:attr:`MemoryPlan.options`): ``kv_grad_dtype="bfloat16"``, ``grad_accumulation="native"`` (16-bit parameters),
-``layer_checkpointing=True``, the largest smaller ``chunk_size``, ``offload=True`` with ``hbm_budget="auto"`` or the
-largest explicit budget (whole layers), pairs of these when no single one suffices, a fused optimizer, 16-bit
-weights instead of autocast, the longest ``seq_len`` that fits, and the fewest devices once context parallelism
-exists.
+``layer_checkpointing=True``, ``mlp_tile=1024`` (dense MLPs, chunks longer than that), the largest smaller
+``chunk_size``, ``offload=True`` with ``hbm_budget="auto"`` or the largest explicit budget (whole layers), pairs of
+these when no single one suffices, a fused optimizer, 16-bit weights instead of autocast, the longest ``seq_len``
+that fits, and the fewest devices once context parallelism exists. A tiled MLP (``mlp_tile``) saves only its
+input and holds one tile's intermediates in its backward (:func:`layer_backward_bytes`).
 
 **Step time.** :attr:`MemoryPlan.step_time_s` is the hook for a time prediction from measured rates
 (:data:`MEASURED_STEP_RATES`: attention and dense FLOP/s, host-device bandwidth, per device kind). No GPU
@@ -468,6 +469,7 @@ def saved_bytes(
     chunk_size: int,
     layer_checkpointing: bool,
     host_layers: int = 0,
+    mlp_tile: int | None = None,
 ) -> dict[str, int]:
     """Bytes autograd holds at the end of one full chunk's recompute, by part: ``layers`` (decoder layers),
     ``weight_copies`` (autocast's cast weights), ``head`` (final norm, the loss's hidden states, targets) and
@@ -479,7 +481,8 @@ def saved_bytes(
         layers = shape.num_layers * r * shape.hidden_size * tokens
         copies = rope = 0
     else:
-        attn, mlp = _layer_bytes_per_token(shape, dtypes, streamed=False)
+        tiled = mlp_tiled(shape, mlp_tile, min(chunk_size, seq_len))
+        attn, mlp = _layer_bytes_per_token(shape, dtypes, streamed=False, tiled=tiled)
         streamed = 2 * r * shape.kv_heads * shape.head_dim  # a host-tier layer saves its chunk's K and V too
         layers = (shape.num_layers * (attn + mlp) + host_layers * streamed) * tokens
         copies = shape.num_layers * shape.layer_linear_params * c if dtypes.mixed else 0
@@ -509,8 +512,11 @@ def parked_kept_bytes(shape: ModelShape, dtypes: Dtypes, tokens: int, pinned: bo
     return out + lse, shape.paged_layers * host
 
 
-def _layer_bytes_per_token(shape: ModelShape, dtypes: Dtypes, streamed: bool) -> tuple[int, int]:
-    """Bytes per token one decoder layer saves: (input norm + attention, post-attention norm + MLP)."""
+def _layer_bytes_per_token(
+    shape: ModelShape, dtypes: Dtypes, streamed: bool, tiled: bool = False
+) -> tuple[int, int]:
+    """Bytes per token one decoder layer saves: (input norm + attention, post-attention norm + MLP); a ``tiled``
+    MLP (``mlp_tile``) saves only its input."""
     r, c, f = dtypes.activation.itemsize, dtypes.compute.itemsize, NORM_BYTES
     h, heads, kv_heads = shape.hidden_size, shape.num_heads, shape.kv_heads
     q, kv = heads * shape.head_dim, kv_heads * shape.head_dim
@@ -524,8 +530,13 @@ def _layer_bytes_per_token(shape: ModelShape, dtypes: Dtypes, streamed: bool) ->
         attn += (f + c) * (q + kv) + f * (heads + kv_heads)
     if streamed:
         attn += 2 * r * kv
-    mlp = norm(2) + 4 * c * shape.mlp_width
+    mlp = f * h + f + 2 * r * h if tiled else norm(2) + 4 * c * shape.mlp_width
     return attn, mlp
+
+
+def mlp_tiled(shape: ModelShape, mlp_tile: int | None, chunk_tokens: int) -> bool:
+    """Whether ``mlp_tile`` tiles the MLPs of a chunk of ``chunk_tokens`` per row (dense MLPs, tiles shorter)."""
+    return mlp_tile is not None and mlp_tile < chunk_tokens and not shape.num_experts
 
 
 def _head_bytes_per_token(shape: ModelShape, dtypes: Dtypes) -> int:
@@ -570,6 +581,7 @@ def layer_backward_bytes(
     checkpointing: bool,
     backend: str,
     streamed: bool = False,
+    mlp_tile: int | None = None,
 ) -> tuple[int, int]:
     """Bytes beyond the saved activations while the last decoder layer back-propagates: (its MLP, its attention)
     — with ``checkpointing`` its recompute (what the part still holds), without it less the MLP's saved tensors,
@@ -582,13 +594,18 @@ def layer_backward_bytes(
     r, c = dtypes.activation.itemsize, dtypes.compute.itemsize
     acc = 8 if dtypes.activation == torch.float64 else 4
     h, q, kv = shape.hidden_size, shape.num_heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    attn, mlp = _layer_bytes_per_token(shape, dtypes, streamed)
+    tiled = mlp_tiled(shape, mlp_tile, lq)
+    attn, mlp = _layer_bytes_per_token(shape, dtypes, streamed, tiled)
     attn_copies, mlp_copies = (shape.attention_params * c, shape.mlp_params * c) if dtypes.mixed else (0, 0)
     if checkpointing:  # the recomputed layer holds its saved tensors (and autocast's weight copies) again
         held_mlp, held_attn = (attn + mlp) * tokens + attn_copies + mlp_copies, attn * tokens + attn_copies
     else:
         held_mlp, held_attn = 0, -mlp * tokens - mlp_copies
     mlp_flight = (3 * c * shape.mlp_width + 2 * r * h) * tokens
+    if (
+        tiled
+    ):  # one tile's recompute (its saved tensors) and gradients, beside the chunk's dx and output gradient
+        mlp_flight = 7 * c * shape.mlp_width * batch * mlp_tile + 2 * r * h * tokens
     attn_flight = (2 * r * q + acc * q + 4 * r * kv + 2 * r * h) * tokens
     keys = chunk_size if streamed else seq_len
     copies = acc * q * tokens if r != acc else 0  # one [tokens, Q] tensor cast to the arithmetic's dtype
@@ -929,7 +946,9 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
 
     backend = _backend(config, machine)
     ckpt = config.layer_checkpointing
-    saved = saved_bytes(shape, dtypes, batch, seq_len, config.chunk_size, ckpt, len(tiers.host_layers))
+    saved = saved_bytes(
+        shape, dtypes, batch, seq_len, config.chunk_size, ckpt, len(tiers.host_layers), config.mlp_tile
+    )
     activations = sum(saved.values())
     tokens = batch * min(config.chunk_size, seq_len)
     summed = (
@@ -948,7 +967,7 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
         host += host_parts["carried_states"]
         carried = per_boundary * min(boundaries, 2)
     mlp_bwd, attn_bwd = layer_backward_bytes(
-        shape, dtypes, batch, seq_len, config.chunk_size, ckpt, backend, streamed
+        shape, dtypes, batch, seq_len, config.chunk_size, ckpt, backend, streamed, config.mlp_tile
     )
     below_head = activations - saved["head"]
     embed = shape.num_embeddings * shape.hidden_size * dtypes.activation.itemsize * shape.embedding_trainable
@@ -1105,6 +1124,8 @@ def _candidates(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int) -
         groups.append([{"grad_accumulation": "native"}])
     if not config.layer_checkpointing:
         groups.append([{"layer_checkpointing": True}])
+    if config.mlp_tile is None and not inputs.shape.num_experts and config.chunk_size > 1024:
+        groups.append([{"mlp_tile": 1024}])
     chunks, chunk = [], config.chunk_size // 2
     while chunk >= config.page_size and chunk % config.page_size == 0:
         chunks.append({"chunk_size": chunk})

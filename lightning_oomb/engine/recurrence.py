@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_oomb.engine.attention import ChunkContext, check_kernel_shapes, resolve_backend
+from lightning_oomb.engine.autocast import AutocastState
 from lightning_oomb.engine.batch import key_floors, plan_layout
 from lightning_oomb.engine.config import OOMBConfig
 from lightning_oomb.engine.context import ContextChunk, ContextGroup, Layout, SharedSummaries, fingerprint
@@ -61,30 +62,6 @@ class _RNGState:
         torch.set_rng_state(self.cpu)
         if self.cuda is not None:
             torch.cuda.set_rng_state(self.cuda, self.device)
-
-
-class _AutocastState:
-    """Autocast and default dtype at the forward sweep, re-entered for the recompute (autocast is off in
-    backward; docs/design.md, "Lightning")."""
-
-    def __init__(self, device: torch.device):
-        self.default_dtype = torch.get_default_dtype()
-        self.modes = [
-            (t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t))
-            for t in dict.fromkeys((device.type, "cpu"))
-        ]
-
-    @contextlib.contextmanager
-    def __call__(self):
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(self.default_dtype)
-        try:
-            with contextlib.ExitStack() as stack:
-                for device_type, enabled, dtype in self.modes:
-                    stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
-                yield
-        finally:
-            torch.set_default_dtype(previous)
 
 
 @dataclass
@@ -139,7 +116,7 @@ class OOMBEngine:
         self.context = context
         if context is not None:
             check_context(self.config, context.size)
-        self._apply_checkpointing(self.config)
+        self._apply_model_options(self.config)
         self.pool = KVPool(self.config, transport)
         self.host_states = HostStates()  # the carried states' host buffer under offload (grows on first use)
         self._pending: weakref.ref | None = None  # the step whose loss waits for its backward
@@ -154,13 +131,16 @@ class OOMBEngine:
         if self.context is not None:
             check_context(config, self.context.size)
         self.config = self.pool.config = config
-        self._apply_checkpointing(config)
+        self._apply_model_options(config)
 
-    def _apply_checkpointing(self, config: OOMBConfig) -> None:
-        """``layer_checkpointing=True`` turns the model's per-layer checkpointing on (``"auto"`` is decided by the
-        strategies' memory plan, which sets the model's flag; an explicit ``False`` leaves a model's own choice)."""
+    def _apply_model_options(self, config: OOMBConfig) -> None:
+        """Options the model carries out: ``layer_checkpointing=True`` turns its per-layer checkpointing on
+        (``"auto"`` is decided by the strategies' memory plan, which sets the model's flag; ``False`` leaves a
+        model's own choice), ``mlp_tile`` its MLP tiles (a model without the attribute has none)."""
         if config.layer_checkpointing is True and hasattr(self.model, "layer_checkpointing"):
             self.model.layer_checkpointing = True
+        if hasattr(self.model, "mlp_tile"):
+            self.model.mlp_tile = config.mlp_tile
 
     @property
     def page_budget(self) -> int | None:
@@ -431,9 +411,7 @@ class OOMBEngine:
             loss = loss + step.step_loss.value().to(loss.dtype)
         return loss, rng
 
-    def backward_sweep(
-        self, step: _Step, rng: list[_RNGState], autocast: _AutocastState, grad_output
-    ) -> None:
+    def backward_sweep(self, step: _Step, rng: list[_RNGState], autocast: AutocastState, grad_output) -> None:
         """Recompute chunks in reverse with grad and back-propagate each at once (16-bit parameters' gradients
         summed in float32 unless ``grad_accumulation="native"``)."""
         device = step.input_ids.device
@@ -563,7 +541,7 @@ class _ChunkRecurrentStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, engine: OOMBEngine, step: _Step):
         ctx.engine, ctx.step = engine, step
-        ctx.autocast = _AutocastState(step.input_ids.device)
+        ctx.autocast = AutocastState(step.input_ids.device)
         ctx.versions = engine.input_versions(step)
         loss, ctx.rng = engine.forward_sweep(step)
         return loss

@@ -15,6 +15,7 @@ chunks it answers the user's own ``model(**batch)`` calls inside the strategy's 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,6 +25,7 @@ from lightning_oomb.engine.attention import ChunkContext
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.loss import LMHead
 from lightning_oomb.engine.model import Respond
+from lightning_oomb.engine.tiles import tiled
 from lightning_oomb.integrations.hf.attention import ATTN_NAME, register_attention
 from lightning_oomb.integrations.hf.moe import RouterBalanceLoss
 from lightning_oomb.integrations.hf.rope import length_dependent_rotaries, pinned_rope
@@ -95,6 +97,32 @@ def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [found[i] for i in sorted(found)]
 
 
+def dense_mlps(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers' dense MLPs (a layer's ``mlp`` whose class name ends in ``MLP``; MoE blocks are not)."""
+    return [m for name, m in model.get_decoder().named_modules()
+            if name.rsplit(".", 1)[-1] == "mlp" and type(m).__name__.endswith("MLP")]  # fmt: skip
+
+
+@contextlib.contextmanager
+def tiled_mlps(mlps: list[torch.nn.Module], tile: int | None) -> Iterator[None]:
+    """While the block runs, each MLP's call runs ``tile`` tokens at a time with grad (:mod:`~lightning_oomb.engine.
+    tiles`); ``None``: unchanged."""
+    if tile is None:
+        yield
+        return
+    own = [mlp.__dict__.get("forward") for mlp in mlps]  # a forward set on the instance (kept, restored)
+    for mlp in mlps:
+        mlp.forward = functools.partial(tiled, mlp.forward, tile=tile, params=tuple(mlp.parameters()))
+    try:
+        yield
+    finally:
+        for mlp, forward in zip(mlps, own, strict=True):
+            if forward is None:
+                del mlp.forward
+            else:
+                mlp.forward = forward
+
+
 def verify_exactness_of(model: torch.nn.Module) -> bool:
     """The self-check of :func:`~lightning_oomb.integrations.hf.support.verify_exactness` for ``model``: raises on a
     mismatch, returns whether the check could run."""
@@ -148,6 +176,8 @@ class HFChunkModel:
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.num_embeddings = model.get_input_embeddings().weight.shape[0]
         self.layer_checkpointing = layer_checkpointing
+        self.mlp_tile: int | None = None  # OOMBConfig.mlp_tile, set by the engine
+        self._mlps = dense_mlps(model)
         self.logit_scale, self.logit_softcap = logit_transform(config)
         self._rotaries = length_dependent_rotaries(model)
         self._balances_experts = bool(getattr(config, "output_router_logits", False))
@@ -196,7 +226,11 @@ class HFChunkModel:
         for rank, module in enumerate(self._attention):
             module.oomb_layer = rank
         try:
-            with pinned_rope(self._rotaries, num_tokens), carrying_states(self._mixers, lambda: self._states):
+            with (
+                pinned_rope(self._rotaries, num_tokens),
+                carrying_states(self._mixers, lambda: self._states),
+                tiled_mlps(self._mlps, self.mlp_tile),
+            ):
                 yield
         finally:
             config._attn_implementation = previous
