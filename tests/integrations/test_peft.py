@@ -24,8 +24,9 @@ def lora(model, dropout: float = 0.0):
     return peft.get_peft_model(model, config)
 
 
+@pytest.mark.parametrize("mlp_tile", [None, 5], ids=["whole-mlps", "mlp-tiles"])
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_lora_gradients_equal_full_sequence_training(checkpointing):
+def test_lora_gradients_equal_full_sequence_training(checkpointing, mlp_tile):
     torch.manual_seed(0)
     model = lora(build_causal_lm("qwen2"))
     inner = model.get_base_model()
@@ -36,7 +37,9 @@ def test_lora_gradients_equal_full_sequence_training(checkpointing):
     assert want and all("lora_" in name for name in want)  # only the adapters train
     model.zero_grad()
 
-    engine = OOMBEngine(HFChunkModel(inner, layer_checkpointing=checkpointing), OOMBConfig(16, 8))
+    engine = OOMBEngine(
+        HFChunkModel(inner, layer_checkpointing=checkpointing), OOMBConfig(16, 8, mlp_tile=mlp_tile)
+    )
     loss = engine.loss(ids)
     loss.backward()
     assert abs(loss.item() - want_loss.item()) <= 1e-10 * want_loss.item()
