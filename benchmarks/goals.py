@@ -131,7 +131,7 @@ TINY = Scale(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, nu
 class Row:
     """One measurement: ``layers`` (``None``: the full model) at context ``length`` (a name of ``Scale.lengths``),
     ``warmup`` untimed then ``repeats`` timed steps; OOMB options: ``offload`` (every layer on the host unless
-    ``device_layers`` of them stay in the HBM tier), ``sparse`` (``page_budget``), ``long_chunk``."""
+    ``device_layers`` of them stay in the HBM tier), ``sparse`` (``page_budget``), ``long_chunk``, ``mlp_tile``."""
 
     role: str
     layers: int | None
@@ -143,6 +143,7 @@ class Row:
     sparse: bool = False
     long_chunk: bool = False
     device_layers: int | None = None
+    mlp_tile: int | None = None
 
 
 def compare_rows(repeats: int) -> list:
@@ -174,14 +175,16 @@ def reduced_rows(scale: Scale) -> list:
         Row("warm-sparse", small, "32k", 1, 1, sparse=True),
         Row("256k-sparse", small, "256k", sparse=True),
         Row("64k-sparse", small, "64k", 2, sparse=True),  # next to fit-64k on as many layers: sparse vs dense
+        Row(
+            "256k-offload-tiled", small, "256k", offload=True, mlp_tile=1024
+        ),  # next to 256k-offload: mlp_tile
     ]
 
 
 def oomb_config(row: Row, scale: Scale, model, tokens: int) -> OOMBConfig:
     chunk = scale.long_chunk if row.long_chunk else scale.chunk
-    config = OOMBConfig(
-        chunk, scale.page, layer_checkpointing=True, page_budget=scale.budget if row.sparse else None
-    )
+    config = OOMBConfig(chunk, scale.page, layer_checkpointing=True,
+                        page_budget=scale.budget if row.sparse else None, mlp_tile=row.mlp_tile)  # fmt: skip
     if not row.offload:
         return config
     budget = 0
@@ -570,6 +573,15 @@ def goal_table(scale: Scale, rows: list[dict], kernels: dict, plans: list[dict],
             f"{fmt(t_1m, ',.0f', ' s')} (t = aN + bN^2 through the 128K and 256K offloaded steps, scaled to {full})",
             "a prediction from measured steps, not a measured 1M step",
         )
+    tiled = ok(rows, "256k-offload-tiled")
+    if dense and tiled:
+        (peak, _), (tiled_peak, _) = scaling.peak(dense), scaling.peak(tiled)
+        t, t_tiled = scaling.time(dense), scaling.time(tiled)
+        saved = None if peak is None or tiled_peak is None else peak - tiled_peak
+        cost = None if t is None or t_tiled is None else t_tiled / t - 1
+        add("check: mlp_tile=1024 at 256K (offload)", "less memory", saved, saved is not None and saved > 0,
+            f"peak {fmt(tiled_peak, '.1f')} vs {fmt(peak, '.1f')} GiB, step time {fmt(cost and 100 * cost, '+.1f')} %",
+            f"{tiled['layers']} layers scaled to {full}, next to the untiled 256K row")  # fmt: skip
     sparse = ok(rows, "256k-sparse")
     if sparse:
         t = scaling.time(sparse)

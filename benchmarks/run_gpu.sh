@@ -21,7 +21,8 @@
 #                  OOMB 64K 1 step (~25 s: the check of the layer scaling), model build and imports (~20 s)
 #   reduced 180 s  4 then 2 layers at 64K (the fit, ~17 s); 2 layers: 128K without and with offload (3 + 3 steps,
 #                  ~42 s), 256K offloaded (~24 s), 1M sparse with one HBM and one host layer (~30 s), 256K
-#                  sparse (~6 s); ~125 s at the nominal rates, the rest for model builds and pinning
+#                  sparse (~6 s), 256K offloaded with mlp_tile=1024 if time is left (~24 s); ~125 s at the
+#                  nominal rates without the last, the rest for model builds and pinning
 #   summary  20 s  the planner (1M tokens, the longest step), the goal table
 # Each Python part starts a row only if its predicted time is left of its budget (limit - 20 s; the prediction is
 # calibrated on the rows before it; a skipped row says why); `timeout` is the backstop. The steps use each
