@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_oomb.engine.attention import ChunkContext, check_kernel_shapes, resolve_backend
-from lightning_oomb.engine.autocast import AutocastState
 from lightning_oomb.engine.batch import key_floors, plan_layout
 from lightning_oomb.engine.config import OOMBConfig
 from lightning_oomb.engine.context import ContextChunk, ContextGroup, Layout, SharedSummaries, fingerprint
@@ -33,6 +32,7 @@ from lightning_oomb.engine.loss import IGNORE_INDEX, linear_cross_entropy
 from lightning_oomb.engine.model import ChunkModel
 from lightning_oomb.engine.offload import Transport, default_transport
 from lightning_oomb.engine.pages import PoolShape
+from lightning_oomb.engine.replay import AutocastState, RNGState
 from lightning_oomb.engine.sparse import SparseStats, SparseStep, check_budget
 from lightning_oomb.engine.states import CarriedStates, ChunkStates, HostStates
 
@@ -48,20 +48,6 @@ class StepStats:
     grad_bytes: int = 0
     extra: dict = field(default_factory=dict)
     sparse: SparseStats | None = None  # a sparse step's budget, attended fraction and selection recall
-
-
-class _RNGState:
-    """CPU (+ CUDA device) RNG state at a chunk's start, so its recompute draws the same dropout masks."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.cpu = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-
-    def restore(self) -> None:
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state(self.cuda, self.device)
 
 
 @dataclass
@@ -386,7 +372,7 @@ class OOMBEngine:
             loss = loss + step.step_loss.chunk_term()
         return loss
 
-    def forward_sweep(self, step: _Step, sweep: str = "forward") -> tuple[torch.Tensor, list[_RNGState]]:
+    def forward_sweep(self, step: _Step, sweep: str = "forward") -> tuple[torch.Tensor, list[RNGState]]:
         """Run every chunk without a graph; return the summed loss and each chunk's RNG state."""
         device = step.input_ids.device
         rng, losses = [], []
@@ -395,7 +381,7 @@ class OOMBEngine:
             carried.keep = sweep != "eval"
         with self._sweep(sweep, step), self.model.engaged(step.input_ids.shape[1]):
             for index in range(len(step.bounds)):
-                rng.append(_RNGState(device))
+                rng.append(RNGState(device))
                 states = None if carried is None else carried.forward_chunk(index)
                 losses.append(self._chunk_loss(step, index, sweep, states=states))
                 if carried is not None and index + 1 < len(step.bounds):
@@ -411,7 +397,7 @@ class OOMBEngine:
             loss = loss + step.step_loss.value().to(loss.dtype)
         return loss, rng
 
-    def backward_sweep(self, step: _Step, rng: list[_RNGState], autocast: AutocastState, grad_output) -> None:
+    def backward_sweep(self, step: _Step, rng: list[RNGState], autocast: AutocastState, grad_output) -> None:
         """Recompute chunks in reverse with grad and back-propagate each at once (16-bit parameters' gradients
         summed in float32 unless ``grad_accumulation="native"``)."""
         device = step.input_ids.device

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_oomb.engine.autocast import AutocastState
+from lightning_oomb.engine.replay import AutocastState, RNGState
 
 
 def tiled(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile: int, params) -> torch.Tensor:
@@ -43,8 +43,7 @@ class _Tiled(torch.autograd.Function):
     def forward(ctx, x, fn, tile, *params):
         ctx.fn, ctx.tile, ctx.num_params = fn, tile, len(params)
         ctx.autocast = AutocastState(x.device)
-        ctx.devices = [x.device] if x.is_cuda else []
-        ctx.rng = torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in ctx.devices]
+        ctx.rng = RNGState(x.device)
         ctx.save_for_backward(x)
         with torch.no_grad():
             return _by_tiles(fn, x, tile)
@@ -54,11 +53,8 @@ class _Tiled(torch.autograd.Function):
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
         dx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
-        cpu_state, cuda_states = ctx.rng
-        with torch.random.fork_rng(devices=ctx.devices, device_type=x.device.type):
-            torch.set_rng_state(cpu_state)
-            for device, state in zip(ctx.devices, cuda_states, strict=True):
-                torch.cuda.set_rng_state(state, device)
+        with torch.random.fork_rng(devices=[x.device] if x.is_cuda else [], device_type=x.device.type):
+            ctx.rng.restore()
             for s in _tile_slices(x.shape[-2], ctx.tile):
                 xs = x[..., s, :].detach().requires_grad_(dx is not None)
                 with torch.enable_grad(), ctx.autocast():

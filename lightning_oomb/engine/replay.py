@@ -1,5 +1,5 @@
-"""The autocast state of a forward computation, re-entered for its recompute (autocast is off in backward;
-docs/design.md, "Lightning")."""
+"""What a recompute replays of the computation it repeats: the RNG state (dropout masks) and the autocast state
+(autocast is off in backward; docs/design.md, "Lightning")."""
 
 from __future__ import annotations
 
@@ -29,3 +29,17 @@ class AutocastState:
                 yield
         finally:
             torch.set_default_dtype(previous)
+
+
+class RNGState:
+    """The CPU (+ CUDA ``device``) RNG state now; :meth:`restore` sets it again (the same dropout masks)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda, self.device)
