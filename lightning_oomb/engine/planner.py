@@ -655,7 +655,7 @@ class MemoryPlan:
     step_time_s: float | None = None
     host_parts: dict[str, int] = field(
         default_factory=dict
-    )  # the host tier's terms (pool arena, parked results)
+    )  # host_tier's terms: pool, parked results, states
 
     @property
     def persistent(self) -> int:
@@ -941,8 +941,9 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     tiers = plan_tiers(pool.num_layers, pool.layer_bytes, budget, config.staging_buffers, pool.block_bytes)
     hbm = arena_bytes(len(tiers.hbm_layers) * pool.layer_slots, pool)
     staging = arena_bytes(tiers.staging_buffers * pool.block_slots, pool) if tiers.host_layers else 0
-    host = arena_bytes(len(tiers.host_layers) * pool.layer_slots, pool)
-    host_parts = {"pool": host}
+    host = {
+        "pool": arena_bytes(len(tiers.host_layers) * pool.layer_slots, pool)
+    }  # the pinned host memory's terms
 
     backend = _backend(config, machine)
     ckpt = config.layer_checkpointing
@@ -951,9 +952,8 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     )
     activations = sum(saved.values())
     tokens = batch * min(config.chunk_size, seq_len)
-    summed = (
-        config.grad_accumulation == "float32" and dtypes.param in HALF_DTYPES
-    )  # the head's gradient goes there
+    # the LM head's gradient is added into its float32 sum, or into its .grad
+    summed = config.grad_accumulation == "float32" and dtypes.param in HALF_DTYPES
     accumulator = torch.float32 if summed else dtypes.param
     loss = loss_backward_bytes(shape, dtypes, tokens, config.loss_block, shape.head_trainable, accumulator)
     streamed = bool(tiers.host_layers) and tiers.host_layers[-1] == pool.num_layers - 1
@@ -961,10 +961,9 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     carried = shape.carried_state_bytes(dtypes.activation) * batch * boundaries
     if (
         config.offload and carried
-    ):  # kept in the host buffer; the device holds a chunk's leaves and their gradients
+    ):  # in the host buffer; the device holds a chunk's leaves and their gradients
         per_boundary = shape.carried_state_bytes(dtypes.activation) * batch
-        host_parts["carried_states"] = math.ceil(per_boundary / BOUNDARY_ALIGN) * BOUNDARY_ALIGN * boundaries
-        host += host_parts["carried_states"]
+        host["carried_states"] = math.ceil(per_boundary / BOUNDARY_ALIGN) * BOUNDARY_ALIGN * boundaries
         carried = per_boundary * min(boundaries, 2)
     mlp_bwd, attn_bwd = layer_backward_bytes(
         shape, dtypes, batch, seq_len, config.chunk_size, ckpt, backend, streamed, config.mlp_tile
@@ -973,9 +972,7 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     embed = shape.num_embeddings * shape.hidden_size * dtypes.activation.itemsize * shape.embedding_trainable
     kept = kept_attention_bytes(shape, dtypes, tokens) if ckpt else 0
     if ckpt and config.offload:  # parked in host memory until each layer's checkpoint recompute
-        kept, parked = parked_kept_bytes(shape, dtypes, tokens, machine.device_type == "cuda")
-        host += parked
-        host_parts["kept_attention"] = parked
+        kept, host["kept_attention"] = parked_kept_bytes(shape, dtypes, tokens, machine.device_type == "cuda")
     sums = _grad_sums(inputs, config)
     phases = {
         "loss backward": sums + activations + kept + loss,
@@ -1001,11 +998,10 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     }
     result = MemoryPlan(
         seq_len, batch, config, inputs.precision, spec.name, machine, shape, pool, len(tiers.hbm_layers),
-        len(tiers.host_layers), device, phases, host, saved,
+        len(tiers.host_layers), device, phases, sum(host.values()), saved, host_parts=host,
     )  # fmt: skip
     result.fits = result.device_fits and result.host_fits
     result.notes = _notes(inputs, config)
-    result.host_parts = host_parts
     return result
 
 
