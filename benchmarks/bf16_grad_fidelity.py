@@ -3,8 +3,9 @@
 One step of a tiny random Qwen2 (2 layers, the tests' shape) on one 4096-token sequence, all from the same
 bf16-rounded weights: the float64 gradient is the truth; plain full-sequence training in ``bf16-true`` and in
 ``bf16-mixed`` (autocast) are the references; OOMB runs ``bf16-mixed``, and ``bf16-true`` with
-``grad_accumulation="native"`` (autograd adds each chunk's gradient into the bf16 ``.grad``) and ``"float32"`` (the
-default: float32 sums, written back once per sweep), at 1, 16, 64, 256 and 1024 chunks. Reported per run: the
+``grad_accumulation="native"`` (autograd adds each chunk's gradient into the bf16 ``.grad``), ``"float32"`` (the
+default: float32 sums, written back once per sweep) and ``"float32-host"`` (matrices: bf16 sums over windows of 16
+chunks, added in float32 in host memory; vectors: float32 sums), at 1, 16, 64, 256 and 1024 chunks. Reported per run: the
 relative L2 error of all parameters' gradients together and its ratio to plain training of the same precision,
 the same ratio for the final norm's weight alone (whose gradient every token adds to: per-chunk rounding shows
 there first) and the worst parameter's. One thread, so rounding is reproducible. (``bf16-mixed`` keeps float32
@@ -35,7 +36,12 @@ MODEL = dict(hidden_size=56, intermediate_size=64, num_hidden_layers=2, num_atte
              num_key_value_heads=1, head_dim=8, vocab_size=97, initializer_range=0.2)  # fmt: skip
 NORM = "model.norm.weight"
 # (precision, grad_accumulation)
-RUNS = (("bf16-mixed", "float32"), ("bf16-true", "native"), ("bf16-true", "float32"))
+RUNS = (
+    ("bf16-mixed", "float32"),
+    ("bf16-true", "native"),
+    ("bf16-true", "float32"),
+    ("bf16-true", "float32-host"),
+)
 
 
 def plain_loss(model, ids: torch.Tensor) -> torch.Tensor:

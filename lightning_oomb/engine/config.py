@@ -13,7 +13,7 @@ from lightning_oomb.engine.pages import GRAD_DTYPES
 from lightning_oomb.engine.sparse import check_budget, check_page_score
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
-GRAD_ACCUMULATIONS = ("float32", "native")
+GRAD_ACCUMULATIONS = ("float32", "float32-host", "native")
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,12 @@ class OOMBConfig:
             the memory plan counts it). ``"native"``: autograd's own, each chunk's gradient added into the 16-bit
             ``.grad``, rounded once per chunk (one 4096-token step: 1.3x ordinary bf16 training's error at 256
             chunks, 3.7x at 1024, 32x on the final norm's weight; ``benchmarks/bf16_grad_fidelity.py``).
+            ``"float32-host"``: the float32 sums of the matrices in host memory instead — their 16-bit ``.grad``
+            sums up to 16 chunks (rounded per chunk over a window that does not grow with the sequence), then the
+            window is copied to the host and added there; the 1-D parameters (norms, biases) keep float32 sums on
+            the device. No device memory beyond ``"native"``'s (2 bytes per 1-D element), 4 host bytes per matrix
+            element (28 GiB for Qwen2.5-7B) and, per 16 chunks, a device-to-host copy of the gradients and a host
+            add; a step of at most 16 chunks is ``"native"`` for the matrices and needs no host memory.
             Parameters of 32 and 64 bits are summed by autograd either way.
         mlp_tile: run each decoder layer's MLP ``mlp_tile`` tokens at a time with grad, keeping only its input: its
             backward recomputes and back-propagates one tile at a time (:mod:`lightning_oomb.engine.tiles`), so the

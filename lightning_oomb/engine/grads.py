@@ -1,4 +1,5 @@
-"""A backward sweep's gradients of 16-bit parameters, summed over its chunks in float32.
+"""A backward sweep's gradients of 16-bit parameters, summed over its chunks in float32 (on the device, or in host
+memory).
 
 Autograd adds each chunk's parameter gradient into ``.grad`` in the parameter's dtype, so under ``bf16-true`` the
 running sum is rounded to bf16 once per chunk and its error grows with the number of chunks (at 1024 chunks 3.7x
@@ -9,6 +10,15 @@ and on exit the sum is written back into ``.grad``, rounded once — what ``.gra
 micro-batches of gradient accumulation) added to it exactly once. Cost: during the sweep a parameter's gradient takes 4 bytes instead of 2, nothing outside it. (A
 compensated bf16 pair — ``.grad`` plus a bf16 error term — would cost the same 2 bytes for fewer bits.)
 Parameters of other dtypes (float32, float64, frozen ones) are left to autograd.
+
+:class:`HostGradSums` (``grad_accumulation="float32-host"``) costs no device memory for the matrices: their chunk
+gradients accumulate in the 16-bit ``.grad`` for up to ``every`` chunks (rounded per chunk, as autograd does, over a
+window that does not grow with the sequence), then the window's sum is copied to a float32 sum in host memory and
+``.grad`` dropped; when the sweep ends the host sum (plus the last window) is written back into ``.grad``, rounded
+once. A sweep of at most ``every`` chunks never flushes: it is ``"native"``. Vectors (norm weights, biases: tiny,
+and summed over every token, so the most sensitive) take :class:`Float32GradSums` on the device. Cost: 4 host bytes
+per matrix element and two pinned staging slabs; per flush one device-to-host copy of the matrices' gradients (2
+bytes each) and a host add, in slabs so the copy of one overlaps the add of the previous.
 """
 
 from __future__ import annotations
@@ -18,6 +28,15 @@ from collections.abc import Iterable
 import torch
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
+HOST_FLUSH_CHUNKS = (
+    16  # float32-host: chunks whose gradients a 16-bit .grad sums before a flush to host memory
+)
+STAGING_ELEMENTS = 2**25  # float32-host: elements of each of the two staging slabs (64 MiB in bf16)
+
+
+def half_trainable(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The trainable 16-bit parameters among ``params``, each once."""
+    return [p for p in dict.fromkeys(params) if p.requires_grad and p.dtype in HALF_DTYPES]
 
 
 class Float32GradSums:
@@ -26,7 +45,7 @@ class Float32GradSums:
     parameter's dtype (a parameter that got no gradient keeps its ``.grad`` unchanged)."""
 
     def __init__(self, params: Iterable[torch.Tensor]):
-        self.params = [p for p in dict.fromkeys(params) if p.requires_grad and p.dtype in HALF_DTYPES]
+        self.params = half_trainable(params)
         self._sums: dict[int, torch.Tensor | None] = {}
         self._handles: list = []
 
@@ -58,6 +77,9 @@ class Float32GradSums:
             )
         return held
 
+    def chunk_done(self, more: bool) -> None:
+        """After a chunk's backward (``more``: chunks follow): nothing to do, each gradient is summed as it comes."""
+
     def __exit__(self, *exc) -> None:
         for handle in self._handles:
             handle.remove()
@@ -65,6 +87,133 @@ class Float32GradSums:
         for p in self.params:  # one parameter at a time: at most one extra 16-bit copy exists at once
             total = self._sums.pop(id(p))
             p.grad = total if total is None or total.dtype == p.dtype else total.to(p.dtype)
+
+
+class HostGradSums:
+    """Context manager for ``grad_accumulation="float32-host"`` (see the module docstring); one per engine, kept
+    across steps with its host sums and staging slabs. :meth:`sweep` names the parameters of the next ``with``; the
+    backward sweep calls :meth:`chunk_done` after every chunk."""
+
+    def __init__(self, every: int = HOST_FLUSH_CHUNKS, slab: int = STAGING_ELEMENTS):
+        self.every, self.slab = every, slab
+        self.matrices: list[torch.Tensor] = []
+        self.vectors = Float32GradSums(())
+        self._host: dict[int, torch.Tensor] = {}
+        self._staging: list[torch.Tensor] = []
+        self._chunks, self.flushes, self._written = 0, 0, set()
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory held: the float32 sums and the staging slabs."""
+        return sum(t.numel() * t.element_size() for t in (*self._host.values(), *self._staging))
+
+    def sweep(self, params: Iterable[torch.Tensor]) -> HostGradSums:
+        """Sum ``params``' gradients in the next ``with`` (host sums of parameters no longer among them are freed)."""
+        params = half_trainable(params)
+        self.matrices = [p for p in params if p.dim() >= 2]
+        self.vectors = Float32GradSums(p for p in params if p.dim() < 2)
+        shapes = {id(p): p.shape for p in self.matrices}
+        self._host = {k: t for k, t in self._host.items() if shapes.get(k) == t.shape}
+        self._chunks, self.flushes, self._written = 0, 0, set()
+        return self
+
+    def __enter__(self) -> HostGradSums:
+        self.vectors.__enter__()
+        return self
+
+    def accumulator(self, p: torch.Tensor) -> torch.Tensor | None:
+        """A vector's float32 sum (:meth:`Float32GradSums.accumulator`); ``None`` for a matrix (its ``.grad``)."""
+        return self.vectors.accumulator(p)
+
+    def chunk_done(self, more: bool) -> None:
+        """After a chunk's backward: every ``every`` chunks, if more follow, move the window's sums to the host."""
+        self._chunks += 1
+        if more and self._chunks % self.every == 0:
+            self._flush()
+
+    def __exit__(self, *exc) -> None:
+        self.vectors.__exit__(*exc)
+        if not self.flushes:  # a single window: .grad holds it, as autograd made it
+            return
+        self._flush()
+        for p in self.matrices:  # the host sum, rounded once, back into .grad
+            if id(p) in self._written:
+                p.grad = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+                self._stream(self._host[id(p)].view(-1), p.grad.view(-1), to_host=False)
+
+    def _flush(self) -> None:
+        self.flushes += 1
+        for p in self.matrices:
+            grad, p.grad = p.grad, None
+            if grad is None:
+                continue
+            first = id(p) not in self._written  # the step's first window writes over an earlier step's sum
+            if id(p) not in self._host:
+                self._host[id(p)] = torch.empty(p.shape, dtype=torch.float32)
+            self._written.add(id(p))
+            self._stream(grad.contiguous().view(-1), self._host[id(p)].view(-1), to_host=True, first=first)
+
+    def _stream(self, src: torch.Tensor, dst: torch.Tensor, to_host: bool, first: bool = False) -> None:
+        """Copy ``src`` into ``dst`` slab by slab through the two staging slabs: to the host added into (``first``:
+        written over) the float32 ``dst``; from the host rounded to ``dst``'s dtype. The device's copy of one slab
+        overlaps the host's work on the previous one."""
+        device = src.device if to_host else dst.device
+        dtype = src.dtype if to_host else dst.dtype
+        pending, read = (
+            None,
+            [None, None],
+        )  # to the host: the slab to add; from it: per slab, its last copy's event
+        for index, start in enumerate(range(0, src.numel(), self.slab)):
+            part, which = slice(start, min(start + self.slab, src.numel())), index % 2
+            buffer = self._slab(which, part.stop - part.start, dtype, device)
+            if to_host:
+                buffer.copy_(src[part], non_blocking=True)
+                event = _record(device)
+                if pending is not None:
+                    self._land(*pending, first)
+                pending = (event, buffer, dst[part])
+            else:
+                _wait(read[which])  # the slab's previous copy to the device has read it
+                buffer.copy_(src[part])
+                dst[part].copy_(buffer, non_blocking=True)
+                read[which] = _record(device)
+        if pending is not None:
+            self._land(*pending, first)
+        for event in read:
+            _wait(event)
+
+    @staticmethod
+    def _land(event, buffer: torch.Tensor, dst: torch.Tensor, first: bool) -> None:
+        _wait(event)
+        dst.copy_(buffer) if first else dst.add_(buffer)
+
+    def _slab(self, which: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Staging slab ``which`` (of two, each :func:`staging_elements` 16-bit elements) as ``numel`` elements of
+        ``dtype``; page-locked for a CUDA ``device``."""
+        size = staging_elements(max(p.numel() for p in self.matrices), self.slab) * 2
+        if len(self._staging) < 2 or self._staging[0].numel() < size:
+            pinned = device.type == "cuda"
+            self._staging = [torch.empty(size, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)]
+        return self._staging[which][: numel * dtype.itemsize].view(dtype)
+
+
+def staging_elements(largest: int, slab: int = STAGING_ELEMENTS) -> int:
+    """Elements of each float32-host staging slab: ``slab``, or the largest matrix's if that is smaller."""
+    return min(slab, largest)
+
+
+def _record(device: torch.device):
+    """An event after the work queued so far on ``device``'s current stream (``None`` on a CPU: copies are done)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def _wait(event) -> None:
+    if event is not None:
+        event.synchronize()
 
 
 def gradient_accumulator(p: torch.Tensor, sums: Float32GradSums | None) -> torch.Tensor | None:

@@ -43,7 +43,10 @@ options that would make it fit (each tried in the planner).
   page-locked host memory (counted in the host tier: :func:`parked_kept_bytes`), one layer's on the device.
 - *float32 gradient sums* (``grad_accumulation="float32"``, the default): during the backward sweep every trainable
   16-bit parameter's gradient is a 4-byte sum instead of its 2-byte ``.grad`` (:mod:`~lightning_oomb.engine.grads`):
-  2 bytes per such parameter, in every moment of the sweep, not at the optimizer step.
+  2 bytes per such parameter, in every moment of the sweep, not at the optimizer step. ``"float32-host"``: 2 bytes
+  per 1-D parameter element on the device; once a sweep has more than one window of chunks, 4 host bytes per
+  element of the other parameters (their sums in host memory) and two staging slabs (:class:`~lightning_oomb.
+  engine.grads.HostGradSums`).
 - *carried states* (hybrids: :mod:`~lightning_oomb.engine.states`): each row's recurrent / convolution states at
   every chunk boundary; with ``offload=True`` they wait in a page-locked host buffer instead (counted in the host
   tier, each boundary rounded up to 8 bytes) and the device holds two boundaries' worth (a chunk's incoming leaves
@@ -87,7 +90,7 @@ import torch
 from lightning_oomb.engine.config import OOMBConfig
 from lightning_oomb.engine.cpu_attention import PAST_BLOCK
 from lightning_oomb.engine.errors import OOMBConfigError
-from lightning_oomb.engine.grads import HALF_DTYPES
+from lightning_oomb.engine.grads import HALF_DTYPES, HOST_FLUSH_CHUNKS, staging_elements
 from lightning_oomb.engine.kv_pool import HOST_RESERVE_BYTES, hbm_budget, host_memory_available, plan_tiers
 from lightning_oomb.engine.pages import GRAD_DTYPES, PoolShape, arena_bytes
 from lightning_oomb.engine.reference import KEY_BLOCK
@@ -124,7 +127,8 @@ class ModelShape:
     Llama-style formula); ``weight_bytes`` / ``grad_bytes``: exact bytes when a module was read (else counts x the
     precision's dtype); ``largest_param``: elements of the largest parameter; ``head_trainable`` /
     ``embedding_trainable``: whether the LM head / input embedding get gradients (not under LoRA); ``half_trainable``:
-    trainable elements in a 16-bit dtype (``None``: all trainable ones when the precision's parameters are 16-bit);
+    trainable elements in a 16-bit dtype (``None``: all trainable ones when the precision's parameters are 16-bit),
+    ``half_vectors`` those of them in 1-D parameters (``None``: :meth:`vector_params`);
     ``mlp_width``: MLP width a token passes through (``experts_per_token x`` the expert width for MoE);
     ``logit_softcap``: the head soft-caps its logits (Gemma 2/3). A hybrid (recurrent / convolution layers beside
     attention): ``kv_layers``, the layers that have KV pages (``None``: all), and per batch row, the elements of the
@@ -154,6 +158,7 @@ class ModelShape:
     embedding_trainable: bool = True
     logit_softcap: bool = False
     half_trainable: int | None = None
+    half_vectors: int | None = None
     kv_layers: int | None = None
     conv_state_elements: int = 0
     recurrent_state_elements: int = 0
@@ -186,6 +191,16 @@ class ModelShape:
         layer += h * self.num_experts  # the router
         head = 0 if self.tied_embeddings else self.vocab_size * h
         return self.num_embeddings * h + self.num_layers * layer + h + head
+
+    def vector_params(self) -> int:
+        """Elements of the 1-D parameters (norm weights, biases) of a Llama-style causal LM of this shape."""
+        q, kv = self.num_heads * self.head_dim, self.kv_heads * self.head_dim
+        layer = (
+            2 * self.hidden_size
+            + (q + 2 * kv if self.qkv_bias else 0)
+            + (2 * self.head_dim if self.qk_norm else 0)
+        )
+        return self.num_layers * layer + self.hidden_size
 
     @property
     def calibrated(self) -> bool:
@@ -313,6 +328,7 @@ def _with_parameters(shape: ModelShape, module: torch.nn.Module) -> ModelShape:
         grad_bytes=sum(p.numel() * p.element_size() for p in trainable),
         largest_param=max((p.numel() for p in trainable), default=0),
         half_trainable=sum(p.numel() for p in trainable if p.dtype in HALF_DTYPES),
+        half_vectors=sum(p.numel() for p in trainable if p.dtype in HALF_DTYPES and p.dim() < 2),
     )
 
 
@@ -631,8 +647,9 @@ class Option:
 @dataclass
 class MemoryPlan:
     """A step's predicted memory (bytes). ``device``: every term of the device's peak (``peak_device`` = persistent
-    terms + the largest moment, ``peak_phase``); ``host_tier``: the pinned host arena (on a CPU machine it lives in
-    the same memory as the device terms); ``fits``, and ``options`` that fit when it does not; ``notes``: what is
+    terms + the largest moment, ``peak_phase``); ``host_tier``: the host memory the step holds, ``host_parts``
+    its terms — the pool's pinned tier, parked attention results and states, float32-host's gradient sums (on a CPU
+    machine it lives in the same memory as the device terms); ``fits``, and ``options`` that fit when it does not; ``notes``: what is
     approximate; ``step_time_s``: always ``None`` until measured step rates exist (:data:`MEASURED_STEP_RATES`)."""
 
     seq_len: int
@@ -655,7 +672,7 @@ class MemoryPlan:
     step_time_s: float | None = None
     host_parts: dict[str, int] = field(
         default_factory=dict
-    )  # host_tier's terms: pool, parked results, states
+    )  # host_tier's terms: pool, parked results, states, host gradient sums
 
     @property
     def persistent(self) -> int:
@@ -692,7 +709,7 @@ class MemoryPlan:
     def rows(self) -> list[tuple[str, int | None, int | None]]:
         """``(term, device bytes, host bytes)`` in the order a table shows them."""
         out = [(LABELS[k], v, None) for k, v in self.device.items()]
-        parked = [(f"{LABELS[k]}, pinned", None, v) for k, v in self.host_parts.items() if k != "pool" and v]
+        parked = [(HOST_LABELS[k], None, v) for k, v in self.host_parts.items() if k != "pool" and v]
         pool = self.host_parts.get("pool", self.host_tier)
         return [*out, ("pinned host tier", None, pool), *parked]
 
@@ -703,7 +720,7 @@ class MemoryPlan:
         host = (
             ""
             if self.machine.device_type == "cpu"
-            else f"; pinned host {gib(self.host_tier)} of {gib(self.host_capacity)}"
+            else f"; host {gib(self.host_tier)} of {gib(self.host_capacity)}"
         )
         return (
             f"{self.batch} x {self.seq_len} tokens, {self.precision}, {self.optimizer}: peak {gib(self.peak_device)} "
@@ -725,9 +742,10 @@ class MemoryPlan:
                 f"({self.peak_phase}; {terms}) but only {gib(max(self.device_capacity, 0))} is available"
             )
         else:
+            parts = ", ".join(f"{HOST_LABELS[k]} {gib(v)}" for k, v in self.host_parts.items() if v)
             what = (
-                f"the KV pool's pinned host tier ({tokens}) needs {gib(self.host_tier)} but only "
-                f"{gib(max(self.host_capacity, 0))} of host memory is available"
+                f"the step ({tokens}) needs {gib(self.host_tier)} of host memory ({parts}) but only "
+                f"{gib(max(self.host_capacity, 0))} is available"
             )
         if self.options:
             fix = "use " + ", or ".join(o.text for o in self.options)
@@ -777,6 +795,14 @@ LABELS = {
     "loss_transients": "loss backward transients",
     "layer_transients": "layer backward transients",
     "optimizer_transients": "optimizer step transients",
+}
+
+
+HOST_LABELS = {
+    "pool": "pinned host tier",
+    "kept_attention": "attention results kept (checkpointing), pinned",
+    "carried_states": "recurrent / convolution states at chunk boundaries, pinned",
+    "grad_sums": "float32 gradient sums, host",
 }
 
 
@@ -973,7 +999,7 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     kept = kept_attention_bytes(shape, dtypes, tokens) if ckpt else 0
     if ckpt and config.offload:  # parked in host memory until each layer's checkpoint recompute
         kept, host["kept_attention"] = parked_kept_bytes(shape, dtypes, tokens, machine.device_type == "cuda")
-    sums = _grad_sums(inputs, config)
+    sums, host["grad_sums"] = _grad_sums(inputs, config, math.ceil(seq_len / config.chunk_size))
     phases = {
         "loss backward": sums + activations + kept + loss,
         "MLP backward": sums + below_head + kept + mlp_bwd,
@@ -1005,16 +1031,34 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     return result
 
 
-def _grad_sums(inputs: _Inputs, config: OOMBConfig) -> int:
-    """Bytes the backward sweep's float32 gradient sums add: 2 per trainable 16-bit parameter (see the module
-    docstring; 0 with ``grad_accumulation="native"``)."""
-    if config.grad_accumulation != "float32":
-        return 0
+def _grad_sums(inputs: _Inputs, config: OOMBConfig, chunks: int) -> tuple[int, int]:
+    """(device, host) bytes of the backward sweep's float32 gradient sums of trainable 16-bit parameters (see the
+    module docstring): ``"float32"`` 2 device bytes per element; ``"float32-host"`` 2 per vector element on the
+    device, and — once a sweep has more than one window of chunks — 4 host bytes per matrix element plus two staging
+    slabs (:mod:`~lightning_oomb.engine.grads`); ``"native"`` none."""
+    vectors, matrices = _half_elements(inputs)
+    mode = config.grad_accumulation
+    if mode == "float32":
+        return 2 * (vectors + matrices), 0
+    if mode != "float32-host":
+        return 0, 0
+    shape = inputs.shape
+    largest = shape.largest_param or max(shape.num_embeddings, shape.vocab_size) * shape.hidden_size
+    flushed = chunks > HOST_FLUSH_CHUNKS and matrices
+    return 2 * vectors, 4 * matrices + 2 * 2 * staging_elements(largest) if flushed else 0
+
+
+def _half_elements(inputs: _Inputs) -> tuple[int, int]:
+    """Trainable 16-bit elements in (1-D parameters, the others)."""
     shape = inputs.shape
     if shape.half_trainable is not None:
-        return 2 * shape.half_trainable
+        vectors = shape.half_vectors if shape.half_vectors is not None else shape.vector_params()
+        return min(vectors, shape.half_trainable), max(shape.half_trainable - vectors, 0)
+    if inputs.dtypes.param not in HALF_DTYPES:
+        return 0, 0
     trainable = shape.trainable if shape.trainable is not None else shape.parameter_count()
-    return 2 * trainable if inputs.dtypes.param in HALF_DTYPES else 0
+    vectors = min(shape.vector_params(), trainable)
+    return vectors, trainable - vectors
 
 
 def _budget(config: OOMBConfig, machine: Machine, weights: int) -> int | None:
@@ -1083,7 +1127,9 @@ def _options(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int) -> l
         flag = "bf16-true" if dtypes.compute == torch.bfloat16 else "16-true"
         half = dataclasses.replace(
             inputs,
-            shape=dataclasses.replace(inputs.shape, weight_bytes=None, grad_bytes=None, half_trainable=None),
+            shape=dataclasses.replace(
+                inputs.shape, weight_bytes=None, grad_bytes=None, half_trainable=None, half_vectors=None
+            ),
             dtypes=precision_dtypes(flag),
             optimizer=dataclasses.replace(spec, state_bytes=None),
             precision=flag,
@@ -1116,8 +1162,12 @@ def _candidates(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int) -
     groups = []
     if config.kv_grad_dtype == "float32" and inputs.dtypes.activation.itemsize < 4:
         groups.append([{"kv_grad_dtype": "bfloat16"}])
-    if _grad_sums(inputs, config):
-        groups.append([{"grad_accumulation": "native"}])
+    device_sums, host_sums = _grad_sums(inputs, config, math.ceil(seq_len / config.chunk_size))
+    if device_sums or host_sums:  # on a GPU float32-host keeps the flat error for host memory
+        ways = ["float32-host"] * (
+            inputs.machine.device_type == "cuda" and config.grad_accumulation == "float32"
+        )
+        groups.append([{"grad_accumulation": way} for way in (*ways, "native")])
     if not config.layer_checkpointing:
         groups.append([{"layer_checkpointing": True}])
     if config.mlp_tile is None and not inputs.shape.num_experts and config.chunk_size > 1024:

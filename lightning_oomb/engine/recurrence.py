@@ -26,7 +26,7 @@ from lightning_oomb.engine.batch import key_floors, plan_layout
 from lightning_oomb.engine.config import OOMBConfig
 from lightning_oomb.engine.context import ContextChunk, ContextGroup, Layout, SharedSummaries, fingerprint
 from lightning_oomb.engine.errors import OOMBConfigError
-from lightning_oomb.engine.grads import Float32GradSums, gradient_accumulator
+from lightning_oomb.engine.grads import Float32GradSums, HostGradSums, gradient_accumulator
 from lightning_oomb.engine.kv_pool import KVPool
 from lightning_oomb.engine.loss import IGNORE_INDEX, linear_cross_entropy
 from lightning_oomb.engine.model import ChunkModel
@@ -105,6 +105,7 @@ class OOMBEngine:
         self._apply_model_options(self.config)
         self.pool = KVPool(self.config, transport)
         self.host_states = HostStates()  # the carried states' host buffer under offload (grows on first use)
+        self.host_grads = HostGradSums()  # grad_accumulation="float32-host": the host sums, kept across steps
         self._pending: weakref.ref | None = None  # the step whose loss waits for its backward
         self.stats = StepStats()
         self._page_budget = self.config.page_budget
@@ -327,7 +328,7 @@ class OOMBEngine:
         sweep: str,
         grad_output=None,
         states: ChunkStates | None = None,
-        sums: Float32GradSums | None = None,
+        sums: Float32GradSums | HostGradSums | None = None,
     ) -> torch.Tensor:
         """The chunk's loss; ``grad_output``: what the backward sweep will back-propagate into the step's loss (the
         cross-entropy then makes its gradients at once, at the scale autograd's division gives them, and adds the
@@ -399,12 +400,18 @@ class OOMBEngine:
 
     def backward_sweep(self, step: _Step, rng: list[RNGState], autocast: AutocastState, grad_output) -> None:
         """Recompute chunks in reverse with grad and back-propagate each at once (16-bit parameters' gradients
-        summed in float32 unless ``grad_accumulation="native"``)."""
+        summed in float32 unless ``grad_accumulation="native"``: :mod:`lightning_oomb.engine.grads`)."""
         device = step.input_ids.device
         devices = [device] if device.type == "cuda" else []
         fork = torch.random.fork_rng(devices=devices, device_type=device.type)
-        native = self.config.grad_accumulation == "native"
-        sums = None if native else Float32GradSums(self._parameters())
+        mode = self.config.grad_accumulation
+        sums = (
+            None
+            if mode == "native"
+            else self.host_grads.sweep(self._parameters())
+            if mode == "float32-host"
+            else Float32GradSums(self._parameters())
+        )
         engaged = self.model.engaged(step.input_ids.shape[1])
         with (
             self._reporting(),
@@ -424,6 +431,8 @@ class OOMBEngine:
                 torch.autograd.backward([loss, *boundary], [grad_output, *grads])
                 if carried is not None:
                     carried.finish_backward(states)
+                if sums is not None:
+                    sums.chunk_done(more=index > 0)
         self.stats.extra.update(self.pool.stats())
 
     def input_versions(self, step: _Step) -> tuple:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_oomb.engine import OOMBConfig, OOMBConfigError, OOMBEngine
-from lightning_oomb.engine.grads import Float32GradSums
+from lightning_oomb.engine.grads import Float32GradSums, HostGradSums
 from lightning_oomb.integrations.hf import HFChunkModel
 from tests.helpers.models import build_causal_lm, full_sequence_loss, grads_of
 
@@ -77,7 +77,9 @@ def gradient_errors(accumulation: str, chunk_size: int, seq_len: int = 1024) -> 
     return {n: ((got[n].double() - t).norm() / t.norm()).item() for n, t in grads_of(truth_model).items()}
 
 
-@pytest.mark.parametrize(("accumulation", "grows"), [("float32", False), ("native", True)])
+@pytest.mark.parametrize(
+    ("accumulation", "grows"), [("float32", False), ("float32-host", False), ("native", True)]
+)
 def test_bf16_gradient_error_does_not_grow_with_the_chunks(accumulation, grows):
     """1 vs 256 chunks of 1024 tokens. The final norm's weight, whose gradient every token adds to, shows the
     per-chunk rounding most: native bf16 accumulation (the control) makes its error ~3.5x, the float32 sums keep
@@ -114,5 +116,88 @@ def test_same_bits(dtype, one, other):
 
 
 def test_unknown_accumulation_is_refused():
-    with pytest.raises(OOMBConfigError, match="grad_accumulation='bf16'.*'float32', 'native'"):
+    with pytest.raises(
+        OOMBConfigError, match="grad_accumulation='bf16'.*'float32', 'float32-host', 'native'"
+    ):
         OOMBConfig(grad_accumulation="bf16")
+
+
+# ------------------------------------------------------------------------------------------------ float32-host
+def chunk_gradients(count: int, shape, seed: int) -> list[torch.Tensor]:
+    """``count`` bf16 gradients of varied magnitude: their bf16 running sum rounds."""
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(shape, generator=gen) * 4 ** torch.randn((), generator=gen)).bfloat16()
+        for _ in range(count)
+    ]
+
+
+def host_sweep(sums: HostGradSums, params, grads: list[list[torch.Tensor]]) -> None:
+    """One backward sweep of ``len(grads)`` chunks; chunk ``k`` hands ``params[i]`` the gradient ``grads[k][i]``."""
+    with sums.sweep(params):
+        for k, chunk in enumerate(grads):
+            sum((p * g).sum() for p, g in zip(params, chunk)).backward()
+            sums.chunk_done(more=k + 1 < len(grads))
+
+
+def windowed(earlier, grads: list[torch.Tensor], every: int) -> torch.Tensor:
+    """What float32-host computes for a matrix: bf16 running sums over windows of ``every`` chunks (the first one
+    starting from the earlier ``.grad``), added in float32, rounded once."""
+    total = torch.zeros(grads[0].shape, dtype=torch.float32)
+    for start in range(0, len(grads), every):
+        window = earlier if start == 0 else None
+        for g in grads[start : start + every]:
+            window = g.clone() if window is None else window + g
+        total += window.float()
+    return total.bfloat16()
+
+
+@pytest.mark.parametrize("chunks", [10, 4])
+def test_host_sums_round_once_per_window(chunks):
+    """Matrices: bf16 over windows of ``every`` chunks, float32 in host memory across them (slabs of 4 elements:
+    the staging pipeline runs over several); a sweep of one window is autograd's own; vectors: one float32 sum."""
+    matrix = torch.nn.Parameter(torch.zeros(3, 5, dtype=torch.bfloat16))
+    vector = torch.nn.Parameter(torch.zeros(7, dtype=torch.bfloat16))
+    earlier = chunk_gradients(1, (3, 5), 9)[0]
+    matrix.grad = earlier.clone()
+    grads = list(zip(chunk_gradients(chunks, (3, 5), 1), chunk_gradients(chunks, (7,), 2)))
+    sums = HostGradSums(every=4, slab=4)
+    host_sweep(sums, [matrix, vector], grads)
+    assert sums.flushes == (3 if chunks == 10 else 0)  # two windows flushed in the sweep, the last at its end
+    assert torch.equal(matrix.grad, windowed(earlier, [g for g, _ in grads], 4))
+    assert torch.equal(vector.grad, sum(v.float() for _, v in grads).bfloat16())
+    assert sums.host_bytes == (3 * 5 * 4 + 2 * 4 * 2 if chunks == 10 else 0)
+
+
+def test_host_sums_start_fresh_each_step():
+    """A second step reuses the host sums' memory, not their values; a matrix without gradients in it keeps none."""
+    used, idle = (torch.nn.Parameter(torch.zeros(2, 3, dtype=torch.bfloat16)) for _ in range(2))
+    sums = HostGradSums(every=2, slab=4)
+    host_sweep(sums, [used, idle], [chunk_gradients(2, (2, 3), k) for k in range(5)])
+    used.grad = idle.grad = None  # the optimizer step's zero_grad
+    second = chunk_gradients(5, (2, 3), 7)
+    host_sweep(sums, [used], [[g] for g in second])
+    assert torch.equal(used.grad, windowed(None, second, 2)) and idle.grad is None
+    assert set(sums._host) == {id(used)}  # the idle matrix's host sum was freed
+
+
+@pytest.mark.parametrize("accumulation", ["float32", "native"])
+def test_host_sums_in_the_engine(accumulation):
+    """8 chunks, flushed every 2: the vectors' gradients are those of the float32 sums bit for bit; a sweep of one
+    window (4 chunks, the default 16 per window) gives the matrices autograd's own bits."""
+    ids = torch.randint(0, 97, (1, 64), generator=torch.Generator().manual_seed(2))
+    runs = {}
+    for mode, chunk, every in ((accumulation, 8, 16), ("float32-host", 8, 2), ("float32-host", 16, 16)):
+        model = build_causal_lm("qwen2", dtype=torch.bfloat16)
+        engine = OOMBEngine(HFChunkModel(model), OOMBConfig(chunk, 8, grad_accumulation=mode))
+        engine.host_grads.every = every
+        engine.loss(ids).backward()
+        runs[mode, chunk] = grads_of(model), dict(model.named_parameters())
+    (want, params), (flushed, _), (one_window, _) = runs.values()
+    if accumulation == "float32":
+        vectors = [n for n, p in params.items() if p.dim() == 1]
+        assert vectors and all(torch.equal(flushed[n], want[n]) for n in vectors)
+    else:
+        matrices = [n for n, p in params.items() if p.dim() == 2]
+        four_chunks = step_grads(torch.bfloat16, accumulation="native")
+        assert all(torch.equal(one_window[n], four_chunks[n]) for n in matrices)

@@ -284,15 +284,35 @@ def test_qwen2_5_7b_on_an_h200():
     assert "would run out of memory" in at_1m.refusal() and "offload=True" in at_1m.refusal()
 
 
+def test_host_gradient_sums_are_planned_exactly():
+    """float32-host: the device keeps 2 bytes per 1-D parameter element; a sweep of more than one window (17 chunks)
+    holds exactly the planned host bytes (sums and staging), a sweep of one window none."""
+    model = build_causal_lm("qwen2", dtype=torch.bfloat16)
+    config = OOMBConfig(16, 16, grad_accumulation="float32-host")
+    engine = OOMBEngine(HFChunkModel(model), config)
+    vectors = sum(p.numel() for p in model.parameters() if p.dim() == 1)
+    for chunks in (16, 17):
+        engine.loss(torch.randint(0, 97, (1, 16 * chunks))).backward()
+        planned = plan(model, 16 * chunks, 1, config, "bf16-true", None, BIG_CPU)
+        assert planned.device["grad_sums"] == 2 * vectors
+        assert (
+            planned.host_parts["grad_sums"]
+            == engine.host_grads.host_bytes
+            == (chunks > 16) * planned.host_tier
+        )
+    assert planned.host_tier > 4 * sum(p.numel() for p in model.parameters() if p.dim() == 2)
+
+
 @pytest.mark.parametrize(
     ("precision", "config", "device_gib", "changes"),
     [("bf16-true", OOMBConfig(layer_checkpointing=True, grad_accumulation="native"), 88, {"optimizer": "fused"}),
      ("bf16-mixed", OOMBConfig(), 141e9 / 2**30, {"precision": "bf16-true"}),
-     ("bf16-true", OOMBConfig(layer_checkpointing=True), 93, {"grad_accumulation": "native"})],
+     ("bf16-true", OOMBConfig(layer_checkpointing=True), 93, {"grad_accumulation": "float32-host"})],
 )  # fmt: skip
 def test_options_beyond_the_strategys_own(precision, config, device_gib, changes):
     """At the optimizer step's peak a fused AdamW fits; under autocast, 16-bit weights and states do; at the loss
-    backward's peak with the float32 gradient sums (94.8 GiB), native accumulation (91.9 GiB) does."""
+    backward's peak with the float32 gradient sums (94.8 GiB), the sums in host memory (float32-host: 91.9 GiB on
+    the GPU, 28.5 GiB of host memory) do."""
     machine = Machine("cuda", int(device_gib * 2**30), 128 * 2**30)
     result = plan(qwen2_5_7b_config(), 131072, 1, config, precision, "adamw", machine)
     assert not result.fits and changes in [o.changes for o in result.options]
