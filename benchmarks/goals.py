@@ -132,7 +132,7 @@ class Row:
     """One measurement: ``layers`` (``None``: the full model) at context ``length`` (a name of ``Scale.lengths``),
     ``warmup`` untimed then ``repeats`` timed steps; OOMB options: ``offload`` (every layer on the host unless
     ``device_layers`` of them stay in the HBM tier), ``sparse`` (``page_budget``), ``long_chunk``, ``mlp_tile``,
-    ``grad_accumulation``."""
+    ``grad_accumulation``, ``reuse`` (``reuse_attention``)."""
 
     role: str
     layers: int | None
@@ -146,6 +146,7 @@ class Row:
     device_layers: int | None = None
     mlp_tile: int | None = None
     grad_accumulation: str = "float32"
+    reuse: bool = False
 
 
 def compare_rows(repeats: int) -> list:
@@ -153,6 +154,7 @@ def compare_rows(repeats: int) -> list:
         Row("hf-32k", None, "32k", repeats, 1, method=HF),
         Row("oomb-32k", None, "32k", repeats, 1),
         Row("oomb-64k", None, "64k"),
+        Row("oomb-32k-reuse", None, "32k", repeats, 1, reuse=True),  # one attention forward per chunk
     ]
 
 
@@ -180,6 +182,7 @@ def reduced_rows(scale: Scale) -> list:
         # next to 256k-offload: the gradient sums in host memory (its flush cost is an upper bound for the full
         # model's: the reduced model keeps the full embedding and head, a larger share of its parameters)
         Row("256k-offload-host", small, "256k", offload=True, grad_accumulation="float32-host"),
+        Row("256k-offload-reuse", small, "256k", offload=True, reuse=True),  # the forward's attention reused
         Row(
             "256k-offload-tiled", small, "256k", offload=True, mlp_tile=1024
         ),  # next to 256k-offload: mlp_tile
@@ -190,7 +193,7 @@ def oomb_config(row: Row, scale: Scale, model, tokens: int) -> OOMBConfig:
     chunk = scale.long_chunk if row.long_chunk else scale.chunk
     config = OOMBConfig(chunk, scale.page, layer_checkpointing=True,
                         page_budget=scale.budget if row.sparse else None, mlp_tile=row.mlp_tile,
-                        grad_accumulation=row.grad_accumulation)  # fmt: skip
+                        grad_accumulation=row.grad_accumulation, reuse_attention=row.reuse)  # fmt: skip
     if not row.offload:
         return config
     budget = 0
@@ -217,8 +220,9 @@ class Clock:
         """(compute, copies) seconds of one step at the nominal rates."""
         cfg = scale.config(row.layers)
         chunk = config.chunk_size if config else scale.chunk
+        reused = config.reused_chunks(-(-tokens // chunk)) if config else 0
         dense, attention = step_flops(cfg, tokens, row.method, None, chunk, scale.page,
-                                      config.page_budget if config else None)  # fmt: skip
+                                      config.page_budget if config else None, reused_chunks=reused)  # fmt: skip
         copies = 0.0
         if config is not None and config.offload:
             host_layers = cfg.num_hidden_layers - (row.device_layers or 0)
@@ -524,6 +528,12 @@ def goal_table(scale: Scale, rows: list[dict], kernels: dict, plans: list[dict],
                 worst <= 1, f"loss {oomb['loss_vs_hf']:.1e}, gradients {oomb['grads_vs_hf']:.1e} apart (relative)",
                 "the same batch and weights; gradients of the norms every layer's flow through (bf16 rounding "
                 "apart)")  # fmt: skip
+        reuse = ok(rows, "oomb-32k-reuse")
+        if reuse:
+            t = reuse["step_s"] / hf["step_s"]
+            add("32K step time vs HF, reuse_attention", "<= 1.2x", t, t <= 1.2,
+                f"{t:.2f}x ({reuse['step_s']:.2f} s; peak {fmt(reuse.get('peak_gib'), '.1f')} GiB)",
+                f"{full} layers; the forward sweep's attention results reused by the backward")  # fmt: skip
         first = (oomb.get("warmup_s") or 0) - oomb["step_s"]
         add("first step: no minutes of autotuning", "< 60 s extra", first, first < 60,
             f"{first:.1f} s over a warm step (compilation at default tiles); kernel benchmark tuning "
@@ -579,6 +589,14 @@ def goal_table(scale: Scale, rows: list[dict], kernels: dict, plans: list[dict],
             f"{fmt(t_1m, ',.0f', ' s')} (t = aN + bN^2 through the 128K and 256K offloaded steps, scaled to {full})",
             "a prediction from measured steps, not a measured 1M step",
         )
+    reused = ok(rows, "256k-offload-reuse")
+    if dense and reused:
+        t = scaling.time(reused)
+        tps = None if t is None else reused["context"] / t
+        add("dense throughput at 256K, reuse_attention", ">= 1,500 tokens/s", tps, tps is not None and tps >= 1500,
+            f"{fmt(tps, ',.0f', ' tokens/s')} ({fmt(t, '.1f', ' s')} per step; host "
+            f"{fmt(reused.get('reused_attention_gib'), '.1f', ' GiB')} of results)",
+            f"{reused['layers']} layers {reused['step_s']:.1f} s scaled to {full}; every layer offloaded")  # fmt: skip
     hosted = ok(rows, "256k-offload-host")
     if dense and hosted:
         (host_peak, planned), t, t_host = scaling.peak(hosted), scaling.time(dense), scaling.time(hosted)

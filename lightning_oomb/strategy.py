@@ -211,6 +211,7 @@ class OOMBStrategy(_OOMBStrategyMixin, SingleDeviceStrategy):
         page_score: str = "bound",
         grad_accumulation: str = "float32",
         mlp_tile: int | None = None,
+        reuse_attention: bool | int = False,
         target_module: str | None = None,
         verify_exactness: bool = True,
         plan_memory: bool = True,

@@ -34,6 +34,7 @@ from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.kv_pool import KVPool
 from lightning_oomb.engine.lse import add_sinks, finish_state, init_state, sink_grad
 from lightning_oomb.engine.pages import PagedKV, PoolShape
+from lightning_oomb.engine.results import ForwardResults
 from lightning_oomb.engine.sparse import Selection, SparseStep, select_pages
 from lightning_oomb.engine.states import ChunkStates
 
@@ -58,7 +59,9 @@ class ChunkContext:
     ``park_kept``: they wait in host memory (offload with per-layer checkpointing).
     ``states``: a model with recurrent / convolution layers — the states they carry into and out of the chunk
     (:mod:`lightning_oomb.engine.states`). ``tokens``: right padding — which of the call's tokens ``[B, L]`` are real
-    (``None``: all; e.g. a router's balancing loss counts only those).
+    (``None``: all; e.g. a router's balancing loss counts only those). ``results``: ``reuse_attention`` — the
+    forward sweep keeps this chunk's (``index``-th of ``chunks``) results there, the backward sweep's recompute
+    takes them (:mod:`lightning_oomb.engine.results`).
     """
 
     pool: KVPool
@@ -75,6 +78,9 @@ class ChunkContext:
     park_kept: bool = False
     states: ChunkStates | None = None
     tokens: torch.Tensor | None = None
+    results: ForwardResults | None = None
+    index: int = 0
+    chunks: int = 0
 
 
 @dataclass(frozen=True)
@@ -260,10 +266,20 @@ class PagedAttention(torch.autograd.Function):
         if kept is not None:  # the layer's checkpoint recompute
             kept = kept.restore(q.device)
             out, lse, select = kept.out, kept.lse, kept.select
+        elif chunk.results is not None and chunk.sweep == "backward":  # the forward sweep's result
+            out, lse, select, host = chunk.results.take(chunk.index, layer)
+            if chunk.kept is not None:  # for the layer's checkpoint recompute: parked already
+                chunk.kept[layer] = (
+                    Kept(*host, select, parked=True) if chunk.park_kept else Kept(out, lse, select)
+                )
         else:
             pool.write(layer, chunk.start, k, v, window)
             out, lse, select = _attend_call(q, chunk, layer, scale, window, softcap, sinks)
             _keep(chunk, layer, out, lse, select)
+            if (
+                chunk.results is not None
+            ):  # the forward sweep of a chunk whose results the backward sweep takes
+                chunk.results.put(chunk.index, layer, out, lse, select, chunk.chunks)
         ctx.save_for_backward(q, out, lse, sinks, select, *((k, v) if pool.restages(layer) else ()))
         ctx.args = (chunk, layer, scale, window, softcap, k.dtype)
         return out.detach()  # a fresh alias: a kept result is returned by two calls

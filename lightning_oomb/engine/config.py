@@ -85,6 +85,14 @@ class OOMBConfig:
             per step (~16 % more matmul FLOPs at 7B); exact (under ``grad_accumulation="native"`` each tile's
             parameter gradient is added into the 16-bit ``.grad``). ``None`` (default): whole chunks. Dense MLPs of
             Hugging Face models (a layer's ``mlp`` whose class name ends in ``MLP``; MoE blocks are left whole).
+        reuse_attention: keep the forward sweep's attention results (each layer's output and log-sum-exp,
+            ``(2 D + 4) Hq`` bytes per token and layer in 16-bit: 7.3 KB for Qwen2.5-7B, 204 KB per token) in host
+            memory (page-locked under CUDA, copied on a side stream) so that the backward sweep's chunk recompute
+            takes them instead of attending again: attention runs once forward and once backward per step (HF
+            with checkpointing: twice forward). ``True``: every chunk; an int ``k``: the last ``k`` chunks of a
+            step (those that attend to the most keys: the last fifth of the chunks carry a third of the
+            attention); ``False`` (default): recompute. Exact (the same result); the memory plan counts the host
+            bytes. One device (``oomb_cp`` refuses it).
     """
 
     chunk_size: int = 4096
@@ -101,6 +109,7 @@ class OOMBConfig:
     page_score: str = "bound"
     grad_accumulation: str = "float32"
     mlp_tile: int | None = None
+    reuse_attention: bool | int = False
 
     def __post_init__(self) -> None:
         for name in ("chunk_size", "page_size", "loss_block"):
@@ -149,11 +158,22 @@ class OOMBConfig:
                 f"mlp_tile={tile!r} must be None (whole chunks) or a positive number of tokens per MLP tile "
                 "(e.g. 1024)."
             )
+        reuse = self.reuse_attention
+        if not isinstance(reuse, (bool, int)) or (not isinstance(reuse, bool) and reuse < 0):
+            raise OOMBConfigError(
+                f"reuse_attention={reuse!r} must be True (every chunk's forward attention result kept for the "
+                "backward sweep), False (recomputed), or a number of chunks (the last ones of each step)."
+            )
         if self.grad_accumulation not in GRAD_ACCUMULATIONS:
             raise OOMBConfigError(
                 f"grad_accumulation={self.grad_accumulation!r} is unknown — it says how the chunks' gradients of "
                 f"16-bit parameters are summed — use one of {GRAD_ACCUMULATIONS}."
             )
+
+    def reused_chunks(self, chunks: int) -> int:
+        """How many of a step's ``chunks`` (its last ones) keep their forward attention results."""
+        reuse = self.reuse_attention
+        return chunks if reuse is True else min(int(reuse), chunks)
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

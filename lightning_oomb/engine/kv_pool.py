@@ -359,14 +359,22 @@ class KVPool:
         return self.streams(layer) or self.recycles(layer)
 
     # ------------------------------------------------------------------------------------------------ sweeps
-    def begin_sweep(self, kind: str, selected: Callable[[int, int], dict | None] | None = None) -> None:
+    def begin_sweep(
+        self,
+        kind: str,
+        selected: Callable[[int, int], dict | None] | None = None,
+        reused_from: int | None = None,
+    ) -> None:
         """Start a ``"forward"``/``"eval"`` sweep (a new step: every page is rewritten, gradients zero) or the
         ``"backward"`` sweep (pages are read, gradient pages accumulated). ``selected(layer, chunk)``: a sparse
-        step's selected prefix blocks of a stream where known (``None``: every block), for prefetch."""
+        step's selected prefix blocks of a stream where known (``None``: every block), for prefetch;
+        ``reused_from``: the backward sweep's recompute of chunks from this one on reads no page
+        (``reuse_attention``)."""
         self._sweep, self._selected = kind, selected
         if self._offload is not None:
             self._offload.begin_sweep(kind)
             self._offload.schedule.predict_selection(selected)
+            self._offload.schedule.reused_from = reused_from
 
     def end_sweep(self) -> None:
         """Finish the sweep's bookkeeping (copy-wait timings; on CUDA this waits for the compute stream)."""

@@ -47,6 +47,9 @@ options that would make it fit (each tried in the planner).
   per 1-D parameter element on the device; once a sweep has more than one window of chunks, 4 host bytes per
   element of the other parameters (their sums in host memory) and two staging slabs (:class:`~lightning_oomb.
   engine.grads.HostGradSums`).
+- *reused attention results* (``reuse_attention``): the forward sweep's output and log-sum-exp of every attention
+  layer for the kept chunks, one whole-chunk slot each, in page-locked host memory (:func:`reused_attention_bytes`);
+  on the device they take the place of the recompute's own results (no new term).
 - *carried states* (hybrids: :mod:`~lightning_oomb.engine.states`): each row's recurrent / convolution states at
   every chunk boundary; with ``offload=True`` they wait in a page-locked host buffer instead (counted in the host
   tier, each boundary rounded up to 8 bytes) and the device holds two boundaries' worth (a chunk's incoming leaves
@@ -94,6 +97,7 @@ from lightning_oomb.engine.grads import HALF_DTYPES, HOST_FLUSH_CHUNKS, staging_
 from lightning_oomb.engine.kv_pool import HOST_RESERVE_BYTES, hbm_budget, host_memory_available, plan_tiers
 from lightning_oomb.engine.pages import GRAD_DTYPES, PoolShape, arena_bytes
 from lightning_oomb.engine.reference import KEY_BLOCK
+from lightning_oomb.engine.results import result_slot_bytes
 from lightning_oomb.engine.states import BOUNDARY_ALIGN
 
 # measured step rates per device kind ("nvidia-h200": {"attention_flops": ..., "dense_flops": ..., "h2d_bytes": ...});
@@ -803,6 +807,7 @@ HOST_LABELS = {
     "kept_attention": "attention results kept (checkpointing), pinned",
     "carried_states": "recurrent / convolution states at chunk boundaries, pinned",
     "grad_sums": "float32 gradient sums, host",
+    "reused_attention": "forward attention results (reuse_attention), pinned",
 }
 
 
@@ -1000,6 +1005,9 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     if ckpt and config.offload:  # parked in host memory until each layer's checkpoint recompute
         kept, host["kept_attention"] = parked_kept_bytes(shape, dtypes, tokens, machine.device_type == "cuda")
     sums, host["grad_sums"] = _grad_sums(inputs, config, math.ceil(seq_len / config.chunk_size))
+    host["reused_attention"] = (
+        reused_attention_bytes(shape, dtypes, config, batch, seq_len) if devices == 1 else 0
+    )
     phases = {
         "loss backward": sums + activations + kept + loss,
         "MLP backward": sums + below_head + kept + mlp_bwd,
@@ -1029,6 +1037,18 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     result.fits = result.device_fits and result.host_fits
     result.notes = _notes(inputs, config)
     return result
+
+
+def reused_attention_bytes(
+    shape: ModelShape, dtypes: Dtypes, config: OOMBConfig, batch: int, seq_len: int
+) -> int:
+    """Host bytes of ``reuse_attention``'s buffer: one whole-chunk slot (output and log-sum-exp) per kept chunk and
+    attention layer (:class:`~lightning_oomb.engine.results.ForwardResults`)."""
+    kept = config.reused_chunks(math.ceil(seq_len / config.chunk_size))
+    lse = torch.float64 if dtypes.activation == torch.float64 else torch.float32
+    tokens = min(config.chunk_size, seq_len)
+    slot = result_slot_bytes(batch, shape.num_heads, tokens, shape.head_dim, dtypes.activation, lse)
+    return kept * shape.paged_layers * slot
 
 
 def _grad_sums(inputs: _Inputs, config: OOMBConfig, chunks: int) -> tuple[int, int]:

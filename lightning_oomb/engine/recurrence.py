@@ -33,6 +33,7 @@ from lightning_oomb.engine.model import ChunkModel
 from lightning_oomb.engine.offload import Transport, default_transport
 from lightning_oomb.engine.pages import PoolShape
 from lightning_oomb.engine.replay import AutocastState, RNGState
+from lightning_oomb.engine.results import ForwardResults
 from lightning_oomb.engine.sparse import SparseStats, SparseStep, check_budget
 from lightning_oomb.engine.states import CarriedStates, ChunkStates, HostStates
 
@@ -69,6 +70,9 @@ class _Step:
     summaries: SharedSummaries | None = None  # context parallelism, sparse: every rank's page summaries
     states: CarriedStates | None = None  # a hybrid's recurrent / convolution states at chunk boundaries
     tokens: torch.Tensor | None = None  # right padding: the real tokens [B, N] (None: no padding)
+    reused_from: int | None = (
+        None  # reuse_attention: the first chunk whose forward results the backward takes
+    )
 
 
 class OOMBEngine:
@@ -106,6 +110,9 @@ class OOMBEngine:
         self.pool = KVPool(self.config, transport)
         self.host_states = HostStates()  # the carried states' host buffer under offload (grows on first use)
         self.host_grads = HostGradSums()  # grad_accumulation="float32-host": the host sums, kept across steps
+        self.results = (
+            ForwardResults()
+        )  # reuse_attention: the forward sweep's attention results (host buffer)
         self._pending: weakref.ref | None = None  # the step whose loss waits for its backward
         self.stats = StepStats()
         self._page_budget = self.config.page_budget
@@ -158,6 +165,8 @@ class OOMBEngine:
         self._check_nothing_pending("engine.loss")
         with self._reporting():
             step = self._plan(input_ids, labels, position_ids, attention_mask)
+            kept = self.config.reused_chunks(len(step.bounds)) if torch.is_grad_enabled() else 0
+            step.reused_from = len(step.bounds) - kept if kept else None
             weight = self.model.lm_head().weight
             anchor = weight.new_zeros((), dtype=torch.float32).requires_grad_(True)
             loss = _ChunkRecurrentStep.apply(anchor, self, step)
@@ -199,6 +208,7 @@ class OOMBEngine:
         """Free the pool, pinned host memory included (after an exception or at teardown); the next step
         reallocates it."""
         self.pool.release()
+        self.results.free()
 
     def _reporting(self):
         """Context parallelism: a failure names the rank it started on (:meth:`ContextGroup.reporting`)."""
@@ -211,7 +221,7 @@ class OOMBEngine:
         selected = (
             None if sparse is None else sparse.blocks_of(step.shape.block_pages, self.config.chunk_size)
         )
-        self.pool.begin_sweep(kind, selected)
+        self.pool.begin_sweep(kind, selected, step.reused_from if kind == "backward" else None)
         try:
             yield
         except BaseException:
@@ -349,6 +359,9 @@ class OOMBEngine:
             kept={} if sweep == "backward" else None,
             park_kept=sweep == "backward" and self.config.offload and self._checkpointed(),
             states=states,
+            results=self.results if sweep != "eval" and self.results.keeps(index) else None,
+            index=index,
+            chunks=len(step.bounds),
         )
         lo, hi = start, end
         targets = step.targets[:, lo:hi]
@@ -380,6 +393,8 @@ class OOMBEngine:
         carried = step.states
         if carried is not None:
             carried.keep = sweep != "eval"
+        kept = step.reused_from if sweep == "forward" else None
+        self.results.begin(kept, step.bounds[0][1] - step.bounds[0][0], step.shape.num_layers)
         with self._sweep(sweep, step), self.model.engaged(step.input_ids.shape[1]):
             for index in range(len(step.bounds)):
                 rng.append(RNGState(device))
@@ -423,6 +438,9 @@ class OOMBEngine:
             carried = step.states
             for index in reversed(range(len(step.bounds))):
                 rng[index].restore()
+                if self.results.keeps(index):  # its forward results start back to the device now
+                    start, end = step.bounds[index]
+                    self.results.fetch(index, end - start, device)
                 with torch.enable_grad(), autocast():
                     states = None if carried is None else carried.backward_chunk(index)
                     loss = self._chunk_loss(step, index, "backward", grad_output, states, sums)
@@ -478,6 +496,7 @@ class OOMBEngine:
             kv_bytes=shape.kv_bytes if shape else 0,
             grad_bytes=shape.grad_bytes if shape else 0,
             extra=self.pool.stats()
+            | ({"reused_attention_bytes": self.results.nbytes} if step.reused_from is not None else {})
             | (
                 {}
                 if step.states is None
@@ -497,6 +516,11 @@ def chunk_bounds(seq_len: int, chunk_size: int) -> list[tuple[int, int]]:
 
 def check_context(config: OOMBConfig, size: int) -> None:
     """Refuse options context parallelism cannot honour, before any work."""
+    if config.reuse_attention:
+        raise OOMBConfigError(
+            f"reuse_attention={config.reuse_attention!r} is not supported with context parallelism yet (each rank "
+            "attends across the group) — drop it (reuse_attention=False) or train on one device per sequence."
+        )
     pages = config.chunk_size // config.page_size
     if pages % size:
         raise OOMBConfigError(

@@ -4,7 +4,8 @@ A *stream* is one attention call of one layer for chunk ``s`` (:class:`Visit`): 
 and the prefix blocks ``first .. s-1`` (``first > 0`` under a sliding window), each a :class:`Need`. Sweep order:
 forward and eval sweeps climb the layers, chunk after chunk; the backward sweep recomputes each chunk climbing and
 back-propagates it descending (a checkpointed layer's recompute reuses the climb's attention result and streams
-nothing: :class:`~lightning_oomb.engine.attention.Kept`). :meth:`OffloadSchedule.upcoming` walks that order from the
+nothing: :class:`~lightning_oomb.engine.attention.Kept`; under ``reuse_attention`` the climbs of the chunks from
+``reused_from`` on take the forward sweep's results and stream nothing either). :meth:`OffloadSchedule.upcoming` walks that order from the
 current position: what the staging cache should prefetch. Correctness never depends on it — a prediction that turns
 out wrong only costs a copy.
 """
@@ -54,6 +55,7 @@ class OffloadSchedule:
         self.num_layers, self.num_blocks = num_layers, num_blocks
         self.host_layers = frozenset(host_layers)
         self.selected = _every_block
+        self.reused_from: int | None = None  # the backward sweep's climbs from this chunk on read no page
         self.sweep = "forward"
         self.written = [0] * num_layers  # leading blocks of each layer whose K/V are on the host
         self.begin_sweep("forward")
@@ -119,12 +121,17 @@ class OffloadSchedule:
             visit = self.next_visit(visit) if visit is not None else None
             if visit is None or visit.chunk >= self.num_blocks:
                 return
-            if visit.layer in self.host_layers:
+            if self._reads(visit) and visit.layer in self.host_layers:
                 yield Need(visit.layer, visit.chunk, False, visit.grads)
                 first = max(0, visit.chunk - self.span)  # a sliding window spans as many blocks as last time
                 chosen = self.selected(visit.layer, visit.chunk)
                 written = range(first, min(visit.chunk, self.written[visit.layer]))
                 yield from _prefix(visit.layer, written, visit.grads, chosen)
+
+    def _reads(self, v: Visit) -> bool:
+        """Whether ``v`` reads pages (a backward sweep's climb of a chunk whose forward results it takes does not)."""
+        reused = self.reused_from is not None and v.chunk >= self.reused_from
+        return not (self.sweep == "backward" and not v.grads and reused)
 
 
 def _prefix(layer: int, blocks: range, grads: bool, selected: Selected | None) -> Iterator[Need]:

@@ -1,0 +1,168 @@
+"""``reuse_attention``: the backward sweep's recompute takes the forward sweep's attention results (kept in host
+memory) instead of attending again — exact in float64, one attention forward per chunk and layer, the host bytes
+the planner counts, and an offloaded step whose prefetch predicts the climbs that read no page."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_oomb.engine import OOMBConfig, OOMBConfigError, OOMBEngine, attention, planner
+from lightning_oomb.integrations.hf import HFChunkModel
+from tests.helpers.models import build_causal_lm, full_sequence_loss, grads_of, max_relative_error
+
+CHUNK, PAGE, SEQ = 16, 8, 70  # 5 chunks, the last ragged
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts the attention calls (each layer's forward over its pages)."""
+    count = []
+    attend = attention.attend
+
+    def spy(*args, **kwargs):
+        count.append(1)
+        return attend(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "attend", spy)
+    return count
+
+
+def step(model, ids, checkpointing=False, **options):
+    model.zero_grad()
+    config = OOMBConfig(CHUNK, PAGE, layer_checkpointing=checkpointing, **options)
+    engine = OOMBEngine(HFChunkModel(model, layer_checkpointing=checkpointing), config)
+    loss = engine.loss(ids)
+    loss.backward()
+    return loss.detach(), grads_of(model), engine
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize(("reuse", "offload"), [(True, False), (2, False), (True, True)])
+def test_reused_results_are_exact_and_attend_once(calls, reuse, offload, checkpointing):
+    """Every chunk (or the last 2) takes its forward results in the backward sweep: float64 gradients equal
+    full-sequence training's, and each reused chunk attends once per layer instead of twice."""
+    model = build_causal_lm("qwen2", num_hidden_layers=2)
+    ids = torch.randint(0, 97, (2, SEQ), generator=torch.Generator().manual_seed(4))
+    want_loss = full_sequence_loss(model, ids)
+    want_loss.backward()
+    want = grads_of(model)
+    model.train()
+    off = {"offload": True, "hbm_budget": 0} if offload else {}
+    loss, got, engine = step(model, ids, checkpointing, reuse_attention=reuse, **off)
+    assert abs(loss.item() - want_loss.item()) <= 1e-10 * want_loss.item()
+    assert max_relative_error(got, want) <= 1e-10
+    chunks, layers = 5, 2
+    reused = chunks if reuse is True else reuse
+    assert len(calls) == layers * (2 * chunks - reused)
+    if offload:
+        assert engine.stats.extra["demand_copies"] == 0  # the climbs that read nothing were predicted
+
+
+def test_a_step_without_reuse_attends_twice(calls):
+    """The control: the recompute attends again (twice forward per chunk and layer)."""
+    model = build_causal_lm("qwen2", num_hidden_layers=2)
+    step(model, torch.randint(0, 97, (1, SEQ)))
+    assert len(calls) == 2 * 2 * 5
+
+
+def test_offloaded_reuse_streams_fewer_pages():
+    """With every layer on the host, the reused climbs copy no page to the device."""
+    model = build_causal_lm("qwen2", num_hidden_layers=2)
+    ids = torch.randint(0, 97, (1, SEQ))
+    moved = {}
+    for reuse in (False, True):
+        _, _, engine = step(model, ids, reuse_attention=reuse, offload=True, hbm_budget=0)
+        moved[reuse] = engine.stats.extra["h2d_bytes"]
+    assert 0 < moved[True] < moved[False]
+
+
+@pytest.mark.parametrize(("reuse", "seq"), [(True, SEQ), (3, SEQ), (True, 12)])
+def test_host_bytes_are_planned_exactly(reuse, seq):
+    """The buffer holds one whole-chunk slot per kept chunk and layer: the planner's host term, to the byte."""
+    model = build_causal_lm("qwen2", num_hidden_layers=2)
+    _, _, engine = step(model, torch.randint(0, 97, (2, seq)), reuse_attention=reuse)
+    config = engine.config
+    predicted = planner.plan(model, seq, 2, config, "64-true", None, planner.Machine("cpu", 2**36, 2**36))
+    assert predicted.host_parts["reused_attention"] == engine.results.nbytes > 0
+
+
+def test_no_results_are_kept_without_grad():
+    """A loss made under no_grad has no backward sweep: nothing is copied out."""
+    model = build_causal_lm("qwen2", num_hidden_layers=2)
+    engine = OOMBEngine(HFChunkModel(model), OOMBConfig(CHUNK, PAGE, reuse_attention=True))
+    with torch.no_grad():
+        engine.loss(torch.randint(0, 97, (1, SEQ)))
+    assert engine.results.nbytes == 0
+
+
+@pytest.mark.parametrize("bad", [-1, "yes", 1.5])
+def test_bad_values_are_refused(bad):
+    with pytest.raises(OOMBConfigError, match="reuse_attention"):
+        OOMBConfig(reuse_attention=bad)
+
+
+@pytest.mark.parametrize(("checkpointing", "offload"), [(False, False), (True, True)])
+def test_reuse_with_window_layers(checkpointing, offload):
+    """Mistral's window layers recycle their pages: the skipped recompute leaves the restaging to the backward."""
+    from tests.engine.test_window_pages import SEQ as WINDOW_SEQ
+    from tests.engine.test_window_pages import step as window_step
+
+    model = build_causal_lm("mistral")
+    ids = torch.randint(0, 64, (2, WINDOW_SEQ), generator=torch.Generator().manual_seed(0))
+    want_loss = full_sequence_loss(model, ids)
+    want_loss.backward()
+    want = grads_of(model)
+    off = {"offload": True, "hbm_budget": 0, "staging_buffers": 3} if offload else {}
+    loss, grads, engine = window_step(model, ids, checkpointing, reuse_attention=True, **off)
+    assert engine.pool.shape.tails[0] is not None
+    assert abs(loss.item() - want_loss.item()) <= 1e-10 * want_loss.item()
+    assert max_relative_error(grads, want) <= 1e-10
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_reuse_in_a_sparse_step(offload):
+    """The forward sweep's results of a sparse step carry its selection: equal to the masked oracle."""
+    from tests.engine.test_sparse import oracle_masks, reference
+
+    model = build_causal_lm("qwen2")
+    ids = torch.randint(0, 97, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    off = {"offload": True, "hbm_budget": 0, "staging_buffers": 3} if offload else {}
+    config = OOMBConfig(CHUNK, PAGE, attention_backend="torch", page_budget=1, reuse_attention=True, **off)
+    engine = OOMBEngine(HFChunkModel(model), config)
+    loss = engine.loss(ids)
+    selections = dict(loss.grad_fn.step.sparse.selections)
+    loss.backward()
+    got = loss.detach(), grads_of(model)
+    want_loss, want = reference(model, ids, oracle_masks(selections, 2, SEQ, 2))
+    assert any(s.pages is not None for s in selections.values())
+    assert abs(got[0].item() - want_loss.item()) <= 1e-10 * want_loss.item()
+    assert max_relative_error(got[1], want) <= 1e-10
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_reuse_with_carried_states(offload):
+    """A recurrent layer beside attention: the chunk's states and the reused attention result together."""
+    from tests.engine.test_carried_states import model_and_ids
+
+    model, ids = model_and_ids()
+    want_loss = model.full_sequence_loss(ids)
+    want_loss.backward()
+    want = grads_of(model)
+    engine = OOMBEngine(
+        model, OOMBConfig(16, 8, attention_backend="torch", offload=offload, reuse_attention=True)
+    )
+    for _ in range(2):  # the second step reuses the buffer
+        model.zero_grad()
+        loss = engine.loss(ids)
+        loss.backward()
+        assert abs(loss.item() - want_loss.item()) <= 1e-10 * want_loss.item()
+        assert max_relative_error(grads_of(model), want) <= 1e-10
+
+
+def test_context_parallelism_refuses_reuse():
+    """Each rank attends across the group: not yet supported, refused before any work."""
+    from lightning_oomb.engine.recurrence import check_context
+
+    with pytest.raises(OOMBConfigError, match="reuse_attention=True is not supported with context parallelism"):
+        check_context(OOMBConfig(reuse_attention=True), 2)
