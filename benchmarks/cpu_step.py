@@ -5,7 +5,9 @@ one sequence per case; every method runs once to warm up, then ``--repeats`` tim
 
 - ``hf``: transformers with SDPA attention (no checkpointing);
 - ``oomb``: the OOMB engine at ``chunk_size``, per ``--backends`` value of ``attention_backend`` (``auto``: the fused
-  CPU path; ``torch``: the plain reference, the oracle, measured only up to ``--torch-up-to`` tokens: it is slow).
+  CPU path; ``auto+reuse``: the same with ``reuse_attention=True``, the backward sweep taking the forward sweep's
+  attention results; ``torch``: the plain reference, the oracle, measured only up to ``--torch-up-to`` tokens: it
+  is slow).
 
 Writes the rows ``{"method", "context", "chunk", "backend", "step_s", "vs_hf"}`` as JSON (``--out``) and a Markdown
 table next to it, and prints the table last.
@@ -55,7 +57,10 @@ def hf_step(model, ids):
 
 
 def oomb_step(model, ids, chunk: int, backend: str):
-    engine = OOMBEngine(HFChunkModel(model), OOMBConfig(chunk_size=chunk, attention_backend=backend))
+    """``backend``: an ``attention_backend``, ``+reuse`` appended for ``reuse_attention=True``."""
+    name, _, reuse = backend.partition("+")
+    config = OOMBConfig(chunk_size=chunk, attention_backend=name, reuse_attention=reuse == "reuse")
+    engine = OOMBEngine(HFChunkModel(model), config)
 
     def step():
         model.zero_grad(set_to_none=False)
@@ -99,7 +104,8 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--cases", nargs="+", default=list(CASES), help="context:chunk pairs")
-    parser.add_argument("--backends", nargs="+", default=["auto", "torch"], help="attention_backend values")
+    parser.add_argument("--backends", nargs="+", default=["auto", "auto+reuse", "torch"],
+                        help="attention_backend values (+reuse: with reuse_attention)")  # fmt: skip
     parser.add_argument("--torch-up-to", type=int, default=2048, help="longest context the reference runs at")
     parser.add_argument("--threads", type=int, help="torch's intra-op threads (default: torch's choice)")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per case after one warm-up step")

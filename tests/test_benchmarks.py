@@ -236,7 +236,7 @@ def test_cpu_step_smoke(tmp_path):
     main(["--cases", "128:128", "--repeats", "1", "--torch-up-to", "128", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
     methods = [(r["method"], r["backend"]) for r in rows]
-    assert methods == [("hf", "sdpa"), ("oomb", "auto"), ("oomb", "torch")]
+    assert methods == [("hf", "sdpa"), ("oomb", "auto"), ("oomb", "auto+reuse"), ("oomb", "torch")]
     assert "| oomb | 128 | 128 | auto |" in out.with_suffix(".md").read_text()
 
 

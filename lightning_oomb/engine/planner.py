@@ -67,7 +67,8 @@ non-Hugging-Face ChunkModels use the same layer formula and say so in :attr:`Mem
 (LoRA) save less than counted.
 
 **Options.** When the step does not fit, :func:`plan` plans the changes that could make it fit and lists those that
-do (:attr:`MemoryPlan.options`): ``kv_grad_dtype="bfloat16"``, ``grad_accumulation="native"`` (16-bit parameters),
+do (:attr:`MemoryPlan.options`): ``kv_grad_dtype="bfloat16"``, ``grad_accumulation="float32-host"`` (on a GPU) or
+``"native"`` (16-bit parameters), fewer ``reuse_attention`` chunks,
 ``layer_checkpointing=True``, ``mlp_tile=1024`` (dense MLPs, chunks longer than that), the largest smaller
 ``chunk_size``, ``offload=True`` with ``hbm_budget="auto"`` or the largest explicit budget (whole layers), pairs of
 these when no single one suffices, a fused optimizer, 16-bit weights instead of autocast, the longest ``seq_len``
@@ -1188,6 +1189,10 @@ def _candidates(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int) -
             inputs.machine.device_type == "cuda" and config.grad_accumulation == "float32"
         )
         groups.append([{"grad_accumulation": way} for way in (*ways, "native")])
+    kept = config.reused_chunks(math.ceil(seq_len / config.chunk_size))
+    if kept:  # fewer kept results (host memory), the most expensive chunks' first
+        fewer = [kept // 2**i for i in range(1, kept.bit_length())]
+        groups.append([*({"reuse_attention": k} for k in fewer), {"reuse_attention": False}])
     if not config.layer_checkpointing:
         groups.append([{"layer_checkpointing": True}])
     if config.mlp_tile is None and not inputs.shape.num_experts and config.chunk_size > 1024:

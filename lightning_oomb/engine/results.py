@@ -87,12 +87,13 @@ class ForwardResults:
         if device.type != "cuda":  # the buffer itself: nothing writes it before the next step's forward sweep
             self._fetched = {layer: (out, lse, None) for layer, (out, lse) in enumerate(views)}
             return
+        made = [
+            tuple(torch.empty(t.shape, dtype=t.dtype, device=device) for t in pair) for pair in views
+        ]  # on the compute stream, which may still use their memory's last owner: the side stream waits for it
         side = self._stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         self._fetched = {}
-        for layer, (host_out, host_lse) in enumerate(views):
-            out = torch.empty(host_out.shape, dtype=host_out.dtype, device=device)
-            lse = torch.empty(host_lse.shape, dtype=host_lse.dtype, device=device)
+        for layer, ((host_out, host_lse), (out, lse)) in enumerate(zip(views, made, strict=True)):
             with torch.cuda.stream(side):
                 out.copy_(host_out, non_blocking=True)
                 lse.copy_(host_lse, non_blocking=True)

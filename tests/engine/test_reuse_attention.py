@@ -164,5 +164,37 @@ def test_context_parallelism_refuses_reuse():
     """Each rank attends across the group: not yet supported, refused before any work."""
     from lightning_oomb.engine.recurrence import check_context
 
-    with pytest.raises(OOMBConfigError, match="reuse_attention=True is not supported with context parallelism"):
+    with pytest.raises(
+        OOMBConfigError, match="reuse_attention=True is not supported with context parallelism"
+    ):
         check_context(OOMBConfig(reuse_attention=True), 2)
+
+
+def test_a_host_that_cannot_hold_the_results_is_refused_with_fewer_chunks_offered():
+    """Qwen2.5-7B at 256K: every chunk's results (49.8 GiB) do not fit 48 GiB of host memory next to nothing
+    else; the plan refuses and offers the most chunks that fit (32 of 64: 24.9 GiB)."""
+    from tests.engine.test_planner import qwen2_5_7b_config
+
+    machine = planner.Machine("cuda", 141 * 10**9, 48 * 2**30)
+    config = OOMBConfig(layer_checkpointing=True, reuse_attention=True)
+    result = planner.plan(qwen2_5_7b_config(), 262144, 1, config, "bf16-true", None, machine)
+    assert result.device_fits and not result.host_fits
+    assert "forward attention results" in result.refusal()
+    offered = [o.changes for o in result.options]
+    assert offered[0] == {"reuse_attention": 32}
+
+
+def test_through_the_trainer():
+    """`Trainer(strategy=OOMBStrategy(reuse_attention=True))`: the logged loss and gradients of full-sequence
+    training (float64)."""
+    from tests.helpers.lightning import oomb_step_through_trainer
+
+    model = build_causal_lm("qwen2", num_hidden_layers=2)
+    ids = torch.randint(0, 97, (2, SEQ), generator=torch.Generator().manual_seed(6))
+    want_loss = full_sequence_loss(model, ids)
+    want_loss.backward()
+    want = grads_of(model)
+    model.zero_grad()
+    loss, grads = oomb_step_through_trainer(model, ids, OOMBConfig(CHUNK, PAGE, reuse_attention=True))
+    assert abs(float(loss) - want_loss.item()) <= 1e-10 * want_loss.item()
+    assert max_relative_error(grads, want) <= 1e-10
