@@ -263,23 +263,16 @@ class PagedAttention(torch.autograd.Function):
         kept = chunk.kept.pop(layer, None) if chunk.kept is not None else None
         if chunk.context is not None:
             return _forward_across_group(ctx, q, k, v, chunk, layer, scale, window, softcap, sinks, kept)
+        reused = _reused(chunk, layer) if kept is None else None
         if kept is not None:  # the layer's checkpoint recompute
             kept = kept.restore(q.device)
             out, lse, select = kept.out, kept.lse, kept.select
-        elif chunk.results is not None and chunk.sweep == "backward":  # the forward sweep's result
-            out, lse, select, host = chunk.results.take(chunk.index, layer)
-            if chunk.kept is not None:  # for the layer's checkpoint recompute: parked already
-                chunk.kept[layer] = (
-                    Kept(*host, select, parked=True) if chunk.park_kept else Kept(out, lse, select)
-                )
+        elif reused is not None:
+            out, lse, select = reused
         else:
             pool.write(layer, chunk.start, k, v, window)
             out, lse, select = _attend_call(q, chunk, layer, scale, window, softcap, sinks)
             _keep(chunk, layer, out, lse, select)
-            if (
-                chunk.results is not None
-            ):  # the forward sweep of a chunk whose results the backward sweep takes
-                chunk.results.put(chunk.index, layer, out, lse, select, chunk.chunks)
         ctx.save_for_backward(q, out, lse, sinks, select, *((k, v) if pool.restages(layer) else ()))
         ctx.args = (chunk, layer, scale, window, softcap, k.dtype)
         return out.detach()  # a fresh alias: a kept result is returned by two calls
@@ -341,10 +334,24 @@ def _attend_call(q, chunk: ChunkContext, layer: int, scale, window, softcap, sin
 
 
 def _keep(chunk: ChunkContext, layer: int, out, lse, select) -> None:
-    """In the backward sweep's chunk recompute: keep the layer's result for its checkpoint recompute."""
+    """Keep a layer's new result: in the backward sweep's chunk recompute for the layer's checkpoint recompute; in
+    the forward sweep of a chunk whose results the backward sweep takes (``reuse_attention``), in host memory."""
     if chunk.kept is not None:
         kept = Kept(out, lse, select)
         chunk.kept[layer] = kept.park() if chunk.park_kept else kept
+    if chunk.results is not None:
+        chunk.results.put(chunk.index, layer, out, lse, select, chunk.chunks)
+
+
+def _reused(chunk: ChunkContext, layer: int):
+    """``(out, lse, page selection)`` the forward sweep kept for this backward-sweep recompute (``reuse_attention``;
+    also kept for the layer's checkpoint recompute: parked already), or ``None``."""
+    if chunk.results is None or chunk.sweep != "backward":
+        return None
+    out, lse, select, host = chunk.results.take(chunk.index, layer)
+    if chunk.kept is not None:
+        chunk.kept[layer] = Kept(*host, select, parked=True) if chunk.park_kept else Kept(out, lse, select)
+    return out, lse, select
 
 
 def _forward_across_group(ctx, q, k, v, chunk: ChunkContext, layer, scale, window, softcap, sinks, kept):
@@ -353,9 +360,12 @@ def _forward_across_group(ctx, q, k, v, chunk: ChunkContext, layer, scale, windo
     cp, pool = chunk.context, chunk.pool
     own = cp.own
     rows = q[:, :, :own]
+    reused = _reused(chunk, layer) if kept is None else None
     if kept is not None:
         kept = kept.restore(q.device)
         out, lse, select = kept.out, kept.lse, kept.select
+    elif reused is not None:  # every rank of the group takes its own: no rank attends
+        out, lse, select = reused
     else:
         if own:
             pool.write(layer, cp.local_start, k, v, window)

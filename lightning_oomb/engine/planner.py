@@ -1006,9 +1006,7 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     if ckpt and config.offload:  # parked in host memory until each layer's checkpoint recompute
         kept, host["kept_attention"] = parked_kept_bytes(shape, dtypes, tokens, machine.device_type == "cuda")
     sums, host["grad_sums"] = _grad_sums(inputs, config, math.ceil(seq_len / config.chunk_size))
-    host["reused_attention"] = (
-        reused_attention_bytes(shape, dtypes, config, batch, seq_len) if devices == 1 else 0
-    )
+    host["reused_attention"] = reused_attention_bytes(shape, dtypes, config, batch, seq_len, devices)
     phases = {
         "loss backward": sums + activations + kept + loss,
         "MLP backward": sums + below_head + kept + mlp_bwd,
@@ -1041,13 +1039,17 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
 
 
 def reused_attention_bytes(
-    shape: ModelShape, dtypes: Dtypes, config: OOMBConfig, batch: int, seq_len: int
+    shape: ModelShape, dtypes: Dtypes, config: OOMBConfig, batch: int, seq_len: int, devices: int = 1
 ) -> int:
-    """Host bytes of ``reuse_attention``'s buffer: one whole-chunk slot (output and log-sum-exp) per kept chunk and
+    """Host bytes of ``reuse_attention``'s buffer on one device: one slot of a whole chunk (of a rank's slice of one
+    under context parallelism: its pages split across ``devices``), output and log-sum-exp, per kept chunk and
     attention layer (:class:`~lightning_oomb.engine.results.ForwardResults`)."""
     kept = config.reused_chunks(math.ceil(seq_len / config.chunk_size))
     lse = torch.float64 if dtypes.activation == torch.float64 else torch.float32
-    tokens = min(config.chunk_size, seq_len)
+    pages = math.ceil(min(config.chunk_size, seq_len) / config.page_size)
+    tokens = (
+        min(config.chunk_size, seq_len) if devices == 1 else math.ceil(pages / devices) * config.page_size
+    )
     slot = result_slot_bytes(batch, shape.num_heads, tokens, shape.head_dim, dtypes.activation, lse)
     return kept * shape.paged_layers * slot
 

@@ -70,9 +70,14 @@ class _Step:
     summaries: SharedSummaries | None = None  # context parallelism, sparse: every rank's page summaries
     states: CarriedStates | None = None  # a hybrid's recurrent / convolution states at chunk boundaries
     tokens: torch.Tensor | None = None  # right padding: the real tokens [B, N] (None: no padding)
-    reused_from: int | None = (
-        None  # reuse_attention: the first chunk whose forward results the backward takes
-    )
+    reused_from: int | None = None  # reuse_attention: the chunk from which the backward takes forward results
+
+    def rows(self, index: int) -> int:
+        """Query rows this device runs of chunk ``index`` (its slice under context parallelism; 0: a stand-in)."""
+        if self.layout is None:
+            start, end = self.bounds[index]
+            return end - start
+        return self.layout.lengths(index)[self.layout.rank]
 
 
 class OOMBEngine:
@@ -394,7 +399,7 @@ class OOMBEngine:
         if carried is not None:
             carried.keep = sweep != "eval"
         kept = step.reused_from if sweep == "forward" else None
-        self.results.begin(kept, step.bounds[0][1] - step.bounds[0][0], step.shape.num_layers)
+        self.results.begin(kept, max(map(step.rows, range(len(step.bounds)))), step.shape.num_layers)
         with self._sweep(sweep, step), self.model.engaged(step.input_ids.shape[1]):
             for index in range(len(step.bounds)):
                 rng.append(RNGState(device))
@@ -439,8 +444,7 @@ class OOMBEngine:
             for index in reversed(range(len(step.bounds))):
                 rng[index].restore()
                 if self.results.keeps(index):  # its forward results start back to the device now
-                    start, end = step.bounds[index]
-                    self.results.fetch(index, end - start, device)
+                    self.results.fetch(index, step.rows(index), device)
                 with torch.enable_grad(), autocast():
                     states = None if carried is None else carried.backward_chunk(index)
                     loss = self._chunk_loss(step, index, "backward", grad_output, states, sums)
@@ -516,11 +520,6 @@ def chunk_bounds(seq_len: int, chunk_size: int) -> list[tuple[int, int]]:
 
 def check_context(config: OOMBConfig, size: int) -> None:
     """Refuse options context parallelism cannot honour, before any work."""
-    if config.reuse_attention:
-        raise OOMBConfigError(
-            f"reuse_attention={config.reuse_attention!r} is not supported with context parallelism yet (each rank "
-            "attends across the group) — drop it (reuse_attention=False) or train on one device per sequence."
-        )
     pages = config.chunk_size // config.page_size
     if pages % size:
         raise OOMBConfigError(

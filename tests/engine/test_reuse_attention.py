@@ -1,6 +1,7 @@
 """``reuse_attention``: the backward sweep's recompute takes the forward sweep's attention results (kept in host
 memory) instead of attending again — exact in float64, one attention forward per chunk and layer, the host bytes
-the planner counts, and an offloaded step whose prefetch predicts the climbs that read no page."""
+the planner counts, and an offloaded step whose prefetch predicts the climbs that read no page (context
+parallelism: tests/parallel/test_context_engine.py)."""
 
 from __future__ import annotations
 
@@ -158,16 +159,6 @@ def test_reuse_with_carried_states(offload):
         loss.backward()
         assert abs(loss.item() - want_loss.item()) <= 1e-10 * want_loss.item()
         assert max_relative_error(grads_of(model), want) <= 1e-10
-
-
-def test_context_parallelism_refuses_reuse():
-    """Each rank attends across the group: not yet supported, refused before any work."""
-    from lightning_oomb.engine.recurrence import check_context
-
-    with pytest.raises(
-        OOMBConfigError, match="reuse_attention=True is not supported with context parallelism"
-    ):
-        check_context(OOMBConfig(reuse_attention=True), 2)
 
 
 def test_a_host_that_cannot_hold_the_results_is_refused_with_fewer_chunks_offered():

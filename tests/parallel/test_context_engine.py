@@ -27,19 +27,21 @@ pytestmark = pytest.mark.slow
 TOL = 1e-10
 
 
-def _step(rank, world, family, seq, checkpointing, offload):
+def _step(rank, world, family, seq, checkpointing, offload, reuse=False):
     model = build_causal_lm(family)
     ids = torch.randint(0, 97, (2, seq), generator=torch.Generator().manual_seed(seq))
     extra = {"offload": True, "hbm_budget": 0, "staging_buffers": 3} if offload else {}
-    engine = OOMBEngine(HFChunkModel(model, layer_checkpointing=checkpointing), OOMBConfig(16, 8, **extra),
-                        context=ContextGroup.of())  # fmt: skip
+    config = OOMBConfig(16, 8, reuse_attention=reuse, **extra)
+    engine = OOMBEngine(
+        HFChunkModel(model, layer_checkpointing=checkpointing), config, context=ContextGroup.of()
+    )
     loss = engine.loss(ids)
     loss.backward()
     grads = grads_of(model)
     for g in grads.values():
         dist.all_reduce(g)
     return {"loss": loss.detach(), "grads": grads, "pool": engine.pool.allocated_bytes,
-            "sent": engine.context.sent_bytes}  # fmt: skip
+            "sent": engine.context.sent_bytes, "results": engine.results.nbytes}  # fmt: skip
 
 
 def reference(family, seq, checkpointing):
@@ -55,16 +57,21 @@ def reference(family, seq, checkpointing):
     return want.detach(), full, loss.detach(), grads_of(model), engine.pool.allocated_bytes
 
 
-@pytest.mark.parametrize(("family", "seq", "checkpointing", "offload"), [
-    ("qwen2", 53, False, False),  # a ragged last chunk of 5 tokens: one page, so rank 1 runs a stand-in
-    ("qwen2", 53, True, False),
-    ("mistral", 45, True, False),  # sliding window 11; ragged last chunk of 13 tokens (a page each)
-    ("mistral", 45, False, False),
-    ("qwen2", 45, False, True),  # every layer offloaded on each rank
+@pytest.mark.parametrize(("family", "seq", "checkpointing", "offload", "reuse"), [
+    ("qwen2", 53, False, False, False),  # a ragged last chunk of 5 tokens: one page, so rank 1 runs a stand-in
+    ("qwen2", 53, True, False, True),  # reuse_attention: every rank takes its slice's forward results
+    ("mistral", 45, True, False, False),  # sliding window 11; ragged last chunk of 13 tokens (a page each)
+    ("mistral", 45, False, False, False),
+    ("qwen2", 45, False, True, False),  # every layer offloaded on each rank
+    ("qwen2", 45, False, True, True),
 ])  # fmt: skip
-def test_two_ranks_equal_one_process_and_full_sequence(tmp_path, family, seq, checkpointing, offload):
-    results = run_ranks(_step, 2, tmp_path, family, seq, checkpointing, offload)
+def test_two_ranks_equal_one_process_and_full_sequence(tmp_path, family, seq, checkpointing, offload, reuse):
+    results = run_ranks(_step, 2, tmp_path, family, seq, checkpointing, offload, reuse)
     want, full, one_loss, one_grads, _ = reference(family, seq, checkpointing)
+    config = OOMBConfig(16, 8, reuse_attention=reuse)  # each rank's buffer: its slices' results, as planned
+    planned = plan(build_causal_lm(family), seq, 2, config, "64-true", None, "cpu", context_parallel=2)
+    assert all(r["results"] == planned.host_parts["reused_attention"] for r in results)
+    assert (planned.host_parts["reused_attention"] > 0) == reuse
     for r in results:
         assert abs(r["loss"].item() - want.item()) <= TOL * want.item()
         assert abs(r["loss"].item() - one_loss.item()) <= TOL * want.item()
