@@ -179,10 +179,10 @@ def reduced_rows(scale: Scale) -> list:
         Row("warm-sparse", small, "32k", 1, 1, sparse=True),
         Row("256k-sparse", small, "256k", sparse=True),
         Row("64k-sparse", small, "64k", 2, sparse=True),  # next to fit-64k on as many layers: sparse vs dense
+        Row("256k-offload-reuse", small, "256k", offload=True, reuse=True),  # the forward's attention reused
         # next to 256k-offload: the gradient sums in host memory (its flush cost is an upper bound for the full
         # model's: the reduced model keeps the full embedding and head, a larger share of its parameters)
         Row("256k-offload-host", small, "256k", offload=True, grad_accumulation="float32-host"),
-        Row("256k-offload-reuse", small, "256k", offload=True, reuse=True),  # the forward's attention reused
         Row(
             "256k-offload-tiled", small, "256k", offload=True, mlp_tile=1024
         ),  # next to 256k-offload: mlp_tile

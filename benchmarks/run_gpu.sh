@@ -18,11 +18,13 @@
 #                  and key (a compilation each, ~1-3 s); rows end by 110 s, then the accuracy check and the
 #                  kernel records (chosen config, n_regs, n_spills)
 #   compare 140 s  28 layers: HF 32K warm-up + 3 steps (~25 s), OOMB 32K warm-up + 3 (~35 s + compilation),
-#                  OOMB 64K 1 step (~25 s: the check of the layer scaling), model build and imports (~20 s)
+#                  OOMB 64K 1 step (~25 s: the check of the layer scaling), model build and imports (~20 s);
+#                  then, if time is left, OOMB 32K with reuse_attention (warm-up + 3, ~30 s)
 #   reduced 180 s  4 then 2 layers at 64K (the fit, ~17 s); 2 layers: 128K without and with offload (3 + 3 steps,
 #                  ~42 s), 256K offloaded (~24 s), 1M sparse with one HBM and one host layer (~30 s), 256K
-#                  sparse (~6 s), 256K offloaded with mlp_tile=1024 if time is left (~24 s); ~125 s at the
-#                  nominal rates without the last, the rest for model builds and pinning
+#                  sparse (~6 s); if time is left, 256K offloaded with reuse_attention, with float32-host
+#                  gradient sums and with mlp_tile=1024 (~20-24 s each); ~125 s at the nominal rates without the
+#                  last three, the rest for model builds and pinning
 #   summary  20 s  the planner (1M tokens, the longest step), the goal table
 # Each Python part starts a row only if its predicted time is left of its budget (limit - 20 s; the prediction is
 # calibrated on the rows before it; a skipped row says why); `timeout` is the backstop. The steps use each
