@@ -139,7 +139,7 @@ def test_run_gpu_script(tmp_path, tiny):
     """``bash -n`` passes, and every command the script runs (all parts) parses with its script's own parser; with
     ``OOMB_BENCH_TINY=1`` each one runs at tiny shapes on the CPU."""
     assert subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True).returncode == 0
-    parts = ["kernels", "compare", "reduced", "summary", "tests", "stress", "scaling"]
+    parts = ["checks", "kernels", "compare", "reduced", "summary", "tests", "stress", "scaling"]
     commands = script_commands(tmp_path, parts, **({"OOMB_BENCH_TINY": "1"} if tiny else {}))
     from benchmarks import goals, kernels, memory_scaling, offload_stress
 
@@ -157,9 +157,12 @@ def test_run_gpu_script(tmp_path, tiny):
             assert argv[:2] == ["-m", "pytest"], argv
             assert all((ROOT / a.split("::")[0]).exists() for a in argv if a.startswith("tests/"))
     assert sorted(set(checked)) == sorted(parsers) and checked.count("benchmarks/goals.py") == 3
-    if not tiny:  # the 8-minute default: kernels compare reduced summary, in that order
-        default = [c[:3] for c in script_commands(tmp_path, []) if c[0] == "benchmarks/goals.py"]
-        assert [c[2] for c in default] == ["compare", "reduced", "summary"]
+    if not tiny:  # the 8-minute default: checks kernels compare reduced summary, in that order
+        default = script_commands(tmp_path, [])
+        assert (
+            default[0][-1] == "tests/engine/test_cuda_paths.py" and default[1][0] == "benchmarks/kernels.py"
+        )
+        assert [c[2] for c in default if c[0] == "benchmarks/goals.py"] == ["compare", "reduced", "summary"]
 
 
 def test_goal_table_arithmetic():

@@ -201,3 +201,20 @@ def test_host_sums_in_the_engine(accumulation):
         matrices = [n for n, p in params.items() if p.dim() == 2]
         four_chunks = step_grads(torch.bfloat16, accumulation="native")
         assert all(torch.equal(one_window[n], four_chunks[n]) for n in matrices)
+
+
+def test_host_sums_of_single_chunk_windows_equal_the_device_sums():
+    """Flushed after every chunk, the host's float32 sum adds the same bf16 chunk gradients in the same order as
+    Float32GradSums: the same bits for every parameter (the LM head's too: one loss block per chunk, whose bf16
+    product both add in float32). Slabs of 100 elements: the staging pipeline runs over many."""
+    ids = torch.randint(0, 97, (1, 64), generator=torch.Generator().manual_seed(3))
+    runs = []
+    for mode in ("float32", "float32-host"):
+        model = build_causal_lm("qwen2", dtype=torch.bfloat16, tie_word_embeddings=False)
+        engine = OOMBEngine(HFChunkModel(model), OOMBConfig(8, 8, grad_accumulation=mode))
+        engine.host_grads.every, engine.host_grads.slab = 1, 100
+        engine.loss(ids).backward()
+        runs.append(grads_of(model))
+    assert engine.host_grads.flushes == 8
+    device, host = runs
+    assert all(torch.equal(host[n], device[n]) for n in device)
