@@ -90,8 +90,8 @@ class OOMBConfig:
             memory (page-locked under CUDA, copied on a side stream) so that the backward sweep's chunk recompute
             takes them instead of attending again: attention runs once forward and once backward per step (HF
             with checkpointing: twice forward). ``True``: every chunk; an int ``k``: the last ``k`` chunks of a
-            step (those that attend to the most keys: the last fifth of the chunks carry over a third
-            of the attention); ``False`` (default): recompute. Exact (the same result); the memory plan counts the host
+            step (those that attend to the most keys: the last fifth of the chunks carry over a third of the
+            attention); ``False`` (default): recompute. Exact (the same result); the memory plan counts the host
             bytes. Under ``oomb_cp`` each rank keeps its slices' results (no rank attends in the recompute).
     """
 

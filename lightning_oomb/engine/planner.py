@@ -653,9 +653,10 @@ class Option:
 class MemoryPlan:
     """A step's predicted memory (bytes). ``device``: every term of the device's peak (``peak_device`` = persistent
     terms + the largest moment, ``peak_phase``); ``host_tier``: the host memory the step holds, ``host_parts``
-    its terms — the pool's pinned tier, parked attention results and states, float32-host's gradient sums (on a CPU
-    machine it lives in the same memory as the device terms); ``fits``, and ``options`` that fit when it does not; ``notes``: what is
-    approximate; ``step_time_s``: always ``None`` until measured step rates exist (:data:`MEASURED_STEP_RATES`)."""
+    its terms — the pool's pinned tier, parked attention results and states, float32-host's gradient sums, kept
+    forward attention results (on a CPU machine it lives in the same memory as the device terms); ``fits``, and
+    ``options`` that fit when it does not; ``notes``: what is approximate; ``step_time_s``: always ``None`` until
+    measured step rates exist (:data:`MEASURED_STEP_RATES`)."""
 
     seq_len: int
     batch: int
@@ -675,9 +676,7 @@ class MemoryPlan:
     options: list[Option] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     step_time_s: float | None = None
-    host_parts: dict[str, int] = field(
-        default_factory=dict
-    )  # host_tier's terms: pool, parked results, states, host gradient sums
+    host_parts: dict[str, int] = field(default_factory=dict)  # host_tier's terms (HOST_LABELS)
 
     @property
     def persistent(self) -> int:

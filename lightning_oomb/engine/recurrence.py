@@ -115,9 +115,7 @@ class OOMBEngine:
         self.pool = KVPool(self.config, transport)
         self.host_states = HostStates()  # the carried states' host buffer under offload (grows on first use)
         self.host_grads = HostGradSums()  # grad_accumulation="float32-host": the host sums, kept across steps
-        self.results = (
-            ForwardResults()
-        )  # reuse_attention: the forward sweep's attention results (host buffer)
+        self.results = ForwardResults()  # reuse_attention: the forward sweep's attention results
         self._pending: weakref.ref | None = None  # the step whose loss waits for its backward
         self.stats = StepStats()
         self._page_budget = self.config.page_budget

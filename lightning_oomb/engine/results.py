@@ -82,7 +82,10 @@ class ForwardResults:
         lse.record_stream(side)
 
     def fetch(self, index: int, tokens: int, device: torch.device) -> None:
-        """Start copying chunk ``index``'s results (``tokens`` long) of every layer back to ``device``."""
+        """Start copying chunk ``index``'s results (``tokens`` long) of every layer back to ``device`` (none: the
+        model attended nowhere)."""
+        if self._shape is None:
+            return
         views = [self._views(index, layer, tokens) for layer in range(self._layers)]
         if device.type != "cuda":  # the buffer itself: nothing writes it before the next step's forward sweep
             self._fetched = {layer: (out, lse, None) for layer, (out, lse) in enumerate(views)}

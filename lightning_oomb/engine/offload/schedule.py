@@ -5,8 +5,8 @@ and the prefix blocks ``first .. s-1`` (``first > 0`` under a sliding window), e
 forward and eval sweeps climb the layers, chunk after chunk; the backward sweep recomputes each chunk climbing and
 back-propagates it descending (a checkpointed layer's recompute reuses the climb's attention result and streams
 nothing: :class:`~lightning_oomb.engine.attention.Kept`; under ``reuse_attention`` the climbs of the chunks from
-``reused_from`` on take the forward sweep's results and stream nothing either). :meth:`OffloadSchedule.upcoming` walks that order from the
-current position: what the staging cache should prefetch. Correctness never depends on it — a prediction that turns
+``reused_from`` on take the forward sweep's results and stream nothing either). :meth:`OffloadSchedule.upcoming`
+walks that order from the current position: what the staging cache should prefetch. Correctness never depends on it — a prediction that turns
 out wrong only costs a copy.
 """
 
