@@ -65,7 +65,7 @@ class OOMBContextParallelStrategy(_OOMBStrategyMixin, DDPStrategy):
         page_score: str = "bound",
         grad_accumulation: str = "float32",
         mlp_tile: int | None = None,
-        reuse_attention: bool | int = False,
+        reuse_attention: bool | int | str = False,
         context_parallel_size: int | None = None,
         target_module: str | None = None,
         verify_exactness: bool = True,

@@ -91,11 +91,16 @@ class _OOMBStrategyMixin:
         the first step still guards the KV pool. ``OOMBStrategy(plan_memory=False)`` skips it. The same plan decides
         ``layer_checkpointing="auto"`` (without a ``seq_len`` it stays on) and, under offload on a GPU,
         ``hbm_budget="auto"`` with the optimizer states counted (:func:`~lightning_oomb.engine.planner.decide_auto`;
-        without a ``seq_len`` the pool decides at the first step from the free memory).
+        without a ``seq_len`` the pool decides at the first step from the free memory), and ``reuse_attention="auto"``
+        (without a ``seq_len``: no chunk's results are kept).
         """
         seq_len, batch = step_size_of(trainer.datamodule)
         config = self.oomb_config
-        auto = config.layer_checkpointing == "auto" or (config.offload and config.hbm_budget == "auto")
+        auto = (
+            config.layer_checkpointing == "auto"
+            or (config.offload and config.hbm_budget == "auto")
+            or config.reuse_attention == "auto"
+        )
         if not (self._plan_memory or auto) or trainer.state.fn != "fit" or seq_len is None:
             return
         optimizer = self.optimizers[0] if self.optimizers else None
@@ -211,7 +216,7 @@ class OOMBStrategy(_OOMBStrategyMixin, SingleDeviceStrategy):
         page_score: str = "bound",
         grad_accumulation: str = "float32",
         mlp_tile: int | None = None,
-        reuse_attention: bool | int = False,
+        reuse_attention: bool | int | str = False,
         target_module: str | None = None,
         verify_exactness: bool = True,
         plan_memory: bool = True,

@@ -91,8 +91,10 @@ class OOMBConfig:
             takes them instead of attending again: attention runs once forward and once backward per step (HF
             with checkpointing: twice forward). ``True``: every chunk; an int ``k``: the last ``k`` chunks of a
             step (those that attend to the most keys: the last fifth of the chunks carry over a third of the
-            attention); ``False`` (default): recompute. Exact (the same result); the memory plan counts the host
-            bytes. Under ``oomb_cp`` each rank keeps its slices' results (no rank attends in the recompute).
+            attention); ``"auto"``: the strategies' memory plan at setup keeps the most last chunks whose results
+            fit the memory the rest of the step leaves (none while undecided: without a ``seq_len`` to plan for, or
+            a bare engine); ``False`` (default): recompute. Exact (the same result); the memory plan counts the
+            host bytes. Under ``oomb_cp`` each rank keeps its slices' results (no rank attends in the recompute).
     """
 
     chunk_size: int = 4096
@@ -109,7 +111,7 @@ class OOMBConfig:
     page_score: str = "bound"
     grad_accumulation: str = "float32"
     mlp_tile: int | None = None
-    reuse_attention: bool | int = False
+    reuse_attention: bool | int | str = False
 
     def __post_init__(self) -> None:
         for name in ("chunk_size", "page_size", "loss_block"):
@@ -159,10 +161,11 @@ class OOMBConfig:
                 "(e.g. 1024)."
             )
         reuse = self.reuse_attention
-        if not isinstance(reuse, (bool, int)) or (not isinstance(reuse, bool) and reuse < 0):
+        if reuse != "auto" and (not isinstance(reuse, int) or (not isinstance(reuse, bool) and reuse < 0)):
             raise OOMBConfigError(
                 f"reuse_attention={reuse!r} must be True (every chunk's forward attention result kept for the "
-                "backward sweep), False (recomputed), or a number of chunks (the last ones of each step)."
+                "backward sweep), False (recomputed), a number of chunks (the last ones of each step) or 'auto' "
+                "(as many as the memory plan finds room for)."
             )
         if self.grad_accumulation not in GRAD_ACCUMULATIONS:
             raise OOMBConfigError(
@@ -171,9 +174,10 @@ class OOMBConfig:
             )
 
     def reused_chunks(self, chunks: int) -> int:
-        """How many of a step's ``chunks`` (its last ones) keep their forward attention results."""
+        """How many of a step's ``chunks`` (its last ones) keep their forward attention results (``"auto"`` not
+        yet decided: none)."""
         reuse = self.reuse_attention
-        return chunks if reuse is True else min(int(reuse), chunks)
+        return chunks if reuse is True else 0 if reuse == "auto" else min(int(reuse), chunks)
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

@@ -883,14 +883,28 @@ def decide_auto(inputs, config: OOMBConfig, batch: int, seq_len: int, devices: i
     """The ``"auto"`` options decided as the strategies decide them at setup: ``layer_checkpointing`` off when the
     step fits without it; under offload on a CUDA device, ``hbm_budget`` = the device bytes the rest of the step
     leaves (every term of its plan with no HBM-tier layer, less ``PLANNED_HEADROOM`` of the device) — unlike the
-    engine's own ``"auto"``, which sees only what is allocated at the first step (not yet the optimizer states)."""
+    engine's own ``"auto"``, which sees only what is allocated at the first step (not yet the optimizer states);
+    then ``reuse_attention`` = the most last chunks whose kept results still let the step fit (``False``: none)."""
     if config.layer_checkpointing == "auto":
         off = _budgeted(
             inputs, dataclasses.replace(config, layer_checkpointing=False), batch, seq_len, devices
         )
         fits = _plan(inputs, off, batch, seq_len, devices).fits
         config = off if fits else dataclasses.replace(config, layer_checkpointing=True)
-    return _budgeted(inputs, config, batch, seq_len, devices)
+    config = _budgeted(inputs, config, batch, seq_len, devices)
+    if config.reuse_attention == "auto":
+        lo, hi = (
+            0,
+            math.ceil(seq_len / config.chunk_size),
+        )  # bisect the kept chunks: more of them, more memory
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            fits = _plan(
+                inputs, dataclasses.replace(config, reuse_attention=mid), batch, seq_len, devices
+            ).fits
+            lo, hi = (mid, hi) if fits else (lo, mid - 1)
+        config = dataclasses.replace(config, reuse_attention=lo or False)
+    return config
 
 
 def _budgeted(inputs, config: OOMBConfig, batch: int, seq_len: int, devices: int) -> OOMBConfig:

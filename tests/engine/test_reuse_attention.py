@@ -97,7 +97,7 @@ def test_no_results_are_kept_without_grad():
     assert engine.results.nbytes == 0
 
 
-@pytest.mark.parametrize("bad", [-1, "yes", 1.5])
+@pytest.mark.parametrize("bad", [-1, "yes", 1.5, None])
 def test_bad_values_are_refused(bad):
     with pytest.raises(OOMBConfigError, match="reuse_attention"):
         OOMBConfig(reuse_attention=bad)
@@ -204,3 +204,31 @@ def test_reuse_gives_the_recomputes_bits_in_bf16():
         engine.loss(ids).backward()
         runs.append(grads_of(model))
     assert all(torch.equal(runs[0][n], runs[1][n]) for n in runs[0])
+
+
+def test_auto_keeps_the_most_chunks_the_host_holds(monkeypatch):
+    """``reuse_attention="auto"``: the plan keeps the most last chunks that still fit (Qwen2.5-7B at 256K beside 48
+    GiB of host memory: some, not all of 64; with room: all), and the strategy decides it at setup."""
+    import lightning_oomb
+    from tests.engine.test_planner import SizedData, cpu_of, qwen2_5_7b_config
+    from tests.helpers.lightning import TinyLM, make_trainer
+
+    config = OOMBConfig(layer_checkpointing=True, reuse_attention="auto")
+    decided = []
+    for host in (48, 512):
+        machine = planner.Machine("cuda", 141 * 10**9, host * 2**30)
+        result = planner.plan(qwen2_5_7b_config(), 262144, 1, config, "bf16-true", None, machine)
+        k = result.config.reuse_attention
+        more = planner.plan(qwen2_5_7b_config(), 262144, 1, OOMBConfig(layer_checkpointing=True,
+                            reuse_attention=k + 1), "bf16-true", None, machine, suggest=False)  # fmt: skip
+        assert result.fits and (k == 64 or not more.fits)
+        decided.append(k)
+    assert 0 < decided[0] < 64 == decided[1]
+    assert OOMBConfig(reuse_attention="auto").reused_chunks(8) == 0  # undecided: none kept
+    monkeypatch.setattr(planner.Machine, "local", cpu_of(1 << 40))
+    strategy = lightning_oomb.OOMBStrategy(chunk_size=16, page_size=8, verify_exactness=False,
+                                           reuse_attention="auto")  # fmt: skip
+    trainer = make_trainer(strategy, steps=1, limit_val_batches=0)
+    trainer.fit(TinyLM(), datamodule=SizedData())
+    assert strategy.engine.config.reuse_attention == 3 and trainer.global_step == 1  # 40 tokens: 3 chunks
+    assert strategy.engine.stats.extra["reused_attention_bytes"] > 0
