@@ -32,8 +32,9 @@ options that would make it fit (each tried in the planner).
   wider tensor (float32 weights under autocast, float32 gradient sums). The LM-head gradient itself is added in
   place into ``.grad`` or its float32 sum (counted there), not made anew per chunk.
 - *layer transients* (:func:`layer_backward_bytes`): while the last decoder layer back-propagates — with
-  checkpointing its recompute's saved tensors again — the gradients in flight (``3cI + 2rH`` per token in the MLP,
-  ``2rQ + 4Q + 4 r Hkv D + 2rH`` in attention) and, on the torch reference attention backend, four float32
+  checkpointing its recompute's saved tensors again, less its attention result (the kept one) — the gradients in
+  flight (``2cI + 4rH`` per token in the MLP: the down projection's saved input is freed before the product's
+  backward makes two I-wide gradients from a third; ``2rQ + 4Q + 4 r Hkv D + 2rH`` in attention) and, on the torch reference attention backend, four float32
   score blocks of ``[batch x Hq x Lq, min(KEY_BLOCK, keys)]``; on the fused CPU path (``cpu``, the CPU default)
   the copies its kernels take: K/V and their gradients per query head (``4 x 4Q`` per token) and the keys before
   the chunk (``2 x 4 Hkv D`` per key, ``min(PAST_BLOCK, keys)`` keys).
@@ -618,11 +619,17 @@ def layer_backward_bytes(
     tiled = mlp_tiled(shape, mlp_tile, lq)
     attn, mlp = _layer_bytes_per_token(shape, dtypes, streamed, tiled)
     attn_copies, mlp_copies = (shape.attention_params * c, shape.mlp_params * c) if dtypes.mixed else (0, 0)
-    if checkpointing:  # the recomputed layer holds its saved tensors (and autocast's weight copies) again
-        held_mlp, held_attn = (attn + mlp) * tokens + attn_copies + mlp_copies, attn * tokens + attn_copies
+    if (
+        checkpointing
+    ):  # the recomputed layer holds its saved tensors (and autocast's weight copies) again, but not
+        # its attention result: the kept one (counted apart: kept_attention_bytes)
+        held_attn = (attn * tokens + attn_copies) - (r * q + acc * shape.num_heads) * tokens
+        held_mlp = held_attn + mlp * tokens + mlp_copies
     else:
         held_mlp, held_attn = 0, -mlp * tokens - mlp_copies
-    mlp_flight = (3 * c * shape.mlp_width + 2 * r * h) * tokens
+    # the product's backward makes two I-wide gradients from a third (3cI) after the down projection's backward
+    # freed its saved input (cI): 2cI beyond the saved tensors (a wide MLP's step peak within 2 % on CPU)
+    mlp_flight = (2 * c * shape.mlp_width + 4 * r * h) * tokens
     if (
         tiled
     ):  # one tile's recompute (its saved tensors) and gradients, beside the chunk's dx and output gradient

@@ -158,7 +158,20 @@ def test_a_steps_peak_is_what_the_cpu_allocates(precision, checkpointing, vocab)
     larger one) = the peak of the bytes a step allocates beyond parameters, gradients and pool."""
     predicted, _, measured = measure("qwen2", precision, checkpointing, 64, vocab=vocab, live=True)
     backward = max(v for k, v in predicted.phases.items() if k != "optimizer step")
-    assert abs(backward / measured - 1) <= 0.10, (predicted.phases, measured)
+    assert abs(backward / measured - 1) <= 0.05, (predicted.phases, measured)  # measured: within 2.7 %
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+def test_a_wide_mlps_step_peak_is_planned_from_above(precision, checkpointing):
+    """An MLP 5.7x wider than the hidden size (Qwen2.5-7B: 5.3x), whose backward is the step's peak: the plan is at
+    most 10 % above the bytes the CPU allocates (measured: 3-8 %), never below."""
+    predicted, _, measured = measure("qwen2", precision, checkpointing, 64, live=True, intermediate_size=320)
+    backward = max(v for k, v in predicted.phases.items() if k != "optimizer step")
+    assert predicted.peak_phase == "MLP backward" and 1.0 <= backward / measured <= 1.10, (
+        predicted.phases,
+        measured,
+    )
 
 
 @pytest.mark.parametrize(
