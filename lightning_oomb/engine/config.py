@@ -81,7 +81,7 @@ class OOMBConfig:
         mlp_tile: run each decoder layer's MLP ``mlp_tile`` tokens at a time with grad, keeping only its input: its
             backward recomputes and back-propagates one tile at a time (:mod:`lightning_oomb.engine.tiles`), so the
             MLP's activations and backward transients shrink from a chunk's tokens to a tile's (Qwen2.5-7B, chunk
-            4096, tiles of 1024: the last layer's MLP backward 1.4 → 0.4 GiB), at the price of one more MLP forward
+            4096, tiles of 1024: the last layer's MLP backward 1.3 → 0.6 GiB), at the price of one more MLP forward
             per step (~16 % more matmul FLOPs at 7B); exact (under ``grad_accumulation="native"`` each tile's
             parameter gradient is added into the 16-bit ``.grad``). ``None`` (default): whole chunks. Dense MLPs of
             Hugging Face models (a layer's ``mlp`` whose class name ends in ``MLP``; MoE blocks are left whole).
