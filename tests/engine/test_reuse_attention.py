@@ -232,3 +232,28 @@ def test_auto_keeps_the_most_chunks_the_host_holds(monkeypatch):
     trainer.fit(TinyLM(), datamodule=SizedData())
     assert strategy.engine.config.reuse_attention == 3 and trainer.global_step == 1  # 40 tokens: 3 chunks
     assert strategy.engine.stats.extra["reused_attention_bytes"] > 0
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_reuse_equals_recompute_for_packed_and_padded_rows(layout):
+    """Packed documents (positions that restart) and right padding: the same loss and gradients, bit for bit, over
+    two accumulated micro-batches and an evaluation between them."""
+    ids = torch.randint(0, 97, (2, SEQ), generator=torch.Generator().manual_seed(9))
+    if layout == "packed":
+        extra = {"position_ids": torch.cat([torch.arange(30), torch.arange(SEQ - 30)])[None].expand(2, -1)}
+    else:
+        mask = torch.ones(2, SEQ, dtype=torch.long)
+        mask[1, 50:] = 0
+        extra = {"attention_mask": mask}
+    runs = []
+    for reuse in (False, True):
+        model = build_causal_lm("qwen2", num_hidden_layers=2)
+        engine = OOMBEngine(HFChunkModel(model), OOMBConfig(CHUNK, PAGE, reuse_attention=reuse))
+        losses = [engine.loss(ids, **extra)]
+        losses[0].backward()
+        losses.append(engine.evaluate(ids, **extra))
+        losses.append(engine.loss(ids.flip(1), **extra))
+        losses[-1].backward()
+        runs.append(([loss.item() for loss in losses], grads_of(model)))
+    (want_losses, want), (losses, got) = runs
+    assert losses == want_losses and all(torch.equal(got[n], want[n]) for n in want)
