@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
     data = build_data(args)
     module = build_model(args, data.vocab_size)
     meter = StepMeter()
-    trainer = build_trainer(args, [meter])
+    trainer = build_trainer(args, [meter], reuse_attention=True)  # attend once forward per step
     trainer.fit(module, data)
 
     full = [s for s in meter.steps if s.seq_len == args.seq_len]
