@@ -5,7 +5,9 @@ bf16-rounded weights: the float64 gradient is the truth; plain full-sequence tra
 ``bf16-mixed`` (autocast) are the references; OOMB runs ``bf16-mixed``, and ``bf16-true`` with
 ``grad_accumulation="native"`` (autograd adds each chunk's gradient into the bf16 ``.grad``), ``"float32"`` (the
 default: float32 sums, written back once per sweep) and ``"float32-host"`` (matrices: bf16 sums over windows of 16
-chunks, added in float32 in host memory; vectors: float32 sums), at 1, 16, 64, 256 and 1024 chunks. Reported per run: the
+chunks, added in float32 in host memory; vectors: float32 sums), and ``"float32"`` with bf16 gradient pages
+(``kv_grad_dtype="bfloat16"``: every later chunk's dK/dV added into a bf16 page), at 1, 16, 64, 256 and 1024
+chunks. Reported per run: the
 relative L2 error of all parameters' gradients together and its ratio to plain training of the same precision,
 the same ratio for the final norm's weight alone (whose gradient every token adds to: per-chunk rounding shows
 there first) and the worst parameter's. One thread, so rounding is reproducible. (``bf16-mixed`` keeps float32
@@ -35,12 +37,13 @@ from lightning_oomb.integrations.hf import HFChunkModel
 MODEL = dict(hidden_size=56, intermediate_size=64, num_hidden_layers=2, num_attention_heads=7,
              num_key_value_heads=1, head_dim=8, vocab_size=97, initializer_range=0.2)  # fmt: skip
 NORM = "model.norm.weight"
-# (precision, grad_accumulation)
+# (precision, grad_accumulation, kv_grad_dtype)
 RUNS = (
-    ("bf16-mixed", "float32"),
-    ("bf16-true", "native"),
-    ("bf16-true", "float32"),
-    ("bf16-true", "float32-host"),
+    ("bf16-mixed", "float32", "float32"),
+    ("bf16-true", "native", "float32"),
+    ("bf16-true", "float32", "float32"),
+    ("bf16-true", "float32-host", "float32"),
+    ("bf16-true", "float32", "bfloat16"),
 )
 
 
@@ -92,25 +95,28 @@ def main(argv: list[str] | None = None) -> int:
     for precision, dtype in (("bf16-true", torch.bfloat16), ("bf16-mixed", torch.float32)):
         plain[precision] = errors(gradients(models[dtype], precision, lambda m: plain_loss(m, ids)), truth)
     rows = []
-    for precision, accumulation in RUNS:
+    for precision, accumulation, grad_pages in RUNS:
         model = models[torch.bfloat16 if precision == "bf16-true" else torch.float32]
         for chunks in args.chunks:
             chunk = args.seq_len // chunks
-            config = OOMBConfig(chunk, min(chunk, 16), grad_accumulation=accumulation)
+            config = OOMBConfig(
+                chunk, min(chunk, 16), grad_accumulation=accumulation, kv_grad_dtype=grad_pages
+            )
             engine = OOMBEngine(HFChunkModel(model), config)
             start = time.perf_counter()
             total, each = errors(gradients(model, precision, lambda m, e=engine: e.loss(ids)), truth)
             ref_total, ref_each = plain[precision]
             worst = max(each, key=lambda n: each[n] / ref_each[n])
             rows.append({
-                "precision": precision, "accumulation": accumulation, "chunks": chunks, "chunk_size": chunk,
+                "precision": precision, "accumulation": accumulation, "kv_grad_dtype": grad_pages, "chunks": chunks,
+                "chunk_size": chunk,
                 "error": total, "plain_error": ref_total, "ratio": total / ref_total,
                 "norm_ratio": each[NORM] / ref_each[NORM],
                 "worst_parameter": worst, "worst_ratio": each[worst] / ref_each[worst],
                 "seconds": round(time.perf_counter() - start, 2),
             })  # fmt: skip
             r = rows[-1]
-            print(f"{precision} {accumulation:>7} {chunks:>5} chunks: error {total:.4f} = {r['ratio']:.2f}x plain, "
+            print(f"{precision} {accumulation:>7} {grad_pages:>8} pages {chunks:>5} chunks: error {total:.4f} = {r['ratio']:.2f}x plain, "
                   f"final norm {r['norm_ratio']:.2f}x, worst {worst} {r['worst_ratio']:.2f}x ({r['seconds']} s)",
                   flush=True)  # fmt: skip
             command = "benchmarks/bf16_grad_fidelity.py " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -130,11 +136,13 @@ def table(rows: list[dict], seq_len: int) -> str:
         f"{next((r['plain_error'] for r in rows if r['precision'] == 'bf16-true'), 0):.4f}, bf16-mixed: "
         f"{next((r['plain_error'] for r in rows if r['precision'] == 'bf16-mixed'), 0):.4f}).",
         "",
-        "| precision | grad_accumulation | chunks | error | x plain | final norm's x plain | worst parameter | its x plain |",
-        "|---|---|---|---|---|---|---|---|",
+        "| precision | grad_accumulation | gradient pages | chunks | error | x plain | final norm's x plain | worst parameter "
+        "| its x plain |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['precision']} | {r['accumulation']} | {r['chunks']} | {r['error']:.4f} | "
+        lines.append(f"| {r['precision']} | {r['accumulation']} | {r.get('kv_grad_dtype', 'float32')} | {r['chunks']} | "
+                     f"{r['error']:.4f} | "
                      f"{r['ratio']:.2f} | {r['norm_ratio']:.2f} | {r['worst_parameter']} | {r['worst_ratio']:.2f} |")  # fmt: skip
     return "\n".join(lines)
 

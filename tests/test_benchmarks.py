@@ -223,9 +223,10 @@ def test_bf16_grad_fidelity_smoke(tmp_path):
     out = tmp_path / "fidelity.json"
     run("benchmarks/bf16_grad_fidelity.py", "--seq-len", "128", "--chunks", "1", "8", "--out", str(out))
     rows = json.loads(out.read_text())["rows"]
-    assert {(r["precision"], r["accumulation"], r["chunks"]) for r in rows} == {
-        (p, a, c) for p, a in (("bf16-mixed", "float32"), ("bf16-true", "native"), ("bf16-true", "float32"),
-                               ("bf16-true", "float32-host")) for c in (1, 8)
+    assert {(r["precision"], r["accumulation"], r["kv_grad_dtype"], r["chunks"]) for r in rows} == {
+        (p, a, g, c) for p, a, g in (("bf16-mixed", "float32", "float32"), ("bf16-true", "native", "float32"),
+                                     ("bf16-true", "float32", "float32"), ("bf16-true", "float32-host", "float32"),
+                                     ("bf16-true", "float32", "bfloat16")) for c in (1, 8)
     }  # fmt: skip
     assert all(0 < r["ratio"] < 2 for r in rows) and out.with_suffix(".md").exists()
 
