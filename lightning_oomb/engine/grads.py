@@ -28,9 +28,7 @@ from collections.abc import Iterable
 import torch
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
-HOST_FLUSH_CHUNKS = (
-    16  # float32-host: chunks whose gradients a 16-bit .grad sums before a flush to host memory
-)
+HOST_FLUSH_CHUNKS = 16  # float32-host: chunks a 16-bit .grad sums before a flush to host memory
 STAGING_ELEMENTS = 2**25  # float32-host: elements of each of the two staging slabs (64 MiB in bf16)
 
 
@@ -159,10 +157,8 @@ class HostGradSums:
         overlaps the host's work on the previous one."""
         device = src.device if to_host else dst.device
         dtype = src.dtype if to_host else dst.dtype
-        pending, read = (
-            None,
-            [None, None],
-        )  # to the host: the slab to add; from it: per slab, its last copy's event
+        pending = None  # to the host: the slab whose copy is in flight, to add next
+        read = [None, None]  # from the host: per slab, the event after its last copy to the device
         for index, start in enumerate(range(0, src.numel(), self.slab)):
             part, which = slice(start, min(start + self.slab, src.numel())), index % 2
             buffer = self._slab(which, part.stop - part.start, dtype, device)
@@ -216,7 +212,7 @@ def _wait(event) -> None:
         event.synchronize()
 
 
-def gradient_accumulator(p: torch.Tensor, sums: Float32GradSums | None) -> torch.Tensor | None:
+def gradient_accumulator(p: torch.Tensor, sums: Float32GradSums | HostGradSums | None) -> torch.Tensor | None:
     """Where a gradient of ``p`` may be added in place, as autograd would accumulate it: its float32 sum while
     ``sums`` runs for it, else ``.grad`` (made zero if ``None``); ``None`` for a tensor autograd would not
     accumulate into (frozen, or computed from others: not a leaf)."""

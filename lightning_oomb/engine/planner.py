@@ -900,10 +900,8 @@ def decide_auto(inputs, config: OOMBConfig, batch: int, seq_len: int, devices: i
         config = off if fits else dataclasses.replace(config, layer_checkpointing=True)
     config = _budgeted(inputs, config, batch, seq_len, devices)
     if config.reuse_attention == "auto":
-        lo, hi = (
-            0,
-            math.ceil(seq_len / config.chunk_size),
-        )  # bisect the kept chunks: more of them, more memory
+        # bisect the kept chunks (more of them, more memory)
+        lo, hi = 0, math.ceil(seq_len / config.chunk_size)
         while lo < hi:
             mid = (lo + hi + 1) // 2
             fits = _plan(
