@@ -382,7 +382,7 @@ def _attend_across_group(chunk: ChunkContext, layer, rows, k, scale, window, sof
     with torch.autocast(rows.device.type, enabled=False):
         return context.attend_forward(kernels(chunk.backend), chunk.context, chunk.pool, layer, rows, k, chunk.start,
                                       scale, window, softcap, sinks, chunk.doc_start, chunk.sparse,
-                                      chunk.sweep, chunk.backend)  # fmt: skip
+                                      chunk.sweep, chunk.backend, _first_key(chunk, window))  # fmt: skip
 
 
 def _backward_across_group(ctx, dout):
@@ -397,7 +397,8 @@ def _backward_across_group(ctx, dout):
     with torch.autocast(dout.device.type, enabled=False):
         delta = kernels(chunk.backend).attention_delta(out, grads_out)
         dq = context.attend_backward(kernels(chunk.backend), cp, pool, layer, rows, lse, grads_out, delta,
-                                     chunk.start, scale, window, softcap, chunk.doc_start, select)  # fmt: skip
+                                     chunk.start, scale, window, softcap, chunk.doc_start, select,
+                                     _first_key(chunk, window))  # fmt: skip
         dsinks = sink_grad(sinks, lse, delta) if sinks is not None and ctx.needs_input_grad[8] else None
     if own:
         dk, dv = (g.to(kv_dtype) for g in pool.read_grad(layer, cp.local_start, own))

@@ -259,18 +259,22 @@ class ContextChunk:
         lengths, rank = self.lengths, self.layout.rank
         return slice(sum(lengths[:rank]), sum(lengths[: rank + 1]))
 
-    def own_parts(self, pool, layer: int, num_keys: int, grads: bool = False):
+    def own_parts(self, pool, layer: int, num_keys: int, grads: bool = False, first_key: int = 0):
         """This rank's pages of ``layer`` up to the chunk's end as ``(part, absolute key ranges)``: the pool's
-        parts (local token space) with page tables over absolute pages."""
+        parts (local token space) with page tables over absolute pages. Pages wholly before ``first_key`` (no query
+        of the chunk sees them: a sliding window, packed documents) are left out."""
         layout = self.layout
         local = self.local_start + self.own
         if local == 0:
             return
         num_pages = math.ceil(num_keys / layout.page)
+        floor = first_key // layout.page * layout.page
         for kv in pool.parts(layer, local, grads):
-            ranges = layout.owned_ranges(kv.keys or (0, local), self.index)
-            table = layout.absolute_table(kv.page_table, num_pages)
-            yield PagedKV(kv.k, kv.v, kv.dk, kv.dv, table), ranges
+            owned = layout.owned_ranges(kv.keys or (0, local), self.index)
+            ranges = [(max(lo, floor), hi) for lo, hi in owned if hi > floor]
+            if ranges:
+                table = layout.absolute_table(kv.page_table, num_pages)
+                yield PagedKV(kv.k, kv.v, kv.dk, kv.dv, table), ranges
 
 
 def _listed(ranges: list[tuple[int, int]], page: int, batch: int, blocks: int, device) -> torch.Tensor:
@@ -309,10 +313,11 @@ def _calls(kv: PagedKV, ranges: list[tuple[int, int]], q: torch.Tensor, q_start:
 
 
 def attend_forward(ops, cp: ContextChunk, pool, layer, q, k, q_start, scale, window, softcap, sinks, docs,
-                   sparse: SparseStep | None = None, sweep: str = "forward", backend: str = "torch"):  # fmt: skip
+                   sparse: SparseStep | None = None, sweep: str = "forward", backend: str = "torch",
+                   first_key: int = 0):  # fmt: skip
     """This rank's rows ``(out, lse)`` of the attention of the whole chunk's queries over every rank's pages (the
     module docstring), and the chunk's page selection (a sparse step; ``None``: dense); ``q``, ``k``: this rank's
-    rows (none for a stand-in)."""
+    rows (none for a stand-in); ``first_key``: no query sees a key before it (its pages are not read)."""
     group = cp.group
     queries = group.gather_rows(q, cp.lengths)
     selected = None
@@ -323,7 +328,7 @@ def attend_forward(ops, cp: ContextChunk, pool, layer, q, k, q_start, scale, win
     num_keys = q_start + queries.shape[2]
     state = init_state(queries)
     terms = {"softcap": softcap, "doc_start": docs}
-    for kv, ranges in cp.own_parts(pool, layer, num_keys):
+    for kv, ranges in cp.own_parts(pool, layer, num_keys, first_key=first_key):
         for keys, select in _calls(kv, ranges, queries, q_start, selected):
             ops.paged_attention_forward(queries, kv.k, kv.v, kv.page_table, q_start, scale, window, key_range=keys,
                                         state=state, page_select=select, **terms)  # fmt: skip
@@ -348,9 +353,11 @@ def attend_backward(
     softcap,
     docs,
     selected=None,
+    first_key: int = 0,
 ):
     """This rank's rows of dQ, adding dK/dV of every chunk query into this rank's gradient pages; ``lse`` and
-    ``delta`` are this rank's rows' final ones; ``selected``: the chunk's page selection (sparse)."""
+    ``delta`` are this rank's rows' final ones; ``selected``: the chunk's page selection (sparse); ``first_key``:
+    as for :func:`attend_forward`."""
     group, lengths = cp.group, cp.lengths
     queries = group.gather_rows(q, lengths)
     grads_out = group.gather_rows(dout, lengths)
@@ -358,7 +365,7 @@ def attend_backward(
     lse_all, delta_all = rows[..., 0].contiguous(), rows[..., 1].contiguous()
     dq = torch.zeros(queries.shape, dtype=delta.dtype, device=q.device)
     terms = {"softcap": softcap, "doc_start": docs}
-    for kv, ranges in cp.own_parts(pool, layer, q_start + queries.shape[2], grads=True):
+    for kv, ranges in cp.own_parts(pool, layer, q_start + queries.shape[2], True, first_key):
         pages = (kv.k, kv.v, kv.dk, kv.dv, kv.page_table)
         for keys, select in _calls(kv, ranges, queries, q_start, selected):
             # ``out`` is only read to compute ``delta``, which is given: dO stands in for it

@@ -211,3 +211,68 @@ def test_router_balancing_loss_across_the_group_is_exact(tmp_path, family):
     for r in results:
         assert abs(r["loss"].item() - want.item()) <= TOL * want.item()
         assert max_relative_error(r["grads"], grads_of(model)) <= TOL
+
+
+PACKED = (37, 30, 29)  # documents of one packed row: later chunks start past the first document
+
+
+def _skipping_cases():
+    """``(family, ids, position ids, keys the group must read per layer)``: chunk 16, page 8. Packed documents
+    starting at 0, 37, 67: the chunks from 48 on see nothing before 37 (pages from 32), the last nothing before 67
+    (pages from 64): 16 + 32 + 48 + 32 + 48 + 32 keys. A sliding window of 11 (Mistral): chunk ``s`` sees nothing
+    before ``16 s - 10``: 16 + 32 + 32 + 32."""
+    ids = torch.randint(0, 97, (1, sum(PACKED)), generator=torch.Generator().manual_seed(11))
+    positions = torch.cat([torch.arange(n) for n in PACKED])[None]
+    return [("qwen2", ids, positions, 208), ("mistral", ids[:, :64], None, 112)]
+
+
+def _counting_step(rank, world):
+    """Each case's loss, summed gradients and the keys this rank's forward attention calls read."""
+    from lightning_oomb.engine import context as context_module
+
+    keys, forward = [0], context_module.attend_forward
+
+    class Counted:  # the backend, counting the keys of every forward call
+        def __init__(self, ops):
+            self.ops = ops
+
+        def __getattr__(self, name):
+            return getattr(self.ops, name)
+
+        def paged_attention_forward(self, q, *args, key_range, page_select=None, **kwargs):
+            lo, hi = key_range
+            keys[0] += hi - lo if page_select is None else int((page_select[0, 0] >= 0).sum()) * 8
+            return self.ops.paged_attention_forward(
+                q, *args, key_range=key_range, page_select=page_select, **kwargs
+            )
+
+    context_module.attend_forward = lambda ops, *args, **kwargs: forward(Counted(ops), *args, **kwargs)
+    results = []
+    for family, ids, positions, _ in _skipping_cases():
+        keys[0] = 0
+        model = build_causal_lm(family)
+        engine = OOMBEngine(HFChunkModel(model), OOMBConfig(16, 8), context=ContextGroup.of())
+        loss = engine.loss(ids, position_ids=positions)
+        loss.backward()
+        grads = grads_of(model)
+        for g in grads.values():
+            dist.all_reduce(g)
+        results.append({"loss": loss.detach(), "grads": grads, "keys": keys[0]})
+    return results
+
+
+def test_the_group_reads_only_the_keys_its_queries_see(tmp_path):
+    """Packed documents and a sliding window across 2 ranks: the loss and gradients of one process (checked against
+    full-sequence training in test_packing.py and test_window_pages.py), and together the ranks read exactly the
+    pages the chunk's queries can see (per layer and chunk: from the page of its first visible key on)."""
+    ranks = run_ranks(_counting_step, 2, tmp_path)
+    for case, (family, ids, positions, keys) in enumerate(_skipping_cases()):
+        model = build_causal_lm(family)
+        loss = OOMBEngine(HFChunkModel(model), OOMBConfig(16, 8)).loss(ids, position_ids=positions)
+        loss.backward()
+        want = grads_of(model)
+        for r in ranks:
+            assert abs(r[case]["loss"].item() - loss.item()) <= TOL * loss.item()
+            assert max_relative_error(r[case]["grads"], want) <= TOL
+        # 2 layers, each attended in the forward sweep and in the recompute
+        assert sum(r[case]["keys"] for r in ranks) == 2 * 2 * keys
