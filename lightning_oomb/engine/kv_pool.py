@@ -80,6 +80,26 @@ def plan_tiers(
     return TierPlan(tuple(i for i in everything if i not in host), host, staging_buffers)
 
 
+def place_layers(
+    shape: PoolShape, budget: int | None, staging_buffers: int
+) -> tuple[TierPlan, dict[str, int]]:
+    """The tiers of ``shape``'s layers for a device ``budget`` (:func:`plan_tiers`; window layers that keep only
+    their tails stay on the device, their bytes taken out of the budget first) and each arena's slots (``"hbm"``,
+    ``"staging"``, ``"host"``): what :meth:`KVPool.reserve` allocates, and what the memory planner counts."""
+    recycling = tuple(layer for layer in range(shape.num_layers) if shape.tails[layer] is not None)
+    if budget is not None:
+        budget = max(0, budget - sum(shape.bytes_of(layer) for layer in recycling))
+    plan = plan_tiers(
+        shape.num_layers, shape.layer_bytes, budget, staging_buffers, shape.block_bytes, recycling
+    )
+    slots = {
+        "hbm": sum(shape.batch * shape.layer_pages(layer) for layer in plan.hbm_layers),
+        "staging": plan.staging_buffers * shape.block_slots,
+        "host": len(plan.host_layers) * shape.layer_slots,
+    }
+    return plan, slots
+
+
 def host_memory_available() -> int | None:
     """``MemAvailable`` of ``/proc/meminfo`` in bytes; ``None`` where it cannot be read (not Linux)."""
     try:
@@ -150,19 +170,8 @@ class KVPool:
         self._warn_no_effect(shape, device)
         self._synchronize()  # copies in flight may still use arenas that get replaced below
         cfg = self.config
-        recycling = tuple(layer for layer in range(shape.num_layers) if shape.tails[layer] is not None)
-        budget = self._budget(device)
-        if budget is not None:
-            budget = max(0, budget - sum(shape.bytes_of(layer) for layer in recycling))
-        plan = plan_tiers(
-            shape.num_layers, shape.layer_bytes, budget, cfg.staging_buffers, shape.block_bytes, recycling
-        )
+        plan, slots = place_layers(shape, self._budget(device), cfg.staging_buffers)
         host_device = torch.device("cpu")
-        slots = {
-            "hbm": sum(shape.batch * shape.layer_pages(layer) for layer in plan.hbm_layers),
-            "staging": plan.staging_buffers * shape.block_slots,
-            "host": len(plan.host_layers) * shape.layer_slots,
-        }
         self._check_memory(shape, plan, slots, device)
         self._hbm = self._grow(self._hbm, slots["hbm"], shape, device)
         self._staging = self._grow(self._staging, slots["staging"], shape, device)

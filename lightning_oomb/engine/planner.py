@@ -11,8 +11,9 @@ options that would make it fit (each tried in the planner).
 
 - *weights*, *gradients* (trainable parameters, their dtype), *optimizer states* (parameter-sized tensors per
   trainable parameter, in the parameters' dtype as torch keeps them: AdamW 2, SGD with momentum 1, SGD 0).
-- *KV pool*: :func:`~lightning_oomb.engine.kv_pool.plan_tiers` and :func:`~lightning_oomb.engine.pages.arena_bytes`
-  of the engine's own :class:`~lightning_oomb.engine.pages.PoolShape` — exactly what ``KVPool.reserve`` allocates
+- *KV pool*: :func:`~lightning_oomb.engine.kv_pool.place_layers` and :func:`~lightning_oomb.engine.pages.arena_bytes`
+  of the engine's own :class:`~lightning_oomb.engine.pages.PoolShape` (sliding-window layers keeping only their
+  tails, as the model's windows say) — exactly what ``KVPool.reserve`` allocates
   (HBM tier and staging buffers on the device, the host tier pinned). K/V take the dtype of the keys after RoPE:
   the parameters' dtype (float32 under ``bf16-mixed``: RoPE's cos/sin promote them). A sparse step
   (``page_budget``) adds the page summaries (``PoolShape.summary_bytes``, on the device).
@@ -96,7 +97,7 @@ from lightning_oomb.engine.config import OOMBConfig
 from lightning_oomb.engine.cpu_attention import PAST_BLOCK
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.grads import HALF_DTYPES, HOST_FLUSH_CHUNKS, staging_elements
-from lightning_oomb.engine.kv_pool import HOST_RESERVE_BYTES, hbm_budget, host_memory_available, plan_tiers
+from lightning_oomb.engine.kv_pool import HOST_RESERVE_BYTES, hbm_budget, host_memory_available, place_layers
 from lightning_oomb.engine.pages import GRAD_DTYPES, PoolShape, arena_bytes
 from lightning_oomb.engine.reference import KEY_BLOCK
 from lightning_oomb.engine.results import result_slot_bytes
@@ -139,7 +140,8 @@ class ModelShape:
     ``logit_softcap``: the head soft-caps its logits (Gemma 2/3). A hybrid (recurrent / convolution layers beside
     attention): ``kv_layers``, the layers that have KV pages (``None``: all), and per batch row, the elements of the
     states carried at each chunk boundary — ``conv_state_elements`` (in the activations' dtype) and
-    ``recurrent_state_elements`` (float32, as the recurrences compute them)."""
+    ``recurrent_state_elements`` (float32, as the recurrences compute them). ``windows``: each paged layer's sliding
+    window (``None`` in it: full attention; ``None``: every layer full), so window layers keep only their tails."""
 
     num_layers: int
     hidden_size: int
@@ -168,6 +170,7 @@ class ModelShape:
     kv_layers: int | None = None
     conv_state_elements: int = 0
     recurrent_state_elements: int = 0
+    windows: tuple[int | None, ...] | None = None
 
     @property
     def mlp_width(self) -> int:
@@ -236,7 +239,7 @@ def model_shape(model: Any) -> ModelShape:
         return _with_parameters(_shape_of_config(config), model)
     inner = getattr(model, "model", None)  # e.g. the Hugging Face adapter around a PreTrainedModel
     if not isinstance(model, torch.nn.Module) and isinstance(inner, torch.nn.Module):
-        return _with_carried_states(model_shape(inner), model)
+        return _with_adapter(model_shape(inner), model)
     if _is_config(model):
         return _shape_of_config(model)
     if isinstance(model, torch.nn.Module) and hasattr(model, "num_layers") and hasattr(model, "lm_head"):
@@ -283,7 +286,24 @@ def _shape_of_config(cfg: Any) -> ModelShape:
         num_experts=experts,
         experts_per_token=(getattr(cfg, "num_experts_per_tok", None) or 0) if experts else 0,
         logit_softcap=getattr(cfg, "final_logit_softcapping", None) is not None,
+        windows=_config_windows(cfg),
     )
+
+
+def _config_windows(cfg: Any) -> tuple[int | None, ...] | None:
+    """Each layer's sliding window as a Hugging Face config declares it: ``sliding_window`` on the layers its
+    ``layer_types`` calls ``sliding_attention`` (on every layer without ``layer_types``: Mistral, Phi-3); ``None``
+    without a window, or with layer types other than these two (a hybrid: its adapter says,
+    :func:`_with_adapter`)."""
+    window = getattr(cfg, "sliding_window", None)
+    if isinstance(window, bool) or not isinstance(window, int):
+        return None
+    types = getattr(cfg, "layer_types", None)
+    if types is None:
+        return (window,) * cfg.num_hidden_layers
+    if any(t not in ("sliding_attention", "full_attention") for t in types):
+        return None
+    return tuple(window if t == "sliding_attention" else None for t in types)
 
 
 def _shape_of_chunk_model(model: torch.nn.Module) -> ModelShape:
@@ -302,11 +322,14 @@ def _shape_of_chunk_model(model: torch.nn.Module) -> ModelShape:
         num_embeddings=model.num_embeddings,
         family=type(model).__name__,
         logit_softcap=lm_head.softcap is not None,
+        windows=getattr(model, "layer_windows", None),
     )
 
 
-def _with_carried_states(shape: ModelShape, adapter: Any) -> ModelShape:
-    """A hybrid's adapter: its paged layers and carried state sizes (``carried_state_elements()``)."""
+def _with_adapter(shape: ModelShape, adapter: Any) -> ModelShape:
+    """What a model's adapter declares: its layers' windows (``layer_windows``) and, for a hybrid, its paged layers
+    and carried state sizes (``carried_state_elements()``)."""
+    shape = dataclasses.replace(shape, windows=getattr(adapter, "layer_windows", shape.windows))
     if not getattr(adapter, "carries_states", False):
         return shape
     conv, recurrent = adapter.carried_state_elements()
@@ -985,15 +1008,13 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     sparse = config.page_score if config.page_budget is not None else None
     pool = PoolShape(shape.paged_layers, batch, owned, shape.kv_heads, shape.head_dim, config.page_size,
                      config.chunk_size // devices, config.kv_grad_dtype, dtypes.activation,
+                     windows=shape.windows if devices == 1 else None,
                      page_score=sparse if devices == 1 else None)  # fmt: skip
     summaries = dataclasses.replace(pool, seq_len=seq_len, page_score=sparse).summary_bytes
-    budget = _budget(config, machine, weights)
-    tiers = plan_tiers(pool.num_layers, pool.layer_bytes, budget, config.staging_buffers, pool.block_bytes)
-    hbm = arena_bytes(len(tiers.hbm_layers) * pool.layer_slots, pool)
-    staging = arena_bytes(tiers.staging_buffers * pool.block_slots, pool) if tiers.host_layers else 0
-    host = {
-        "pool": arena_bytes(len(tiers.host_layers) * pool.layer_slots, pool)
-    }  # the pinned host memory's terms
+    tiers, slots = place_layers(pool, _budget(config, machine, weights), config.staging_buffers)
+    hbm = arena_bytes(slots["hbm"], pool)
+    staging = arena_bytes(slots["staging"], pool) if tiers.host_layers else 0
+    host = {"pool": arena_bytes(slots["host"], pool)}  # the pinned host memory's terms
 
     backend = _backend(config, machine)
     ckpt = config.layer_checkpointing
@@ -1231,10 +1252,13 @@ def _candidates(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int) -
         )
         shape = inputs.shape
         pool = PoolShape(shape.paged_layers, batch, seq_len, shape.kv_heads, shape.head_dim, config.page_size,
-                         config.chunk_size, config.kv_grad_dtype, inputs.dtypes.activation)  # fmt: skip
-        staging = config.staging_buffers * pool.block_bytes  # k layers on the device, most first
-        offload += [{"offload": True, "hbm_budget": k * pool.layer_bytes + staging}
-                    for k in range(pool.num_layers - 1, -1, -1)]  # fmt: skip
+                         config.chunk_size, config.kv_grad_dtype, inputs.dtypes.activation,
+                         windows=shape.windows)  # fmt: skip
+        # window layers keeping only their tails stay on the device; then k full layers, most first
+        recycling = [layer for layer in range(pool.num_layers) if pool.tails[layer] is not None]
+        fixed = sum(map(pool.bytes_of, recycling)) + config.staging_buffers * pool.block_bytes
+        offload += [{"offload": True, "hbm_budget": fixed + k * pool.layer_bytes}
+                    for k in range(pool.num_layers - len(recycling) - 1, -1, -1)]  # fmt: skip
         groups.append(offload)
     return groups
 

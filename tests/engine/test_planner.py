@@ -19,7 +19,7 @@ from lightning_oomb.integrations.hf import HFChunkModel
 from lightning_oomb.models import qwen2_5_7b_config
 from tests.helpers.lightning import TinyLM, batches, make_trainer
 from tests.helpers.memory import LiveBytes, cross_entropy_peak
-from tests.helpers.models import FAMILIES, build_causal_lm
+from tests.helpers.models import FAMILIES, build_causal_lm, build_family
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -69,6 +69,29 @@ def test_pool_bytes_are_the_pools_arenas_exactly(grad, precision, layers, batch,
     assert (predicted.hbm_layers, predicted.host_layers) == (stats["hbm_layers"], stats["host_layers"])
     assert (budget is None) == (predicted.host_layers == 0)
     pool.release()
+
+
+@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.parametrize(
+    "family", ["mistral", "gpt_oss", "gemma3"]
+)  # every layer / every other / 5 of 6 windowed
+def test_window_layers_tails_are_planned_from_the_config_the_model_or_its_adapter(family, offload):
+    """Sliding-window layers keep only their tails (tests/engine/test_window_pages.py): the plan counts exactly
+    that pool — tails on the device, full layers in the tiers — reading the windows off the config, the model or
+    the adapter alike."""
+    model = build_causal_lm("mistral") if family == "mistral" else build_family(family)
+    options = {"offload": True, "hbm_budget": 0, "staging_buffers": 3} if offload else {}
+    config = OOMBConfig(chunk_size=32, page_size=8, **options)
+    engine = OOMBEngine(HFChunkModel(model), config)
+    engine.loss(torch.randint(0, 64, (2, 200))).backward()
+    stats = engine.pool.stats()
+    assert any(tails is not None for tails in engine.pool.shape.tails)
+    for source in (model.config, model, HFChunkModel(model)):
+        predicted = plan(source, 200, 2, config, "64-true", None, BIG_CPU)
+        assert predicted.device["kv_hbm"] == stats["hbm_pool_bytes"]
+        assert predicted.device["staging"] == stats["staging_bytes"]
+        assert predicted.host_tier == stats["host_pool_bytes"]
+        assert (predicted.hbm_layers, predicted.host_layers) == (stats["hbm_layers"], stats["host_layers"])
 
 
 def test_mixed_precision_pages_are_float32():
