@@ -1008,7 +1008,7 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     sparse = config.page_score if config.page_budget is not None else None
     pool = PoolShape(shape.paged_layers, batch, owned, shape.kv_heads, shape.head_dim, config.page_size,
                      config.chunk_size // devices, config.kv_grad_dtype, dtypes.activation,
-                     windows=shape.windows if devices == 1 else None,
+                     windows=shape.windows,
                      page_score=sparse if devices == 1 else None)  # fmt: skip
     summaries = dataclasses.replace(pool, seq_len=seq_len, page_score=sparse).summary_bytes
     tiers, slots = place_layers(pool, _budget(config, machine, weights), config.staging_buffers)

@@ -277,7 +277,7 @@ class OOMBEngine:
             cfg.page_size,
             cfg.chunk_size if layout is None else cfg.chunk_size // layout.size,
             cfg.kv_grad_dtype,
-            windows=getattr(model, "layer_windows", None) if layout is None else None,
+            windows=getattr(model, "layer_windows", None),
             page_score=None if sparse is None or layout is not None else sparse.score,
         )
         bounds = chunk_bounds(seq_len, cfg.chunk_size)

@@ -276,3 +276,52 @@ def test_the_group_reads_only_the_keys_its_queries_see(tmp_path):
             assert max_relative_error(r[case]["grads"], want) <= TOL
         # 2 layers, each attended in the forward sweep and in the recompute
         assert sum(r[case]["keys"] for r in ranks) == 2 * 2 * keys
+
+
+def _window_model(family):
+    """Window 5 (Mistral, every layer) or 7 (GPT-OSS, every other layer): chunks of 32 give each rank slices of 16
+    tokens, 2 pages of 8; both windows reach 1 page back."""
+    return build_causal_lm("mistral", sliding_window=5) if family == "mistral" else build_family("gpt_oss")
+
+
+def _window_config(offload):
+    return OOMBConfig(32, 8, **({"offload": True, "hbm_budget": 0, "staging_buffers": 3} if offload else {}))
+
+
+WINDOW_IDS = torch.randint(0, 64, (2, 128), generator=torch.Generator().manual_seed(5))
+
+
+def _window_step(rank, world, family, offload):
+    model = _window_model(family)
+    engine = OOMBEngine(HFChunkModel(model), _window_config(offload), context=ContextGroup.of())
+    loss = engine.loss(WINDOW_IDS)
+    loss.backward()
+    grads = grads_of(model)
+    for g in grads.values():
+        dist.all_reduce(g)
+    return {"loss": loss.detach(), "grads": grads, "pool": engine.pool.allocated_bytes,
+            "tails": engine.pool.shape.tails, "host_layers": engine.pool.stats()["host_layers"]}  # fmt: skip
+
+
+@pytest.mark.parametrize(("family", "offload"), [("mistral", False), ("gpt_oss", True)])
+def test_window_layers_keep_only_their_tails_on_every_rank(tmp_path, family, offload):
+    """Each rank keeps a window layer's pages that a later chunk's window reaches (in its local token space: the
+    last page of each of its slices) plus one slice's transient pages — 5 of its 8 pages — and the step equals one
+    process's (float64); under offload full layers stream from the host, window layers stay; the planner plans a
+    rank's pool exactly."""
+    ranks = run_ranks(_window_step, 2, tmp_path, family, offload)
+    model = _window_model(family)
+    loss = OOMBEngine(HFChunkModel(model), OOMBConfig(32, 8)).loss(WINDOW_IDS)
+    loss.backward()
+    want = grads_of(model)
+    planned = plan(model, 128, 2, _window_config(offload), "64-true", None, "cpu", context_parallel=2)
+    windowed = [
+        t == "sliding_attention"
+        for t in getattr(model.config, "layer_types", None) or ("sliding_attention",) * 2
+    ]
+    for r in ranks:
+        assert r["tails"] == tuple((1, 3, 5) if w else None for w in windowed)
+        assert r["host_layers"] == (windowed.count(False) if offload else 0)
+        assert abs(r["loss"].item() - loss.item()) <= TOL * loss.item()
+        assert max_relative_error(r["grads"], want) <= TOL
+        assert r["pool"] == planned.device["kv_hbm"] + planned.device["staging"] + planned.host_tier
