@@ -35,7 +35,7 @@ from lightning_oomb.engine.kv_pool import KVPool
 from lightning_oomb.engine.lse import add_sinks, finish_state, init_state, sink_grad
 from lightning_oomb.engine.pages import PagedKV, PoolShape
 from lightning_oomb.engine.results import ForwardResults
-from lightning_oomb.engine.sparse import Selection, SparseStep, select_pages
+from lightning_oomb.engine.sparse import Probe, Selection, SparseStep, select_pages
 from lightning_oomb.engine.states import ChunkStates
 
 Backend = Literal["torch", "cpu", "triton"]
@@ -168,18 +168,6 @@ def _first_key(chunk: ChunkContext, window: int | None) -> int:
 
 def _whole(kv: PagedKV, num_keys: int) -> bool:
     return kv.keys is None or kv.keys == (0, num_keys)
-
-
-@dataclass
-class Probe:
-    """Query rows ``[lo, hi)`` of a call also attended densely (no selection, no sinks), to measure how much of their
-    attention the selection keeps: :func:`attend` sets ``sparse_lse`` and ``dense_lse`` (``[B, Hq, hi - lo]``, the
-    log-sum-exp over the keys attended and over every visible key)."""
-
-    lo: int
-    hi: int
-    sparse_lse: torch.Tensor | None = None
-    dense_lse: torch.Tensor | None = None
 
 
 def attend(
@@ -321,7 +309,11 @@ def _attend_call(q, chunk: ChunkContext, layer: int, scale, window, softcap, sin
     with torch.autocast(q.device.type, enabled=False):
         selection = _selection(chunk, layer, q, window)
         select = None if selection is None else selection.pages
-        probe = _probe(chunk, selection, q.shape[2])
+        probe = (
+            None
+            if selection is None
+            else chunk.sparse.probe_rows(selection, chunk.shape.page_size, q.shape[2], chunk.sweep)
+        )
         blocks = _selected_blocks(chunk, layer, selection)
         parts = pool.parts(
             layer, chunk.start + q.shape[2], first_key=_first_key(chunk, window), blocks=blocks
@@ -439,17 +431,6 @@ def _selected_blocks(chunk: ChunkContext, layer: int, selection: Selection | Non
         return None
     selection = selection or chunk.sparse.selections.get((layer, chunk.start))
     return None if selection is None else selection.blocks(chunk.shape.block_pages)
-
-
-def _probe(chunk: ChunkContext, selection: Selection | None, lq: int) -> Probe | None:
-    """The query block whose selection recall this call measures, if any (forward and eval sweeps)."""
-    if chunk.sweep == "backward" or selection is None:
-        return None
-    block = chunk.sparse.probe_block(selection)
-    if block is None:
-        return None
-    page = chunk.shape.page_size
-    return Probe(block * page, min((block + 1) * page, lq))
 
 
 def paged_attention(

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.lse import State, add_sinks, finish_state, init_state
 from lightning_oomb.engine.pages import PagedKV
-from lightning_oomb.engine.sparse import Selection, SparseStep, select_pages, summarize
+from lightning_oomb.engine.sparse import Probe, Selection, SparseStep, select_pages, summarize
 
 FAILED_KEY = "lightning_oomb/failed_rank"
 
@@ -105,6 +105,13 @@ class ContextGroup:
         """Sum over the ranks (in place; not counted: a step's loss, not attention traffic)."""
         dist.all_reduce(x, group=self.group)
         return x
+
+    def logsumexp(self, x: torch.Tensor) -> torch.Tensor:
+        """``log(sum over the ranks of exp(x))``, elementwise (not counted: the selection-recall probe's)."""
+        top = x.clone()
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.group)
+        shift = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+        return shift + torch.log(self.sum_(torch.exp(x - shift)))
 
     @contextlib.contextmanager
     def reporting(self):
@@ -320,22 +327,49 @@ def attend_forward(ops, cp: ContextChunk, pool, layer, q, k, q_start, scale, win
     rows (none for a stand-in); ``first_key``: no query sees a key before it (its pages are not read)."""
     group = cp.group
     queries = group.gather_rows(q, cp.lengths)
-    selected = None
+    selected = probe = None
     if sparse is not None:
-        selected = select_across_group(
-            cp, sparse, layer, queries, k, q_start, window, docs, sweep, backend
-        ).pages
+        selection = select_across_group(cp, sparse, layer, queries, k, q_start, window, docs, sweep, backend)
+        selected = selection.pages
+        probe = sparse.probe_rows(selection, cp.layout.page, queries.shape[2], sweep)
     num_keys = q_start + queries.shape[2]
     state = init_state(queries)
+    dense = None if probe is None else init_state(queries[:, :, probe.lo : probe.hi])
     terms = {"softcap": softcap, "doc_start": docs}
     for kv, ranges in cp.own_parts(pool, layer, num_keys, first_key=first_key):
         for keys, select in _calls(kv, ranges, queries, q_start, selected):
             ops.paged_attention_forward(queries, kv.k, kv.v, kv.page_table, q_start, scale, window, key_range=keys,
                                         state=state, page_select=select, **terms)  # fmt: skip
+        if probe is not None:
+            _probe_part(ops, kv, ranges, queries, q_start, probe, dense, scale, window, softcap, docs)
+    if (
+        probe is not None
+    ):  # the group's log-sum-exps of the probed rows, over the attended and all visible keys
+        probe.sparse_lse = group.logsumexp(_lse(state)[..., probe.lo : probe.hi])
+        probe.dense_lse = group.logsumexp(_lse(dense))
+        sparse.add_recall(probe.sparse_lse, probe.dense_lse)
     merged = merge_states(group, state, cp.lengths)
     if sinks is not None:
         add_sinks(merged, sinks)
     return (*finish_state(merged, q.dtype), selected)
+
+
+def _probe_part(ops, kv: PagedKV, ranges, queries, q_start, probe: Probe, dense: State, scale, window, softcap,
+                docs):  # fmt: skip
+    """Fold this rank's keys of ``ranges`` that the ``probe``'s rows can see into their dense state."""
+    end = q_start + probe.hi
+    seen = [(lo, min(hi, end)) for lo, hi in ranges if lo < end]
+    rows = queries[:, :, probe.lo : probe.hi].contiguous()
+    rows_docs = None if docs is None else docs[:, probe.lo : probe.hi].contiguous()
+    for keys, listed in _calls(kv, seen, rows, q_start):
+        ops.paged_attention_forward(rows, kv.k, kv.v, kv.page_table, q_start + probe.lo, scale, window,
+                                    key_range=keys, state=dense, page_select=listed, softcap=softcap,
+                                    doc_start=rows_docs)  # fmt: skip
+
+
+def _lse(state: State) -> torch.Tensor:
+    _, m, l_sum = state
+    return m + torch.log(l_sum)
 
 
 def attend_backward(

@@ -95,6 +95,18 @@ def _first_keys(q_start: int, lq: int, batch: int, window: int | None, doc_start
 
 
 @dataclass
+class Probe:
+    """Query rows ``[lo, hi)`` of a call also attended densely (no selection, no sinks), to measure how much of their
+    attention the selection keeps: the attention sets ``sparse_lse`` and ``dense_lse`` (``[B, Hq, hi - lo]``, the
+    log-sum-exp over the keys attended and over every visible key)."""
+
+    lo: int
+    hi: int
+    sparse_lse: torch.Tensor | None = None
+    dense_lse: torch.Tensor | None = None
+
+
+@dataclass
 class Selection:
     """One layer call's selection: ``pages`` int32 ``[B, R, K]`` (``None``: dense) and its counts per query block,
     ``[B, R]`` each: ``selected`` past pages attended, ``candidates`` past pages visible, ``local`` own pages
@@ -234,11 +246,13 @@ class SparseStep:
 
         return selected
 
-    def probe_block(self, selection: Selection) -> int | None:
-        """A query block to measure the recall on, for a sparse call with probing on (else ``None``)."""
-        if not self.probe or selection.pages is None:
+    def probe_rows(self, selection: Selection | None, page: int, lq: int, sweep: str) -> Probe | None:
+        """The query block (of ``page`` of the call's ``lq`` rows) whose recall a sparse call of the forward or
+        eval sweep measures, with probing on (else ``None``)."""
+        if not self.probe or sweep == "backward" or selection is None or selection.pages is None:
             return None
-        return self._draw.randrange(selection.pages.shape[1])
+        block = self._draw.randrange(selection.pages.shape[1])
+        return Probe(block * page, min((block + 1) * page, lq))
 
     def add_recall(self, sparse_lse: torch.Tensor, dense_lse: torch.Tensor) -> None:
         """Record a probed block's recall from its rows' log-sum-exps over the attended and over all visible keys."""

@@ -10,9 +10,9 @@ import torch
 
 from lightning_oomb.engine import OOMBConfig, OOMBConfigError, OOMBEngine
 from lightning_oomb.engine import sparse as sparse_module
-from lightning_oomb.engine.attention import Probe, attend
+from lightning_oomb.engine.attention import attend
 from lightning_oomb.engine.pages import PagedKV
-from lightning_oomb.engine.sparse import SparseStep, select_pages, summarize
+from lightning_oomb.engine.sparse import Probe, SparseStep, select_pages, summarize
 from lightning_oomb.integrations.hf import HFChunkModel
 from tests.helpers.attention import BACKENDS, dense_attention, selection_mask, shuffled_pages
 from tests.helpers.models import (

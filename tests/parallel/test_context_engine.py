@@ -163,13 +163,16 @@ def _sparse_step(rank, world, family, checkpointing, budget):
     config = OOMBConfig(16, 8, page_budget=budget)
     context = ContextGroup.of() if world > 1 else None
     engine = OOMBEngine(HFChunkModel(model, layer_checkpointing=checkpointing), config, context=context)
+    engine.probe_recall = True
     loss = engine.loss(ids)
     loss.backward()
     grads = grads_of(model)
     if world > 1:
         for g in grads.values():
             dist.all_reduce(g)
-    return {"loss": loss.detach(), "grads": grads, "attended": engine.stats.sparse.attended_fraction}
+    stats = engine.stats.sparse
+    return {"loss": loss.detach(), "grads": grads, "attended": stats.attended_fraction,
+            "recall": stats.selection_recall}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -177,7 +180,8 @@ def _sparse_step(rank, world, family, checkpointing, budget):
 )
 def test_sparse_steps_select_and_train_as_one_process(tmp_path, family, checkpointing, budget):
     """Page summaries are gathered, so every rank selects what one process selects: the same sparse loss and
-    gradients (fp64), and the same attended fraction (< 1: the step was sparse)."""
+    gradients (fp64), the same attended fraction (< 1: the step was sparse) and selection recall (the probed
+    blocks' dense attention gathered from every rank's pages)."""
     results = run_ranks(_sparse_step, 2, tmp_path, family, checkpointing, budget)
     one = _sparse_step(0, 1, family, checkpointing, budget)
     assert one["attended"] < 1
@@ -185,6 +189,7 @@ def test_sparse_steps_select_and_train_as_one_process(tmp_path, family, checkpoi
         assert abs(r["loss"].item() - one["loss"].item()) <= TOL * one["loss"].item()
         assert max_relative_error(r["grads"], one["grads"]) <= TOL
         assert r["attended"] == pytest.approx(one["attended"], rel=1e-12)
+        assert 0 < one["recall"] < 1 and r["recall"] == pytest.approx(one["recall"], rel=1e-10)
 
 
 def _moe_step(rank, world, family):
