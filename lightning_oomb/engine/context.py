@@ -178,6 +178,7 @@ class Layout:
     local_starts: tuple[int, ...]
     local_len: int
     abs_pages: torch.Tensor = field(compare=False)
+    _on_device: dict = field(default_factory=dict, compare=False, repr=False)  # device -> abs_pages there
 
     @classmethod
     def plan(cls, bounds: list[tuple[int, int]], page: int, rank: int, size: int) -> Layout:
@@ -206,7 +207,10 @@ class Layout:
         rank does not own: 0, never read)."""
         table = local_table.new_zeros(local_table.shape[0], num_pages)
         n = min(local_table.shape[1], int((self.abs_pages < num_pages).sum()))
-        table[:, self.abs_pages[:n].to(table.device)] = local_table[:, :n]
+        device = table.device
+        if device not in self._on_device:  # one copy per step and device: a copy from host memory syncs
+            self._on_device[device] = self.abs_pages.to(device)
+        table[:, self._on_device[device][:n]] = local_table[:, :n]
         return table
 
     def owned_ranges(self, local_keys: tuple[int, int], upto_chunk: int) -> list[tuple[int, int]]:
@@ -284,17 +288,22 @@ class ContextChunk:
                 yield PagedKV(kv.k, kv.v, kv.dk, kv.dv, table), ranges
 
 
+def _pages(ranges: list[tuple[int, int]], page: int, device, dtype=torch.int32) -> torch.Tensor:
+    """The pages of key ``ranges``, made on ``device`` (no copy from host memory, which would sync)."""
+    return torch.cat(
+        [torch.arange(a // page, math.ceil(b / page), device=device, dtype=dtype) for a, b in ranges]
+    )
+
+
 def _listed(ranges: list[tuple[int, int]], page: int, batch: int, blocks: int, device) -> torch.Tensor:
     """``page_select [B, blocks, K]`` listing the pages of ``ranges`` for every query block."""
-    pages = torch.cat([torch.arange(a // page, math.ceil(b / page)) for a, b in ranges])
-    return pages.to(device=device, dtype=torch.int32).expand(batch, blocks, -1).contiguous()
+    return _pages(ranges, page, device).expand(batch, blocks, -1).contiguous()
 
 
 def _owned(selected: torch.Tensor, ranges: list[tuple[int, int]], page: int) -> torch.Tensor:
     """The pages of ``ranges`` among each query block's ``selected`` pages (``[B, blocks, K]``, ascending,
     ``-1``-padded), in the same form."""
-    pages = torch.cat([torch.arange(a // page, math.ceil(b / page)) for a, b in ranges])
-    keep = torch.isin(selected, pages.to(device=selected.device, dtype=selected.dtype))
+    keep = torch.isin(selected, _pages(ranges, page, selected.device, selected.dtype))
     last = torch.iinfo(selected.dtype).max
     kept = torch.where(keep, selected, last).sort(-1).values
     return torch.where(kept == last, -1, kept)

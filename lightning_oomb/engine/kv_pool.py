@@ -157,6 +157,7 @@ class KVPool:
         self._staging: Arena | None = None
         self._summaries: torch.Tensor | None = None  # sparse steps: PoolShape.summary_shape
         self._tables: dict[int, torch.Tensor] = {}  # HBM layer -> its page table [batch, pages]
+        self._transient: dict[int, slice] = {}  # recycling window layer -> its transient slots
         self._offload: Offloader | None = None
         self._sweep = "forward"
         self._selected = None
@@ -179,9 +180,11 @@ class KVPool:
         if self._summaries_short(shape, device):
             self._summaries = None
             self._summaries = torch.zeros(shape.summary_shape, dtype=shape.dtype, device=device)
-        self._tables, base = {}, 0
+        self._tables, self._transient, base = {}, {}, 0
         for layer in plan.hbm_layers:
             self._tables[layer] = shape.layer_table(layer, base, device)
+            if shape.tails[layer] is not None:
+                self._transient[layer] = shape.transient_slots(layer, base)
             base += shape.batch * shape.layer_pages(layer)
         self._offload = None
         if plan.host_layers:
@@ -451,7 +454,9 @@ class KVPool:
                 self._store(self._hbm, table, start, k, v, zero_grads=True)
             elif self.recycles(layer):
                 self._store(self._hbm, table, start, k, v, zero_grads=False)
-                self._zero_transient_grads(layer, table, start, k.shape[2])
+                region = self._transient[layer]  # the last chunk that used it left its gradients there
+                self._hbm.dk[region].zero_()
+                self._hbm.dv[region].zero_()
             return
         block = shape.block_of(start)
         if backward and self._offload.holds_kv(layer, block):
@@ -459,17 +464,6 @@ class KVPool:
         table = self._offload.begin_write(layer, block)
         self._store(self._staging, table, start, k, v, zero_grads=False)  # host gradients start at zero
         self._offload.end_write(layer, block, persist=not backward)
-
-    def _zero_transient_grads(self, layer: int, table: torch.Tensor, start: int, length: int) -> None:
-        """Zero the gradient pages of a recycling layer's chunk outside its tails (they still hold the last chunk's
-        that used the same transient slots); the tails keep what later chunks added."""
-        shape = self.shape
-        first, end = start // shape.page_size, shape.num_pages(start + length)
-        transient = [p for p in range(first, end) if p not in set(shape.tails[layer])]
-        if transient:
-            flat = table[:, transient].flatten().long()
-            self._hbm.dk.index_fill_(0, flat, 0)
-            self._hbm.dv.index_fill_(0, flat, 0)
 
     def _store(self, arena: Arena, table: torch.Tensor, start: int, k, v, zero_grads: bool) -> None:
         first, end = start // self.shape.page_size, self.shape.num_pages(start + k.shape[2])

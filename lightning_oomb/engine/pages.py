@@ -236,6 +236,12 @@ class PoolShape:
             pages = torch.where(tail >= 0, tail, len(tails) + pages % self.block_pages)
         return (base + pages[None] * self.batch + torch.arange(self.batch)[:, None]).to(device, torch.int32)
 
+    def transient_slots(self, layer: int, base: int) -> slice:
+        """The slots of a window layer's transient region (one chunk's pages, all rows, after its tails) in
+        :meth:`layer_table`'s layout, for a layer whose slots start at ``base``."""
+        first = base + len(self.tails[layer]) * self.batch
+        return slice(first, first + self.block_slots)
+
     def page_tables(self, count: int, device: torch.device, blocks: bool = False) -> torch.Tensor:
         """int32 ``[count, batch, pages_per_row]``: layer rank ``i`` of a tier -> its slots, or with ``blocks``
         staging buffer ``i`` -> its slots for whichever block it holds."""
