@@ -5,12 +5,14 @@ parallelism: tests/parallel/test_context_engine.py)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from lightning_oomb.engine import OOMBConfig, OOMBConfigError, OOMBEngine, attention, planner
 from lightning_oomb.integrations.hf import HFChunkModel
-from tests.helpers.models import build_causal_lm, full_sequence_loss, grads_of, max_relative_error
+from tests.helpers.models import build_causal_lm, full_sequence_loss, grads_of, max_relative_error, oomb_step
 
 CHUNK, PAGE, SEQ = 16, 8, 70  # 5 chunks, the last ragged
 
@@ -29,13 +31,7 @@ def calls(monkeypatch):
     return count
 
 
-def step(model, ids, checkpointing=False, **options):
-    model.zero_grad()
-    config = OOMBConfig(CHUNK, PAGE, layer_checkpointing=checkpointing, **options)
-    engine = OOMBEngine(HFChunkModel(model, layer_checkpointing=checkpointing), config)
-    loss = engine.loss(ids)
-    loss.backward()
-    return loss.detach(), grads_of(model), engine
+step = functools.partial(oomb_step, chunk=CHUNK, page=PAGE)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])

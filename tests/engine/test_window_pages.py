@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -15,18 +17,13 @@ from tests.helpers.models import (
     full_sequence_loss,
     grads_of,
     max_relative_error,
+    oomb_step,
 )
 
 SEQ, CHUNK, PAGE = 200, 32, 8  # window 11 (Mistral) or 7 (GPT-OSS): 2 tail pages per chunk boundary
 
 
-def step(model, ids, checkpointing=False, **options):
-    model.zero_grad()
-    config = OOMBConfig(CHUNK, PAGE, layer_checkpointing=checkpointing, **options)
-    engine = OOMBEngine(HFChunkModel(model, layer_checkpointing=checkpointing), config)
-    loss = engine.loss(ids)
-    loss.backward()
-    return loss.detach(), grads_of(model), engine
+step = functools.partial(oomb_step, chunk=CHUNK, page=PAGE)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])

@@ -51,6 +51,20 @@ def grads_of(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def oomb_step(model, input_ids, checkpointing: bool = False, *, chunk: int, page: int, **options):
+    """One OOMB step of a Hugging Face ``model`` (gradients zeroed first; ``options``: more ``OOMBConfig`` fields):
+    ``(loss, gradients, engine)``."""
+    from lightning_oomb.engine import OOMBConfig, OOMBEngine
+    from lightning_oomb.integrations.hf import HFChunkModel
+
+    model.zero_grad()
+    config = OOMBConfig(chunk, page, layer_checkpointing=checkpointing, **options)
+    engine = OOMBEngine(HFChunkModel(model, layer_checkpointing=checkpointing), config)
+    loss = engine.loss(input_ids)
+    loss.backward()
+    return loss.detach(), grads_of(model), engine
+
+
 def max_relative_error(got: dict, want: dict) -> float:
     assert got.keys() == want.keys()
     return max(((got[n] - want[n]).abs().max() / want[n].abs().max().clamp_min(1e-30)).item() for n in want)

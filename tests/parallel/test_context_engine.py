@@ -27,20 +27,27 @@ pytestmark = pytest.mark.slow
 TOL = 1e-10
 
 
+def group_step(model, ids, config, checkpointing=False, context=None, position_ids=None, probe_recall=False):
+    """One step of ``model`` across the context group ``context`` (``None``: one process): the engine, the loss
+    and the gradients summed over the group."""
+    engine = OOMBEngine(HFChunkModel(model, layer_checkpointing=checkpointing), config, context=context)
+    engine.probe_recall = probe_recall
+    loss = engine.loss(ids, position_ids=position_ids)
+    loss.backward()
+    grads = grads_of(model)
+    if context is not None:
+        for g in grads.values():
+            dist.all_reduce(g, group=context.group)
+    return engine, loss.detach(), grads
+
+
 def _step(rank, world, family, seq, checkpointing, offload, reuse=False):
     model = build_causal_lm(family)
     ids = torch.randint(0, 97, (2, seq), generator=torch.Generator().manual_seed(seq))
     extra = {"offload": True, "hbm_budget": 0, "staging_buffers": 3} if offload else {}
     config = OOMBConfig(16, 8, reuse_attention=reuse, **extra)
-    engine = OOMBEngine(
-        HFChunkModel(model, layer_checkpointing=checkpointing), config, context=ContextGroup.of()
-    )
-    loss = engine.loss(ids)
-    loss.backward()
-    grads = grads_of(model)
-    for g in grads.values():
-        dist.all_reduce(g)
-    return {"loss": loss.detach(), "grads": grads, "pool": engine.pool.allocated_bytes,
+    engine, loss, grads = group_step(model, ids, config, checkpointing, ContextGroup.of())
+    return {"loss": loss, "grads": grads, "pool": engine.pool.allocated_bytes,
             "sent": engine.context.sent_bytes, "results": engine.results.nbytes}  # fmt: skip
 
 
@@ -162,16 +169,9 @@ def _sparse_step(rank, world, family, checkpointing, budget):
     ids = torch.randint(0, 97, (2, 61), generator=torch.Generator().manual_seed(7))
     config = OOMBConfig(16, 8, page_budget=budget)
     context = ContextGroup.of() if world > 1 else None
-    engine = OOMBEngine(HFChunkModel(model, layer_checkpointing=checkpointing), config, context=context)
-    engine.probe_recall = True
-    loss = engine.loss(ids)
-    loss.backward()
-    grads = grads_of(model)
-    if world > 1:
-        for g in grads.values():
-            dist.all_reduce(g)
+    engine, loss, grads = group_step(model, ids, config, checkpointing, context, probe_recall=True)
     stats = engine.stats.sparse
-    return {"loss": loss.detach(), "grads": grads, "attended": stats.attended_fraction,
+    return {"loss": loss, "grads": grads, "attended": stats.attended_fraction,
             "recall": stats.selection_recall}  # fmt: skip
 
 
@@ -195,13 +195,8 @@ def test_sparse_steps_select_and_train_as_one_process(tmp_path, family, checkpoi
 def _moe_step(rank, world, family):
     model = build_family(family, output_router_logits=True, router_aux_loss_coef=0.5)
     ids = torch.randint(0, 64, (2, 53), generator=torch.Generator().manual_seed(3))
-    engine = OOMBEngine(HFChunkModel(model), OOMBConfig(16, 8), context=ContextGroup.of())
-    loss = engine.loss(ids)
-    loss.backward()
-    grads = grads_of(model)
-    for g in grads.values():
-        dist.all_reduce(g)
-    return {"loss": loss.detach(), "grads": grads}
+    _, loss, grads = group_step(model, ids, OOMBConfig(16, 8), context=ContextGroup.of())
+    return {"loss": loss, "grads": grads}
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
@@ -256,13 +251,10 @@ def _counting_step(rank, world):
     for family, ids, positions, _ in _skipping_cases():
         keys[0] = 0
         model = build_causal_lm(family)
-        engine = OOMBEngine(HFChunkModel(model), OOMBConfig(16, 8), context=ContextGroup.of())
-        loss = engine.loss(ids, position_ids=positions)
-        loss.backward()
-        grads = grads_of(model)
-        for g in grads.values():
-            dist.all_reduce(g)
-        results.append({"loss": loss.detach(), "grads": grads, "keys": keys[0]})
+        _, loss, grads = group_step(
+            model, ids, OOMBConfig(16, 8), context=ContextGroup.of(), position_ids=positions
+        )
+        results.append({"loss": loss, "grads": grads, "keys": keys[0]})
     return results
 
 
@@ -297,14 +289,9 @@ WINDOW_IDS = torch.randint(0, 64, (2, 128), generator=torch.Generator().manual_s
 
 
 def _window_step(rank, world, family, offload):
-    model = _window_model(family)
-    engine = OOMBEngine(HFChunkModel(model), _window_config(offload), context=ContextGroup.of())
-    loss = engine.loss(WINDOW_IDS)
-    loss.backward()
-    grads = grads_of(model)
-    for g in grads.values():
-        dist.all_reduce(g)
-    return {"loss": loss.detach(), "grads": grads, "pool": engine.pool.allocated_bytes,
+    engine, loss, grads = group_step(_window_model(family), WINDOW_IDS, _window_config(offload),
+                                     context=ContextGroup.of())  # fmt: skip
+    return {"loss": loss, "grads": grads, "pool": engine.pool.allocated_bytes,
             "tails": engine.pool.shape.tails, "host_layers": engine.pool.stats()["host_layers"]}  # fmt: skip
 
 
