@@ -176,48 +176,6 @@ def planned_peak_gib(
         return None
 
 
-# --------------------------------------------------------------------------------------------------- FLOPs
-def step_flops(
-    cfg,
-    seq_len: int,
-    method: str = OOMB,
-    layers: int | None = None,
-    chunk_size: int = 4096,
-    page_size: int = 128,
-    page_budget: int | None = None,
-    layer_checkpointing: bool = True,
-    reused_chunks: int = 0,
-) -> tuple[float, float]:
-    """``(matmul, attention)`` FLOPs of one training step on ``seq_len`` tokens of a Qwen2-style ``cfg`` with
-    ``layers`` decoder layers (default: the config's).
-
-    Matmuls: 2 FLOPs per weight and token per forward, a backward = 2 forwards. Per decoder layer HF with
-    checkpointing runs 2 forwards + a backward; OOMB the forward sweep, the recompute, (checkpointing) the layer's
-    recompute and the backward; the LM head HF 1 + backward, OOMB 2 + backward. Attention: 4 * head_dim FLOPs per
-    query-key pair and query head per forward, a backward = 2.5 forwards (FlashAttention's count); HF with
-    checkpointing attends twice forward, OOMB twice with or without it (the layer's recompute reuses the chunk
-    recompute's result), once for the last ``reused_chunks`` chunks (``reuse_attention``); pairs are the causal ones,
-    or for ``page_budget`` each query block's own chunk causally plus ``page_budget`` earlier pages."""
-    layers = cfg.num_hidden_layers if layers is None else layers
-    h, d = cfg.hidden_size, head_dim(cfg)
-    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    layer_params = 2 * h * hq * d + 2 * h * hkv * d + 3 * h * cfg.intermediate_size
-    extra = 1 if layer_checkpointing else 0
-    layer_passes, head_passes = (3 + extra, 3) if method == HF else (4 + extra, 4)
-    dense = 2 * seq_len * (layers * layer_params * layer_passes + cfg.vocab_size * h * head_passes)
-    per_chunk = []  # query-key pairs of each chunk's queries
-    for start in range(0, seq_len, chunk_size):
-        length = min(chunk_size, seq_len - start)
-        past = start if page_budget is None else min(page_budget * page_size, start)
-        per_chunk.append(length * (length + 1) / 2 + length * past)
-    pairs = sum(per_chunk)
-    if method == HF:
-        passes = (1 + extra + 2.5) * pairs
-    else:  # a reused chunk's recompute does not attend
-        passes = 4.5 * pairs - sum(per_chunk[len(per_chunk) - reused_chunks :] if reused_chunks else ())
-    return dense, 4 * d * hq * passes * layers
-
-
 # -------------------------------------------------------------------------------------------------- report
 def versions() -> dict:
     """The software and machine a result came from."""

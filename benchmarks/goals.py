@@ -29,8 +29,13 @@ measured 28-layer step. Every OOMB row carries the planner's predicted peak (``p
 ``torch.cuda.max_memory_allocated`` (``peak_gib``).
 
 Time budget (``--budget-s``, from the start of ``main``): before each row its time is predicted from its FLOPs
-(``benchmarks.common.step_flops``) at rates calibrated on the rows measured so far, plus the host-layer traffic;
-a row that would not fit what is left is skipped with the reason. The smoke run: ``--tiny --device cpu``.
+and copies (``lightning_oomb.engine.step_time``, the planner's model) at rates calibrated on the rows measured so
+far; a row that would not fit what is left is skipped with the reason. The smoke run: ``--tiny --device cpu``.
+
+The summary fits the step rates of this device (matmul and attention FLOP/s, by least squares over the dense
+OOMB rows without offload; host-device bytes/s from a timed pinned copy) and writes them to ``summary.json``
+(``step_rates``) with each row's planned step time at them next to its measured one: the entry for
+``lightning_oomb.engine.planner.MEASURED_STEP_RATES``.
 
     PYTHONPATH=$PWD python3 benchmarks/goals.py --part compare --out-dir /tmp/goals
 """
@@ -66,17 +71,18 @@ from benchmarks.common import (
     planned_peak_gib,
     pool_shape,
     reserve_pool,
-    step_flops,
     versions,
     write_json,
 )
 from lightning_oomb.engine import OOMBConfig
+from lightning_oomb.engine.planner import model_shape
+from lightning_oomb.engine.step_time import StepRates, copy_bytes, step_flops, step_time
 
 GB = 1e9
 PARTS = ("compare", "reduced", "summary")
-# nominal rates (matmul FLOP/s, attention FLOP/s, host<->device bytes/s) that predict the first row; later rows use
-# the ratio measured/nominal of the rows before them (compute only; copies overlap it, so a row takes the larger)
-NOMINAL = {"cuda": (5e14, 3e14, 2.5e10), "cpu": (2e10, 5e9, 5e9)}
+# nominal rates that predict the first row; later rows use the ratio measured/nominal of the rows before them
+# (compute only; copies overlap it, so a row takes the larger)
+NOMINAL = {"cuda": StepRates(5e14, 3e14, 2.5e10), "cpu": StepRates(2e10, 5e9, 5e9)}
 PIN_BYTES_PER_S = (
     4e9  # cudaHostRegister of a host tier (pages faulted in and locked), for the prediction only
 )
@@ -218,21 +224,9 @@ class Clock:
         self, row: Row, scale: Scale, tokens: int, config: OOMBConfig | None
     ) -> tuple[float, float]:
         """(compute, copies) seconds of one step at the nominal rates."""
-        cfg = scale.config(row.layers)
-        chunk = config.chunk_size if config else scale.chunk
-        reused = config.reused_chunks(-(-tokens // chunk)) if config else 0
-        dense, attention = step_flops(cfg, tokens, row.method, None, chunk, scale.page,
-                                      config.page_budget if config else None, reused_chunks=reused)  # fmt: skip
-        copies = 0.0
-        if config is not None and config.offload:
-            host_layers = cfg.num_hidden_layers - (row.device_layers or 0)
-            kv = (
-                2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
-            )  # bf16 K+V per token
-            # each chunk streams the earlier ones: N^2 / 2C tokens, K/V in 4 times (forward, recompute, layer
-            # recompute, backward), fp32 gradients in and out
-            copies = host_layers * tokens**2 / (2 * chunk) * (4 * kv + 2 * 2 * kv)
-        return dense / self.rates[0] + attention / self.rates[1], copies / self.rates[2]
+        host_layers = scale.config(row.layers).num_hidden_layers - (row.device_layers or 0)
+        flops, copies = row_work(scale, row.layers, tokens, config, host_layers)
+        return step_time(*flops, 0.0, self.rates), copies / self.rates.copy_bytes
 
     def predict(self, row: Row, scale: Scale, tokens: int, config, host_bytes: int) -> float:
         compute, copies = self.nominal_s(row, scale, tokens, config)
@@ -243,6 +237,22 @@ class Clock:
         compute, copies = self.nominal_s(row, scale, tokens, config)
         if compute > copies:
             self.ratios.append(seconds / compute)
+
+
+def row_work(
+    scale: Scale, layers: int | None, tokens: int, config: OOMBConfig | None, host_layers: int = 0
+) -> tuple[tuple[float, float], float]:
+    """``((matmul, attention) FLOPs, copied bytes)`` of one step on ``layers`` decoder layers (the planner's model;
+    ``config``: ``None`` for the reference, checkpointed as the benchmark runs it)."""
+    shape = model_shape(scale.config(layers))
+    reference = config is None
+    config = config or OOMBConfig(scale.chunk, scale.page, layer_checkpointing=True)
+    flops = step_flops(shape, tokens, config, reference=reference)
+    if reference or not config.offload:
+        return flops, 0.0
+    kv = 2 * shape.kv_heads * shape.head_dim * 2  # bf16 K and V per token (the GPU's dtype)
+    grad = kv * (1 if config.kv_grad_dtype == "bfloat16" else 2)
+    return flops, copy_bytes(shape, tokens, config, host_layers, kv, grad)
 
 
 # ------------------------------------------------------------------------------------------------- parts
@@ -769,6 +779,70 @@ def plot(goals: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def fit_rates(scale: Scale, rows: list[dict], device: torch.device) -> dict | None:
+    """This device's step rates (the module docstring) and every measured OOMB row's planned time at them next to
+    its measured one; ``None`` without two dense rows to fit."""
+    measured = [r for r in rows if r.get("method") == OOMB and "step_s" in r and "config" in r]
+
+    def work(r):
+        return row_work(
+            scale, r["layers"], r["context"], OOMBConfig(**r["config"]), r.get("host_layers") or 0
+        )
+
+    dense = [r for r in measured if not r["config"]["offload"] and r["config"]["page_budget"] is None]
+    if len(dense) < 2:
+        return None
+    flops = torch.tensor([work(r)[0] for r in dense], dtype=torch.float64)
+    seconds = torch.tensor([[r["step_s"]] for r in dense], dtype=torch.float64)
+    inverse = torch.linalg.lstsq(flops, seconds).solution.flatten().tolist()  # seconds per FLOP
+    fit = "matmul and attention rates, least squares"
+    if (
+        min(inverse) <= 0
+    ):  # the rows cannot tell matmuls from attention: one factor on the nominal rates' ratio
+        nominal = NOMINAL[device.type if device.type == "cuda" else "cpu"]
+        unit = flops @ torch.tensor(
+            [1 / nominal.dense_flops, 1 / nominal.attention_flops], dtype=torch.float64
+        )
+        factor = float((unit @ seconds.flatten()) / (unit @ unit))
+        inverse = [factor / nominal.dense_flops, factor / nominal.attention_flops]
+        fit = "one factor on the nominal rates"
+    rates = StepRates(1 / inverse[0], 1 / inverse[1], copy_rate(device))
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    planned = [{"role": r["role"], "layers": r["layers"], "context": r["context"], "measured_s": r["step_s"],
+                "planned_s": step_time(*work(r)[0], work(r)[1], rates)} for r in measured]  # fmt: skip
+    copies = "a timed pinned copy" if device.type == "cuda" else "nominal"
+    return {"device": name, **dataclasses.asdict(rates), "fit": fit, "copies": copies, "fitted_rows": len(dense),
+            "rows": planned,
+            "entry": f"MEASURED_STEP_RATES[{name!r}] = StepRates({rates.dense_flops:.3g}, "
+                     f"{rates.attention_flops:.3g}, {rates.copy_bytes:.3g})"}  # fmt: skip
+
+
+def rates_table(rates: dict | None) -> list[str]:
+    if rates is None:
+        return ["not fitted: fewer than two dense OOMB rows without offload"]
+    lines = [f"`{rates['entry']}` ({rates['fit']}, {rates['fitted_rows']} rows; copies: {rates['copies']})", "",
+             "| row | layers | tokens | measured s | planned s |", "|---|---|---|---|---|"]  # fmt: skip
+    lines += [f"| {r['role']} | {r['layers']} | {r['context']:,} | {r['measured_s']:.2f} | {r['planned_s']:.2f} |"
+              for r in rates["rows"]]  # fmt: skip
+    return lines
+
+
+def copy_rate(device: torch.device, size: int = 1 << 30, repeats: int = 3) -> float:
+    """Host-device bytes/s each way: a pinned buffer copied to the device and back (nominal off CUDA)."""
+    if device.type != "cuda":
+        return NOMINAL["cpu"].copy_bytes
+    host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    on_device = torch.empty_like(host, device=device)
+    on_device.copy_(host)
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        on_device.copy_(host, non_blocking=True)
+        host.copy_(on_device, non_blocking=True)
+    torch.cuda.synchronize(device)
+    return 2 * repeats * size / (time.perf_counter() - start)
+
+
 def summary(args, scale: Scale, device: torch.device) -> int:
     plans = plan_rows(scale, device)
     for p in plans:
@@ -782,11 +856,14 @@ def summary(args, scale: Scale, device: torch.device) -> int:
     goals = goal_table(scale, rows, kernels, plans, device)
     lines = ["| goal | target | measured | met? | how |", "|---|---|---|---|---|"]
     lines += [f"| {g['goal']} | {g['target']} | {g['measured']} | {g['met']} | {g['how']} |" for g in goals]
+    rates = fit_rates(scale, rows, device)
     text = "\n".join(
-        ["## Goals (docs/design.md section 4)", "", *lines, "", "## Rows", "", *rows_table(rows)]
-    )
+        ["## Goals (docs/design.md section 4)", "", *lines, "", "## Rows", "", *rows_table(rows), "",
+         "## Step rates (the planner's step time)", "", *rates_table(rates)]
+    )  # fmt: skip
     (args.out_dir / "summary.md").write_text(text + "\n")
-    data = {"command": command(), "versions": versions(), "goals": goals, "plans": plans, "kernels": kernels}
+    data = {"command": command(), "versions": versions(), "goals": goals, "plans": plans, "kernels": kernels,
+            "step_rates": rates}  # fmt: skip
     write_json(args.out_dir / "summary.json", data)
     plot(goals, args.out_dir / "goals.png")
     print(text, flush=True)

@@ -9,7 +9,7 @@
 #   OOMB_BENCH_TINY=1 bash benchmarks/run_gpu.sh /tmp/out  # every part at tiny shapes on the CPU (a dry run of
 #                                                           # the script itself; tests/test_benchmarks.py runs it)
 #
-# Part limits, sized by FLOP counts (benchmarks.common.step_flops) at ~500 TFLOP/s for matmuls and ~300 for
+# Part limits, sized by FLOP counts (lightning_oomb.engine.step_time) at ~500 TFLOP/s for matmuls and ~300 for
 # attention (HF's measured 5.2 s at 32K is ~1.3x faster than that): a 7B step is ~7e10 matmul FLOPs per token
 # with OOMB's recomputation, attention 4 * d * 28 heads * N^2 / 2 per layer and pass, 5.5 passes. A 28-layer
 # step is ~8 s at 32K, ~25 s at 64K, ~5 min at 256K: longer contexts run 4 (or 2) layers and scale per layer.
@@ -27,7 +27,8 @@
 #                  sparse (~6 s); if time is left, 256K offloaded with reuse_attention, with float32-host
 #                  gradient sums and with mlp_tile=1024 (~20-24 s each); ~125 s at the nominal rates without the
 #                  last three, the rest for model builds and pinning
-#   summary  20 s  the planner (1M tokens, the longest step), the goal table
+#   summary  20 s  the planner (1M tokens, the longest step), this GPU's step rates (fitted on the rows; a 1 GiB
+#                  pinned copy timed), the goal table
 # Each Python part starts a row only if its predicted time is left of its budget (limit - 20 s; the prediction is
 # calibrated on the rows before it; a skipped row says why); `timeout` is the backstop. The steps use each
 # kernel's default tile (OOMB_TRITON_AUTOTUNE=0): no tuning inside a step. Each part's log starts with its command

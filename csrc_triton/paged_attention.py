@@ -694,9 +694,8 @@ def _bwd_dkdv_kernel(
         rows_last = tl.minimum(start_n + BLOCK_N - 1 + window - q_start, q_len)
         rows_first = tl.minimum(start_n + window - q_start, q_len)
     lo, full_lo, full_hi, hi = _query_blocks(start_n, q_start, rows_last, rows_first, BLOCK_M, BLOCK_N)
-    if (
-        SPARSE
-    ):  # a past key block: of the listing blocks' rows, [0, full_hi) see all of it, [full_hi, hi) some
+    # a past key block: of the listing blocks' rows, [0, full_hi) see all of it, [full_hi, hi) some
+    if SPARSE:
         listed_full, listed_hi = full_hi, hi
         full_hi = tl.where(past, 0, full_hi)  # (lo = full_lo = 0 for a past block)
         hi = tl.where(past, 0, hi)

@@ -104,9 +104,8 @@ class TinyGPT(ManagedModelMixin, nn.Module):
         )
         x = self.embed(input_ids)
         for block in self.blocks:
-            if (
-                self.layer_checkpointing and torch.is_grad_enabled()
-            ):  # the attention then runs twice per chunk
+            # the attention then runs twice per chunk
+            if self.layer_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(block, x, cos, sin, chunk, use_reentrant=False)
             else:
                 x = block(x, cos, sin, chunk)

@@ -99,25 +99,6 @@ def test_goals_budget_skips_rows_that_would_not_fit(tmp_path):
     assert rows and all("skipped" in r and "step_s" not in r for r in rows)
 
 
-def test_flop_count():
-    """The FLOP model the budget and the README predictions use: 2 per weight and token per forward, causal pairs."""
-    from transformers import Qwen2Config
-
-    from benchmarks.common import step_flops
-
-    cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=100)  # fmt: skip
-    layer = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128
-    dense, attention = step_flops(cfg, 256, "hf", chunk_size=64, page_size=16)
-    assert dense == 2 * 256 * (2 * layer * 4 + 100 * 64 * 3)  # 2 forwards + backward; head forward + backward
-    assert attention == 4 * 16 * 4 * (256 * 257 / 2) * 2 * 4.5
-    _, sparse = step_flops(
-        cfg, 256, chunk_size=64, page_size=16, page_budget=2
-    )  # 4 chunks, 32 earlier keys max
-    pairs = 4 * 64 * 65 / 2 + 64 * (0 + 32 + 32 + 32)
-    assert sparse == 4 * 16 * 4 * pairs * 2 * 4.5  # two attention forwards (the layer's recompute reuses one)
-
-
 def script_commands(tmp_path, parts: list[str], **env) -> list[list[str]]:
     """The ``python3`` command lines ``run_gpu.sh`` runs for ``parts`` (a stand-in ``python3`` records them)."""
     fake = tmp_path / "bin"

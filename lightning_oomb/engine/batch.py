@@ -85,9 +85,8 @@ def plan_layout(
     positions = position_ids.expand(batch, -1)
     doc_start = _documents(positions)
     targets = shift_labels(labels)
-    if (
-        doc_start is not None
-    ):  # the last token of a document predicts nothing (the next one is another document's)
+    # the last token of a document predicts nothing (the next one is another document's)
+    if doc_start is not None:
         boundary = torch.zeros_like(targets, dtype=torch.bool)
         boundary[:, :-1] = doc_start[:, 1:] == torch.arange(1, seq_len, device=doc_start.device)
         targets = targets.masked_fill(boundary, IGNORE_INDEX)

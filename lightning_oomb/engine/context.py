@@ -351,9 +351,8 @@ def attend_forward(ops, cp: ContextChunk, pool, layer, q, k, q_start, scale, win
                                         state=state, page_select=select, **terms)  # fmt: skip
         if probe is not None:
             _probe_part(ops, kv, ranges, queries, q_start, probe, dense, scale, window, softcap, docs)
-    if (
-        probe is not None
-    ):  # the group's log-sum-exps of the probed rows, over the attended and all visible keys
+    # the group's log-sum-exps of the probed rows, over the attended and all visible keys
+    if probe is not None:
         probe.sparse_lse = group.logsumexp(_lse(state)[..., probe.lo : probe.hi])
         probe.dense_lse = group.logsumexp(_lse(dense))
         sparse.add_recall(probe.sparse_lse, probe.dense_lse)

@@ -174,9 +174,8 @@ def paged_attention_backward(
         dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
     check_buffer("dq", dq, q.shape, dtype, q.device)
     qc, doc, outc, lsec = (x.to(dtype) for x in (q, dout, out, lse))
-    if (
-        delta is not None
-    ):  # rowsum(dO' * O') = delta for dO' = [dO, 1], O' = [0, delta]; q, k, v get a 0 column
+    # rowsum(dO' * O') = delta for dO' = [dO, 1], O' = [0, delta]; q, k, v get a 0 column
+    if delta is not None:
         qc, doc = _with_column(qc, 0.0), _with_column(doc, 1.0)
         outc = torch.cat([torch.zeros_like(outc), delta[..., None]], -1)
     d = q.shape[3]

@@ -77,9 +77,12 @@ these when no single one suffices, a fused optimizer, 16-bit weights instead of 
 that fits, and the fewest devices once context parallelism exists. A tiled MLP (``mlp_tile``) saves only its
 input and holds one tile's intermediates in its backward (:func:`layer_backward_bytes`).
 
-**Step time.** :attr:`MemoryPlan.step_time_s` is the hook for a time prediction from measured rates
-(:data:`MEASURED_STEP_RATES`: attention and dense FLOP/s, host-device bandwidth, per device kind). No GPU
-measurements exist yet, so the table is empty and no time is predicted.
+**Step time.** :attr:`MemoryPlan.step_time_s` is the step's time at the machine's measured rates
+(:class:`~lightning_oomb.engine.step_time.StepRates`: matmul and attention FLOP/s, host-device bytes/s; for a GPU
+:meth:`Machine.local` finds them in :data:`MEASURED_STEP_RATES` by its name) from the step's FLOPs and offload
+copies (:mod:`~lightning_oomb.engine.step_time`); ``None`` without rates (no GPU has been measured yet, so the table
+is empty: pass ``Machine(..., rates=StepRates(...))``) and under context parallelism (its communication is not
+modelled here: ``benchmarks/cp_model.py``).
 """
 
 from __future__ import annotations
@@ -102,10 +105,12 @@ from lightning_oomb.engine.pages import GRAD_DTYPES, PoolShape, arena_bytes
 from lightning_oomb.engine.reference import KEY_BLOCK
 from lightning_oomb.engine.results import result_slot_bytes
 from lightning_oomb.engine.states import BOUNDARY_ALIGN
+from lightning_oomb.engine.step_time import StepRates, copy_bytes, step_flops, step_time
 
 # measured step rates per device kind ("nvidia-h200": {"attention_flops": ..., "dense_flops": ..., "h2d_bytes": ...});
-# empty until benchmarks/ records GPU measurements: then MemoryPlan.step_time_s can be predicted from them
-MEASURED_STEP_RATES: Mapping[str, Mapping[str, float]] = {}
+# per device name (torch.cuda.get_device_name()): rates benchmarks/run_gpu.sh measured (its summary.json's
+# "step_rates"); empty until a GPU run is recorded
+MEASURED_STEP_RATES: Mapping[str, StepRates] = {}
 
 PLANNED_HEADROOM = (
     0.05  # a planned hbm_budget="auto" leaves this share of the device (allocator, CUDA context)
@@ -465,12 +470,13 @@ class Machine:
     """Where the step runs: ``device_type`` ``"cuda"`` or ``"cpu"``; ``device_bytes``: device memory the run may
     use (on a CPU, host memory: the device *is* host memory); ``host_bytes``: host memory for the pinned tier;
     ``device_total``: the device's size, which ``hbm_budget="auto"`` leaves a quarter of (default
-    ``device_bytes``)."""
+    ``device_bytes``); ``rates``: its measured step rates (``None``: unknown, no step time predicted)."""
 
     device_type: str
     device_bytes: int
     host_bytes: int
     device_total: int | None = None
+    rates: StepRates | None = None
 
     @property
     def total(self) -> int:
@@ -493,7 +499,8 @@ class Machine:
         if device.type != "cuda":
             return cls(device.type, host, host)
         free, total = torch.cuda.mem_get_info(device)
-        return cls("cuda", free + torch.cuda.memory_reserved(device), host, total)
+        rates = MEASURED_STEP_RATES.get(torch.cuda.get_device_name(device))
+        return cls("cuda", free + torch.cuda.memory_reserved(device), host, total, rates)
 
 
 def step_size_of(data: Any) -> tuple[int | None, int]:
@@ -608,9 +615,8 @@ def loss_backward_bytes(
     widened = dtypes.param != dtypes.compute  # autocast: the weight cast once for every block
     logits = (acc + (c if c != acc else 0)) * block * v  # float32 logits and their 16-bit original or cast
     moments = [logits, 2 * acc * block * v if shape.logit_softcap else 0]  # + a soft cap's derivative
-    if (
-        head_trainable and (accumulator or dtypes.param) != dtypes.compute
-    ):  # + a compute-dtype slab of its product
+    # + a compute-dtype slab of its product
+    if head_trainable and (accumulator or dtypes.param) != dtypes.compute:
         moments.append(logits + c * min(block, h) * v)
     new_grad = v * h * p if head_trainable and accumulator is None else 0
     head = new_grad + (v * h * c if widened else 0)
@@ -642,10 +648,9 @@ def layer_backward_bytes(
     tiled = mlp_tiled(shape, mlp_tile, lq)
     attn, mlp = _layer_bytes_per_token(shape, dtypes, streamed, tiled)
     attn_copies, mlp_copies = (shape.attention_params * c, shape.mlp_params * c) if dtypes.mixed else (0, 0)
-    if (
-        checkpointing
-    ):  # the recomputed layer holds its saved tensors (and autocast's weight copies) again, but not
-        # its attention result: the kept one (counted apart: kept_attention_bytes)
+    # the recomputed layer holds its saved tensors (and autocast's weight copies) again, but not its attention
+    # result: the kept one (counted apart: kept_attention_bytes)
+    if checkpointing:
         held_attn = (attn * tokens + attn_copies) - (r * q + acc * shape.num_heads) * tokens
         held_mlp = held_attn + mlp * tokens + mlp_copies
     else:
@@ -653,9 +658,8 @@ def layer_backward_bytes(
     # the product's backward makes two I-wide gradients from a third (3cI) after the down projection's backward
     # freed its saved input (cI): 2cI beyond the saved tensors (a wide MLP's step peak within 2 % on CPU)
     mlp_flight = (2 * c * shape.mlp_width + 4 * r * h) * tokens
-    if (
-        tiled
-    ):  # one tile's recompute (its saved tensors) and gradients, beside the chunk's dx and output gradient
+    # one tile's recompute (its saved tensors) and gradients, beside the chunk's dx and output gradient
+    if tiled:
         mlp_flight = 7 * c * shape.mlp_width * batch * mlp_tile + 2 * r * h * tokens
     attn_flight = (2 * r * q + acc * q + 4 * r * kv + 2 * r * h) * tokens
     keys = chunk_size if streamed else seq_len
@@ -685,8 +689,8 @@ class MemoryPlan:
     terms + the largest moment, ``peak_phase``); ``host_tier``: the host memory the step holds, ``host_parts``
     its terms — the pool's pinned tier, parked attention results and states, float32-host's gradient sums, kept
     forward attention results (on a CPU machine it lives in the same memory as the device terms); ``fits``, and
-    ``options`` that fit when it does not; ``notes``: what is approximate; ``step_time_s``: always ``None`` until
-    measured step rates exist (:data:`MEASURED_STEP_RATES`)."""
+    ``options`` that fit when it does not; ``notes``: what is approximate; ``step_time_s``: the step's time at the
+    machine's measured rates (``None`` without them; the module docstring)."""
 
     seq_len: int
     batch: int
@@ -756,9 +760,10 @@ class MemoryPlan:
             if self.machine.device_type == "cpu"
             else f"; host {gib(self.host_tier)} of {gib(self.host_capacity)}"
         )
+        time = "" if self.step_time_s is None else f"; step {self.step_time_s:,.1f} s at the measured rates"
         return (
             f"{self.batch} x {self.seq_len} tokens, {self.precision}, {self.optimizer}: peak {gib(self.peak_device)} "
-            f"of {gib(self.device_capacity)} {where} (at {self.peak_phase}){host} — {verdict}"
+            f"of {gib(self.device_capacity)} {where} (at {self.peak_phase}){host}{time} — {verdict}"
         )
 
     def refusal(self) -> str:
@@ -1030,9 +1035,8 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     streamed = bool(tiers.host_layers) and tiers.host_layers[-1] == pool.num_layers - 1
     boundaries = max(math.ceil(seq_len / config.chunk_size) - 1, 0)
     carried = shape.carried_state_bytes(dtypes.activation) * batch * boundaries
-    if (
-        config.offload and carried
-    ):  # in the host buffer; the device holds a chunk's leaves and their gradients
+    # in the host buffer; the device holds a chunk's leaves and their gradients
+    if config.offload and carried:
         per_boundary = shape.carried_state_bytes(dtypes.activation) * batch
         host["carried_states"] = math.ceil(per_boundary / BOUNDARY_ALIGN) * BOUNDARY_ALIGN * boundaries
         carried = per_boundary * min(boundaries, 2)
@@ -1074,6 +1078,11 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     )  # fmt: skip
     result.fits = result.device_fits and result.host_fits
     result.notes = _notes(inputs, config)
+    if machine.rates is not None and devices == 1:
+        dense, attention = step_flops(shape, seq_len, config, batch)
+        kv, grad = (pool.page_bytes(part) / config.page_size for part in ("kv", "grad"))
+        copies = copy_bytes(shape, seq_len, config, len(tiers.host_layers), kv, grad)
+        result.step_time_s = step_time(dense, attention, copies, machine.rates)
     return result
 
 

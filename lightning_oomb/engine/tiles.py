@@ -45,8 +45,8 @@ class _Tiled(torch.autograd.Function):
         ctx.autocast = AutocastState(x.device)
         ctx.rng = RNGState(x.device)
         ctx.save_for_backward(x)
-        with torch.no_grad():
-            return _by_tiles(fn, x, tile)
+        with torch.no_grad():  # detached: a no-grad view of x would still say it requires grad (module hooks)
+            return _by_tiles(fn, x.detach(), tile)
 
     @staticmethod
     @torch.autograd.function.once_differentiable

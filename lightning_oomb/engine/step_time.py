@@ -1,0 +1,124 @@
+"""A training step's FLOPs and, at measured rates, its time (the memory planner's ``step_time_s``).
+
+**FLOPs** (:func:`step_flops`). Matmuls: 2 FLOPs per weight and token per forward, a backward = 2 forwards; a
+decoder layer's weights are its attention projections and the MLP a token passes through (its active experts under
+MoE; a hybrid's other mixers counted as attention projections). OOMB runs each decoder layer in the forward sweep,
+the chunk's recompute, the layer's checkpoint recompute (``layer_checkpointing``; it stops after the last tensor
+the backward needs, so without ``mlp_tile`` the MLP's down projection is not recomputed) and the backward, a tiled
+MLP (``mlp_tile``) once more, and the LM head in the forward sweep, the recompute and the backward (matmul FLOPs of
+a CPU step counted with ``torch.utils.flop_counter`` equal these: ``tests/engine/test_step_time.py``). The reference — full-sequence training with per-layer checkpointing, as
+Hugging Face runs it — runs a layer in 2 forwards + a backward (1 + a backward without checkpointing) and the head in
+1 + a backward (its checkpoint's recompute skips the down projection too). Attention: 4 x head_dim FLOPs per visible query-key pair and query head per forward, a backward =
+2.5 forwards (FlashAttention's count); OOMB attends twice forward (the forward sweep and the chunk's recompute, whose
+result the checkpoint's recompute reuses) and once backward, a chunk whose forward result is kept
+(``reuse_attention``) once forward; the reference as often as it runs the layer forward. Visible pairs: causal; a
+query of a sliding-window layer sees at most ``window`` keys; in a sparse step (``page_budget``) at most
+``page_budget`` pages before its chunk.
+
+**Time** (:func:`step_time`): the compute time at the rates — matmul FLOPs / ``dense_flops`` + attention FLOPs /
+``attention_flops`` — or the offload copies' time (bytes / ``copy_bytes``) where that is longer: the offload
+schedule overlaps copies with compute. Host work of ``grad_accumulation="float32-host"`` is not counted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from lightning_oomb.engine.config import OOMBConfig
+
+if TYPE_CHECKING:
+    from lightning_oomb.engine.planner import ModelShape
+
+ATTENTION_BACKWARD = 2.5  # an attention backward in forwards (FlashAttention's FLOP count)
+
+
+@dataclass(frozen=True)
+class StepRates:
+    """Measured rates of one device kind: ``dense_flops`` (matmuls) and ``attention_flops`` per second inside a
+    training step, ``copy_bytes`` per second between host and device (each way)."""
+
+    dense_flops: float
+    attention_flops: float
+    copy_bytes: float
+
+
+def step_flops(
+    shape: ModelShape,
+    seq_len: int,
+    config: OOMBConfig,
+    batch: int = 1,
+    reference: bool = False,
+    layers: int | None = None,
+) -> tuple[float, float]:
+    """``(matmul, attention)`` FLOPs of one OOMB training step (the module docstring) on ``batch x seq_len``
+    tokens, or of the reference's (``reference=True``: full-sequence training, checkpointed per layer as
+    ``config.layer_checkpointing`` says); ``layers``: decoder layers counted (default: the model's)."""
+    layers = shape.num_layers if layers is None else layers
+    h = shape.hidden_size
+    down = h * shape.mlp_width  # the MLP's down projection: a third of its weights
+    checkpointing = config.layer_checkpointing is True
+    tiled = not reference and config.mlp_tile is not None and config.mlp_tile < min(config.chunk_size, seq_len)
+    passes = (3 if reference else 4) + checkpointing
+    per_layer = (shape.attention_params + 3 * down) * passes + 3 * down * tiled
+    per_layer -= down * (checkpointing and not tiled)  # the checkpoint's recompute stops before it
+    head_passes = 3 if reference else 4
+    dense = 2 * batch * seq_len * (layers * per_layer + shape.vocab_size * h * head_passes)
+
+    paged = round(layers * shape.paged_layers / shape.num_layers)  # a hybrid's attention layers among them
+    windows = list(shape.windows or [None] * shape.paged_layers)[:paged] + [None] * (
+        paged - shape.paged_layers
+    )
+    chunks = math.ceil(seq_len / config.chunk_size)
+    reused = 0 if reference else config.reused_chunks(chunks)
+    past_cap = math.inf if config.page_budget is None else config.page_budget * config.page_size
+    attention = 0.0
+    for window in windows:
+        forward, again = _pairs(seq_len, config.chunk_size, window, past_cap, first_again=chunks - reused)
+        if reference:  # every pair once per forward, sparse or not: the reference is dense
+            forward = again = _pairs(seq_len, seq_len, window, math.inf)[0]
+            again = again if checkpointing else 0
+        attention += forward * (1 + ATTENTION_BACKWARD) + again
+    return dense, 4 * shape.head_dim * shape.num_heads * batch * attention
+
+
+def _pairs(seq_len: int, chunk: int, window: int | None, past_cap: float, first_again: int = 0):
+    """``(pairs, pairs of chunks < first_again)``: the query-key pairs of a layer the queries see, chunk by chunk
+    (``past_cap``: keys before its chunk a query may see: a sparse step's budget)."""
+    total = again = 0.0
+    width = math.inf if window is None else window
+    for index, start in enumerate(range(0, seq_len, chunk)):
+        j = torch.arange(min(chunk, seq_len - start), dtype=torch.float64)  # the chunk's queries
+        own = torch.clamp(j + 1, max=width)
+        past = torch.clamp(width - 1 - j, min=0).clamp(max=min(start, past_cap))
+        pairs = float((own + past).sum())
+        total += pairs
+        again += pairs if index < first_again else 0.0
+    return total, again
+
+
+def copy_bytes(
+    shape: ModelShape, seq_len: int, config: OOMBConfig, host_layers: int, kv_bytes: int, grad_bytes: int
+) -> float:
+    """Bytes an offloaded step moves between host and device: each of ``host_layers`` writes its K/V to the host
+    once and, per chunk, streams the earlier chunks' pages in (a sparse step: the selected ones, at most
+    ``page_budget`` pages per query block) — K/V in the forward sweep, the recompute (not for a kept chunk) and the
+    backward, gradient pages in and out in the backward (``kv_bytes``, ``grad_bytes``: per token, K and V)."""
+    chunk = config.chunk_size
+    chunks = math.ceil(seq_len / chunk)
+    first_kept = chunks - config.reused_chunks(chunks)
+    streamed = recomputed = 0.0
+    for index, start in enumerate(range(0, seq_len, chunk)):
+        tokens = start if config.page_budget is None else min(start, config.page_budget * chunk)
+        streamed += tokens
+        recomputed += tokens if index < first_kept else 0
+    per_layer = seq_len * kv_bytes + (2 * streamed + recomputed) * kv_bytes + 2 * streamed * grad_bytes
+    return host_layers * per_layer
+
+
+def step_time(dense: float, attention: float, copies: float, rates: StepRates) -> float:
+    """Seconds of a step of ``dense`` matmul and ``attention`` FLOPs moving ``copies`` bytes (the module docstring)."""
+    return max(dense / rates.dense_flops + attention / rates.attention_flops, copies / rates.copy_bytes)

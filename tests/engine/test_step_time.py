@@ -1,0 +1,114 @@
+"""The step FLOP and copy model (engine/step_time.py): matmul FLOPs equal what torch's FLOP counter counts in a CPU
+step, visible pairs equal a brute-force mask, copies bound the offload traffic an engine counts, and the planner
+predicts a step's time only at measured rates."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils.flop_counter import FlopCounterMode, mm_flop
+
+from lightning_oomb.engine import OOMBConfig, OOMBEngine, attention
+from lightning_oomb.engine.planner import Machine, model_shape, plan
+from lightning_oomb.engine.step_time import StepRates, _pairs, copy_bytes, step_flops
+from lightning_oomb.integrations.hf import HFChunkModel
+from tests.helpers.models import build_causal_lm
+
+SEQ = 96
+
+
+def _uncounted(fn):
+    def wrapped(*args, **kwargs):
+        with _disable_current_modes():  # the attention's own FLOPs: counted by _pairs, not here
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
+@pytest.mark.parametrize("tile", [None, 16])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_matmul_flops_are_what_a_step_computes(monkeypatch, checkpointing, tile):
+    """Every matmul of a step (layers, LM head and its in-place weight gradient) counted by torch's FLOP counter,
+    attention aside: exactly the model's count — with checkpointing the recompute stops before the down projection,
+    a tiled MLP runs once more."""
+    monkeypatch.setattr(attention, "attend", _uncounted(attention.attend))
+    monkeypatch.setattr(attention, "attend_backward", _uncounted(attention.attend_backward))
+    model = build_causal_lm("qwen2", dtype=torch.float32)
+    config = OOMBConfig(32, 8, layer_checkpointing=checkpointing, mlp_tile=tile, attention_backend="torch")
+    engine = OOMBEngine(HFChunkModel(model, layer_checkpointing=checkpointing), config)
+    ids = torch.randint(0, 97, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    in_place = {
+        torch.ops.aten.addmm_: lambda _, a, b, **__: mm_flop(a, b)
+    }  # the counter knows addmm, not addmm_
+    with FlopCounterMode(display=False, custom_mapping=in_place) as counter:
+        engine.loss(ids).backward()
+    dense, _ = step_flops(model_shape(model), SEQ, config, batch=2)
+    assert counter.get_total_flops() == dense
+
+
+@pytest.mark.parametrize(("seq_len", "chunk", "window", "cap"), [
+    (96, 32, None, math.inf), (100, 32, 11, math.inf), (100, 32, None, 16), (96, 32, 40, 16), (30, 32, 5, math.inf),
+])  # fmt: skip
+def test_visible_pairs_are_the_mask_count(seq_len, chunk, window, cap):
+    """Pairs a query sees: causal, within its window, at most ``cap`` keys before its chunk (a sparse budget's
+    bound) — the count of a brute-force mask."""
+    q, k = torch.arange(seq_len)[:, None], torch.arange(seq_len)[None]
+    mask = k <= q
+    if window is not None:
+        mask &= k > q - window
+    chunk_start = q // chunk * chunk
+    past = mask & (k < chunk_start)
+    rank = past.flip(-1).cumsum(-1).flip(-1)  # 1 for the last key before the chunk, 2 for the one before...
+    mask &= ~past | (rank <= cap)
+    assert _pairs(seq_len, chunk, window, cap, first_again=1) == (
+        float(mask.sum()),
+        float(mask[:chunk].sum()),
+    )
+
+
+def test_flops_of_the_reference_and_of_sparse_and_reused_steps():
+    """The reference (checkpointed full-sequence training) runs layers 2 forwards + backward, the head 1 + backward,
+    and attends twice forward; OOMB's reused chunks attend once forward."""
+    shape = model_shape(build_causal_lm("qwen2"))
+    h, d, heads, layers = shape.hidden_size, shape.head_dim, shape.num_heads, shape.num_layers
+    config = OOMBConfig(32, 8, layer_checkpointing=True)
+    dense, attn = step_flops(shape, SEQ, config, reference=True)
+    layer = shape.attention_params * 4 + 3 * h * shape.mlp_width * 4 - h * shape.mlp_width
+    assert dense == 2 * SEQ * (layers * layer + shape.vocab_size * h * 3)
+    pairs = SEQ * (SEQ + 1) / 2
+    assert attn == 4 * d * heads * layers * pairs * 4.5
+    _, oomb = step_flops(shape, SEQ, OOMBConfig(32, 8, reuse_attention=1))
+    last = 32 * 33 / 2 + 32 * 64  # the last chunk's pairs: its forward result is reused
+    assert oomb == 4 * d * heads * layers * (pairs * 4.5 - last)
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+@pytest.mark.parametrize("budget", [None, 2])
+def test_copies_bound_the_offload_traffic_counted(reuse, budget):
+    """The bytes an offloaded step moves (every layer on the host): the engine's counted traffic is at most the
+    model's and, dense, within 3 % of it (the staging cache keeps some blocks); sparse within 15 % (selections of
+    a chunk's query blocks overlap)."""
+    model = build_causal_lm("qwen2", dtype=torch.float32, num_hidden_layers=4)
+    config = OOMBConfig(32, 8, offload=True, hbm_budget=0, staging_buffers=3, reuse_attention=reuse,
+                        page_budget=budget)  # fmt: skip
+    engine = OOMBEngine(HFChunkModel(model), config)
+    engine.loss(torch.randint(0, 97, (2, 256), generator=torch.Generator().manual_seed(1))).backward()
+    stats, shape = engine.pool.stats(), engine.pool.shape
+    counted = stats["h2d_bytes"] + stats["d2h_bytes"]
+    kv, grad = (shape.page_bytes(part) / shape.page_size for part in ("kv", "grad"))
+    predicted = copy_bytes(model_shape(model), 256, config, stats["host_layers"], kv, grad)
+    assert (0.97 if budget is None else 0.85) * predicted <= counted <= predicted
+
+
+def test_the_plan_predicts_a_step_time_only_at_measured_rates():
+    model = build_causal_lm("qwen2", dtype=torch.float32)
+    config = OOMBConfig(32, 8)
+    assert plan(model, SEQ, 2, config, "32-true", None, Machine("cpu", 1 << 40, 1 << 40)).step_time_s is None
+    rates = StepRates(dense_flops=1e9, attention_flops=5e8, copy_bytes=1e9)
+    planned = plan(model, SEQ, 2, config, "32-true", None, Machine("cpu", 1 << 40, 1 << 40, rates=rates))
+    dense, attn = step_flops(model_shape(model), SEQ, config, batch=2)
+    assert planned.step_time_s == pytest.approx(dense / 1e9 + attn / 5e8)
+    assert "step" in planned.summary()
