@@ -24,14 +24,25 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from lightning_oomb.engine.config import OOMBConfig
 
-if TYPE_CHECKING:
-    from lightning_oomb.engine.planner import ModelShape
+
+class ModelShape(Protocol):
+    """What the FLOP model reads of a model (:class:`lightning_oomb.engine.planner.ModelShape` has it)."""
+
+    num_layers: int
+    paged_layers: int
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    vocab_size: int
+    mlp_width: int
+    attention_params: int
+    windows: tuple[int | None, ...] | None
 
 ATTENTION_BACKWARD = 2.5  # an attention backward in forwards (FlashAttention's FLOP count)
 
