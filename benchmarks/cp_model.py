@@ -6,10 +6,8 @@ collective (:attr:`ContextGroup.sent`). :func:`sent_per_chunk` is the formula th
 exits 1 unless it equals every count exactly, and the counts per layer and chunk do not depend on the length.
 
 **2. Predicted** (no GPU rates are measured yet, so the compute rates are stated assumptions, in the JSON):
-per GPU and step, the dense FLOPs (every decoder layer's linear layers 4 times per token — forward sweep, chunk
-recompute, backward — plus once more with layer checkpointing; the LM head 4 times) and the attention FLOPs
-(causal; two forwards — the checkpoint's recompute reuses the chunk recompute's result — and a backward of 2.5
-forwards), divided by the group size ``R``; plus the collectives on the wire (ring algorithms: an all-gather sends ``R - 1`` parts, a reduce-scatter
+per GPU and step, the dense and attention FLOPs of one OOMB step (:func:`lightning_oomb.engine.step_time.step_flops`,
+the planner's model) divided by the group size ``R``; plus the collectives on the wire (ring algorithms: an all-gather sends ``R - 1`` parts, a reduce-scatter
 ``(R - 1) / R`` of its buffer, an all-reduce twice that), not overlapped with compute (they are synchronous as
 built), with a fixed latency per collective; plus the once-per-step gradient all-reduce. Memory per GPU is
 :func:`lightning_oomb.plan` with ``context_parallel=R`` (weights, gradients and AdamW states are replicated on
@@ -35,6 +33,7 @@ from lightning_oomb import plan
 from lightning_oomb.engine import OOMBConfig, OOMBEngine
 from lightning_oomb.engine.context import ContextGroup
 from lightning_oomb.engine.planner import Machine, model_shape
+from lightning_oomb.engine.step_time import step_flops
 from lightning_oomb.integrations.hf import HFChunkModel
 from tests.helpers.distributed import run_ranks
 
@@ -113,10 +112,9 @@ def predict(seq: int, gpus: int, link: str, chunk: int = 4096, checkpointing: bo
     """One step of Qwen2.5-7B (bf16-true, AdamW) on ``seq`` tokens shared by ``gpus`` GPUs over ``link``."""
     shape = model_shape(QWEN25_7B | {"model_type": "qwen2"})
     forwards = ATTENTION_FORWARDS
-    layers, h, heads, d = shape.num_layers, shape.hidden_size, shape.num_heads, shape.head_dim
-    passes = 4 + checkpointing  # forward sweep, chunk recompute, (the layer's recompute), backward (2)
-    dense = 2 * seq * (layers * shape.layer_linear_params * passes + 4 * h * shape.vocab_size)
-    attention = layers * 2 * heads * d * seq * seq * (forwards + 2.5)
+    layers = shape.num_layers
+    config = OOMBConfig(chunk, 128, kv_grad_dtype="bfloat16", layer_checkpointing=checkpointing)
+    dense, attention = step_flops(shape, seq, config)
     compute = (dense / ASSUMED["dense_flops"] + attention / ASSUMED["attention_flops"]) / gpus
     chunks = math.ceil(seq / chunk)
     sent = sent_per_chunk(shape, 1, [chunk // gpus] * gpus, 2, 4, forwards)
@@ -129,7 +127,6 @@ def predict(seq: int, gpus: int, link: str, chunk: int = 4096, checkpointing: bo
     grads = shape.parameter_count() * 2
     grad_sync = 2 * (gpus - 1) / gpus * grads / LINKS[link]
     step = compute + comm + grad_sync
-    config = OOMBConfig(chunk, 128, kv_grad_dtype="bfloat16", layer_checkpointing=checkpointing)
     machine = Machine("cuda", 141 * 10**9, 128 * GIB)
     on_gpu = plan(QWEN25_7B | {"model_type": "qwen2"}, seq, 1, config, "bf16-true", "adamw", machine,
                   suggest=False, context_parallel=gpus)  # fmt: skip
