@@ -238,3 +238,15 @@ def test_hybrid_memory_smoke(tmp_path):
     assert rows["oomb", True]["carried_state_bytes"] > 0
     assert rows["oomb", True]["peak_bytes"] < rows["hf", False]["peak_bytes"]
     assert "| 512 |" in out.with_suffix(".md").read_text() and out.with_suffix(".png").exists()
+
+
+def test_predictions_are_one_command(tmp_path):
+    """The README's predictions come from benchmarks/predictions.py: its JSON and table hold every goal's row."""
+    from benchmarks import predictions
+
+    out = tmp_path / "predictions.json"
+    assert predictions.main(["--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["predictions"]
+    assert 0.5 < rows["scale"] < 1 and rows["1m_fits_no_optimizer"]["fits"]
+    assert rows["256k_offloaded_peak_gb"]["native"] < rows["256k_offloaded_peak_gb"]["float32"]
+    assert out.with_suffix(".md").read_text().count("\n| ") == 11  # the header and the ten goals
