@@ -252,7 +252,7 @@ def row_work(
         return flops, 0.0
     kv = 2 * shape.kv_heads * shape.head_dim * 2  # bf16 K and V per token (the GPU's dtype)
     grad = kv * (1 if config.kv_grad_dtype == "bfloat16" else 2)
-    return flops, copy_bytes(shape, tokens, config, host_layers, kv, grad)
+    return flops, copy_bytes(tokens, config, host_layers, kv, grad)
 
 
 # ------------------------------------------------------------------------------------------------- parts

@@ -73,7 +73,7 @@ def predictions() -> dict:
     small = planned(32 * K, OFFLOADED).peak_device
     rows["offload_slope_mb_per_10k"] = (peaks["float32"].peak_device - small) / 1e6 / ((256 - 32) * K) * 1e4
     kv, grad = (peaks["float32"].pool.page_bytes(part) / BASE.page_size for part in ("kv", "grad"))
-    one_layer = copy_bytes(shape, 128 * K, OFFLOADED, 1, kv, grad) / RATES.copy_bytes
+    one_layer = copy_bytes(128 * K, OFFLOADED, 1, kv, grad) / RATES.copy_bytes
     _, attention = step_flops(shape, 128 * K, OFFLOADED)
     rows["128k_offload"] = {"copies_s_per_layer": one_layer,
                             "attention_s_per_layer": attention / RATES.attention_flops / shape.num_layers}  # fmt: skip

@@ -1081,7 +1081,7 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     if machine.rates is not None and devices == 1:
         dense, attention = step_flops(shape, seq_len, config, batch)
         kv, grad = (pool.page_bytes(part) / config.page_size for part in ("kv", "grad"))
-        copies = copy_bytes(shape, seq_len, config, len(tiers.host_layers), kv, grad)
+        copies = copy_bytes(seq_len, config, len(tiers.host_layers), kv, grad)
         result.step_time_s = step_time(dense, attention, copies, machine.rates)
     return result
 

@@ -44,6 +44,7 @@ class ModelShape(Protocol):
     attention_params: int
     windows: tuple[int | None, ...] | None
 
+
 ATTENTION_BACKWARD = 2.5  # an attention backward in forwards (FlashAttention's FLOP count)
 
 
@@ -72,26 +73,29 @@ def step_flops(
     h = shape.hidden_size
     down = h * shape.mlp_width  # the MLP's down projection: a third of its weights
     checkpointing = config.layer_checkpointing is True
-    tiled = not reference and config.mlp_tile is not None and config.mlp_tile < min(config.chunk_size, seq_len)
+    tiled = (
+        not reference and config.mlp_tile is not None and config.mlp_tile < min(config.chunk_size, seq_len)
+    )
     passes = (3 if reference else 4) + checkpointing
     per_layer = (shape.attention_params + 3 * down) * passes + 3 * down * tiled
     per_layer -= down * (checkpointing and not tiled)  # the checkpoint's recompute stops before it
     head_passes = 3 if reference else 4
     dense = 2 * batch * seq_len * (layers * per_layer + shape.vocab_size * h * head_passes)
 
-    paged = round(layers * shape.paged_layers / shape.num_layers)  # a hybrid's attention layers among them
-    windows = list(shape.windows or [None] * shape.paged_layers)[:paged] + [None] * (
-        paged - shape.paged_layers
-    )
+    windows = list(shape.windows or [None] * shape.paged_layers)
+    windows = windows[
+        : round(layers * len(windows) / shape.num_layers)
+    ]  # the counted layers' attention layers
     chunks = math.ceil(seq_len / config.chunk_size)
-    reused = 0 if reference else config.reused_chunks(chunks)
     past_cap = math.inf if config.page_budget is None else config.page_budget * config.page_size
     attention = 0.0
     for window in windows:
-        forward, again = _pairs(seq_len, config.chunk_size, window, past_cap, first_again=chunks - reused)
-        if reference:  # every pair once per forward, sparse or not: the reference is dense
-            forward = again = _pairs(seq_len, seq_len, window, math.inf)[0]
-            again = again if checkpointing else 0
+        if reference:  # dense, every pair in each forward
+            forward = _pairs(seq_len, seq_len, window, math.inf)[0]
+            again = forward if checkpointing else 0.0
+        else:  # again: the recompute's pairs (a kept chunk's forward result is reused)
+            kept = config.reused_chunks(chunks)
+            forward, again = _pairs(seq_len, config.chunk_size, window, past_cap, first_again=chunks - kept)
         attention += forward * (1 + ATTENTION_BACKWARD) + again
     return dense, 4 * shape.head_dim * shape.num_heads * batch * attention
 
@@ -112,7 +116,7 @@ def _pairs(seq_len: int, chunk: int, window: int | None, past_cap: float, first_
 
 
 def copy_bytes(
-    shape: ModelShape, seq_len: int, config: OOMBConfig, host_layers: int, kv_bytes: int, grad_bytes: int
+    seq_len: int, config: OOMBConfig, host_layers: int, kv_bytes: float, grad_bytes: float
 ) -> float:
     """Bytes an offloaded step moves between host and device: each of ``host_layers`` writes its K/V to the host
     once and, per chunk, streams the earlier chunks' pages in (a sparse step: the selected ones, at most
