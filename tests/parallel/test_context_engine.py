@@ -288,32 +288,36 @@ def _window_config(offload):
 WINDOW_IDS = torch.randint(0, 64, (2, 128), generator=torch.Generator().manual_seed(5))
 
 
-def _window_step(rank, world, family, offload):
-    engine, loss, grads = group_step(_window_model(family), WINDOW_IDS, _window_config(offload),
-                                     context=ContextGroup.of())  # fmt: skip
-    return {"loss": loss, "grads": grads, "pool": engine.pool.allocated_bytes,
-            "tails": engine.pool.shape.tails, "host_layers": engine.pool.stats()["host_layers"]}  # fmt: skip
+WINDOW_CASES = (("mistral", False), ("gpt_oss", True))  # every layer windowed / alternating, offloaded
 
 
-@pytest.mark.parametrize(("family", "offload"), [("mistral", False), ("gpt_oss", True)])
-def test_window_layers_keep_only_their_tails_on_every_rank(tmp_path, family, offload):
+def _window_steps(rank, world):
+    results = []
+    for family, offload in WINDOW_CASES:
+        engine, loss, grads = group_step(_window_model(family), WINDOW_IDS, _window_config(offload),
+                                         context=ContextGroup.of())  # fmt: skip
+        results.append({"loss": loss, "grads": grads, "pool": engine.pool.allocated_bytes,
+                        "tails": engine.pool.shape.tails, "host_layers": engine.pool.stats()["host_layers"]})  # fmt: skip
+    return results
+
+
+def test_window_layers_keep_only_their_tails_on_every_rank(tmp_path):
     """Each rank keeps a window layer's pages that a later chunk's window reaches (in its local token space: the
     last page of each of its slices) plus one slice's transient pages — 5 of its 8 pages — and the step equals one
     process's (float64); under offload full layers stream from the host, window layers stay; the planner plans a
     rank's pool exactly."""
-    ranks = run_ranks(_window_step, 2, tmp_path, family, offload)
-    model = _window_model(family)
-    loss = OOMBEngine(HFChunkModel(model), OOMBConfig(32, 8)).loss(WINDOW_IDS)
-    loss.backward()
-    want = grads_of(model)
-    planned = plan(model, 128, 2, _window_config(offload), "64-true", None, "cpu", context_parallel=2)
-    windowed = [
-        t == "sliding_attention"
-        for t in getattr(model.config, "layer_types", None) or ("sliding_attention",) * 2
-    ]
-    for r in ranks:
-        assert r["tails"] == tuple((1, 3, 5) if w else None for w in windowed)
-        assert r["host_layers"] == (windowed.count(False) if offload else 0)
-        assert abs(r["loss"].item() - loss.item()) <= TOL * loss.item()
-        assert max_relative_error(r["grads"], want) <= TOL
-        assert r["pool"] == planned.device["kv_hbm"] + planned.device["staging"] + planned.host_tier
+    ranks = run_ranks(_window_steps, 2, tmp_path)
+    for case, (family, offload) in enumerate(WINDOW_CASES):
+        model = _window_model(family)
+        loss = OOMBEngine(HFChunkModel(model), OOMBConfig(32, 8)).loss(WINDOW_IDS)
+        loss.backward()
+        want = grads_of(model)
+        planned = plan(model, 128, 2, _window_config(offload), "64-true", None, "cpu", context_parallel=2)
+        types = getattr(model.config, "layer_types", None) or ("sliding_attention",) * 2
+        windowed = [t == "sliding_attention" for t in types]
+        for r in (rank[case] for rank in ranks):
+            assert r["tails"] == tuple((1, 3, 5) if w else None for w in windowed)
+            assert r["host_layers"] == (windowed.count(False) if offload else 0)
+            assert abs(r["loss"].item() - loss.item()) <= TOL * loss.item()
+            assert max_relative_error(r["grads"], want) <= TOL
+            assert r["pool"] == planned.device["kv_hbm"] + planned.device["staging"] + planned.host_tier
