@@ -783,22 +783,19 @@ def fit_rates(scale: Scale, rows: list[dict], device: torch.device) -> dict | No
     """This device's step rates (the module docstring) and every measured OOMB row's planned time at them next to
     its measured one; ``None`` without two dense rows to fit."""
     measured = [r for r in rows if r.get("method") == OOMB and "step_s" in r and "config" in r]
-
-    def work(r):
-        return row_work(
-            scale, r["layers"], r["context"], OOMBConfig(**r["config"]), r.get("host_layers") or 0
-        )
-
-    dense = [r for r in measured if not r["config"]["offload"] and r["config"]["page_budget"] is None]
+    work = [row_work(scale, r["layers"], r["context"], OOMBConfig(**r["config"]), r.get("host_layers") or 0)
+            for r in measured]  # fmt: skip
+    dense = [
+        i for i, r in enumerate(measured) if not r["config"]["offload"] and r["config"]["page_budget"] is None
+    ]
     if len(dense) < 2:
         return None
-    flops = torch.tensor([work(r)[0] for r in dense], dtype=torch.float64)
-    seconds = torch.tensor([[r["step_s"]] for r in dense], dtype=torch.float64)
+    flops = torch.tensor([work[i][0] for i in dense], dtype=torch.float64)
+    seconds = torch.tensor([[measured[i]["step_s"]] for i in dense], dtype=torch.float64)
     inverse = torch.linalg.lstsq(flops, seconds).solution.flatten().tolist()  # seconds per FLOP
     fit = "matmul and attention rates, least squares"
-    if (
-        min(inverse) <= 0
-    ):  # the rows cannot tell matmuls from attention: one factor on the nominal rates' ratio
+    # the rows cannot tell matmuls from attention: one factor on the nominal rates' ratio
+    if min(inverse) <= 0:
         nominal = NOMINAL[device.type if device.type == "cuda" else "cpu"]
         unit = flops @ torch.tensor(
             [1 / nominal.dense_flops, 1 / nominal.attention_flops], dtype=torch.float64
@@ -809,7 +806,8 @@ def fit_rates(scale: Scale, rows: list[dict], device: torch.device) -> dict | No
     rates = StepRates(1 / inverse[0], 1 / inverse[1], copy_rate(device))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     planned = [{"role": r["role"], "layers": r["layers"], "context": r["context"], "measured_s": r["step_s"],
-                "planned_s": step_time(*work(r)[0], work(r)[1], rates)} for r in measured]  # fmt: skip
+                "planned_s": step_time(*row_flops, row_copies, rates)}
+               for r, (row_flops, row_copies) in zip(measured, work)]  # fmt: skip
     copies = "a timed pinned copy" if device.type == "cuda" else "nominal"
     return {"device": name, **dataclasses.asdict(rates), "fit": fit, "copies": copies, "fitted_rows": len(dense),
             "rows": planned,

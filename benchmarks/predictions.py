@@ -54,8 +54,8 @@ def longest(config: OOMBConfig) -> int:
 
 def predictions() -> dict:
     shape = model_shape(qwen2_5_7b_config())
-    scale = HF_32K_S / seconds(32 * K, BASE, reference=True)
     hf = seconds(32 * K, BASE, reference=True)
+    scale = HF_32K_S / hf
     rows = {"scale": scale}
     rows["32k_time_vs_hf"] = {name: seconds(32 * K, config) / hf for name, config in (
         ("checkpointing", BASE), ("reuse_attention", dataclasses.replace(BASE, reuse_attention=True)),

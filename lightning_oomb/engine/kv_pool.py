@@ -86,11 +86,10 @@ def place_layers(
     """The tiers of ``shape``'s layers for a device ``budget`` (:func:`plan_tiers`; window layers that keep only
     their tails stay on the device, their bytes taken out of the budget first) and each arena's slots (``"hbm"``,
     ``"staging"``, ``"host"``): what :meth:`KVPool.reserve` allocates, and what the memory planner counts."""
-    recycling = tuple(layer for layer in range(shape.num_layers) if shape.tails[layer] is not None)
     if budget is not None:
-        budget = max(0, budget - sum(shape.bytes_of(layer) for layer in recycling))
+        budget = max(0, budget - sum(map(shape.bytes_of, shape.recycling)))
     plan = plan_tiers(
-        shape.num_layers, shape.layer_bytes, budget, staging_buffers, shape.block_bytes, recycling
+        shape.num_layers, shape.layer_bytes, budget, staging_buffers, shape.block_bytes, shape.recycling
     )
     slots = {
         "hbm": sum(shape.batch * shape.layer_pages(layer) for layer in plan.hbm_layers),

@@ -118,6 +118,11 @@ class PoolShape:
             return None
         return tuple(sorted(keep))
 
+    @property
+    def recycling(self) -> tuple[int, ...]:
+        """The window layers that keep only their tails (and one chunk's transient pages)."""
+        return tuple(layer for layer, tails in enumerate(self.tails) if tails is not None)
+
     def layer_pages(self, layer: int) -> int:
         """Pages per row the layer stores: every page, or its tails plus one chunk's transient pages."""
         tails = self.tails[layer]

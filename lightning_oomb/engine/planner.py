@@ -1264,10 +1264,9 @@ def _candidates(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int) -
                          config.chunk_size, config.kv_grad_dtype, inputs.dtypes.activation,
                          windows=shape.windows)  # fmt: skip
         # window layers keeping only their tails stay on the device; then k full layers, most first
-        recycling = [layer for layer in range(pool.num_layers) if pool.tails[layer] is not None]
-        fixed = sum(map(pool.bytes_of, recycling)) + config.staging_buffers * pool.block_bytes
+        fixed = sum(map(pool.bytes_of, pool.recycling)) + config.staging_buffers * pool.block_bytes
         offload += [{"offload": True, "hbm_budget": fixed + k * pool.layer_bytes}
-                    for k in range(pool.num_layers - len(recycling) - 1, -1, -1)]  # fmt: skip
+                    for k in range(pool.num_layers - len(pool.recycling) - 1, -1, -1)]  # fmt: skip
         groups.append(offload)
     return groups
 

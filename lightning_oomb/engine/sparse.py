@@ -246,10 +246,10 @@ class SparseStep:
 
         return selected
 
-    def probe_rows(self, selection: Selection | None, page: int, lq: int, sweep: str) -> Probe | None:
+    def probe_rows(self, selection: Selection, page: int, lq: int, sweep: str) -> Probe | None:
         """The query block (of ``page`` of the call's ``lq`` rows) whose recall a sparse call of the forward or
         eval sweep measures, with probing on (else ``None``)."""
-        if not self.probe or sweep == "backward" or selection is None or selection.pages is None:
+        if not self.probe or sweep == "backward" or selection.pages is None:
             return None
         block = self._draw.randrange(selection.pages.shape[1])
         return Probe(block * page, min((block + 1) * page, lq))
