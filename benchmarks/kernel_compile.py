@@ -12,7 +12,8 @@ tile in the forward and dQ kernels, the key tile in dK/dV): ``mma_rows > tile_ro
 ``tile_rows / 16`` compute copies of the same rows (duplicated MMA work).
 
 Flags: ``SPARSE`` (a page selection), ``CARRY`` (a carried state: offload's key parts), ``ACCUMULATE`` (dQ added
-into an accumulator), ``ROWS`` (packed documents), ``SOFTCAP``. ``--all`` compiles every config the pruner keeps
+into an accumulator), ``ROWS`` (packed documents), ``SOFTCAP``; and the config's own: ``SPLIT`` (dK/dV: the fully
+visible query blocks in an unmasked loop of their own). ``--all`` compiles every config the pruner keeps
 (the tuning space), not only the defaults (plain variants only); ``--quick`` only the defaults per tuning key
 (``tests/kernels/test_kernel_compile.py``). Writes ``benchmarks/results/kernel-compile-sm90.json`` and ``.md`` and
 prints the table.
@@ -145,8 +146,7 @@ def compile_one(kernels, name: str, config, flags: dict, head_dim: int, page: in
         **{k: v for k, v in flags.items()},
         "HEAD_DIM": head_dim,
         "PAGE": page,
-        "BLOCK_M": config.kwargs["BLOCK_M"],
-        "BLOCK_N": config.kwargs["BLOCK_N"],
+        **config.kwargs,
         "num_warps": config.num_warps,
         "num_stages": config.num_stages,
         **ptxas_report(compiled.asm["ptx"], ptxas),
@@ -176,7 +176,10 @@ def table(records: list[dict]) -> str:
     head = "| kernel | flags | tile (M, N) | warps | stages | regs | spill bytes (st/ld) | MMA rows / tile rows |"
     lines = [head, "|" + "---|" * 8]
     for r in records:
-        flags = ", ".join(k for k in ("SPARSE", "CARRY", "ACCUMULATE", "ROWS", "SOFTCAP") if r.get(k)) or "-"
+        flags = (
+            ", ".join(k for k in ("SPARSE", "CARRY", "ACCUMULATE", "ROWS", "SOFTCAP", "SPLIT") if r.get(k))
+            or "-"
+        )
         lines.append(
             f"| {r['kernel']} (d={r['HEAD_DIM']}) | {flags} | ({r['BLOCK_M']}, {r['BLOCK_N']}) | {r['num_warps']} | "
             f"{r['num_stages']} | {r['n_regs']} | {r['spill_store_bytes']}/{r['spill_load_bytes']} | "

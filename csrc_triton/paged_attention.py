@@ -33,7 +33,8 @@ together (query blocks vary fastest), so their K/V tiles are mostly re-read from
 Packing pays where a call has few queries (decoding), which training chunks never are.
 
 Every key range is split into blocks that need no mask (all their keys visible to every query of the block) and
-the few on the causal diagonal / window edge / ragged last page that do; blocks nobody sees are never visited.
+the few on the causal diagonal / window edge / ragged last page that do (the dK/dV kernel's default masks all its
+query blocks in one loop, for registers: :data:`SM90_DEFAULTS`); blocks nobody sees are never visited.
 Tiles, warps and stages: by default each kernel runs at its shipped tile (:data:`SM90_DEFAULTS`, chosen for
 sm_90 and checked offline with ptxas: no spills, no MMA rows computed twice; ``benchmarks/kernel_compile.py``),
 fitted to the call's ``HEAD_DIM``, ``PAGE`` and ``SPARSE`` (:func:`_fitted`) — the first step compiles but never
@@ -110,19 +111,27 @@ def _interpreting() -> bool:
 # warpgroups), 64 keys per step. dK/dV: 128 keys on 8 warps, 16 queries per step, the largest query step whose
 # score tiles fit beside the dK, dV accumulators (128 registers per thread) without spilling; 64 keys on 8 warps
 # (the previous default) computed Q K^T and V dO^T twice, 64 keys on 4 warps spills; 2 stages, as 3 spill with a
-# page selection or documents (dK/dV with a selection and documents or softcap still spills 28-108 bytes).
+# page selection or documents. The dK/dV tile sits at ptxas's 255-register limit: it walks its query blocks in one
+# masked loop (SPLIT False), because a second, unmasked copy of the loop for the fully visible blocks (SPLIT True,
+# as the forward and dQ kernels do) spills 36-160 bytes on Triton 3.6 (the GPU machine's) at every flag and 28-108
+# on 3.9 with a selection and documents or softcap; one loop spills nowhere on 3.9 and 4 bytes on 3.6 (documents
+# and softcap together). Masking every block costs a few integer ops per score; which is faster is for a GPU to
+# say: tuning (OOMB_TRITON_AUTOTUNE=1) tries both at every tile (SM90_VARIANTS).
 SM90_DEFAULTS = {"forward": (128, 64, 8, 3), "dkdv": (16, 128, 8, 2), "dq": (128, 64, 8, 3)}
+SM90_VARIANTS = {"dkdv": ({"SPLIT": False}, {"SPLIT": True})}  # constexprs per tile; the default's first
 
 
 def _configs(kernel: str, tiles: list[tuple[int, int]], stages: tuple[int, ...]):
-    """Tuning space: the kernel's default (:data:`SM90_DEFAULTS`) first, then ``tiles`` x warps x ``stages``."""
-    default = SM90_DEFAULTS[kernel]
+    """Tuning space: the kernel's default (:data:`SM90_DEFAULTS`) first, then ``tiles`` x warps x ``stages``, each
+    tile in every variant of :data:`SM90_VARIANTS` (the default's first)."""
+    default, variants = SM90_DEFAULTS[kernel], SM90_VARIANTS.get(kernel, ({},))
     if _interpreting():
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)]
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, **variants[0]}, num_warps=1, num_stages=1)]
     space = [default] + [(m, n, w, st) for m, n in tiles for w in (4, 8) for st in stages]
     return [
-        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n, **variant}, num_warps=w, num_stages=st)
         for m, n, w, st in dict.fromkeys(space)
+        for variant in variants
     ]
 
 
@@ -146,27 +155,29 @@ def _fitted(c: triton.Config, mma_rows: str, page: int, sparse: bool) -> triton.
     return triton.Config(kw, num_warps=warps, num_stages=c.num_stages)
 
 
-def _pruner(mma_rows: str, factor: int, max_regs: int = 64):
+def _pruner(mma_rows: str, factor: int, max_regs: int = 64, head: int = 1):
     """``early_config_prune`` for a kernel whose MMAs have ``mma_rows`` rows and whose fp32 accumulators hold
     ``factor * <mma_rows>`` rows of ``HEAD_DIM``: every config fitted to the call (:func:`_fitted`; duplicates
     dropped), and of the rest those needing at most ``max_regs`` accumulator registers per thread. The limits are
     measured (``benchmarks/kernel_compile.py --all``, sm_90, head_dim 128): 64 for the forward and dQ (their 128-row
     tiles on 4 warps spill 0.1-4 KB), 128 for dK/dV (its duplication-free 128-key tiles on 8 warps need it; at 16
-    queries per step they do not spill). The default (first) always stays. With tuning off (the default, :func:`_autotune`) only the default is kept; with
-    ``OOMB_TRITON_TUNE_CONFIGS=N`` at most N (:func:`_spread`). ``prune.space(configs, **key)``: the whole space."""
+    queries per step they do not spill). The default (first) always stays. With tuning off (the default,
+    :func:`_autotune`) only the default is kept; with ``OOMB_TRITON_TUNE_CONFIGS=N`` at most N, the first ``head``
+    (the default tile in each of its variants) among them (:func:`_spread`). ``prune.space(configs, **key)``: the
+    whole space."""
 
     def space(configs: list[triton.Config], **kwargs) -> list[triton.Config]:
         kept = {}
         for i, c in enumerate(configs):
             f = _fitted(c, mma_rows, kwargs["PAGE"], kwargs.get("SPARSE", False))
-            key = (f.kwargs["BLOCK_M"], f.kwargs["BLOCK_N"], f.num_warps, f.num_stages)
+            key = (*sorted(f.kwargs.items()), f.num_warps, f.num_stages)
             if i == 0 or factor * f.kwargs[mma_rows] * kwargs["HEAD_DIM"] <= max_regs * 32 * f.num_warps:
                 kept.setdefault(key, f)
         return list(kept.values())
 
     def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
         kept = space(configs, **kwargs)
-        return _spread(kept, _tune_cap()) if _autotune() else kept[:1]
+        return _spread(kept, _tune_cap(), head) if _autotune() else kept[:1]
 
     prune.space = space
     return prune
@@ -210,14 +221,15 @@ def _tune_cap() -> int | None:
     return int(value)
 
 
-def _spread(configs: list, cap: int | None) -> list:
-    """At most ``cap`` of ``configs``: the first (the default) and the rest evenly spaced over the list, so a
-    capped search still spans the tiles."""
+def _spread(configs: list, cap: int | None, head: int = 1) -> list:
+    """At most ``cap`` of ``configs``: the first ``head`` (the default) and the rest evenly spaced over the list up
+    to its last, so a capped search still spans the tiles."""
     if cap is None or len(configs) <= cap:
         return configs
-    if cap == 1:
-        return configs[:1]
-    return [configs[round(i * (len(configs) - 1) / (cap - 1))] for i in range(cap)]
+    if cap <= head:
+        return configs[:cap]
+    tail, picks = configs[head - 1 :], cap - head + 1  # (picks >= 2: the head's last and the list's last)
+    return configs[: head - 1] + [tail[round(i * (len(tail) - 1) / (picks - 1))] for i in range(picks)]
 
 
 class _Restore:
@@ -623,21 +635,23 @@ def _bwd_dkdv_walk(
     b, h, num_heads, stride_qb, stride_qh, stride_qm, stride_qd,
     k_pos, lo, full_lo, full_hi, hi, q_start, q_len, window, qk_scale, cap,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
-    ROWS: tl.constexpr,
+    ROWS: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    """Add the query blocks ``[lo, hi)`` of query head ``h`` (of batch row ``b``) to ``dk``, ``dv``:
-    ``[lo, full_lo)`` and ``[full_hi, hi)`` masked, ``[full_lo, full_hi)`` not."""
+    """Add the query blocks ``[lo, hi)`` of query head ``h`` (of batch row ``b``) to ``dk``, ``dv``: with
+    ``SPLIT`` ``[lo, full_lo)`` and ``[full_hi, hi)`` masked, ``[full_lo, full_hi)`` not; else all masked."""
     q_head = Q + b * stride_qb + h * stride_qh
     row0 = (b * num_heads + h) * q_len
     do_head = DO + row0 * HEAD_DIM
+    if SPLIT:
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_head, do_head, LSE + row0, DELTA + row0, FIRST + b * q_len,
+                                 stride_qm, stride_qd, k_pos, lo, full_lo, q_start, q_len, window, qk_scale, cap,
+                                 HEAD_DIM, BLOCK_M, True, PRECISION, SOFTCAP, ROWS)  # fmt: skip
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_head, do_head, LSE + row0, DELTA + row0, FIRST + b * q_len,
+                                 stride_qm, stride_qd, k_pos, full_lo, full_hi, q_start, q_len, window, qk_scale,
+                                 cap, HEAD_DIM, BLOCK_M, False, PRECISION, SOFTCAP, ROWS)  # fmt: skip
+        lo = full_hi
     dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_head, do_head, LSE + row0, DELTA + row0, FIRST + b * q_len,
-                             stride_qm, stride_qd, k_pos, lo, full_lo, q_start, q_len, window, qk_scale, cap, HEAD_DIM,
-                             BLOCK_M, True, PRECISION, SOFTCAP, ROWS)  # fmt: skip
-    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_head, do_head, LSE + row0, DELTA + row0, FIRST + b * q_len,
-                             stride_qm, stride_qd, k_pos, full_lo, full_hi, q_start, q_len, window, qk_scale, cap,
-                             HEAD_DIM, BLOCK_M, False, PRECISION, SOFTCAP, ROWS)  # fmt: skip
-    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_head, do_head, LSE + row0, DELTA + row0, FIRST + b * q_len,
-                             stride_qm, stride_qd, k_pos, full_hi, hi, q_start, q_len, window, qk_scale, cap, HEAD_DIM,
+                             stride_qm, stride_qd, k_pos, lo, hi, q_start, q_len, window, qk_scale, cap, HEAD_DIM,
                              BLOCK_M, True, PRECISION, SOFTCAP, ROWS)  # fmt: skip
     return dk, dv
 
@@ -645,7 +659,8 @@ def _bwd_dkdv_walk(
 @triton.autotune(
     configs=_configs("dkdv", [(16, 128), (32, 64), (32, 128)], stages=(2, 3)),  # 64 queries or 4 stages spill
     key=["HEAD_DIM", "PAGE", "SPARSE"],
-    prune_configs_by={"early_config_prune": _pruner("BLOCK_N", 2, 128)},  # dk, dv [BLOCK_N, HEAD_DIM]
+    # dk, dv [BLOCK_N, HEAD_DIM]; a capped search tries the default tile with both loops
+    prune_configs_by={"early_config_prune": _pruner("BLOCK_N", 2, 128, len(SM90_VARIANTS["dkdv"]))},
     pre_hook=_restore_grad_pages.pre,
     post_hook=_restore_grad_pages.post,
 )
@@ -658,8 +673,11 @@ def _bwd_dkdv_kernel(
     num_heads, kv_heads, group, q_len, q_start, first_key, key_hi, window, scale, qk_scale, cap, past_pages,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
     ROWS: tl.constexpr, COUNT: tl.constexpr, SPARSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr = False,
 ):  # fmt: skip
-    """Key blocks from the one holding ``first_key`` up to ``key_hi`` (keys >= ``key_hi`` are never read). With
+    """Key blocks from the one holding ``first_key`` up to ``key_hi`` (keys >= ``key_hi`` are never read);
+    ``SPLIT``: the query blocks that see the whole key block run in a loop of their own, without the mask (see
+    :data:`SM90_DEFAULTS`). With
     ``SPARSE`` a past key block (before ``q_start``) is seen by the query blocks whose lists hold its page:
     ``INV_IDX[INV_PTR[p] : INV_PTR[p + 1]]`` for ``p = b * past_pages + page`` (ascending; :func:`_inverse_lists`);
     one nobody lists reads and writes nothing."""
@@ -708,7 +726,7 @@ def _bwd_dkdv_kernel(
         h = kv_head * group + g
         dk, dv = _bwd_dkdv_walk(dk, dv, k, v, Q, DO, LSE, DELTA, FIRST, b, h, num_heads, stride_qb, stride_qh,
                                 stride_qm, stride_qd, k_pos, lo, full_lo, full_hi, hi, q_start, q_len, window,
-                                qk_scale, cap, HEAD_DIM, BLOCK_M, PRECISION, SOFTCAP, ROWS)  # fmt: skip
+                                qk_scale, cap, HEAD_DIM, BLOCK_M, PRECISION, SOFTCAP, ROWS, SPLIT)  # fmt: skip
         if SPARSE:
             for j in range(j_lo, j_hi):  # (empty for the chunk's own key blocks)
                 r0 = tl.load(INV_IDX + j) * PAGE
@@ -716,7 +734,7 @@ def _bwd_dkdv_kernel(
                 dk, dv = _bwd_dkdv_walk(dk, dv, k, v, Q, DO, LSE, DELTA, FIRST, b, h, num_heads, stride_qb,
                                         stride_qh, stride_qm, stride_qd, k_pos, r0, r0,
                                         _clamp(listed_full, r0, r0 + PAGE), end, q_start, q_len, window, qk_scale,
-                                        cap, HEAD_DIM, BLOCK_M, PRECISION, SOFTCAP, ROWS)  # fmt: skip
+                                        cap, HEAD_DIM, BLOCK_M, PRECISION, SOFTCAP, ROWS, SPLIT)  # fmt: skip
                 listed += (end - r0) // BLOCK_M
 
     # this program is the only writer of these gradient-page rows: a plain read-modify-write, no atomics (and none

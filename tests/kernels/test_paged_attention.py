@@ -289,6 +289,30 @@ def test_tile_shapes(monkeypatch, block_m, block_n, window):
     check_backward("triton", case)
 
 
+@pytest.mark.parametrize("case", ["window", "softcap", "packed-window", "sparse-packed"])
+def test_dkdv_split_loops_match(monkeypatch, case):
+    """dK/dV's tuning variant ``SPLIT`` (the fully visible query blocks in an unmasked loop of their own; the
+    default masks all in one loop) gives the same gradients, on the masks that split the blocks most."""
+    tuner = triton_kernels._bwd_dkdv_kernel
+    config = triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "SPLIT": True}, num_warps=1, num_stages=1)
+    monkeypatch.setattr(tuner, "configs", [config])
+    monkeypatch.setattr(tuner, "cache", {})
+    check_backward("triton", CASES[case])
+    assert [c.kwargs["SPLIT"] for c in tuner.cache.values()] == [True]
+
+
+def test_dkdv_space_has_both_loops_at_every_tile(monkeypatch):
+    monkeypatch.setattr(triton_kernels, "_interpreting", lambda: False)  # the GPU's space
+    space = triton_kernels._configs("dkdv", [(32, 128)], (2,))
+    tiles = [
+        (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, c.kwargs["SPLIT"])
+        for c in space
+    ]
+    m, n, warps, stages = triton_kernels.SM90_DEFAULTS["dkdv"]
+    assert tiles[:2] == [(m, n, warps, stages, False), (m, n, warps, stages, True)]  # the default: one loop
+    assert sorted(tiles[2:]) == [(32, 128, w, 2, split) for w in (4, 8) for split in (False, True)]
+
+
 def test_dkdv_autotuning_adds_once(monkeypatch):
     """Tuning runs the in-place dK/dV kernel once per config and repeat; its hooks must undo all but the last."""
     monkeypatch.setenv("OOMB_TRITON_AUTOTUNE", "1")
@@ -351,6 +375,10 @@ def test_tuning_cap_keeps_the_default_and_spreads(monkeypatch):
     configs = [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=s) for s in range(1, 8)]
     prune = triton_kernels._pruner("BLOCK_M", 1)
     for cap, stages in (("1", [1]), ("3", [1, 4, 7]), ("7", list(range(1, 8))), ("", list(range(1, 8)))):
+        monkeypatch.setenv("OOMB_TRITON_TUNE_CONFIGS", cap)
+        assert [c.num_stages for c in prune(configs, {}, PAGE=64, HEAD_DIM=64)] == stages, cap
+    prune = triton_kernels._pruner("BLOCK_M", 1, head=2)  # dK/dV's: the default tile in both loops first
+    for cap, stages in (("1", [1]), ("2", [1, 2]), ("3", [1, 2, 7]), ("4", [1, 2, 4, 7])):
         monkeypatch.setenv("OOMB_TRITON_TUNE_CONFIGS", cap)
         assert [c.num_stages for c in prune(configs, {}, PAGE=64, HEAD_DIM=64)] == stages, cap
     monkeypatch.setenv("OOMB_TRITON_TUNE_CONFIGS", "0")
