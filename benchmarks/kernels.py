@@ -411,7 +411,18 @@ def _constants(kernel, jit) -> dict:
     for key, value in constants.items():
         index = key[0] if isinstance(key, tuple) and len(key) == 1 else key
         name = names[index] if isinstance(index, int) and index < len(names) else str(index)
-        if name in ("BLOCK_M", "BLOCK_N", "SPARSE", "CARRY", "ACCUMULATE", "HEAD_DIM", "PAGE"):
+        if name in (
+            "BLOCK_M",
+            "BLOCK_N",
+            "SPLIT",
+            "SPARSE",
+            "CARRY",
+            "ACCUMULATE",
+            "ROWS",
+            "SOFTCAP",
+            "HEAD_DIM",
+            "PAGE",
+        ):
             out[name] = value if isinstance(value, (bool, int, float, str)) else str(value)
     return out
 
