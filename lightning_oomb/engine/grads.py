@@ -18,7 +18,7 @@ window that does not grow with the sequence), then the window's sum is copied to
 once. A sweep of at most ``every`` chunks never flushes: it is ``"native"``. Vectors (norm weights, biases: tiny,
 and summed over every token, so the most sensitive) take :class:`Float32GradSums` on the device. Cost: 4 host bytes
 per matrix element and two pinned staging slabs; per flush one device-to-host copy of the matrices' gradients (2
-bytes each) and a host add, in slabs so the copy of one overlaps the add of the previous.
+bytes each) and a host add, in slabs over all matrices so the copy of one overlaps the add of the previous.
 """
 
 from __future__ import annotations
@@ -134,13 +134,16 @@ class HostGradSums:
         if not self.flushes:  # a single window: .grad holds it, as autograd made it
             return
         self._flush()
-        for p in self.matrices:  # the host sum, rounded once, back into .grad
+        pairs = []  # the host sums, rounded once, back into .grad
+        for p in self.matrices:
             if id(p) in self._written:
                 p.grad = torch.empty(p.shape, dtype=p.dtype, device=p.device)
-                self._stream(self._host[id(p)].view(-1), p.grad.view(-1), to_host=False)
+                pairs.append((self._host[id(p)].view(-1), p.grad.view(-1), False))
+        self._stream(pairs, to_host=False)
 
     def _flush(self) -> None:
         self.flushes += 1
+        pairs = []
         for p in self.matrices:
             grad, p.grad = p.grad, None
             if grad is None:
@@ -149,32 +152,40 @@ class HostGradSums:
             if id(p) not in self._host:
                 self._host[id(p)] = torch.empty(p.shape, dtype=torch.float32)
             self._written.add(id(p))
-            self._stream(grad.contiguous().view(-1), self._host[id(p)].view(-1), to_host=True, first=first)
+            pairs.append((grad.contiguous().view(-1), self._host[id(p)].view(-1), first))
+        self._stream(pairs, to_host=True)
 
-    def _stream(self, src: torch.Tensor, dst: torch.Tensor, to_host: bool, first: bool = False) -> None:
-        """Copy ``src`` into ``dst`` slab by slab through the two staging slabs: to the host added into (``first``:
-        written over) the float32 ``dst``; from the host rounded to ``dst``'s dtype. The device's copy of one slab
-        overlaps the host's work on the previous one."""
-        device = src.device if to_host else dst.device
-        dtype = src.dtype if to_host else dst.dtype
+    def _stream(self, pairs: list[tuple[torch.Tensor, torch.Tensor, bool]], to_host: bool) -> None:
+        """Copy each ``(src, dst, first)`` pair's ``src`` into ``dst`` through the two staging slabs, slab by slab
+        over all pairs in one pipeline: to the host added into (``first``: written over) the float32 ``dst``; from
+        the host rounded to ``dst``'s dtype. The device's copy of one slab overlaps the host's work on the previous
+        one, across the pairs' boundaries too (most matrices are smaller than a slab)."""
+        if not pairs:
+            return
+        device = pairs[0][0 if to_host else 1].device
+        slabs = (
+            (src[i : i + self.slab], dst[i : i + self.slab], first)
+            for src, dst, first in pairs
+            for i in range(0, src.numel(), self.slab)
+        )
         pending = None  # to the host: the slab whose copy is in flight, to add next
         read = [None, None]  # from the host: per slab, the event after its last copy to the device
-        for index, start in enumerate(range(0, src.numel(), self.slab)):
-            part, which = slice(start, min(start + self.slab, src.numel())), index % 2
-            buffer = self._slab(which, part.stop - part.start, dtype, device)
+        for index, (src, dst, first) in enumerate(slabs):
+            which = index % 2
+            buffer = self._slab(which, src.numel(), (src if to_host else dst).dtype, device)
             if to_host:
-                buffer.copy_(src[part], non_blocking=True)
+                buffer.copy_(src, non_blocking=True)
                 event = _record(device)
                 if pending is not None:
-                    self._land(*pending, first)
-                pending = (event, buffer, dst[part])
+                    self._land(*pending)
+                pending = (event, buffer, dst, first)
             else:
                 _wait(read[which])  # the slab's previous copy to the device has read it
-                buffer.copy_(src[part])
-                dst[part].copy_(buffer, non_blocking=True)
+                buffer.copy_(src)
+                dst.copy_(buffer, non_blocking=True)
                 read[which] = _record(device)
         if pending is not None:
-            self._land(*pending, first)
+            self._land(*pending)
         for event in read:
             _wait(event)
 

@@ -302,7 +302,7 @@ class Arena:
         total = offsets[-1] + sizes[-1]
         self._unpin = None
         if host:
-            storage, self._unpin = page_locked_bytes(total, self)
+            storage, self._unpin = page_locked_bytes(total, self, device)
         else:
             storage = torch.zeros(total, dtype=torch.uint8, device=device)
         dtypes = (shape.dtype, shape.dtype, shape.grad_dtype, shape.grad_dtype)
@@ -347,16 +347,22 @@ def arena_bytes(slots: int, shape: PoolShape) -> int:
     return sum(math.ceil(s / _ALIGN) * _ALIGN for s in sizes[:-1]) + sizes[-1]
 
 
-def page_locked_bytes(total: int, owner: object) -> tuple[torch.Tensor, weakref.finalize | None]:
-    """``total`` uninitialised CPU bytes, page-locked with ``cudaHostRegister`` when CUDA is available, and the
-    finalizer that unregisters them (called by the owner's ``free``, or when ``owner`` is collected; ``None``
-    without CUDA)."""
+def page_locked_bytes(
+    total: int, owner: object, device: torch.device | None = None
+) -> tuple[torch.Tensor, weakref.finalize | None]:
+    """``total`` uninitialised CPU bytes, page-locked with ``cudaHostRegister`` (for every device) when CUDA is
+    available, and the finalizer that unregisters them once ``device`` (the CUDA device whose copies use them;
+    ``None``: the current one) has finished its work (called by the owner's ``free``, or when ``owner`` is
+    collected; ``None`` without CUDA)."""
     storage = torch.empty(total, dtype=torch.uint8)
     if not torch.cuda.is_available():
         return storage, None
-    _check_cuda(torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), total, 0), "cudaHostRegister")
+    _check_cuda(
+        torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), total, 1), "cudaHostRegister"
+    )  # portable
     # unregister before the bytes go back to malloc, even if the owner is dropped without free()
-    unpin = weakref.finalize(owner, _unregister, storage.data_ptr())
+    device = device if device is not None and device.type == "cuda" else None
+    unpin = weakref.finalize(owner, _unregister, storage.data_ptr(), device)
     unpin.atexit = False
     return storage, unpin
 
@@ -366,8 +372,8 @@ def _check_cuda(code, what: str) -> None:
         raise RuntimeError(f"{what} failed with cudaError {int(code)}")
 
 
-def _unregister(ptr: int) -> None:
-    torch.cuda.synchronize()  # no copy may still read or write pages that stop being page-locked
+def _unregister(ptr: int, device: torch.device | None) -> None:
+    torch.cuda.synchronize(device)  # no copy may still read or write pages that stop being page-locked
     _check_cuda(torch.cuda.cudart().cudaHostUnregister(ptr), "cudaHostUnregister")
 
 

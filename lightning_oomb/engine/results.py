@@ -45,7 +45,7 @@ class ForwardResults:
         self._shape: tuple | None = None  # (batch, heads, head_dim, out dtype, lse dtype)
         self._select: dict[tuple[int, int], torch.Tensor | None] = {}
         self._fetched: dict[int, tuple[torch.Tensor, torch.Tensor, object]] = {}
-        self._side: torch.cuda.Stream | None = None
+        self._sides: dict[torch.device, torch.cuda.Stream] = {}  # a side stream per device
 
     @property
     def nbytes(self) -> int:
@@ -128,7 +128,7 @@ class ForwardResults:
         total = kept * self._layers * self._slot
         if self._storage is None or self._storage.numel() < total:
             self.free()
-            self._storage, self._unpin = page_locked_bytes(total, self)
+            self._storage, self._unpin = page_locked_bytes(total, self, out.device)
 
     def _views(self, index: int, layer: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         batch, heads, head_dim, dtype, lse_dtype = self._shape
@@ -140,6 +140,6 @@ class ForwardResults:
         return out, lse.view(lse_dtype).view(batch, heads, tokens)
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
-        if self._side is None:
-            self._side = torch.cuda.Stream(device)
-        return self._side
+        if device not in self._sides:
+            self._sides[device] = torch.cuda.Stream(device)
+        return self._sides[device]

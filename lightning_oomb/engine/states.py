@@ -83,7 +83,7 @@ class HostStates:
         self._stride, self.device = boundary_bytes(states), next(iter(states.values())).device
         if self._storage is None or self._storage.numel() < boundaries * self._stride:
             self.free()
-            self._storage, self._unpin = page_locked_bytes(boundaries * self._stride, self)
+            self._storage, self._unpin = page_locked_bytes(boundaries * self._stride, self, self.device)
 
     def fits(self, states: dict[Hashable, torch.Tensor]) -> bool:
         """Whether ``states`` have the reserved layout (every boundary of a step has)."""

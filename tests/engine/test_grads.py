@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_oomb.engine import OOMBConfig, OOMBConfigError, OOMBEngine
+from lightning_oomb.engine import OOMBConfig, OOMBConfigError, OOMBEngine, grads
 from lightning_oomb.engine.grads import Float32GradSums, HostGradSums
 from lightning_oomb.integrations.hf import HFChunkModel
 from tests.helpers.models import build_causal_lm, full_sequence_loss, grads_of
@@ -218,3 +218,34 @@ def test_host_sums_of_single_chunk_windows_equal_the_device_sums():
     assert engine.host_grads.flushes == 8
     device, host = runs
     assert all(torch.equal(host[n], device[n]) for n in device)
+
+
+def test_host_flush_pipeline_waits_for_each_copy(monkeypatch):
+    """On CUDA the staging copies run asynchronously. Here every non-blocking copy is held back until an event
+    recorded after it is waited for (the latest a GPU could run it): the sums stay exact, so each add and each
+    reuse of a slab waits for the copy it needs, across matrices smaller and larger than a slab (4 elements)."""
+    queue, done = [], [0]
+    copy = torch.Tensor.copy_
+
+    def lagging(self, src, non_blocking=False):
+        if not non_blocking:
+            return copy(self, src)
+        queue.append((self, src))
+        return self
+
+    def run_until(event):
+        while event is not None and done[0] < event:
+            dst, src = queue[done[0]]
+            copy(dst, src)
+            done[0] += 1
+
+    monkeypatch.setattr(torch.Tensor, "copy_", lagging)
+    monkeypatch.setattr(grads, "_record", lambda device: len(queue))
+    monkeypatch.setattr(grads, "_wait", run_until)
+    shapes = [(1, 3), (7, 1), (2, 2)]
+    matrices = [torch.nn.Parameter(torch.zeros(s, dtype=torch.bfloat16)) for s in shapes]
+    chunks = list(zip(*(chunk_gradients(5, s, seed) for seed, s in enumerate(shapes))))
+    host_sweep(HostGradSums(every=1, slab=4), matrices, chunks)
+    assert queue and done[0] == len(queue)
+    for i, m in enumerate(matrices):
+        assert torch.equal(m.grad, windowed(None, [c[i] for c in chunks], 1)), shapes[i]

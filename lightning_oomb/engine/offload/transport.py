@@ -143,16 +143,14 @@ class CudaTransport:
 
     def acquire(self, events: Iterable, reads=(), writes=()) -> None:
         events = [e for e in events if e is not None]
-        if not events:
-            return
         compute = self._compute()
-        if all(e.query() for e in events):  # copies already done: the wait costs nothing, no timing needed
+        if events and all(e.query() for e in events):  # copies done: the wait costs nothing, no timing needed
             self._wait(compute, events)
-        else:
+        elif events:
             start = self._record(compute, timing=True)
             self._wait(compute, events)
             self._timings.append((start, self._record(compute, timing=True)))
-        self.delay(compute)
+        self.delay(compute)  # (also without events: then only a mark orders a later copy behind this compute)
 
     def finish(self) -> float:
         seconds = 0.0
