@@ -675,12 +675,11 @@ def _bwd_dkdv_kernel(
     ROWS: tl.constexpr, COUNT: tl.constexpr, SPARSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr = False,
 ):  # fmt: skip
-    """Key blocks from the one holding ``first_key`` up to ``key_hi`` (keys >= ``key_hi`` are never read);
-    ``SPLIT``: the query blocks that see the whole key block run in a loop of their own, without the mask (see
-    :data:`SM90_DEFAULTS`). With
+    """Key blocks from the one holding ``first_key`` up to ``key_hi`` (keys >= ``key_hi`` are never read). With
     ``SPARSE`` a past key block (before ``q_start``) is seen by the query blocks whose lists hold its page:
     ``INV_IDX[INV_PTR[p] : INV_PTR[p + 1]]`` for ``p = b * past_pages + page`` (ascending; :func:`_inverse_lists`);
-    one nobody lists reads and writes nothing."""
+    one nobody lists reads and writes nothing. ``SPLIT``: the query blocks that see the whole key block run in a
+    loop of their own, without the mask (see :data:`SM90_DEFAULTS`)."""
     if SPARSE:
         tl.static_assert(PAGE % BLOCK_M == 0, "sparse query tiles must divide the page (see _pruner)")
     start_n = (first_key // BLOCK_N + tl.program_id(0)) * BLOCK_N

@@ -357,9 +357,8 @@ def page_locked_bytes(
     storage = torch.empty(total, dtype=torch.uint8)
     if not torch.cuda.is_available():
         return storage, None
-    _check_cuda(
-        torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), total, 1), "cudaHostRegister"
-    )  # portable
+    portable = 1  # cudaHostRegisterPortable: page-locked for every device, not only the current one
+    _check_cuda(torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), total, portable), "cudaHostRegister")
     # unregister before the bytes go back to malloc, even if the owner is dropped without free()
     device = device if device is not None and device.type == "cuda" else None
     unpin = weakref.finalize(owner, _unregister, storage.data_ptr(), device)
