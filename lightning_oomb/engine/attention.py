@@ -21,6 +21,7 @@ or the environment variable ``OOMB_ATTENTION_BACKEND`` (``auto`` | ``torch`` | `
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from types import ModuleType
@@ -90,31 +91,45 @@ class Kept:
     the second call takes this instead of attending again (same queries, same pages: the same result), so a step
     attends twice forward, as full-sequence training with checkpointing does, and streams no page twice. Held until
     the layer's backward: ``O(chunk)`` per layer under checkpointing, nothing extra without it (the same tensors
-    are saved for the backward)."""
+    are saved for the backward). ``copied``: a result parked from CUDA, the event after its copy to the host."""
 
     out: torch.Tensor
     lse: torch.Tensor
     select: torch.Tensor | None
     parked: bool = False
+    copied: torch.cuda.Event | None = None
 
     def park(self) -> Kept:
         """This result in host memory (``offload``: ``O(chunk)`` per layer off the device until the layer's
-        backward): page-locked under CUDA and copied asynchronously on the current stream, which orders the copy
-        before any reuse of the device memory; the small page selection stays."""
-        return Kept(_host_copy(self.out), _host_copy(self.lse), self.select, parked=True)
+        backward; the small page selection stays): from CUDA into page-locked memory on a side stream, so the
+        compute stream does not wait for the copy (the device tensors' memory is not reused before it is done)."""
+        tensors = (self.out, self.lse)
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda) for t in tensors]
+        if not self.out.is_cuda:
+            return Kept(*(h.copy_(t) for h, t in zip(host, tensors)), self.select, parked=True)
+        side = _park_stream(self.out.device)
+        side.wait_stream(torch.cuda.current_stream(self.out.device))
+        with torch.cuda.stream(side):
+            for h, t in zip(host, tensors):
+                h.copy_(t, non_blocking=True)
+                t.record_stream(side)
+        return Kept(*host, self.select, parked=True, copied=side.record_event())
 
     def restore(self, device: torch.device) -> Kept:
-        """The result on ``device`` again (a parked one copied back, asynchronously on the current stream)."""
+        """The result on ``device`` again (a parked one copied back, asynchronously on the current stream, after
+        its copy to the host)."""
         if not self.parked:
             return self
+        if self.copied is not None:
+            torch.cuda.current_stream(device).wait_event(self.copied)
         out, lse = (t.to(device, non_blocking=True, copy=True) for t in (self.out, self.lse))
         return Kept(out, lse, self.select)
 
 
-def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    """``t`` copied into CPU memory (page-locked when it comes from CUDA, so the copy is asynchronous)."""
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-    return host.copy_(t, non_blocking=t.is_cuda)
+@functools.cache
+def _park_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream that parks kept results from ``device`` (one per device, for the process)."""
+    return torch.cuda.Stream(device)
 
 
 def resolve_backend(name: str, device: torch.device) -> Backend:

@@ -53,14 +53,16 @@ def test_host_sums_through_the_staging_slabs():
     assert max_relative_error(got, want) <= 1e-3  # bf16 ulp is 4e-3: equal up to the chunks' own rounding
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_offloaded_pages_with_delayed_copies_equal_pages_on_the_device(seed):
+@pytest.mark.parametrize(("seed", "checkpointing"), [(0, False), (1, True)])
+def test_offloaded_pages_with_delayed_copies_equal_pages_on_the_device(seed, checkpointing):
     """Every layer's pages in page-locked host memory, streamed on the side streams through 3 staging buffers,
-    each copy and each compute wait delayed by up to 200K GPU cycles (a missing event wait shows as wrong numbers):
+    each copy and each compute wait delayed by up to 200K GPU cycles (a missing event wait shows as wrong numbers);
+    with layer checkpointing the recompute's attention results are parked in host memory on their side stream too:
     the step equals the one whose pages stay on the device."""
-    want_loss, want, _ = step(torch.float32)
+    ckpt = {"layer_checkpointing": checkpointing}
+    want_loss, want, _ = step(torch.float32, **ckpt)
     delayed = functools.partial(delaying_transport, seed=seed)
-    loss, got, engine = step(torch.float32, delayed, offload=True, hbm_budget=0, staging_buffers=3)
+    loss, got, engine = step(torch.float32, delayed, offload=True, hbm_budget=0, staging_buffers=3, **ckpt)
     assert engine.pool.stats()["host_layers"] > 0
     assert abs(loss - want_loss) <= 1e-6 * abs(want_loss)
     assert max_relative_error(got, want) <= 1e-5
