@@ -115,15 +115,43 @@ class Kept:
                 t.record_stream(side)
         return Kept(*host, self.select, parked=True, copied=side.record_event())
 
-    def restore(self, device: torch.device) -> Kept:
-        """The result on ``device`` again (a parked one copied back, asynchronously on the current stream, after
-        its copy to the host)."""
-        if not self.parked:
+    def prefetch(self, device: torch.device) -> Kept:
+        """A result parked from CUDA starts back to ``device`` on the side stream (after its copy out); ``copied``
+        is then the event after that copy. Others are returned as they are (:meth:`restore` copies them)."""
+        if not self.parked or self.copied is None:
             return self
+        side = _park_stream(device)
+        made = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in (self.out, self.lse)]
+        side.wait_stream(
+            torch.cuda.current_stream(device)
+        )  # (the memory's last owner ran on the compute stream)
+        with torch.cuda.stream(side):
+            for dst, src in zip(made, (self.out, self.lse)):
+                dst.copy_(src, non_blocking=True)
+                dst.record_stream(side)
+        return Kept(*made, self.select, copied=side.record_event())
+
+    def restore(self, device: torch.device) -> Kept:
+        """The result on ``device``: a prefetched one once its copy is done, a parked one copied back now
+        (asynchronously on the current stream, after its copy to the host)."""
         if self.copied is not None:
             torch.cuda.current_stream(device).wait_event(self.copied)
+        if not self.parked:
+            return self
         out, lse = (t.to(device, non_blocking=True, copy=True) for t in (self.out, self.lse))
         return Kept(out, lse, self.select)
+
+
+def _take_kept(chunk: ChunkContext, layer: int, device: torch.device) -> Kept | None:
+    """The layer's result kept for its checkpoint recompute, on ``device`` (``None``: none kept, the chunk's
+    recompute itself); the result of the next layer down, which the backward needs next, starts back meanwhile."""
+    kept = chunk.kept.pop(layer, None) if chunk.kept is not None else None
+    if kept is None:
+        return None
+    below = max((other for other in chunk.kept if other < layer), default=None)
+    if below is not None:
+        chunk.kept[below] = chunk.kept[below].prefetch(device)
+    return kept.restore(device)
 
 
 @functools.cache
@@ -263,12 +291,11 @@ class PagedAttention(torch.autograd.Function):
             shape = chunk.shape.for_dtype(k.dtype)
             if pool.shape != shape:
                 pool.reserve(shape, k.device)
-        kept = chunk.kept.pop(layer, None) if chunk.kept is not None else None
+        kept = _take_kept(chunk, layer, q.device)
         if chunk.context is not None:
             return _forward_across_group(ctx, q, k, v, chunk, layer, scale, window, softcap, sinks, kept)
         reused = _reused(chunk, layer) if kept is None else None
         if kept is not None:  # the layer's checkpoint recompute
-            kept = kept.restore(q.device)
             out, lse, select = kept.out, kept.lse, kept.select
         elif reused is not None:
             out, lse, select = reused
@@ -369,7 +396,6 @@ def _forward_across_group(ctx, q, k, v, chunk: ChunkContext, layer, scale, windo
     rows = q[:, :, :own]
     reused = _reused(chunk, layer) if kept is None else None
     if kept is not None:
-        kept = kept.restore(q.device)
         out, lse, select = kept.out, kept.lse, kept.select
     elif reused is not None:  # every rank of the group takes its own: no rank attends
         out, lse, select = reused

@@ -556,12 +556,13 @@ def kept_attention_bytes(shape: ModelShape, dtypes: Dtypes, tokens: int) -> int:
 
 def parked_kept_bytes(shape: ModelShape, dtypes: Dtypes, tokens: int, pinned: bool) -> tuple[int, int]:
     """(device, host) bytes of the kept attention results under offload (:meth:`~lightning_oomb.engine.attention.
-    Kept.park`): one layer's back on the device at a time; every layer's output and LSE in host memory, each
-    rounded up to a power of two when ``pinned`` (the caching host allocator's blocks)."""
+    Kept.park`): every layer's output and LSE in host memory, each rounded up to a power of two when ``pinned``
+    (CUDA: the caching host allocator's blocks); on the device the layer's being restored and, on CUDA, the next
+    one down's, brought back ahead (:meth:`~lightning_oomb.engine.attention.Kept.prefetch`)."""
     out = dtypes.activation.itemsize * shape.num_heads * shape.head_dim * tokens
     lse = (8 if dtypes.activation == torch.float64 else 4) * shape.num_heads * tokens
     host = sum(1 << (n - 1).bit_length() if pinned else n for n in (out, lse))
-    return out + lse, shape.paged_layers * host
+    return (2 if pinned else 1) * (out + lse), shape.paged_layers * host
 
 
 def _layer_bytes_per_token(
