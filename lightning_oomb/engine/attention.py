@@ -102,34 +102,20 @@ class Kept:
     def park(self) -> Kept:
         """This result in host memory (``offload``: ``O(chunk)`` per layer off the device until the layer's
         backward; the small page selection stays): from CUDA into page-locked memory on a side stream, so the
-        compute stream does not wait for the copy (the device tensors' memory is not reused before it is done)."""
+        compute stream does not wait for the copy."""
         tensors = (self.out, self.lse)
         host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda) for t in tensors]
         if not self.out.is_cuda:
             return Kept(*(h.copy_(t) for h, t in zip(host, tensors)), self.select, parked=True)
-        side = _park_stream(self.out.device)
-        side.wait_stream(torch.cuda.current_stream(self.out.device))
-        with torch.cuda.stream(side):
-            for h, t in zip(host, tensors):
-                h.copy_(t, non_blocking=True)
-                t.record_stream(side)
-        return Kept(*host, self.select, parked=True, copied=side.record_event())
+        return Kept(*host, self.select, parked=True, copied=_copy_aside(self.out.device, zip(host, tensors)))
 
     def prefetch(self, device: torch.device) -> Kept:
         """A result parked from CUDA starts back to ``device`` on the side stream (after its copy out); ``copied``
         is then the event after that copy. Others are returned as they are (:meth:`restore` copies them)."""
         if not self.parked or self.copied is None:
             return self
-        side = _park_stream(device)
         made = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in (self.out, self.lse)]
-        side.wait_stream(
-            torch.cuda.current_stream(device)
-        )  # (the memory's last owner ran on the compute stream)
-        with torch.cuda.stream(side):
-            for dst, src in zip(made, (self.out, self.lse)):
-                dst.copy_(src, non_blocking=True)
-                dst.record_stream(side)
-        return Kept(*made, self.select, copied=side.record_event())
+        return Kept(*made, self.select, copied=_copy_aside(device, zip(made, (self.out, self.lse))))
 
     def restore(self, device: torch.device) -> Kept:
         """The result on ``device``: a prefetched one once its copy is done, a parked one copied back now
@@ -154,9 +140,22 @@ def _take_kept(chunk: ChunkContext, layer: int, device: torch.device) -> Kept | 
     return kept.restore(device)
 
 
+def _copy_aside(device: torch.device, pairs) -> torch.cuda.Event:
+    """Copy each ``(dst, src)`` pair on ``device``'s park stream after the work queued so far on the current
+    stream (the last user of a fresh tensor's memory); the device tensors' memory is not reused before the copies
+    are done. Returns the event after them."""
+    side = _park_stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for dst, src in pairs:
+            dst.copy_(src, non_blocking=True)
+            (dst if dst.is_cuda else src).record_stream(side)
+    return side.record_event()
+
+
 @functools.cache
 def _park_stream(device: torch.device) -> torch.cuda.Stream:
-    """The side stream that parks kept results from ``device`` (one per device, for the process)."""
+    """The side stream that parks kept results from ``device`` and brings them back (one per device)."""
     return torch.cuda.Stream(device)
 
 
