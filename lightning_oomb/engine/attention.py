@@ -21,7 +21,6 @@ or the environment variable ``OOMB_ATTENTION_BACKEND`` (``auto`` | ``torch`` | `
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 from types import ModuleType
@@ -35,6 +34,7 @@ from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.kv_pool import KVPool
 from lightning_oomb.engine.lse import add_sinks, finish_state, init_state, sink_grad
 from lightning_oomb.engine.pages import PagedKV, PoolShape
+from lightning_oomb.engine.parking import copy_aside
 from lightning_oomb.engine.results import ForwardResults
 from lightning_oomb.engine.sparse import Probe, Selection, SparseStep, select_pages
 from lightning_oomb.engine.states import ChunkStates
@@ -107,7 +107,7 @@ class Kept:
         host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda) for t in tensors]
         if not self.out.is_cuda:
             return Kept(*(h.copy_(t) for h, t in zip(host, tensors)), self.select, parked=True)
-        return Kept(*host, self.select, parked=True, copied=_copy_aside(self.out.device, zip(host, tensors)))
+        return Kept(*host, self.select, parked=True, copied=copy_aside(self.out.device, zip(host, tensors)))
 
     def prefetch(self, device: torch.device) -> Kept:
         """A result parked from CUDA starts back to ``device`` on the side stream (after its copy out); ``copied``
@@ -115,7 +115,7 @@ class Kept:
         if not self.parked or self.copied is None:
             return self
         made = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in (self.out, self.lse)]
-        return Kept(*made, self.select, copied=_copy_aside(device, zip(made, (self.out, self.lse))))
+        return Kept(*made, self.select, copied=copy_aside(device, zip(made, (self.out, self.lse))))
 
     def restore(self, device: torch.device) -> Kept:
         """The result on ``device``: a prefetched one once its copy is done, a parked one copied back now
@@ -138,25 +138,6 @@ def _take_kept(chunk: ChunkContext, layer: int, device: torch.device) -> Kept | 
     if below is not None:
         chunk.kept[below] = chunk.kept[below].prefetch(device)
     return kept.restore(device)
-
-
-def _copy_aside(device: torch.device, pairs) -> torch.cuda.Event:
-    """Copy each ``(dst, src)`` pair on ``device``'s park stream after the work queued so far on the current
-    stream (the last user of a fresh tensor's memory); the device tensors' memory is not reused before the copies
-    are done. Returns the event after them."""
-    side = _park_stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for dst, src in pairs:
-            dst.copy_(src, non_blocking=True)
-            (dst if dst.is_cuda else src).record_stream(side)
-    return side.record_event()
-
-
-@functools.cache
-def _park_stream(device: torch.device) -> torch.cuda.Stream:
-    """The side stream that parks kept results from ``device`` and brings them back (one per device)."""
-    return torch.cuda.Stream(device)
 
 
 def resolve_backend(name: str, device: torch.device) -> Backend:

@@ -96,6 +96,7 @@ from typing import Any
 
 import torch
 
+from lightning_oomb.engine import parking
 from lightning_oomb.engine.config import OOMBConfig
 from lightning_oomb.engine.cpu_attention import PAST_BLOCK
 from lightning_oomb.engine.errors import OOMBConfigError
@@ -565,6 +566,26 @@ def parked_kept_bytes(shape: ModelShape, dtypes: Dtypes, tokens: int, pinned: bo
     return (2 if pinned else 1) * (out + lse), shape.paged_layers * host
 
 
+def parked_saves_bytes(
+    shape: ModelShape, dtypes: Dtypes, tokens: int, pinned: bool, min_bytes: int | None = None
+) -> tuple[int, int]:
+    """(device, host) bytes of a chunk recompute's saved activations under offload with layer checkpointing
+    (:mod:`~lightning_oomb.engine.parking`): every decoder layer's input and the final norm's saved tensors of at
+    least ``min_bytes`` (default :data:`~lightning_oomb.engine.parking.MIN_BYTES`) in host memory, each rounded up
+    to a power of two when ``pinned`` (CUDA: the caching host allocator's blocks); on the device two layers' inputs
+    at a time (the one taken and the one coming back ahead). The final norm's stay counted on the device too (the
+    norm's backward takes them back while little else is held)."""
+    r, h = dtypes.activation.itemsize, shape.hidden_size
+    least = parking.MIN_BYTES if min_bytes is None else min_bytes
+    saved = [r * h * tokens] * shape.num_layers + [
+        NORM_BYTES * h * tokens,
+        NORM_BYTES * tokens,
+        r * h * tokens,
+    ]
+    host = sum(1 << (n - 1).bit_length() if pinned else n for n in saved if n >= least)
+    return min(2, shape.num_layers) * r * h * tokens, host
+
+
 def _layer_bytes_per_token(
     shape: ModelShape, dtypes: Dtypes, streamed: bool, tiled: bool = False
 ) -> tuple[int, int]:
@@ -841,6 +862,7 @@ LABELS = {
 HOST_LABELS = {
     "pool": "pinned host tier",
     "kept_attention": "attention results kept (checkpointing), pinned",
+    "parked_saves": "layer inputs kept (checkpointing), pinned",
     "carried_states": "recurrent / convolution states at chunk boundaries, pinned",
     "grad_sums": "float32 gradient sums, host",
     "reused_attention": "forward attention results (reuse_attention), pinned",
@@ -1027,8 +1049,10 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     saved = saved_bytes(
         shape, dtypes, batch, seq_len, config.chunk_size, ckpt, len(tiers.host_layers), config.mlp_tile
     )
-    activations = sum(saved.values())
     tokens = batch * min(config.chunk_size, seq_len)
+    if ckpt and config.offload and machine.device_type in parking.DEVICE_TYPES:  # the layers' inputs parked
+        saved["layers"], host["parked_saves"] = parked_saves_bytes(shape, dtypes, tokens, pinned=True)
+    activations = sum(saved.values())
     # the LM head's gradient is added into its float32 sum, or into its .grad
     summed = config.grad_accumulation == "float32" and dtypes.param in HALF_DTYPES
     accumulator = torch.float32 if summed else dtypes.param

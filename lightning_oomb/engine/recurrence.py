@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lightning_oomb.engine import parking
 from lightning_oomb.engine.attention import ChunkContext, check_kernel_shapes, resolve_backend
 from lightning_oomb.engine.batch import key_floors, plan_layout
 from lightning_oomb.engine.config import OOMBConfig
@@ -443,7 +444,7 @@ class OOMBEngine:
                 rng[index].restore()
                 if self.results.keeps(index):  # its forward results start back to the device now
                     self.results.fetch(index, step.rows(index), device)
-                with torch.enable_grad(), autocast():
+                with torch.enable_grad(), autocast(), self._parked_saves(device):
                     states = None if carried is None else carried.backward_chunk(index)
                     loss = self._chunk_loss(step, index, "backward", grad_output, states, sums)
                 # with carried states, their gradients from the next chunk flow in with the loss's
@@ -479,6 +480,14 @@ class OOMBEngine:
                 "chunk from the current weights, so its gradients would not be this loss's — call backward "
                 "before changing the weights or the batch."
             )
+
+    def _parked_saves(self, device: torch.device):
+        """Where a chunk recompute's saved activations wait: under offload with layer checkpointing on a CUDA
+        device in host memory (:class:`~lightning_oomb.engine.parking.ParkedSaves`), else where autograd keeps
+        them."""
+        if self.config.offload and self._checkpointed() and device.type in parking.DEVICE_TYPES:
+            return parking.ParkedSaves(device)
+        return contextlib.nullcontext()
 
     def _checkpointed(self) -> bool:
         """Whether the model checkpoints its layers (then kept attention results wait for the checkpoint)."""

@@ -9,7 +9,7 @@ import functools
 import pytest
 import torch
 
-from lightning_oomb.engine import OOMBConfig, OOMBEngine
+from lightning_oomb.engine import OOMBConfig, OOMBEngine, parking
 from lightning_oomb.engine.offload import delaying_transport
 from lightning_oomb.integrations.hf import HFChunkModel
 from tests.helpers.models import build_causal_lm, grads_of, max_relative_error
@@ -54,11 +54,12 @@ def test_host_sums_through_the_staging_slabs():
 
 
 @pytest.mark.parametrize(("seed", "checkpointing"), [(0, False), (1, True)])
-def test_offloaded_pages_with_delayed_copies_equal_pages_on_the_device(seed, checkpointing):
+def test_offloaded_pages_with_delayed_copies_equal_pages_on_the_device(monkeypatch, seed, checkpointing):
     """Every layer's pages in page-locked host memory, streamed on the side streams through 3 staging buffers,
     each copy and each compute wait delayed by up to 200K GPU cycles (a missing event wait shows as wrong numbers);
-    with layer checkpointing the recompute's attention results are parked in host memory on their side stream too:
-    the step equals the one whose pages stay on the device."""
+    with layer checkpointing the recompute's attention results and saved activations (every size) are parked in
+    host memory on their side stream too: the step equals the one whose pages stay on the device."""
+    monkeypatch.setattr(parking, "MIN_BYTES", 1)
     ckpt = {"layer_checkpointing": checkpointing}
     want_loss, want, _ = step(torch.float32, **ckpt)
     delayed = functools.partial(delaying_transport, seed=seed)

@@ -111,6 +111,53 @@ def test_kept_attention_results_wait_in_host_memory_under_offload(monkeypatch):
     assert host == sum(parked[:2]) and device == parked[0]
 
 
+def test_checkpointed_layer_inputs_wait_in_host_memory_under_offload(monkeypatch):
+    """Under offload with layer checkpointing (on CUDA; here forced on the CPU, at every size) the chunk recompute's
+    saved activations are parked — each layer's input (torch's checkpoint saves it through the hooks around it) and
+    the final norm's, each once — and come back, the one parked before each coming back ahead: the step equals
+    full-sequence training (float64), and the planner counts the parked bytes."""
+    from lightning_oomb.engine import parking, planner
+
+    monkeypatch.setattr(parking, "DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(parking, "MIN_BYTES", 1)
+    made, prefetched = [], []
+    hooks, prefetch = parking.ParkedSaves.__init__, parking._Parked.prefetch
+
+    def spy_init(self, *args, **kwargs):
+        hooks(self, *args, **kwargs)
+        made.append(self)
+
+    def spy_prefetch(self):
+        prefetched.append(self.index)
+        prefetch(self)
+
+    monkeypatch.setattr(parking.ParkedSaves, "__init__", spy_init)
+    monkeypatch.setattr(parking._Parked, "prefetch", spy_prefetch)
+    layers = 3
+    model = build_causal_lm("qwen2", num_hidden_layers=layers)
+    ids = torch.randint(0, 97, (2, SEQ), generator=torch.Generator().manual_seed(5))
+    want_loss = full_sequence_loss(model, ids)
+    want_loss.backward()
+    want = grads_of(model)
+    model.train()
+    loss, grads, engine = run_step(model, ids, True, offload=True)
+    assert abs(loss.item() - want_loss.item()) <= 1e-10 * want_loss.item()
+    assert max_relative_error(grads, want) <= 1e-10
+    chunks = -(-SEQ // CHUNK)
+    assert len(made) == chunks and prefetched
+    hidden = model.config.hidden_size
+    # per chunk: the layers' inputs [2, L, H]; the final norm's input and normed input [2, L, H] (float64: its
+    # float32 cast is the input itself) and its 1/rms [2, L, 1]
+    last = made[0]  # the last chunk's (recomputed first): SEQ - 3 * CHUNK tokens
+    tokens = 2 * (SEQ - (chunks - 1) * CHUNK)
+    assert [p.host.shape for p in last.parked] == [(2, tokens // 2, hidden)] * (layers + 1) + [
+        (2, tokens // 2, 1),
+        (2, tokens // 2, hidden),
+    ]
+    shape, dtypes = planner.model_shape(engine.model), planner.precision_dtypes("64-true")
+    assert planner.parked_saves_bytes(shape, dtypes, tokens, pinned=False, min_bytes=1)[1] == last.nbytes
+
+
 # ------------------------------------------------------------------------------------------------- placement
 def test_plan_tiers_fills_the_budget_with_whole_layers():
     lb, bb = 100, 10
