@@ -97,7 +97,9 @@ class _Parked:
 class ParkedSaves(torch.autograd.graph.saved_tensors_hooks):
     """Context manager: the tensors autograd saves inside it that are :func:`parkable` wait in host memory until
     the backward takes them (see the module docstring); taking one starts bringing back the one parked before it.
-    A tensor saved twice (e.g. by two ops) is parked once."""
+    A tensor saved twice (e.g. by two ops) is parked once. (While it runs, saved-tensor hooks entered before it —
+    e.g. a :class:`~lightning_oomb.engine.memory.SavedTensorMeter` — see none of its saves: torch applies the
+    innermost hooks only.)"""
 
     def __init__(self, device: torch.device, min_bytes: int | None = None) -> None:
         super().__init__(self._pack, self._unpack)

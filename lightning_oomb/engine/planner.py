@@ -23,7 +23,8 @@ options that would make it fit (each tried in the planner).
   the projections' input (``rH``; under autocast one cast copy per projection, ``cH`` each), attention ``2rQ``
   (query after RoPE, output) ``+ 4 Hq`` (float32 LSE) ``+ rQ`` (o_proj input; ``cQ`` under autocast), the MLP
   ``4cI`` (gate, SiLU, up, product) — ``Q = Hq x head_dim``. Under autocast every decoder weight is saved once more
-  as a ``c`` copy. With ``layer_checkpointing`` a layer saves only its input (``rH``). Plus the final norm
+  as a ``c`` copy. With ``layer_checkpointing`` a layer saves only its input (``rH``; under offload on a GPU
+  parked in host memory but two layers': :func:`parked_saves_bytes`). Plus the final norm
   (``4H + 4 + rH``; the cross-entropy saves nothing) and the step's token ids (8 B x batch x N).
 - *loss transients* (:func:`loss_backward_bytes`, from ``engine/loss.py``, whose recompute makes the gradients in
   its forward): its hidden states and ``dh`` (``2rH`` per token), the targets (8 B/token), under autocast the
