@@ -66,10 +66,11 @@ class _Parked:
             self.host.copy_(t)
         self._ahead: tuple[torch.Tensor, torch.cuda.Event] | None = None
         self._back = lambda: None  # the device tensor handed out last (alive while autograd uses it)
+        self._taken = False
 
     def prefetch(self) -> None:
-        """Start the copy back (CUDA), unless done or under way."""
-        if self.copied is None or self._ahead is not None or self._back() is not None:
+        """Start the copy back (CUDA), unless under way or taken already."""
+        if self.copied is None or self._ahead is not None or self._taken:
             return
         made = torch.empty_strided(
             self.host.size(), self.host.stride(), dtype=self.host.dtype, device=self.device
@@ -90,7 +91,7 @@ class _Parked:
             tensor = self.host.to(self.device, non_blocking=True, copy=True)
         else:  # a CPU device: the host copy is the tensor
             tensor = self.host
-        self._back = weakref.ref(tensor)
+        self._back, self._taken = weakref.ref(tensor), True
         return tensor
 
 
