@@ -363,8 +363,12 @@ def _reused(chunk: ChunkContext, layer: int):
     if chunk.results is None or chunk.sweep != "backward":
         return None
     out, lse, select, host = chunk.results.take(chunk.index, layer)
-    if chunk.kept is not None:
-        chunk.kept[layer] = Kept(*host, select, parked=True) if chunk.park_kept else Kept(out, lse, select)
+    if chunk.kept is not None and chunk.park_kept:
+        # its host copy, valid after the fetch the current stream waited for: it can come back ahead too
+        ready = torch.cuda.current_stream(out.device).record_event() if out.is_cuda else None
+        chunk.kept[layer] = Kept(*host, select, parked=True, copied=ready)
+    elif chunk.kept is not None:
+        chunk.kept[layer] = Kept(out, lse, select)
     return out, lse, select
 
 
