@@ -95,16 +95,13 @@ class _Parked:
         return tensor
 
 
-class ParkedSaves(torch.autograd.graph.saved_tensors_hooks):
-    """Context manager: the tensors autograd saves inside it that are :func:`parkable` wait in host memory until
-    the backward takes them (see the module docstring); taking one starts bringing back the one parked before it.
-    A tensor saved twice (e.g. by two ops) is parked once. (While it runs, saved-tensor hooks entered before it —
-    e.g. a :class:`~lightning_oomb.engine.memory.SavedTensorMeter` — see none of its saves: torch applies the
-    innermost hooks only.)"""
+class Parking:
+    """The parked tensors of one :class:`ParkedSaves` and its hooks. The hooks are this object's methods, not the
+    context manager's (whose ``pack_hook`` attribute would then point back at it): no reference cycle, so the host
+    copies are freed with the graph that holds them, not at Python's next full garbage collection."""
 
-    def __init__(self, device: torch.device, min_bytes: int | None = None) -> None:
-        super().__init__(self._pack, self._unpack)
-        self.device, self.min_bytes = device, MIN_BYTES if min_bytes is None else min_bytes
+    def __init__(self, device: torch.device, min_bytes: int) -> None:
+        self.device, self.min_bytes = device, min_bytes
         self.parked: list[_Parked] = []  # in the order of parking
         self._by_tensor: dict[int, tuple[weakref.ref, _Parked]] = {}
 
@@ -113,7 +110,7 @@ class ParkedSaves(torch.autograd.graph.saved_tensors_hooks):
         """Host bytes of the parked tensors."""
         return sum(p.host.numel() * p.host.element_size() for p in self.parked)
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor | _Parked:
+    def pack(self, t: torch.Tensor) -> torch.Tensor | _Parked:
         if not parkable(t, self.device, self.min_bytes):
             return t
         known = self._by_tensor.get(id(t))
@@ -124,9 +121,21 @@ class ParkedSaves(torch.autograd.graph.saved_tensors_hooks):
         self._by_tensor[id(t)] = (weakref.ref(t), parked)
         return parked
 
-    def _unpack(self, packed: torch.Tensor | _Parked) -> torch.Tensor:
+    def unpack(self, packed: torch.Tensor | _Parked) -> torch.Tensor:
         if not isinstance(packed, _Parked):
             return packed
         if packed.index > 0:
             self.parked[packed.index - 1].prefetch()
         return packed.take()
+
+
+class ParkedSaves(torch.autograd.graph.saved_tensors_hooks):
+    """Context manager: the tensors autograd saves inside it that are :func:`parkable` wait in host memory until
+    the backward takes them (see the module docstring); taking one starts bringing back the one parked before it.
+    A tensor saved twice (e.g. by two ops) is parked once. ``state``: the parked tensors (:class:`Parking`). (While
+    it runs, saved-tensor hooks entered before it — e.g. a :class:`~lightning_oomb.engine.memory.SavedTensorMeter` —
+    see none of its saves: torch applies the innermost hooks only.)"""
+
+    def __init__(self, device: torch.device, min_bytes: int | None = None) -> None:
+        self.state = Parking(device, MIN_BYTES if min_bytes is None else min_bytes)
+        super().__init__(self.state.pack, self.state.unpack)

@@ -5,11 +5,12 @@ Each check compares with the same step without the feature, on the same GPU."""
 from __future__ import annotations
 
 import functools
+import random
 
 import pytest
 import torch
 
-from lightning_oomb.engine import OOMBConfig, OOMBEngine, parking
+from lightning_oomb.engine import OOMBConfig, OOMBEngine, attention, parking
 from lightning_oomb.engine.offload import delaying_transport
 from lightning_oomb.integrations.hf import HFChunkModel
 from tests.helpers.models import build_causal_lm, grads_of, max_relative_error
@@ -58,12 +59,22 @@ def test_offloaded_pages_with_delayed_copies_equal_pages_on_the_device(monkeypat
     """Every layer's pages in page-locked host memory, streamed on the side streams through 3 staging buffers,
     each copy and each compute wait delayed by up to 200K GPU cycles (a missing event wait shows as wrong numbers);
     with layer checkpointing the recompute's attention results and saved activations (every size) are parked in
-    host memory on their side stream too: the step equals the one whose pages stay on the device."""
+    host memory on their side stream too, each copy delayed likewise: the step equals the one whose pages stay on
+    the device."""
     monkeypatch.setattr(parking, "MIN_BYTES", 1)
+    copy_aside, gen = parking.copy_aside, random.Random(seed)
+
+    def late_copies(device, pairs):  # each parking copy starts up to 200K GPU cycles late
+        with torch.cuda.stream(parking._parking_stream(device)):
+            torch.cuda._sleep(gen.randrange(200_000))
+        return copy_aside(device, pairs)
+
+    monkeypatch.setattr(parking, "copy_aside", late_copies)
+    monkeypatch.setattr(attention, "copy_aside", late_copies)
     ckpt = {"layer_checkpointing": checkpointing}
     want_loss, want, _ = step(torch.float32, **ckpt)
-    delayed = functools.partial(delaying_transport, seed=seed)
-    loss, got, engine = step(torch.float32, delayed, offload=True, hbm_budget=0, staging_buffers=3, **ckpt)
+    transport = functools.partial(delaying_transport, seed=seed)
+    loss, got, engine = step(torch.float32, transport, offload=True, hbm_budget=0, staging_buffers=3, **ckpt)
     assert engine.pool.stats()["host_layers"] > 0
     assert abs(loss - want_loss) <= 1e-6 * abs(want_loss)
     assert max_relative_error(got, want) <= 1e-5

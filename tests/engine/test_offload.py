@@ -7,6 +7,7 @@ changes the loss and gradients only by float rounding (fp64 here).
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 
 import pytest
@@ -148,7 +149,7 @@ def test_checkpointed_layer_inputs_wait_in_host_memory_under_offload(monkeypatch
     hidden = model.config.hidden_size
     # per chunk: the layers' inputs [2, L, H]; the final norm's input and normed input [2, L, H] (float64: its
     # float32 cast is the input itself) and its 1/rms [2, L, 1]
-    last = made[0]  # the last chunk's (recomputed first): SEQ - 3 * CHUNK tokens
+    last = made[0].state  # the last chunk's (recomputed first): SEQ - 3 * CHUNK tokens
     tokens = 2 * (SEQ - (chunks - 1) * CHUNK)
     assert [p.host.shape for p in last.parked] == [(2, tokens // 2, hidden)] * (layers + 1) + [
         (2, tokens // 2, 1),
@@ -156,6 +157,34 @@ def test_checkpointed_layer_inputs_wait_in_host_memory_under_offload(monkeypatch
     ]
     shape, dtypes = planner.model_shape(engine.model), planner.precision_dtypes("64-true")
     assert planner.parked_saves_bytes(shape, dtypes, tokens, pinned=False, min_bytes=1)[1] == last.nbytes
+
+
+def test_parked_tensors_are_freed_with_their_graph(monkeypatch):
+    """Each chunk's parked host copies go when its graph does, without waiting for Python's garbage collector (the
+    hooks must not hold the context manager that holds them)."""
+    import gc
+
+    from lightning_oomb.engine import parking
+
+    monkeypatch.setattr(parking, "DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(parking, "MIN_BYTES", 1)
+    states = []
+    init = parking.Parking.__init__
+
+    def spy(self, *args):
+        init(self, *args)
+        states.append(weakref.ref(self))
+
+    monkeypatch.setattr(parking.Parking, "__init__", spy)
+    model = build_causal_lm("qwen2", num_hidden_layers=2)
+    ids = torch.randint(0, 97, (2, SEQ), generator=torch.Generator().manual_seed(6))
+    gc.disable()
+    try:
+        run_step(model, ids, True, offload=True)
+        alive = [ref for ref in states if ref() is not None]
+    finally:
+        gc.enable()
+    assert len(states) == -(-SEQ // CHUNK) and not alive
 
 
 # ------------------------------------------------------------------------------------------------- placement
