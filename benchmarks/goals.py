@@ -75,7 +75,7 @@ from benchmarks.common import (
     write_json,
 )
 from lightning_oomb.engine import OOMBConfig
-from lightning_oomb.engine.planner import model_shape
+from lightning_oomb.engine.planner import model_shape, parked_bytes, precision_dtypes
 from lightning_oomb.engine.step_time import StepRates, copy_bytes, step_flops, step_time
 
 GB = 1e9
@@ -252,7 +252,11 @@ def row_work(
         return flops, 0.0
     kv = 2 * shape.kv_heads * shape.head_dim * 2  # bf16 K and V per token (the GPU's dtype)
     grad = kv * (1 if config.kv_grad_dtype == "bfloat16" else 2)
-    return flops, copy_bytes(tokens, config, host_layers, kv, grad)
+    chunk = min(config.chunk_size, tokens)
+    parked = (
+        parked_bytes(shape, precision_dtypes("bf16-true"), chunk) if config.layer_checkpointing is True else 0
+    )
+    return flops, copy_bytes(tokens, config, host_layers, kv, grad, parked)
 
 
 # ------------------------------------------------------------------------------------------------- parts

@@ -587,6 +587,12 @@ def parked_saves_bytes(
     return min(2, shape.num_layers) * r * h * tokens, host
 
 
+def parked_bytes(shape: ModelShape, dtypes: Dtypes, tokens: int) -> int:
+    """Bytes a chunk of ``tokens`` parks in host memory under offload with layer checkpointing on a GPU (the kept
+    attention results and the saved layer inputs; each copied out and back once)."""
+    return sum(f(shape, dtypes, tokens, pinned=False)[1] for f in (parked_kept_bytes, parked_saves_bytes))
+
+
 def _layer_bytes_per_token(
     shape: ModelShape, dtypes: Dtypes, streamed: bool, tiled: bool = False
 ) -> tuple[int, int]:
@@ -1051,7 +1057,8 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
         shape, dtypes, batch, seq_len, config.chunk_size, ckpt, len(tiers.host_layers), config.mlp_tile
     )
     tokens = batch * min(config.chunk_size, seq_len)
-    if ckpt and config.offload and machine.device_type in parking.DEVICE_TYPES:  # the layers' inputs parked
+    parks = ckpt and config.offload and machine.device_type in parking.DEVICE_TYPES
+    if parks:  # the layers' inputs parked
         saved["layers"], host["parked_saves"] = parked_saves_bytes(shape, dtypes, tokens, pinned=True)
     activations = sum(saved.values())
     # the LM head's gradient is added into its float32 sum, or into its .grad
@@ -1107,7 +1114,8 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     if machine.rates is not None and devices == 1:
         dense, attention = step_flops(shape, seq_len, config, batch)
         kv, grad = (pool.page_bytes(part) / config.page_size for part in ("kv", "grad"))
-        copies = copy_bytes(seq_len, config, len(tiers.host_layers), kv, grad)
+        parked = parked_bytes(shape, dtypes, tokens) if parks else 0
+        copies = copy_bytes(seq_len, config, len(tiers.host_layers), kv, grad, parked)
         result.step_time_s = step_time(dense, attention, copies, machine.rates)
     return result
 

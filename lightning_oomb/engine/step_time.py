@@ -116,12 +116,19 @@ def _pairs(seq_len: int, chunk: int, window: int | None, past_cap: float, first_
 
 
 def copy_bytes(
-    seq_len: int, config: OOMBConfig, host_layers: int, kv_bytes: float, grad_bytes: float
+    seq_len: int,
+    config: OOMBConfig,
+    host_layers: int,
+    kv_bytes: float,
+    grad_bytes: float,
+    parked: float = 0.0,
 ) -> float:
     """Bytes an offloaded step moves between host and device: each of ``host_layers`` writes its K/V to the host
     once and, per chunk, streams the earlier chunks' pages in (a sparse step: the selected ones, at most
     ``page_budget`` pages per query block) — K/V in the forward sweep, the recompute (not for a kept chunk) and the
-    backward, gradient pages in and out in the backward (``kv_bytes``, ``grad_bytes``: per token, K and V)."""
+    backward, gradient pages in and out in the backward (``kv_bytes``, ``grad_bytes``: per token, K and V); and
+    what each chunk's recompute parks in host memory, out and back (``parked`` bytes per chunk:
+    :mod:`~lightning_oomb.engine.parking`)."""
     chunk = config.chunk_size
     chunks = math.ceil(seq_len / chunk)
     first_kept = chunks - config.reused_chunks(chunks)
@@ -131,7 +138,7 @@ def copy_bytes(
         streamed += tokens
         recomputed += tokens if index < first_kept else 0
     per_layer = seq_len * kv_bytes + (2 * streamed + recomputed) * kv_bytes + 2 * streamed * grad_bytes
-    return host_layers * per_layer
+    return host_layers * per_layer + 2 * chunks * parked
 
 
 def step_time(dense: float, attention: float, copies: float, rates: StepRates) -> float:

@@ -112,3 +112,23 @@ def test_the_plan_predicts_a_step_time_only_at_measured_rates():
     dense, attn = step_flops(model_shape(model), SEQ, config, batch=2)
     assert planned.step_time_s == pytest.approx(dense / 1e9 + attn / 5e8)
     assert "step" in planned.summary()
+
+
+def test_parked_chunks_count_in_the_copies():
+    """Offload with layer checkpointing on a GPU parks each chunk's kept attention results and layer inputs in host
+    memory, out and back: the planned copies grow by twice those bytes per chunk (the bytes a CPU run parks when
+    forced: tests/engine/test_offload.py), and a copy-bound step takes that much longer."""
+    from lightning_oomb.engine.planner import parked_bytes, precision_dtypes
+
+    model = build_causal_lm("qwen2", dtype=torch.bfloat16, num_hidden_layers=2)
+    config = OOMBConfig(32, 8, offload=True, hbm_budget=0, layer_checkpointing=True)
+    rates = StepRates(dense_flops=1e30, attention_flops=1e30, copy_bytes=1e6)  # copies only
+    times = {
+        kind: plan(
+            model, SEQ, 2, config, "bf16-true", None, Machine(kind, 1 << 40, 1 << 40, rates=rates)
+        ).step_time_s
+        for kind in ("cpu", "cuda")
+    }
+    parked = parked_bytes(model_shape(model), precision_dtypes("bf16-true"), 2 * 32)
+    assert parked > 0
+    assert times["cuda"] - times["cpu"] == pytest.approx(2 * (SEQ // 32) * parked / 1e6)
