@@ -232,12 +232,12 @@ def test_hybrid_memory_smoke(tmp_path):
     from benchmarks.hybrid_memory import main
 
     out = tmp_path / "hybrid.json"
-    main(["--contexts", "512", "--chunk", "128", "--out", str(out)])
+    main(["--contexts", "256", "--chunk", "128", "--out", str(out)])
     rows = {(r["method"], r["checkpointing"]): r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {("hf", False), ("hf", True), ("oomb", True)}
     assert rows["oomb", True]["carried_state_bytes"] > 0
     assert rows["oomb", True]["peak_bytes"] < rows["hf", False]["peak_bytes"]
-    assert "| 512 |" in out.with_suffix(".md").read_text() and out.with_suffix(".png").exists()
+    assert "| 256 |" in out.with_suffix(".md").read_text() and out.with_suffix(".png").exists()
 
 
 def test_predictions_are_one_command(tmp_path):
