@@ -34,7 +34,7 @@ from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.kv_pool import KVPool
 from lightning_oomb.engine.lse import add_sinks, finish_state, init_state, sink_grad
 from lightning_oomb.engine.pages import PagedKV, PoolShape
-from lightning_oomb.engine.parking import copy_aside
+from lightning_oomb.engine.parking import ParkedTensor
 from lightning_oomb.engine.results import ForwardResults
 from lightning_oomb.engine.sparse import Probe, Selection, SparseStep, select_pages
 from lightning_oomb.engine.states import ChunkStates
@@ -91,53 +91,43 @@ class Kept:
     the second call takes this instead of attending again (same queries, same pages: the same result), so a step
     attends twice forward, as full-sequence training with checkpointing does, and streams no page twice. Held until
     the layer's backward: ``O(chunk)`` per layer under checkpointing, nothing extra without it (the same tensors
-    are saved for the backward). ``copied``: a result parked from CUDA, the event after its copy to the host."""
+    are saved for the backward). Parked (``offload``), ``out`` and ``lse`` are
+    :class:`~lightning_oomb.engine.parking.ParkedTensor` s."""
 
-    out: torch.Tensor
-    lse: torch.Tensor
+    out: torch.Tensor | ParkedTensor
+    lse: torch.Tensor | ParkedTensor
     select: torch.Tensor | None
-    parked: bool = False
-    copied: torch.cuda.Event | None = None
+
+    @property
+    def parked(self) -> bool:
+        return isinstance(self.out, ParkedTensor)
 
     def park(self) -> Kept:
         """This result in host memory (``offload``: ``O(chunk)`` per layer off the device until the layer's
-        backward; the small page selection stays): from CUDA into page-locked memory on a side stream, so the
-        compute stream does not wait for the copy."""
-        tensors = (self.out, self.lse)
-        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda) for t in tensors]
-        if not self.out.is_cuda:
-            return Kept(*(h.copy_(t) for h, t in zip(host, tensors)), self.select, parked=True)
-        return Kept(*host, self.select, parked=True, copied=copy_aside(self.out.device, zip(host, tensors)))
+        backward; the small page selection stays), copied on the parking stream."""
+        return Kept(ParkedTensor.out_of(self.out), ParkedTensor.out_of(self.lse), self.select)
 
-    def prefetch(self, device: torch.device) -> Kept:
-        """A result parked from CUDA starts back to ``device`` on the side stream (after its copy out); ``copied``
-        is then the event after that copy. Others are returned as they are (:meth:`restore` copies them)."""
-        if not self.parked or self.copied is None:
-            return self
-        made = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in (self.out, self.lse)]
-        return Kept(*made, self.select, copied=copy_aside(device, zip(made, (self.out, self.lse))))
+    def prefetch(self) -> None:
+        """A parked result starts back to its device ahead of :meth:`restore` (CUDA)."""
+        if self.parked:
+            self.out.prefetch()
+            self.lse.prefetch()
 
-    def restore(self, device: torch.device) -> Kept:
-        """The result on ``device``: a prefetched one once its copy is done, a parked one copied back now
-        (asynchronously on the current stream, after its copy to the host)."""
-        if self.copied is not None:
-            torch.cuda.current_stream(device).wait_event(self.copied)
-        if not self.parked:
-            return self
-        out, lse = (t.to(device, non_blocking=True, copy=True) for t in (self.out, self.lse))
-        return Kept(out, lse, self.select)
+    def restore(self) -> Kept:
+        """The result on its device."""
+        return Kept(self.out.take(), self.lse.take(), self.select) if self.parked else self
 
 
-def _take_kept(chunk: ChunkContext, layer: int, device: torch.device) -> Kept | None:
-    """The layer's result kept for its checkpoint recompute, on ``device`` (``None``: none kept, the chunk's
+def _take_kept(chunk: ChunkContext, layer: int) -> Kept | None:
+    """The layer's result kept for its checkpoint recompute, on its device (``None``: none kept, the chunk's
     recompute itself); the result of the next layer down, which the backward needs next, starts back meanwhile."""
     kept = chunk.kept.pop(layer, None) if chunk.kept is not None else None
     if kept is None:
         return None
     below = max((other for other in chunk.kept if other < layer), default=None)
     if below is not None:
-        chunk.kept[below] = chunk.kept[below].prefetch(device)
-    return kept.restore(device)
+        chunk.kept[below].prefetch()
+    return kept.restore()
 
 
 def resolve_backend(name: str, device: torch.device) -> Backend:
@@ -271,7 +261,7 @@ class PagedAttention(torch.autograd.Function):
             shape = chunk.shape.for_dtype(k.dtype)
             if pool.shape != shape:
                 pool.reserve(shape, k.device)
-        kept = _take_kept(chunk, layer, q.device)
+        kept = _take_kept(chunk, layer)
         if chunk.context is not None:
             return _forward_across_group(ctx, q, k, v, chunk, layer, scale, window, softcap, sinks, kept)
         reused = _reused(chunk, layer) if kept is None else None
@@ -366,7 +356,7 @@ def _reused(chunk: ChunkContext, layer: int):
     if chunk.kept is not None and chunk.park_kept:
         # its host copy, valid after the fetch the current stream waited for: it can come back ahead too
         ready = torch.cuda.current_stream(out.device).record_event() if out.is_cuda else None
-        chunk.kept[layer] = Kept(*host, select, parked=True, copied=ready)
+        chunk.kept[layer] = Kept(*(ParkedTensor(t, out.device, ready) for t in host), select)
     elif chunk.kept is not None:
         chunk.kept[layer] = Kept(out, lse, select)
     return out, lse, select

@@ -53,28 +53,35 @@ def parkable(t: torch.Tensor, device: torch.device, min_bytes: int) -> bool:
     )
 
 
-class _Parked:
-    """One saved tensor in host memory (page-locked from CUDA), with its way back."""
+class ParkedTensor:
+    """One tensor of ``device`` in host memory (page-locked from CUDA), with its way back: :meth:`prefetch` starts
+    the copy back on the parking stream, :meth:`take` hands the tensor out on ``device`` again (the current stream
+    waiting for its copy). ``copied``: the event after which the host copy is valid (``None``: valid now)."""
 
-    def __init__(self, t: torch.Tensor, index: int) -> None:
-        self.index, self.device, self.version = index, t.device, t._version
-        self.host = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, pin_memory=t.is_cuda)
-        self.copied = None  # from CUDA: the event after the copy out
-        if t.is_cuda:
-            self.copied = copy_aside(t.device, [(self.host, t)])
-        else:
-            self.host.copy_(t)
+    def __init__(self, host: torch.Tensor, device: torch.device, copied=None, index: int = 0) -> None:
+        self.host, self.device, self.copied, self.index = host, device, copied, index
+        self.version = 0  # the parked tensor's in-place version when parked
         self._ahead: tuple[torch.Tensor, torch.cuda.Event] | None = None
         self._back = lambda: None  # the device tensor handed out last (alive while autograd uses it)
         self._taken = False
 
+    @classmethod
+    def out_of(cls, t: torch.Tensor, index: int = 0) -> ParkedTensor:
+        """``t`` copied into host memory (from CUDA on the parking stream: the compute stream does not wait)."""
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+        if t.is_cuda:
+            parked = cls(host, t.device, copy_aside(t.device, [(host, t)]), index)
+        else:
+            parked = cls(host.copy_(t), t.device, None, index)
+        parked.version = t._version
+        return parked
+
     def prefetch(self) -> None:
-        """Start the copy back (CUDA), unless under way or taken already."""
-        if self.copied is None or self._ahead is not None or self._taken:
+        """Start the copy back (CUDA), unless under way or taken already; it follows the host copy's ``copied``
+        (recorded on the parking stream, or on the current stream, which the parking stream waits for)."""
+        if self.device.type != "cuda" or self._ahead is not None or self._taken:
             return
-        made = torch.empty_strided(
-            self.host.size(), self.host.stride(), dtype=self.host.dtype, device=self.device
-        )
+        made = torch.empty(self.host.shape, dtype=self.host.dtype, device=self.device)
         self._ahead = made, copy_aside(self.device, [(made, self.host)])
 
     def take(self) -> torch.Tensor:
@@ -86,11 +93,12 @@ class _Parked:
             tensor, done = self._ahead
             self._ahead = None
             torch.cuda.current_stream(self.device).wait_event(done)
-        elif self.copied is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.copied)
+        elif self.device.type == "cuda":
+            if self.copied is not None:
+                torch.cuda.current_stream(self.device).wait_event(self.copied)
             tensor = self.host.to(self.device, non_blocking=True, copy=True)
-        else:  # a CPU device: the host copy is the tensor
-            tensor = self.host
+        else:  # a CPU device: a copy (the host tensor may be another owner's buffer)
+            tensor = self.host.clone()
         self._back, self._taken = weakref.ref(tensor), True
         return tensor
 
@@ -102,27 +110,27 @@ class Parking:
 
     def __init__(self, device: torch.device, min_bytes: int) -> None:
         self.device, self.min_bytes = device, min_bytes
-        self.parked: list[_Parked] = []  # in the order of parking
-        self._by_tensor: dict[int, tuple[weakref.ref, _Parked]] = {}
+        self.parked: list[ParkedTensor] = []  # in the order of parking
+        self._by_tensor: dict[int, tuple[weakref.ref, ParkedTensor]] = {}
 
     @property
     def nbytes(self) -> int:
         """Host bytes of the parked tensors."""
         return sum(p.host.numel() * p.host.element_size() for p in self.parked)
 
-    def pack(self, t: torch.Tensor) -> torch.Tensor | _Parked:
+    def pack(self, t: torch.Tensor) -> torch.Tensor | ParkedTensor:
         if not parkable(t, self.device, self.min_bytes):
             return t
         known = self._by_tensor.get(id(t))
         if known is not None and known[0]() is t and known[1].version == t._version:
             return known[1]
-        parked = _Parked(t, len(self.parked))
+        parked = ParkedTensor.out_of(t, len(self.parked))
         self.parked.append(parked)
         self._by_tensor[id(t)] = (weakref.ref(t), parked)
         return parked
 
-    def unpack(self, packed: torch.Tensor | _Parked) -> torch.Tensor:
-        if not isinstance(packed, _Parked):
+    def unpack(self, packed: torch.Tensor | ParkedTensor) -> torch.Tensor:
+        if not isinstance(packed, ParkedTensor):
             return packed
         if packed.index > 0:
             self.parked[packed.index - 1].prefetch()

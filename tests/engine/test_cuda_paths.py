@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from lightning_oomb.engine import OOMBConfig, OOMBEngine, attention, parking
+from lightning_oomb.engine import OOMBConfig, OOMBEngine, parking
 from lightning_oomb.engine.offload import delaying_transport
 from lightning_oomb.integrations.hf import HFChunkModel
 from tests.helpers.models import build_causal_lm, grads_of, max_relative_error
@@ -70,7 +70,6 @@ def test_offloaded_pages_with_delayed_copies_equal_pages_on_the_device(monkeypat
         return copy_aside(device, pairs)
 
     monkeypatch.setattr(parking, "copy_aside", late_copies)
-    monkeypatch.setattr(attention, "copy_aside", late_copies)
     ckpt = {"layer_checkpointing": checkpointing}
     want_loss, want, _ = step(torch.float32, **ckpt)
     transport = functools.partial(delaying_transport, seed=seed)

@@ -95,8 +95,8 @@ def test_kept_attention_results_wait_in_host_memory_under_offload(monkeypatch):
 
     def spy(self):
         out = park(self)
-        parked.append(out.out.untyped_storage().nbytes() + out.lse.untyped_storage().nbytes())
-        assert out.out.device.type == "cpu" and out.out.data_ptr() != self.out.data_ptr()
+        parked.append(out.out.host.untyped_storage().nbytes() + out.lse.host.untyped_storage().nbytes())
+        assert out.out.host.device.type == "cpu" and out.out.host.data_ptr() != self.out.data_ptr()
         return out
 
     monkeypatch.setattr(attention.Kept, "park", spy)
@@ -122,7 +122,7 @@ def test_checkpointed_layer_inputs_wait_in_host_memory_under_offload(monkeypatch
     monkeypatch.setattr(parking, "DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(parking, "MIN_BYTES", 1)
     made, prefetched = [], []
-    hooks, prefetch = parking.ParkedSaves.__init__, parking._Parked.prefetch
+    hooks, prefetch = parking.ParkedSaves.__init__, parking.ParkedTensor.prefetch
 
     def spy_init(self, *args, **kwargs):
         hooks(self, *args, **kwargs)
@@ -133,7 +133,7 @@ def test_checkpointed_layer_inputs_wait_in_host_memory_under_offload(monkeypatch
         prefetch(self)
 
     monkeypatch.setattr(parking.ParkedSaves, "__init__", spy_init)
-    monkeypatch.setattr(parking._Parked, "prefetch", spy_prefetch)
+    monkeypatch.setattr(parking.ParkedTensor, "prefetch", spy_prefetch)
     layers = 3
     model = build_causal_lm("qwen2", num_hidden_layers=layers)
     ids = torch.randint(0, 97, (2, SEQ), generator=torch.Generator().manual_seed(5))
