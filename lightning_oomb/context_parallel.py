@@ -28,6 +28,7 @@ from typing_extensions import override
 
 from lightning_oomb.engine import OOMBConfigError
 from lightning_oomb.engine.context import ContextGroup
+from lightning_oomb.engine.recurrence import check_context
 from lightning_oomb.strategy import _OOMBStrategyMixin, config_from_arguments, strategy_doc
 
 
@@ -115,7 +116,14 @@ class OOMBContextParallelStrategy(_OOMBStrategyMixin, DDPStrategy):
         return self.world_size // self.context_parallel_size
 
     @override
-    def setup_environment(self) -> None:
+    def _configure_launcher(self) -> None:
+        # Trainer(...) calls this once it knows the devices: refuse before processes start (with one device nothing
+        # is launched, and the Trainer of `oomb plan` plans a bigger mesh on one CPU: setup_environment checks)
+        if self.num_processes > 1:
+            self._check_mesh()
+        super()._configure_launcher()
+
+    def _check_mesh(self) -> None:
         size, world = self.context_parallel_size, self.world_size
         if world % size:
             raise OOMBConfigError(
@@ -123,6 +131,7 @@ class OOMBContextParallelStrategy(_OOMBStrategyMixin, DDPStrategy):
                 f"replica needs a whole group — use a device count that is a multiple of {size} (or change "
                 "context_parallel_size)."
             )
+        check_context(self.oomb_config, size)
         backend = self._get_process_group_backend()
         device = self.root_device.type
         if (backend == "nccl") != (device == "cuda"):
@@ -130,10 +139,17 @@ class OOMBContextParallelStrategy(_OOMBStrategyMixin, DDPStrategy):
                 f"process_group_backend={backend!r} cannot run the collectives of {device} tensors — use 'nccl' on "
                 "GPUs and 'gloo' on CPUs (or leave it unset)."
             )
+
+    @override
+    def setup_environment(self) -> None:
+        self._check_mesh()
         super().setup_environment()
         from torch.distributed.device_mesh import init_device_mesh
 
-        self._mesh = init_device_mesh(device, (world // size, size), mesh_dim_names=("data", "context"))
+        size = self.context_parallel_size
+        self._mesh = init_device_mesh(
+            self.root_device.type, (self.world_size // size, size), mesh_dim_names=("data", "context")
+        )
 
     @override
     def _context_group(self) -> ContextGroup:

@@ -12,6 +12,7 @@ holds two at a time instead of every layer's (Qwen2.5-7B, chunk 4096: 28 inputs 
 
 from __future__ import annotations
 
+import collections
 import functools
 import weakref
 from collections.abc import Iterable
@@ -20,6 +21,13 @@ import torch
 
 MIN_BYTES = 1 << 20  # smaller saved tensors stay where they are
 DEVICE_TYPES = ("cuda",)  # where the engine parks (a CPU's host memory is its device memory)
+_parked: collections.Counter = collections.Counter()  # bytes parked per device, ever (see parked_bytes)
+
+
+def parked_bytes(device: torch.device) -> int:
+    """Bytes this process has parked from ``device`` so far (each copied to host memory and back once); the engine
+    reports a step's share."""
+    return _parked[torch.device(device)]
 
 
 def copy_aside(device: torch.device, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event:
@@ -74,6 +82,7 @@ class ParkedTensor:
         else:
             parked = cls(host.copy_(t), t.device, None, index)
         parked.version = t._version
+        _parked[t.device] += t.numel() * t.element_size()
         return parked
 
     def prefetch(self) -> None:

@@ -432,6 +432,7 @@ class OOMBEngine:
             else Float32GradSums(self._parameters())
         )
         engaged = self.model.engaged(step.input_ids.shape[1])
+        parked = parking.parked_bytes(device)
         with (
             self._reporting(),
             fork,
@@ -454,7 +455,7 @@ class OOMBEngine:
                     carried.finish_backward(states)
                 if sums is not None:
                     sums.chunk_done(more=index > 0)
-        self.stats.extra.update(self.pool.stats())
+        self.stats.extra.update(self.pool.stats(), parked_bytes=parking.parked_bytes(device) - parked)
 
     def input_versions(self, step: _Step) -> tuple:
         """What the backward sweep recomputes from: the in-place version counters of the parameters, token ids and
@@ -507,6 +508,7 @@ class OOMBEngine:
             kv_bytes=shape.kv_bytes if shape else 0,
             grad_bytes=shape.grad_bytes if shape else 0,
             extra=self.pool.stats()
+            | {"parked_bytes": 0}
             | ({"reused_attention_bytes": self.results.nbytes} if step.reused_from is not None else {})
             | (
                 {}

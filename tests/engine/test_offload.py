@@ -157,6 +157,10 @@ def test_checkpointed_layer_inputs_wait_in_host_memory_under_offload(monkeypatch
     ]
     shape, dtypes = planner.model_shape(engine.model), planner.precision_dtypes("64-true")
     assert planner.parked_saves_bytes(shape, dtypes, tokens, pinned=False, min_bytes=1)[1] == last.nbytes
+    # the step reports what it parked: every chunk's saves and kept attention results
+    rows = [2 * (min(SEQ, start + CHUNK) - start) for start in range(0, SEQ, CHUNK)]
+    kept = sum(planner.parked_kept_bytes(shape, dtypes, n, pinned=False)[1] for n in rows)
+    assert engine.stats.extra["parked_bytes"] == sum(m.state.nbytes for m in made) + kept > 0
 
 
 def test_parked_tensors_are_freed_with_their_graph(monkeypatch):

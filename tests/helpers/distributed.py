@@ -1,11 +1,20 @@
-"""Run a function on several CPU processes joined by a gloo process group (context-parallel tests)."""
+"""Run a function on several CPU processes joined by a gloo process group (context-parallel tests).
+
+Starting a process costs seconds (torch, transformers and Lightning imported anew), far more than a test step, so
+:func:`run_ranks` keeps one group of worker processes per world size alive for the whole session and hands each
+call to it; a call that fails on any rank ends that group (a rank may be stuck in a collective) and the next call
+starts a fresh one. :func:`failing_ranks` always runs on fresh processes.
+"""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
+import queue
 import socket
+import time
 import traceback
 from pathlib import Path
 
@@ -20,33 +29,121 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, fn, out: str, args: tuple, timeout_s: float) -> None:
+def _join(rank: int, world: int, port: int, timeout_s: float) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
     )
+
+
+def _run(rank: int, world: int, fn, out: str, args: tuple) -> None:
+    """``fn`` on this rank, its result saved to ``out``; the process's torch defaults restored after it."""
+    dtype = torch.get_default_dtype()
     try:
-        result = fn(rank, world, *args)
-        torch.save(result, Path(out) / f"rank{rank}.pt")
+        torch.save(fn(rank, world, *args), Path(out) / f"rank{rank}.pt")
     except BaseException:
         (Path(out) / f"rank{rank}.err").write_text(traceback.format_exc())
         raise
     finally:
+        torch.set_default_dtype(dtype)
+
+
+def _entry(rank: int, world: int, port: int, fn, out: str, args: tuple, timeout_s: float) -> None:
+    _join(rank, world, port, timeout_s)
+    try:
+        _run(rank, world, fn, out, args)
+    finally:
         dist.destroy_process_group()
 
 
+def _serve(rank: int, world: int, port: int, timeout_s: float, tasks, done) -> None:
+    """A pool worker: run the tasks ``(fn, out, args)`` until ``None``, reporting each one's traceback or None."""
+    _join(rank, world, port, timeout_s)
+    while (task := tasks.get()) is not None:
+        try:
+            _run(rank, world, *task)
+            done.put((rank, None))
+        except BaseException:
+            done.put((rank, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class _Pool:
+    """``world`` worker processes in one gloo group, reused call after call."""
+
+    def __init__(self, world: int, timeout_s: float) -> None:
+        context = mp.get_context("spawn")
+        self.world, self.timeout_s = world, timeout_s
+        self.tasks = [context.Queue() for _ in range(world)]
+        self.done = context.Queue()
+        port = _free_port()
+        self.processes = [
+            context.Process(
+                target=_serve, args=(r, world, port, timeout_s, self.tasks[r], self.done), daemon=True
+            )
+            for r in range(world)
+        ]
+        for p in self.processes:
+            p.start()
+
+    def run(self, fn, out: Path, args: tuple) -> None:
+        for tasks in self.tasks:
+            tasks.put((fn, str(out), args))
+        deadline = time.monotonic() + 2 * self.timeout_s + 60  # start-up (imports) + the call's collectives
+        pending = set(range(self.world))
+        while pending:
+            try:
+                rank, error = self.done.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.processes) if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"ranks {dead or sorted(pending)} died or hung running {fn.__name__}"
+                    ) from None
+                continue
+            if error is not None:
+                raise RuntimeError(f"rank {rank} failed running {fn.__name__}:\n{error}")
+            pending.discard(rank)
+
+    def close(self) -> None:
+        for tasks, p in zip(self.tasks, self.processes, strict=True):
+            if p.is_alive():
+                with contextlib.suppress(Exception):
+                    tasks.put(None)
+        for p in self.processes:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+_pools: dict[tuple[int, float], _Pool] = {}
+
+
+@atexit.register
+def _close_pools() -> None:
+    while _pools:
+        _pools.popitem()[1].close()
+
+
 def run_ranks(fn, world: int, tmp_path: Path, *args, timeout_s: float = 60.0) -> list:
-    """``fn(rank, world, *args)`` on ``world`` spawned processes (gloo, collectives timing out after
+    """``fn(rank, world, *args)`` on ``world`` processes of a gloo group (collectives timing out after
     ``timeout_s``); returns each rank's result. ``fn`` must be a module-level function (pickled by reference)."""
-    mp.start_processes(_entry, args=(world, _free_port(), fn, str(tmp_path), args, timeout_s), nprocs=world,
-                       start_method="spawn")  # fmt: skip
+    key = (world, timeout_s)
+    pool = _pools.get(key) or _pools.setdefault(key, _Pool(world, timeout_s))
+    try:
+        pool.run(fn, tmp_path, args)
+    except BaseException:
+        _pools.pop(key).close()  # a rank may be stuck in a collective: the next call starts a fresh group
+        raise
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
 def failing_ranks(fn, world: int, tmp_path: Path, *args, timeout_s: float = 10.0) -> list[str | None]:
-    """Like :func:`run_ranks` for a run expected to fail: each rank's traceback (``None`` if it succeeded)."""
+    """For a run expected to fail, on fresh processes: each rank's traceback (``None`` if it succeeded)."""
     with contextlib.suppress(Exception):  # the first failing process's error; every rank's is in its file
-        run_ranks(fn, world, tmp_path, *args, timeout_s=timeout_s)
+        mp.start_processes(_entry, args=(world, _free_port(), fn, str(tmp_path), args, timeout_s), nprocs=world,
+                           start_method="spawn")  # fmt: skip
     errors = [tmp_path / f"rank{r}.err" for r in range(world)]
     return [e.read_text() if e.exists() else None for e in errors]

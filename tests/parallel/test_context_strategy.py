@@ -36,19 +36,27 @@ def test_three_steps_with_accumulation_and_clipping_equal_one_process():
     assert any(not torch.equal(a, b) for a, b in zip(start.parameters(), got.parameters(), strict=True))
 
 
-def test_context_size_must_divide_the_devices():
-    with pytest.raises(Exception, match="multiple of 2|context_parallel_size=2"):
-        fit(cp(context_parallel_size=2), devices=3, steps=1)
+@pytest.mark.parametrize(("strategy", "devices", "message"), [
+    (lambda: cp(context_parallel_size=2), 3, "3 devices do not divide into context groups of context_parallel_size=2"),
+    (lambda: cp(process_group_backend="nccl"), 2, "process_group_backend='nccl' cannot run the collectives of cpu"),
+    (lambda: OOMBContextParallelStrategy(chunk_size=8, page_size=8), 2, "equal slices of whole pages"),
+])  # fmt: skip
+def test_a_mesh_that_cannot_work_is_refused_by_the_trainer_before_any_process_starts(
+    strategy, devices, message
+):
+    with pytest.raises(OOMBConfigError, match=message):
+        make_trainer(strategy(), 1, devices=devices)
 
 
-def test_a_backend_that_cannot_run_on_the_device_is_refused():
-    with pytest.raises(Exception, match="process_group_backend='nccl' cannot run the collectives of cpu"):
-        fit(cp(process_group_backend="nccl"), devices=2, steps=1)
-
-
-def test_chunk_must_split_into_whole_pages_per_rank():
-    with pytest.raises(Exception, match="equal slices of whole pages"):
-        fit(OOMBContextParallelStrategy(chunk_size=8, page_size=8, start_method="spawn"), devices=2, steps=1)
+def test_one_device_and_a_bigger_context_group_is_refused_at_fit():
+    with pytest.raises(
+        OOMBConfigError, match="1 devices do not divide into context groups of context_parallel_size=2"
+    ):
+        fit(
+            OOMBContextParallelStrategy(chunk_size=16, page_size=8, context_parallel_size=2),
+            devices=1,
+            steps=1,
+        )
 
 
 def test_options_are_checked_at_construction():
