@@ -229,6 +229,7 @@ def plan_command(args: list[str], print_table: bool = True) -> MemoryPlan | None
         **memory,
         param_dtype=param_dtype,
         context_parallel=strategy.context_size_on(cli.world) if hasattr(strategy, "context_size_on") else 1,
+        accumulate_grad_batches=cli.trainer.accumulate_grad_batches,
     )
     if print_table:
         print_plan(result)
@@ -248,8 +249,8 @@ def print_plan(result: MemoryPlan) -> None:
     console.print(
         f"oomb plan: {result.model.family}, {result.batch} x {result.seq_len} tokens, {result.precision}, "
         f"{result.optimizer}, chunk_size {cfg.chunk_size}, layer_checkpointing {cfg.layer_checkpointing}, "
-        f"kv_grad_dtype {cfg.kv_grad_dtype}, offload {cfg.offload} ({result.hbm_layers} HBM / "
-        f"{result.host_layers} host layers)"
+        f"kv_grad_dtype {cfg.kv_grad_dtype}, grad_accumulation {cfg.grad_accumulation}, offload {cfg.offload} "
+        f"({result.hbm_layers} HBM / {result.host_layers} host layers)"
     )
     table = Table()
     table.add_column("term")

@@ -64,7 +64,7 @@ class OOMBContextParallelStrategy(_OOMBStrategyMixin, DDPStrategy):
         prefetch_depth: int | None = None,
         page_budget: int | None = None,
         page_score: str = "bound",
-        grad_accumulation: str = "float32",
+        grad_accumulation: str = "auto",
         mlp_tile: int | None = None,
         reuse_attention: bool | int | str = False,
         context_parallel_size: int | None = None,

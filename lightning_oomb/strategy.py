@@ -91,8 +91,9 @@ class _OOMBStrategyMixin:
         the first step still guards the KV pool. ``OOMBStrategy(plan_memory=False)`` skips it. The same plan decides
         ``layer_checkpointing="auto"`` (without a ``seq_len`` it stays on) and, under offload on a GPU,
         ``hbm_budget="auto"`` with the optimizer states counted (:func:`~lightning_oomb.engine.planner.decide_auto`;
-        without a ``seq_len`` the pool decides at the first step from the free memory), and ``reuse_attention="auto"``
-        (without a ``seq_len``: no chunk's results are kept).
+        without a ``seq_len`` the pool decides at the first step from the free memory), ``reuse_attention="auto"``
+        (without a ``seq_len``: no chunk's results are kept) and ``grad_accumulation="auto"`` (without a plan:
+        ``"float32"``).
         """
         seq_len, batch = step_size_of(trainer.datamodule)
         config = self.oomb_config
@@ -114,6 +115,7 @@ class _OOMBStrategyMixin:
             optimizer if isinstance(optimizer, torch.optim.Optimizer) else None,
             Machine.local(self.root_device, resident_bytes=params),
             context_parallel=self.engine.context.size if self.engine.context is not None else 1,
+            accumulate_grad_batches=trainer.accumulate_grad_batches,
         )
         if result.config != config:  # the plan decided the "auto" options: for the engine and the model
             self.engine.reconfigure(result.config)
@@ -214,7 +216,7 @@ class OOMBStrategy(_OOMBStrategyMixin, SingleDeviceStrategy):
         prefetch_depth: int | None = None,
         page_budget: int | None = None,
         page_score: str = "bound",
-        grad_accumulation: str = "float32",
+        grad_accumulation: str = "auto",
         mlp_tile: int | None = None,
         reuse_attention: bool | int | str = False,
         target_module: str | None = None,

@@ -13,7 +13,7 @@ from lightning_oomb.engine.pages import GRAD_DTYPES
 from lightning_oomb.engine.sparse import check_budget, check_page_score
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
-GRAD_ACCUMULATIONS = ("float32", "float32-host", "native")
+GRAD_ACCUMULATIONS = ("auto", "float32", "float32-host", "native")
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,10 @@ class OOMBConfig:
             them: a page holding one strongly matching key scores high) or ``"mean"`` (the mean key, the OOMB
             paper's rule; half the summary memory, but blind to single keys: see ``benchmarks/sparse_quality.py``).
         grad_accumulation: how the backward sweep sums the chunks' gradients of trainable 16-bit parameters
-            (``bf16-true``, ``16-true``): ``"float32"`` (default) in a float32 sum per parameter, written into
+            (``bf16-true``, ``16-true``): ``"auto"`` (default): ``"float32"``, unless the strategies' memory plan
+            at setup finds that the step fits a GPU only with ``"float32-host"`` — then that (both keep the error
+            flat); without a ``seq_len`` to plan for, or a bare engine: ``"float32"``. ``"float32"``: in a float32
+            sum per parameter, written into
             ``.grad`` once when the sweep ends (added to what ``.grad`` held, once), so the gradient's error stays
             that of ordinary 16-bit training whatever the number of chunks; during the sweep each such parameter's
             gradient takes 4 bytes instead of 2 (+14 GiB for a full fine-tune of Qwen2.5-7B, little under LoRA;
@@ -73,10 +76,11 @@ class OOMBConfig:
             chunks, 3.7x at 1024, 32x on the final norm's weight; ``benchmarks/bf16_grad_fidelity.py``).
             ``"float32-host"``: the float32 sums of the matrices in host memory instead — their 16-bit ``.grad``
             sums up to 16 chunks (rounded per chunk over a window that does not grow with the sequence), then the
-            window is copied to the host and added there; the 1-D parameters (norms, biases) keep float32 sums on
-            the device. No device memory beyond ``"native"``'s (2 bytes per 1-D element), 4 host bytes per matrix
-            element (28 GiB for Qwen2.5-7B) and, per 16 chunks, a device-to-host copy of the gradients and a host
-            add; a step of at most 16 chunks is ``"native"`` for the matrices and needs no host memory.
+            window is copied to the host and added there (what ``.grad`` held from earlier micro-batches first);
+            the 1-D parameters (norms, biases) keep float32 sums on the device. No device memory beyond
+            ``"native"``'s (2 bytes per 1-D element), 4 host bytes per matrix element (28 GiB for Qwen2.5-7B) and,
+            per 16 chunks, a device-to-host copy of the gradients and a host add; a step of at most 16 chunks
+            without gradient accumulation is ``"native"`` for the matrices and needs no host memory.
             Parameters of 32 and 64 bits are summed by autograd either way.
         mlp_tile: run each decoder layer's MLP ``mlp_tile`` tokens at a time with grad, keeping only its input: its
             backward recomputes and back-propagates one tile at a time (:mod:`lightning_oomb.engine.tiles`), so the
@@ -109,7 +113,7 @@ class OOMBConfig:
     prefetch_depth: int | None = None
     page_budget: int | None = None
     page_score: str = "bound"
-    grad_accumulation: str = "float32"
+    grad_accumulation: str = "auto"
     mlp_tile: int | None = None
     reuse_attention: bool | int | str = False
 
@@ -172,6 +176,11 @@ class OOMBConfig:
                 f"grad_accumulation={self.grad_accumulation!r} is unknown — it says how the chunks' gradients of "
                 f"16-bit parameters are summed — use one of {GRAD_ACCUMULATIONS}."
             )
+
+    @property
+    def grad_summing(self) -> str:
+        """How the backward sweep sums 16-bit chunk gradients now (``"auto"`` not yet decided: ``"float32"``)."""
+        return "float32" if self.grad_accumulation == "auto" else self.grad_accumulation
 
     def reused_chunks(self, chunks: int) -> int:
         """How many of a step's ``chunks`` (its last ones) keep their forward attention results (``"auto"`` not

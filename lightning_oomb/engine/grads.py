@@ -15,7 +15,9 @@ Parameters of other dtypes (float32, float64, frozen ones) are left to autograd.
 gradients accumulate in the 16-bit ``.grad`` for up to ``every`` chunks (rounded per chunk, as autograd does, over a
 window that does not grow with the sequence), then the window's sum is copied to a float32 sum in host memory and
 ``.grad`` dropped; when the sweep ends the host sum (plus the last window) is written back into ``.grad``, rounded
-once. A sweep of at most ``every`` chunks never flushes: it is ``"native"``. Vectors (norm weights, biases: tiny,
+once. What ``.grad`` holds when the sweep starts (earlier micro-batches of gradient accumulation) goes to the host sum
+first, so no window rounds on top of it. A sweep of at most ``every`` chunks that starts without ``.grad`` never
+flushes: it is ``"native"``. Vectors (norm weights, biases: tiny,
 and summed over every token, so the most sensitive) take :class:`Float32GradSums` on the device. Cost: 4 host bytes
 per matrix element and two pinned staging slabs; per flush one device-to-host copy of the matrices' gradients (2
 bytes each) and a host add, in slabs over all matrices so the copy of one overlaps the add of the previous.
@@ -117,6 +119,8 @@ class HostGradSums:
 
     def __enter__(self) -> HostGradSums:
         self.vectors.__enter__()
+        if any(p.grad is not None for p in self.matrices):  # earlier micro-batches' sum: to the host first
+            self._flush()
         return self
 
     def accumulator(self, p: torch.Tensor) -> torch.Tensor | None:

@@ -44,12 +44,12 @@ options that would make it fit (each tried in the planner).
   (``rQ + 4 Hq`` per token and layer; ``8 Hq`` in float64), held for the layer's checkpoint recompute
   (:class:`~lightning_oomb.engine.attention.Kept`) through the chunk's backward; with ``offload=True`` parked in
   page-locked host memory (counted in the host tier: :func:`parked_kept_bytes`), one layer's on the device.
-- *float32 gradient sums* (``grad_accumulation="float32"``, the default): during the backward sweep every trainable
-  16-bit parameter's gradient is a 4-byte sum instead of its 2-byte ``.grad`` (:mod:`~lightning_oomb.engine.grads`):
-  2 bytes per such parameter, in every moment of the sweep, not at the optimizer step. ``"float32-host"``: 2 bytes
-  per 1-D parameter element on the device; once a sweep has more than one window of chunks, 4 host bytes per
-  element of the other parameters (their sums in host memory) and two staging slabs (:class:`~lightning_oomb.
-  engine.grads.HostGradSums`).
+- *float32 gradient sums* (``grad_accumulation="float32"``, and ``"auto"`` until :func:`decide_auto` decides it):
+  during the backward sweep every trainable 16-bit parameter's gradient is a 4-byte sum instead of its 2-byte
+  ``.grad`` (:mod:`~lightning_oomb.engine.grads`): 2 bytes per such parameter, in every moment of the sweep, not at
+  the optimizer step. ``"float32-host"``: 2 bytes per 1-D parameter element on the device; once a sweep has more
+  than one window of chunks (or under gradient accumulation), 4 host bytes per element of the other parameters
+  (their sums in host memory) and two staging slabs (:class:`~lightning_oomb.engine.grads.HostGradSums`).
 - *reused attention results* (``reuse_attention``): the forward sweep's output and log-sum-exp of every attention
   layer for the kept chunks, one whole-chunk slot each, in page-locked host memory (:func:`reused_attention_bytes`);
   on the device they take the place of the recompute's own results (no new term).
@@ -901,6 +901,7 @@ def plan(
     param_dtype: torch.dtype | None = None,
     suggest: bool = True,
     context_parallel: int = 1,
+    accumulate_grad_batches: int = 1,
 ) -> MemoryPlan:
     """Predict one training step's memory without allocating anything (see the module docstring).
 
@@ -921,6 +922,8 @@ def plan(
         ``config`` holds the decisions.
         context_parallel: ranks sharing each sequence (``strategy="oomb_cp"``): each keeps ``1 / context_parallel``
             of the pages (a chunk's activations are still counted whole: an upper bound).
+        accumulate_grad_batches: micro-batches per optimizer step (the Trainer's): with more than one,
+            ``grad_accumulation="float32-host"`` keeps its host sums even for a step of one window of chunks.
     """
     config = config or OOMBConfig()
     for name, value in (("seq_len", seq_len), ("batch", batch)):
@@ -936,7 +939,7 @@ def plan(
     shape = model_shape(model)
     dtypes = precision_dtypes(precision, param_dtype)
     spec = optimizer_spec(optimizer)
-    inputs = _Inputs(shape, dtypes, spec, machine, str(precision))
+    inputs = _Inputs(shape, dtypes, spec, machine, str(precision), accumulate_grad_batches > 1)
     config = decide_auto(inputs, config, batch, seq_len, context_parallel)
     result = _plan(inputs, config, batch, seq_len, context_parallel)
     if suggest and not result.fits:
@@ -949,13 +952,19 @@ def decide_auto(inputs, config: OOMBConfig, batch: int, seq_len: int, devices: i
     step fits without it; under offload on a CUDA device, ``hbm_budget`` = the device bytes the rest of the step
     leaves (every term of its plan with no HBM-tier layer, less ``PLANNED_HEADROOM`` of the device) — unlike the
     engine's own ``"auto"``, which sees only what is allocated at the first step (not yet the optimizer states);
-    then ``reuse_attention`` = the most last chunks whose kept results still let the step fit (``False``: none)."""
+    ``grad_accumulation`` before it: ``"float32"`` when the step fits with it, else ``"float32-host"`` on a GPU when
+    that fits; then ``reuse_attention`` = the most last chunks whose kept results still let the step fit
+    (``False``: none)."""
     if config.layer_checkpointing == "auto":
         off = _budgeted(
             inputs, dataclasses.replace(config, layer_checkpointing=False), batch, seq_len, devices
         )
         fits = _plan(inputs, off, batch, seq_len, devices).fits
         config = off if fits else dataclasses.replace(config, layer_checkpointing=True)
+    if config.grad_accumulation == "auto":
+        config = dataclasses.replace(
+            config, grad_accumulation=_summing(inputs, config, batch, seq_len, devices)
+        )
     config = _budgeted(inputs, config, batch, seq_len, devices)
     if config.reuse_attention == "auto":
         # bisect the kept chunks (more of them, more memory)
@@ -968,6 +977,17 @@ def decide_auto(inputs, config: OOMBConfig, batch: int, seq_len: int, devices: i
             lo, hi = (mid, hi) if fits else (lo, mid - 1)
         config = dataclasses.replace(config, reuse_attention=lo or False)
     return config
+
+
+def _summing(inputs, config: OOMBConfig, batch: int, seq_len: int, devices: int) -> str:
+    """``grad_accumulation="auto"``: ``"float32"`` if the step fits with it, else on a GPU ``"float32-host"`` if
+    the step fits with that, else ``"float32"`` (the plan then refuses, naming the options)."""
+    ways = ("float32", "float32-host") if inputs.machine.device_type == "cuda" else ()
+    for way in ways:
+        tried = _budgeted(inputs, dataclasses.replace(config, grad_accumulation=way), batch, seq_len, devices)
+        if _plan(inputs, tried, batch, seq_len, devices).fits:
+            return way
+    return "float32"
 
 
 def _budgeted(inputs, config: OOMBConfig, batch: int, seq_len: int, devices: int) -> OOMBConfig:
@@ -987,6 +1007,7 @@ class _Inputs:
     optimizer: OptimizerSpec
     machine: Machine
     precision: str
+    accumulating: bool = False  # several micro-batches per optimizer step
 
 
 def _machine(machine: Machine | str | None, device_memory: int | None, host_memory: int | None) -> Machine:
@@ -1062,7 +1083,7 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
         saved["layers"], host["parked_saves"] = parked_saves_bytes(shape, dtypes, tokens, pinned=True)
     activations = sum(saved.values())
     # the LM head's gradient is added into its float32 sum, or into its .grad
-    summed = config.grad_accumulation == "float32" and dtypes.param in HALF_DTYPES
+    summed = config.grad_summing == "float32" and dtypes.param in HALF_DTYPES
     accumulator = torch.float32 if summed else dtypes.param
     loss = loss_backward_bytes(shape, dtypes, tokens, config.loss_block, shape.head_trainable, accumulator)
     streamed = bool(tiers.host_layers) and tiers.host_layers[-1] == pool.num_layers - 1
@@ -1139,17 +1160,17 @@ def reused_attention_bytes(
 def _grad_sums(inputs: _Inputs, config: OOMBConfig, chunks: int) -> tuple[int, int]:
     """(device, host) bytes of the backward sweep's float32 gradient sums of trainable 16-bit parameters (see the
     module docstring): ``"float32"`` 2 device bytes per element; ``"float32-host"`` 2 per vector element on the
-    device, and — once a sweep has more than one window of chunks — 4 host bytes per matrix element plus two staging
-    slabs (:mod:`~lightning_oomb.engine.grads`); ``"native"`` none."""
+    device, and — once a sweep has more than one window of chunks, or under gradient accumulation — 4 host bytes
+    per matrix element plus two staging slabs (:mod:`~lightning_oomb.engine.grads`); ``"native"`` none."""
     vectors, matrices = _half_elements(inputs)
-    mode = config.grad_accumulation
+    mode = config.grad_summing
     if mode == "float32":
         return 2 * (vectors + matrices), 0
     if mode != "float32-host":
         return 0, 0
     shape = inputs.shape
     largest = shape.largest_param or max(shape.num_embeddings, shape.vocab_size) * shape.hidden_size
-    flushed = chunks > HOST_FLUSH_CHUNKS and matrices
+    flushed = (chunks > HOST_FLUSH_CHUNKS or inputs.accumulating) and matrices
     return 2 * vectors, 4 * matrices + 2 * 2 * staging_elements(largest) if flushed else 0
 
 
@@ -1269,9 +1290,7 @@ def _candidates(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int) -
         groups.append([{"kv_grad_dtype": "bfloat16"}])
     device_sums, host_sums = _grad_sums(inputs, config, math.ceil(seq_len / config.chunk_size))
     if device_sums or host_sums:  # on a GPU float32-host keeps the flat error for host memory
-        ways = ["float32-host"] * (
-            inputs.machine.device_type == "cuda" and config.grad_accumulation == "float32"
-        )
+        ways = ["float32-host"] * (inputs.machine.device_type == "cuda" and config.grad_summing == "float32")
         groups.append([{"grad_accumulation": way} for way in (*ways, "native")])
     kept = config.reused_chunks(math.ceil(seq_len / config.chunk_size))
     if kept:  # fewer kept results (host memory), the most expensive chunks' first

@@ -423,7 +423,7 @@ class OOMBEngine:
         device = step.input_ids.device
         devices = [device] if device.type == "cuda" else []
         fork = torch.random.fork_rng(devices=devices, device_type=device.type)
-        mode = self.config.grad_accumulation
+        mode = self.config.grad_summing
         sums = (
             None
             if mode == "native"

@@ -141,11 +141,11 @@ def host_sweep(sums: HostGradSums, params, grads: list[list[torch.Tensor]]) -> N
 
 
 def windowed(earlier, grads: list[torch.Tensor], every: int) -> torch.Tensor:
-    """What float32-host computes for a matrix: bf16 running sums over windows of ``every`` chunks (the first one
-    starting from the earlier ``.grad``), added in float32, rounded once."""
-    total = torch.zeros(grads[0].shape, dtype=torch.float32)
+    """What float32-host computes for a matrix: the earlier ``.grad`` and bf16 running sums over windows of
+    ``every`` chunks, added in float32, rounded once."""
+    total = torch.zeros(grads[0].shape, dtype=torch.float32) if earlier is None else earlier.float()
     for start in range(0, len(grads), every):
-        window = earlier if start == 0 else None
+        window = None
         for g in grads[start : start + every]:
             window = g.clone() if window is None else window + g
         total += window.float()
@@ -153,20 +153,33 @@ def windowed(earlier, grads: list[torch.Tensor], every: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("chunks", [10, 4])
-def test_host_sums_round_once_per_window(chunks):
+@pytest.mark.parametrize("accumulating", [True, False])
+def test_host_sums_round_once_per_window(chunks, accumulating):
     """Matrices: bf16 over windows of ``every`` chunks, float32 in host memory across them (slabs of 4 elements:
-    the staging pipeline runs over several); a sweep of one window is autograd's own; vectors: one float32 sum."""
+    the staging pipeline runs over several), an earlier micro-batch's ``.grad`` added there first; a sweep of one
+    window without an earlier ``.grad`` is autograd's own; vectors: one float32 sum."""
     matrix = torch.nn.Parameter(torch.zeros(3, 5, dtype=torch.bfloat16))
     vector = torch.nn.Parameter(torch.zeros(7, dtype=torch.bfloat16))
-    earlier = chunk_gradients(1, (3, 5), 9)[0]
-    matrix.grad = earlier.clone()
+    earlier = chunk_gradients(1, (3, 5), 9)[0] if accumulating else None
+    matrix.grad = None if earlier is None else earlier.clone()
     grads = list(zip(chunk_gradients(chunks, (3, 5), 1), chunk_gradients(chunks, (7,), 2)))
     sums = HostGradSums(every=4, slab=4)
     host_sweep(sums, [matrix, vector], grads)
-    assert sums.flushes == (3 if chunks == 10 else 0)  # two windows flushed in the sweep, the last at its end
+    # the earlier .grad first, windows flushed while chunks follow, then (if any was) the last window at the end
+    flushed = int(accumulating) + (2 if chunks == 10 else 0)
+    assert sums.flushes == flushed + bool(flushed)
     assert torch.equal(matrix.grad, windowed(earlier, [g for g, _ in grads], 4))
     assert torch.equal(vector.grad, sum(v.float() for _, v in grads).bfloat16())
-    assert sums.host_bytes == (3 * 5 * 4 + 2 * 4 * 2 if chunks == 10 else 0)
+    assert sums.host_bytes == (3 * 5 * 4 + 2 * 4 * 2 if sums.flushes else 0)
+
+
+def test_host_sums_keep_an_earlier_micro_batch_out_of_the_bf16_window():
+    """An earlier ``.grad`` of 256 plus 4 chunks of 1 (one window, no flush of its own): bf16 would round every +1
+    back to 256; the earlier sum waits in float32 in host memory, the window sums 4 exactly: 260, rounded once."""
+    p = torch.nn.Parameter(torch.ones(2, 3, dtype=torch.bfloat16))
+    p.grad = torch.full((2, 3), 256.0, dtype=torch.bfloat16)
+    host_sweep(HostGradSums(every=16, slab=4), [p], [[torch.ones(2, 3, dtype=torch.bfloat16)]] * 4)
+    assert torch.equal(p.grad, torch.full((2, 3), 260.0, dtype=torch.bfloat16))
 
 
 def test_host_sums_start_fresh_each_step():

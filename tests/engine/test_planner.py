@@ -345,7 +345,8 @@ def test_host_gradient_sums_are_planned_exactly():
     ("precision", "config", "device_gib", "changes"),
     [("bf16-true", OOMBConfig(layer_checkpointing=True, grad_accumulation="native"), 88, {"optimizer": "fused"}),
      ("bf16-mixed", OOMBConfig(), 141e9 / 2**30, {"precision": "bf16-true"}),
-     ("bf16-true", OOMBConfig(layer_checkpointing=True), 93, {"grad_accumulation": "float32-host"})],
+     ("bf16-true", OOMBConfig(layer_checkpointing=True, grad_accumulation="float32"), 93,
+      {"grad_accumulation": "float32-host"})],
 )  # fmt: skip
 def test_options_beyond_the_strategys_own(precision, config, device_gib, changes):
     """At the optimizer step's peak a fused AdamW fits; under autocast, 16-bit weights and states do; at the loss
@@ -354,6 +355,37 @@ def test_options_beyond_the_strategys_own(precision, config, device_gib, changes
     machine = Machine("cuda", int(device_gib * 2**30), 128 * 2**30)
     result = plan(qwen2_5_7b_config(), 131072, 1, config, precision, "adamw", machine)
     assert not result.fits and changes in [o.changes for o in result.options]
+
+
+@pytest.mark.parametrize(("device_gib", "machine", "decided", "fits"), [
+    (93, "cuda", "float32-host", True),  # float32 sums do not fit (94.8 GiB at the loss backward), host sums do
+    (141, "cuda", "float32", True),
+    (80, "cuda", "float32", False),  # neither fits: the float32 plan refuses, naming float32-host with more
+    (93, "cpu", "float32", False),  # a CPU's host memory is its device memory: no sums go elsewhere
+])  # fmt: skip
+def test_auto_gradient_sums_go_to_the_host_only_when_the_device_is_short(device_gib, machine, decided, fits):
+    memory = int(device_gib * 2**30)
+    machine = Machine(machine, memory, 128 * 2**30 if machine == "cuda" else memory)
+    config = OOMBConfig(layer_checkpointing=True)
+    assert config.grad_accumulation == "auto" and config.grad_summing == "float32"
+    result = plan(qwen2_5_7b_config(), 131072, 1, config, "bf16-true", "adamw", machine)
+    assert result.config.grad_accumulation == decided
+    assert result.fits == fits
+    explicit = plan(qwen2_5_7b_config(), 131072, 1, dataclasses.replace(config, grad_accumulation=decided),
+                    "bf16-true", "adamw", machine)  # fmt: skip
+    assert explicit.peak_device == result.peak_device
+
+
+def test_host_gradient_sums_under_gradient_accumulation_are_planned():
+    """A step of one window of chunks keeps no host sums, unless earlier micro-batches' gradients wait there."""
+    config = OOMBConfig(grad_accumulation="float32-host")
+    one, several = (
+        plan(
+            qwen2_5_7b_config(), 32768, 1, config, "bf16-true", None, H200, accumulate_grad_batches=n
+        ).host_parts
+        for n in (1, 4)
+    )
+    assert one["grad_sums"] == 0 and several["grad_sums"] > 4 * 7e9
 
 
 def test_weights_alone_too_large_say_so():
@@ -412,6 +444,10 @@ def cpu_of(size: int):
     return classmethod(lambda cls, device=None, resident_bytes=0: cls("cpu", size, size))
 
 
+def gpu_of(size: int):
+    return classmethod(lambda cls, device=None, resident_bytes=0: cls("cuda", size, 1 << 40))
+
+
 def tight_machine() -> int:
     """Host bytes between the tiny run's planned peak with and without layer checkpointing."""
     model = TinyLM().model
@@ -458,6 +494,32 @@ def test_auto_checkpointing_is_off_when_the_step_fits_and_on_when_not(monkeypatc
         trainer.fit(TinyLM(), datamodule=SizedData())
         assert strategy.model_adapter.layer_checkpointing is want and trainer.global_step == 1
         assert strategy.engine.config.layer_checkpointing is want
+
+
+def test_auto_gradient_sums_are_decided_at_setup(monkeypatch):
+    """``grad_accumulation="auto"`` (the default) under bf16-true: the strategy's plan puts the float32 sums in host
+    memory on a GPU that cannot hold them (a CUDA machine the plan is told of; the step runs here), keeps them on
+    the device where they fit; the second micro-batch of an accumulated step starts with a ``.grad``."""
+    model = TinyLM().model.bfloat16()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    big = Machine("cuda", 1 << 40, 1 << 40)
+    peaks = [plan(model, 40, 2, OOMBConfig(16, 8, grad_accumulation=way), "bf16-true", optimizer, big,
+                  accumulate_grad_batches=2).peak_device for way in ("float32", "float32-host")]  # fmt: skip
+    assert peaks[1] < peaks[0]
+    for device_bytes, want in (((peaks[0] + peaks[1]) // 2, "float32-host"), (1 << 40, "float32")):
+        monkeypatch.setattr(planner.Machine, "local", gpu_of(device_bytes))
+        strategy = lightning_oomb.OOMBStrategy(chunk_size=16, page_size=8, verify_exactness=False)
+        trainer = make_trainer(strategy, steps=1, limit_val_batches=0, precision="bf16-true",
+                               accumulate_grad_batches=2)  # fmt: skip
+        trainer.fit(TinyLM(), datamodule=TwoBatches())
+        assert strategy.engine.config.grad_accumulation == want and trainer.global_step == 1
+        # the second micro-batch's sweep: the first one's .grad to the host sums, then its one window added there
+        assert strategy.engine.host_grads.flushes == (2 if want == "float32-host" else 0)
+
+
+class TwoBatches(SizedData):
+    def train_dataloader(self):
+        return batches(n=4, seq=self.seq_len)
 
 
 def test_sparse_steps_count_their_page_summaries():
