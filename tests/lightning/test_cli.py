@@ -3,6 +3,7 @@ demo script's run, and a tiny fit goes end to end through the CLI."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import re
 import sys
@@ -140,8 +141,10 @@ def test_oomb_plan_prints_the_table_of_an_example_config(name, hbm, host, capsys
     result = plan_command(["--config", str(EXAMPLES / "configs" / name), *H200_ARGS])
     text = capsys.readouterr().out
     assert result.fits and result.machine.device_type == "cuda" and result.precision == "bf16-true"
-    assert result.config == build_cli(["--config", str(EXAMPLES / "configs" / name), "--trainer.accelerator=cpu"],
-                                      run=False).trainer.strategy.oomb_config  # fmt: skip
+    fit = build_cli(["--config", str(EXAMPLES / "configs" / name), "--trainer.accelerator=cpu"], run=False)
+    asked = fit.trainer.strategy.oomb_config
+    assert asked.grad_accumulation == "auto"  # the plan decides it: the float32 sums fit an H200
+    assert result.config == dataclasses.replace(asked, grad_accumulation="float32")
     assert result.model.num_layers == 28
     assert result.seq_len == {"128k": 131072, "1m-c": 1 << 20}.get(name[11:15], 262144)
     row = next(line for line in text.splitlines() if "KV pool, HBM tier" in line)
