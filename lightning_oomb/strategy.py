@@ -22,7 +22,7 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
@@ -116,6 +116,14 @@ class _OOMBStrategyMixin:
             Machine.local(self.root_device, resident_bytes=params),
             context_parallel=self.engine.context.size if self.engine.context is not None else 1,
             accumulate_grad_batches=trainer.accumulate_grad_batches,
+        )
+        decided = [
+            f"{name}={getattr(result.config, name)!r}"
+            for name in OOMBConfig.field_names()
+            if getattr(config, name) == "auto" and getattr(result.config, name) != "auto"
+        ]
+        rank_zero_info(
+            f"OOMB memory plan: {result.summary()}" + (f"; decided {', '.join(decided)}" if decided else "")
         )
         if result.config != config:  # the plan decided the "auto" options: for the engine and the model
             self.engine.reconfigure(result.config)

@@ -496,7 +496,7 @@ def test_auto_checkpointing_is_off_when_the_step_fits_and_on_when_not(monkeypatc
         assert strategy.engine.config.layer_checkpointing is want
 
 
-def test_auto_gradient_sums_are_decided_at_setup(monkeypatch):
+def test_auto_gradient_sums_are_decided_at_setup(monkeypatch, caplog):
     """``grad_accumulation="auto"`` (the default) under bf16-true: the strategy's plan puts the float32 sums in host
     memory on a GPU that cannot hold them (a CUDA machine the plan is told of; the step runs here), keeps them on
     the device where they fit; the second micro-batch of an accumulated step starts with a ``.grad``."""
@@ -511,8 +511,12 @@ def test_auto_gradient_sums_are_decided_at_setup(monkeypatch):
         strategy = lightning_oomb.OOMBStrategy(chunk_size=16, page_size=8, verify_exactness=False)
         trainer = make_trainer(strategy, steps=1, limit_val_batches=0, precision="bf16-true",
                                accumulate_grad_batches=2)  # fmt: skip
-        trainer.fit(TinyLM(), datamodule=TwoBatches())
+        with caplog.at_level("INFO"):
+            trainer.fit(TinyLM(), datamodule=TwoBatches())
         assert strategy.engine.config.grad_accumulation == want and trainer.global_step == 1
+        assert "OOMB memory plan: 2 x 40 tokens, bf16-true" in caplog.text
+        assert f"fits; decided grad_accumulation='{want}'" in caplog.text
+        caplog.clear()
         # the second micro-batch's sweep: the first one's .grad to the host sums, then its one window added there
         assert strategy.engine.host_grads.flushes == (2 if want == "float32-host" else 0)
 
