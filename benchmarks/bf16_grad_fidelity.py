@@ -3,8 +3,8 @@
 One step of a tiny random Qwen2 (2 layers, the tests' shape) on one 4096-token sequence, all from the same
 bf16-rounded weights: the float64 gradient is the truth; plain full-sequence training in ``bf16-true`` and in
 ``bf16-mixed`` (autocast) are the references; OOMB runs ``bf16-mixed``, and ``bf16-true`` with
-``grad_accumulation="native"`` (autograd adds each chunk's gradient into the bf16 ``.grad``), ``"float32"`` (the
-default: float32 sums, written back once per sweep) and ``"float32-host"`` (matrices: bf16 sums over windows of 16
+``grad_accumulation="native"`` (autograd adds each chunk's gradient into the bf16 ``.grad``), ``"float32"``
+(float32 sums, written back once per sweep; what the default ``"auto"`` picks when they fit) and ``"float32-host"`` (matrices: bf16 sums over windows of 16
 chunks, added in float32 in host memory; vectors: float32 sums), and ``"float32"`` with bf16 gradient pages
 (``kv_grad_dtype="bfloat16"``: every later chunk's dK/dV added into a bf16 page), at 1, 16, 64, 256 and 1024
 chunks. Reported per run: the

@@ -45,6 +45,17 @@ def strategy_doc(summary: str, more_args: str) -> str:
     return f"{summary}\n\n    Args:\n{OOMBConfig.args_doc()}{more}\n"
 
 
+def most_micro_batches(trainer) -> int:
+    """The most micro-batches an optimizer step of this fit accumulates (a ``GradientAccumulationScheduler``
+    changes the Trainer's count by epoch)."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    scheduled = [
+        max(c.scheduling.values()) for c in trainer.callbacks if isinstance(c, GradientAccumulationScheduler)
+    ]
+    return max([trainer.accumulate_grad_batches, *scheduled])
+
+
 class _OOMBStrategyMixin:
     """What every OOMB strategy shares: precision wrapping, the engine and the model-call interception."""
 
@@ -93,7 +104,9 @@ class _OOMBStrategyMixin:
         ``hbm_budget="auto"`` with the optimizer states counted (:func:`~lightning_oomb.engine.planner.decide_auto`;
         without a ``seq_len`` the pool decides at the first step from the free memory), ``reuse_attention="auto"``
         (without a ``seq_len``: no chunk's results are kept) and ``grad_accumulation="auto"`` (without a plan:
-        ``"float32"``).
+        ``"float32"``; ``plan_memory=False`` plans only to decide other ``"auto"`` options, and then this one
+        too). Under ``oomb_cp`` a node's ranks share its host memory; gradient accumulation counts its most
+        micro-batches (``GradientAccumulationScheduler`` included).
         """
         seq_len, batch = step_size_of(trainer.datamodule)
         config = self.oomb_config
@@ -113,9 +126,12 @@ class _OOMBStrategyMixin:
             self.oomb_config,
             self.precision_plugin.precision,
             optimizer if isinstance(optimizer, torch.optim.Optimizer) else None,
-            Machine.local(self.root_device, resident_bytes=params),
+            # the node's processes share its host memory
+            Machine.local(self.root_device, resident_bytes=params).shared_by(
+                getattr(self, "num_processes", 1)
+            ),
             context_parallel=self.engine.context.size if self.engine.context is not None else 1,
-            accumulate_grad_batches=trainer.accumulate_grad_batches,
+            accumulate_grad_batches=most_micro_batches(trainer),
         )
         decided = [
             f"{name}={getattr(result.config, name)!r}"

@@ -484,6 +484,15 @@ class Machine:
     def total(self) -> int:
         return self.device_total if self.device_total is not None else self.device_bytes
 
+    def shared_by(self, processes: int) -> Machine:
+        """One process's share when ``processes`` processes train on this machine (e.g. a node's ranks under
+        ``oomb_cp``): host memory — and a CPU's device memory, which is host memory — divided among them."""
+        if processes <= 1:
+            return self
+        host = self.host_bytes // processes
+        device = host if self.device_type == "cpu" else self.device_bytes
+        return dataclasses.replace(self, device_bytes=device, host_bytes=host)
+
     @classmethod
     def local(cls, device: str | torch.device | None = None, resident_bytes: int = 0) -> Machine:
         """This machine now: on CUDA, free device memory plus what this process's allocator holds; on a CPU,

@@ -521,6 +521,22 @@ def test_auto_gradient_sums_are_decided_at_setup(monkeypatch, caplog):
         assert strategy.engine.host_grads.flushes == (2 if want == "float32-host" else 0)
 
 
+def test_a_nodes_processes_share_its_host_memory_and_the_most_micro_batches_count():
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    from lightning_oomb.strategy import most_micro_batches
+
+    gpu, cpu = Machine("cuda", 80 << 30, 128 << 30), Machine("cpu", 64 << 30, 64 << 30)
+    assert gpu.shared_by(8) == Machine("cuda", 80 << 30, 16 << 30) and gpu.shared_by(1) == gpu
+    assert cpu.shared_by(2) == Machine("cpu", 32 << 30, 32 << 30)
+    scheduled = make_trainer(oomb_strategy(), callbacks=[GradientAccumulationScheduler({0: 1, 2: 4})])
+    assert most_micro_batches(scheduled) == 4 and most_micro_batches(make_trainer(oomb_strategy())) == 1
+
+
+def oomb_strategy():
+    return lightning_oomb.OOMBStrategy(chunk_size=16, page_size=8)
+
+
 class TwoBatches(SizedData):
     def train_dataloader(self):
         return batches(n=4, seq=self.seq_len)

@@ -1,9 +1,12 @@
 """Run a function on several CPU processes joined by a gloo process group (context-parallel tests).
 
 Starting a process costs seconds (torch, transformers and Lightning imported anew), far more than a test step, so
-:func:`run_ranks` keeps one group of worker processes per world size alive for the whole session and hands each
-call to it; a call that fails on any rank ends that group (a rank may be stuck in a collective) and the next call
-starts a fresh one. :func:`failing_ranks` always runs on fresh processes.
+:func:`run_ranks` keeps one group of worker processes alive (for one world size and collective timeout; a call
+with others replaces it) and hands each call to it; a call that fails on any rank ends that group (a rank may be
+stuck in a collective) and the next call starts a fresh one. A function run there must leave the process as it
+found it (restore what it patches, keep the process group) and start no processes of its own (the workers are
+daemons). Workers end with the session, or when they find their parent gone. :func:`failing_ranks` always runs on
+fresh processes.
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import multiprocessing
 import os
+import pickle
 import queue
 import socket
 import time
@@ -60,7 +65,16 @@ def _entry(rank: int, world: int, port: int, fn, out: str, args: tuple, timeout_
 def _serve(rank: int, world: int, port: int, timeout_s: float, tasks, done) -> None:
     """A pool worker: run the tasks ``(fn, out, args)`` until ``None``, reporting each one's traceback or None."""
     _join(rank, world, port, timeout_s)
-    while (task := tasks.get()) is not None:
+    parent = multiprocessing.parent_process()
+    while True:
+        try:
+            task = tasks.get(timeout=1.0)
+        except queue.Empty:
+            if parent.is_alive():
+                continue
+            break  # the test session was killed: nobody will send the end
+        if task is None:
+            break
         try:
             _run(rank, world, *task)
             done.put((rank, None))
@@ -88,8 +102,10 @@ class _Pool:
             p.start()
 
     def run(self, fn, out: Path, args: tuple) -> None:
+        task = (fn, str(out), args)
+        pickle.dumps(task)  # what cannot be sent fails here, not in the queue's feeder thread
         for tasks in self.tasks:
-            tasks.put((fn, str(out), args))
+            tasks.put(task)
         deadline = time.monotonic() + 2 * self.timeout_s + 60  # start-up (imports) + the call's collectives
         pending = set(range(self.world))
         while pending:
@@ -118,7 +134,7 @@ class _Pool:
                 p.join()
 
 
-_pools: dict[tuple[int, float], _Pool] = {}
+_pools: dict[tuple[int, float], _Pool] = {}  # at most one
 
 
 @atexit.register
@@ -131,7 +147,10 @@ def run_ranks(fn, world: int, tmp_path: Path, *args, timeout_s: float = 60.0) ->
     """``fn(rank, world, *args)`` on ``world`` processes of a gloo group (collectives timing out after
     ``timeout_s``); returns each rank's result. ``fn`` must be a module-level function (pickled by reference)."""
     key = (world, timeout_s)
-    pool = _pools.get(key) or _pools.setdefault(key, _Pool(world, timeout_s))
+    if key not in _pools:
+        _close_pools()  # another group's processes go first (memory)
+        _pools[key] = _Pool(world, timeout_s)
+    pool = _pools[key]
     try:
         pool.run(fn, tmp_path, args)
     except BaseException:
