@@ -1,8 +1,8 @@
 """Run a function on several CPU processes joined by a gloo process group (context-parallel tests).
 
 Starting a process costs seconds (torch, transformers and Lightning imported anew), far more than a test step, so
-:func:`run_ranks` keeps one group of worker processes alive (for one world size and collective timeout; a call
-with others replaces it) and hands each call to it; a call that fails on any rank ends that group (a rank may be
+:func:`run_ranks` keeps a group of worker processes per world size alive (its collectives time out after the
+first call's ``timeout_s``) and hands each call to it; a call that fails on any rank ends that group (a rank may be
 stuck in a collective) and the next call starts a fresh one. A function run there must leave the process as it
 found it (restore what it patches, keep the process group) and start no processes of its own (the workers are
 daemons). Workers end with the session, or when they find their parent gone. :func:`failing_ranks` always runs on
@@ -101,12 +101,13 @@ class _Pool:
         for p in self.processes:
             p.start()
 
-    def run(self, fn, out: Path, args: tuple) -> None:
+    def run(self, fn, out: Path, args: tuple, timeout_s: float) -> None:
         task = (fn, str(out), args)
         pickle.dumps(task)  # what cannot be sent fails here, not in the queue's feeder thread
         for tasks in self.tasks:
             tasks.put(task)
-        deadline = time.monotonic() + 2 * self.timeout_s + 60  # start-up (imports) + the call's collectives
+        # start-up (imports), the call and a rank's wait in a collective
+        deadline = time.monotonic() + timeout_s + self.timeout_s + 60
         pending = set(range(self.world))
         while pending:
             try:
@@ -134,7 +135,7 @@ class _Pool:
                 p.join()
 
 
-_pools: dict[tuple[int, float], _Pool] = {}  # at most one
+_pools: dict[int, _Pool] = {}  # per world size
 
 
 @atexit.register
@@ -146,15 +147,12 @@ def _close_pools() -> None:
 def run_ranks(fn, world: int, tmp_path: Path, *args, timeout_s: float = 60.0) -> list:
     """``fn(rank, world, *args)`` on ``world`` processes of a gloo group (collectives timing out after
     ``timeout_s``); returns each rank's result. ``fn`` must be a module-level function (pickled by reference)."""
-    key = (world, timeout_s)
-    if key not in _pools:
-        _close_pools()  # another group's processes go first (memory)
-        _pools[key] = _Pool(world, timeout_s)
-    pool = _pools[key]
+    if world not in _pools:
+        _pools[world] = _Pool(world, timeout_s)
     try:
-        pool.run(fn, tmp_path, args)
+        _pools[world].run(fn, tmp_path, args, timeout_s)
     except BaseException:
-        _pools.pop(key).close()  # a rank may be stuck in a collective: the next call starts a fresh group
+        _pools.pop(world).close()  # a rank may be stuck in a collective: the next call starts a fresh group
         raise
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
