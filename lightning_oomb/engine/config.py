@@ -67,8 +67,7 @@ class OOMBConfig:
             (``bf16-true``, ``16-true``): ``"auto"`` (default): ``"float32"``, unless the strategies' memory plan
             at setup finds that the step fits a GPU only with ``"float32-host"`` — then that (both keep the error
             flat); where no plan decides (no ``seq_len``, ``plan_memory=False`` with no other ``"auto"`` option
-            to decide, a bare engine): ``"float32"``. ``"float32"``: in a float32
-            sum per parameter, written into
+            to decide, a bare engine): ``"float32"``. ``"float32"``: in a float32 sum per parameter, written into
             ``.grad`` once when the sweep ends (added to what ``.grad`` held, once), so the gradient's error stays
             that of ordinary 16-bit training whatever the number of chunks; during the sweep each such parameter's
             gradient takes 4 bytes instead of 2 (+14 GiB for a full fine-tune of Qwen2.5-7B, little under LoRA;
