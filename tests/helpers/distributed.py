@@ -145,8 +145,9 @@ def _close_pools() -> None:
 
 
 def run_ranks(fn, world: int, tmp_path: Path, *args, timeout_s: float = 60.0) -> list:
-    """``fn(rank, world, *args)`` on ``world`` processes of a gloo group (collectives timing out after
-    ``timeout_s``); returns each rank's result. ``fn`` must be a module-level function (pickled by reference)."""
+    """``fn(rank, world, *args)`` on the ``world`` processes of the session's gloo group of that size (a new group's
+    collectives time out after ``timeout_s``); returns each rank's result. ``fn`` must be a module-level function
+    (pickled by reference)."""
     if world not in _pools:
         _pools[world] = _Pool(world, timeout_s)
     try:
