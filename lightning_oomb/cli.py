@@ -105,7 +105,8 @@ class _PlanCLI(OOMBCLI):
         super().before_instantiate_classes()
         trainer = self.config["trainer"]
         self.accelerator = str(trainer["accelerator"])
-        self.world = _device_count(trainer["devices"]) * int(trainer.get("num_nodes") or 1)
+        self.per_node = _device_count(trainer["devices"])
+        self.world = self.per_node * int(trainer.get("num_nodes") or 1)
         trainer["accelerator"], trainer["devices"], trainer["logger"] = "cpu", 1, False
 
 
@@ -230,6 +231,7 @@ def plan_command(args: list[str], print_table: bool = True) -> MemoryPlan | None
         param_dtype=param_dtype,
         context_parallel=strategy.context_size_on(cli.world) if hasattr(strategy, "context_size_on") else 1,
         accumulate_grad_batches=cli.trainer.accumulate_grad_batches,
+        processes_per_node=cli.per_node,
     )
     if print_table:
         print_plan(result)

@@ -126,12 +126,10 @@ class _OOMBStrategyMixin:
             self.oomb_config,
             self.precision_plugin.precision,
             optimizer if isinstance(optimizer, torch.optim.Optimizer) else None,
-            # the node's processes share its host memory
-            Machine.local(self.root_device, resident_bytes=params).shared_by(
-                getattr(self, "num_processes", 1)
-            ),
+            Machine.local(self.root_device, resident_bytes=params),
             context_parallel=self.engine.context.size if self.engine.context is not None else 1,
             accumulate_grad_batches=most_micro_batches(trainer),
+            processes_per_node=getattr(self, "num_processes", 1),  # they share the node's host memory
         )
         decided = [
             f"{name}={getattr(result.config, name)!r}"

@@ -911,6 +911,7 @@ def plan(
     suggest: bool = True,
     context_parallel: int = 1,
     accumulate_grad_batches: int = 1,
+    processes_per_node: int = 1,
 ) -> MemoryPlan:
     """Predict one training step's memory without allocating anything (see the module docstring).
 
@@ -933,6 +934,8 @@ def plan(
             of the pages (a chunk's activations are still counted whole: an upper bound).
         accumulate_grad_batches: micro-batches per optimizer step (the Trainer's): with more than one,
             ``grad_accumulation="float32-host"`` keeps its host sums even for a step of one window of chunks.
+        processes_per_node: training processes sharing the machine's host memory (a node's ranks: the plan is
+            one process's, with its share, :meth:`Machine.shared_by`).
     """
     config = config or OOMBConfig()
     for name, value in (("seq_len", seq_len), ("batch", batch)):
@@ -941,7 +944,7 @@ def plan(
                 f"{name}={value!r} is not a positive integer — a step has rows of tokens — pass seq_len (tokens "
                 "per row) and batch (rows per step) as positive ints."
             )
-    machine = _machine(machine, device_memory, host_memory)
+    machine = _machine(machine, device_memory, host_memory).shared_by(processes_per_node)
     module = model if isinstance(model, torch.nn.Module) else getattr(model, "model", None)
     if param_dtype is None and isinstance(module, torch.nn.Module):
         param_dtype = _dominant_dtype(module)

@@ -146,6 +146,8 @@ def test_oomb_plan_prints_the_table_of_an_example_config(name, hbm, host, capsys
     assert asked.grad_accumulation == "auto"  # the plan decides it: the float32 sums fit an H200
     assert result.config == dataclasses.replace(asked, grad_accumulation="float32")
     assert result.model.num_layers == 28
+    # a node's ranks share its host memory: each plans with its share
+    assert result.machine.host_bytes == 128 * 2**30 // (8 if "cp8" in name else 1)
     assert result.seq_len == {"128k": 131072, "1m-c": 1 << 20}.get(name[11:15], 262144)
     row = next(line for line in text.splitlines() if "KV pool, HBM tier" in line)
     assert hbm in row and host in next(line for line in text.splitlines() if "pinned host tier" in line)
