@@ -40,6 +40,7 @@ from lightning_oomb.data import NeedleRetrievalDataModule, TextFileDataModule  #
 from lightning_oomb.engine import OOMBConfigError
 from lightning_oomb.engine.planner import MemoryPlan, gib, plan, precision_dtypes, step_size_of
 from lightning_oomb.models import CausalLMModule, build_config, qwen2_5_7b_config  # noqa: F401
+from lightning_oomb.strategy import most_micro_batches
 
 
 class OOMBCLI(LightningCLI):
@@ -230,7 +231,7 @@ def plan_command(args: list[str], print_table: bool = True) -> MemoryPlan | None
         **memory,
         param_dtype=param_dtype,
         context_parallel=strategy.context_size_on(cli.world) if hasattr(strategy, "context_size_on") else 1,
-        accumulate_grad_batches=cli.trainer.accumulate_grad_batches,
+        accumulate_grad_batches=most_micro_batches(cli.trainer),
         processes_per_node=cli.per_node,
     )
     if print_table:
