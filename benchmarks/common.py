@@ -74,9 +74,8 @@ def measure(step: Callable[[], object], device: torch.device, repeats: int, warm
 
 # --------------------------------------------------------------------------------------------------- steps
 def make_step(model, method: str, config=None) -> tuple[Callable[[torch.Tensor], torch.Tensor], object]:
-    """``(step(ids) -> loss, engine)``: one forward + backward on ``ids [1, N]`` (gradients kept allocated, as in
-    training)
-    by ``method``: ``"hf"`` — transformers + SDPA + per-layer checkpointing, the usual recipe (engine ``None``) — or
+    """``(step(ids) -> loss, engine)``: one forward + backward on ``ids [1, N]`` (starting without gradients, as
+    Lightning's ``optimizer.zero_grad()`` leaves them: the step makes them) by ``method``: ``"hf"`` — transformers + SDPA + per-layer checkpointing, the usual recipe (engine ``None``) — or
     ``"oomb"`` — the OOMB engine with ``config`` (an ``OOMBConfig``; its ``layer_checkpointing`` checkpoints each
     layer inside a chunk's recompute)."""
     from lightning_oomb.engine import OOMBEngine
@@ -86,7 +85,7 @@ def make_step(model, method: str, config=None) -> tuple[Callable[[torch.Tensor],
     if method == HF:
 
         def step(ids: torch.Tensor) -> torch.Tensor:
-            model.zero_grad(set_to_none=False)
+            model.zero_grad(set_to_none=True)
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
             return loss.detach()
@@ -95,7 +94,7 @@ def make_step(model, method: str, config=None) -> tuple[Callable[[torch.Tensor],
     engine = OOMBEngine(HFChunkModel(model, layer_checkpointing=config.layer_checkpointing), config)
 
     def step(ids: torch.Tensor) -> torch.Tensor:
-        model.zero_grad(set_to_none=False)
+        model.zero_grad(set_to_none=True)
         loss = engine.loss(ids)
         loss.backward()
         return loss.detach()

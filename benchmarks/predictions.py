@@ -43,6 +43,11 @@ def seconds(tokens: int, config: OOMBConfig, reference: bool = False) -> float:
     )
 
 
+def label(accumulation: str, p) -> str:
+    """``grad_accumulation``'s name in a row; ``"auto"`` with what the plan decided."""
+    return f"auto = {p.config.grad_accumulation}" if accumulation == "auto" else accumulation
+
+
 def longest(config: OOMBConfig) -> int:
     """The longest step (whole chunks) that fits the machine."""
     lo, hi = 0, 4 * K * K // config.chunk_size
@@ -60,17 +65,17 @@ def predictions() -> dict:
     rows["32k_time_vs_hf"] = {name: seconds(32 * K, config) / hf for name, config in (
         ("checkpointing", BASE), ("reuse_attention", dataclasses.replace(BASE, reuse_attention=True)),
         ("no_checkpointing", dataclasses.replace(BASE, layer_checkpointing=False)))}  # fmt: skip
-    sums = ("float32", "float32-host", "native")
-    rows["32k_peak_gib"] = {g: planned(32 * K, dataclasses.replace(BASE, grad_accumulation=g)).peak_device / GIB
-                            for g in sums}  # fmt: skip
+    sums = ("auto", "float32", "float32-host", "native")  # auto: the default, as the strategies decide it
+    at_32k = {g: planned(32 * K, dataclasses.replace(BASE, grad_accumulation=g)) for g in sums}
+    rows["32k_peak_gib"] = {label(g, p): p.peak_device / GIB for g, p in at_32k.items()}
     rows["32k_peak_vs_hf"] = {g: v / HF_32K_GIB for g, v in rows["32k_peak_gib"].items()}
     peaks = {g: planned(256 * K, dataclasses.replace(OFFLOADED, grad_accumulation=g)) for g in sums}
     tiled = planned(256 * K, dataclasses.replace(OFFLOADED, grad_accumulation="float32-host", mlp_tile=1024))
-    rows["256k_offloaded_peak_gb"] = {g: p.peak_device / 1e9 for g, p in peaks.items()} | {
+    rows["256k_offloaded_peak_gb"] = {label(g, p): p.peak_device / 1e9 for g, p in peaks.items()} | {
         "float32-host, mlp_tile 1024": tiled.peak_device / 1e9
     }
-    rows["256k_offloaded_peak_at"] = {g: p.peak_phase for g, p in peaks.items()}
-    small = planned(32 * K, OFFLOADED).peak_device
+    rows["256k_offloaded_peak_at"] = {label(g, p): p.peak_phase for g, p in peaks.items()}
+    small = planned(32 * K, dataclasses.replace(OFFLOADED, grad_accumulation="float32")).peak_device
     rows["offload_slope_mb_per_10k"] = (peaks["float32"].peak_device - small) / 1e6 / ((256 - 32) * K) * 1e4
     kv, grad = (peaks["float32"].pool.page_bytes(part) / BASE.page_size for part in ("kv", "grad"))
     one_layer = copy_bytes(128 * K, OFFLOADED, 1, kv, grad) / RATES.copy_bytes

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from lightning_oomb.engine.errors import OOMBConfigError
+from lightning_oomb.engine.grads import one_window
 from lightning_oomb.engine.pages import GRAD_DTYPES
 from lightning_oomb.engine.sparse import check_budget, check_page_score
 
@@ -64,10 +65,14 @@ class OOMBConfig:
             them: a page holding one strongly matching key scores high) or ``"mean"`` (the mean key, the OOMB
             paper's rule; half the summary memory, but blind to single keys: see ``benchmarks/sparse_quality.py``).
         grad_accumulation: how the backward sweep sums the chunks' gradients of trainable 16-bit parameters
-            (``bf16-true``, ``16-true``): ``"auto"`` (default): ``"float32"``, unless the strategies' memory plan
-            at setup finds that the step fits a GPU only with ``"float32-host"`` — then that (both keep the error
-            flat); where no plan decides (no ``seq_len``, ``plan_memory=False`` with no other ``"auto"`` option
-            to decide, a bare engine): ``"float32"``. ``"float32"``: in a float32 sum per parameter, written into
+            (``bf16-true``, ``16-true``): ``"auto"`` (default): ``"float32-host"`` for a step of at most 16
+            chunks without gradient accumulation (it then needs no host memory and copies nothing: the least
+            memory, with ``"float32"``'s error), else ``"float32"``, unless the strategies' memory plan at setup
+            finds that the step fits a GPU only with ``"float32-host"`` — then that (both keep the error flat);
+            where no plan decides (no ``seq_len``, ``plan_memory=False`` with no other ``"auto"`` option to decide,
+            a bare engine) each step decides: ``"float32-host"`` for one of at most 16 chunks that starts without
+            ``.grad`` (a ``.grad`` of zeros, ``zero_grad(set_to_none=False)``, counts as an earlier micro-batch's),
+            else ``"float32"``. ``"float32"``: in a float32 sum per parameter, written into
             ``.grad`` once when the sweep ends (added to what ``.grad`` held, once), so the gradient's error stays
             that of ordinary 16-bit training whatever the number of chunks; during the sweep each such parameter's
             gradient takes 4 bytes instead of 2 (+14 GiB for a full fine-tune of Qwen2.5-7B, little under LoRA;
@@ -177,10 +182,14 @@ class OOMBConfig:
                 f"16-bit parameters are summed — use one of {GRAD_ACCUMULATIONS}."
             )
 
-    @property
-    def grad_summing(self) -> str:
-        """How the backward sweep sums 16-bit chunk gradients now (``"auto"`` not yet decided: ``"float32"``)."""
-        return "float32" if self.grad_accumulation == "auto" else self.grad_accumulation
+    def grad_summing(self, chunks: int, accumulating: bool) -> str:
+        """How a backward sweep of ``chunks`` chunks sums 16-bit chunk gradients (``accumulating``: ``.grad`` holds
+        earlier micro-batches' sum). ``"auto"`` not yet decided: ``"float32-host"`` where it needs no host memory
+        (one window of chunks, nothing accumulating: the matrices' ``.grad`` sums as autograd's own), else
+        ``"float32"``."""
+        if self.grad_accumulation != "auto":
+            return self.grad_accumulation
+        return "float32-host" if one_window(chunks, accumulating) else "float32"
 
     def reused_chunks(self, chunks: int) -> int:
         """How many of a step's ``chunks`` (its last ones) keep their forward attention results (``"auto"`` not

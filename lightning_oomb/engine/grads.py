@@ -34,6 +34,12 @@ HOST_FLUSH_CHUNKS = 16  # float32-host: chunks a 16-bit .grad sums before a flus
 STAGING_ELEMENTS = 2**25  # float32-host: elements of each of the two staging slabs (64 MiB in bf16)
 
 
+def one_window(chunks: int, accumulating: bool) -> bool:
+    """Whether a ``float32-host`` sweep of ``chunks`` chunks never flushes (``accumulating``: ``.grad`` holds earlier
+    micro-batches' sum, which goes to the host first): then it needs no host memory and no copies."""
+    return chunks <= HOST_FLUSH_CHUNKS and not accumulating
+
+
 def half_trainable(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """The trainable 16-bit parameters among ``params``, each once."""
     return [p for p in dict.fromkeys(params) if p.requires_grad and p.dtype in HALF_DTYPES]

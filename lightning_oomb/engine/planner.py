@@ -101,7 +101,7 @@ from lightning_oomb.engine import parking
 from lightning_oomb.engine.config import OOMBConfig
 from lightning_oomb.engine.cpu_attention import PAST_BLOCK
 from lightning_oomb.engine.errors import OOMBConfigError
-from lightning_oomb.engine.grads import HALF_DTYPES, HOST_FLUSH_CHUNKS, staging_elements
+from lightning_oomb.engine.grads import HALF_DTYPES, one_window, staging_elements
 from lightning_oomb.engine.kv_pool import HOST_RESERVE_BYTES, hbm_budget, host_memory_available, place_layers
 from lightning_oomb.engine.pages import GRAD_DTYPES, PoolShape, arena_bytes
 from lightning_oomb.engine.reference import KEY_BLOCK
@@ -992,8 +992,11 @@ def decide_auto(inputs, config: OOMBConfig, batch: int, seq_len: int, devices: i
 
 
 def _summing(inputs, config: OOMBConfig, batch: int, seq_len: int, devices: int) -> str:
-    """``grad_accumulation="auto"``: ``"float32"`` if the step fits with it, else on a GPU ``"float32-host"`` if
-    the step fits with that, else ``"float32"`` (the plan then refuses, naming the options)."""
+    """``grad_accumulation="auto"``: ``"float32-host"`` where it needs no host memory (one window of chunks, no
+    gradient accumulation), else ``"float32"`` if the step fits with it, else on a GPU ``"float32-host"`` if the
+    step fits with that, else ``"float32"`` (the plan then refuses, naming the options)."""
+    if one_window(math.ceil(seq_len / config.chunk_size), inputs.accumulating):
+        return "float32-host"
     ways = ("float32", "float32-host") if inputs.machine.device_type == "cuda" else ()
     for way in ways:
         tried = _budgeted(inputs, dataclasses.replace(config, grad_accumulation=way), batch, seq_len, devices)
@@ -1095,7 +1098,8 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
         saved["layers"], host["parked_saves"] = parked_saves_bytes(shape, dtypes, tokens, pinned=True)
     activations = sum(saved.values())
     # the LM head's gradient is added into its float32 sum, or into its .grad
-    summed = config.grad_summing == "float32" and dtypes.param in HALF_DTYPES
+    summing = config.grad_summing(math.ceil(seq_len / config.chunk_size), inputs.accumulating)
+    summed = summing == "float32" and dtypes.param in HALF_DTYPES
     accumulator = torch.float32 if summed else dtypes.param
     loss = loss_backward_bytes(shape, dtypes, tokens, config.loss_block, shape.head_trainable, accumulator)
     streamed = bool(tiers.host_layers) and tiers.host_layers[-1] == pool.num_layers - 1
@@ -1175,14 +1179,14 @@ def _grad_sums(inputs: _Inputs, config: OOMBConfig, chunks: int) -> tuple[int, i
     device, and — once a sweep has more than one window of chunks, or under gradient accumulation — 4 host bytes
     per matrix element plus two staging slabs (:mod:`~lightning_oomb.engine.grads`); ``"native"`` none."""
     vectors, matrices = _half_elements(inputs)
-    mode = config.grad_summing
+    mode = config.grad_summing(chunks, inputs.accumulating)
     if mode == "float32":
         return 2 * (vectors + matrices), 0
     if mode != "float32-host":
         return 0, 0
     shape = inputs.shape
     largest = shape.largest_param or max(shape.num_embeddings, shape.vocab_size) * shape.hidden_size
-    flushed = (chunks > HOST_FLUSH_CHUNKS or inputs.accumulating) and matrices
+    flushed = not one_window(chunks, inputs.accumulating) and matrices
     return 2 * vectors, 4 * matrices + 2 * 2 * staging_elements(largest) if flushed else 0
 
 
@@ -1300,9 +1304,11 @@ def _candidates(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int) -
     groups = []
     if config.kv_grad_dtype == "float32" and inputs.dtypes.activation.itemsize < 4:
         groups.append([{"kv_grad_dtype": "bfloat16"}])
-    device_sums, host_sums = _grad_sums(inputs, config, math.ceil(seq_len / config.chunk_size))
+    chunks = math.ceil(seq_len / config.chunk_size)
+    device_sums, host_sums = _grad_sums(inputs, config, chunks)
     if device_sums or host_sums:  # on a GPU float32-host keeps the flat error for host memory
-        ways = ["float32-host"] * (inputs.machine.device_type == "cuda" and config.grad_summing == "float32")
+        summing = config.grad_summing(chunks, inputs.accumulating)
+        ways = ["float32-host"] * (inputs.machine.device_type == "cuda" and summing == "float32")
         groups.append([{"grad_accumulation": way} for way in (*ways, "native")])
     kept = config.reused_chunks(math.ceil(seq_len / config.chunk_size))
     if kept:  # fewer kept results (host memory), the most expensive chunks' first

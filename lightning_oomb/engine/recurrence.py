@@ -27,7 +27,7 @@ from lightning_oomb.engine.batch import key_floors, plan_layout
 from lightning_oomb.engine.config import OOMBConfig
 from lightning_oomb.engine.context import ContextChunk, ContextGroup, Layout, SharedSummaries, fingerprint
 from lightning_oomb.engine.errors import OOMBConfigError
-from lightning_oomb.engine.grads import Float32GradSums, HostGradSums, gradient_accumulator
+from lightning_oomb.engine.grads import Float32GradSums, HostGradSums, gradient_accumulator, half_trainable
 from lightning_oomb.engine.kv_pool import KVPool
 from lightning_oomb.engine.loss import IGNORE_INDEX, linear_cross_entropy
 from lightning_oomb.engine.model import ChunkModel
@@ -423,13 +423,16 @@ class OOMBEngine:
         device = step.input_ids.device
         devices = [device] if device.type == "cuda" else []
         fork = torch.random.fork_rng(devices=devices, device_type=device.type)
-        mode = self.config.grad_summing
+        params = self._parameters()
+        mode = self.config.grad_summing(
+            len(step.bounds), any(p.grad is not None for p in half_trainable(params))
+        )
         sums = (
             None
             if mode == "native"
-            else self.host_grads.sweep(self._parameters())
+            else self.host_grads.sweep(params)
             if mode == "float32-host"
-            else Float32GradSums(self._parameters())
+            else Float32GradSums(params)
         )
         engaged = self.model.engaged(step.input_ids.shape[1])
         parked = parking.parked_bytes(device)

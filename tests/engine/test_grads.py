@@ -233,6 +233,33 @@ def test_host_sums_of_single_chunk_windows_equal_the_device_sums():
     assert all(torch.equal(host[n], device[n]) for n in device)
 
 
+def auto_step(accumulation: str, seq_len: int, earlier: bool) -> tuple[dict[str, torch.Tensor], OOMBEngine]:
+    """A bf16 step of chunks of 16 tokens (``earlier``: every ``.grad`` holds an earlier micro-batch's sum)."""
+    ids = torch.randint(0, 97, (1, seq_len), generator=torch.Generator().manual_seed(4))
+    model = build_causal_lm("qwen2", dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(5)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen).bfloat16() if earlier else None
+    engine = OOMBEngine(HFChunkModel(model), OOMBConfig(16, 8, grad_accumulation=accumulation))
+    engine.loss(ids).backward()
+    return grads_of(model), engine
+
+
+@pytest.mark.parametrize(
+    ("seq_len", "earlier", "like"),
+    [(64, False, "float32-host"), (64, True, "float32"), (272, False, "float32")],
+)
+def test_undecided_auto_sums_on_the_host_only_where_that_is_free(seq_len, earlier, like):
+    """``auto`` with no memory plan to decide it: a step of one window of chunks (4) with no earlier ``.grad`` sums
+    as float32-host (the matrices' ``.grad`` as autograd's own, no host memory); one with an earlier micro-batch's
+    ``.grad`` or more chunks than a window (17) as float32 — bit for bit the named mode (the three differ here)."""
+    (got, engine), (want, _) = auto_step("auto", seq_len, earlier), auto_step(like, seq_len, earlier)
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    assert engine.host_grads.host_bytes == 0
+    other = "float32" if like == "float32-host" else "float32-host"
+    assert not all(torch.equal(got[n], g) for n, g in auto_step(other, seq_len, earlier)[0].items())
+
+
 def test_host_flush_pipeline_waits_for_each_copy(monkeypatch):
     """On CUDA the staging copies run asynchronously. Here every non-blocking copy is held back until an event
     recorded after it is waited for (the latest a GPU could run it): the sums stay exact, so each add and each

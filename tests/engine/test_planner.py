@@ -236,7 +236,7 @@ def test_float32_gradient_sums_count_two_bytes_per_trainable_16_bit_parameter():
         assert plans["float32"].phases[phase] - native == extra, phase
     assert plan(model.float(), 64, 1, OOMBConfig(32, 16), "32-true", None, BIG_CPU).device["grad_sums"] == 0
     cfg = qwen2_5_7b_config()
-    at_4k = plan(cfg, 4096, 1, OOMBConfig(), "bf16-true", None, H200)
+    at_4k = plan(cfg, 4096, 1, OOMBConfig(grad_accumulation="float32"), "bf16-true", None, H200)
     assert at_4k.device["grad_sums"] == 2 * model_shape(cfg).parameter_count()
 
     (predicted, _, summed), (_, _, native) = (measure("qwen2", "bf16-true", True, 64, live=True, accumulation=acc)
@@ -367,13 +367,26 @@ def test_auto_gradient_sums_go_to_the_host_only_when_the_device_is_short(device_
     memory = int(device_gib * 2**30)
     machine = Machine(machine, memory, 128 * 2**30 if machine == "cuda" else memory)
     config = OOMBConfig(layer_checkpointing=True)
-    assert config.grad_accumulation == "auto" and config.grad_summing == "float32"
+    assert config.grad_accumulation == "auto" and config.grad_summing(32, accumulating=False) == "float32"
     result = plan(qwen2_5_7b_config(), 131072, 1, config, "bf16-true", "adamw", machine)
     assert result.config.grad_accumulation == decided
     assert result.fits == fits
     explicit = plan(qwen2_5_7b_config(), 131072, 1, dataclasses.replace(config, grad_accumulation=decided),
                     "bf16-true", "adamw", machine)  # fmt: skip
     assert explicit.peak_device == result.peak_device
+
+
+@pytest.mark.parametrize(("accumulate", "decided"), [(1, "float32-host"), (4, "float32")])
+def test_auto_sums_a_short_step_as_one_window(accumulate, decided):
+    """32K tokens in 4K chunks (8: one window) without gradient accumulation: ``auto`` is float32-host, which then
+    needs no host memory, and the GPU holds no float32 sums of the matrices (14 GiB less at 7B); with earlier
+    micro-batches' gradients to keep out of the bf16 window it is float32, as the H200 has room for it."""
+    result = plan(qwen2_5_7b_config(), 32768, 1, OOMBConfig(layer_checkpointing=True), "bf16-true", None, H200,
+                  accumulate_grad_batches=accumulate)  # fmt: skip
+    assert result.config.grad_accumulation == decided
+    assert result.host_parts["grad_sums"] == 0
+    vectors = qwen2_5_7b_config().hidden_size * (2 * 28 + 1) + 28 * 4608
+    assert (result.device["grad_sums"] < 4 * vectors) == (decided == "float32-host")
 
 
 def test_host_gradient_sums_under_gradient_accumulation_are_planned():
