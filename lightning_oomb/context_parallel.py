@@ -14,6 +14,7 @@ whole model and optimizer state, so a run resumes on any device count that divid
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from typing import Any
 
@@ -28,6 +29,7 @@ from typing_extensions import override
 
 from lightning_oomb.engine import OOMBConfigError
 from lightning_oomb.engine.context import ContextGroup
+from lightning_oomb.engine.planner import Machine
 from lightning_oomb.engine.recurrence import check_context
 from lightning_oomb.strategy import _OOMBStrategyMixin, config_from_arguments, strategy_doc
 
@@ -152,6 +154,13 @@ class OOMBContextParallelStrategy(_OOMBStrategyMixin, DDPStrategy):
         )
 
     @override
+    def _planning_machine(self, resident_bytes: int) -> Machine:
+        """The least memory any rank reads: every rank then plans alike and decides the ``"auto"`` options alike
+        (``reuse_attention`` must agree: a rank that takes a chunk's kept results skips the recompute's
+        collectives)."""
+        return least_over_ranks(super()._planning_machine(resident_bytes), self.root_device)
+
+    @override
     def _context_group(self) -> ContextGroup:
         return ContextGroup.of(self._mesh["context"].get_group())
 
@@ -222,3 +231,13 @@ class OOMBContextParallelStrategy(_OOMBStrategyMixin, DDPStrategy):
                 cls,
                 description="OOMB with every sequence shared by a context group of devices",
             )
+
+
+def least_over_ranks(machine: Machine, device: torch.device) -> Machine:
+    """``machine`` with the least device and host memory any rank of the default process group read (one
+    all-reduce, on ``device``)."""
+    sizes = [machine.device_bytes, machine.host_bytes, machine.total]
+    least = torch.tensor(sizes, dtype=torch.int64, device=device)
+    dist.all_reduce(least, op=dist.ReduceOp.MIN)
+    device_bytes, host_bytes, total = least.tolist()
+    return dataclasses.replace(machine, device_bytes=device_bytes, host_bytes=host_bytes, device_total=total)

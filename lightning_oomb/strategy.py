@@ -126,7 +126,7 @@ class _OOMBStrategyMixin:
             self.oomb_config,
             self.precision_plugin.precision,
             optimizer if isinstance(optimizer, torch.optim.Optimizer) else None,
-            Machine.local(self.root_device, resident_bytes=params),
+            self._planning_machine(params),
             context_parallel=self.engine.context.size if self.engine.context is not None else 1,
             accumulate_grad_batches=most_micro_batches(trainer),
             processes_per_node=getattr(self, "num_processes", 1),  # they share the node's host memory
@@ -146,6 +146,10 @@ class _OOMBStrategyMixin:
             raise OOMBConfigError(
                 f"{result.refusal()[:-1]} (OOMBStrategy(plan_memory=False) skips this check)."
             )
+
+    def _planning_machine(self, resident_bytes: int) -> Machine:
+        """The machine the memory plan is made for: this one now (:meth:`Machine.local`)."""
+        return Machine.local(self.root_device, resident_bytes=resident_bytes)
 
     def _context_group(self):
         """The ranks sharing each sequence (context parallelism); ``None`` on one device."""

@@ -3,10 +3,15 @@ one process; clear errors before any work; a failing rank ends the others with a
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
 import torch
 
-from lightning_oomb import OOMBConfigError, OOMBContextParallelStrategy
+from lightning_oomb import OOMBConfig, OOMBConfigError, OOMBContextParallelStrategy, plan
+from lightning_oomb.context_parallel import least_over_ranks
+from lightning_oomb.engine.planner import Machine
+from lightning_oomb.models import qwen2_5_7b_config
+from tests.helpers.distributed import run_ranks
 from tests.helpers.lightning import TinyLM, batches, make_trainer, oomb
 
 pytestmark = pytest.mark.slow
@@ -17,19 +22,30 @@ def cp(**options) -> OOMBContextParallelStrategy:
                                        **options)  # fmt: skip
 
 
+class Rows(L.LightningDataModule):
+    """12 rows of 40 tokens, 2 a batch, declaring the step size the strategies plan for at setup."""
+
+    seq_len, batch_size = 40, 2
+
+    def train_dataloader(self):
+        return batches(n=12)
+
+
 def fit(strategy, devices: int = 1, steps: int = 3, resume=None, **kwargs):
     torch.manual_seed(0)
     module = TinyLM().double()
     # the batches in their order on every rank (Lightning's distributed sampler would shuffle them, alike on each)
     trainer = make_trainer(strategy, steps, devices=devices, precision="64-true", accumulate_grad_batches=2,
                            gradient_clip_val=0.05, use_distributed_sampler=False, **kwargs)  # fmt: skip
-    trainer.fit(module, batches(n=12), ckpt_path=resume)
+    trainer.fit(module, datamodule=Rows(), ckpt_path=resume)
     return module
 
 
 def test_three_steps_with_accumulation_and_clipping_equal_one_process():
+    """The ranks plan at setup (each with the group's least memory) and keep their slices' attention results as
+    ``reuse_attention="auto"`` decides; the weights equal one process's."""
     want = fit(oomb())
-    got = fit(cp(), devices=2)
+    got = fit(cp(reuse_attention="auto"), devices=2)
     for (name, a), b in zip(want.named_parameters(), got.parameters(), strict=True):
         assert torch.allclose(a, b, rtol=1e-10, atol=1e-12), name
     start = TinyLM().double()  # the steps moved the weights (clipping kept them small, not zero)
@@ -74,3 +90,26 @@ def test_a_checkpoint_saved_by_the_group_resumes_on_one_device(tmp_path):
     got, want = (fit(oomb(), 1, 3, resume=s[0]) for s in saved)
     for (name, a), b in zip(want.named_parameters(), got.parameters(), strict=True):
         assert torch.allclose(a, b, rtol=1e-10, atol=1e-12), name
+
+
+def _reuse_decided(rank: int, world: int) -> tuple[int, int]:
+    """``reuse_attention="auto"`` decided on this rank (rank 1 reads 8 GiB less host memory) from its own
+    reading and from the group's least."""
+    gib = 2**30
+    machine = Machine("cuda", 140 * gib, (48 - 8 * rank) * gib, 141 * gib)
+    config = OOMBConfig(layer_checkpointing=True, offload=True, reuse_attention="auto")
+    kept = [
+        plan(
+            qwen2_5_7b_config(), 262144, 1, config, "bf16-true", None, m, suggest=False
+        ).config.reuse_attention
+        for m in (machine, least_over_ranks(machine, torch.device("cpu")))
+    ]
+    return tuple(kept)
+
+
+def test_the_ranks_plan_alike_with_the_least_memory_any_of_them_reads(tmp_path):
+    """A rank that keeps a chunk's attention results skips the recompute's collectives, so the ranks must decide
+    ``reuse_attention="auto"`` alike: from their own readings they would not (the control), from the least they do."""
+    (own0, least0), (own1, least1) = run_ranks(_reuse_decided, 2, tmp_path)
+    assert own0 != own1
+    assert least0 == least1 == own1
