@@ -1036,7 +1036,12 @@ def _machine(machine: Machine | str | None, device_memory: int | None, host_memo
             "planning for a CUDA device on a machine without one — its memory cannot be read here — pass "
             "device_memory (bytes, e.g. 141 * 10**9 for an H200; oomb plan: --device-memory 141GB)."
         )
-    local = Machine.local(kind) if device_memory is None or host_memory is None else None
+    # what is not given is read here (host memory alone needs no device: a CUDA plan can be made on a CPU machine)
+    local = (
+        None
+        if device_memory is not None and host_memory is not None
+        else Machine.local(kind if device_memory is None else "cpu")
+    )
     host = int(host_memory) if host_memory is not None else local.host_bytes
     if kind == "cpu":  # the device is host memory
         size = int(device_memory) if device_memory is not None else host
