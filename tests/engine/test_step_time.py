@@ -46,7 +46,12 @@ def test_matmul_flops_are_what_a_step_computes(monkeypatch, checkpointing, tile)
     with FlopCounterMode(display=False, custom_mapping=in_place) as counter:
         engine.loss(ids).backward()
     dense, _ = step_flops(model_shape(model), SEQ, config, batch=2)
-    assert counter.get_total_flops() == dense
+    # RoPE's angles are no layer matmul (transformers 5.17 makes them by a batched outer product, aten.bmm; later
+    # versions without a product the counter counts)
+    rope = sum(
+        sum(ops.values()) for name, ops in counter.get_flop_counts().items() if name.endswith("rotary_emb")
+    )
+    assert counter.get_total_flops() - rope == dense
 
 
 @pytest.mark.parametrize(("seq_len", "chunk", "window", "cap"), [
