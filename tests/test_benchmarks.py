@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.loss_memory import OLD_COMMIT
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "run_gpu.sh"
 
@@ -187,15 +189,21 @@ def test_goal_table_arithmetic():
 
 @pytest.mark.slow
 def test_loss_memory_smoke(tmp_path):
-    """The fused loss's counted peak equals its formula and is below the unfused loss's, measured in one run."""
+    """The fused loss's counted peak equals its formula and is below the unfused loss's, measured in one run (the
+    unfused loss is read from git history: a copy without it, e.g. a shallow clone, measures the fused one only)."""
     out = tmp_path / "loss.json"
+    history = subprocess.run(
+        ["git", "cat-file", "-e", f"{OLD_COMMIT}^{{commit}}"], cwd=ROOT, capture_output=True
+    )
+    old = [] if history.returncode == 0 else ["--no-old"]
     run("benchmarks/loss_memory.py", "--vocab", "512", "--hidden", "32", "--tokens", "64", "--block", "16",
-        "--repeats", "1", "--out", str(out))  # fmt: skip
+        "--repeats", "1", "--out", str(out), *old)  # fmt: skip
     rows = {(r["precision"], r["method"]): r for r in json.loads(out.read_text())["rows"]}
     for precision in ("32-true", "bf16-true", "bf16-mixed"):
-        fused, unfused = rows[precision, "fused"], rows[precision, "unfused"]
-        assert fused["peak_bytes"] < unfused["peak_bytes"]
+        fused = rows[precision, "fused"]
         assert 0 <= fused["peak_bytes"] - fused["formula_bytes"] <= 8 * 16 * 32
+        if not old:
+            assert fused["peak_bytes"] < rows[precision, "unfused"]["peak_bytes"]
     assert out.with_suffix(".md").exists()
 
 
