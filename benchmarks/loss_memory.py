@@ -61,16 +61,18 @@ def plain(hidden, head, targets, block):
 
 
 def formulas(old_planner, precision: str, vocab: int, hidden: int, tokens: int, block: int) -> dict[str, int]:
-    """The planner's loss term, new and old; the old one plus the hidden states and targets, which it counted as
-    saved activations (the unfused loss saved them)."""
+    """The planner's loss term, new and (with ``old_planner``) old; the old one plus the hidden states and targets,
+    which it counted as saved activations (the unfused loss saved them)."""
     dtypes = planner.precision_dtypes(precision)
     shape = planner.ModelShape(1, hidden, hidden, 1, 1, hidden, vocab, vocab)
-    old_shape = old_planner.ModelShape(1, hidden, hidden, 1, 1, hidden, vocab, vocab)
-    old = old_planner.loss_backward_bytes(old_shape, old_planner.precision_dtypes(precision), tokens, block)
-    return {
-        "fused": planner.loss_backward_bytes(shape, dtypes, tokens, block),
-        "unfused": old + tokens * (dtypes.activation.itemsize * hidden + planner.ID_BYTES),
-    }
+    terms = {"fused": planner.loss_backward_bytes(shape, dtypes, tokens, block)}
+    if old_planner is not None:
+        old_shape = old_planner.ModelShape(1, hidden, hidden, 1, 1, hidden, vocab, vocab)
+        old = old_planner.loss_backward_bytes(
+            old_shape, old_planner.precision_dtypes(precision), tokens, block
+        )
+        terms["unfused"] = old + tokens * (dtypes.activation.itemsize * hidden + planner.ID_BYTES)
+    return terms
 
 
 def inputs(precision: str, vocab: int, hidden: int, tokens: int, dtype: torch.dtype | None = None):
@@ -121,11 +123,7 @@ def measure(args, methods) -> list[dict]:
     for precision in ("32-true", "bf16-true", "bf16-mixed"):
         dtype, autocast = PRECISIONS[precision]
         w, h, t = inputs(precision, args.vocab, args.hidden, args.tokens)
-        formula = (
-            formulas(old_planner, precision, args.vocab, args.hidden, args.tokens, args.block)
-            if old_planner
-            else {}
-        )
+        formula = formulas(old_planner, precision, args.vocab, args.hidden, args.tokens, args.block)
         for name, fn in methods.items():
             peak = cross_entropy_peak(
                 args.vocab, args.hidden, args.tokens, args.block, dtype, autocast, loss_fn=fn
