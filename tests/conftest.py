@@ -14,6 +14,22 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_configure(config) -> None:
+    """Refuse a stack whose Triton interpreter cannot run the kernel tests, naming the fix."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    import numpy
+    import triton
+
+    old_triton = tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7)
+    if old_triton and tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 4):
+        raise pytest.UsageError(
+            f"Triton {triton.__version__}'s interpreter (TRITON_INTERPRET=1, how the kernel tests run without a GPU) "
+            f"fails with NumPy {numpy.__version__} ('only 0-dimensional arrays can be converted to Python scalars', "
+            "fixed in Triton 3.7) — pip install 'numpy<2.4', or Triton >= 3.7."
+        )
+
+
 @pytest.fixture
 def causal_lm():
     from tests.helpers.models import build_causal_lm
