@@ -21,7 +21,8 @@
 #                  kernel records (chosen config, n_regs, n_spills)
 #   compare 140 s  28 layers: HF 32K warm-up + 3 steps (~25 s), OOMB 32K warm-up + 3 (~35 s + compilation),
 #                  OOMB 64K 1 step (~25 s: the check of the layer scaling), model build and imports (~20 s);
-#                  then, if time is left, OOMB 32K with reuse_attention (warm-up + 3, ~30 s)
+#                  then, if time is left, OOMB 32K with reuse_attention and with every layer offloaded
+#                  (warm-up + 3, ~30 s each)
 #   reduced 170 s  4 then 2 layers at 64K (the fit, ~17 s); 2 layers: 128K without and with offload (3 + 3 steps,
 #                  ~42 s), 256K offloaded (~24 s), 1M sparse with one HBM and one host layer (~30 s), 256K
 #                  sparse (~6 s); if time is left, 256K offloaded with reuse_attention, with float32-host
