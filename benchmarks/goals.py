@@ -470,14 +470,19 @@ def quadratic_time(n0: int, t0: float, n1: int, t1: float, n: int) -> float:
 
 def offload_slope(rows: list[dict], scaling: Scaling) -> dict | None:
     """GPU memory growth (MB per 10K tokens) between the shortest and the longest measured step with every layer
-    offloaded, on the layer count of the longest: as measured, and scaled to the full model (each peak + the
-    planner's difference, as for the 256K peak); ``None`` with fewer than two such rows."""
+    offloaded, of one configuration and layer count (the one measured at the most lengths: rows with other options,
+    e.g. another ``grad_accumulation``, are not compared): as measured, and scaled to the full model (each peak + the
+    planner's difference, as for the 256K peak); ``None`` with fewer than two such lengths."""
     found = [r for r in rows if "step_s" in r and r.get("peak_gib") is not None and r.get("config", {}).get("offload")
              and not r["config"].get("hbm_budget") and not r["config"].get("page_budget")]  # fmt: skip
     if not found:
         return None
-    layers = max(found, key=lambda r: r["context"])["layers"]
-    found = sorted((r for r in found if r["layers"] == layers), key=lambda r: r["context"])
+    groups: dict = {}
+    for r in found:
+        groups.setdefault((r["layers"], json.dumps(r["config"], sort_keys=True)), []).append(r)
+    lengths = lambda group: (len({r["context"] for r in group}), max(r["context"] for r in group))  # noqa: E731
+    found = sorted(max(groups.values(), key=lengths), key=lambda r: r["context"])
+    layers = found[0]["layers"]
     if len(found) < 2 or found[0]["context"] == found[-1]["context"]:
         return None
     first, last = found[0], found[-1]

@@ -177,19 +177,26 @@ class OOMBContextParallelStrategy(_OOMBStrategyMixin, DDPStrategy):
         self._agreeing(self._check_memory_plan, trainer)
 
     def _agreeing(self, check, *args) -> None:
-        """Run ``check`` on every rank; if it refused on any, every rank raises, naming the rank (no rank goes on
-        into a collective the others never join)."""
-        error = None
+        """Run ``check`` on every rank; if it refused (or failed) on any, every rank raises, naming the rank (no rank
+        goes on into a collective the others never join): a refusal as ``OOMBConfigError``; a failure as itself on
+        its rank, as ``RuntimeError`` on the others."""
+        caught = None
         try:
             check(*args)
-        except OOMBConfigError as e:
-            error = str(e)
+        except Exception as e:  # every rank must learn of it
+            caught = e
+        message = None if caught is None else (type(caught).__name__, str(caught))
         errors: list = [None] * self.world_size
-        dist.all_gather_object(errors, error)
+        dist.all_gather_object(errors, message)
         failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
-        if failed:
-            rank, message = failed[0]
-            raise OOMBConfigError(f"rank {rank}: {message}")
+        if not failed:
+            return
+        if caught is not None and not isinstance(caught, OOMBConfigError):
+            raise caught
+        rank, (kind, text) = failed[0]
+        if kind == OOMBConfigError.__name__:
+            raise OOMBConfigError(f"rank {rank}: {text}")
+        raise RuntimeError(f"rank {rank} failed at setup: {kind}: {text}")
 
     @override
     def configure_ddp(self) -> None:

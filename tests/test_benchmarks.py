@@ -150,7 +150,7 @@ def test_run_gpu_script(tmp_path, tiny):
 
 def test_goal_table_arithmetic():
     """The goal table from made-up rows (no timings): the ratios, the per-layer scaling of time (checked at 64K), the
-    offload overhead scaled per layer, the measured part of the memory slope."""
+    offload overhead scaled per layer, the measured part of the memory slope (of one configuration's rows)."""
     import dataclasses
 
     import torch
@@ -171,7 +171,9 @@ def test_goal_table_arithmetic():
             row("oomb-64k", 3, "64k", 2.0, 5.0), row("fit-64k", 2, "64k", 1.4, 3.0),
             row("fit-64k", 1, "64k", 0.8, 2.0), row("128k-dense", 1, "128k", 1.0, 2.5),
             row("warm-offload", 1, "32k", 0.3, 1.0, off), row("128k-offload", 1, "128k", 1.01, 1.001, off),
-            row("256k-offload", 1, "256k", 2.0, 1.002, off)]  # fmt: skip
+            row("256k-offload", 1, "256k", 2.0, 1.002, off),
+            # other options, no point of the slope (its peak is lower: the gradient sums in host memory)
+            row("256k-offload-host", 1, "256k", 2.1, 0.5, {**off, "grad_accumulation": "float32-host"})]  # fmt: skip
     table = {g["goal"]: g for g in goals.goal_table(scale, rows, {}, [], torch.device("cpu"))}
     assert table["32K step time vs HF + SDPA + checkpointing"]["value"] == pytest.approx(1.1)
     assert (

@@ -40,6 +40,17 @@ def one_window(chunks: int, accumulating: bool) -> bool:
     return chunks <= HOST_FLUSH_CHUNKS and not accumulating
 
 
+def drop_zero_grads(params: list[torch.Tensor]) -> None:
+    """Set each ``.grad`` of ``params`` that is all zeros (``zero_grad(set_to_none=False)``) to ``None``: it holds
+    no earlier micro-batch's sum to keep apart, and adding it changes nothing (one read of the gradients, one device
+    synchronisation)."""
+    held = [p for p in params if p.grad is not None]
+    if held:
+        for p, nonzero in zip(held, torch.stack([p.grad.any() for p in held]).tolist(), strict=True):
+            if not nonzero:
+                p.grad = None
+
+
 def half_trainable(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """The trainable 16-bit parameters among ``params``, each once."""
     return [p for p in dict.fromkeys(params) if p.requires_grad and p.dtype in HALF_DTYPES]

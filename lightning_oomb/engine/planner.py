@@ -44,7 +44,8 @@ options that would make it fit (each tried in the planner).
   (``rQ + 4 Hq`` per token and layer; ``8 Hq`` in float64), held for the layer's checkpoint recompute
   (:class:`~lightning_oomb.engine.attention.Kept`) through the chunk's backward; with ``offload=True`` parked in
   page-locked host memory (counted in the host tier: :func:`parked_kept_bytes`), one layer's on the device.
-- *float32 gradient sums* (``grad_accumulation="float32"``, and ``"auto"`` until :func:`decide_auto` decides it):
+- *float32 gradient sums* (``grad_accumulation="float32"``, and ``"auto"`` beyond one window of chunks until
+  :func:`decide_auto` decides it, as :meth:`~lightning_oomb.engine.config.OOMBConfig.grad_summing` says):
   during the backward sweep every trainable 16-bit parameter's gradient is a 4-byte sum instead of its 2-byte
   ``.grad`` (:mod:`~lightning_oomb.engine.grads`): 2 bytes per such parameter, in every moment of the sweep, not at
   the optimizer step. ``"float32-host"``: 2 bytes per 1-D parameter element on the device; once a sweep has more
@@ -964,8 +965,8 @@ def decide_auto(inputs, config: OOMBConfig, batch: int, seq_len: int, devices: i
     step fits without it; under offload on a CUDA device, ``hbm_budget`` = the device bytes the rest of the step
     leaves (every term of its plan with no HBM-tier layer, less ``PLANNED_HEADROOM`` of the device) — unlike the
     engine's own ``"auto"``, which sees only what is allocated at the first step (not yet the optimizer states);
-    ``grad_accumulation`` before it: ``"float32"`` when the step fits with it, else ``"float32-host"`` on a GPU when
-    that fits; then ``reuse_attention`` = the most last chunks whose kept results still let the step fit
+    ``grad_accumulation`` before it: ``"float32-host"`` for one window of chunks without gradient accumulation (then
+    free), else ``"float32"`` when the step fits with it, else ``"float32-host"`` on a GPU when that fits; then ``reuse_attention`` = the most last chunks whose kept results still let the step fit
     (``False``: none)."""
     if config.layer_checkpointing == "auto":
         off = _budgeted(

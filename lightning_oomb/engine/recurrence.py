@@ -27,7 +27,13 @@ from lightning_oomb.engine.batch import key_floors, plan_layout
 from lightning_oomb.engine.config import OOMBConfig
 from lightning_oomb.engine.context import ContextChunk, ContextGroup, Layout, SharedSummaries, fingerprint
 from lightning_oomb.engine.errors import OOMBConfigError
-from lightning_oomb.engine.grads import Float32GradSums, HostGradSums, gradient_accumulator, half_trainable
+from lightning_oomb.engine.grads import (
+    Float32GradSums,
+    HostGradSums,
+    drop_zero_grads,
+    gradient_accumulator,
+    half_trainable,
+)
 from lightning_oomb.engine.kv_pool import KVPool
 from lightning_oomb.engine.loss import IGNORE_INDEX, linear_cross_entropy
 from lightning_oomb.engine.model import ChunkModel
@@ -424,9 +430,13 @@ class OOMBEngine:
         devices = [device] if device.type == "cuda" else []
         fork = torch.random.fork_rng(devices=devices, device_type=device.type)
         params = self._parameters()
-        mode = self.config.grad_summing(
-            len(step.bounds), any(p.grad is not None for p in half_trainable(params))
-        )
+        halves = half_trainable(params)
+        if self.config.grad_accumulation in (
+            "auto",
+            "float32-host",
+        ):  # zeros are no earlier micro-batch to keep
+            drop_zero_grads(halves)
+        mode = self.config.grad_summing(len(step.bounds), any(p.grad is not None for p in halves))
         sums = (
             None
             if mode == "native"

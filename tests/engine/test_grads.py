@@ -233,13 +233,18 @@ def test_host_sums_of_single_chunk_windows_equal_the_device_sums():
     assert all(torch.equal(host[n], device[n]) for n in device)
 
 
-def auto_step(accumulation: str, seq_len: int, earlier: bool) -> tuple[dict[str, torch.Tensor], OOMBEngine]:
-    """A bf16 step of chunks of 16 tokens (``earlier``: every ``.grad`` holds an earlier micro-batch's sum)."""
+def auto_step(
+    accumulation: str, seq_len: int, earlier: str | None
+) -> tuple[dict[str, torch.Tensor], OOMBEngine]:
+    """A bf16 step of chunks of 16 tokens; every ``.grad`` holds ``earlier``: ``None``, ``"sum"`` (an earlier
+    micro-batch's) or ``"zeros"`` (``zero_grad(set_to_none=False)``)."""
     ids = torch.randint(0, 97, (1, seq_len), generator=torch.Generator().manual_seed(4))
     model = build_causal_lm("qwen2", dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(5)
     for p in model.parameters():
-        p.grad = torch.randn(p.shape, generator=gen).bfloat16() if earlier else None
+        p.grad = None if earlier is None else torch.randn(p.shape, generator=gen).bfloat16()
+        if earlier == "zeros":
+            p.grad.zero_()
     engine = OOMBEngine(HFChunkModel(model), OOMBConfig(16, 8, grad_accumulation=accumulation))
     engine.loss(ids).backward()
     return grads_of(model), engine
@@ -247,17 +252,31 @@ def auto_step(accumulation: str, seq_len: int, earlier: bool) -> tuple[dict[str,
 
 @pytest.mark.parametrize(
     ("seq_len", "earlier", "like"),
-    [(64, False, "float32-host"), (64, True, "float32"), (272, False, "float32")],
+    [
+        (64, None, "float32-host"),
+        (64, "zeros", "float32-host"),
+        (64, "sum", "float32"),
+        (272, None, "float32"),
+    ],
 )
 def test_undecided_auto_sums_on_the_host_only_where_that_is_free(seq_len, earlier, like):
-    """``auto`` with no memory plan to decide it: a step of one window of chunks (4) with no earlier ``.grad`` sums
-    as float32-host (the matrices' ``.grad`` as autograd's own, no host memory); one with an earlier micro-batch's
-    ``.grad`` or more chunks than a window (17) as float32 — bit for bit the named mode (the three differ here)."""
+    """``auto`` with no memory plan to decide it: a step of one window of chunks (4) with no earlier sum in ``.grad``
+    (none, or zeros) sums as float32-host (the matrices' ``.grad`` as autograd's own, no host memory); one with an
+    earlier micro-batch's ``.grad`` or more chunks than a window (17) as float32 — bit for bit the named mode (the
+    two differ here)."""
     (got, engine), (want, _) = auto_step("auto", seq_len, earlier), auto_step(like, seq_len, earlier)
     assert all(torch.equal(got[n], want[n]) for n in want)
     assert engine.host_grads.host_bytes == 0
     other = "float32" if like == "float32-host" else "float32-host"
     assert not all(torch.equal(got[n], g) for n, g in auto_step(other, seq_len, earlier)[0].items())
+
+
+def test_zero_grads_do_not_flush_to_the_host():
+    """``zero_grad(set_to_none=False)`` before a float32-host step of one window: nothing goes to the host (the zeros
+    are dropped, not kept apart as an earlier micro-batch's sum), and the gradients are those of a step without."""
+    (zeros, engine), (none, _) = auto_step("float32-host", 64, "zeros"), auto_step("float32-host", 64, None)
+    assert engine.host_grads.flushes == 0 and engine.host_grads.host_bytes == 0
+    assert all(torch.equal(zeros[n], none[n]) for n in none)
 
 
 def test_host_flush_pipeline_waits_for_each_copy(monkeypatch):

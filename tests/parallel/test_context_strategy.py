@@ -3,6 +3,8 @@ one process; clear errors before any work; a failing rank ends the others with a
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import lightning as L
 import pytest
 import torch
@@ -113,3 +115,26 @@ def test_the_ranks_plan_alike_with_the_least_memory_any_of_them_reads(tmp_path):
     (own0, least0), (own1, least1) = run_ranks(_reuse_decided, 2, tmp_path)
     assert own0 != own1
     assert least0 == least1 == own1
+
+
+def _agree(rank: int, world: int) -> tuple[str, str] | None:
+    """A setup check that fails on rank 1 only, with an error that is no refusal."""
+
+    def check():
+        if rank == 1:
+            raise ValueError("no memory reading")
+
+    try:
+        OOMBContextParallelStrategy._agreeing(SimpleNamespace(world_size=world), check)
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+def test_a_setup_failure_on_one_rank_is_raised_on_every_rank(tmp_path):
+    """No rank goes on into a collective the failed one never joins: the failed rank raises its error, the others
+    an error naming it."""
+    assert run_ranks(_agree, 2, tmp_path) == [
+        ("RuntimeError", "rank 1 failed at setup: ValueError: no memory reading"),
+        ("ValueError", "no memory reading"),
+    ]
