@@ -103,9 +103,9 @@ class _OOMBStrategyMixin:
         ``layer_checkpointing="auto"`` (without a ``seq_len`` it stays on) and, under offload on a GPU,
         ``hbm_budget="auto"`` with the optimizer states counted (:func:`~lightning_oomb.engine.planner.decide_auto`;
         without a ``seq_len`` the pool decides at the first step from the free memory), ``reuse_attention="auto"``
-        (without a ``seq_len``: no chunk's results are kept) and ``grad_accumulation="auto"`` (without a plan:
-        each step decides, ``OOMBConfig``'s docstring; ``plan_memory=False`` plans only to decide other ``"auto"`` options, and then this one
-        too). Under ``oomb_cp`` a node's ranks share its host memory; gradient accumulation counts its most
+        (without a ``seq_len``: no chunk's results are kept) and ``grad_accumulation="auto"`` (without a plan: each
+        step decides, ``OOMBConfig``'s docstring; ``plan_memory=False`` plans only to decide other ``"auto"``
+        options, and then this one too). Under ``oomb_cp`` a node's ranks share its host memory; gradient accumulation counts its most
         micro-batches (``GradientAccumulationScheduler`` included).
         """
         seq_len, batch = step_size_of(trainer.datamodule)

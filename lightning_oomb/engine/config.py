@@ -68,12 +68,13 @@ class OOMBConfig:
             (``bf16-true``, ``16-true``): ``"auto"`` (default): ``"float32-host"`` for a step of at most 16
             chunks without gradient accumulation (it then needs no host memory and copies nothing: the least
             memory; the matrices' ``.grad`` sums at most 16 chunks in 16 bits, the error measured as flat as
-            ``"float32"``'s), else ``"float32"``, unless the strategies' memory plan at setup
-            finds that the step fits a GPU only with ``"float32-host"`` — then that (both keep the error flat);
-            where no plan decides (no ``seq_len``, ``plan_memory=False`` with no other ``"auto"`` option to decide,
-            a bare engine) each step decides: ``"float32-host"`` for one of at most 16 chunks that starts without
-            ``.grad``, else ``"float32"``. Under ``"auto"`` and ``"float32-host"`` a ``.grad`` of zeros
-            (``zero_grad(set_to_none=False)``) is dropped when the sweep starts: it holds no earlier sum. ``"float32"``: in a float32 sum per parameter, written into
+            ``"float32"``'s), else ``"float32"``, unless the strategies' memory plan at setup finds that the step
+            fits a GPU only with ``"float32-host"`` — then that (both keep the error flat); where no plan decides
+            (no ``seq_len``, ``plan_memory=False`` with no other ``"auto"`` option to decide, a bare engine) each
+            step decides: ``"float32-host"`` for one of at most 16 chunks that starts without an earlier
+            micro-batch's ``.grad``, else ``"float32"``. A ``.grad`` of zeros (``zero_grad(set_to_none=False)``)
+            is dropped when the sweep starts: it holds no earlier sum. ``"float32"``: in a float32 sum per
+            parameter, written into
             ``.grad`` once when the sweep ends (added to what ``.grad`` held, once), so the gradient's error stays
             that of ordinary 16-bit training whatever the number of chunks; during the sweep each such parameter's
             gradient takes 4 bytes instead of 2 (+14 GiB for a full fine-tune of Qwen2.5-7B, little under LoRA;

@@ -40,15 +40,18 @@ def one_window(chunks: int, accumulating: bool) -> bool:
     return chunks <= HOST_FLUSH_CHUNKS and not accumulating
 
 
-def drop_zero_grads(params: list[torch.Tensor]) -> None:
-    """Set each ``.grad`` of ``params`` that is all zeros (``zero_grad(set_to_none=False)``) to ``None``: it holds
-    no earlier micro-batch's sum to keep apart, and adding it changes nothing (one read of the gradients, one device
-    synchronisation)."""
+def earlier_sums(params: list[torch.Tensor]) -> bool:
+    """Whether a ``.grad`` of ``params`` holds an earlier micro-batch's sum. An all-zero ``.grad``
+    (``zero_grad(set_to_none=False)``) holds none and is set to ``None`` (adding it changes nothing): one read of
+    the gradients, one device synchronisation."""
     held = [p for p in params if p.grad is not None]
-    if held:
-        for p, nonzero in zip(held, torch.stack([p.grad.any() for p in held]).tolist(), strict=True):
-            if not nonzero:
-                p.grad = None
+    if not held:
+        return False
+    nonzero = torch.stack([p.grad.any() for p in held]).tolist()
+    for p, keep in zip(held, nonzero, strict=True):
+        if not keep:
+            p.grad = None
+    return any(nonzero)
 
 
 def half_trainable(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:

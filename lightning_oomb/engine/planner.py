@@ -966,8 +966,8 @@ def decide_auto(inputs, config: OOMBConfig, batch: int, seq_len: int, devices: i
     leaves (every term of its plan with no HBM-tier layer, less ``PLANNED_HEADROOM`` of the device) — unlike the
     engine's own ``"auto"``, which sees only what is allocated at the first step (not yet the optimizer states);
     ``grad_accumulation`` before it: ``"float32-host"`` for one window of chunks without gradient accumulation (then
-    free), else ``"float32"`` when the step fits with it, else ``"float32-host"`` on a GPU when that fits; then ``reuse_attention`` = the most last chunks whose kept results still let the step fit
-    (``False``: none)."""
+    free), else ``"float32"`` when the step fits with it, else ``"float32-host"`` on a GPU when that fits; then
+    ``reuse_attention`` = the most last chunks whose kept results still let the step fit (``False``: none)."""
     if config.layer_checkpointing == "auto":
         off = _budgeted(
             inputs, dataclasses.replace(config, layer_checkpointing=False), batch, seq_len, devices

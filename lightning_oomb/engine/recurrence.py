@@ -30,7 +30,7 @@ from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.grads import (
     Float32GradSums,
     HostGradSums,
-    drop_zero_grads,
+    earlier_sums,
     gradient_accumulator,
     half_trainable,
 )
@@ -430,13 +430,7 @@ class OOMBEngine:
         devices = [device] if device.type == "cuda" else []
         fork = torch.random.fork_rng(devices=devices, device_type=device.type)
         params = self._parameters()
-        halves = half_trainable(params)
-        if self.config.grad_accumulation in (
-            "auto",
-            "float32-host",
-        ):  # zeros are no earlier micro-batch to keep
-            drop_zero_grads(halves)
-        mode = self.config.grad_summing(len(step.bounds), any(p.grad is not None for p in halves))
+        mode = self.config.grad_summing(len(step.bounds), earlier_sums(half_trainable(params)))
         sums = (
             None
             if mode == "native"
