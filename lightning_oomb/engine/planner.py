@@ -974,7 +974,7 @@ def decide_auto(inputs, config: OOMBConfig, batch: int, seq_len: int, devices: i
         )
         fits = _plan(inputs, off, batch, seq_len, devices).fits
         config = off if fits else dataclasses.replace(config, layer_checkpointing=True)
-    if config.grad_accumulation == "auto":
+    if config.grad_accumulation == "auto" and any(_half_elements(inputs)):  # else nothing to sum: left "auto"
         config = dataclasses.replace(
             config, grad_accumulation=_summing(inputs, config, batch, seq_len, devices)
         )

@@ -389,6 +389,12 @@ def test_auto_sums_a_short_step_as_one_window(accumulate, decided):
     assert (result.device["grad_sums"] < 4 * vectors) == (decided == "float32-host")
 
 
+def test_auto_sums_stay_undecided_without_16_bit_parameters():
+    """32-true: no parameter is summed by the sweep, so the plan decides nothing (and logs no decision) for it."""
+    result = plan(qwen2_5_7b_config(), 32768, 1, OOMBConfig(layer_checkpointing=True), "32-true", None, H200)
+    assert result.config.grad_accumulation == "auto" and result.device["grad_sums"] == 0
+
+
 def test_host_gradient_sums_under_gradient_accumulation_are_planned():
     """A step of one window of chunks keeps no host sums, unless earlier micro-batches' gradients wait there."""
     config = OOMBConfig(grad_accumulation="float32-host")
