@@ -75,9 +75,9 @@ def measure(step: Callable[[], object], device: torch.device, repeats: int, warm
 # --------------------------------------------------------------------------------------------------- steps
 def make_step(model, method: str, config=None) -> tuple[Callable[[torch.Tensor], torch.Tensor], object]:
     """``(step(ids) -> loss, engine)``: one forward + backward on ``ids [1, N]`` (starting without gradients, as
-    Lightning's ``optimizer.zero_grad()`` leaves them: the step makes them) by ``method``: ``"hf"`` — transformers + SDPA + per-layer checkpointing, the usual recipe (engine ``None``) — or
-    ``"oomb"`` — the OOMB engine with ``config`` (an ``OOMBConfig``; its ``layer_checkpointing`` checkpoints each
-    layer inside a chunk's recompute)."""
+    Lightning's ``optimizer.zero_grad()`` leaves them: the step makes them) by ``method``: ``"hf"`` — transformers
+    + SDPA + per-layer checkpointing, the usual recipe (engine ``None``) — or ``"oomb"`` — the OOMB engine with
+    ``config`` (an ``OOMBConfig``; its ``layer_checkpointing`` checkpoints each layer inside a chunk's recompute)."""
     from lightning_oomb.engine import OOMBEngine
     from lightning_oomb.integrations.hf import HFChunkModel, set_layer_checkpointing
 

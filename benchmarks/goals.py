@@ -480,7 +480,10 @@ def offload_slope(rows: list[dict], scaling: Scaling) -> dict | None:
     groups: dict = {}
     for r in found:
         groups.setdefault((r["layers"], json.dumps(r["config"], sort_keys=True)), []).append(r)
-    lengths = lambda group: (len({r["context"] for r in group}), max(r["context"] for r in group))  # noqa: E731
+
+    def lengths(group: list[dict]) -> tuple[int, int]:
+        return len({r["context"] for r in group}), max(r["context"] for r in group)
+
     found = sorted(max(groups.values(), key=lengths), key=lambda r: r["context"])
     layers = found[0]["layers"]
     if len(found) < 2 or found[0]["context"] == found[-1]["context"]:
