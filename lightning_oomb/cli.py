@@ -80,7 +80,23 @@ def main() -> None:
         args, sys.argv = sys.argv[2:], sys.argv[:1]  # LightningCLI must not read sys.argv as well
         plan_command(args)
         return
-    build_cli()
+    try:
+        build_cli()
+    except ValueError as err:  # a class refused an option while jsonargparse built it: say why, not a trace
+        reasons = refusals_in(err)
+        if not reasons:
+            raise
+        sys.exit("oomb: error: " + " ".join(reasons))
+
+
+def refusals_in(err: ValueError) -> list[str]:
+    """The lines of jsonargparse's "Does not validate against any of the Union subtypes" error that are a class's own
+    refusal (its constructor's message), not a type mismatch."""
+    text = str(err)
+    if "Union subtypes" not in text:
+        return []
+    lines = [line.strip()[2:] for line in text.splitlines() if line.strip().startswith("- ")]
+    return [line for line in lines if not line.startswith(("Expected a", "Not a valid", "Import path"))]
 
 
 # ---------------------------------------------------------------------------------------------------- oomb plan

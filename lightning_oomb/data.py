@@ -421,8 +421,10 @@ class TextFileDataModule(LightningDataModule):
     -100 wherever ``position_ids == 0``, so no token is trained to predict the first token of the next document.
     A document longer than the rest of its row continues in the next row, where its positions restart at 0, as if
     its remainder were a document of its own: every row is self-contained (the model never sees the previous row,
-    and positions continuing from it would describe context that is not there). HF models given ``position_ids``
-    and no ``attention_mask`` keep packed documents apart (a new document wherever positions do not step by 1).
+    and positions continuing from it would describe context that is not there). HF models given ``position_ids``,
+    no ``attention_mask`` and ``use_cache=False`` keep packed documents apart (a new document wherever positions do
+    not step by 1; with transformers' default KV cache they do not: :class:`~lightning_oomb.models.CausalLMModule`
+    passes it); so does the OOMB strategy.
     With ``pack=False`` documents form one plain stream, batches are ``{"input_ids", "labels"}`` with labels equal
     to input ids, and attention crosses document ends.
 

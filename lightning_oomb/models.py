@@ -1,7 +1,7 @@
 """``CausalLMModule``: a plain LightningModule around a Hugging Face causal LM, configurable from YAML.
 
-Nothing in it knows about OOMB: ``training_step`` is the usual ``self.model(**batch).loss``, so the same module
-trains under ``strategy="oomb"`` or any other strategy.
+Nothing in it knows about OOMB: ``training_step`` is the usual ``self.model(**batch, use_cache=False).loss``, so
+the same module trains under ``strategy="oomb"`` or any other strategy.
 """
 
 from __future__ import annotations
@@ -54,7 +54,9 @@ def qwen2_5_7b_config(**overrides: Any):
 
 class CausalLMModule(LightningModule):
     """Train a Hugging Face ``*ForCausalLM`` on batches ``{"input_ids", "labels"}`` (plus ``position_ids`` for
-    packed documents; every key goes to the model call) with AdamW.
+    packed documents; every key goes to the model call, with ``use_cache=False``: transformers builds the mask
+    that keeps packed documents apart only without a KV cache, so the module trains alike under any strategy)
+    with AdamW.
 
     The model is built in :meth:`configure_model` (so the Trainer's device and precision contexts apply, and
     constructing the module, e.g. when a CLI parses a config, loads nothing).
@@ -123,7 +125,7 @@ class CausalLMModule(LightningModule):
         self.model = AutoModelForCausalLM.from_pretrained(hp.model_name_or_path, **kwargs)
 
     def training_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        loss = self.model(**batch).loss
+        loss = self.model(**batch, use_cache=False).loss
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
@@ -132,7 +134,7 @@ class CausalLMModule(LightningModule):
         self.val_token_loss.set_dtype(torch.float32)
 
     def validation_step(self, batch: dict[str, torch.Tensor]) -> None:
-        loss = self.model(**batch).loss  # the mean over this batch's targets
+        loss = self.model(**batch, use_cache=False).loss  # the mean over this batch's targets
         targets = (batch.get("labels", batch["input_ids"])[:, 1:] != IGNORE_INDEX).sum()
         # without targets HF's loss is NaN (0/0): weight 0 must not turn the mean into NaN
         self.val_token_loss.update(torch.where(targets > 0, loss.detach().float(), 0.0), weight=targets)
@@ -152,10 +154,18 @@ class CausalLMModule(LightningModule):
             {"params": no_decay, "weight_decay": 0.0},
         ]
         optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas))
-        total = self.trainer.estimated_stepping_batches
-        schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: lr_factor(step, hp.warmup_steps, total, hp.min_lr_ratio)
-        )
+        total = []  # read at the first step past the warm-up (before it the factor does not depend on it): read
+        # here, with max_epochs set, it would build the train loader before a resumed fit restores its position
+        # (Lightning issue #20550), and the resumed epoch would start again from its first row
+
+        def factor(step: int) -> float:
+            if step <= hp.warmup_steps:
+                return lr_factor(step, hp.warmup_steps, math.inf, hp.min_lr_ratio)
+            if not total:
+                total.append(self.trainer.estimated_stepping_batches)
+            return lr_factor(step, hp.warmup_steps, total[0], hp.min_lr_ratio)
+
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 

@@ -178,10 +178,10 @@ class _OOMBStrategyMixin:
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         with self._engine_answers_model_calls("train") as calls:
             output = super().training_step(*args, **kwargs)
-        if not calls:
+        if not calls and output is not None:  # None: Lightning skips the batch
             raise OOMBConfigError(
-                "training_step did not call the OOMB-managed model — the strategy only trains through it — "
-                "return `self.model(**batch).loss` (or a loss computed from it)."
+                "training_step returned a loss without calling the OOMB-managed model — the strategy only trains "
+                "through it — return `self.model(**batch).loss` (or a loss computed from it; None skips the batch)."
             )
         return output
 

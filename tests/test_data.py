@@ -11,6 +11,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from lightning_oomb import OOMBConfigError
 from lightning_oomb.data import (
@@ -21,6 +22,7 @@ from lightning_oomb.data import (
     TextFileDataModule,
     split_at_starts,
 )
+from lightning_oomb.models import CausalLMModule
 from tests.helpers.lightning import TinyLM, make_trainer
 
 TEXT = "the quick brown fox jumps over the lazy dog . " * 40
@@ -366,10 +368,16 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("pack", [True, False])  # False: rows reshuffled every epoch
+@pytest.mark.parametrize(
+    ("pack", "lm"),
+    [(True, "tiny"), (False, "tiny"), (True, "causal_lm")],  # False: rows reshuffled every epoch
+)
 def test_fit_resumed_mid_epoch_sees_the_rows_an_uninterrupted_fit_sees(
-    text_corpus, tmp_path, pack, one_thread
+    text_corpus, tmp_path, pack, lm, one_thread
 ):
+    """``causal_lm``: CausalLMModule with ``max_epochs`` set, whose LR schedule reads the step count (read in
+    configure_optimizers it built the train loader too early, Lightning issue #20550: the resumed fit started the
+    epoch again from its first row)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     _, tok_dir = text_corpus
@@ -381,10 +389,18 @@ def test_fit_resumed_mid_epoch_sees_the_rows_an_uninterrupted_fit_sees(
             records=records, tokenizer=str(tok_dir), seq_len=32, batch_size=2, pack=pack
         )
 
+    def module() -> L.LightningModule:
+        if lm == "tiny":
+            return TinyLM()
+        vocab = len(AutoTokenizer.from_pretrained(tok_dir))
+        shape = dict(model_type="qwen2", vocab_size=vocab, hidden_size=32, intermediate_size=32,
+                     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+        return CausalLMModule(config=shape, warmup_steps=1)
+
     def fit(callbacks, ckpt_path=None) -> None:
         trainer = make_trainer("auto", steps=8, callbacks=callbacks, default_root_dir=tmp_path,
-                               enable_checkpointing=True)  # fmt: skip
-        trainer.fit(TinyLM(), data(), ckpt_path=ckpt_path)
+                               enable_checkpointing=True, max_epochs=None if lm == "tiny" else 10)  # fmt: skip
+        trainer.fit(module(), data(), ckpt_path=ckpt_path)
 
     probe = data()
     probe.setup("fit")

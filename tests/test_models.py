@@ -120,3 +120,37 @@ def test_validation_metrics_weigh_batches_by_their_target_tokens(precision):
     assert float(logged["val_ppl"]) == pytest.approx(math.exp(weighted), rel=1e-6)
     # the unweighted mean of the batch losses is a different number
     assert abs(math.exp(float(losses.mean())) - float(logged["val_ppl"])) > 1e-3
+
+
+def test_packed_documents_train_alike_under_any_strategy():
+    """Packed rows (positions restarting): HF keeps the documents apart only without a KV cache (its default
+    use_cache=True lets them attend to each other), so the module calls it with use_cache=False and the default
+    strategy's step loss is OOMB's (float64)."""
+    import lightning as L
+
+    import lightning_oomb
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 32, (2, 40), generator=gen)
+    positions = torch.cat([torch.arange(13), torch.arange(27)]).expand(2, -1)
+    labels = ids.masked_fill(positions == 0, -100)
+    batch = {"input_ids": ids, "labels": labels, "position_ids": positions}
+
+    class Losses(L.Callback):
+        def __init__(self):
+            self.losses = []
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            self.losses.append(float(outputs["loss"]))
+
+    seen = {}
+    for name, strategy in (
+        ("auto", "auto"),
+        ("oomb", lightning_oomb.OOMBStrategy(chunk_size=16, page_size=8)),
+    ):
+        torch.manual_seed(0)
+        module, record = CausalLMModule(config=TINY), Losses()
+        trainer = make_trainer(strategy, steps=2, precision="64-true", callbacks=[record])
+        trainer.fit(module, DataLoader([batch, batch], batch_size=None))
+        seen[name] = record.losses
+    assert seen["auto"] == pytest.approx(seen["oomb"], rel=1e-6)  # HF: a float32 cross-entropy

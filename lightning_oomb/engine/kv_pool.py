@@ -436,6 +436,14 @@ class KVPool:
         call's sliding window, checked against the one the model declared."""
         shape = self.shape
         assert start % shape.page_size == 0, "chunks start on page boundaries"
+        heads = (shape.kv_heads, shape.head_dim)
+        if (k.shape[1], k.shape[3]) != heads or (v.shape[1], v.shape[3]) != heads:
+            raise OOMBConfigError(
+                f"layer {layer} attends with keys of {k.shape[1]} heads x {k.shape[3]} and values of {v.shape[1]} x "
+                f"{v.shape[3]}, but the model declared {shape.kv_heads} KV heads of {shape.head_dim} (a Hugging Face "
+                "model: its config's num_key_value_heads and head_dim), the page pool's shape — correct the config "
+                "(e.g. drop a num_key_value_heads the architecture ignores), or train this model with another strategy."
+            )
         if shape.windows is not None and shape.windows[layer] != window:
             raise OOMBConfigError(
                 f"layer {layer} attends with sliding_window={window} but the model declared {shape.windows[layer]} — "

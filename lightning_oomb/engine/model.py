@@ -50,9 +50,9 @@ class ChunkModel(Protocol):
         """The LM head: weight, bias and the transform of the logits (scale, softcap) that the model applies."""
 
     def engaged(self, num_tokens: int) -> contextlib.AbstractContextManager:
-        """While the block runs, the model's attention goes through the engine (and whatever else a sweep over a
-        ``num_tokens``-token sequence needs, e.g. per-layer checkpointing, RoPE pinned to that length);
-        everything is restored afterwards."""
+        """While the block runs, the model's attention goes through the engine (and whatever else a sweep needs,
+        e.g. per-layer checkpointing, a length-dependent RoPE pinned to ``num_tokens``: the step's largest position
+        + 1, the sequence length unless packed documents restart positions); everything is restored afterwards."""
 
 
 class StepLoss(Protocol):

@@ -15,6 +15,7 @@ target token gives loss 0 and zero gradients (documented choice; Hugging Face wo
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -78,6 +79,12 @@ class _Step:
     states: CarriedStates | None = None  # a hybrid's recurrent / convolution states at chunk boundaries
     tokens: torch.Tensor | None = None  # right padding: the real tokens [B, N] (None: no padding)
     reused_from: int | None = None  # reuse_attention: the chunk from which the backward takes forward results
+
+    @functools.cached_property
+    def position_span(self) -> int:
+        """The largest RoPE position + 1 (the length unless packed documents restart positions): the length a
+        full-sequence call's length-dependent RoPE reads."""
+        return int(self.positions.max()) + 1
 
     def rows(self, index: int) -> int:
         """Query rows this device runs of chunk ``index`` (its slice under context parallelism; 0: a stand-in)."""
@@ -405,7 +412,7 @@ class OOMBEngine:
             carried.keep = sweep != "eval"
         kept = step.reused_from if sweep == "forward" else None
         self.results.begin(kept, max(map(step.rows, range(len(step.bounds)))), step.shape.num_layers)
-        with self._sweep(sweep, step), self.model.engaged(step.input_ids.shape[1]):
+        with self._sweep(sweep, step), self.model.engaged(step.position_span):
             for index in range(len(step.bounds)):
                 rng.append(RNGState(device))
                 states = None if carried is None else carried.forward_chunk(index)
@@ -438,7 +445,7 @@ class OOMBEngine:
             if mode == "float32-host"
             else Float32GradSums(params)
         )
-        engaged = self.model.engaged(step.input_ids.shape[1])
+        engaged = self.model.engaged(step.position_span)
         parked = parking.parked_bytes(device)
         with (
             self._reporting(),

@@ -88,7 +88,11 @@ def test_unsupported_models_are_refused_with_the_reason(reason, model):
 def test_the_self_check_refuses_what_the_reading_misses(family, match):
     """Architectures that pass every static rule but would train wrongly: the float64 twin finds it and names the
     measured error; without the check they are accepted."""
-    overrides = {"is_decoder": True} if family == "bert" else {"num_key_value_heads": 2}
+    overrides = (
+        {"is_decoder": True, "attention_probs_dropout_prob": 0.0}
+        if family == "bert"
+        else {"num_key_value_heads": 2}
+    )
     config = tf.AutoConfig.for_model(family, **TINY, **overrides)
     model = tf.AutoModelForCausalLM.from_config(config)
     HFChunkModel(model)  # the static rules see nothing wrong
@@ -101,8 +105,61 @@ def test_the_self_check_accepts_the_exact_families():
     for family in ("qwen2", "llama", "mistral", "qwen3"):
         HFChunkModel(build_causal_lm(family, dtype=torch.float32), verify_exactness=True)
     for family in ("opt", "biogpt"):
-        config = tf.AutoConfig.for_model(family, **TINY, ffn_dim=32, word_embed_proj_dim=32)
+        config = tf.AutoConfig.for_model(
+            family, **TINY, ffn_dim=32, word_embed_proj_dim=32, attention_probs_dropout_prob=0.0
+        )
         HFChunkModel(tf.AutoModelForCausalLM.from_config(config), verify_exactness=True)
+
+
+def newer_family(name: str, **config):
+    """A tiny model of transformers family ``name`` (skipped where this transformers lacks it)."""
+    if name not in tf.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        pytest.skip(f"transformers {tf.__version__} has no {name}")
+    fields = dict(**TINY, pad_token_id=0, bos_token_id=1, eos_token_id=2, attention_dropout=0.0)
+    return tf.AutoModelForCausalLM.from_config(tf.AutoConfig.for_model(name, **{**fields, **config}))
+
+
+@pytest.mark.parametrize(
+    ("name", "config", "match"),
+    [
+        ("biogpt", dict(attention_probs_dropout_prob=0.1), "attention_probs_dropout_prob=0.1"),
+        (
+            "gemma4_text",
+            dict(
+                num_key_value_heads=2,
+                head_dim=8,
+                global_head_dim=16,
+                hidden_size_per_layer_input=0,
+                layer_types=["sliding_attention"],
+            ),
+            "differ in head_dim",
+        ),  # fmt: skip
+        (
+            "dory",
+            dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+            r"LM head \(DoryLMHead\) is not a plain linear layer",
+        ),  # its own learnable logit scale  # fmt: skip
+    ],
+)
+def test_more_unsupported_models_are_refused_before_any_work(name, config, match):
+    with pytest.raises(OOMBConfigError, match=match):
+        HFChunkModel(newer_family(name, **config))
+
+
+def test_layers_that_do_not_pass_attention_keywords_are_named():
+    """StableLM's decoder layer calls its attention without the keywords that carry the chunk context: the step
+    says so (it used to tell the user to load the model with sdpa, which it was)."""
+    model = newer_family("stablelm", num_key_value_heads=2)
+    with pytest.raises(OOMBConfigError, match="do not pass their keyword arguments on to attention"):
+        OOMBEngine(HFChunkModel(model), OOMBConfig(16, 8)).loss(torch.randint(0, 64, (1, 20)))
+
+
+def test_keys_of_another_shape_than_the_config_declares_are_refused():
+    """GPT-NeoX ignores a ``num_key_value_heads`` in its config (its K/V have every head): named, not a raw
+    ``index_copy_`` error from the page pool."""
+    model = tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**TINY, num_key_value_heads=2, attention_dropout=0.0))
+    with pytest.raises(OOMBConfigError, match="keys of 4 heads.*declared 2 KV heads"):
+        OOMBEngine(HFChunkModel(model), OOMBConfig(16, 8)).loss(torch.randint(0, 64, (1, 20)))
 
 
 def test_non_hf_module_is_refused():

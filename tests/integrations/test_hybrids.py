@@ -276,3 +276,16 @@ def test_the_self_check_skips_float32_recurrences_and_checks_convolutions():
     assert verify_exactness(build_hybrid("qwen3_next", dtype=torch.float32), HFChunkModel) is False
     assert verify_exactness(build_hybrid("falcon_h1", dtype=torch.float32), HFChunkModel) is False
     assert verify_exactness(build_hybrid("lfm2", dtype=torch.float32), HFChunkModel) is True
+
+
+def test_the_self_check_probes_the_head_of_a_hybrid_it_does_not_train(monkeypatch):
+    """Falcon-H1 multiplies its logits by ``lm_head_multiplier`` (the families' tests above run with 0.5). The
+    chunked check skips it (float32 recurrences), but its head is probed: a scale OOMB would miss is refused."""
+    from lightning_oomb.integrations.hf import adapter, support
+
+    model = build_hybrid("falcon_h1", dtype=torch.float32)
+    assert support.logit_transform(model.config) == (0.5, None)
+    monkeypatch.setattr(adapter, "logit_transform", lambda config: (1.0, None))  # the multiplier not read
+    monkeypatch.setattr(support, "_verdicts", {})
+    with pytest.raises(OOMBConfigError, match="LM head makes other logits.*relative error of 5.0e-01"):
+        support.verify_exactness(model, adapter.HFChunkModel)

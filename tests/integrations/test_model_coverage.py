@@ -1,7 +1,7 @@
 """Families beyond Llama's attention, exact in float64 through ``Trainer(strategy="oomb")`` against full-sequence
 training: Gemma 2 (softcaps, windows), Gemma 3 (5:1 local/global, QK-norm, two RoPE bases), GPT-OSS (sinks, windows,
-MoE), Phi-3 longrope past its original context, dynamic NTK RoPE past its base length, Cohere and Granite (logit
-scales). Ragged lengths, one and several chunks, with and without layer checkpointing."""
+MoE), Phi-3 longrope past its original context, dynamic NTK RoPE past its base length, Cohere, Granite and HyperCLOVAX
+(logit scales), AFMoE (views the attention output). Ragged lengths, one and several chunks, with and without layer checkpointing."""
 
 from __future__ import annotations
 
@@ -20,7 +20,18 @@ from tests.helpers.models import (
     max_relative_error,
 )
 
-FAMILIES = ("gemma2", "gemma3", "gpt_oss", "qwen3_moe", "phi3_longrope", "llama_dynamic", "cohere", "granite")
+FAMILIES = (
+    "gemma2",
+    "gemma3",
+    "gpt_oss",
+    "qwen3_moe",
+    "phi3_longrope",
+    "llama_dynamic",
+    "cohere",
+    "granite",
+    "hyperclovax",
+    "afmoe",
+)
 SEQ = 53  # past Phi-3's original context (16) and the dynamic RoPE's base length (16); not a multiple of 8 or 16
 
 
@@ -62,6 +73,24 @@ def test_length_dependent_rope_is_wrong_unless_pinned(family):
     wrong = OOMBEngine(unpinned, OOMBConfig(16, 8)).evaluate(ids).item()
     pinned = OOMBEngine(HFChunkModel(build_family(family)), OOMBConfig(16, 8)).evaluate(ids).item()
     assert abs(pinned - want) <= 1e-10 * want and abs(wrong - want) > 1e-4 * want
+
+
+@pytest.mark.parametrize("family", ["phi3_longrope", "llama_dynamic"])
+def test_length_dependent_rope_of_packed_documents_reads_the_longest_document(family):
+    """Packed documents shorter than the RoPE's base length in a row longer than it: transformers picks the
+    frequencies from the largest position + 1 (here the short ones), so the row trains like its documents apart;
+    pinned to the row's length it took the long ones (a loss 5e-3 off, gradients 1.5 relative)."""
+    from tests.engine.test_packing import apart
+
+    lengths, gen = (13, 9, 15), torch.Generator().manual_seed(5)
+    docs = [torch.randint(0, 64, (1, n), generator=gen) for n in lengths]
+    ids, positions = torch.cat(docs, 1), torch.cat([torch.arange(n) for n in lengths])[None]
+    want_loss, want = apart(build_family(family), docs)
+    model = build_family(family)
+    loss = OOMBEngine(HFChunkModel(model), OOMBConfig(16, 8)).loss(ids, position_ids=positions)
+    loss.backward()
+    assert abs(loss.item() - want_loss.item()) <= 1e-10 * want_loss.item()
+    assert max_relative_error(grads_of(model), want) <= 1e-10
 
 
 def test_pinning_reaches_the_undecorated_forward_under_more_decorators():

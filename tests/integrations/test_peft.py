@@ -6,7 +6,7 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_oomb.engine import OOMBConfig, OOMBEngine
+from lightning_oomb.engine import OOMBConfig, OOMBConfigError, OOMBEngine
 from lightning_oomb.integrations.hf import HFChunkModel
 from tests.helpers.lightning import fit, oomb
 from tests.helpers.models import build_causal_lm, full_sequence_loss, grads_of, max_relative_error
@@ -67,3 +67,27 @@ def test_the_strategy_trains_a_peft_model_like_the_default_strategy():
         trained[name] = {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
     assert trained["oomb"].keys() == trained["auto"].keys()
     assert max((trained["oomb"][n] - trained["auto"][n]).abs().max().item() for n in trained["auto"]) <= 1e-5
+
+
+def test_lora_on_the_lm_head_is_refused_and_modules_to_save_trains_it_exactly():
+    """OOMB's cross-entropy applies the head's weight itself: a LoRA adapter on ``lm_head`` would be skipped (no
+    gradient, a wrong loss), so it is refused with the fix; ``modules_to_save=["lm_head"]`` (the head trained
+    whole, as a copy) is exact."""
+    model = peft.get_peft_model(
+        build_causal_lm("qwen2"), peft.LoraConfig(r=4, target_modules=["q_proj", "lm_head"])
+    )
+    with pytest.raises(OOMBConfigError, match="not a plain linear layer.*leave it out of target_modules"):
+        HFChunkModel(model.get_base_model())
+
+    config = peft.LoraConfig(
+        r=4, target_modules=["q_proj"], modules_to_save=["lm_head"], init_lora_weights=False
+    )
+    model = peft.get_peft_model(build_causal_lm("qwen2"), config)
+    inner = model.get_base_model()
+    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(1))
+    full_sequence_loss(inner, ids).backward()
+    want = grads_of(model)
+    assert any("modules_to_save" in name for name in want)
+    model.zero_grad()
+    OOMBEngine(HFChunkModel(inner), OOMBConfig(16, 8)).loss(ids).backward()
+    assert max_relative_error(grads_of(model), want) <= 1e-10

@@ -154,6 +154,17 @@ def test_oomb_plan_prints_the_table_of_an_example_config(name, hbm, host, capsys
     assert "optimizer states" in text and "fits" in text and "128.00 GiB" not in text
 
 
+def test_a_refused_strategy_option_is_one_line_not_a_traceback(monkeypatch):
+    """jsonargparse reports a strategy's refusal inside a Union-type error with every subtype it tried: the console
+    script prints the refusal alone."""
+    argv = ["oomb", "fit", "--config", str(DEMO_CONFIG), "--trainer.strategy.init_args.chunk_size", "100"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(
+        SystemExit, match=r"^oomb: error: chunk_size=100 is not a multiple of page_size=128 .*128\.$"
+    ):
+        main()
+
+
 def test_oomb_console_script_plans_the_cpu_demo(monkeypatch, capsys):
     """``oomb plan`` through the console script: the demo's model config dict, on this machine's CPU."""
     monkeypatch.setattr(sys, "argv", ["oomb", "plan", "--config", str(DEMO_CONFIG), "--optimizer", "sgd"])

@@ -169,6 +169,11 @@ class LeftPaddedLM(TinyLM):
         return self.model(**batch).loss
 
 
+class ExtraKeysLM(TinyLM):
+    def training_step(self, batch):
+        return self.model(**batch, token_type_ids=torch.zeros_like(batch["input_ids"])).loss
+
+
 class LogitsLM(TinyLM):
     def training_step(self, batch):
         output = self.model(**batch)
@@ -181,14 +186,30 @@ class LogitsLM(TinyLM):
     [
         (ManualLM, "manual optimization"),
         (LogitsLM, "logits of the whole sequence are never materialised"),
-        (NoModelCallLM, "did not call the OOMB-managed model"),
+        (NoModelCallLM, "returned a loss without calling the OOMB-managed model"),
         (TwoCallsLM, "twice"),
         (LeftPaddedLM, "not right padding"),
+        (ExtraKeysLM, r"got \['token_type_ids'\].*drop those keys from the batch"),
     ],
 )
 def test_bad_use_is_refused_with_the_fix(module, match):
     with pytest.raises(OOMBConfigError, match=match):
         fit(oomb(), module=module(), steps=1)
+
+
+class SkipsOddBatchesLM(TinyLM):
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx % 2 else self.model(**batch).loss
+
+
+def test_a_step_that_returns_none_skips_the_batch_as_lightning_does():
+    """Lightning's idiom for skipping a batch (before calling the model) works under OOMB too."""
+    trained = {}
+    for name, strategy in (("auto", "auto"), ("oomb", oomb())):
+        module, trainer = fit(strategy, module=SkipsOddBatchesLM(), steps=2, max_epochs=1)
+        trained[name] = ([p.detach().clone() for p in module.parameters()], trainer.global_step)
+    assert trained["oomb"][1] == trained["auto"][1] == 2
+    assert max((a - b).abs().max().item() for a, b in zip(*(trained[n][0] for n in trained))) <= 1e-5
 
 
 def test_more_than_one_device_is_refused():

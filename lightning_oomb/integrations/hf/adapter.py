@@ -3,7 +3,7 @@
 The chunk context travels as the extra model-call keyword ``oomb_chunk``; positions go in ``position_ids`` (offset
 by the chunk start). The model's own attention implementation is switched to ``"oomb"`` — and, with
 ``layer_checkpointing``, HF's per-layer checkpointing turned on, and a length-dependent RoPE pinned to the step's
-length — only while the engine runs it (:meth:`HFChunkModel.engaged`), so the same model behaves unchanged
+position span — only while the engine runs it (:meth:`HFChunkModel.engaged`), so the same model behaves unchanged
 everywhere else (generation, ordinary evaluation, other strategies after a fit).
 
 :class:`HFChunkModel` implements the engine's :class:`~lightning_oomb.engine.model.ManagedModel`: besides driving
@@ -26,7 +26,7 @@ from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.loss import LMHead
 from lightning_oomb.engine.model import Respond
 from lightning_oomb.engine.tiles import tiled
-from lightning_oomb.integrations.hf.attention import ATTN_NAME, register_attention
+from lightning_oomb.integrations.hf.attention import ATTN_NAME, ENGAGED, register_attention
 from lightning_oomb.integrations.hf.moe import RouterBalanceLoss
 from lightning_oomb.integrations.hf.rope import length_dependent_rotaries, pinned_rope
 from lightning_oomb.integrations.hf.states import carried_mixers, carrying_states, state_elements
@@ -215,12 +215,13 @@ class HFChunkModel:
     @contextlib.contextmanager
     def engaged(self, num_tokens: int) -> Iterator[None]:
         """Route the model's attention through the engine, pin a length-dependent RoPE to ``num_tokens`` (the
-        step's sequence length) and turn per-layer checkpointing on if asked, for the duration of the block; what
-        was changed is restored."""
+        step's largest position + 1, as HF's full-sequence call reads it) and turn per-layer checkpointing on if
+        asked, for the duration of the block; what was changed is restored."""
         config = self.model.config
         previous = config._attn_implementation
         checkpointing = self.layer_checkpointing and not _checkpointing_on(self.model)
         config._attn_implementation = ATTN_NAME
+        ENGAGED.add(id(self.model))
         if checkpointing:
             set_layer_checkpointing(self.model, True)
         for rank, module in enumerate(self._attention):
@@ -234,6 +235,7 @@ class HFChunkModel:
                 yield
         finally:
             config._attn_implementation = previous
+            ENGAGED.discard(id(self.model))
             if checkpointing:
                 set_layer_checkpointing(self.model, False)
             for module in self._attention:
@@ -291,10 +293,16 @@ def _check_call(input_ids, extra: dict) -> None:
     unexpected = sorted(
         k for k, v in extra.items() if v is not None and k not in ("use_cache", "return_dict")
     )
-    if input_ids is None or unexpected:
+    if unexpected:
         raise OOMBConfigError(
-            f"the OOMB-managed model got {unexpected or 'no input_ids'} — the engine computes the loss itself from "
-            "token ids — call it as `model(input_ids=..., labels=..., position_ids=..., attention_mask=...)`."
+            f"the OOMB-managed model got {unexpected} — the engine computes the loss itself from token ids, labels, "
+            "positions and a right-padding mask only — drop those keys from the batch (e.g. a tokenizer's "
+            "token_type_ids) or call it as `model(input_ids=..., labels=..., position_ids=..., attention_mask=...)`."
+        )
+    if input_ids is None:
+        raise OOMBConfigError(
+            "the OOMB-managed model got no input_ids — the engine computes the loss itself from token ids — call "
+            "it as `model(input_ids=..., labels=..., position_ids=..., attention_mask=...)`."
         )
 
 

@@ -15,6 +15,9 @@ from lightning_oomb.engine.attention import ChunkContext, paged_attention
 from lightning_oomb.engine.errors import OOMBConfigError
 
 ATTN_NAME = "oomb"
+ENGAGED: set[int] = (
+    set()
+)  # ids of the models whose attention an OOMB sweep routes here now (HFChunkModel.engaged)
 
 
 def oomb_attention_forward(
@@ -32,6 +35,13 @@ def oomb_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """The ``AttentionInterface`` function: returns ``(out [B, L, Hq, D], None)``."""
+    if oomb_chunk is None and ENGAGED:
+        raise OOMBConfigError(
+            f"{type(module).__name__} was called without the chunk context the engine passes through the model's "
+            "keyword arguments: the model's decoder layers do not pass their keyword arguments on to attention "
+            "(transformers' StableLM and Nemotron, for example), so OOMB cannot route its attention — train this "
+            "model with another strategy."
+        )
     if oomb_chunk is None:
         raise OOMBConfigError(
             "the 'oomb' attention implementation was called outside an OOMB step — it needs the chunk context "
@@ -46,7 +56,7 @@ def oomb_attention_forward(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     layer = getattr(module, "oomb_layer", module.layer_idx)  # a hybrid's attention layers: their rank
     out = paged_attention(query, key, value, oomb_chunk, layer, scale, sliding_window, softcap, s_aux)
-    return out.transpose(1, 2), None
+    return out.transpose(1, 2).contiguous(), None  # as sdpa's and eager's: some models .view() it
 
 
 def register_attention() -> None:

@@ -1,12 +1,13 @@
-"""Length-dependent RoPE made chunk-exact: the rotary embedding is pinned to the whole sequence's length.
+"""Length-dependent RoPE made chunk-exact: the rotary embedding is pinned to the whole step's position span.
 
-Two RoPE types pick their frequencies from the length of the call they see: ``longrope`` (Phi-3/3.5: the long or
-the short factors, by whether ``max(position_ids) + 1`` exceeds the original context) and ``dynamic`` (NTK scaling
-grown to ``max(position_ids) + 1``). In full-sequence training that length is the sequence's; a chunk would show
-its own end instead. transformers implements both in one decorator around the rotary module's ``forward``
-(``dynamic_rope_update``, built with ``functools.wraps``): :func:`pinned_rope` runs that update once with the whole
-sequence's length — exactly what a full-sequence step runs — and then lets the chunks call the undecorated
-``forward``, so every chunk uses the full sequence's frequencies.
+Two RoPE types pick their frequencies from the positions of the call they see: ``longrope`` (Phi-3/3.5: the long
+or the short factors, by whether ``max(position_ids) + 1`` exceeds the original context) and ``dynamic`` (NTK
+scaling grown to ``max(position_ids) + 1``). In full-sequence training that span is the batch's largest position
++ 1 (the sequence length, or with packed documents the longest document's); a chunk would show its own instead.
+transformers implements both in one decorator around the rotary module's ``forward`` (``dynamic_rope_update``,
+built with ``functools.wraps``): :func:`pinned_rope` runs that update once with the step's span — exactly what a
+full-sequence step runs — and then lets the chunks call the undecorated ``forward``, so every chunk uses the full
+step's frequencies.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ def can_pin(module: torch.nn.Module) -> bool:
 
 @contextlib.contextmanager
 def pinned_rope(rotaries: list[tuple[torch.nn.Module, list[str | None]]], num_tokens: int) -> Iterator[None]:
-    """While the block runs, every rotary module in ``rotaries`` uses the frequencies of a ``num_tokens``-token
-    sequence, whatever positions a call passes."""
+    """While the block runs, every rotary module in ``rotaries`` uses the frequencies of a call whose largest
+    position is ``num_tokens - 1``, whatever positions a chunk passes."""
     for module, layer_types in rotaries:
         decorated = type(module).forward
         probe = next(module.buffers(), None)

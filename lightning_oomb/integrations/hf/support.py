@@ -4,11 +4,13 @@
 cannot reproduce: layers that carry state along the sequence (Mamba/SSM mixers, linear attention, short
 convolutions, recurrent blocks) other than the mixers whose state OOMB carries across chunks
 (:mod:`lightning_oomb.integrations.hf.states`), layer types other than attention and those hybrids' layers, attention that does not dispatch through ``AttentionInterface``, multi-head latent
-attention, attention dropout, the MoE router's auxiliary loss, non-causal attention, and length-dependent RoPE
-that cannot be pinned. :func:`logit_transform` reads the logit scale and softcap the model's head applies.
+attention, attention dropout, the MoE router's auxiliary loss, non-causal attention, length-dependent RoPE
+that cannot be pinned, an LM head that is not a plain linear layer (a LoRA adapter on it) and attention shapes that
+differ between layers. :func:`logit_transform` reads the logit scale and softcap the model's head applies.
 
 :func:`verify_exactness` is the safety net for what a reading cannot see: it builds a *twin* of the model — the
-same class and config at a tiny width, in float64, on the CPU — and checks that OOMB's loss and every parameter
+same class and config at a tiny width, in float64, on the CPU — and checks that the model's own head turns final
+hidden states into the logits OOMB's loss computes from them (1e-6), then that OOMB's loss and every parameter
 gradient agree between three chunks and one chunk (1e-6) and between one chunk and the twin's own full-sequence
 training (its ``logits`` with a cross-entropy: 1e-5) — float64, but some models norm or softmax in float32 even
 then, while a chunking error is orders of magnitude larger — as the test suite does, to 1e-10, for the families it
@@ -89,18 +91,57 @@ def _stateful_mixers(model: torch.nn.Module) -> tuple[list[str], list[str]]:
     return sorted(mixers), sorted(refused)[:4]
 
 
+# model types whose head multiplies its logits by ``logits_scaling`` (Granite's divide by it)
+_MULTIPLIED_LOGITS_SCALING = frozenset({"hyperclovax"})
+
+
+def _scales_logits(c) -> bool:
+    return getattr(c, "logits_scaling", None) not in (None, 1.0)
+
+
+def _logits_scaling_known(c) -> bool:
+    kind = str(getattr(c, "model_type", ""))
+    return "granite" in kind or kind in _MULTIPLIED_LOGITS_SCALING
+
+
 def logit_transform(config) -> tuple[float, float | None]:
     """``(scale, softcap)`` the model's head applies to its logits: Cohere's ``logit_scale``, Granite's
-    ``1 / logits_scaling``, Gemma's ``final_logit_softcapping``."""
+    ``1 / logits_scaling`` (HyperCLOVAX: ``logits_scaling``), Falcon-H1's ``lm_head_multiplier``, Gemma's
+    ``final_logit_softcapping``."""
     scale, softcap = 1.0, None
     for c in _configs(config):
         if getattr(c, "logit_scale", None) not in (None, 1.0):
             scale *= float(c.logit_scale)
-        if getattr(c, "logits_scaling", None) not in (None, 1.0):
+        if getattr(c, "lm_head_multiplier", None) not in (None, 1.0):
+            scale *= float(c.lm_head_multiplier)
+        if _scales_logits(c) and c.model_type in _MULTIPLIED_LOGITS_SCALING:
+            scale *= float(c.logits_scaling)
+        elif _scales_logits(c):
             scale /= float(c.logits_scaling)
         if getattr(c, "final_logit_softcapping", None) is not None:
             softcap = float(c.final_logit_softcapping)
     return scale, softcap
+
+
+def _plain_linear(module: torch.nn.Module) -> bool:
+    """Whether ``module`` computes ``x @ weight.T + bias`` and nothing else (peft's ``modules_to_save`` wrapper
+    of such layers too: its ``weight`` is the trained copy's)."""
+    inner = getattr(module, "modules_to_save", None)
+    if isinstance(inner, torch.nn.ModuleDict):
+        return all(_plain_linear(m) for m in (module.original_module, *inner.values()))
+    return type(module).forward is torch.nn.Linear.forward
+
+
+def _per_layer_shapes(config) -> list[str]:
+    """Attention shape fields that differ between layers (transformers refuses to read them as one value)."""
+    differ = []
+    for c in _configs(config):
+        for field in ("num_attention_heads", "num_key_value_heads", "head_dim"):
+            try:
+                getattr(c, field, None)
+            except Exception:  # transformers' AmbiguousGlobalPerLayerAttributeError
+                differ.append(field)
+    return differ
 
 
 def check_supported(model: torch.nn.Module) -> None:
@@ -129,12 +170,30 @@ def check_supported(model: torch.nn.Module) -> None:
             f"its layers carry state along the sequence ({', '.join(refused)}) by a rule OOMB cannot continue from "
             "one chunk to the next (it carries the states of: " + ", ".join(sorted(CARRIED_MIXERS)) + ")"
         )
+    head = model.get_output_embeddings()
+    if not _plain_linear(head):
+        reasons.append(
+            f"its LM head ({type(head).__name__}) is not a plain linear layer — OOMB's chunked cross-entropy applies "
+            "the head's weight and bias itself; a LoRA adapter on lm_head: leave it out of target_modules "
+            "(modules_to_save=['lm_head'] trains the head whole)"
+        )
+    if differ := _per_layer_shapes(config):
+        reasons.append(
+            f"its layers differ in {', '.join(differ)} (OOMB's page pool has one shape for every layer)"
+        )
+    if unknown := [
+        c.model_type for c in _configs(config) if _scales_logits(c) and not _logits_scaling_known(c)
+    ]:
+        reasons.append(
+            f"its head scales logits by logits_scaling by a rule OOMB does not know ({unknown[0]})"
+        )
     if unpinnable := [type(m).__name__ for m, _ in length_dependent_rotaries(model) if not can_pin(m)]:
         reasons.append(f"its RoPE ({', '.join(unpinnable)}) picks frequencies from each call's length")
     if any(getattr(c, "kv_lora_rank", None) or getattr(c, "q_lora_rank", None) for c in _configs(config)):
         reasons.append("it uses multi-head latent attention (DeepSeek-style MLA)")
-    if getattr(config, "attention_dropout", 0.0):
-        reasons.append(f"attention_dropout={config.attention_dropout} (set it to 0)")
+    for field in ("attention_dropout", "attention_probs_dropout_prob", "attn_pdrop"):
+        if getattr(config, field, 0.0):
+            reasons.append(f"{field}={getattr(config, field)} (set it to 0)")
     if getattr(config, "output_router_logits", False) and balancing_loss_of(model) is None:
         reasons.append("its router auxiliary loss is not transformers' load_balancing_loss_func (set "
                        "output_router_logits=False)")  # fmt: skip
@@ -284,6 +343,43 @@ def _mismatch(twin: torch.nn.Module, adapter_cls) -> str | None:
     )
 
 
+def _head_mismatch(twin: torch.nn.Module, adapter_cls) -> str | None:
+    """``None`` if the model's own ``*ForCausalLM`` forward turns given final hidden states into the logits that
+    OOMB's loss computes from them (the adapter's :class:`~lightning_oomb.engine.loss.LMHead`: weight, bias, scale,
+    softcap), else what differs; ``None`` too if the forward cannot be probed so (it does not call its decoder)."""
+    from transformers.modeling_outputs import MoeModelOutputWithPast
+
+    head = adapter_cls(twin).lm_head()
+    hidden = torch.randn(1, 5, head.weight.shape[1], dtype=head.weight.dtype,
+                         generator=torch.Generator().manual_seed(0))  # fmt: skip
+    decoder, called = twin.get_decoder(), []
+
+    def stub(*args, **kwargs):
+        called.append(True)
+        return MoeModelOutputWithPast(last_hidden_state=hidden)
+
+    decoder.forward = stub
+    try:
+        with torch.no_grad():
+            got = twin(input_ids=torch.zeros(1, 5, dtype=torch.long)).logits
+    except Exception:
+        return None
+    finally:
+        del decoder.forward
+    want = torch.nn.functional.linear(hidden, head.weight, head.bias) * head.scale
+    if head.softcap is not None:
+        want = head.softcap * torch.tanh(want / head.softcap)
+    if not called or got.shape != want.shape:
+        return None
+    error = _relative(got, want)
+    if error > 1e-6:
+        return (
+            f"that its LM head makes other logits than OOMB's loss computes from the same hidden states (a "
+            f"relative error of {error:.1e}: a scale, cap or layer of the head that OOMB does not read)"
+        )
+    return None
+
+
 class _UnusableTwin(Exception):
     """The twin's own full-sequence training fails: the check is skipped."""
 
@@ -291,23 +387,25 @@ class _UnusableTwin(Exception):
 def verify_exactness(model: torch.nn.Module, adapter_cls) -> bool:
     """Refuse ``model`` if OOMB does not train a float64 twin of its architecture exactly (see the module
     docstring); ``adapter_cls`` builds the adapter of the twin. Returns whether the check ran (``False``: no twin
-    could be built, or it could not train itself, or it is a hybrid with float32 recurrences). Verdicts are cached
+    could be built, or it could not train itself, or it is a hybrid with float32 recurrences: only its head checked). Verdicts are cached
     per architecture.
 
-    A hybrid whose carried layers run a recurrence (gated delta rule, Mamba2 scan) is not checked: transformers
-    computes those in float32 whatever the dtype, so a float64 twin's chunkings differ by float32 rounding (up to
-    4e-2 in ``A_log``'s gradient of a tiny Qwen3-Next twin) and the check could not tell rounding from an error;
-    those families are checked in float64 by the test suite, with float64 versions of the same rules."""
-    if float32_recurrences(model):
-        return False
+    A hybrid whose carried layers run a recurrence (gated delta rule, Mamba2 scan) gets only the head's check:
+    transformers computes those recurrences in float32 whatever the dtype, so a float64 twin's chunkings differ by
+    float32 rounding (up to 4e-2 in ``A_log``'s gradient of a tiny Qwen3-Next twin) and the check could not tell
+    rounding from an error; those families are checked in float64 by the test suite, with float64 versions of the
+    same rules."""
     try:
         twin, tiny = _twin(model)
     except Exception:  # a config that does not shrink: nothing to check against
         return False
+    recurrences = float32_recurrences(model)
     key = f"{type(model).__qualname__}:{tiny.to_json_string()}"
     if key not in _verdicts:
         try:
-            _verdicts[key] = _mismatch(twin, adapter_cls)
+            _verdicts[key] = _head_mismatch(twin, adapter_cls) or (
+                _UNCHECKED if recurrences else _mismatch(twin, adapter_cls)
+            )
         except _UnusableTwin:
             _verdicts[key] = _UNCHECKED
         except OOMBConfigError as err:
