@@ -448,7 +448,9 @@ class KVPool:
             raise OOMBConfigError(
                 f"layer {layer} attends with sliding_window={window} but the model declared {shape.windows[layer]} — "
                 "window layers keep only the pages their window reaches, so this would read missing keys — make "
-                "the model's `layer_windows` match its attention calls (or drop it: every page is then kept)."
+                "the model's `layer_windows` match its attention calls (or drop it: every page is then kept); a "
+                "Hugging Face model declares its config's sliding_window / layer_types: correct the config, or train "
+                "a model whose layers ignore it with another strategy."
             )
         backward = self._sweep == "backward"
         if shape.page_score is not None and not backward:
