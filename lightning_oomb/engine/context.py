@@ -280,7 +280,7 @@ class ContextChunk:
             return
         num_pages = math.ceil(num_keys / layout.page)
         floor = first_key // layout.page * layout.page
-        for kv in pool.parts(layer, local, grads):
+        for kv in pool.parts(layer, local, grads, own=self.own > 0):
             owned = layout.owned_ranges(kv.keys or (0, local), self.index)
             ranges = [(max(lo, floor), hi) for lo, hi in owned if hi > floor]
             if ranges:

@@ -486,17 +486,19 @@ class KVPool:
 
     def parts(
         self, layer: int, num_tokens: int, grads: bool = False, first_key: int = 0,
-        blocks: dict[int, frozenset[int]] | None = None,
+        blocks: dict[int, frozenset[int]] | None = None, own: bool = True,
     ) -> Iterator[PagedKV]:  # fmt: skip
         """The pages of ``layer`` holding tokens ``[0, num_tokens)`` (the chunk ending there and everything
         before), for the attention op: one :class:`PagedKV` for an HBM layer, one per block for a host layer
         (the chunk's own block first; blocks wholly before ``first_key`` — outside a sliding window — and, given
         ``blocks`` (block -> page offsets: a sparse call's selection), earlier blocks not in it are skipped and
-        only the listed pages of the others staged). ``grads=True``: the
-        caller adds into each part's ``dk``/``dv`` before it takes the next part."""
+        only the listed pages of the others staged). ``own=False``: the chunk has no tokens here (a
+        context-parallel rank without a slice of a short last chunk): every block up to ``num_tokens`` (a block
+        boundary) is an earlier one. ``grads=True``: the caller adds into each part's ``dk``/``dv`` before it takes
+        the next part."""
         shape = self.shape
         pages = shape.num_pages(num_tokens)
-        chunk = shape.block_of(num_tokens - 1)
+        chunk = shape.block_of(num_tokens - 1) if own else shape.block_of(num_tokens)
         if not self.streams(layer):
             if self._offload is not None:
                 self._offload.visit(layer, chunk, grads)
@@ -504,7 +506,8 @@ class KVPool:
             yield PagedKV(arena.k, arena.v, arena.dk, arena.dv, table[:, :pages], (0, num_tokens))
             return
         arena = self._staging
-        for block, table in self._offload.stream(layer, chunk, grads, shape.block_of(first_key), blocks):
+        first = shape.block_of(first_key)
+        for block, table in self._offload.stream(layer, chunk, grads, first, blocks, own):
             keys = shape.block_keys(block, num_tokens)
             yield PagedKV(arena.k, arena.v, arena.dk, arena.dv, table[:, :pages], keys)
 

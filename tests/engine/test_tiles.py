@@ -39,12 +39,17 @@ def test_tiled_mlps_train_exactly(checkpointing, monkeypatch):
 
 
 def test_only_dense_mlps_are_tiled():
-    """A layer's ``mlp`` whose class name ends in ``MLP``: Qwen2's are, Qwen3-MoE's sparse blocks are not."""
+    """A layer's ``mlp`` whose class name ends in ``MLP`` and that routes nothing: Qwen2's are, Qwen3-MoE's sparse
+    blocks are not, nor GPT-OSS's router + experts block named ``GptOssMLP`` (tiling it crashed the step)."""
     from lightning_oomb.integrations.hf.adapter import dense_mlps
     from tests.helpers.models import build_family
 
     assert [type(m).__name__ for m in dense_mlps(build_causal_lm("qwen2"))] == ["Qwen2MLP"] * 2
     assert dense_mlps(build_family("qwen3_moe")) == []
+    model = build_family("gpt_oss")
+    assert dense_mlps(model) == []
+    ids = torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(0))
+    OOMBEngine(HFChunkModel(model), OOMBConfig(16, 8, mlp_tile=5)).loss(ids).backward()
 
 
 def test_the_recompute_replays_the_forwards_dropout_and_autocast():

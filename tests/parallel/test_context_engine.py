@@ -71,6 +71,8 @@ def reference(family, seq, checkpointing):
     ("mistral", 45, False, False, False),
     ("qwen2", 45, False, True, False),  # every layer offloaded on each rank
     ("qwen2", 45, False, True, True),
+    ("qwen2", 53, True, True, False),  # offloaded, rank 0's stand-in streams all its blocks as earlier ones
+    ("qwen2", 53, False, True, True),
 ])  # fmt: skip
 def test_two_ranks_equal_one_process_and_full_sequence(tmp_path, family, seq, checkpointing, offload, reuse):
     results = run_ranks(_step, 2, tmp_path, family, seq, checkpointing, offload, reuse)

@@ -100,15 +100,16 @@ class Offloader:
         grads: bool = False,
         first: int = 0,
         blocks: Selected | None = None,
+        own: bool = True,
     ) -> Iterator[tuple[int, torch.Tensor]]:
         """Yield ``(block, page table)`` for the blocks chunk ``chunk`` of ``layer`` attends to: its own block
-        (already written or restaged) first, then the prefix ``first .. chunk-1`` (blocks before ``first`` are
+        (already written or restaged; none if not ``own``) first, then the prefix ``first .. chunk-1`` (blocks before ``first`` are
         outside a sliding window; only ``blocks``, if given: a sparse call's selected ones, and only their selected
         pages), each staged (with its gradient pages if ``grads``) and ordered before the
         compute stream's next use. With ``grads`` the caller adds into the gradient pages before asking for the
         next block; a prefix block's are then written back."""
         self.cache.tick()
-        needs = self.schedule.stream(layer, chunk, grads, first, blocks)
+        needs = self.schedule.stream(layer, chunk, grads, first, blocks, own)
         self._fresh = None
         parts = ("kv", "grad") if grads else ("kv",)
         for i, need in enumerate(needs):

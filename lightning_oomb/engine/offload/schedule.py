@@ -80,15 +80,23 @@ class OffloadSchedule:
         return self.at
 
     def stream(
-        self, layer: int, chunk: int, grads: bool, first: int = 0, blocks: Selected | None = None
+        self,
+        layer: int,
+        chunk: int,
+        grads: bool,
+        first: int = 0,
+        blocks: Selected | None = None,
+        own: bool = True,
     ) -> list[Need]:
         """Start ``layer``'s stream for chunk ``chunk`` over the prefix blocks ``first .. chunk-1`` (given
         ``blocks``, a sparse call's: only those, and only their selected pages); return its needs in use order: the
-        chunk's own block (already on the device: its K/V were just written or restaged), then the prefix blocks
+        chunk's own block (already on the device: its K/V were just written or restaged; ``own=False``: the chunk
+        has no block here — a context-parallel rank without a slice of a short last chunk), then the prefix blocks
         from the host."""
         self.visit(layer, chunk, grads)
         self.span = chunk - first
-        return [Need(layer, chunk, False, grads), *_prefix(layer, range(first, chunk), grads, blocks)]
+        mine = [Need(layer, chunk, False, grads)] if own else []
+        return [*mine, *_prefix(layer, range(first, chunk), grads, blocks)]
 
     def using(self, needs: Sequence[Need], i: int) -> None:
         """``needs[i]`` of the current stream is in use: the prediction continues with ``needs[i + 1:]``."""

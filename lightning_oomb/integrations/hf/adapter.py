@@ -98,9 +98,11 @@ def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def dense_mlps(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The decoder layers' dense MLPs (a layer's ``mlp`` whose class name ends in ``MLP``; MoE blocks are not)."""
+    """The decoder layers' dense MLPs: a layer's ``mlp`` whose class name ends in ``MLP`` and that routes nothing
+    (MoE blocks are not, whatever their name: GPT-OSS's ``GptOssMLP`` has a router and experts)."""
     return [m for name, m in model.get_decoder().named_modules()
-            if name.rsplit(".", 1)[-1] == "mlp" and type(m).__name__.endswith("MLP")]  # fmt: skip
+            if name.rsplit(".", 1)[-1] == "mlp" and type(m).__name__.endswith("MLP")
+            and not any(hasattr(m, part) for part in ("router", "experts"))]  # fmt: skip
 
 
 @contextlib.contextmanager
