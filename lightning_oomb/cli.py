@@ -140,19 +140,22 @@ def _device_count(devices: Any) -> int:
 
 
 def planned_model(config: Any, precision: str, param_dtype: torch.dtype | None = None) -> Any:
-    """What the planner reads for ``config``: the config itself, or for a hybrid (layers other than attention) the
-    adapter of the model built on the meta device in the run's parameter dtype — its attention layers, carried
-    states and exact parameter count (nothing is allocated)."""
+    """What the planner reads for ``config``: the adapter of the model built on the meta device in the run's
+    parameter dtype (nothing is allocated) — its exact parameters (a formula from the config's fields misses
+    ungated MLPs, shared experts, ...), windows and, for a hybrid, its attention layers and carried states; a model
+    OOMB cannot train is refused with the reason, as the strategy would. The config itself if transformers cannot
+    build the model."""
     from transformers import AutoModelForCausalLM
 
     from lightning_oomb.integrations.hf import HFChunkModel
-    from lightning_oomb.integrations.hf.support import is_hybrid
 
-    if not is_hybrid(config):
-        return config
     dtype = precision_dtypes(precision, param_dtype).param
-    with torch.device("meta"):
-        return HFChunkModel(AutoModelForCausalLM.from_config(config, dtype=dtype))
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except (ValueError, KeyError, TypeError, ImportError):  # not a causal LM transformers knows
+        return config
+    return HFChunkModel(model)
 
 
 def model_config(model: LightningModule, override: str | None = None) -> Any:
@@ -170,14 +173,14 @@ def model_config(model: LightningModule, override: str | None = None) -> Any:
         )
     if source in KNOWN_MODELS:
         return KNOWN_MODELS[source]()
+    if source.lstrip().startswith("{"):  # before any path test: a long dict is no valid file name
+        return build_config(json.loads(source))
     path = Path(source)
     if path.is_file():
         text = path.read_text()
         import yaml
 
         return build_config(json.loads(text) if path.suffix == ".json" else yaml.safe_load(text))
-    if source.lstrip().startswith("{"):
-        return build_config(json.loads(source))
     try:
         return AutoConfig.from_pretrained(source)  # a local directory, or the hub where it can be reached
     except (OSError, ValueError) as err:
@@ -232,7 +235,7 @@ def plan_command(args: list[str], print_table: bool = True) -> MemoryPlan | None
     hparams = getattr(cli.model, "hparams", {})
     dtype = hparams.get("dtype")
     gpu = cli.accelerator in ("gpu", "cuda") or (
-        cli.accelerator == "auto" and (torch.cuda.is_available() or memory)
+        cli.accelerator == "auto" and (torch.cuda.is_available() or "device_memory" in memory)
     )
     device = "cuda" if gpu else "cpu"
     param_dtype = getattr(torch, dtype) if dtype not in (None, "auto") else None

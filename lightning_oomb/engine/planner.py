@@ -145,7 +145,8 @@ class ModelShape:
     trainable elements in a 16-bit dtype (``None``: all trainable ones when the precision's parameters are 16-bit),
     ``half_vectors`` those of them in 1-D parameters (``None``: :meth:`vector_params`);
     ``mlp_width``: MLP width a token passes through (``experts_per_token x`` the expert width for MoE);
-    ``logit_softcap``: the head soft-caps its logits (Gemma 2/3). A hybrid (recurrent / convolution layers beside
+    ``logit_softcap``: the head soft-caps its logits (Gemma 2/3); ``attention_softcap``: attention soft-caps its
+    scores (Gemma 2). A hybrid (recurrent / convolution layers beside
     attention): ``kv_layers``, the layers that have KV pages (``None``: all), and per batch row, the elements of the
     states carried at each chunk boundary — ``conv_state_elements`` (in the activations' dtype) and
     ``recurrent_state_elements`` (float32, as the recurrences compute them). ``windows``: each paged layer's sliding
@@ -173,6 +174,7 @@ class ModelShape:
     head_trainable: bool = True
     embedding_trainable: bool = True
     logit_softcap: bool = False
+    attention_softcap: bool = False
     half_trainable: int | None = None
     half_vectors: int | None = None
     kv_layers: int | None = None
@@ -294,6 +296,7 @@ def _shape_of_config(cfg: Any) -> ModelShape:
         num_experts=experts,
         experts_per_token=(getattr(cfg, "num_experts_per_tok", None) or 0) if experts else 0,
         logit_softcap=getattr(cfg, "final_logit_softcapping", None) is not None,
+        attention_softcap=getattr(cfg, "attn_logit_softcapping", None) is not None,
         windows=_config_windows(cfg),
     )
 
@@ -672,12 +675,14 @@ def layer_backward_bytes(
     backend: str,
     streamed: bool = False,
     mlp_tile: int | None = None,
+    reach: int | None = None,
 ) -> tuple[int, int]:
     """Bytes beyond the saved activations while the last decoder layer back-propagates: (its MLP, its attention)
     — with ``checkpointing`` its recompute (what the part still holds), without it less the MLP's saved tensors,
     already freed when attention back-propagates; plus the gradients in flight and, on the torch attention backend,
     four float32 score blocks ``[batch x heads x Lq, keys]`` of ``min(KEY_BLOCK, keys)`` keys (keys: the sequence,
-    or one chunk's block for a ``streamed`` host-tier layer) and float32 copies of q and dO; on the fused CPU path
+    or one chunk's block for a ``streamed`` host-tier layer; at most ``reach``: the keys a query block of the layer
+    sees, under a sliding window or a page budget) and float32 copies of q and dO; on the fused CPU path
     its copies of K/V per query head, of their gradients and of ``min(PAST_BLOCK, keys)`` earlier keys."""
     lq = min(chunk_size, seq_len)
     tokens = batch * lq
@@ -701,10 +706,11 @@ def layer_backward_bytes(
     if tiled:
         mlp_flight = 7 * c * shape.mlp_width * batch * mlp_tile + 2 * r * h * tokens
     attn_flight = (2 * r * q + acc * q + 4 * r * kv + 2 * r * h) * tokens
-    keys = chunk_size if streamed else seq_len
+    keys = min(chunk_size if streamed else seq_len, reach or seq_len)
     copies = acc * q * tokens if r != acc else 0  # one [tokens, Q] tensor cast to the arithmetic's dtype
-    if backend == "torch":  # q and dO cast
-        attn_flight += 4 * batch * shape.num_heads * lq * min(KEY_BLOCK, keys) * acc + 2 * copies
+    if backend == "torch":  # q and dO cast; a soft cap's tanh and derivative: more blocks
+        blocks = 4 + 2 * shape.attention_softcap
+        attn_flight += blocks * batch * shape.num_heads * lq * min(KEY_BLOCK, keys) * acc + 2 * copies
     elif backend == "cpu":  # q, dO and out cast, and one more such temporary (measured on CPU)
         attn_flight += 4 * acc * q * tokens + 2 * acc * kv * batch * min(PAST_BLOCK, keys) + 4 * copies
     return held_mlp + mlp_flight, held_attn + attn_flight
@@ -768,12 +774,13 @@ class MemoryPlan:
     def device_capacity(self) -> int:
         """Device bytes the step may use (on a CPU: host memory less what the pinned tier and the OS keep)."""
         if self.machine.device_type == "cpu":
-            return self.machine.device_bytes - HOST_RESERVE_BYTES - self.host_tier
+            return max(self.machine.device_bytes - HOST_RESERVE_BYTES - self.host_tier, 0)
         return self.machine.device_bytes
 
     @property
     def host_capacity(self) -> int:
-        return self.machine.host_bytes - HOST_RESERVE_BYTES
+        """Host bytes the pinned tier may use (host memory less what the OS keeps)."""
+        return max(self.machine.host_bytes - HOST_RESERVE_BYTES, 0)
 
     @property
     def device_fits(self) -> bool:
@@ -806,7 +813,9 @@ class MemoryPlan:
         )
 
     def refusal(self) -> str:
-        """Why the step does not fit and what would (the text of the strategy's refusal)."""
+        """Why the step does not fit and what would (the text of the strategy's refusal; empty if it fits)."""
+        if self.fits:
+            return ""
         terms = ", ".join(f"{LABELS[k]} {gib(v)}" for k, v in self.device.items() if v)
         tokens = f"{self.batch} x {self.seq_len} tokens"
         if not self.device_fits:
@@ -817,13 +826,15 @@ class MemoryPlan:
             )
             what = (
                 f"the training step ({tokens}) needs {gib(self.peak_device)} of {where} at its peak "
-                f"({self.peak_phase}; {terms}) but only {gib(max(self.device_capacity, 0))} is available"
-            )
+                f"({self.peak_phase}; {terms}) but only {gib(self.device_capacity)} is available"
+                + (f" ({gib(HOST_RESERVE_BYTES)} of host memory left to the system)" if self.machine.device_type
+                   == "cpu" else "")
+            )  # fmt: skip
         else:
             parts = ", ".join(f"{HOST_LABELS[k]} {gib(v)}" for k, v in self.host_parts.items() if v)
             what = (
                 f"the step ({tokens}) needs {gib(self.host_tier)} of host memory ({parts}) but only "
-                f"{gib(max(self.host_capacity, 0))} is available"
+                f"{gib(self.host_capacity)} is available"
             )
         if self.options:
             fix = "use " + ", or ".join(o.text for o in self.options)
@@ -1093,7 +1104,7 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     staging = arena_bytes(slots["staging"], pool) if tiers.host_layers else 0
     host = {"pool": arena_bytes(slots["host"], pool)}  # the pinned host memory's terms
 
-    backend = _backend(config, machine)
+    backend = _backend(config, machine, shape, seq_len)
     ckpt = config.layer_checkpointing
     saved = saved_bytes(
         shape, dtypes, batch, seq_len, config.chunk_size, ckpt, len(tiers.host_layers), config.mlp_tile
@@ -1116,8 +1127,12 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
         per_boundary = shape.carried_state_bytes(dtypes.activation) * batch
         host["carried_states"] = math.ceil(per_boundary / BOUNDARY_ALIGN) * BOUNDARY_ALIGN * boundaries
         carried = per_boundary * min(boundaries, 2)
+    lq = min(config.chunk_size, seq_len)  # the keys the last layer's chunk sees: a window's, a page budget's
+    window = shape.windows[-1] if shape.windows else None
+    reach = min(seq_len, math.inf if window is None else window - 1 + lq,
+                math.inf if config.page_budget is None else config.page_budget * config.page_size + lq)  # fmt: skip
     mlp_bwd, attn_bwd = layer_backward_bytes(
-        shape, dtypes, batch, seq_len, config.chunk_size, ckpt, backend, streamed, config.mlp_tile
+        shape, dtypes, batch, seq_len, config.chunk_size, ckpt, backend, streamed, config.mlp_tile, int(reach)
     )
     below_head = activations - saved["head"]
     embed = shape.num_embeddings * shape.hidden_size * dtypes.activation.itemsize * shape.embedding_trainable
@@ -1214,10 +1229,19 @@ def _budget(config: OOMBConfig, machine: Machine, weights: int) -> int | None:
     return hbm_budget(config, machine.device_type, lambda: (machine.device_bytes - weights, machine.total))
 
 
-def _backend(config: OOMBConfig, machine: Machine) -> str:
+def _backend(config: OOMBConfig, machine: Machine, shape: ModelShape | None = None, seq_len: int = 0) -> str:
+    """The attention backend whose transients the plan counts: on a CPU the fused path's, unless the step's calls
+    take the plain reference (``engine/cpu_attention.py``'s ``fast_path``: a page budget, sliding windows, an
+    attention softcap), whose score blocks are larger (counted as ``torch``'s: an upper bound)."""
     if config.attention_backend != "auto":
-        return config.attention_backend
-    return {"cuda": "triton", "cpu": "cpu"}.get(machine.device_type, "torch")
+        backend = config.attention_backend
+    else:
+        backend = {"cuda": "triton", "cpu": "cpu"}.get(machine.device_type, "torch")
+    referenced = config.page_budget is not None or (
+        shape is not None
+        and (any(w is not None and w < seq_len for w in shape.windows or ()) or shape.attention_softcap)
+    )
+    return "torch" if backend == "cpu" and referenced else backend
 
 
 def _notes(inputs: _Inputs, config: OOMBConfig) -> list[str]:
@@ -1285,10 +1309,24 @@ def _options(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int) -> l
         other.append(
             (half, {"precision": flag}, f"precision='{flag}' (16-bit weights, gradients and states)")
         )
-    for changed, changes, text in other:
-        result = _plan(changed, config, batch, seq_len)
-        if result.fits:
-            fitting.append(Option(changes, text, result.peak_device, result.host_tier))
+    if len(other) == 2:  # both together
+        both = dataclasses.replace(other[1][0], optimizer=other[0][0].optimizer)
+        other.append((both, {**other[0][1], **other[1][1]}, f"{other[0][2]} and {other[1][2]}"))
+    # each alone, else with the fewest of the strategy's options that make it fit (one, then two); both together
+    # only if neither fits so
+    withs = [{}, *singles, *({**a, **b} for i, a in enumerate(singles) for b in singles[i + 1 :]
+                            if not a.keys() & b.keys())]  # fmt: skip
+    found = False
+    for index, (changed, changes, text) in enumerate(other):
+        if index == 2 and found:
+            break
+        for extra in withs:
+            result = _plan(changed, dataclasses.replace(config, **extra), batch, seq_len)
+            if result.fits:
+                said = f"{text} with {_say(extra)}" if extra else text
+                fitting.append(Option({**changes, **extra}, said, result.peak_device, result.host_tier))
+                found = True
+                break
     page = config.page_size  # the longest context (whole pages) that fits, by bisection
     lo, hi = 0, (seq_len - 1) // page
     while lo < hi:

@@ -188,6 +188,38 @@ def test_oomb_plan_reads_a_model_config_override(tmp_path, capsys):
         plan_command(["--config", str(config), "--device-memory", "lots"])
 
 
+def test_oomb_plan_counts_the_parameters_of_the_model_the_config_builds():
+    """A config is planned from its model built on the meta device: StarCoder2's ungated MLP (2 matrices) and
+    Qwen2-MoE's shared expert are counted as they are (a Llama formula said +39 % and -6 %); a JSON dict longer than
+    a file name is read as JSON; ``accelerator: auto`` with only ``--host-memory`` on a machine without a GPU plans
+    for this CPU."""
+    import json
+
+    import transformers as tf
+
+    shapes = {
+        "starcoder2": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=512),
+        "qwen2_moe": dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, vocab_size=512, num_experts=4,
+                          num_experts_per_tok=2, shared_expert_intermediate_size=256),
+    }  # fmt: skip
+    for family, fields in shapes.items():
+        text = json.dumps(
+            {"model_type": family, **fields, "max_position_embeddings": 4096, "padding": "x" * 300}
+        )
+        assert len(text) > 300
+        result = plan_command(["--config", str(DEMO_CONFIG), "--model-config", text, "--trainer.precision", "32-true",
+                               "--optimizer", "sgd"], print_table=False)  # fmt: skip
+        with torch.device("meta"):
+            model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.for_model(family, **fields))
+        assert result.device["weights"] == 4 * sum(p.numel() for p in model.parameters())
+    if not torch.cuda.is_available():
+        cpu = plan_command(["--config", str(DEMO_CONFIG), "--trainer.accelerator", "auto", "--host-memory", "16GB"],
+                           print_table=False)  # fmt: skip
+        assert cpu.machine.device_type == "cpu"
+
+
 def test_oomb_plan_of_a_hybrid_pages_only_attention_layers_and_counts_the_carried_states(tmp_path):
     """A Qwen3.5-style config (3 gated delta-net layers : 1 attention layer): planned from the model built on the
     meta device — pages for the 2 attention layers, the states at every chunk boundary, exact parameters."""
