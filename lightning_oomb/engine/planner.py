@@ -146,7 +146,8 @@ class ModelShape:
     ``half_vectors`` those of them in 1-D parameters (``None``: :meth:`vector_params`);
     ``mlp_width``: MLP width a token passes through (``experts_per_token x`` the expert width for MoE);
     ``logit_softcap``: the head soft-caps its logits (Gemma 2/3); ``attention_softcap``: attention soft-caps its
-    scores (Gemma 2). A hybrid (recurrent / convolution layers beside
+    scores (Gemma 2); ``eager_experts``: MoE experts run in a Python loop (transformers' ``"eager"`` experts
+    implementation; the default ``grouped_mm`` holds less in its backward). A hybrid (recurrent / convolution layers beside
     attention): ``kv_layers``, the layers that have KV pages (``None``: all), and per batch row, the elements of the
     states carried at each chunk boundary — ``conv_state_elements`` (in the activations' dtype) and
     ``recurrent_state_elements`` (float32, as the recurrences compute them). ``windows``: each paged layer's sliding
@@ -175,6 +176,7 @@ class ModelShape:
     embedding_trainable: bool = True
     logit_softcap: bool = False
     attention_softcap: bool = False
+    eager_experts: bool = False
     half_trainable: int | None = None
     half_vectors: int | None = None
     kv_layers: int | None = None
@@ -297,6 +299,7 @@ def _shape_of_config(cfg: Any) -> ModelShape:
         experts_per_token=(getattr(cfg, "num_experts_per_tok", None) or 0) if experts else 0,
         logit_softcap=getattr(cfg, "final_logit_softcapping", None) is not None,
         attention_softcap=getattr(cfg, "attn_logit_softcapping", None) is not None,
+        eager_experts=getattr(cfg, "_experts_implementation", None) == "eager",
         windows=_config_windows(cfg),
     )
 
@@ -625,6 +628,10 @@ def _layer_bytes_per_token(
     if streamed:
         attn += 2 * r * kv
     mlp = f * h + f + 2 * r * h if tiled else norm(2) + 4 * c * shape.mlp_width
+    if (
+        shape.num_experts
+    ):  # per routed expert its gathered input, output and weighted output; the router's scores
+        mlp += 3 * c * h * shape.experts_per_token + 2 * f * shape.num_experts
     return attn, mlp
 
 
@@ -702,6 +709,8 @@ def layer_backward_bytes(
     # the product's backward makes two I-wide gradients from a third (3cI) after the down projection's backward
     # freed its saved input (cI): 2cI beyond the saved tensors (a wide MLP's step peak within 2 % on CPU)
     mlp_flight = (2 * c * shape.mlp_width + 4 * r * h) * tokens
+    if shape.num_experts and shape.eager_experts:  # a loop over experts: each one's gather hands back a whole
+        mlp_flight += 2 * c * h * (shape.num_experts + 2) * tokens  # [tokens, H] gradient (measured on CPU)
     # one tile's recompute (its saved tensors) and gradients, beside the chunk's dx and output gradient
     if tiled:
         mlp_flight = 7 * c * shape.mlp_width * batch * mlp_tile + 2 * r * h * tokens
