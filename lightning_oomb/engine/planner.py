@@ -147,8 +147,8 @@ class ModelShape:
     ``mlp_width``: MLP width a token passes through (``experts_per_token x`` the expert width for MoE);
     ``logit_softcap``: the head soft-caps its logits (Gemma 2/3); ``attention_softcap``: attention soft-caps its
     scores (Gemma 2); ``eager_experts``: MoE experts run in a Python loop (transformers' ``"eager"`` experts
-    implementation; the default ``grouped_mm`` holds less in its backward). A hybrid (recurrent / convolution layers beside
-    attention): ``kv_layers``, the layers that have KV pages (``None``: all), and per batch row, the elements of the
+    implementation; the default ``grouped_mm`` holds less in its backward). A hybrid (recurrent / convolution
+    layers beside attention): ``kv_layers``, the layers that have KV pages (``None``: all), and per batch row, the elements of the
     states carried at each chunk boundary — ``conv_state_elements`` (in the activations' dtype) and
     ``recurrent_state_elements`` (float32, as the recurrences compute them). ``windows``: each paged layer's sliding
     window (``None`` in it: full attention; ``None``: every layer full), so window layers keep only their tails."""
@@ -628,9 +628,8 @@ def _layer_bytes_per_token(
     if streamed:
         attn += 2 * r * kv
     mlp = f * h + f + 2 * r * h if tiled else norm(2) + 4 * c * shape.mlp_width
-    if (
-        shape.num_experts
-    ):  # per routed expert its gathered input, output and weighted output; the router's scores
+    # MoE: per routed expert its gathered input, output and weighted output; the router's scores
+    if shape.num_experts:
         mlp += 3 * c * h * shape.experts_per_token + 2 * f * shape.num_experts
     return attn, mlp
 
@@ -1240,8 +1239,8 @@ def _budget(config: OOMBConfig, machine: Machine, weights: int) -> int | None:
 
 def _backend(config: OOMBConfig, machine: Machine, shape: ModelShape | None = None, seq_len: int = 0) -> str:
     """The attention backend whose transients the plan counts: on a CPU the fused path's, unless the step's calls
-    take the plain reference (``engine/cpu_attention.py``'s ``fast_path``: a page budget, sliding windows, an
-    attention softcap), whose score blocks are larger (counted as ``torch``'s: an upper bound)."""
+    take the plain reference (``engine/cpu_attention.py``'s ``fast_path``: a page budget, a sliding window shorter
+    than the keys, an attention softcap): then ``torch``'s, the reference's score blocks."""
     if config.attention_backend != "auto":
         backend = config.attention_backend
     else:

@@ -387,8 +387,8 @@ class _UnusableTwin(Exception):
 def verify_exactness(model: torch.nn.Module, adapter_cls) -> bool:
     """Refuse ``model`` if OOMB does not train a float64 twin of its architecture exactly (see the module
     docstring); ``adapter_cls`` builds the adapter of the twin. Returns whether the check ran (``False``: no twin
-    could be built, or it could not train itself, or it is a hybrid with float32 recurrences: only its head checked). Verdicts are cached
-    per architecture.
+    could be built, or it could not train itself, or it is a hybrid with float32 recurrences: only its head
+    checked). Verdicts are cached per architecture.
 
     A hybrid whose carried layers run a recurrence (gated delta rule, Mamba2 scan) gets only the head's check:
     transformers computes those recurrences in float32 whatever the dtype, so a float64 twin's chunkings differ by
