@@ -82,6 +82,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.text and not (args.tokenizer or args.model):
         p.error("--text needs --tokenizer (or --model, whose tokenizer is then used)")
+    if args.tokenizer and not args.text:
+        p.error("--tokenizer reads --text: give the text files too (the retrieval task has its own tokens)")
+    for name in ("steps", "seq_len", "chunk_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
     return args
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import time
 from typing import Any
 
@@ -40,7 +41,9 @@ class OOMBMonitor(Callback):
         self._start = time.perf_counter()
 
     @override
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *_: Any) -> None:
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, *_: Any) -> None:
+        if outputs is None:  # a skipped batch (training_step returned None): no step to report
+            return
         device = trainer.strategy.root_device
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -92,7 +95,8 @@ class OOMBSparseBudget(Callback):
 
     Args:
         schedule: the page budget per global step: a dict ``{step: budget}`` (each budget holds from its step on;
-            before the first key the strategy's ``page_budget``) or a callable ``step -> budget``; a budget is a
+            before the first key the strategy's ``page_budget``) or a callable ``step -> budget`` (a number it
+            returns is rounded to the nearest page count, so a float ramp works); a budget is a
             positive number of past pages per query block or ``None`` (dense). ``{0: None, 1000: 64}`` starts dense
             and goes sparse; ``lambda step: max(8, 256 - step)`` ramps down.
         recall_every: measure ``oomb/selection_recall`` every this many steps (``0``: never). The probe attends one
@@ -127,6 +131,8 @@ class OOMBSparseBudget(Callback):
         """The budget of global step ``step``."""
         if callable(self.schedule):
             budget = self.schedule(step)
+            if isinstance(budget, numbers.Real) and not isinstance(budget, bool):
+                budget = round(budget)  # a ramp's float (or a NumPy integer): the nearest page count
             check_budget(budget)
             return budget
         started = [s for s in self.schedule if s <= step]

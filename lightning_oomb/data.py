@@ -318,19 +318,29 @@ class ResumableLoader(DataLoader):
             yield batch
 
 
-def expand_paths(files: str | Sequence[str]) -> list[Path]:
-    """Paths and glob patterns to a sorted, de-duplicated list of existing files; raise if none match."""
-    patterns = [files] if isinstance(files, str) else list(files)
+def expand_paths(files: str | Path | Sequence[str | Path]) -> list[Path]:
+    """Paths and glob patterns to a sorted, de-duplicated list of existing files; raise if none match (or a pattern
+    names only a directory)."""
+    patterns = [files] if isinstance(files, (str, Path)) else list(files)
     found: dict[Path, None] = {}
     for pattern in patterns:
         matches = sorted(glob.glob(str(Path(pattern).expanduser()), recursive=True))
         if not matches:
             raise OOMBConfigError(
-                f"no file matches {pattern!r} — TextFileDataModule reads local text and .jsonl files — check the "
-                "path or glob (e.g. 'data/**/*.txt')."
+                f"no file matches {str(pattern)!r} — TextFileDataModule reads local text and .jsonl files — check "
+                "the path or glob (e.g. 'data/**/*.txt')."
             )
-        found.update((Path(m), None) for m in matches if Path(m).is_file())
+        files_found = [Path(m) for m in matches if Path(m).is_file()]
+        if not files_found:
+            raise OOMBConfigError(
+                f"{str(pattern)!r} names a directory, not files — TextFileDataModule reads the files a path or glob "
+                f"names — use e.g. '{Path(pattern) / '**' / '*.txt'}'."
+            )
+        found.update((m, None) for m in files_found)
     return list(found)
+
+
+JSON_LINES = (".jsonl", ".ndjson")  # one JSON record per line (any case)
 
 
 def _text_of(record: Any, text_field: str, where: str) -> str:
@@ -355,26 +365,47 @@ def read_documents(
     text_field: str = "text",
 ) -> list[str]:
     """Document texts in source order: ``records`` in order, or the files sorted by path, a text file being one
-    document and a ``*.jsonl`` file one document per non-blank line (the JSON record's ``text_field``)."""
+    document and a JSON Lines file (``.jsonl`` / ``.ndjson``, any case) one document per non-blank line (the JSON
+    record's ``text_field``); a ``.json`` file is refused (not one record per line)."""
     if records is not None:
         return [_text_of(record, text_field, f"record {i}") for i, record in enumerate(records)]
     texts: list[str] = []
     for path in expand_paths(files or []):
-        if path.suffix != ".jsonl":
-            texts.append(path.read_text(encoding="utf-8"))
-            continue
-        with path.open(encoding="utf-8") as lines:
-            for number, line in enumerate(lines, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise OOMBConfigError(
-                        f"{path}:{number} is not JSON ({error.msg}) — a .jsonl file holds one JSON record per line "
-                        "— fix the line, or rename the file if it is plain text."
-                    ) from None
-                texts.append(_text_of(record, text_field, f"{path}:{number}"))
+        kind = path.suffix.lower()
+        if kind == ".json":
+            raise OOMBConfigError(
+                f"{path} is a .json file — TextFileDataModule reads text files (one document each) and JSON Lines "
+                "(.jsonl: one record per line) — write its records one per line to a .jsonl file, or pass them "
+                "as records=."
+            )
+        try:
+            if kind not in JSON_LINES:
+                texts.append(path.read_text(encoding="utf-8"))
+                continue
+            texts.extend(_records_of(path, text_field))
+        except UnicodeDecodeError as error:
+            raise OOMBConfigError(
+                f"{path} is not UTF-8 text ({error.reason} at byte {error.start}) — TextFileDataModule reads UTF-8 "
+                "— convert it (e.g. iconv -f latin1 -t utf-8) or leave it out of files."
+            ) from None
+    return texts
+
+
+def _records_of(path: Path, text_field: str) -> list[str]:
+    """The documents of a JSON Lines file: each non-blank line's record's ``text_field``."""
+    texts = []
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise OOMBConfigError(
+                    f"{path}:{number} is not JSON ({error.msg}) — a .jsonl file holds one JSON record per line "
+                    "— fix the line, or rename the file if it is plain text."
+                ) from None
+            texts.append(_text_of(record, text_field, f"{path}:{number}"))
     return texts
 
 
@@ -410,9 +441,9 @@ class TextFileDataModule(LightningDataModule):
     """Documents from local text or JSON-lines files (or Python records), tokenized and packed into rows of exactly
     ``seq_len`` tokens.
 
-    Documents: a text file (read whole, UTF-8) is one document; a ``*.jsonl`` file holds one JSON record per line,
-    the document under ``text_field``; ``records`` is any iterable of mappings with that field, e.g. a Hugging Face
-    ``datasets.Dataset``. Each document is tokenized without special tokens and followed by the
+    Documents: a text file (read whole, UTF-8) is one document; a ``*.jsonl`` (or ``.ndjson``) file holds one JSON
+    record per line, the document under ``text_field``; ``records`` is any iterable of mappings with that field,
+    e.g. a Hugging Face ``datasets.Dataset``. Each document is tokenized without special tokens and followed by the
     tokenizer's EOS token.
 
     Batches with ``pack=True`` (the default) are ``{"input_ids", "labels", "position_ids"}``, each
@@ -537,7 +568,14 @@ class TextFileDataModule(LightningDataModule):
                 f"tokenizer {self.tokenizer_name!r} has no EOS token — packing ends every document with one, so "
                 "the model learns where documents end — use the model's own tokenizer, or pack=False."
             )
-        return tokenize_documents(tok, texts, tok.eos_token_id)
+        docs = tokenize_documents(tok, texts, tok.eos_token_id)
+        if not docs:
+            raise OOMBConfigError(
+                f"tokenizer {self.tokenizer_name!r} turned the corpus's {len(texts)} document(s) into no tokens — it "
+                "cannot read this text (e.g. a vocabulary without these characters) — pass the model's own "
+                "tokenizer, or tokenizer='bytes'."
+            )
+        return docs
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
@@ -549,14 +587,15 @@ class TextFileDataModule(LightningDataModule):
                 f"{self.val_rows} validation row(s) plus training — add text, lower seq_len or val_rows."
             )
         split = len(rows) - self.val_rows
+        # the validation rows get storage of their own: a view would keep the whole corpus alive
         if not self.pack:
-            self.train_set, self.val_set = PackedRows(rows[:split]), PackedRows(rows[split:])
+            self.train_set, self.val_set = PackedRows(rows[:split]), PackedRows(rows[split:].clone())
             return
         pieces = split_at_starts(rows[:split], starts[:split])
         if self.shuffle:
             pieces = [pieces[i] for i in np.random.default_rng(self.seed).permutation(len(pieces))]
         self.train_set = PackedRows(*pack_documents(pieces, self.seq_len))
-        self.val_set = PackedRows(rows[split:], starts[split:])
+        self.val_set = PackedRows(rows[split:].clone(), starts[split:].clone())
 
     def train_dataloader(self) -> ResumableLoader:
         shuffle_rows = self.shuffle and not self.pack  # packed rows keep the order of the shuffled documents

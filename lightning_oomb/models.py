@@ -61,9 +61,10 @@ class CausalLMModule(LightningModule):
     The model is built in :meth:`configure_model` (so the Trainer's device and precision contexts apply, and
     constructing the module, e.g. when a CLI parses a config, loads nothing).
 
-    Logged: ``train_loss`` per step; per validation run ``val_loss``, the mean loss over all validation *target
-    tokens* (each batch's loss weighted by its targets, ``labels[:, 1:] != -100``; without labels, every next
-    token), and ``val_ppl = exp(val_loss)``. A batch without targets weighs nothing.
+    Targets: ``labels`` (default: ``input_ids``), none where ``attention_mask`` is 0 (right padding), under any
+    strategy. Logged: ``train_loss`` per step; per validation run ``val_loss``, the mean loss over all validation
+    *target tokens* (each batch's loss weighted by its targets, ``labels[:, 1:] != -100``), and
+    ``val_ppl = exp(val_loss)``. A batch without targets weighs nothing.
 
     Args:
         model_name_or_path: hub id or local directory for ``AutoModelForCausalLM.from_pretrained``.
@@ -122,10 +123,12 @@ class CausalLMModule(LightningModule):
             kwargs["dtype"] = (
                 torch.get_default_dtype()
             )  # set by the Trainer's precision (bf16-true → bfloat16)
-        self.model = AutoModelForCausalLM.from_pretrained(hp.model_name_or_path, **kwargs)
+        # from_pretrained returns the model in eval mode, and Lightning leaves submodules' modes as they are:
+        # fine-tuning would run without the model's dropout
+        self.model = AutoModelForCausalLM.from_pretrained(hp.model_name_or_path, **kwargs).train()
 
     def training_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        loss = self.model(**batch, use_cache=False).loss
+        loss = self.model(**with_targets(batch), use_cache=False).loss
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
@@ -134,8 +137,9 @@ class CausalLMModule(LightningModule):
         self.val_token_loss.set_dtype(torch.float32)
 
     def validation_step(self, batch: dict[str, torch.Tensor]) -> None:
+        batch = with_targets(batch)
         loss = self.model(**batch, use_cache=False).loss  # the mean over this batch's targets
-        targets = (batch.get("labels", batch["input_ids"])[:, 1:] != IGNORE_INDEX).sum()
+        targets = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
         # without targets HF's loss is NaN (0/0): weight 0 must not turn the mean into NaN
         self.val_token_loss.update(torch.where(targets > 0, loss.detach().float(), 0.0), weight=targets)
 
@@ -167,6 +171,16 @@ class CausalLMModule(LightningModule):
 
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def with_targets(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``batch`` with ``labels`` (default: ``input_ids``) ignoring right padding (``-100`` where ``attention_mask``
+    is 0), as the OOMB strategy does: Hugging Face would train on the padded positions' labels."""
+    labels = batch.get("labels", batch["input_ids"])
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        labels = labels.masked_fill(mask == 0, IGNORE_INDEX)
+    return {**batch, "labels": labels}
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: float, min_ratio: float) -> float:

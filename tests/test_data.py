@@ -206,6 +206,41 @@ def test_bad_jsonl_names_file_and_line_before_any_tokenizer_is_loaded(tmp_path, 
 
 
 @pytest.mark.parametrize(
+    ("name", "content", "match"),
+    [
+        ("docs.json", b'[{"text": "a"}]', r"docs.json is a .json file .* to a .jsonl file"),
+        ("latin.txt", "caf\xe9".encode("latin-1"), r"latin.txt is not UTF-8 text .* iconv"),
+        ("dir", None, r"names a directory, not files .*\*\*"),
+    ],
+)
+def test_files_it_cannot_read_are_named_with_the_fix(tmp_path, name, content, match):
+    """A .json array was read as one raw text document, a Latin-1 file raised a bare UnicodeDecodeError, a
+    directory said the corpus was empty."""
+    path = tmp_path / name
+    if content is None:
+        (path / "sub").mkdir(parents=True)
+    else:
+        path.write_bytes(content)
+    with pytest.raises(OOMBConfigError, match=match):
+        TextFileDataModule(str(path), tokenizer="bytes", seq_len=2).setup("fit")
+
+
+def test_a_tokenizer_that_reads_nothing_is_named(tmp_path):
+    """Every document tokenized to nothing (a tokenizer for other text): said so, not 'the corpus holds 0 rows'."""
+
+    class Blind:
+        eos_token_id = 0
+
+        def __call__(self, texts, **kwargs):
+            return {"input_ids": [[] for _ in texts]}
+
+    dm = TextFileDataModule(records=[{"text": "abc"}], tokenizer="bytes", seq_len=2)
+    dm._tokenizer = Blind()
+    with pytest.raises(OOMBConfigError, match="turned the corpus's 1 document.s. into no tokens"):
+        dm.setup("fit")
+
+
+@pytest.mark.parametrize(
     ("records", "match"),
     [([{"text": "a"}, "b"], "record 1 is a str, not a mapping"), ([], "the corpus is empty")],
 )
@@ -283,9 +318,11 @@ def test_documents_from_text_files_jsonl_and_records_agree(tmp_path):
         def __iter__(self):
             return iter({"id": i, "body": t} for i, t in enumerate(texts))
 
+    (tmp_path / "DOCS.NDJSON").write_text("\n".join(lines), encoding="utf-8")  # any case, .ndjson too
     sources = [
         {"files": str(tmp_path / "txt" / "*.txt")},
         {"files": [str(tmp_path / "docs.jsonl")]},
+        {"files": tmp_path / "DOCS.NDJSON"},  # a Path alone
         {"records": Records()},
     ]
     rows = []
@@ -296,6 +333,8 @@ def test_documents_from_text_files_jsonl_and_records_agree(tmp_path):
             [dm.train_set[i]["input_ids"] for i in range(len(dm.train_set))] + [dm.val_set[1]["input_ids"]]
         )
         assert "records" not in dm.hparams  # a data set is no hyperparameter
+        for tensor in (dm.val_set.rows, dm.val_set.starts):  # its own storage: a view kept the corpus alive
+            assert tensor is None or tensor.untyped_storage().nbytes() == tensor.nbytes
     assert all(len(r) == len(rows[0]) and all(map(torch.equal, r, rows[0])) for r in rows[1:])
 
 

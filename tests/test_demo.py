@@ -26,3 +26,23 @@ def test_demo_runs_and_prints_the_report():
     assert done.returncode == 0, done.stderr[-3000:]
     for line in ("throughput", "peak saved activations", "KV pool", "held-out loss", "no-context baseline"):
         assert line in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (["--steps", "0"], "--steps must be at least 1"),
+        (["--tokenizer", "bytes"], "--tokenizer reads --text"),
+    ],
+)
+def test_flags_that_cannot_work_are_refused_before_anything_runs(args, match, capsys, monkeypatch):
+    """``--steps 0`` ended in a ZeroDivisionError after training; ``--tokenizer`` without ``--text`` was ignored."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("demo", ROOT / "examples" / "train_long_context.py")
+    demo = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "demo", demo)  # its dataclasses look their module up
+    spec.loader.exec_module(demo)
+    with pytest.raises(SystemExit):
+        demo.parse_args(args)
+    assert match in capsys.readouterr().err

@@ -42,6 +42,9 @@ def test_module_loads_a_local_checkpoint(tmp_path):
     module = CausalLMModule(model_name_or_path=str(tmp_path), dtype="float64")
     module.configure_model()
     assert module.model.dtype == torch.float64
+    assert (
+        module.model.training
+    )  # from_pretrained returns it in eval mode: fine-tuning would drop its dropout
     for (name, a), b in zip(source.model.state_dict().items(), module.model.state_dict().values()):
         assert torch.equal(a.double(), b), name
 
@@ -154,3 +157,33 @@ def test_packed_documents_train_alike_under_any_strategy():
         trainer.fit(module, DataLoader([batch, batch], batch_size=None))
         seen[name] = record.losses
     assert seen["auto"] == pytest.approx(seen["oomb"], rel=1e-6)  # HF: a float32 cross-entropy
+
+
+def test_right_padding_has_no_targets_under_any_strategy():
+    """A right-padded batch: its padded positions are no targets (OOMB's rule; HF would train on their labels), so
+    ``val_loss`` is the mean over the real targets, the same under both strategies (it weighed padded ones)."""
+    import lightning_oomb
+
+    gen = torch.Generator().manual_seed(0)
+    short = _batch(gen, 1, 64)
+    short["attention_mask"] = torch.ones_like(short["input_ids"])
+    short["attention_mask"][:, 8:] = 0
+    full = _batch(gen, 1, 64)
+    full["attention_mask"] = torch.ones_like(full["input_ids"])
+    batches = [short, full]
+    seen = {}
+    for name, strategy in (
+        ("auto", "auto"),
+        ("oomb", lightning_oomb.OOMBStrategy(chunk_size=16, page_size=8)),
+    ):
+        module = CausalLMModule(config=TINY)
+        module.model = build_causal_lm("qwen2", dtype=torch.float64)
+        trainer = make_trainer(strategy, precision="64-true")
+        trainer.validate(module, DataLoader(batches, batch_size=None), verbose=False)
+        seen[name] = float(trainer.callback_metrics["val_loss"])
+    model = build_causal_lm("qwen2", dtype=torch.float64)
+    with torch.no_grad():  # by hand: the real tokens' summed losses over their count (7 + 63 targets)
+        sums = [model(input_ids=b["input_ids"][:, :n], labels=b["input_ids"][:, :n]).loss * (n - 1)
+                for b, n in ((short, 8), (full, 64))]  # fmt: skip
+    want = float(sum(sums) / 70)
+    assert seen["auto"] == pytest.approx(want, rel=1e-6) and seen["oomb"] == pytest.approx(want, rel=1e-6)

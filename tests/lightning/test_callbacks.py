@@ -54,6 +54,17 @@ def test_monitor_logs_pool_bytes_and_throughput():
     )
 
 
+def test_monitor_reports_nothing_for_a_skipped_batch():
+    """A training_step that returns None (the batch skipped) made no OOMB step: nothing is logged for it (it logged
+    the previous step's tokens over the skip's tiny time: 60x the real throughput)."""
+    from unittest import mock
+
+    monitor, module = OOMBMonitor(), mock.Mock()
+    monitor._start = 0.0
+    monitor.on_train_batch_end(mock.MagicMock(), module, None, {}, 1)
+    assert not module.log_dict.called
+
+
 def test_monitor_refuses_other_strategies():
     with pytest.raises(OOMBConfigError, match="strategy='oomb'"):
         fit_tiny("auto", steps=1, callbacks=[OOMBMonitor()])

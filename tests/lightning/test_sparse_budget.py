@@ -61,6 +61,15 @@ def test_bad_schedules_are_refused(schedule, match):
         OOMBSparseBudget(schedule)
 
 
+def test_a_callables_numbers_are_rounded_to_page_counts():
+    """A float ramp (or a NumPy integer) is a budget, rounded: it was refused at the step it first returned one."""
+    import numpy as np
+
+    ramp = OOMBSparseBudget(lambda step: max(2, 8 - 2.5 * step))
+    assert [ramp.budget_at(s) for s in range(4)] == [8, 6, 3, 2]  # 8.0, 5.5 (to even: 6), 3.0, 2
+    assert OOMBSparseBudget(lambda step: np.int64(4)).budget_at(0) == 4
+
+
 def test_callable_returning_a_bad_budget_is_refused():
     with pytest.raises(OOMBConfigError, match="page_budget=-3"):
         fit(oomb(), [OOMBSparseBudget(lambda step: -3)], steps=1)
