@@ -27,12 +27,15 @@ from lightning_oomb.engine.loss import IGNORE_INDEX, shift_labels
 class Layout:
     """``positions [1 | B, N]``: each token's RoPE position; ``doc_start [B, N]`` int32 (``None``: one document per
     row): the position in the row where its document starts; ``targets [B, N]``: what each position predicts
-    (``IGNORE_INDEX``: nothing); ``tokens [B, N]`` bool (``None``: no padding): the real (not padded) tokens."""
+    (``IGNORE_INDEX``: nothing); ``tokens [B, N]`` bool (``None``: no padding): the real (not padded) tokens;
+    ``span``: the largest position + 1 (the length unless packed documents restart positions), what a
+    full-sequence call's length-dependent RoPE reads."""
 
     positions: torch.Tensor
     doc_start: torch.Tensor | None
     targets: torch.Tensor
     tokens: torch.Tensor | None = None
+    span: int = 0
 
 
 def _documents(position_ids: torch.Tensor) -> torch.Tensor | None:
@@ -72,13 +75,14 @@ def plan_layout(
         tokens = None if bool(keep.all()) else keep
     if position_ids is None:
         positions = torch.arange(seq_len, device=input_ids.device)[None]
-        return Layout(positions, None, shift_labels(labels), tokens)
+        return Layout(positions, None, shift_labels(labels), tokens, seq_len)
     if position_ids.dim() != 2 or position_ids.shape[1] != seq_len or position_ids.shape[0] not in (1, batch):
         raise OOMBConfigError(
             f"position_ids {tuple(position_ids.shape)} do not match input_ids {(batch, seq_len)} — pass [batch, "
             "tokens] (or [1, tokens]) positions, restarting at 0 where a packed document starts."
         )
-    if position_ids.is_floating_point() or bool((position_ids < 0).any()):
+    low, high = (0, 0) if position_ids.is_floating_point() else torch.aminmax(position_ids)  # one sync
+    if position_ids.is_floating_point() or int(low) < 0:
         raise OOMBConfigError(
             "position_ids must be non-negative integers — they are RoPE positions, restarting at 0 per document."
         )
@@ -90,7 +94,7 @@ def plan_layout(
         boundary = torch.zeros_like(targets, dtype=torch.bool)
         boundary[:, :-1] = doc_start[:, 1:] == torch.arange(1, seq_len, device=doc_start.device)
         targets = targets.masked_fill(boundary, IGNORE_INDEX)
-    return Layout(position_ids, doc_start, targets, tokens)
+    return Layout(position_ids, doc_start, targets, tokens, int(high) + 1)
 
 
 def key_floors(doc_start: torch.Tensor | None, starts: list[int]) -> list[int]:

@@ -15,7 +15,6 @@ target token gives loss 0 and zero gradients (documented choice; Hugging Face wo
 from __future__ import annotations
 
 import contextlib
-import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -79,12 +78,7 @@ class _Step:
     states: CarriedStates | None = None  # a hybrid's recurrent / convolution states at chunk boundaries
     tokens: torch.Tensor | None = None  # right padding: the real tokens [B, N] (None: no padding)
     reused_from: int | None = None  # reuse_attention: the chunk from which the backward takes forward results
-
-    @functools.cached_property
-    def position_span(self) -> int:
-        """The largest RoPE position + 1 (the length unless packed documents restart positions): the length a
-        full-sequence call's length-dependent RoPE reads."""
-        return int(self.positions.max()) + 1
+    position_span: int = 0  # the largest RoPE position + 1 (Layout.span): a length-dependent RoPE's length
 
     def rows(self, index: int) -> int:
         """Query rows this device runs of chunk ``index`` (its slice under context parallelism; 0: a stand-in)."""
@@ -312,7 +306,7 @@ class OOMBEngine:
             states = CarriedStates(host=host, boundaries=len(bounds) - 1)
         return _Step(input_ids, targets, denominator, shape, backend, bounds, batch_layout.positions,
                      batch_layout.doc_start, floors, step_loss, sparse, layout, shared, states,
-                     batch_layout.tokens)  # fmt: skip
+                     batch_layout.tokens, position_span=batch_layout.span)  # fmt: skip
 
     def _layout(self, input_ids, labels, position_ids, attention_mask) -> Layout | None:
         """Context parallelism: this rank's slices of the step (``None`` on one device)."""
