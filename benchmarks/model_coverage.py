@@ -37,6 +37,23 @@ def _alarm(*_):
     raise _Timeout
 
 
+def _completed(d: dict) -> None:
+    """Fill what some families' default configs leave unset (``None``) the way their published checkpoints set it;
+    their models do not build otherwise."""
+    heads = d.get("num_attention_heads")
+    if d.get("head_dim", 0) is None and isinstance(heads, int):
+        d["head_dim"] = d["hidden_size"] // heads
+    if d.get("num_key_value_heads", 0) is None:
+        d["num_key_value_heads"] = heads
+    for field, value in (("n_routed_experts", 4), ("num_experts_per_tok", 2), ("n_shared_experts", 1)):
+        if d.get(field, 0) is None:
+            d[field] = value
+    if (
+        d.get("layer_types", 0) is None and "num_dense_layers" in d
+    ):  # LFM2-MoE: convolutions, every 4th attention
+        d["layer_types"] = ["full_attention" if i % 4 == 3 else "conv" for i in range(d["num_hidden_layers"])]
+
+
 def classify(name: str, seconds: int) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -51,20 +68,24 @@ def classify(name: str, seconds: int) -> dict:
     try:
         config = AutoConfig.for_model(name)
         d = config.to_dict()
+        _completed(d)
         support._tiny(d)
-        if isinstance(d.get("text_config"), dict):
-            support._tiny(d["text_config"])
         tiny = type(config).from_dict(d)
-        # its size first: a config whose width the shrinking does not reach stays big
-        with torch.device("meta"):
-            size = sum(p.numel() for p in AutoModelForCausalLM.from_config(tiny).parameters())
-        if size > 50_000_000:
+        with torch.device("meta"):  # the static rules and its size first, allocating nothing
+            meta = AutoModelForCausalLM.from_config(tiny)
+            size = sum(p.numel() for p in meta.parameters())
+        row["class"] = type(meta).__name__
+        HFChunkModel(meta)
+        if size > 50_000_000:  # a config whose width the shrinking does not reach stays big
             row.update(status="not built", why=f"{size / 1e6:.0f}M parameters after shrinking")
             return row
         model = AutoModelForCausalLM.from_config(tiny)
         row["class"] = type(model).__name__
     except _Timeout:
         row.update(status="not built", why="timeout")
+        return row
+    except OOMBConfigError as err:
+        row.update(status="refused", why=_reason(err))
         return row
     except Exception as err:
         row.update(status="not built", why=f"{type(err).__name__}: {str(err).splitlines()[0][:160]}")
@@ -78,14 +99,17 @@ def classify(name: str, seconds: int) -> dict:
     except _Timeout:
         row.update(status="not built", why="timeout")
     except OOMBConfigError as err:
-        text = str(err)
-        row.update(status="refused", why=text.split(" exactly: ", 1)[-1].split(" — train it")[0][:240])
+        row.update(status="refused", why=_reason(err))
     except Exception as err:
         row.update(status="not built", why=f"{type(err).__name__}: {str(err).splitlines()[0][:160]}")
     finally:
         signal.alarm(0)
     row["seconds"] = round(time.perf_counter() - start, 2)
     return row
+
+
+def _reason(err: Exception) -> str:
+    return str(err).split(" exactly: ", 1)[-1].split(" — train it")[0][:240]
 
 
 def table(rows: list[dict]) -> str:

@@ -79,7 +79,8 @@ TINY = dict(hidden_size=32, intermediate_size=32, num_attention_heads=4, num_key
 def build_family(family: str, dtype=torch.float64, seed: int = 0, **overrides):
     """Tiny models of the families beyond Llama's attention, each with the feature that makes it special:
     Gemma 2 (attention and final-logit softcaps, alternating sliding windows), Gemma 3 (5 local : 1 global layers,
-    QK-norm, two RoPE bases), GPT-OSS (attention sinks, alternating windows, MoE), Phi-3 with longrope past its
+    QK-norm, two RoPE bases; also as the multimodal ``Gemma3ForConditionalGeneration`` that
+    ``AutoModelForCausalLM`` loads, trained on text), GPT-OSS (attention sinks, alternating windows, MoE), Phi-3 with longrope past its
     original context, Llama with dynamic NTK RoPE past its base length, Cohere (logit scale), Granite (logit
     scaling and multipliers), HyperCLOVAX (logits multiplied by ``logits_scaling``), AFMoE (a gated attention
     output it views: OOMB's must be contiguous; MoE, windows). A family this transformers lacks is skipped."""
@@ -91,6 +92,9 @@ def build_family(family: str, dtype=torch.float64, seed: int = 0, **overrides):
         "gemma3": lambda o: tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**{**TINY, "num_hidden_layers": 6, "sliding_window": 7,
             "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
                                 "full_attention": {"rope_type": "default", "rope_theta": 1000.0}}, **o})),
+        "gemma3_multimodal": lambda o: tf.Gemma3ForConditionalGeneration(tf.Gemma3Config(mm_tokens_per_image=4,
+            text_config={**TINY, "num_hidden_layers": 6, "sliding_window": 7, **o}, vision_config=dict(hidden_size=16,
+            intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14))),
         "gpt_oss": lambda o: tf.GptOssForCausalLM(tf.GptOssConfig(**{**TINY, "num_hidden_layers": 2, "sliding_window": 7,
             "num_local_experts": 4, "num_experts_per_tok": 2, "experts_implementation": "eager", **o})),
         "phi3_longrope": lambda o: tf.Phi3ForCausalLM(tf.Phi3Config(**{**TINY, "num_hidden_layers": 2,

@@ -333,3 +333,30 @@ def test_the_engines_layer_checkpointing_option_reaches_the_adapter():
     seen.clear()
     OOMBEngine(HFChunkModel(model), OOMBConfig(16, 8)).loss(torch.randint(0, 97, (1, 24))).backward()
     assert seen and not any(seen)
+
+
+def _published_shape(name: str):
+    """A model of ``name`` at its default (published-size) config, on the meta device: nothing allocated."""
+    with torch.device("meta"):
+        return tf.AutoModelForCausalLM.from_config(tf.AutoConfig.for_model(name))
+
+
+@pytest.mark.parametrize("family", ["gpt_neox", "gptj", "helium", "glm", "gemma3n_text", "mllama"])
+def test_the_self_check_runs_on_full_size_configs(family):
+    """The twin shrinks full-size configs to a trainable tiny width: heads under other names (GPT-NeoX's 64 heads
+    of 44 layers, GPT-J's ``n_head``), the rotated share of a head (``rotary_dim``), a width that is the heads'
+    total (Helium), many query heads per KV head (GLM's 16:1), per-layer widths (Gemma 3n) — so the check runs
+    rather than being skipped; and it passes: Mllama's text model too, whose ``get_decoder()`` returns the causal
+    LM itself (the adapter drives its inner model)."""
+    from lightning_oomb.integrations.hf.adapter import verify_exactness_of
+
+    assert verify_exactness_of(_published_shape(family)) is True
+
+
+def test_a_decoder_with_more_layers_than_its_config_counts_is_checked_whole():
+    """Blenderbot's config counts its encoder's 2 layers, its causal LM runs the decoder's 24: every decoder
+    layer gets pages, and the self-check refuses what chunks change (its positions come from a cache length)."""
+    model = _published_shape("blenderbot")
+    assert HFChunkModel(model).num_layers == len(model.get_decoder().layers) == 24
+    with pytest.raises(OOMBConfigError, match=r"self-check.*relative error"):
+        HFChunkModel(model, verify_exactness=True)

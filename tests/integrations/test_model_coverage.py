@@ -1,5 +1,5 @@
 """Families beyond Llama's attention, exact in float64 through ``Trainer(strategy="oomb")`` against full-sequence
-training: Gemma 2 (softcaps, windows), Gemma 3 (5:1 local/global, QK-norm, two RoPE bases), GPT-OSS (sinks, windows,
+training: Gemma 2 (softcaps, windows), Gemma 3 (5:1 local/global, QK-norm, two RoPE bases; also its multimodal wrapper, on text), GPT-OSS (sinks, windows,
 MoE), Phi-3 longrope past its original context, dynamic NTK RoPE past its base length, Cohere, Granite and HyperCLOVAX
 (logit scales), AFMoE (views the attention output). Ragged lengths, one and several chunks, with and without layer checkpointing."""
 
@@ -23,6 +23,7 @@ from tests.helpers.models import (
 FAMILIES = (
     "gemma2",
     "gemma3",
+    "gemma3_multimodal",
     "gpt_oss",
     "qwen3_moe",
     "phi3_longrope",

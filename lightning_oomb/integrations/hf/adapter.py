@@ -27,6 +27,7 @@ from lightning_oomb.engine.loss import LMHead
 from lightning_oomb.engine.model import Respond
 from lightning_oomb.engine.tiles import tiled
 from lightning_oomb.integrations.hf.attention import ATTN_NAME, ENGAGED, register_attention
+from lightning_oomb.integrations.hf.decoder import decoder_of
 from lightning_oomb.integrations.hf.moe import RouterBalanceLoss
 from lightning_oomb.integrations.hf.rope import length_dependent_rotaries, pinned_rope
 from lightning_oomb.integrations.hf.states import carried_mixers, carrying_states, state_elements
@@ -68,16 +69,17 @@ def _layer_windows(model: torch.nn.Module, attention: list[torch.nn.Module] | No
     the attention modules in pool order (default: every decoder layer's ``self_attn``). ``None`` when the layers
     cannot be read; the engine checks every call against what this declares."""
     if attention is None:
-        layers = getattr(model.get_decoder(), "layers", None)
-        if layers is None or len(layers) != model.config.num_hidden_layers:
+        layers = getattr(decoder_of(model), "layers", None)
+        if layers is None:
             return None
         attention = [getattr(layer, "self_attn", None) for layer in layers]
         if any(module is None for module in attention):
             return None
-    types = list(getattr(model.config, "layer_types", None) or [])
+    config = model.config.get_text_config(decoder=True)
+    types = list(getattr(config, "layer_types", None) or [])
     windows = []
     for module in attention:
-        window = getattr(module, "sliding_window", getattr(model.config, "sliding_window", None))
+        window = getattr(module, "sliding_window", getattr(config, "sliding_window", None))
         index = getattr(module, "layer_idx", None)
         # EXAONE 4 keeps the attribute on full layers too
         full = isinstance(index, int) and types[index : index + 1] == ["full_attention"]
@@ -89,7 +91,7 @@ def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """A hybrid's attention modules (``*Attention`` with a ``layer_idx``), in layer order: the layers that have
     pages (a recurrent or convolution layer has none)."""
     found = {}
-    for module in model.get_decoder().modules():
+    for module in decoder_of(model).modules():
         if type(module).__name__.endswith("Attention") and isinstance(
             getattr(module, "layer_idx", None), int
         ):
@@ -100,7 +102,7 @@ def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 def dense_mlps(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The decoder layers' dense MLPs: a layer's ``mlp`` whose class name ends in ``MLP`` and that routes nothing
     (MoE blocks are not, whatever their name: GPT-OSS's ``GptOssMLP`` has a router and experts)."""
-    return [m for name, m in model.get_decoder().named_modules()
+    return [m for name, m in decoder_of(model).named_modules()
             if name.rsplit(".", 1)[-1] == "mlp" and type(m).__name__.endswith("MLP")
             and not any(hasattr(m, part) for part in ("router", "experts"))]  # fmt: skip
 
@@ -170,8 +172,9 @@ class HFChunkModel:
         if verify_exactness:
             verify_exactness_of(model)
         self.model = model
-        config = model.config
-        self.num_layers = config.num_hidden_layers
+        config = model.config.get_text_config(decoder=True)  # a multimodal wrapper's decoder (Gemma 3)
+        layers = getattr(decoder_of(model), "layers", None)  # Blenderbot's config counts its encoder's
+        self.num_layers = config.num_hidden_layers if layers is None else len(layers)
         heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -249,7 +252,7 @@ class HFChunkModel:
         """Final normed hidden states ``[B, L, H]`` of one chunk (and its router logits, into ``chunk.step_loss``)."""
         routed = {"output_router_logits": True} if chunk.step_loss is not None else {}
         self._states = chunk.states  # read by the carried mixers, also in a checkpoint's recompute
-        out = self.model.get_decoder()(
+        out = decoder_of(self.model)(
             input_ids=input_ids, position_ids=position_ids, use_cache=False, oomb_chunk=chunk, **routed
         )
         if routed:

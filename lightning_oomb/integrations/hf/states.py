@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.states import ChunkStates
+from lightning_oomb.integrations.hf.decoder import decoder_of
 
 # token mixers (class names) that continue an incoming state exactly through their cache (tests/integrations/test_hybrids.py)
 CARRIED_MIXERS = frozenset({
@@ -150,7 +151,7 @@ def float32_recurrences(model: torch.nn.Module) -> bool:
 
 def carried_mixers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The decoder's token mixers named in :data:`CARRIED_MIXERS`."""
-    return [m for m in model.get_decoder().modules() if type(m).__name__ in CARRIED_MIXERS]
+    return [m for m in decoder_of(model).modules() if type(m).__name__ in CARRIED_MIXERS]
 
 
 def _cache_parameter(mixer: torch.nn.Module) -> tuple[str, int]:

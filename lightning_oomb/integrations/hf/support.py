@@ -26,6 +26,7 @@ import re
 import torch
 
 from lightning_oomb.engine.errors import OOMBConfigError
+from lightning_oomb.integrations.hf.decoder import decoder_of
 from lightning_oomb.integrations.hf.moe import balancing_loss_of
 from lightning_oomb.integrations.hf.rope import can_pin, length_dependent_rotaries
 from lightning_oomb.integrations.hf.states import CARRIED_MIXERS, float32_recurrences
@@ -70,7 +71,7 @@ def _stateful_mixers(model: torch.nn.Module) -> tuple[list[str], list[str]]:
     """Class names of the decoder's modules that mix tokens with a state — convolutions over time and the known
     recurrent / linear-attention mixers (a vision tower's patch convolution is outside the decoder) — split into
     those whose state OOMB carries across chunks (:data:`CARRIED_MIXERS`, their insides included) and the rest."""
-    decoder = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else None
+    decoder = decoder_of(model) if callable(getattr(model, "get_decoder", None)) else None
     named = list((decoder or model).named_modules())
     carried = [name + "." for name, m in named if type(m).__name__ in CARRIED_MIXERS]
 
@@ -217,6 +218,8 @@ _WIDTHS = {  # config field -> tiny value (ints only; only fields the config has
     "n_inner": 32,
     "moe_intermediate_size": 16,
     "shared_expert_intermediate_size": 16,
+    "shared_intermediate_size": 16,
+    "dense_intermediate_size": 32,
     "ffn_hidden_size": 32,
     "vocab_size": 96,
     "num_experts": 4,
@@ -224,42 +227,87 @@ _WIDTHS = {  # config field -> tiny value (ints only; only fields the config has
     "n_routed_experts": 4,
     "n_group": 1,
     "topk_group": 1,
+    "mamba_d_state": 8,
+    "linear_key_head_dim": 8,  # gated delta-net mixers
+    "linear_value_head_dim": 8,
+    "q_lora_rank": 16,  # multi-head latent attention
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "vocab_size_per_layer_input": 96,  # Gemma 3n's per-layer embeddings
+    "hidden_size_per_layer_input": 8,
 }
+_HEAD_FIELDS = ("num_attention_heads", "n_head", "num_heads", "n_heads", "decoder_attention_heads",
+                "encoder_attention_heads")  # fmt: skip
+_WIDTH_FIELDS = ("hidden_size", "d_model", "n_embd")  # the model width, under its usual names
 _TWIN_CHUNK, _TWIN_TOKENS = 16, 53  # three chunks and a ragged fourth
 _TWIN_MAX_PARAMETERS = 20_000_000  # a config that does not shrink below this is not checked (memory, time)
 _UNCHECKED = "unchecked"  # the twin could not train itself
 _verdicts: dict[str, str | None] = {}  # config JSON of a twin -> None (exact), _UNCHECKED or the error found
 
 
+def _fewer_heads(d: dict, heads: str, kv_heads: str) -> None:
+    """At most 2 KV heads, the query/KV ratio kept; multi-head attention (no separate KV heads) at most 2."""
+    h, kv = d.get(heads), d.get(kv_heads)
+    if not isinstance(h, int):
+        return
+    if isinstance(kv, int) and kv > 2 and h % kv == 0:
+        d[heads], d[kv_heads] = 2 * h // kv, 2
+    elif kv is None:
+        d[heads] = min(h, 2)
+
+
+def _first_int(d: dict, fields: tuple[str, ...]) -> int | None:
+    return next((d[f] for f in fields if isinstance(d.get(f), int)), None)
+
+
 def _tiny(d: dict) -> None:
-    """Shrink a config dict in place to a tiny width, keeping its structure: the layers and their types, and the
-    ratio of query to KV heads (at most 2 KV heads)."""
-    heads, kv_heads = d.get("num_attention_heads"), d.get("num_key_value_heads")
-    if isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads > 2 and heads % kv_heads == 0:
-        d["num_attention_heads"], d["num_key_value_heads"] = 2 * heads // kv_heads, 2
-        heads = d["num_attention_heads"]
-    if isinstance(d.get("head_dim"), int):
-        d["head_dim"] = min(d["head_dim"], 16)
-    for field in ("hidden_size", "d_model", "n_embd"):  # the model width, under its usual names
+    """Shrink a config dict in place to a tiny width, keeping its structure: the layers and their types, the
+    ratio of query to KV heads (at most 2 KV heads), the share of each head that rotates, and whether the width is
+    the heads' total."""
+    heads, width = _first_int(d, _HEAD_FIELDS), _first_int(d, _WIDTH_FIELDS)
+    head_dim = d.get("head_dim") if isinstance(d.get("head_dim"), int) else heads and width and width // heads
+    for field in _HEAD_FIELDS:  # under each name a config uses (GPT-2's n_head, an encoder-decoder's two)
+        _fewer_heads(d, field, "num_key_value_heads")
+    _fewer_heads(d, "linear_num_value_heads", "linear_num_key_heads")  # gated delta-net mixers
+    tiny_heads = _first_int(d, _HEAD_FIELDS)
+    if isinstance(d.get("head_dim"), int):  # 16, less where many query heads share 2 KV heads (GLM's 16:1)
+        d["head_dim"] = min(d["head_dim"], 16, max(4, 256 // (tiny_heads or 1)))
+    tiny_width = 8 * tiny_heads if tiny_heads else 64
+    if heads and width == heads * (head_dim or 0) and isinstance(d.get("head_dim"), int):
+        tiny_width = tiny_heads * d["head_dim"]  # the width stays the heads' total
+    for field in _WIDTH_FIELDS:
         if isinstance(d.get(field), int):
-            d[field] = 8 * heads if isinstance(heads, int) else 64
+            d[field] = tiny_width
+    if isinstance(d.get("rotary_dim"), int) and head_dim:  # GPT-J, CodeGen: the rotated share of each head
+        tiny_head_dim = d.get("head_dim") if isinstance(d.get("head_dim"), int) else tiny_width // tiny_heads
+        d["rotary_dim"] = max(2, d["rotary_dim"] * tiny_head_dim // head_dim // 2 * 2)
+    if isinstance(d.get("mamba_n_heads"), int) and isinstance(d.get("mamba_d_head"), int):  # Mamba2 mixers
+        d["mamba_n_heads"], d["mamba_n_groups"] = 4, 1
+        d["mamba_d_head"] = d.get("mamba_expand", 2) * tiny_width // 4
+        if isinstance(d.get("mamba_d_ssm"), int):
+            d["mamba_d_ssm"] = 4 * d["mamba_d_head"]
     for field, value in _WIDTHS.items():
         if isinstance(d.get(field), int):
             d[field] = min(d[field], value)
+        elif isinstance(d.get(field), list) and all(isinstance(v, int) for v in d[field]):  # one per layer
+            d[field] = [min(v, value) for v in d[field]]
     if isinstance(d.get("num_experts_per_tok"), int):
         d["num_experts_per_tok"] = min(d["num_experts_per_tok"], 2)
     for field in ("pad_token_id", "bos_token_id", "eos_token_id"):
         if isinstance(d.get(field), int) and d[field] >= d.get("vocab_size", 96):
-            d[field] = None
+            d[field] = d.get("vocab_size", 96) - 1  # an id of the tiny vocabulary (some configs refuse None)
     d["torch_dtype"] = d["dtype"] = "float64"
+    for sub in ("text_config", "vision_config", "audio_config"):  # a multimodal wrapper's towers
+        if isinstance(d.get(sub), dict):
+            _tiny(d[sub])
 
 
 def _twin(model: torch.nn.Module):
     config = model.config
     d = config.to_dict()
     _tiny(d)
-    if isinstance(d.get("text_config"), dict):
-        _tiny(d["text_config"])
     tiny = type(config).from_dict(d)
     with contextlib.suppress(Exception):  # MoE experts looped in eager torch: grouped matmuls refuse float64
         tiny._experts_implementation = "eager"
@@ -326,7 +374,7 @@ def _mismatch(twin: torch.nn.Module, adapter_cls) -> str | None:
         return engine.loss
 
     def full_sequence(ids):
-        out = twin(input_ids=ids)
+        out = twin(input_ids=ids, use_cache=False)
         logits = out.logits[:, :-1]
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
         aux = getattr(out, "aux_loss", None)  # the MoE router's load balancing, when the model trains with it
@@ -352,7 +400,7 @@ def _head_mismatch(twin: torch.nn.Module, adapter_cls) -> str | None:
     head = adapter_cls(twin).lm_head()
     hidden = torch.randn(1, 5, head.weight.shape[1], dtype=head.weight.dtype,
                          generator=torch.Generator().manual_seed(0))  # fmt: skip
-    decoder, called = twin.get_decoder(), []
+    decoder, called = decoder_of(twin), []
 
     def stub(*args, **kwargs):
         called.append(True)
