@@ -11,7 +11,7 @@ first learns the task on short 512-token sequences (a length curriculum: 100 ste
 with the best loss possible without the context (``ln 8``). The report also shows throughput, peak activation
 memory and KV pool size.
 
-Real use:
+Real use (the text's last row is held out for the held-out loss: ``--val-rows``):
 
     python examples/train_long_context.py --model Qwen/Qwen2.5-0.5B --text 'corpus/*.txt' \\
         --seq-len 32768 --chunk-size 4096 --steps 100 --precision bf16-true --accelerator gpu
@@ -60,6 +60,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--text", nargs="+", help="local text files or globs to train on (default: the retrieval task)"
     )
     p.add_argument("--tokenizer", help="tokenizer for --text (default: --model)")
+    p.add_argument(
+        "--val-rows",
+        type=int,
+        help="--text: the last rows held out for the held-out loss (default 1; 0: none)",
+    )
     p.add_argument("--seq-len", type=int, default=16384, help="tokens per sequence (default 16384)")
     p.add_argument("--chunk-size", type=int, default=2048, help="OOMB chunk size (default 2048)")
     p.add_argument("--steps", type=int, default=8, help="optimizer steps at --seq-len (default 8)")
@@ -76,14 +81,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--threads",
         type=int,
-        help="CPU threads (default: 1 for the tiny demo model, whose ops are too small to gain from more and "
-        "slow down badly on a busy machine; torch's default with --model)",
+        help="CPU threads (default: 1, fastest for the tiny demo model and robust on a busy machine; torch's "
+        "default for --model on a GPU, where host-side work such as float32-host gradient sums uses them)",
     )
     args = p.parse_args(argv)
     if args.text and not (args.tokenizer or args.model):
         p.error("--text needs --tokenizer (or --model, whose tokenizer is then used)")
     if args.tokenizer and not args.text:
         p.error("--tokenizer reads --text: give the text files too (the retrieval task has its own tokens)")
+    if args.val_rows is not None and not args.text:
+        p.error("--val-rows splits --text: the retrieval task validates on fresh sequences of its own")
+    if (args.val_rows or 0) < 0:
+        p.error("--val-rows must be at least 0")
+    if args.text and args.val_rows is None:
+        args.val_rows = 1
+    if args.threads is None and not (args.model and args.accelerator != "cpu" and torch.cuda.is_available()):
+        args.threads = 1
     for name in ("steps", "seq_len", "chunk_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -92,7 +105,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_data(args: argparse.Namespace) -> NeedleRetrievalDataModule | TextFileDataModule:
     if args.text:
-        return TextFileDataModule(args.text, args.tokenizer or args.model, seq_len=args.seq_len)
+        return TextFileDataModule(
+            args.text, args.tokenizer or args.model, seq_len=args.seq_len, val_rows=args.val_rows
+        )
     return NeedleRetrievalDataModule(
         seq_len=args.seq_len,
         train_samples=args.steps,
@@ -111,15 +126,32 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> CausalLMModule:
     return CausalLMModule(config=config, **optim)
 
 
-def build_trainer(args: argparse.Namespace, callbacks: list[Callback], **strategy_options) -> L.Trainer:
-    """The demo's Trainer: ``strategy="oomb"`` at ``--chunk-size`` (plus ``strategy_options``), quiet."""
+def build_trainer(
+    args: argparse.Namespace,
+    callbacks: list[Callback],
+    data: TextFileDataModule | None = None,
+    **strategy_options,
+) -> L.Trainer:
+    """The demo's Trainer: ``strategy="oomb"`` at ``--chunk-size`` (plus ``strategy_options``), quiet. ``data``:
+    the ``--text`` data, whose training rows set the passes ``--steps`` takes (the progress bar's epochs)."""
+    schedule = {"max_epochs": 1, "max_steps": args.short_steps + args.steps}
+    if args.text:
+        data.setup("fit")
+        rows = len(data.train_dataloader())
+        schedule = {
+            "max_epochs": math.ceil(args.steps / rows),
+            "max_steps": args.steps,
+            "limit_train_batches": min(rows, args.steps),
+            "check_val_every_n_epoch": None,  # validate once, after the last step (it may end an epoch early)
+            "val_check_interval": args.steps,
+            "limit_val_batches": None if args.val_rows else 0,
+        }
     return L.Trainer(
         strategy=OOMBStrategy(chunk_size=args.chunk_size, page_size=128, **strategy_options),
         accelerator=args.accelerator,
         devices=1,
         precision=args.precision,
-        max_epochs=None if args.text else 1,  # text: as many passes over the files as the steps need
-        max_steps=args.steps if args.text else args.short_steps + args.steps,
+        **schedule,
         callbacks=callbacks,
         logger=False,
         enable_checkpointing=False,
@@ -208,7 +240,10 @@ def report_rows(args: argparse.Namespace, result: dict) -> list[tuple[str, str]]
         rows.append(("KV pool", f"{_mib(pool['pool_bytes'])} (K/V {kv}, gradients {grads})"))
     rows.append(("train loss, last step", f"{result['train_loss']:.3g}"))
     if result["val_loss"] is not None:
-        rows.append(("held-out loss", f"{result['val_loss']:.3g} (fresh {args.seq_len:,}-token sequences)"))
+        held_out = f"fresh {args.seq_len:,}-token sequences"
+        if args.text:
+            held_out = f"the text's last {args.val_rows} row(s), not trained on"
+        rows.append(("held-out loss", f"{result['val_loss']:.3g} ({held_out})"))
     if (base := result["baseline_loss"]) is not None:
         rows.append(
             (
@@ -228,14 +263,13 @@ def main(argv: list[str] | None = None) -> dict:
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*treespec.*")  # torch/Lightning version chatter
     L.seed_everything(0, verbose=False)
-    threads = args.threads or (None if args.model else 1)
-    if threads:
-        torch.set_num_threads(threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     data = build_data(args)
     module = build_model(args, data.vocab_size)
     meter = StepMeter()
-    trainer = build_trainer(args, [meter], reuse_attention=True)  # attend once forward per step
+    trainer = build_trainer(args, [meter], data, reuse_attention=True)  # attend once forward per step
     trainer.fit(module, data)
 
     full = [s for s in meter.steps if s.seq_len == args.seq_len]

@@ -103,9 +103,13 @@ class OOMBSparseBudget(Callback):
             query block per sparse layer call a second time, densely: a few percent of a step's attention work.
 
     Logs per step: ``oomb/page_budget`` (0 when dense), ``oomb/attended_fraction`` (pages attended / pages visible,
-    over every layer, chunk, row and query block; 1.0 when dense) and, on the measured steps,
+    over every layer, chunk, row and query block; 1.0 when dense) and, on the measured steps only,
     ``oomb/selection_recall``: the mean share, over the probed query blocks' rows and heads, of their dense attention
-    mass that falls on the keys they attend (the selected pages and the chunk's own pages).
+    mass that falls on the keys they attend (the selected pages and the chunk's own pages; 1.0 when every page is
+    attended: a dense step or a budget that covers them all). The recall goes straight to the loggers, as
+    ``LearningRateMonitor`` logs (at the step's index, whatever ``log_every_n_steps``; CSV: a row of its own): a
+    value given to ``self.log`` would be repeated on every later row of the epoch. So loggers show it only on the
+    steps that measured it; it is not in the progress bar or ``trainer.callback_metrics``.
     """
 
     def __init__(self, schedule, recall_every: int = 50) -> None:
@@ -155,14 +159,25 @@ class OOMBSparseBudget(Callback):
         engine.probe_recall = bool(self.recall_every) and step % self.recall_every == 0
 
     @override
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *_: Any) -> None:
-        sparse = trainer.strategy.engine.stats.sparse
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, *_: Any) -> None:
+        if outputs is None:  # a skipped batch (training_step returned None): the stats are the last step's
+            return
+        engine = trainer.strategy.engine
+        sparse = engine.stats.sparse
         metrics = {"oomb/page_budget": 0.0, "oomb/attended_fraction": 1.0}
+        recall = 1.0 if engine.probe_recall else None  # a dense step attends everything
         if sparse is not None:
             metrics = {
                 "oomb/page_budget": float(sparse.page_budget),
                 "oomb/attended_fraction": sparse.attended_fraction,
             }
-            if sparse.selection_recall is not None:
-                metrics["oomb/selection_recall"] = sparse.selection_recall
+            recall = sparse.selection_recall
         pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+        # only on the row of the optimizer step, with its last micro-batch's value (as self.log's rows)
+        if recall is None or (
+            trainer.fit_loop.epoch_loop._should_accumulate() and pl_module.automatic_optimization
+        ):
+            return
+        step = trainer.fit_loop.epoch_loop._batches_that_stepped  # the row self.log writes this step to
+        for logger in trainer.loggers:
+            logger.log_metrics({"oomb/selection_recall": float(recall)}, step=step)

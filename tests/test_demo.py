@@ -28,21 +28,65 @@ def test_demo_runs_and_prints_the_report():
         assert line in done.stdout
 
 
+@pytest.fixture
+def demo(monkeypatch):
+    """The demo script as a module; what its main sets for the process (threads, log level) restored after."""
+    import importlib.util
+    import logging
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("demo", ROOT / "examples" / "train_long_context.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "demo", module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    threads, log = torch.get_num_threads(), logging.getLogger("lightning.pytorch")
+    level = log.level
+    yield module
+    torch.set_num_threads(threads)
+    log.setLevel(level)
+
+
 @pytest.mark.parametrize(
     ("args", "match"),
     [
         (["--steps", "0"], "--steps must be at least 1"),
         (["--tokenizer", "bytes"], "--tokenizer reads --text"),
+        (["--val-rows", "2"], "--val-rows splits --text"),
+        (["--text", "a.txt", "--tokenizer", "bytes", "--val-rows", "-1"], "--val-rows must be at least 0"),
     ],
 )
-def test_flags_that_cannot_work_are_refused_before_anything_runs(args, match, capsys, monkeypatch):
+def test_flags_that_cannot_work_are_refused_before_anything_runs(demo, args, match, capsys):
     """``--steps 0`` ended in a ZeroDivisionError after training; ``--tokenizer`` without ``--text`` was ignored."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("demo", ROOT / "examples" / "train_long_context.py")
-    demo = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "demo", demo)  # its dataclasses look their module up
-    spec.loader.exec_module(demo)
     with pytest.raises(SystemExit):
         demo.parse_args(args)
     assert match in capsys.readouterr().err
+
+
+def test_one_thread_by_default_unless_a_model_trains_on_a_gpu(demo, monkeypatch):
+    """``--model`` on the CPU took torch's default (every core: slow on a busy machine), unlike the other modes."""
+    text = ["--text", "a.txt", "--tokenizer", "bytes"]
+    for args in ([], text, ["--model", "m"], ["--model", "m", *text]):
+        assert demo.parse_args(args).threads == 1
+    assert demo.parse_args(["--model", "m", "--threads", "3"]).threads == 3
+    monkeypatch.setattr(demo.torch.cuda, "is_available", lambda: True)
+    assert (
+        demo.parse_args(["--model", "m", "--accelerator", "gpu"]).threads is None
+    )  # host-side work uses them
+    assert demo.parse_args(["--accelerator", "gpu"]).threads == 1  # the tiny model
+
+
+def test_text_mode_holds_out_rows_and_reports_their_loss(demo, monkeypatch, recwarn):
+    """``--text`` held nothing out: no held-out loss, an empty-val-loader warning and "Epoch 0/-2" in the progress
+    bar (Lightning's max_epochs=-1). Now the last row is held out and validated once, after the last step."""
+    trainers = []
+    build = demo.build_trainer
+    monkeypatch.setattr(
+        demo, "build_trainer", lambda *a, **k: trainers.append(build(*a, **k)) or trainers[-1]
+    )
+    args = ["--text", str(ROOT / "examples" / "data" / "*.txt"), "--tokenizer", "bytes", "--seq-len", "512"]
+    result = demo.main([*args, "--chunk-size", "256", "--steps", "14"])  # 10 training rows: 2 passes
+    (trainer,) = trainers
+    assert result["val_loss"] is not None and trainer.max_epochs == 2
+    assert len(trainer.datamodule.val_set) == 1 and trainer.global_step == 14
+    assert not [w for w in recwarn if "val" in str(w.message) or "zero" in str(w.message)]

@@ -195,8 +195,8 @@ def _block_scores(grouped, keys, visible, page: int, blocks: int) -> torch.Tenso
 class SparseStats:
     """What the sparse attention of a step did: ``attended_fraction`` = pages attended / pages visible, summed over
     layers, chunks, rows and query blocks (1.0 when dense); ``selection_recall`` = the mean, over the probed query
-    blocks' rows and heads, of the share of their dense attention mass on the keys they attend (``None`` when not
-    measured)."""
+    blocks' rows and heads, of the share of their dense attention mass on the keys they attend (1.0 when probing a
+    step whose every call attended all its visible pages; ``None`` when not probing)."""
 
     page_budget: int | None
     attended_fraction: float
@@ -263,4 +263,6 @@ class SparseStep:
         attended = float(torch.stack(self._attended).sum()) if self._attended else 0.0
         visible = float(torch.stack(self._visible).sum()) if self._visible else 0.0
         recall = float(torch.stack(self._recall).mean()) if self._recall else None
+        if recall is None and self.probe:  # no call selected (the budget covered every page): all mass kept
+            recall = 1.0
         return SparseStats(self.budget, attended / visible if visible else 1.0, recall)

@@ -297,9 +297,15 @@ def test_recall_is_measured_when_probing():
     engine.loss(ids).backward()
     recall = engine.stats.sparse.selection_recall
     assert 0.0 < recall < 1.0
-    engine.page_budget = SEQ // PAGE
+    engine.page_budget = SEQ // PAGE  # covers every page: no call selects, so all the attention mass is kept
     engine.loss(ids).backward()
-    assert engine.stats.sparse.selection_recall is None  # dense: nothing to probe
+    assert engine.stats.sparse.attended_fraction == 1.0
+    assert engine.stats.sparse.selection_recall == 1.0  # it was None: read as "not measured"
+
+
+def test_recall_is_none_only_when_not_probing():
+    assert SparseStep(2).stats().selection_recall is None
+    assert SparseStep(2, probe=True).stats().selection_recall == 1.0  # probing, every call dense
 
 
 def test_bad_page_score_is_refused():

@@ -16,10 +16,11 @@ class Recorder(L.pytorch.loggers.Logger):
 
     def __init__(self):
         super().__init__()
-        self.rows = []
+        self.rows, self.steps = [], []
 
     def log_metrics(self, metrics, step=None):
         self.rows.append(dict(metrics))
+        self.steps.append(step)
 
     def log_hyperparams(self, *args, **kwargs):
         pass

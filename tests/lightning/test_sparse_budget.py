@@ -6,15 +6,27 @@ import pytest
 
 from lightning_oomb import OOMBConfig, OOMBConfigError, OOMBStrategy
 from lightning_oomb.callbacks import OOMBSparseBudget
+from tests.helpers.lightning import batches, oomb
 from tests.helpers.lightning import fit as fit_tiny
-from tests.helpers.lightning import oomb
 from tests.lightning.test_callbacks import Recorder
 
 
-def fit(strategy, callbacks, steps=3):
+def fit(strategy, callbacks, steps=3, with_recalls=False, **kwargs):
+    """The trainer and the rows with the step's budget (and ``{step: logged recall}``)."""
     logger = Recorder()
-    _, trainer = fit_tiny(strategy, steps=steps, logger=logger, log_every_n_steps=1, callbacks=callbacks)
-    return trainer, [r for r in logger.rows if "oomb/page_budget" in r]
+    _, trainer = fit_tiny(
+        strategy, steps=steps, logger=logger, log_every_n_steps=1, callbacks=callbacks, **kwargs
+    )
+    rows = [r for r in logger.rows if "oomb/page_budget" in r]
+    if not with_recalls:
+        return trainer, rows
+    assert [s for s, r in zip(logger.steps, logger.rows) if "oomb/page_budget" in r] == list(range(steps))
+    recalls = {
+        s: r["oomb/selection_recall"]
+        for s, r in zip(logger.steps, logger.rows)
+        if "oomb/selection_recall" in r
+    }
+    return trainer, rows, recalls
 
 
 def test_strategy_option_reaches_the_engine():
@@ -29,13 +41,35 @@ def test_schedule_switches_budgets_and_logs_by_hand():
     """40-token rows, chunk 16, page 8 (chunks of 2, 2 and 1 query blocks; 2, 4 past pages before the last two).
     Step 0 dense; step 1 budget 1: attended (1 + 2) + (2 + 3) + 2 = 10 of visible 1 + 2 + 3 + 4 + 5 = 15 pages;
     step 2 budget 3: the second chunk is dense, the last block attends 3 + 1 of 5: 14 of 15."""
-    trainer, rows = fit(oomb(), [OOMBSparseBudget({0: None, 1: 1, 2: 3}, recall_every=2)])
+    trainer, rows, recalls = fit(
+        oomb(), [OOMBSparseBudget({0: None, 1: 1, 2: 3}, recall_every=2)], with_recalls=True
+    )
     assert [r["oomb/page_budget"] for r in rows] == [0.0, 1.0, 3.0]
     assert [r["oomb/attended_fraction"] for r in rows] == pytest.approx([1.0, 10 / 15, 14 / 15], rel=1e-6)
-    # recall on steps 0 and 2; step 0 is dense (nothing to measure)
-    assert ["oomb/selection_recall" in r for r in rows] == [False, False, True]
-    assert 0.0 < rows[2]["oomb/selection_recall"] <= 1.0
+    # recall on steps 0 and 2; step 0 is dense: all the attention mass kept
+    assert set(recalls) == {0, 2} and recalls[0] == 1.0
+    assert 0.0 < recalls[2] <= 1.0
     assert trainer.strategy.engine.page_budget == 3
+
+
+def test_recall_is_logged_only_on_the_steps_it_measures():
+    """Steps 0-1 budget 1, 2-3 budget 9 (a row has 5 pages: all attended), 4 dense; recall on the even steps, one
+    epoch. Lightning repeats a value given to self.log on every later row of the epoch: steps 1-4 showed step 0's
+    recall, and steps 2 and 4 measured none (the budget covering every page had recall None)."""
+    callback = OOMBSparseBudget({0: 1, 2: 9, 4: None}, recall_every=2)
+    _, rows, recalls = fit(oomb(), [callback], 5, True, data=batches(n=10))
+    assert not any("oomb/selection_recall" in r for r in rows)  # never on the rows of self.log
+    assert set(recalls) == {0, 2, 4}
+    assert 0.0 < recalls[0] < 1.0 and recalls[2] == recalls[4] == 1.0
+
+
+def test_nothing_is_logged_for_a_skipped_batch():
+    """A training_step that returns None made no OOMB step: the engine's stats are the previous step's."""
+    from unittest import mock
+
+    module = mock.Mock()
+    OOMBSparseBudget({0: 1}).on_train_batch_end(mock.MagicMock(), module, None, {}, 1)
+    assert not module.log_dict.called
 
 
 def test_callable_schedule_and_initial_budget():
