@@ -267,67 +267,12 @@ def build_hybrid(family: str, dtype=torch.float64, seed: int = 0, **overrides):
     return model
 
 
-def float64_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
-                       use_qk_l2norm_in_kernel=False, **kwargs):  # fmt: skip
-    """The gated delta rule token by token in the inputs' dtype (transformers' computes in float32): the oracle
-    that lets float64 tests of Qwen3-Next-style layers ask 1e-10."""
-    hk, hv = key.shape[2], value.shape[2]
-    if hk != hv:
-        query, key = query.repeat_interleave(hv // hk, 2), key.repeat_interleave(hv // hk, 2)
-    if use_qk_l2norm_in_kernel:
-        query, key = F.normalize(query, dim=-1, eps=1e-6), F.normalize(key, dim=-1, eps=1e-6)
-    query = query * query.shape[-1] ** -0.5
-    b, n, h, dk = key.shape
-    state = (
-        query.new_zeros(b, h, dk, value.shape[-1]) if initial_state is None else initial_state.to(query.dtype)
-    )
-    outs = []
-    for t in range(n):
-        state = state * g[:, t].exp()[..., None, None]
-        delta = (value[:, t] - (state * key[:, t, ..., None]).sum(-2)) * beta[:, t][..., None]
-        state = state + key[:, t, ..., None] * delta[..., None, :]
-        outs.append((state * query[:, t, ..., None]).sum(-2))
-    return torch.stack(outs, 1), (state if output_final_state else None)
-
-
-def float64_ssd_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None,
-                     dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs):  # fmt: skip
-    """The Mamba2 (SSD) scan token by token in the inputs' dtype (transformers' computes in float32)."""
-    heads = hidden_states.shape[2]
-    dt = dt if dt_bias is None else dt + dt_bias
-    dt = (F.softplus(dt) if dt_softplus else dt).clamp(*dt_limit)
-    A = A.to(hidden_states.dtype)
-    B, C = (x.repeat_interleave(heads // x.shape[2], 2) for x in (B, C))
-    b, n, h, p = hidden_states.shape
-    state = hidden_states.new_zeros(b, h, p, B.shape[-1]) if initial_states is None else initial_states
-    ys = []
-    for t in range(n):
-        decay = torch.exp(dt[:, t] * A)[..., None, None]
-        state = state * decay + (dt[:, t, :, None] * hidden_states[:, t])[..., None] * B[:, t, :, None, :]
-        ys.append((state * C[:, t, :, None, :]).sum(-1))
-    y = torch.stack(ys, 1)
-    y = y if D is None else y + D[..., None] * hidden_states
-    return (y, state) if return_final_states else y
-
-
-_FLOAT64_RULES = {"torch_chunk_gated_delta_rule": float64_delta_rule,
-                  "torch_recurrent_gated_delta_rule": float64_delta_rule, "mamba2_chunk_scan": float64_ssd_scan}  # fmt: skip
-
-
 @contextlib.contextmanager
 def float64_hybrid(model):
-    """While the block runs, ``model``'s gated delta rule / Mamba2 scan and norms compute in its dtype (see
-    :func:`float64_delta_rule`, :func:`float64_ssd_scan`, :func:`float64_norms`)."""
-    import importlib
+    """While the block runs, ``model``'s gated delta rule / Mamba2 scan and norms compute in its dtype (the
+    product's :func:`~lightning_oomb.integrations.hf.float64_rules.float64_recurrences`, :func:`float64_norms`)."""
+    from lightning_oomb.integrations.hf.float64_rules import float64_recurrences
 
-    module = importlib.import_module(type(model).__module__)
-    names = [n for n in _FLOAT64_RULES if hasattr(module, n)]
-    saved = {n: getattr(module, n) for n in names}
     float64_norms(model)
-    for name in names:
-        setattr(module, name, _FLOAT64_RULES[name])
-    try:
+    with float64_recurrences(model):
         yield model
-    finally:
-        for name, func in saved.items():
-            setattr(module, name, func)

@@ -11,6 +11,7 @@ other parameter at 1e-10), and Nemotron-H's norms (compared at float32 rounding)
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -268,19 +269,30 @@ def test_autocast_adds_no_error_with_carried_states(family):
     assert max(errors(chunked, truth).values()) <= 1.5 * max(errors(own, truth).values())
 
 
-def test_the_self_check_skips_float32_recurrences_and_checks_convolutions():
-    """A float64 twin of a gated-delta or Mamba2 hybrid cannot tell chunking from the rules' float32 rounding: not
-    checked (the tests above are the check); a short-convolution hybrid (no float32 inside) is checked."""
+@pytest.mark.parametrize("family", list(HYBRIDS))
+def test_the_self_check_trains_every_hybrid_in_chunks(family):
+    """The twin runs the gated delta rule / Mamba2 scan in float64 (transformers computes them in float32, whose
+    rounding differs between chunkings by up to 4e-2): every hybrid is checked in chunks, and passes."""
     from lightning_oomb.integrations.hf.support import verify_exactness
 
-    assert verify_exactness(build_hybrid("qwen3_next", dtype=torch.float32), HFChunkModel) is False
-    assert verify_exactness(build_hybrid("falcon_h1", dtype=torch.float32), HFChunkModel) is False
-    assert verify_exactness(build_hybrid("lfm2", dtype=torch.float32), HFChunkModel) is True
+    assert verify_exactness(build_hybrid(family, dtype=torch.float32), HFChunkModel) is True
 
 
-def test_the_self_check_probes_the_head_of_a_hybrid_it_does_not_train(monkeypatch):
-    """Falcon-H1 multiplies its logits by ``lm_head_multiplier`` (the families' tests above run with 0.5). The
-    chunked check skips it (float32 recurrences), but its head is probed: a scale OOMB would miss is refused."""
+@pytest.mark.parametrize(
+    "family", ["qwen3_next", "falcon_h1", "lfm2"]
+)  # gated delta rule, Mamba2, convolution
+def test_the_self_check_refuses_a_hybrid_whose_states_are_dropped(family, monkeypatch):
+    from lightning_oomb.integrations.hf import adapter, support
+
+    monkeypatch.setattr(adapter, "carrying_states", lambda mixers, states: contextlib.nullcontext())
+    monkeypatch.setattr(support, "_verdicts", {})
+    with pytest.raises(OOMBConfigError, match="relative error of .* between three chunks and one"):
+        support.verify_exactness(build_hybrid(family, dtype=torch.float32), HFChunkModel)
+
+
+def test_the_self_check_names_a_hybrids_head_that_oomb_misreads(monkeypatch):
+    """Falcon-H1 multiplies its logits by ``lm_head_multiplier`` (the families' tests above run with 0.5): a scale
+    OOMB would miss is refused by the head's probe, which runs first and names the head."""
     from lightning_oomb.integrations.hf import adapter, support
 
     model = build_hybrid("falcon_h1", dtype=torch.float32)

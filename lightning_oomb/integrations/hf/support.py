@@ -12,10 +12,11 @@ differ between layers. :func:`logit_transform` reads the logit scale and softcap
 same class and config at a tiny width, in float64, on the CPU — and checks that the model's own head turns final
 hidden states into the logits OOMB's loss computes from them (1e-6), then that OOMB's loss and every parameter
 gradient agree between three chunks and one chunk (1e-6) and between one chunk and the twin's own full-sequence
-training (its ``logits`` with a cross-entropy: 1e-5) — float64, but some models norm or softmax in float32 even
-then, while a chunking error is orders of magnitude larger — as the test suite does, to 1e-10, for the families it
-names. A mismatch or a failure refuses the model
-with the measured error; a twin that cannot be built, or cannot train itself, skips the check.
+training (its ``logits`` with a cross-entropy: 1e-5) — float64 (a hybrid's recurrences too, which transformers
+computes in float32: :mod:`~lightning_oomb.integrations.hf.float64_rules`), but some models norm or softmax in
+float32 even then, while a chunking error is orders of magnitude larger — as the test suite does, to 1e-10, for the
+families it names. A mismatch or a failure refuses the model with the measured error; a twin that cannot be built,
+or cannot train itself, skips the check.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.integrations.hf.decoder import decoder_of
+from lightning_oomb.integrations.hf.float64_rules import float32_rules_of, float64_recurrences
 from lightning_oomb.integrations.hf.moe import balancing_loss_of
 from lightning_oomb.integrations.hf.rope import can_pin, length_dependent_rotaries
 from lightning_oomb.integrations.hf.states import CARRIED_MIXERS, float32_recurrences
@@ -435,25 +437,26 @@ class _UnusableTwin(Exception):
 def verify_exactness(model: torch.nn.Module, adapter_cls) -> bool:
     """Refuse ``model`` if OOMB does not train a float64 twin of its architecture exactly (see the module
     docstring); ``adapter_cls`` builds the adapter of the twin. Returns whether the check ran (``False``: no twin
-    could be built, or it could not train itself, or it is a hybrid with float32 recurrences: only its head
-    checked). Verdicts are cached per architecture.
+    could be built, or it could not train itself, or it is a hybrid with a float32 recurrence OOMB has no float64
+    version of: only its head checked). Verdicts are cached per architecture.
 
-    A hybrid whose carried layers run a recurrence (gated delta rule, Mamba2 scan) gets only the head's check:
-    transformers computes those recurrences in float32 whatever the dtype, so a float64 twin's chunkings differ by
-    float32 rounding (up to 4e-2 in ``A_log``'s gradient of a tiny Qwen3-Next twin) and the check could not tell
-    rounding from an error; those families are checked in float64 by the test suite, with float64 versions of the
-    same rules."""
+    A hybrid's recurrences (gated delta rule, Mamba2 scan), which transformers computes in float32 whatever the
+    dtype, run in float64 in the twin (:mod:`~lightning_oomb.integrations.hf.float64_rules`): else its chunkings
+    would differ by float32 rounding (up to 4e-2 in ``A_log``'s gradient of a tiny Qwen3-Next twin) and the check
+    could not tell rounding from an error."""
     try:
         twin, tiny = _twin(model)
     except Exception:  # a config that does not shrink: nothing to check against
         return False
-    recurrences = float32_recurrences(model)
+    # float32 recurrences the twin cannot compute in float64 (an unknown rule's name): only its head is checked
+    unknown = float32_recurrences(model) and not float32_rules_of(twin)
     key = f"{type(model).__qualname__}:{tiny.to_json_string()}"
     if key not in _verdicts:
         try:
-            _verdicts[key] = _head_mismatch(twin, adapter_cls) or (
-                _UNCHECKED if recurrences else _mismatch(twin, adapter_cls)
-            )
+            with float64_recurrences(twin):
+                _verdicts[key] = _head_mismatch(twin, adapter_cls) or (
+                    _UNCHECKED if unknown else _mismatch(twin, adapter_cls)
+                )
         except _UnusableTwin:
             _verdicts[key] = _UNCHECKED
         except OOMBConfigError as err:

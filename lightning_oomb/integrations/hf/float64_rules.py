@@ -1,0 +1,84 @@
+"""Float64 versions of the recurrences transformers computes in float32 whatever the model's dtype — the gated
+delta rule (Qwen3-Next, Qwen3.5, OLMo-Hybrid) and the Mamba2 scan (Falcon-H1, Bamba, Granite 4, Nemotron-H) —
+token by token in the inputs' dtype, with the same signatures. The self-check swaps them into a float64 twin, so
+that chunking the twin changes nothing but float64 rounding and a dropped or misplaced state shows (the test
+suite's oracle too)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+
+def float64_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+                       use_qk_l2norm_in_kernel=False, **kwargs):  # fmt: skip
+    """The gated delta rule, ``[B, N, heads, dim]`` inputs; returns ``(output, final state or None)``."""
+    hk, hv = key.shape[2], value.shape[2]
+    if hk != hv:
+        query, key = query.repeat_interleave(hv // hk, 2), key.repeat_interleave(hv // hk, 2)
+    if use_qk_l2norm_in_kernel:
+        query, key = F.normalize(query, dim=-1, eps=1e-6), F.normalize(key, dim=-1, eps=1e-6)
+    query = query * query.shape[-1] ** -0.5
+    b, n, h, dk = key.shape
+    state = (
+        query.new_zeros(b, h, dk, value.shape[-1]) if initial_state is None else initial_state.to(query.dtype)
+    )
+    outs = []
+    for t in range(n):
+        state = state * g[:, t].exp()[..., None, None]
+        delta = (value[:, t] - (state * key[:, t, ..., None]).sum(-2)) * beta[:, t][..., None]
+        state = state + key[:, t, ..., None] * delta[..., None, :]
+        outs.append((state * query[:, t, ..., None]).sum(-2))
+    return torch.stack(outs, 1), (state if output_final_state else None)
+
+
+def float64_ssd_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None,
+                     dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs):  # fmt: skip
+    """The Mamba2 (SSD) scan; returns the output (and the final state if asked)."""
+    heads = hidden_states.shape[2]
+    dt = dt if dt_bias is None else dt + dt_bias
+    dt = (F.softplus(dt) if dt_softplus else dt).clamp(*dt_limit)
+    A = A.to(hidden_states.dtype)
+    B, C = (x.repeat_interleave(heads // x.shape[2], 2) for x in (B, C))
+    b, n, h, p = hidden_states.shape
+    state = hidden_states.new_zeros(b, h, p, B.shape[-1]) if initial_states is None else initial_states
+    ys = []
+    for t in range(n):
+        decay = torch.exp(dt[:, t] * A)[..., None, None]
+        state = state * decay + (dt[:, t, :, None] * hidden_states[:, t])[..., None] * B[:, t, :, None, :]
+        ys.append((state * C[:, t, :, None, :]).sum(-1))
+    y = torch.stack(ys, 1)
+    y = y if D is None else y + D[..., None] * hidden_states
+    return (y, state) if return_final_states else y
+
+
+FLOAT64_RULES = {  # transformers' module-level function -> its float64 version
+    "torch_chunk_gated_delta_rule": float64_delta_rule,
+    "torch_recurrent_gated_delta_rule": float64_delta_rule,
+    "mamba2_chunk_scan": float64_ssd_scan,
+}
+
+
+def float32_rules_of(model: torch.nn.Module) -> list[str]:
+    """The names of :data:`FLOAT64_RULES` that ``model``'s transformers module defines."""
+    module = importlib.import_module(type(model).__module__)
+    return [name for name in FLOAT64_RULES if hasattr(module, name)]
+
+
+@contextlib.contextmanager
+def float64_recurrences(model: torch.nn.Module) -> Iterator[None]:
+    """While the block runs, ``model``'s module computes its recurrences with :data:`FLOAT64_RULES` (every model of
+    that module: use it on a twin or in a test)."""
+    module = importlib.import_module(type(model).__module__)
+    saved = {name: getattr(module, name) for name in float32_rules_of(model)}
+    for name in saved:
+        setattr(module, name, FLOAT64_RULES[name])
+    try:
+        yield
+    finally:
+        for name, func in saved.items():
+            setattr(module, name, func)
