@@ -214,8 +214,8 @@ class OOMBStrategy(_OOMBStrategyMixin, SingleDeviceStrategy):
     device, exactly, by OOMB. ``Trainer(strategy="oomb")``; ``"oomb_offload"`` is the same with ``offload=True``.""",
         """
         target_module: attribute path of the model in the LightningModule (default: the unique one).
-        verify_exactness: at setup, train a float64 twin of the model's architecture (tiny width, CPU, about a
-            second) in chunks against full-sequence training and refuse the model if they differ — the guard
+        verify_exactness: at setup, train a float64 twin of the model's architecture (tiny width, CPU, one to a
+            few seconds; deep hybrids up to ~12 s) in chunks against full-sequence training and refuse the model if they differ — the guard
             against architectures that chunking would silently change; ``False`` skips it.
         plan_memory: at setup, predict the step's peak memory (``lightning_oomb.plan``, for the datamodule's
             ``seq_len`` and ``batch_size``) and refuse, before the first step, a run that cannot fit, naming the

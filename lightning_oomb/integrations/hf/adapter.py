@@ -161,7 +161,7 @@ class HFChunkModel:
         layer_checkpointing: turn on HF's per-layer checkpointing while the engine runs the model (if the model
             does not have it on already); restored afterwards.
         verify_exactness: also run the self-check (a float64 twin of the architecture trained in chunks against
-            full-sequence training; about a second on the CPU, once per architecture) and refuse a mismatch.
+            full-sequence training; one to a few seconds on the CPU, once per architecture) and refuse a mismatch.
     """
 
     def __init__(
