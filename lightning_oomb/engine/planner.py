@@ -10,7 +10,7 @@ options that would make it fit (each tried in the planner).
 (the parameters' dtype) and of the compute dtype, which differ only under autocast):
 
 - *weights*, *gradients* (trainable parameters, their dtype), *optimizer states* (parameter-sized tensors per
-  trainable parameter, in the parameters' dtype as torch keeps them: AdamW 2, SGD with momentum 1, SGD 0).
+  trainable parameter, in the trainable parameters' dtype as torch keeps them: AdamW 2, SGD with momentum 1, SGD 0).
 - *KV pool*: :func:`~lightning_oomb.engine.kv_pool.place_layers` and :func:`~lightning_oomb.engine.pages.arena_bytes`
   of the engine's own :class:`~lightning_oomb.engine.pages.PoolShape` (sliding-window layers keeping only their
   tails, as the model's windows say) — exactly what ``KVPool.reserve`` allocates
@@ -25,7 +25,11 @@ options that would make it fit (each tried in the planner).
   ``4cI`` (gate, SiLU, up, product) — ``Q = Hq x head_dim``. Under autocast every decoder weight is saved once more
   as a ``c`` copy. With ``layer_checkpointing`` a layer saves only its input (``rH``; under offload on a GPU
   parked in host memory but two layers': :func:`parked_saves_bytes`). Plus the final norm
-  (``4H + 4 + rH``; the cross-entropy saves nothing) and the step's token ids (8 B x batch x N).
+  (``4H + 4 + rH``; the cross-entropy saves nothing) and the step's token ids (8 B x batch x N). LoRA (peft):
+  frozen layers save no normed inputs and their projections' inputs only where adapters in the activations' dtype
+  read them; each adapter its rank-wide input and, wider than the activations (float32 adapters of a 16-bit
+  model), its own copy of its input (:func:`adapter_bytes`). A hybrid's layers without attention save their norm
+  and carried mixer (:func:`mixer_bytes`: transformers' torch rules, their float32 tensors per block).
 - *loss transients* (:func:`loss_backward_bytes`, from ``engine/loss.py``, whose recompute makes the gradients in
   its forward): its hidden states and ``dh`` (``2rH`` per token), the targets (8 B/token), under autocast the
   weight's compute-dtype copy (``cVH``), and one block's logits (``b = min(loss_block, T)``): float32 logits plus
@@ -39,7 +43,8 @@ options that would make it fit (each tried in the planner).
   backward makes two I-wide gradients from a third; ``2rQ + 4Q + 4 r Hkv D + 2rH`` in attention) and, on the torch reference attention backend, four float32
   score blocks of ``[batch x Hq x Lq, min(KEY_BLOCK, keys)]``; on the fused CPU path (``cpu``, the CPU default)
   the copies its kernels take: K/V and their gradients per query head (``4 x 4Q`` per token) and the keys before
-  the chunk (``2 x 4 Hkv D`` per key, ``min(PAST_BLOCK, keys)`` keys).
+  the chunk (``2 x 4 Hkv D`` per key, ``min(PAST_BLOCK, keys)`` keys). A hybrid's largest carried mixer: its
+  recompute (with checkpointing) and its rule's gradients in flight (:func:`mixer_bytes`).
 - *kept attention* (with ``layer_checkpointing``): the chunk recompute's attention output and LSE of every layer
   (``rQ + 4 Hq`` per token and layer; ``8 Hq`` in float64), held for the layer's checkpoint recompute
   (:class:`~lightning_oomb.engine.attention.Kept`) through the chunk's backward; with ``offload=True`` parked in
@@ -57,26 +62,30 @@ options that would make it fit (each tried in the planner).
 - *carried states* (hybrids: :mod:`~lightning_oomb.engine.states`): each row's recurrent / convolution states at
   every chunk boundary; with ``offload=True`` they wait in a page-locked host buffer instead (counted in the host
   tier, each boundary rounded up to 8 bytes) and the device holds two boundaries' worth (a chunk's incoming leaves
-  and the gradients it hands on).
+  and the gradients it hands on). While a chunk is back-propagated three boundaries' worth more are in flight
+  (copies of its incoming states, its outgoing ones and their gradients).
 - *optimizer step*: torch's ``foreach`` Adam/AdamW (its default on CUDA) makes one state-sized ``sqrt`` copy of
   the largest parameter group (the for-loop one of the largest parameter; fused: none).
 
 The peak is the persistent part (weights, gradients, optimizer states, the pool's device arenas and summaries) plus the largest
-of the moments (loss backward, the last layer's MLP and attention backward, the embedding's dense gradient, the
-optimizer step). Gradients count as allocated throughout (they are from the second chunk on, and whenever
+of the moments (loss backward, the last layer's MLP, attention and carried mixer's backward, the embedding's dense
+gradient, the optimizer step). Gradients count as allocated throughout (they are from the second chunk on, and whenever
 gradients accumulate). The plan is of allocated bytes (``torch.cuda.max_memory_allocated``): the caching
 allocator's fragmentation and the CUDA context come on top. Calibrated on CPU runs of tiny Llama / Qwen2 / Qwen3 /
 Mistral models (saved tensors exact, a step's allocation peak within a few percent); other families and
-non-Hugging-Face ChunkModels use the same layer formula and say so in :attr:`MemoryPlan.notes`; frozen layers
-(LoRA) save less than counted.
+non-Hugging-Face ChunkModels use the same layer formula and say so in :attr:`MemoryPlan.notes`. Hybrids' carried
+mixers (Qwen3-Next, Bamba, Falcon-H1, LFM2) and float32 LoRA adapters of a bfloat16 model: a CPU step's peak
+within -4 % .. +10 % (``tests/engine/test_planner_hybrids.py``, ``tests/engine/test_planner.py``).
 
 **Options.** When the step does not fit, :func:`plan` plans the changes that could make it fit and lists those that
 do (:attr:`MemoryPlan.options`): ``kv_grad_dtype="bfloat16"``, ``grad_accumulation="float32-host"`` (on a GPU) or
 ``"native"`` (16-bit parameters), fewer ``reuse_attention`` chunks,
-``layer_checkpointing=True``, ``mlp_tile=1024`` (dense MLPs, chunks longer than that), the largest smaller
+``layer_checkpointing=True``, ``mlp_tile`` (dense MLPs: 1024 tokens, or the longest of 512, 256, 128 that fits,
+shorter than a chunk's rows), the largest smaller
 ``chunk_size``, ``offload=True`` with ``hbm_budget="auto"`` or the largest explicit budget (whole layers), pairs of
 these when no single one suffices, a fused optimizer, 16-bit weights instead of autocast, the longest ``seq_len``
-that fits, and the fewest devices once context parallelism exists. A tiled MLP (``mlp_tile``) saves only its
+that fits (its ``"auto"`` options decided for it, as a run of it decides them), and the fewest devices once context
+parallelism exists. A tiled MLP (``mlp_tile``) saves only its
 input and holds one tile's intermediates in its backward (:func:`layer_backward_bytes`).
 
 **Step time.** :attr:`MemoryPlan.step_time_s` is the step's time at the machine's measured rates
@@ -92,6 +101,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -122,6 +132,12 @@ PLANNED_HEADROOM = (
 CALIBRATED = ("llama", "qwen2", "qwen3", "mistral")
 NORM_BYTES = 4  # HF's RMSNorm computes in float32 whatever the model's dtype
 ID_BYTES = 8  # token ids and targets are int64
+# config fields of the width of an MoE layer's shared experts
+SHARED_WIDTHS = (
+    "shared_expert_intermediate_size",
+    "shared_intermediate_size",
+    "moe_shared_expert_intermediate_size",
+)
 
 # Lightning precision flags -> (parameter dtype, autocast dtype or None)
 PRECISIONS: dict[str, tuple[torch.dtype, torch.dtype | None]] = {
@@ -137,6 +153,24 @@ _ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mi
 
 # ------------------------------------------------------------------------------------------------------ inputs
 @dataclass(frozen=True)
+class Mixer:
+    """One carried token mixer of a hybrid (:func:`mixer_bytes`): ``kind`` ``"delta"`` (gated delta-net),
+    ``"mamba2"`` or ``"conv"`` (gated short convolution); ``channels`` and ``kernel`` of its causal convolution;
+    ``heads`` x ``head_dim``: the values its rule mixes (a delta-net's value heads, Mamba2's heads); ``state``: a
+    delta-net's key head dim, Mamba2's state size; ``block``: the rule's block (a delta rule's 64, Mamba2's
+    ``chunk_size``); ``gated_norm``: a gated RMSNorm on its output (else Falcon-H1's plain gate)."""
+
+    kind: str
+    channels: int
+    kernel: int
+    heads: int = 0
+    head_dim: int = 0
+    state: int = 0
+    block: int = 1
+    gated_norm: bool = False
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """What the planner needs of a model. ``params`` / ``trainable``: parameter counts (``None``: from the
     Llama-style formula); ``weight_bytes`` / ``grad_bytes``: exact bytes when a module was read (else counts x the
@@ -144,14 +178,18 @@ class ModelShape:
     ``embedding_trainable``: whether the LM head / input embedding get gradients (not under LoRA); ``half_trainable``:
     trainable elements in a 16-bit dtype (``None``: all trainable ones when the precision's parameters are 16-bit),
     ``half_vectors`` those of them in 1-D parameters (``None``: :meth:`vector_params`);
-    ``mlp_width``: MLP width a token passes through (``experts_per_token x`` the expert width for MoE);
+    ``mlp_width``: MLP width a token passes through (``experts_per_token x`` the expert width for MoE, plus
+    ``shared_width``: its shared experts');
     ``logit_softcap``: the head soft-caps its logits (Gemma 2/3); ``attention_softcap``: attention soft-caps its
     scores (Gemma 2); ``eager_experts``: MoE experts run in a Python loop (transformers' ``"eager"`` experts
     implementation; the default ``grouped_mm`` holds less in its backward). A hybrid (recurrent / convolution
     layers beside attention): ``kv_layers``, the layers that have KV pages (``None``: all), and per batch row, the elements of the
     states carried at each chunk boundary — ``conv_state_elements`` (in the activations' dtype) and
-    ``recurrent_state_elements`` (float32, as the recurrences compute them). ``windows``: each paged layer's sliding
-    window (``None`` in it: full attention; ``None``: every layer full), so window layers keep only their tails."""
+    ``recurrent_state_elements`` (float32, as the recurrences compute them), and its ``mixers`` (one per layer that
+    has one: :class:`Mixer`). ``adapters``: trainable LoRA adapters (peft) as ``(in_features, rank, itemsize,
+    count)``; ``frozen_layers``: the decoder's own weights get no gradients (LoRA). ``windows``: each paged layer's
+    sliding window (``None`` in it: full attention; ``None``: every layer full), so window layers keep only their
+    tails."""
 
     num_layers: int
     hidden_size: int
@@ -167,6 +205,7 @@ class ModelShape:
     family: str = "llama"
     num_experts: int = 0
     experts_per_token: int = 0
+    shared_width: int = 0
     params: int | None = None
     trainable: int | None = None
     weight_bytes: int | None = None
@@ -182,11 +221,14 @@ class ModelShape:
     kv_layers: int | None = None
     conv_state_elements: int = 0
     recurrent_state_elements: int = 0
+    mixers: tuple[Mixer, ...] = ()
+    adapters: tuple[tuple[int, int, int, int], ...] = ()
+    frozen_layers: bool = False
     windows: tuple[int | None, ...] | None = None
 
     @property
     def mlp_width(self) -> int:
-        return self.intermediate_size * (self.experts_per_token or 1)
+        return self.intermediate_size * (self.experts_per_token or 1) + self.shared_width
 
     @property
     def attention_params(self) -> int:
@@ -238,15 +280,16 @@ class ModelShape:
 
 
 def model_shape(model: Any) -> ModelShape:
-    """The :class:`ModelShape` of ``model``: a :class:`ModelShape`, a transformers config (or a
-    ``{"model_type": ...}``-style dict of its fields), an ``nn.Module`` holding one (its parameters are counted
+    """The :class:`ModelShape` of ``model``: a :class:`ModelShape`, a transformers config (a multimodal one's
+    decoder config; or a ``{"model_type": ...}``-style dict of its fields), an ``nn.Module`` holding one (its parameters are counted
     exactly), a ChunkModel adapter around one, or any ChunkModel (its MLP width and head count read off its
     modules)."""
     if isinstance(model, ModelShape):
         return model
     if isinstance(model, Mapping):
         return _shape_of_config(_AttrDict(model))
-    config = getattr(model, "config", None)
+    config = _text_config(getattr(model, "config", None))
+    model = _text_config(model)
     if isinstance(model, torch.nn.Module) and _is_config(config):
         return _with_parameters(_shape_of_config(config), model)
     inner = getattr(model, "model", None)  # e.g. the Hugging Face adapter around a PreTrainedModel
@@ -272,6 +315,12 @@ class _AttrDict(dict):
             raise AttributeError(name) from err
 
 
+def _text_config(obj: Any) -> Any:
+    """A multimodal wrapper's decoder config (Gemma 3's text config); anything else as it is."""
+    text = getattr(obj, "get_text_config", None)
+    return text(decoder=True) if callable(text) and not isinstance(obj, torch.nn.Module) else obj
+
+
 def _is_config(obj: Any) -> bool:
     return obj is not None and all(hasattr(obj, k) for k in ("num_hidden_layers", "hidden_size"))
 
@@ -285,7 +334,7 @@ def _shape_of_config(cfg: Any) -> ModelShape:
         num_layers=cfg.num_hidden_layers,
         hidden_size=cfg.hidden_size,
         intermediate_size=(getattr(cfg, "moe_intermediate_size", None) if experts else None)
-        or cfg.intermediate_size,
+        or _mlp_width(cfg),
         num_heads=heads,
         kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
         head_dim=head_dim,
@@ -297,11 +346,25 @@ def _shape_of_config(cfg: Any) -> ModelShape:
         family=family,
         num_experts=experts,
         experts_per_token=(getattr(cfg, "num_experts_per_tok", None) or 0) if experts else 0,
+        shared_width=next((getattr(cfg, k) for k in SHARED_WIDTHS if getattr(cfg, k, None) and experts), 0),
         logit_softcap=getattr(cfg, "final_logit_softcapping", None) is not None,
         attention_softcap=getattr(cfg, "attn_logit_softcapping", None) is not None,
         eager_experts=getattr(cfg, "_experts_implementation", None) == "eager",
         windows=_config_windows(cfg),
     )
+
+
+def _mlp_width(cfg: Any) -> int:
+    """A dense MLP's width: ``intermediate_size``, adjusted as LFM2 adjusts it (``block_auto_adjust_ff_dim``: two
+    thirds, times ``block_ffn_dim_multiplier``, rounded up to ``block_multiple_of``)."""
+    width = cfg.intermediate_size
+    if not getattr(cfg, "block_auto_adjust_ff_dim", False):
+        return width
+    width = int(2 * width / 3)
+    if getattr(cfg, "block_ffn_dim_multiplier", None) is not None:
+        multiple = cfg.block_multiple_of
+        width = -(-int(cfg.block_ffn_dim_multiplier * width) // multiple) * multiple
+    return width
 
 
 def _config_windows(cfg: Any) -> tuple[int | None, ...] | None:
@@ -341,15 +404,16 @@ def _shape_of_chunk_model(model: torch.nn.Module) -> ModelShape:
 
 
 def _with_adapter(shape: ModelShape, adapter: Any) -> ModelShape:
-    """What a model's adapter declares: its layers' windows (``layer_windows``) and, for a hybrid, its paged layers
-    and carried state sizes (``carried_state_elements()``)."""
+    """What a model's adapter declares: its layers' windows (``layer_windows``) and, for a hybrid, its paged layers,
+    carried state sizes (``carried_state_elements()``) and carried mixers (``carried_mixer_shapes()``, if it
+    describes them: :class:`Mixer`)."""
     shape = dataclasses.replace(shape, windows=getattr(adapter, "layer_windows", shape.windows))
     if not getattr(adapter, "carries_states", False):
         return shape
     conv, recurrent = adapter.carried_state_elements()
-    return dataclasses.replace(
-        shape, kv_layers=adapter.num_layers, conv_state_elements=conv, recurrent_state_elements=recurrent
-    )
+    mixers = tuple(getattr(adapter, "carried_mixer_shapes", tuple)())
+    return dataclasses.replace(shape, kv_layers=adapter.num_layers, conv_state_elements=conv,
+                               recurrent_state_elements=recurrent, mixers=mixers)  # fmt: skip
 
 
 def _with_parameters(shape: ModelShape, module: torch.nn.Module) -> ModelShape:
@@ -361,8 +425,17 @@ def _with_parameters(shape: ModelShape, module: torch.nn.Module) -> ModelShape:
         head = module.lm_head().weight
         shaped = [p for p in params if p.shape == (shape.num_embeddings, shape.hidden_size)]
         embedding = next((p for p in shaped if p is not head), head)
+    adapters = Counter((a.in_features, a.out_features, a.weight.element_size())
+                       for m in module.modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")
+                       for a in m.lora_A.values() if isinstance(a, torch.nn.Linear) and a.weight.requires_grad)  # fmt: skip
+    decoder = module.get_decoder() if callable(getattr(module, "get_decoder", None)) else module
+    frozen = bool(adapters) and not any(
+        p.requires_grad for n, p in decoder.named_parameters() if "lora_" not in n
+    )
     return dataclasses.replace(
         shape,
+        adapters=tuple((*key, n) for key, n in adapters.items()),
+        frozen_layers=frozen,
         head_trainable=head.requires_grad,
         embedding_trainable=embedding.requires_grad,
         params=sum(p.numel() for p in params),
@@ -554,7 +627,11 @@ def saved_bytes(
         tiled = mlp_tiled(shape, mlp_tile, min(chunk_size, seq_len))
         attn, mlp = _layer_bytes_per_token(shape, dtypes, streamed=False, tiled=tiled)
         streamed = 2 * r * shape.kv_heads * shape.head_dim  # a host-tier layer saves its chunk's K and V too
-        layers = (shape.num_layers * (attn + mlp) + host_layers * streamed) * tokens
+        # a hybrid's layers without attention: their input norm and carried mixer (mixer_bytes)
+        mixed = (shape.num_layers - shape.paged_layers) * _mixer_norm_bytes(shape, dtypes) * tokens
+        mixed += sum(_mixer_saves(shape, dtypes, batch, min(chunk_size, seq_len)))
+        per_token = shape.paged_layers * attn + shape.num_layers * mlp + host_layers * streamed
+        layers = (per_token + adapter_bytes(shape, dtypes)) * tokens + mixed
         copies = shape.num_layers * shape.layer_linear_params * c if dtypes.mixed else 0
         rope = 2 * min(chunk_size, seq_len) * shape.head_dim * r  # cos and sin, shared by every layer
     return {
@@ -613,25 +690,85 @@ def _layer_bytes_per_token(
     shape: ModelShape, dtypes: Dtypes, streamed: bool, tiled: bool = False
 ) -> tuple[int, int]:
     """Bytes per token one decoder layer saves: (input norm + attention, post-attention norm + MLP); a ``tiled``
-    MLP (``mlp_tile``) saves only its input."""
+    MLP (``mlp_tile``) saves only its input. Frozen layers (``frozen_layers``: LoRA) save no normed input for their
+    norms' weights, and their projections' inputs only where LoRA adapters in the activations' dtype read them
+    (wider adapters save their own copies: :func:`adapter_bytes`)."""
     r, c, f = dtypes.activation.itemsize, dtypes.compute.itemsize, NORM_BYTES
     h, heads, kv_heads = shape.hidden_size, shape.num_heads, shape.kv_heads
     q, kv = heads * shape.head_dim, kv_heads * shape.head_dim
     lse = 8 if dtypes.activation == torch.float64 else 4
+    # the projections' inputs are saved by the projections, else by adapters in the activations' dtype
+    inputs = not shape.frozen_layers or any(a <= r for _, _, a, _ in shape.adapters)
 
     def norm(readers: int) -> int:  # float32 input, 1/rms, normed input, then what the projections save
-        return f * h + f + r * h + (readers * c * h if dtypes.mixed else r * h)
+        normed = 0 if shape.frozen_layers else r * h
+        return f * h + f + normed + (readers * c * h if dtypes.mixed else r * h) * inputs
 
-    attn = norm(3) + 2 * r * q + lse * heads + (c if dtypes.mixed else r) * q
+    attn = norm(3) + 2 * r * q + lse * heads + (c if dtypes.mixed else r) * q * inputs
     if shape.qk_norm:  # per-head norms of q and k: float32 input, 1/rms, normed (in the compute dtype)
         attn += (f + c) * (q + kv) + f * (heads + kv_heads)
     if streamed:
         attn += 2 * r * kv
-    mlp = f * h + f + 2 * r * h if tiled else norm(2) + 4 * c * shape.mlp_width
+    mlp = f * h + f + 2 * r * h if tiled else norm(2) + (3 + inputs) * c * shape.mlp_width
     # MoE: per routed expert its gathered input, output and weighted output; the router's scores
     if shape.num_experts:
         mlp += 3 * c * h * shape.experts_per_token + 2 * f * shape.num_experts
     return attn, mlp
+
+
+def mixer_bytes(mixer: Mixer, dtypes: Dtypes, batch: int, length: int, hidden: int) -> tuple[int, int]:
+    """(saved, backward transients) bytes of one carried mixer on a chunk of ``length`` tokens per row, as
+    transformers' torch implementation computes it (the fla / mamba_ssm kernels hold less). Per token: its input
+    projection's input and output (a short convolution's ``B``, ``C``, ``x``; Mamba2's whole projection), its
+    convolution's input and output (with the kernel's earlier columns), its output gate (a gated RMSNorm: float32
+    input, gate, product and the normed output) and output projection's input; per token of whole blocks the rule's
+    float32 tensors: for a delta rule per value head ``12 Dk + 3 Dv`` (``8 Dk`` below float32 activations: measured)
+    and five ``block``-wide rows, for Mamba2's scan ``5 N + 4 P`` and three; per block its states (Mamba2: twice,
+    and once more). The transients (the gradients in flight beyond the saved tensors, fitted from above to CPU
+    steps, ``tests/engine/test_planner_hybrids.py``): a delta rule's ``3 block + 3 Dk + Dv`` float32 per value head,
+    Mamba2's ``5 N`` per head, 2 (plain gate: 6) float32 outputs and its states again, a short convolution's three
+    gated inputs."""
+    r, f = dtypes.activation.itemsize, 4
+    w, heads, d, n = mixer.channels, mixer.heads, mixer.head_dim, mixer.state
+    out, padded = heads * d, -(-length // mixer.block) * mixer.block
+    blocks = padded // mixer.block
+    # the convolution's input after the previous chunk's last columns (a copy) and its output (the kernel's more)
+    conv = r * w * (2 * length + 3 * mixer.kernel - 1)
+    if mixer.kind == "conv":
+        return batch * (r * (hidden + 4 * w) * length + conv), batch * 3 * r * w * length
+    if mixer.kind == "delta":  # its projections' input, its gated norm, beta, g
+        own = r * hidden + (12 + 3 * r) * out + 6 * f * heads
+        keys = 12 if dtypes.activation == torch.float32 else 8
+        rule = f * heads * (keys * n + 3 * d + 5 * mixer.block + 4)
+        states = f * heads * n * d * blocks
+        flight = f * heads * (3 * mixer.block + 3 * n + d) * padded
+    else:  # Mamba2: its projection's input and output, the scan's input in float32 (a view of float32 ones), its
+        # gated norm on float32 scan outputs (the gate cast too) or Falcon-H1's plain gate
+        gate = (16 + f - r) * out if mixer.gated_norm else 8 * out
+        own = r * hidden + r * (out + w + heads) + max(r * w, f * out) + gate + r * out
+        rule = f * heads * (3 * mixer.block + 5 * n + 4 * d + 5)
+        states = f * heads * d * n * (2 * blocks + 1)
+        flight = f * (5 * heads * n + (2 if mixer.gated_norm else 6) * out) * length + states
+    return batch * (own * length + conv + rule * padded + states), batch * flight
+
+
+def adapter_bytes(shape: ModelShape, dtypes: Dtypes) -> int:
+    """Bytes per token the model's LoRA adapters save beyond the layer formula: each its rank-wide input (the down
+    projection's output) and, in a dtype wider than the activations (float32 adapters on a 16-bit model, outside
+    Lightning's ``bf16-true``, which converts them), its own cast copy of its input (peft casts it)."""
+    r = dtypes.activation.itemsize
+    return sum(n * a * (rank + width * (a > r)) for width, rank, a, n in shape.adapters)
+
+
+def _mixer_saves(shape: ModelShape, dtypes: Dtypes, batch: int, length: int) -> list[int]:
+    """Each carried mixer's saved bytes on a chunk of ``length`` tokens per row."""
+    return [mixer_bytes(m, dtypes, batch, length, shape.hidden_size)[0] for m in shape.mixers]
+
+
+def _mixer_norm_bytes(shape: ModelShape, dtypes: Dtypes) -> int:
+    """Bytes per token a mixer layer's input norm saves (float32 input, 1/rms, normed input; the mixer saves the
+    projections' input)."""
+    return NORM_BYTES * (shape.hidden_size + 1) + dtypes.activation.itemsize * shape.hidden_size
 
 
 def mlp_tiled(shape: ModelShape, mlp_tile: int | None, chunk_tokens: int) -> bool:
@@ -641,7 +778,8 @@ def mlp_tiled(shape: ModelShape, mlp_tile: int | None, chunk_tokens: int) -> boo
 
 def _head_bytes_per_token(shape: ModelShape, dtypes: Dtypes) -> int:
     """The final norm's saved tensors (the cross-entropy saves none: its gradients are made in its forward)."""
-    return NORM_BYTES * shape.hidden_size + NORM_BYTES + dtypes.activation.itemsize * shape.hidden_size
+    normed = dtypes.activation.itemsize * shape.hidden_size * (not shape.frozen_layers)
+    return NORM_BYTES * shape.hidden_size + NORM_BYTES + normed
 
 
 def loss_backward_bytes(
@@ -682,10 +820,12 @@ def layer_backward_bytes(
     streamed: bool = False,
     mlp_tile: int | None = None,
     reach: int | None = None,
-) -> tuple[int, int]:
-    """Bytes beyond the saved activations while the last decoder layer back-propagates: (its MLP, its attention)
-    — with ``checkpointing`` its recompute (what the part still holds), without it less the MLP's saved tensors,
-    already freed when attention back-propagates; plus the gradients in flight and, on the torch attention backend,
+) -> tuple[int, int, int]:
+    """Bytes beyond the saved activations while the last decoder layer back-propagates: (its MLP, its attention,
+    a hybrid's largest carried mixer: :func:`mixer_bytes`; 0 without) — with ``checkpointing`` its recompute (what
+    the part still holds: a mixer layer's, beside attention's in Falcon-H1's layers, or an attention layer's, the
+    larger), without it less the MLP's saved tensors, already freed when attention (a mixer) back-propagates; plus
+    the gradients in flight and, on the torch attention backend,
     four float32 score blocks ``[batch x heads x Lq, keys]`` of ``min(KEY_BLOCK, keys)`` keys (keys: the sequence,
     or one chunk's block for a ``streamed`` host-tier layer; at most ``reach``: the keys a query block of the layer
     sees, under a sliding window or a page budget) and float32 copies of q and dO; on the fused CPU path
@@ -700,14 +840,22 @@ def layer_backward_bytes(
     attn_copies, mlp_copies = (shape.attention_params * c, shape.mlp_params * c) if dtypes.mixed else (0, 0)
     # the recomputed layer holds its saved tensors (and autocast's weight copies) again, but not its attention
     # result: the kept one (counted apart: kept_attention_bytes)
-    if checkpointing:
+    mixer_saved, mixer_flight = max((mixer_bytes(m, dtypes, batch, lq, h) for m in set(shape.mixers)), key=sum,
+                                    default=(0, 0))  # fmt: skip
+    if checkpointing:  # (a layer's share of the LoRA adapters counted with its attention)
+        attn += adapter_bytes(shape, dtypes) // shape.num_layers
         held_attn = (attn * tokens + attn_copies) - (r * q + acc * shape.num_heads) * tokens
-        held_mlp = held_attn + mlp * tokens + mlp_copies
+        beside = held_attn if len(shape.mixers) + shape.paged_layers > shape.num_layers else 0
+        held_mixer = max(beside, _mixer_norm_bytes(shape, dtypes) * tokens) + mixer_saved
+        held_mlp = max(held_attn, held_mixer) + mlp * tokens + mlp_copies
     else:
         held_mlp, held_attn = 0, -mlp * tokens - mlp_copies
+        held_mixer = held_attn
     # the product's backward makes two I-wide gradients from a third (3cI) after the down projection's backward
     # freed its saved input (cI): 2cI beyond the saved tensors (a wide MLP's step peak within 2 % on CPU)
     mlp_flight = (2 * c * shape.mlp_width + 4 * r * h) * tokens
+    # wider LoRA adapters on the MLP's input hand back their copies' gradients (gate's, up's) in their dtype
+    mlp_flight += 2 * max((a for _, _, a, _ in shape.adapters if a > r), default=0) * h * tokens
     if shape.num_experts and shape.eager_experts:  # a loop over experts: each one's gather hands back a whole
         mlp_flight += 2 * c * h * (shape.num_experts + 2) * tokens  # [tokens, H] gradient (measured on CPU)
     # one tile's recompute (its saved tensors) and gradients, beside the chunk's dx and output gradient
@@ -721,7 +869,7 @@ def layer_backward_bytes(
         attn_flight += blocks * batch * shape.num_heads * lq * min(KEY_BLOCK, keys) * acc + 2 * copies
     elif backend == "cpu":  # q, dO and out cast, and one more such temporary (measured on CPU)
         attn_flight += 4 * acc * q * tokens + 2 * acc * kv * batch * min(PAST_BLOCK, keys) + 4 * copies
-    return held_mlp + mlp_flight, held_attn + attn_flight
+    return held_mlp + mlp_flight, held_attn + attn_flight, (held_mixer + mixer_flight) * bool(shape.mixers)
 
 
 # ------------------------------------------------------------------------------------------------------ plan
@@ -892,6 +1040,7 @@ LABELS = {
     "loss_transients": "loss backward transients",
     "layer_transients": "layer backward transients",
     "optimizer_transients": "optimizer step transients",
+    "states_in_flight": "carried states in flight",
 }
 
 
@@ -945,7 +1094,8 @@ def plan(
         optimizer: ``None``/``"none"``, ``"sgd"``, ``"sgd-momentum"``, ``"adamw"``, ..., an
             :class:`OptimizerSpec` or a ``torch.optim.Optimizer``.
         machine: where it runs: a :class:`Machine`, or ``"cuda"`` / ``"cpu"`` / ``None`` (this machine's device,
-            :meth:`Machine.local`) with ``device_memory`` / ``host_memory`` (bytes) overriding what it reports.
+            :meth:`Machine.local`) with ``device_memory`` / ``host_memory`` (bytes) overriding what it reports (on
+            a CPU both are its one memory: the smaller of those given).
         param_dtype: the weights' dtype when the flag does not convert them (a module's own is read from it).
         suggest: when it does not fit, try the options that could (``MemoryPlan.options``).
         Its ``"auto"`` options are decided here as the strategies decide them (:func:`decide_auto`): the plan's
@@ -972,10 +1122,10 @@ def plan(
     dtypes = precision_dtypes(precision, param_dtype)
     spec = optimizer_spec(optimizer)
     inputs = _Inputs(shape, dtypes, spec, machine, str(precision), accumulate_grad_batches > 1)
-    config = decide_auto(inputs, config, batch, seq_len, context_parallel)
+    asked, config = config, decide_auto(inputs, config, batch, seq_len, context_parallel)
     result = _plan(inputs, config, batch, seq_len, context_parallel)
     if suggest and not result.fits:
-        result.options = _options(inputs, config, batch, seq_len)
+        result.options = _options(inputs, config, batch, seq_len, asked)
     return result
 
 
@@ -1063,8 +1213,8 @@ def _machine(machine: Machine | str | None, device_memory: int | None, host_memo
         else Machine.local(kind if device_memory is None else "cpu")
     )
     host = int(host_memory) if host_memory is not None else local.host_bytes
-    if kind == "cpu":  # the device is host memory
-        size = int(device_memory) if device_memory is not None else host
+    if kind == "cpu":  # the device is host memory: the smaller of the two where both are given
+        size = min((int(m) for m in (device_memory, host_memory) if m is not None), default=host)
         return Machine("cpu", size, size)
     size = int(device_memory) if device_memory is not None else local.device_bytes
     return Machine("cuda", size, host, size if device_memory is not None else local.total)
@@ -1086,17 +1236,18 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     weights = shape.weight_bytes if shape.weight_bytes is not None else params * p
     grads = shape.grad_bytes if shape.grad_bytes is not None else trainable * p
     updated = spec.params if spec.params is not None else trainable
-    state_size = spec.state_dtype.itemsize if spec.state_dtype is not None else p
+    # states in the trainable parameters' dtype(s), as torch keeps them (float32 LoRA adapters of a 16-bit model)
+    state_size = spec.state_dtype.itemsize if spec.state_dtype is not None else grads / max(trainable, 1)
     if spec.state_bytes is not None and spec.state_dtype is None:
         states = spec.state_bytes
     else:
-        states = spec.states * updated * state_size
+        states = math.ceil(spec.states * updated * state_size)
     step = 0
     if spec.sqrt_copy and not spec.fused:
         foreach = spec.foreach if spec.foreach is not None else machine.device_type == "cuda"
         largest = shape.largest_param or max(shape.num_embeddings, shape.vocab_size) * shape.hidden_size
         group = spec.largest_group if spec.largest_group is not None else updated
-        step = (group if foreach else largest) * state_size
+        step = math.ceil((group if foreach else largest) * state_size)
 
     # the pool, exactly as KVPool.reserve sizes it (for one of `devices`: context parallelism splits the pages and
     # each chunk, and replicates every page's summary on each rank: context.SharedSummaries)
@@ -1136,10 +1287,14 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
         host["carried_states"] = math.ceil(per_boundary / BOUNDARY_ALIGN) * BOUNDARY_ALIGN * boundaries
         carried = per_boundary * min(boundaries, 2)
     lq = min(config.chunk_size, seq_len)  # the keys the last layer's chunk sees: a window's, a page budget's
+    # states in flight while a chunk is recomputed and back-propagated: its incoming states' copies, its outgoing
+    # states and their gradients (three boundaries' worth)
+    handed = 3 * shape.carried_state_bytes(dtypes.activation) * batch * bool(shape.mixers)
+    own = handed if ckpt else 0
     window = shape.windows[-1] if shape.windows else None
     reach = min(seq_len, math.inf if window is None else window - 1 + lq,
                 math.inf if config.page_budget is None else config.page_budget * config.page_size + lq)  # fmt: skip
-    mlp_bwd, attn_bwd = layer_backward_bytes(
+    mlp_bwd, attn_bwd, mixer_bwd = layer_backward_bytes(
         shape, dtypes, batch, seq_len, config.chunk_size, ckpt, backend, streamed, config.mlp_tile, int(reach)
     )
     below_head = activations - saved["head"]
@@ -1150,12 +1305,14 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     sums, host["grad_sums"] = _grad_sums(inputs, config, math.ceil(seq_len / config.chunk_size))
     host["reused_attention"] = reused_attention_bytes(shape, dtypes, config, batch, seq_len, devices)
     phases = {
-        "loss backward": sums + activations + kept + loss,
-        "MLP backward": sums + below_head + kept + mlp_bwd,
-        "attention backward": sums + below_head + kept + attn_bwd,
-        "embedding backward": sums + saved["other"] + embed,
+        "loss backward": sums + handed + activations + kept + loss,
+        "MLP backward": sums + own + below_head + kept + mlp_bwd,
+        "attention backward": sums + own + below_head + kept + attn_bwd,
+        "embedding backward": sums + own + saved["other"] + embed,
         "optimizer step": step,
     }
+    if shape.mixers:
+        phases["mixer backward"] = sums + handed + below_head + kept + mixer_bwd
     device = {
         "weights": weights,
         "gradients": grads,
@@ -1168,9 +1325,11 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
         "activations": activations,
         "kept_attention": kept,
         "loss_transients": loss,
-        "layer_transients": max(mlp_bwd, attn_bwd),
+        "layer_transients": max(mlp_bwd, attn_bwd, mixer_bwd),
         "optimizer_transients": step,
     }
+    if shape.mixers:
+        device["states_in_flight"] = handed
     result = MemoryPlan(
         seq_len, batch, config, inputs.precision, spec.name, machine, shape, pool, len(tiers.hbm_layers),
         len(tiers.host_layers), device, phases, sum(host.values()), saved, host_parts=host,
@@ -1260,6 +1419,11 @@ def _notes(inputs: _Inputs, config: OOMBConfig) -> list[str]:
             f"activations of {shape.family} estimated with the Llama-style layer formula (calibrated on "
             f"{', '.join(CALIBRATED)}): treat them as approximate"
         )
+    if shape.mixers:
+        notes.append(
+            "carried mixers counted as transformers' torch implementation computes them (the fla / mamba_ssm "
+            "kernels hold less)"
+        )
     if config.kv_grad_dtype == "bfloat16" and dtypes.activation.itemsize > GRAD_DTYPES["bfloat16"].itemsize:
         notes.append(f"kv_grad_dtype='bfloat16' has no effect with {dtypes.activation} K/V (never narrower)")
     if dtypes.mixed:
@@ -1270,9 +1434,12 @@ def _notes(inputs: _Inputs, config: OOMBConfig) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------------ options
-def _options(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int) -> list[Option]:
+def _options(
+    inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, asked: OOMBConfig
+) -> list[Option]:
     """The changes that make the step fit, each planned (see the module docstring), the fastest of each kind
-    first."""
+    first; a shorter ``seq_len`` with the ``"auto"`` options of ``asked`` decided for it, as a run of that length
+    decides them."""
     fitting: list[Option] = []
 
     def attempt(changes: dict, cfg: OOMBConfig, n: int = seq_len, devices: int = 1, text: str | None = None):
@@ -1335,15 +1502,18 @@ def _options(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int) -> l
                 fitting.append(Option({**changes, **extra}, said, result.peak_device, result.host_tier))
                 found = True
                 break
+
+    def decided(n: int) -> OOMBConfig:
+        return decide_auto(inputs, asked, batch, n)
+
     page = config.page_size  # the longest context (whole pages) that fits, by bisection
     lo, hi = 0, (seq_len - 1) // page
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if _plan(inputs, config, batch, mid * page).fits else (lo, mid - 1)
+        lo, hi = (mid, hi) if _plan(inputs, decided(mid * page), batch, mid * page).fits else (lo, mid - 1)
     if lo:
-        attempt(
-            {"seq_len": lo * page}, config, lo * page, text=f"seq_len={lo * page} or fewer tokens per row"
-        )
+        attempt({"seq_len": lo * page}, decided(lo * page), lo * page,
+                text=f"seq_len={lo * page} or fewer tokens per row")  # fmt: skip
     for devices in (2, 4, 8, 16, 32, 64):
         text = f"{devices} devices with context parallelism (strategy='oomb_cp', context_parallel_size={devices})"
         if attempt({"devices": devices}, config, seq_len, devices, text):
@@ -1368,8 +1538,10 @@ def _candidates(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int) -
         groups.append([*({"reuse_attention": k} for k in fewer), {"reuse_attention": False}])
     if not config.layer_checkpointing:
         groups.append([{"layer_checkpointing": True}])
-    if config.mlp_tile is None and not inputs.shape.num_experts and config.chunk_size > 1024:
-        groups.append([{"mlp_tile": 1024}])
+    # tiles shorter than a chunk's rows, the longest (fastest) first; below 128 tokens a tile's matmuls grow thin
+    tiles = [{"mlp_tile": t} for t in (1024, 512, 256, 128) if t < min(config.chunk_size, seq_len)]
+    if config.mlp_tile is None and not inputs.shape.num_experts and tiles:
+        groups.append(tiles)
     chunks, chunk = [], config.chunk_size // 2
     while chunk >= config.page_size and chunk % config.page_size == 0:
         chunks.append({"chunk_size": chunk})

@@ -25,12 +25,13 @@ from lightning_oomb.engine.attention import ChunkContext
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.loss import LMHead
 from lightning_oomb.engine.model import Respond
+from lightning_oomb.engine.planner import Mixer
 from lightning_oomb.engine.tiles import tiled
 from lightning_oomb.integrations.hf.attention import ATTN_NAME, ENGAGED, register_attention
 from lightning_oomb.integrations.hf.decoder import decoder_of
 from lightning_oomb.integrations.hf.moe import RouterBalanceLoss
 from lightning_oomb.integrations.hf.rope import length_dependent_rotaries, pinned_rope
-from lightning_oomb.integrations.hf.states import carried_mixers, carrying_states, state_elements
+from lightning_oomb.integrations.hf.states import carried_mixers, carrying_states, mixer_shape, state_elements
 from lightning_oomb.integrations.hf.support import check_supported, logit_transform, verify_exactness
 
 
@@ -195,6 +196,11 @@ class HFChunkModel:
             self.num_layers = len(self._attention)
         self.layer_windows = _layer_windows(model, self._attention or None)
         self._states = None  # the running chunk's carried states
+
+    def carried_mixer_shapes(self) -> tuple[Mixer, ...]:
+        """A hybrid's carried mixers as the planner reads them (:func:`~lightning_oomb.integrations.hf.states.
+        mixer_shape`)."""
+        return tuple(map(mixer_shape, self._mixers))
 
     def carried_state_elements(self) -> tuple[int, int]:
         """A hybrid's carried states per batch row and chunk boundary: ``(convolution, recurrent)`` elements (the

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_oomb.engine.errors import OOMBConfigError
+from lightning_oomb.engine.planner import Mixer
 from lightning_oomb.engine.states import ChunkStates
 from lightning_oomb.integrations.hf.decoder import decoder_of
 
@@ -112,7 +113,8 @@ class StateCache:
         full = conv_states if previous is None else torch.cat([previous, conv_states.to(previous.dtype)], -1)
         if full.shape[-1] < width:  # a first chunk shorter than the kernel: zeros before the sequence
             full = F.pad(full, (width - full.shape[-1], 0))
-        self._states.outgoing((layer_idx, "conv", state_idx), full[..., -width:])
+        # a copy: a view would keep the whole chunk's convolution input alive as long as the state
+        self._states.outgoing((layer_idx, "conv", state_idx), full[..., -width:].clone())
         return full
 
     def update_recurrent_state(
@@ -141,6 +143,26 @@ def _recurrent_elements(mixer: torch.nn.Module) -> int:
     if hasattr(mixer, "ssm_state_size"):  # Mamba2
         return mixer.num_heads * mixer.head_dim * mixer.ssm_state_size
     return 0
+
+
+DELTA_BLOCK = (
+    64  # the block of transformers' torch gated delta rule (torch_chunk_gated_delta_rule's chunk_size)
+)
+
+
+def mixer_shape(module: torch.nn.Module) -> Mixer:
+    """The planner's :class:`~lightning_oomb.engine.planner.Mixer` of a carried mixer (its kind told as
+    :func:`state_elements` tells it)."""
+    conv = next(m for m in module.modules() if isinstance(m, torch.nn.Conv1d))
+    gated = any(type(m).__name__.endswith("RMSNormGated") for m in module.children())
+    common = {"channels": conv.in_channels, "kernel": conv.kernel_size[0], "gated_norm": gated}
+    if hasattr(module, "num_v_heads"):
+        return Mixer("delta", heads=module.num_v_heads, head_dim=module.head_v_dim, state=module.head_k_dim,
+                     block=DELTA_BLOCK, **common)  # fmt: skip
+    if hasattr(module, "ssm_state_size"):
+        return Mixer("mamba2", heads=module.num_heads, head_dim=module.head_dim, state=module.ssm_state_size,
+                     block=module.chunk_size, **common)  # fmt: skip
+    return Mixer("conv", **common)
 
 
 def float32_recurrences(model: torch.nn.Module) -> bool:
