@@ -58,6 +58,14 @@ class OOMBCLI(LightningCLI):
         threads = self._get(self.config, "num_threads")
         if threads:
             torch.set_num_threads(threads)
+        trainer = self._get(self.config, "trainer")  # (`oomb plan` builds without running: it may plan a GPU)
+        gpu = str(getattr(trainer, "accelerator", "")) in ("gpu", "cuda")
+        if self.subcommand is not None and gpu and not torch.cuda.is_available():
+            raise OOMBConfigError(
+                f"trainer.accelerator={trainer.accelerator} but torch sees no CUDA GPU on this machine (torch "
+                f"{torch.__version__}) — run on a GPU machine with a CUDA build of torch, or pass "
+                "--trainer.accelerator cpu (small models only)."
+            )
 
 
 def build_cli(args: list[str] | None = None, run: bool = True) -> OOMBCLI:
@@ -76,12 +84,18 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> OOMBCLI:
 
 def main() -> None:
     """The ``oomb`` console script: ``oomb plan ...`` prints a memory plan, every other subcommand is LightningCLI's."""
-    if sys.argv[1:2] == ["plan"]:
-        args, sys.argv = sys.argv[2:], sys.argv[:1]  # LightningCLI must not read sys.argv as well
-        plan_command(args)
-        return
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        print(
+            "oomb plan --config <fit config> [--device-memory 141GB]: the step's memory plan (oomb plan --help)\n"
+        )
     try:
+        if sys.argv[1:2] == ["plan"]:
+            args, sys.argv = sys.argv[2:], sys.argv[:1]  # LightningCLI must not read sys.argv as well
+            plan_command(args)
+            return
         build_cli()
+    except OOMBConfigError as err:  # its message names the cause and the fix: no trace
+        sys.exit(f"oomb: error: {err}")
     except ValueError as err:  # a class refused an option while jsonargparse built it: say why, not a trace
         reasons = refusals_in(err)
         if not reasons:
@@ -194,7 +208,7 @@ def model_config(model: LightningModule, override: str | None = None) -> Any:
 def plan_command(args: list[str], print_table: bool = True) -> MemoryPlan | None:
     """``oomb plan``: parse the fit config of ``args`` and print (and return) the step's memory plan (``--help``:
     print the options, return ``None``)."""
-    own = argparse.ArgumentParser(prog="oomb plan", add_help=False)
+    own = argparse.ArgumentParser(prog="oomb plan", add_help=False, allow_abbrev=False)  # --model is fit's
     own.add_argument("--device-memory", help="device memory, e.g. 141GB (default: this machine's)")
     own.add_argument("--host-memory", help="host memory, e.g. 128GiB (default: MemAvailable)")
     own.add_argument("--model-config", help="model shape: a hub id, a local directory, a config file or JSON")

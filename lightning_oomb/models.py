@@ -7,6 +7,7 @@ the same module trains under ``strategy="oomb"`` or any other strategy.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -78,8 +79,9 @@ class CausalLMModule(LightningModule):
             the Trainer plans (1.0 keeps the rate constant).
         attn_implementation: the model's own attention outside OOMB (validation under other strategies,
             generation); OOMB replaces it while it trains.
-        dtype: ``from_pretrained`` dtype (``"bfloat16"``, ``"float32"``, ``"auto"``); ``None`` lets the Trainer's
-            precision decide (``precision="bf16-true"`` builds the model in bfloat16).
+        dtype: the weights' dtype (``"bfloat16"``, ``"float32"``; ``"auto"``: a checkpoint's own), with a checkpoint
+            or a ``config``; ``None`` lets the Trainer's precision decide (``precision="bf16-true"`` builds the model
+            in bfloat16).
     """
 
     def __init__(
@@ -106,26 +108,42 @@ class CausalLMModule(LightningModule):
         # keeps it; "disable" would too but drops the weights (torchmetrics issue #3434, open in 1.9).
         self.val_token_loss = MeanMetric(nan_strategy=math.nan)
 
+    def prepare_data(self) -> None:
+        """Refuse a local model path that does not exist before the data module tokenizes anything (Lightning
+        builds the model after the data module's ``setup``); transformers would say 'Repo id must be in the form
+        ...'. (Not in ``__init__``: ``oomb plan`` plans a config whose path is another machine's.)"""
+        path = self.hparams.model_name_or_path
+        if (
+            path is not None
+            and str(path).startswith(("/", ".", "~"))
+            and not Path(path).expanduser().is_dir()
+        ):
+            raise OOMBConfigError(
+                f"model_name_or_path={path!r} is not a directory (a local path: it should hold the model's "
+                "config.json and weights) — give an existing directory, or a hub id such as 'Qwen/Qwen2.5-7B'."
+            )
+
     def configure_model(self) -> None:
         if self.model is not None:
             return
         from transformers import AutoModelForCausalLM
 
         hp = self.hparams
-        if hp.config is not None:
+        # None: the Trainer's precision decides (bf16-true sets torch's default dtype to bfloat16)
+        dtype = torch.get_default_dtype() if hp.dtype is None else hp.dtype
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) and dtype != "auto" else dtype
+        if hp.config is not None:  # "auto" reads a checkpoint's dtype: a random model has none, the default
+            dtype = torch.get_default_dtype() if dtype == "auto" else dtype
             config = build_config(hp.config)
-            self.model = AutoModelForCausalLM.from_config(config, attn_implementation=hp.attn_implementation)
+            self.model = AutoModelForCausalLM.from_config(
+                config, attn_implementation=hp.attn_implementation, dtype=dtype
+            )
             return
-        kwargs: dict[str, Any] = {"attn_implementation": hp.attn_implementation}
-        if hp.dtype is not None:
-            kwargs["dtype"] = hp.dtype if hp.dtype == "auto" else getattr(torch, hp.dtype)
-        else:
-            kwargs["dtype"] = (
-                torch.get_default_dtype()
-            )  # set by the Trainer's precision (bf16-true → bfloat16)
         # from_pretrained returns the model in eval mode, and Lightning leaves submodules' modes as they are:
         # fine-tuning would run without the model's dropout
-        self.model = AutoModelForCausalLM.from_pretrained(hp.model_name_or_path, **kwargs).train()
+        self.model = AutoModelForCausalLM.from_pretrained(
+            hp.model_name_or_path, attn_implementation=hp.attn_implementation, dtype=dtype
+        ).train()
 
     def training_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         loss = self.model(**with_targets(batch), use_cache=False).loss

@@ -90,3 +90,10 @@ def test_text_mode_holds_out_rows_and_reports_their_loss(demo, monkeypatch, recw
     assert result["val_loss"] is not None and trainer.max_epochs == 2
     assert len(trainer.datamodule.val_set) == 1 and trainer.global_step == 14
     assert not [w for w in recwarn if "val" in str(w.message) or "zero" in str(w.message)]
+
+
+def test_the_report_counts_the_full_length_steps_also_when_the_warm_up_is_as_long(demo):
+    """``--seq-len`` equal to ``--short-len``: the warm-up's batches were counted as full-length steps."""
+    result = demo.main(["--seq-len", "256", "--short-len", "256", "--chunk-size", "128", "--steps", "2",
+                        "--short-steps", "3"])  # fmt: skip
+    assert (result["warmup_steps"], result["full_length_steps"]) == (3, 2)

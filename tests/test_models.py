@@ -187,3 +187,20 @@ def test_right_padding_has_no_targets_under_any_strategy():
                 for b, n in ((short, 8), (full, 64))]  # fmt: skip
     want = float(sum(sums) / 70)
     assert seen["auto"] == pytest.approx(want, rel=1e-6) and seen["oomb"] == pytest.approx(want, rel=1e-6)
+
+
+def test_dtype_applies_to_a_model_built_from_a_config_too():
+    """``oomb plan`` counts the weights in ``dtype``: the model the module builds must be in it."""
+    module = CausalLMModule(config=TINY, dtype="bfloat16")
+    module.configure_model()
+    assert {p.dtype for p in module.model.parameters()} == {torch.bfloat16}
+
+
+def test_a_local_model_path_that_does_not_exist_is_refused_before_the_data_is_read(tmp_path):
+    """Lightning builds the model after the data module's setup (which tokenizes): the module's ``prepare_data``,
+    which runs first, names the path; transformers said 'Repo id must be in the form ...'."""
+    with pytest.raises(OOMBConfigError, match="model_name_or_path='/no/such/model' is not a directory"):
+        CausalLMModule(model_name_or_path="/no/such/model").prepare_data()
+    with pytest.raises(OOMBConfigError, match="is not a directory"):
+        CausalLMModule(model_name_or_path=str(tmp_path / "missing")).prepare_data()
+    CausalLMModule(model_name_or_path="Qwen/Qwen2.5-7B").prepare_data()  # a hub id: loaded (or refused) later

@@ -134,16 +134,22 @@ def resolve_backend(name: str, device: torch.device) -> Backend:
     """``auto`` -> Triton on CUDA, the fused CPU path on CPU, the torch reference elsewhere;
     ``OOMB_ATTENTION_BACKEND`` overrides ``auto``. ``cpu`` or ``triton`` on a device they cannot run on is refused
     (the Triton interpreter, for tests, runs the kernels on CPU tensors)."""
-    if name == "auto":
-        name = os.environ.get("OOMB_ATTENTION_BACKEND", "auto")
+    source = f"attention_backend={name!r}"
+    if name == "auto" and "OOMB_ATTENTION_BACKEND" in os.environ:
+        name = os.environ["OOMB_ATTENTION_BACKEND"]
+        source = f"the environment variable OOMB_ATTENTION_BACKEND={name!r} (over attention_backend='auto')"
     check_backend_name(name)
     if name == "auto":
         return {"cuda": "triton", "cpu": "cpu"}.get(device.type, "torch")
     interpreted = name == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
     if name in _DEVICE_OF and device.type != _DEVICE_OF[name][0] and not interpreted:
+        fix = (
+            "unset OOMB_ATTENTION_BACKEND"
+            if source.startswith("the environment")
+            else "use attention_backend='auto'"
+        )
         raise OOMBConfigError(
-            f"attention_backend={name!r} cannot run on a {device.type} device — {_DEVICE_OF[name][1]} — "
-            "use attention_backend='auto' (or 'torch')."
+            f"{source} cannot run on a {device.type} device — {_DEVICE_OF[name][1]} — {fix} (or 'torch')."
         )
     return name
 

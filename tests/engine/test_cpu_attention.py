@@ -162,3 +162,14 @@ def test_backend_selection(monkeypatch):
         resolve_backend("cpu", cuda)
     monkeypatch.setenv("OOMB_ATTENTION_BACKEND", "torch")
     assert resolve_backend("auto", cpu) == "torch"
+
+
+def test_a_backend_forced_by_the_environment_is_named_in_its_refusal(monkeypatch):
+    from lightning_oomb.engine.attention import resolve_backend
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("OOMB_ATTENTION_BACKEND", "triton")
+    with pytest.raises(
+        OOMBConfigError, match="OOMB_ATTENTION_BACKEND='triton'.*unset OOMB_ATTENTION_BACKEND"
+    ):
+        resolve_backend("auto", torch.device("cpu"))

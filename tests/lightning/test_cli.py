@@ -235,3 +235,31 @@ def test_oomb_plan_of_a_hybrid_pages_only_attention_layers_and_counts_the_carrie
     assert (
         result.device["carried_states"] == boundaries * result.model.carried_state_bytes(torch.bfloat16) > 0
     )
+
+
+def test_the_console_script_prints_an_oomb_refusal_in_one_line(monkeypatch):
+    """An ``OOMBConfigError`` (here the planner's, for an unknown optimizer) names cause and fix: no traceback."""
+    monkeypatch.setattr(sys, "argv", ["oomb", "plan", "--config", str(DEMO_CONFIG), "--optimizer", "adamww"])
+    with pytest.raises(SystemExit, match=r"^oomb: error: optimizer='adamww' is unknown to the planner"):
+        main()
+
+
+def test_a_gpu_accelerator_without_a_gpu_is_refused_naming_the_fix(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    argv = ["oomb", "fit", "--config", str(DEMO_CONFIG), "--trainer.accelerator", "gpu"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(
+        SystemExit, match=r"^oomb: error: trainer.accelerator=gpu .*--trainer.accelerator cpu"
+    ):
+        main()
+
+
+def test_oomb_plan_takes_fits_model_option_as_fit_does(capsys):
+    """``--model`` is ``oomb fit``'s (the LightningModule), not an abbreviation of ``oomb plan``'s
+    ``--model-config``; and ``--help`` of ``oomb`` names ``oomb plan``."""
+    config = '{"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, ' \
+        '"num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 256}'  # fmt: skip
+    result = plan_command(["--model", "CausalLMModule", "--model.config", config, "--data", "TextFileDataModule",
+                           "--data.files", str(EXAMPLES / "data" / "*.txt"), "--data.tokenizer", "bytes",
+                           "--data.seq_len", "512", "--trainer.strategy", "oomb"])  # fmt: skip
+    assert result.model.num_layers == 2 and result.seq_len == 512
