@@ -212,8 +212,13 @@ class OOMBContextParallelStrategy(_OOMBStrategyMixin, DDPStrategy):
 
     def reduce_gradients(self) -> None:
         """Sum every gradient over its context group and average over the data replicas (one all-reduce per dtype,
-        over flattened buckets)."""
+        over flattened buckets). A parameter no rank gave a gradient keeps ``grad=None``, as under DDP (so the
+        optimizer leaves it alone: a zero gradient would still decay it and move it by its momentum); one that only
+        some ranks did gets zeros on the others."""
         params = [p for p in self.lightning_module.parameters() if p.requires_grad]
+        has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=self.root_device)
+        dist.all_reduce(has, op=dist.ReduceOp.MAX)
+        params = [p for p, some in zip(params, has.tolist(), strict=True) if some]
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)

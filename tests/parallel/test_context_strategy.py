@@ -138,3 +138,25 @@ def test_a_setup_failure_on_one_rank_is_raised_on_every_rank(tmp_path):
         ("RuntimeError", "rank 1 failed at setup: ValueError: no memory reading"),
         ("ValueError", "no memory reading"),
     ]
+
+
+def _reduce(rank: int, world: int):
+    """``reduce_gradients`` on a module whose first layer has a gradient on rank 0 only and whose second none."""
+    from lightning_oomb.context_parallel import OOMBContextParallelStrategy
+
+    module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    if rank == 0:
+        module[0].weight.grad = torch.ones(2, 2)
+    strategy = SimpleNamespace(lightning_module=module, root_device=torch.device("cpu"), data_parallel_size=1)
+    OOMBContextParallelStrategy.reduce_gradients(strategy)
+    return {n: None if p.grad is None else p.grad.clone() for n, p in module.named_parameters()}
+
+
+def test_a_parameter_no_rank_gave_a_gradient_keeps_none(tmp_path):
+    """As under DDP: an unused layer keeps ``grad=None`` (AdamW leaves it alone; a zero gradient still moved it by
+    weight decay); one that some ranks used gets the group's sum."""
+    from tests.helpers.distributed import run_ranks
+
+    for grads in run_ranks(_reduce, 2, tmp_path):
+        assert torch.equal(grads["0.weight"], torch.ones(2, 2))
+        assert grads["0.bias"] is None and grads["1.weight"] is None and grads["1.bias"] is None
