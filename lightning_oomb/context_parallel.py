@@ -172,6 +172,10 @@ class OOMBContextParallelStrategy(_OOMBStrategyMixin, DDPStrategy):
     # ---------------------------------------------------------------------------------------------------- setup
     @override
     def setup(self, trainer) -> None:
+        if self.data_parallel_size == 1:
+            # one context group: every rank takes the loaders' batches as they are, in their order, as `oomb`
+            # does (Lightning's injected sampler would reshuffle them and cannot enter a custom batch sampler)
+            trainer._accelerator_connector.use_distributed_sampler = False
         self._agreeing(self._build_engine, trainer.lightning_module)
         super().setup(trainer)
         self._agreeing(self._check_memory_plan, trainer)

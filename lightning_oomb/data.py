@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule
-from torch.utils.data import ConcatDataset, DataLoader, Dataset, Sampler
+from torch.utils.data import ConcatDataset, DataLoader, Dataset, DistributedSampler
 
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.loss import IGNORE_INDEX
@@ -170,6 +170,12 @@ class NeedleRetrievalDataModule(LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         # in order (warm-up first); the samples are random already
+        if (replicas := data_replicas(self)[0]) > 1:
+            raise OOMBConfigError(
+                f"NeedleRetrievalDataModule draws one stream of batches, not one per data replica ({replicas} here) "
+                "— train it on one device or one context group (oomb_cp with context_parallel_size = devices), or "
+                "shard your data with TextFileDataModule."
+            )
         return DataLoader(self.train_set, batch_sampler=self.train_batches)
 
     def val_dataloader(self) -> DataLoader:
@@ -236,23 +242,23 @@ class PackedRows(Dataset):
         return {"input_ids": row, "labels": labels, "position_ids": position_ids}
 
 
-class RowSampler(Sampler[int]):
+class RowSampler(DistributedSampler):
     """Row indices of one epoch: ``0 .. num_rows - 1`` in order, or (``shuffle``) a permutation that depends only on
-    ``(seed, epoch)``. The next iteration can start part-way into the epoch's order (:meth:`skip`)."""
+    ``(seed, epoch)``; under data parallelism (``num_replicas`` > 1) replica ``rank`` takes every
+    ``num_replicas``-th row of that order, from its ``rank``-th (the tail that does not divide evenly is left out,
+    so every replica takes as many batches). The next iteration can start part-way into the replica's rows
+    (:meth:`skip`). A ``DistributedSampler``, so Lightning keeps it rather than injecting its own."""
 
-    def __init__(self, num_rows: int, shuffle: bool = False, seed: int = 0) -> None:
+    def __init__(
+        self, num_rows: int, shuffle: bool = False, seed: int = 0, num_replicas: int = 1, rank: int = 0
+    ):
+        super().__init__(range(num_rows), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
+                         drop_last=True)  # fmt: skip
         self.num_rows = num_rows
-        self.shuffle = shuffle
-        self.seed = seed
-        self.epoch = 0
         self._skip = 0
 
-    def set_epoch(self, epoch: int) -> None:
-        """Lightning calls this at every epoch start; the shuffled order depends on it."""
-        self.epoch = epoch
-
     def skip(self, rows: int) -> None:
-        """Start the next iteration after the first ``rows`` rows of the epoch's order."""
+        """Start the next iteration after the replica's first ``rows`` rows of the epoch."""
         self._skip = rows
 
     def order(self) -> list[int]:
@@ -261,12 +267,21 @@ class RowSampler(Sampler[int]):
         return np.random.default_rng([self.seed, self.epoch]).permutation(self.num_rows).tolist()
 
     def __iter__(self) -> Iterator[int]:
-        rows, self._skip = self.order()[self._skip :], 0
+        mine = self.order()[self.rank : self.num_samples * self.num_replicas : self.num_replicas]
+        rows, self._skip = mine[self._skip :], 0
         return iter(rows)
 
     def __len__(self) -> int:
-        # the whole epoch, also when resumed: Lightning counts the skipped batches as done already
-        return self.num_rows
+        # the replica's whole epoch, also when resumed: Lightning counts the skipped batches as done already
+        return self.num_samples
+
+
+def data_replicas(datamodule: LightningDataModule) -> tuple[int, int]:
+    """``(replicas, rank)``: how the Trainer's strategy shards data (its ``distributed_sampler_kwargs``: under
+    ``oomb_cp`` the data-parallel replicas, a context group reading the same rows); ``(1, 0)`` without."""
+    trainer = getattr(datamodule, "trainer", None)
+    shards = getattr(getattr(trainer, "strategy", None), "distributed_sampler_kwargs", None) or {}
+    return int(shards.get("num_replicas", 1)), int(shards.get("rank", 0))
 
 
 class ResumableLoader(DataLoader):
@@ -275,8 +290,9 @@ class ResumableLoader(DataLoader):
     Lightning saves ``state_dict()`` of every train dataloader that has one with the checkpoint and gives it back
     through ``load_state_dict()`` on resume (before the first batch is drawn), so a resumed fit continues at the
     next row. The state is ``{"epoch", "rows", "num_rows"}``: the epoch and how many rows of its order have left the
-    loader, counted in the main process as batches are handed out (rows that workers prefetched do not count).
-    Every process draws the same rows (no sharding across ranks): it is for one training process, as OOMB runs.
+    loader, counted in the main process as batches are handed out (rows that workers prefetched do not count). Under
+    data parallelism each replica draws its share of the rows (:class:`RowSampler`; ``rows``: the replica's, alike on
+    every replica), a context group the same ones.
     """
 
     def __init__(
@@ -286,8 +302,10 @@ class ResumableLoader(DataLoader):
         shuffle: bool = False,
         seed: int = 0,
         num_workers: int = 0,
+        num_replicas: int = 1,
+        rank: int = 0,
     ) -> None:
-        sampler = RowSampler(len(dataset), shuffle=shuffle, seed=seed)
+        sampler = RowSampler(len(dataset), shuffle=shuffle, seed=seed, num_replicas=num_replicas, rank=rank)
         super().__init__(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers)
         self._position = {"epoch": 0, "rows": 0}
         self._resume: dict[str, int] | None = None
@@ -314,7 +332,7 @@ class ResumableLoader(DataLoader):
         sampler.skip(skipped)
         self._position = {"epoch": sampler.epoch, "rows": skipped}
         for batch in super().__iter__():
-            self._position["rows"] = min(self._position["rows"] + self.batch_size, sampler.num_rows)
+            self._position["rows"] = min(self._position["rows"] + self.batch_size, len(sampler))
             yield batch
 
 
@@ -599,12 +617,15 @@ class TextFileDataModule(LightningDataModule):
 
     def train_dataloader(self) -> ResumableLoader:
         shuffle_rows = self.shuffle and not self.pack  # packed rows keep the order of the shuffled documents
+        replicas, rank = data_replicas(self)
         return ResumableLoader(
             self.train_set,
             self.batch_size,
             shuffle=shuffle_rows,
             seed=self.seed,
             num_workers=self.num_workers,
+            num_replicas=replicas,
+            rank=rank,
         )
 
     def val_dataloader(self) -> DataLoader | list:

@@ -19,6 +19,7 @@ from lightning_oomb.data import (
     NeedleRetrievalDataset,
     PackedRows,
     ResumableLoader,
+    RowSampler,
     TextFileDataModule,
     split_at_starts,
 )
@@ -468,3 +469,43 @@ def test_example_packed_config_builds_its_data(monkeypatch, one_thread):  # the 
     assert dm.pack and cli.model.hparams.config["vocab_size"] == dm.vocab_size == 259
     assert len(dm.train_set) >= 8 and len(dm.val_set) == 2
     assert dm.train_set[0]["position_ids"].shape == (dm.seq_len,)
+
+
+def test_rows_are_shared_out_over_data_replicas_and_resume_per_replica():
+    """Each data replica takes every ``replicas``-th row of the epoch's order (alike on every replica: the same
+    ``(seed, epoch)``), as many as the others (the uneven tail left out); a resumed replica skips its own rows."""
+    shards = [RowSampler(7, shuffle=True, seed=3, num_replicas=2, rank=r) for r in range(2)]
+    for s in shards:
+        s.set_epoch(1)
+    rows = [list(s) for s in shards]
+    assert len(rows[0]) == len(rows[1]) == len(shards[0]) == 3
+    assert sorted(rows[0] + rows[1]) == sorted(shards[0].order()[:6]) and not set(rows[0]) & set(rows[1])
+    shards[1].skip(2)
+    assert list(shards[1]) == rows[1][2:] and list(shards[1]) == rows[1]  # the skip holds for one iteration
+
+
+def test_the_needle_task_refuses_data_parallel_replicas():
+    """It draws one stream of batches: replicas would all train on it (Lightning cannot shard its batch sampler)."""
+    from types import SimpleNamespace
+
+    data = NeedleRetrievalDataModule(seq_len=64, train_samples=4)
+    data.trainer = SimpleNamespace(
+        strategy=SimpleNamespace(distributed_sampler_kwargs={"num_replicas": 2, "rank": 1})
+    )
+    with pytest.raises(OOMBConfigError, match="one stream of batches, not one per data replica \\(2 here\\)"):
+        data.train_dataloader()
+
+
+def test_the_text_loader_takes_its_replicas_share_from_the_strategy(text_corpus):
+    """Under ``oomb_cp`` with data parallelism the strategy's ``distributed_sampler_kwargs`` name the data replica;
+    Lightning keeps the loader's own sampler (a ``DistributedSampler``), which resumes."""
+    from types import SimpleNamespace
+
+    _, tok_dir = text_corpus
+    data = TextFileDataModule(records=[{"text": TEXT}] * 4, tokenizer=str(tok_dir), seq_len=16)
+    data.trainer = SimpleNamespace(
+        strategy=SimpleNamespace(distributed_sampler_kwargs={"num_replicas": 2, "rank": 1})
+    )
+    data.setup("fit")
+    sampler = data.train_dataloader().sampler
+    assert (sampler.num_replicas, sampler.rank, len(sampler)) == (2, 1, sampler.num_rows // 2)
