@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -406,7 +406,7 @@ class OOMBEngine:
             carried.keep = sweep != "eval"
         kept = step.reused_from if sweep == "forward" else None
         self.results.begin(kept, max(map(step.rows, range(len(step.bounds)))), step.shape.num_layers)
-        with self._sweep(sweep, step), self.model.engaged(step.position_span):
+        with self._sweep(sweep, step), self.model.engaged(step.position_span), self._own_stream(device):
             for index in range(len(step.bounds)):
                 rng.append(RNGState(device))
                 states = None if carried is None else carried.forward_chunk(index)
@@ -423,6 +423,23 @@ class OOMBEngine:
         if step.step_loss is not None:  # a term coupling all tokens: its value is known once every chunk ran
             loss = loss + step.step_loss.value().to(loss.dtype)
         return loss, rng
+
+    @contextlib.contextmanager
+    def _own_stream(self, device: torch.device) -> Iterator[None]:
+        """Under context parallelism, each rank's chunk slices draw their dropout masks from a stream of its own
+        (seeded from the shared stream, which every rank advances alike and gets back after the sweep): with the
+        shared one, token ``i`` of every rank's slice had the same mask. The chunks' recorded states replay it."""
+        if self.context is None or self.context.size == 1:
+            yield
+            return
+        seed = int(torch.randint(0, 2**62, (1,)))
+        with torch.random.fork_rng(
+            devices=[device] if device.type == "cuda" else [], device_type=device.type
+        ):
+            torch.default_generator.manual_seed(seed + self.context.rank)
+            if device.type == "cuda":
+                torch.cuda.manual_seed(seed + self.context.rank)
+            yield
 
     def backward_sweep(self, step: _Step, rng: list[RNGState], autocast: AutocastState, grad_output) -> None:
         """Recompute chunks in reverse with grad and back-propagate each at once (16-bit parameters' gradients

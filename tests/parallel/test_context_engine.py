@@ -326,3 +326,36 @@ def test_window_layers_keep_only_their_tails_on_every_rank(tmp_path):
             assert abs(r["loss"].item() - loss.item()) <= TOL * loss.item()
             assert max_relative_error(r["grads"], want) <= TOL
             assert r["pool"] == planned.device["kv_hbm"] + planned.device["staging"] + planned.host_tier
+
+
+def _dropout_masks(rank, world):
+    """One training step of a tiny GPT-NeoX with ``hidden_dropout=0.5`` on a context group: the dropout masks of
+    the forward sweep and of the backward sweep's recompute, in call order."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.GPTNeoXConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                              vocab_size=61, hidden_dropout=0.5, attention_dropout=0.0)  # fmt: skip
+    model = tf.GPTNeoXForCausalLM(config).double().train()
+    masks = []
+    model.gpt_neox.layers[0].post_mlp_dropout.register_forward_hook(lambda m, i, out: masks.append(out == 0))
+    ids = torch.randint(0, 61, (1, 32), generator=torch.Generator().manual_seed(1))
+    engine = OOMBEngine(HFChunkModel(model), OOMBConfig(16, 8), context=ContextGroup.of())
+    shared = torch.get_rng_state()
+    engine.loss(ids).backward()
+    return {"masks": masks, "shared_advanced_alike": torch.get_rng_state(), "before": shared}
+
+
+def test_dropout_masks_are_each_ranks_own_and_replayed_by_the_recompute(tmp_path):
+    """Each rank's slices draw their own dropout masks (with the shared stream token i of every slice had the same
+    one); the backward sweep's recompute replays the forward's; the shared stream ends alike on every rank."""
+    ranks = run_ranks(_dropout_masks, 2, tmp_path)
+    for r in ranks:
+        forward, recompute = (
+            r["masks"][:2],
+            r["masks"][2:][::-1],
+        )  # 2 chunks; the backward sweep goes in reverse
+        assert all(torch.equal(a, b) for a, b in zip(forward, recompute, strict=True))
+    assert not any(torch.equal(a, b) for a, b in zip(ranks[0]["masks"], ranks[1]["masks"], strict=True))
+    assert torch.equal(ranks[0]["shared_advanced_alike"], ranks[1]["shared_advanced_alike"])
+    assert not torch.equal(ranks[0]["shared_advanced_alike"], ranks[0]["before"])
