@@ -25,6 +25,7 @@ from lightning.pytorch.plugins.environments import ClusterEnvironment
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_oomb.engine import OOMBConfigError
@@ -172,6 +173,11 @@ class OOMBContextParallelStrategy(_OOMBStrategyMixin, DDPStrategy):
     # ---------------------------------------------------------------------------------------------------- setup
     @override
     def setup(self, trainer) -> None:
+        if self.world_size == 1:
+            rank_zero_warn(
+                "strategy='oomb_cp' on one device trains as strategy='oomb' does, with collectives of one process "
+                "around it — use strategy='oomb' (or devices=N for a context group of N)."
+            )
         if self.data_parallel_size == 1:
             # one context group: every rank takes the loaders' batches as they are, in their order, as `oomb`
             # does (Lightning's injected sampler would reshuffle them and cannot enter a custom batch sampler)

@@ -119,6 +119,8 @@ class OOMBEngine:
         self.context = context
         if context is not None:
             check_context(self.config, context.size)
+            if getattr(model, "carries_states", False):
+                refuse_split_states()
         self._apply_model_options(self.config)
         self.pool = KVPool(self.config, transport)
         self.host_states = HostStates()  # the carried states' host buffer under offload (grows on first use)
@@ -563,14 +565,19 @@ def check_context(config: OOMBConfig, size: int) -> None:
         )
 
 
+def refuse_split_states() -> None:
+    """A model with carried states cannot run under context parallelism (refused when the engine is built)."""
+    raise OOMBConfigError(
+        "the model has recurrent / convolution layers whose state runs through each chunk token by token, so "
+        "a chunk cannot be split across a context group — train it with strategy='oomb', or with "
+        "context_parallel_size=1 (data parallelism only)."
+    )
+
+
 def check_carried_states(bounds: list[tuple[int, int]], layout: Layout | None, doc_start) -> None:
     """Refuse, before any work, what a model with carried states cannot chunk exactly."""
     if layout is not None:
-        raise OOMBConfigError(
-            "the model has recurrent / convolution layers whose state runs through each chunk token by token, so "
-            "a chunk cannot be split across a context group — train it with strategy='oomb', or with "
-            "context_parallel_size=1 (data parallelism only)."
-        )
+        refuse_split_states()
     if doc_start is not None:
         raise OOMBConfigError(
             "packed documents (position_ids that restart) with a model whose recurrent / convolution layers carry "

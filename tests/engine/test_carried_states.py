@@ -142,3 +142,10 @@ def test_context_parallelism_is_refused_for_carried_states():
     with pytest.raises(OOMBConfigError, match="context group.*context_parallel_size=1"):
         check_carried_states([(0, 16), (16, 32)], layout=object(), doc_start=None)
     check_carried_states([(0, 16), (16, 32)], layout=None, doc_start=None)  # one device: fine
+    # and already when the engine is built (the strategy builds it at setup, before the optimizer and the sanity
+    # validation): the model's adapter says it carries states
+    from types import SimpleNamespace
+
+    model = SimpleNamespace(carries_states=True)
+    with pytest.raises(OOMBConfigError, match="context group.*context_parallel_size=1"):
+        OOMBEngine(model, OOMBConfig(16, 8), context=SimpleNamespace(size=2))

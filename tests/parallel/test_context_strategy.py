@@ -186,3 +186,15 @@ def test_the_text_data_module_trains_a_context_group_as_one_process():
     got = _text_fit(cp(), devices=2)
     for (name, a), b in zip(want.named_parameters(), got.parameters(), strict=True):
         assert torch.allclose(a, b, rtol=1e-10, atol=1e-12), name
+
+
+def test_one_device_trains_but_suggests_the_plain_strategy():
+    import torch.distributed as dist
+
+    strategy = OOMBContextParallelStrategy(chunk_size=16, page_size=8)  # one process: this one
+    try:
+        with pytest.warns(UserWarning, match="on one device trains as strategy='oomb' does"):
+            fit(strategy, devices=1, steps=1)
+    finally:
+        if dist.is_initialized():  # the group of one this process joined: later tests run without it
+            dist.destroy_process_group()
