@@ -79,10 +79,11 @@ class OOMBOffload(OOMBMonitor):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         if not trainer.strategy.oomb_config.offload:
+            name = type(trainer.strategy).__name__
             raise OOMBConfigError(
-                "OOMBOffload logs offload traffic but the strategy keeps every page on the device (offload=False) — "
-                "turn it on with OOMBStrategy(offload=True) or strategy='oomb_offload' (YAML: "
-                "strategy.init_args.offload: true)."
+                f"OOMBOffload logs offload traffic but the strategy keeps every page on the device (offload=False) — "
+                f"turn it on with {name}(offload=True) (YAML: strategy.init_args.offload: true; strategy='oomb_offload' "
+                "on one device), or log with OOMBMonitor instead."
             )
         if any(type(c) is OOMBMonitor for c in trainer.callbacks):
             raise OOMBConfigError(
