@@ -181,6 +181,10 @@ class NeedleRetrievalDataModule(LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.batch_size)
 
+    def test_dataloader(self) -> DataLoader:
+        """The held-out sequences (``trainer.test`` / ``oomb test``: no split of its own)."""
+        return self.val_dataloader()
+
 
 def _batches(start: int, count: int, size: int) -> list[list[int]]:
     """Indices ``[start, start + count)`` in consecutive batches of ``size`` (the last may be smaller)."""
@@ -632,3 +636,7 @@ class TextFileDataModule(LightningDataModule):
         if not self.val_rows:
             return []
         return DataLoader(self.val_set, batch_size=self.batch_size, num_workers=self.num_workers)
+
+    def test_dataloader(self) -> DataLoader | list:
+        """The held-out rows (``trainer.test`` / ``oomb test``: no split of its own)."""
+        return self.val_dataloader()

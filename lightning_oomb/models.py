@@ -65,7 +65,8 @@ class CausalLMModule(LightningModule):
     Targets: ``labels`` (default: ``input_ids``), none where ``attention_mask`` is 0 (right padding), under any
     strategy. Logged: ``train_loss`` per step; per validation run ``val_loss``, the mean loss over all validation
     *target tokens* (each batch's loss weighted by its targets, ``labels[:, 1:] != -100``), and
-    ``val_ppl = exp(val_loss)``. A batch without targets weighs nothing.
+    ``val_ppl = exp(val_loss)``; ``trainer.test`` the same as ``test_loss`` and ``test_ppl``. A batch without targets
+    weighs nothing.
 
     Args:
         model_name_or_path: hub id or local directory for ``AutoModelForCausalLM.from_pretrained``.
@@ -162,10 +163,20 @@ class CausalLMModule(LightningModule):
         self.val_token_loss.update(torch.where(targets > 0, loss.detach().float(), 0.0), weight=targets)
 
     def on_validation_epoch_end(self) -> None:
+        self._log_held_out("val")
+
+    # `trainer.test` / `oomb test`: the same metric on the test loader, as test_loss and test_ppl
+    on_test_epoch_start = on_validation_epoch_start
+    test_step = validation_step
+
+    def on_test_epoch_end(self) -> None:
+        self._log_held_out("test")
+
+    def _log_held_out(self, split: str) -> None:
         loss = self.val_token_loss.compute()  # synchronised across processes
         self.val_token_loss.reset()
-        self.log("val_loss", loss, prog_bar=True)
-        self.log("val_ppl", loss.exp())
+        self.log(f"{split}_loss", loss, prog_bar=split == "val")
+        self.log(f"{split}_ppl", loss.exp())
 
     def configure_optimizers(self):
         hp = self.hparams

@@ -204,3 +204,20 @@ def test_a_local_model_path_that_does_not_exist_is_refused_before_the_data_is_re
     with pytest.raises(OOMBConfigError, match="is not a directory"):
         CausalLMModule(model_name_or_path=str(tmp_path / "missing")).prepare_data()
     CausalLMModule(model_name_or_path="Qwen/Qwen2.5-7B").prepare_data()  # a hub id: loaded (or refused) later
+
+
+def test_trainer_test_reports_the_held_out_loss_as_test_metrics():
+    """``oomb test`` / ``trainer.test``: the text data module tests on its held-out rows, the module logs
+    ``test_loss`` and ``test_ppl`` as validation logs ``val_loss`` (it had no ``test_step``)."""
+    from lightning_oomb.data import TextFileDataModule
+
+    words = "the quick brown fox jumps over the lazy dog".split()
+    records = [{"text": " ".join(words[i % 5 :] * 4)} for i in range(12)]
+    data = TextFileDataModule(records=records, tokenizer="bytes", seq_len=32, val_rows=2)
+    module = CausalLMModule(config={**TINY, "vocab_size": data.vocab_size})
+    trainer = make_trainer("oomb", 1)
+    val = trainer.validate(module, data, verbose=False)[0]
+    test = trainer.test(module, data, verbose=False)[0]
+    assert test["test_loss"] == pytest.approx(val["val_loss"]) and test["test_ppl"] == pytest.approx(
+        val["val_ppl"]
+    )
