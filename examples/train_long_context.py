@@ -102,6 +102,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.val_rows = 1
     if args.threads is None and not (args.model and args.accelerator != "cpu" and torch.cuda.is_available()):
         args.threads = 1
+    if not args.text and args.short_steps and args.short_len > args.seq_len:
+        p.error(
+            f"--short-len {args.short_len} is longer than --seq-len {args.seq_len}: the warm-up is the short part"
+        )
     for name in ("steps", "seq_len", "chunk_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")

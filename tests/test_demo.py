@@ -53,6 +53,7 @@ def demo(monkeypatch):
         (["--steps", "0"], "--steps must be at least 1"),
         (["--tokenizer", "bytes"], "--tokenizer reads --text"),
         (["--val-rows", "2"], "--val-rows splits --text"),
+        (["--seq-len", "256"], "--short-len 512 is longer than --seq-len 256"),
         (["--text", "a.txt", "--tokenizer", "bytes", "--val-rows", "-1"], "--val-rows must be at least 0"),
     ],
 )
