@@ -315,16 +315,11 @@ class OOMBEngine:
         group = self.context
         if group is None:
             return None
-        check_context(self.config, group.size)
-        page, seq_len = self.config.page_size, input_ids.shape[1]
-        first = -(-min(seq_len, self.config.chunk_size) // page)
-        if first < group.size:
-            raise OOMBConfigError(
-                f"a sequence of {seq_len} tokens has {first} pages of {page} in its first chunk, fewer than the "
-                f"{group.size} ranks of the context group — every rank needs a page of it — use longer sequences, "
-                "a smaller page_size or a smaller context_parallel_size."
-            )
-        return Layout.plan(chunk_bounds(seq_len, self.config.chunk_size), page, group.rank, group.size)
+        check_context(self.config, group.size, input_ids.shape[1])
+        seq_len = input_ids.shape[1]
+        return Layout.plan(
+            chunk_bounds(seq_len, self.config.chunk_size), self.config.page_size, group.rank, group.size
+        )
 
     def _check_ranges(self, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
         """Token ids inside the embedding, labels inside the LM head's vocabulary or ``IGNORE_INDEX``."""
@@ -554,14 +549,22 @@ def chunk_bounds(seq_len: int, chunk_size: int) -> list[tuple[int, int]]:
     return [(a, min(a + chunk_size, seq_len)) for a in range(0, seq_len, chunk_size)]
 
 
-def check_context(config: OOMBConfig, size: int) -> None:
-    """Refuse options context parallelism cannot honour, before any work."""
-    pages = config.chunk_size // config.page_size
+def check_context(config: OOMBConfig, size: int, seq_len: int | None = None) -> None:
+    """Refuse options (and a sequence length) context parallelism cannot honour, before any work."""
+    page = config.page_size
+    pages = config.chunk_size // page
     if pages % size:
         raise OOMBConfigError(
-            f"chunk_size={config.chunk_size} is {pages} pages of {config.page_size}, which do not split into "
+            f"chunk_size={config.chunk_size} is {pages} pages of {page}, which do not split into "
             f"{size} equal slices of whole pages (one per rank of the context group) — use a chunk_size that is a "
-            f"multiple of {size * config.page_size} (e.g. {max(1, pages // size) * size * config.page_size})."
+            f"multiple of {size * page} (e.g. {max(1, pages // size) * size * page})."
+        )
+    first = seq_len and -(-min(seq_len, config.chunk_size) // page)
+    if seq_len and first < size:
+        raise OOMBConfigError(
+            f"a sequence of {seq_len} tokens has {first} pages of {page} in its first chunk, fewer than the "
+            f"{size} ranks of the context group — every rank needs a page of it — use longer sequences, "
+            "a smaller page_size or a smaller context_parallel_size."
         )
 
 

@@ -198,3 +198,22 @@ def test_one_device_trains_but_suggests_the_plain_strategy():
     finally:
         if dist.is_initialized():  # the group of one this process joined: later tests run without it
             dist.destroy_process_group()
+
+
+class ShortRows(Rows):
+    seq_len = 8  # one page of 8 in the first chunk: fewer than 2 ranks
+
+
+def test_sequences_too_short_for_the_group_are_refused_at_setup():
+    """Every rank needs a page of the first chunk: known from the datamodule's ``seq_len``, refused before the
+    optimizer and the sanity validation (was: at the first step)."""
+    from lightning_oomb.engine.recurrence import check_context
+
+    with pytest.raises(
+        OOMBConfigError, match="8 tokens has 1 pages of 8 in its first chunk, fewer than the 2 ranks"
+    ):
+        check_context(OOMBConfig(16, 8), 2, 8)
+    check_context(OOMBConfig(16, 8), 2, 9)
+    trainer = make_trainer(cp(), 1, devices=2, precision="64-true")
+    with pytest.raises(Exception, match="every rank needs a page of it"):
+        trainer.fit(TinyLM().double(), datamodule=ShortRows())
