@@ -211,7 +211,7 @@ def test_trainer_test_reports_the_held_out_loss_as_test_metrics():
     ``test_loss`` and ``test_ppl`` as validation logs ``val_loss`` (it had no ``test_step``)."""
     from lightning_oomb.data import TextFileDataModule
 
-    words = "the quick brown fox jumps over the lazy dog".split()
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog"]
     records = [{"text": " ".join(words[i % 5 :] * 4)} for i in range(12)]
     data = TextFileDataModule(records=records, tokenizer="bytes", seq_len=32, val_rows=2)
     module = CausalLMModule(config={**TINY, "vocab_size": data.vocab_size})
