@@ -23,7 +23,9 @@ class OOMBMonitor(Callback):
     Logged per optimizer step under ``oomb/``: ``tokens_per_s``, ``pool_bytes`` (arenas held), ``kv_bytes`` and
     ``grad_bytes`` (what the step needed), every numeric entry of ``engine.stats.extra`` (offload: bytes moved each
     way, time the compute stream waited on copies, HBM/host pool bytes), and on CUDA ``peak_device_bytes``.
-    ``tokens_per_s`` and ``pool_bytes`` are shown in the progress bar too.
+    ``tokens_per_s`` and ``pool_bytes`` are shown in the progress bar too. Under ``oomb_cp`` the byte counts are
+    rank 0's (its share of the group's pages; Lightning's loggers write rank 0's values), ``tokens_per_s`` the
+    group's step.
     """
 
     @override
