@@ -14,6 +14,7 @@ whole model and optimizer state, so a run resumes on any device count that divid
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 from typing import Any
@@ -153,6 +154,8 @@ class OOMBContextParallelStrategy(_OOMBStrategyMixin, DDPStrategy):
         self._mesh = init_device_mesh(
             self.root_device.type, (self.world_size // size, size), mesh_dim_names=("data", "context")
         )
+        atexit.unregister(_destroy_process_group)  # once, however many fits this process runs
+        atexit.register(_destroy_process_group)
 
     @override
     def _planning_machine(self, resident_bytes: int) -> Machine:
@@ -265,3 +268,11 @@ def least_over_ranks(machine: Machine, device: torch.device) -> Machine:
     dist.all_reduce(least, op=dist.ReduceOp.MIN)
     device_bytes, host_bytes, total = least.tolist()
     return dataclasses.replace(machine, device_bytes=device_bytes, host_bytes=host_bytes, device_total=total)
+
+
+def _destroy_process_group() -> None:
+    """At exit, destroy the default group while the interpreter is still whole: a process (a spawned worker, say)
+    exiting with a live gloo group can abort in interpreter finalization (SIGABRT, "terminate called without an
+    active exception": its worker threads still hold tensors)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
