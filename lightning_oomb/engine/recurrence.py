@@ -315,8 +315,8 @@ class OOMBEngine:
         group = self.context
         if group is None:
             return None
-        check_context(self.config, group.size, input_ids.shape[1])
         seq_len = input_ids.shape[1]
+        check_context(self.config, group.size, seq_len)
         return Layout.plan(
             chunk_bounds(seq_len, self.config.chunk_size), self.config.page_size, group.rank, group.size
         )
@@ -559,8 +559,10 @@ def check_context(config: OOMBConfig, size: int, seq_len: int | None = None) -> 
             f"{size} equal slices of whole pages (one per rank of the context group) — use a chunk_size that is a "
             f"multiple of {size * page} (e.g. {max(1, pages // size) * size * page})."
         )
-    first = seq_len and -(-min(seq_len, config.chunk_size) // page)
-    if seq_len and first < size:
+    first = (
+        None if seq_len is None else -(-min(seq_len, config.chunk_size) // page)
+    )  # its first chunk's pages
+    if first is not None and first < size:
         raise OOMBConfigError(
             f"a sequence of {seq_len} tokens has {first} pages of {page} in its first chunk, fewer than the "
             f"{size} ranks of the context group — every rank needs a page of it — use longer sequences, "

@@ -124,35 +124,14 @@ class StateCache:
         return recurrent_states
 
 
-def state_elements(mixers: list[torch.nn.Module]) -> tuple[int, int]:
-    """Elements of one batch row's carried states at one chunk boundary: ``(convolution, recurrent)`` — each
-    mixer's causal convolution keeps ``channels x kernel`` inputs (in the activations' dtype), a gated delta-net
-    ``value heads x key dim x value dim``, a Mamba2 mixer ``heads x head dim x state size`` (float32, as their
-    rules compute)."""
-    conv = recurrent = 0
-    for mixer in mixers:
-        convolution = next(m for m in mixer.modules() if isinstance(m, torch.nn.Conv1d))
-        conv += convolution.in_channels * convolution.kernel_size[0]
-        recurrent += _recurrent_elements(mixer)
-    return conv, recurrent
-
-
-def _recurrent_elements(mixer: torch.nn.Module) -> int:
-    if hasattr(mixer, "num_v_heads"):  # gated delta-net
-        return mixer.num_v_heads * mixer.head_k_dim * mixer.head_v_dim
-    if hasattr(mixer, "ssm_state_size"):  # Mamba2
-        return mixer.num_heads * mixer.head_dim * mixer.ssm_state_size
-    return 0
-
-
 DELTA_BLOCK = (
     64  # the block of transformers' torch gated delta rule (torch_chunk_gated_delta_rule's chunk_size)
 )
 
 
 def mixer_shape(module: torch.nn.Module) -> Mixer:
-    """The planner's :class:`~lightning_oomb.engine.planner.Mixer` of a carried mixer (its kind told as
-    :func:`state_elements` tells it)."""
+    """The :class:`~lightning_oomb.engine.planner.Mixer` of a carried mixer: a gated delta-net (``num_v_heads``), a
+    Mamba2 mixer (``ssm_state_size``) or a short convolution."""
     conv = next(m for m in module.modules() if isinstance(m, torch.nn.Conv1d))
     gated = any(type(m).__name__.endswith("RMSNormGated") for m in module.children())
     common = {"channels": conv.in_channels, "kernel": conv.kernel_size[0], "gated_norm": gated}
@@ -165,10 +144,19 @@ def mixer_shape(module: torch.nn.Module) -> Mixer:
     return Mixer("conv", **common)
 
 
+def state_elements(mixers: list[torch.nn.Module]) -> tuple[int, int]:
+    """Elements of one batch row's carried states at one chunk boundary: ``(convolution, recurrent)`` — each
+    mixer's causal convolution keeps ``channels x kernel`` inputs (in the activations' dtype), a gated delta-net
+    ``value heads x key dim x value dim``, a Mamba2 mixer ``heads x head dim x state size`` (float32, as their
+    rules compute)."""
+    shapes = [mixer_shape(m) for m in mixers]
+    return sum(m.channels * m.kernel for m in shapes), sum(m.heads * m.head_dim * m.state for m in shapes)
+
+
 def float32_recurrences(model: torch.nn.Module) -> bool:
     """Whether a carried mixer of ``model`` runs a recurrence (gated delta rule, Mamba2 scan): transformers computes
     those in float32 whatever the model's dtype, so their chunkings differ by float32 rounding even in float64."""
-    return any(_recurrent_elements(m) for m in carried_mixers(model))
+    return any(mixer_shape(m).kind != "conv" for m in carried_mixers(model))
 
 
 def carried_mixers(model: torch.nn.Module) -> list[torch.nn.Module]:
