@@ -48,7 +48,7 @@ tests=(tests/kernels)
 if [ "${OOMB_BENCH_TINY:-0}" != "0" ]; then
   tiny=(--tiny --device cpu)
   smoke=(--smoke)
-  scaling_tiny=(--tiny --device cpu --hf-max 256 --contexts 128,256 --offload-contexts 128,256 --chunk-size 64)
+  scaling_tiny=(--tiny --device cpu --hf-max 256 --contexts 128,256 --offload-contexts 128,256 --chunk-size 128)
   tests=(tests/kernels/test_paged_attention.py -k tuning)
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

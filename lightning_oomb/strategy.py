@@ -181,7 +181,9 @@ class _OOMBStrategyMixin:
         if not calls and output is not None:  # None: Lightning skips the batch
             raise OOMBConfigError(
                 "training_step returned a loss without calling the OOMB-managed model — the strategy only trains "
-                "through it — return `self.model(**batch).loss` (or a loss computed from it; None skips the batch)."
+                "through the causal LM's own call (a call of its base model, e.g. `self.model.model(...)`, or of "
+                "another module runs the whole sequence at once, outside the engine) — return "
+                "`self.model(**batch).loss` (or a loss computed from it; None skips the batch)."
             )
         return output
 

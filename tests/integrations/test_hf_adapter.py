@@ -350,7 +350,12 @@ def test_the_self_check_runs_on_full_size_configs(family):
     LM itself (the adapter drives its inner model)."""
     from lightning_oomb.integrations.hf.adapter import verify_exactness_of
 
-    assert verify_exactness_of(_published_shape(family)) is True
+    model = _published_shape(family)
+    if not type(model)._can_set_attn_implementation():  # GPT-J before transformers 5.24: refused, rightly
+        pytest.skip(
+            f"transformers {tf.__version__}'s {family} attention does not dispatch through AttentionInterface"
+        )
+    assert verify_exactness_of(model) is True
 
 
 def test_a_decoder_with_more_layers_than_its_config_counts_is_checked_whole():

@@ -189,7 +189,7 @@ class LogitsLM(TinyLM):
         (NoModelCallLM, "returned a loss without calling the OOMB-managed model"),
         (TwoCallsLM, "twice"),
         (LeftPaddedLM, "not right padding"),
-        (ExtraKeysLM, r"got \['token_type_ids'\].*drop those keys from the batch"),
+        (ExtraKeysLM, r"cannot take \['token_type_ids'\].*drop such keys from the batch"),
     ],
 )
 def test_bad_use_is_refused_with_the_fix(module, match):

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 
@@ -28,6 +27,7 @@ from lightning_oomb.engine.model import Respond
 from lightning_oomb.engine.planner import Mixer
 from lightning_oomb.engine.tiles import tiled
 from lightning_oomb.integrations.hf.attention import ATTN_NAME, ENGAGED, register_attention
+from lightning_oomb.integrations.hf.calls import answer, read_call
 from lightning_oomb.integrations.hf.decoder import decoder_of
 from lightning_oomb.integrations.hf.moe import RouterBalanceLoss
 from lightning_oomb.integrations.hf.rope import length_dependent_rotaries, pinned_rope
@@ -179,8 +179,6 @@ class HFChunkModel:
         heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        self.num_embeddings = model.get_input_embeddings().weight.shape[0]
         self.layer_checkpointing = layer_checkpointing
         self.mlp_tile: int | None = None  # OOMBConfig.mlp_tile, set by the engine
         self._mlps = dense_mlps(model)
@@ -196,6 +194,16 @@ class HFChunkModel:
             self.num_layers = len(self._attention)
         self.layer_windows = _layer_windows(model, self._attention or None)
         self._states = None  # the running chunk's carried states
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the LM head, read at each step (``resize_token_embeddings`` may run after setup)."""
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    @property
+    def num_embeddings(self) -> int:
+        """Rows of the input embedding, read at each step."""
+        return self.model.get_input_embeddings().weight.shape[0]
 
     def carried_mixer_shapes(self) -> tuple[Mixer, ...]:
         """A hybrid's carried mixers as the planner reads them (:func:`~lightning_oomb.integrations.hf.states.
@@ -271,69 +279,24 @@ class HFChunkModel:
 
     @contextlib.contextmanager
     def answer_calls(self, respond: Respond) -> Iterator[None]:
-        """While the block runs, ``model(input_ids=..., labels=..., position_ids=..., attention_mask=...)`` returns
-        a ``CausalLMOutputWithPast`` with the engine's loss (``respond``) and a logits stand-in that refuses every use
-        (the whole sequence's logits are never materialised). ``position_ids`` that restart mark packed documents,
-        an ``attention_mask`` right padding (:mod:`lightning_oomb.engine.batch`)."""
-        from transformers.modeling_outputs import CausalLMOutputWithPast
+        """While the block runs, the model's calls (read as its own ``forward`` reads them:
+        :func:`~lightning_oomb.integrations.hf.calls.read_call`) return what HF would, with the engine's loss
+        (``respond``) and a logits stand-in that refuses every use (the whole sequence's logits are never
+        materialised). ``position_ids`` that restart mark packed documents, an ``attention_mask`` right padding
+        (:mod:`lightning_oomb.engine.batch`)."""
 
-        def forward(input_ids=None, attention_mask=None, labels=None, position_ids=None, **kwargs):
-            _check_call(input_ids, kwargs)
-            loss = respond(input_ids, labels, position_ids=position_ids, attention_mask=attention_mask)
-            return CausalLMOutputWithPast(loss=loss, logits=_NoLogits())
+        def forward(*args, **kwargs):
+            call = read_call(self.model, args, kwargs, self._balances_experts)
+            loss = respond(
+                call.input_ids,
+                call.labels,
+                position_ids=call.position_ids,
+                attention_mask=call.attention_mask,
+            )
+            return answer(call, loss)
 
         self.model.forward = forward
         try:
             yield
         finally:
             del self.model.forward
-
-
-# keywords that mean the call is (part of) generation: a KV cache goes in or out (5.24: ``cache``)
-_GENERATION_KEYS = ("cache", "past_key_values", "cache_position")
-
-
-def _check_call(input_ids, extra: dict) -> None:
-    if any(extra.get(key) is not None for key in _GENERATION_KEYS):
-        raise OOMBConfigError(
-            "the OOMB-managed model was called with a KV cache (model.generate or cached decoding) inside "
-            "training_step/validation_step/test_step — the strategy answers those calls with the chunked loss and "
-            "never computes logits — generate in predict_step, or in a hook outside the step (e.g. "
-            "on_validation_epoch_end)."
-        )
-    unexpected = sorted(
-        k for k, v in extra.items() if v is not None and k not in ("use_cache", "return_dict")
-    )
-    if unexpected:
-        raise OOMBConfigError(
-            f"the OOMB-managed model got {unexpected} — the engine computes the loss itself from token ids, labels, "
-            "positions and a right-padding mask only — drop those keys from the batch (e.g. a tokenizer's "
-            "token_type_ids) or call it as `model(input_ids=..., labels=..., position_ids=..., attention_mask=...)`."
-        )
-    if input_ids is None:
-        raise OOMBConfigError(
-            "the OOMB-managed model got no input_ids — the engine computes the loss itself from token ids — call "
-            "it as `model(input_ids=..., labels=..., position_ids=..., attention_mask=...)`."
-        )
-
-
-class _LogitsUnavailable(OOMBConfigError, AttributeError):
-    """Raised on any use of :class:`_NoLogits` (an ``AttributeError`` too, so ``hasattr`` probes stay quiet)."""
-
-
-class _NoLogits:
-    """Stands in for the logits of a model call the engine answers: ``[B, N, vocab]`` logits of a long sequence
-    (80 GB at 128K tokens for Qwen2.5-7B in fp32) are exactly what OOMB never materialises. Any use raises."""
-
-    def _refuse(self, *args: Any, **kwargs: Any):
-        raise _LogitsUnavailable(
-            "the OOMB strategy answers the model call with the loss only — the logits of the whole sequence are "
-            "never materialised (they would not fit) — compute metrics from `output.loss`, or call the model "
-            "outside training_step/validation_step/test_step (e.g. in predict_step) on a short input."
-        )
-
-    __getattr__ = __getitem__ = __iter__ = __len__ = __bool__ = __array__ = _refuse
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        cls._refuse(None)
