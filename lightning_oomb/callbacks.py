@@ -158,6 +158,7 @@ class OOMBSparseBudget(Callback):
     @override
     def on_train_batch_start(self, trainer: Trainer, *_: Any) -> None:
         engine, step = trainer.strategy.engine, trainer.global_step
+        engine.global_step = step  # the recall probe's draws follow the step (a resume restores it)
         engine.page_budget = self.budget_at(step)
         engine.probe_recall = bool(self.recall_every) and step % self.recall_every == 0
 

@@ -4,8 +4,12 @@ Hugging Face's conventions, so a ``DataCollatorWithFlattening`` batch or a padde
 
 - **Packed documents**: ``position_ids [B, N]`` restart at each document (a new document starts wherever a position
   is not the previous one plus one, as ``transformers.masking_utils.find_packed_sequence_indices`` reads them).
-  Attention never crosses a document boundary (``doc_start``: each token's document start), RoPE uses the given
-  positions, and no token is trained to predict the next document's first token.
+  Attention never crosses a document boundary (``doc_start``: each token's document start) and RoPE uses the given
+  positions. A document's last token predicts the next document's first *label* only where that label is an
+  explicit target: one that differs from the input id there (``DataCollatorWithFlattening(separator_id=EOS)``
+  puts the separator there, so each document's last token learns to predict it, as transformers trains it). A
+  label equal to the input id there (labels copied from ``input_ids``, or defaulted to them: the usual packed
+  recipe) is the next document's first token, and no token is trained to predict it: documents stay apart.
 - **Right padding**: an ``attention_mask`` that is ones then zeros per row (rows of a batch may differ in length):
   padded positions have no target (labels there are ignored) and real tokens never see them (they come after).
   Left padding and masks with holes are refused — they would need every real token to skip keys.
@@ -54,7 +58,13 @@ def plan_layout(
     position_ids: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
 ) -> Layout:
-    """Validate ``position_ids`` / ``attention_mask`` of ``input_ids [B, N]`` and lay the batch out."""
+    """Validate ``position_ids`` / ``attention_mask`` of ``input_ids [B, N]`` and lay the batch out.
+
+    ``labels`` (``input_ids`` when the caller has none): the target of position ``t`` is ``labels[t + 1]``. Across
+    a document boundary (``t`` a document's last token) it is dropped when it equals ``input_ids[t + 1]`` (labels
+    copied or defaulted from ``input_ids``: the next document's first token, which documents trained apart never
+    see) and kept when it differs (an explicit target, e.g. ``DataCollatorWithFlattening(separator_id=EOS)``'s
+    separator: the document learns to end, as transformers trains it); ``-100`` there is ignored either way."""
     batch, seq_len = input_ids.shape
     labels = labels.clone()
     tokens = None
@@ -89,10 +99,14 @@ def plan_layout(
     positions = position_ids.expand(batch, -1)
     doc_start = _documents(positions)
     targets = shift_labels(labels)
-    # the last token of a document predicts nothing (the next one is another document's)
     if doc_start is not None:
+        # a document's last token predicts the next document's first label only if that label is an explicit target
+        # (a collator's separator); a label that is the input id there (labels copied or defaulted from input_ids)
+        # would train it on another document's first token: dropped
         boundary = torch.zeros_like(targets, dtype=torch.bool)
-        boundary[:, :-1] = doc_start[:, 1:] == torch.arange(1, seq_len, device=doc_start.device)
+        boundary[:, :-1] = (doc_start[:, 1:] == torch.arange(1, seq_len, device=doc_start.device)) & (
+            labels[:, 1:] == input_ids[:, 1:]
+        )
         targets = targets.masked_fill(boundary, IGNORE_INDEX)
     return Layout(position_ids, doc_start, targets, tokens, int(high) + 1)
 

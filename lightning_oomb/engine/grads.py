@@ -29,6 +29,8 @@ from collections.abc import Iterable
 
 import torch
 
+from lightning_oomb.engine.user_hooks import engine_hook
+
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 HOST_FLUSH_CHUNKS = 16  # float32-host: chunks a 16-bit .grad sums before a flush to host memory
 STAGING_ELEMENTS = 2**25  # float32-host: elements of each of the two staging slabs (64 MiB in bf16)
@@ -72,7 +74,7 @@ class Float32GradSums:
     def __enter__(self) -> Float32GradSums:
         for p in self.params:  # the old .grad joins the sum with the first chunk's gradient
             self._sums[id(p)], p.grad = p.grad, None
-            self._handles.append(p.register_post_accumulate_grad_hook(self._take))
+            self._handles.append(p.register_post_accumulate_grad_hook(engine_hook(self._take)))
         return self
 
     def _take(self, p: torch.Tensor) -> None:

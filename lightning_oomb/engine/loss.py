@@ -15,7 +15,7 @@ by ``grad / expected_grad``: exactly 1 when the caller says which gradient it wi
 so the logit gradient is scaled before its cast to the compute dtype, as in HF. Given ``weight_grad`` (the engine
 passes the weight's ``.grad``, or its float32 sum under :class:`~lightning_oomb.engine.grads.Float32GradSums`), the
 weight gradient is added into that tensor instead, so no ``[V, H]`` tensor is made per chunk (1 GiB at 7B) and
-autograd gets none for the weight.
+autograd gets none for the weight (the engine passes none when the weight has a gradient hook, which must see it).
 
 The weight gradient accumulates in its target's dtype, one ``addmm_`` per block (its GEMM sums the block's tokens
 in float32 or wider): a 16-bit target's running sum is rounded once per block, as a bf16 ``.grad`` is by autograd

@@ -43,6 +43,7 @@ from lightning_oomb.engine.replay import AutocastState, RNGState
 from lightning_oomb.engine.results import ForwardResults
 from lightning_oomb.engine.sparse import SparseStats, SparseStep, check_budget
 from lightning_oomb.engine.states import CarriedStates, ChunkStates, HostStates
+from lightning_oomb.engine.user_hooks import UserHooks, gradient_hooks
 
 
 @dataclass
@@ -104,7 +105,9 @@ class OOMBEngine:
             and keeps its slices' pages); ``None``: one device.
 
     ``page_budget`` (from the config; settable between steps, e.g. by ``OOMBSparseBudget``) makes the next steps
-    sparse; ``probe_recall = True`` makes the next steps (and evaluations) measure their selection recall.
+    sparse; ``probe_recall = True`` makes the next steps (and evaluations) measure their selection recall, on query
+    blocks drawn by ``global_step``. The model's hooks are checked before every sweep (refused or warned about:
+    :mod:`~lightning_oomb.engine.user_hooks`).
     """
 
     def __init__(
@@ -130,7 +133,9 @@ class OOMBEngine:
         self.stats = StepStats()
         self._page_budget = self.config.page_budget
         self.probe_recall = False
-        self._steps = 0
+        self._global_step: int | None = None  # the trainer's step (OOMBSparseBudget); None: the engine counts
+        self._steps = 0  # training steps: of this global step, else of this engine
+        self.user_hooks = UserHooks()  # the model's hooks, checked before every sweep
 
     def reconfigure(self, config: OOMBConfig) -> None:
         """Use ``config`` from the next step on (its ``"auto"`` options decided, e.g. by the strategy's memory plan);
@@ -148,6 +153,27 @@ class OOMBEngine:
             self.model.layer_checkpointing = True
         if hasattr(self.model, "mlp_tile"):
             self.model.mlp_tile = config.mlp_tile
+
+    @property
+    def global_step(self) -> int | None:
+        """The training step the next steps belong to (set by ``OOMBSparseBudget`` from the trainer's, which a
+        resume restores), from which the selection-recall probe draws its blocks; ``None``: the engine counts its
+        own training steps."""
+        return self._global_step
+
+    @global_step.setter
+    def global_step(self, step: int | None) -> None:
+        if step != self._global_step:
+            self._global_step, self._steps = step, 0
+
+    def _probe_seed(self, training: bool) -> int:
+        """The seed of a sparse step's probe draws: its training step's (and micro-batch's) number, counted by
+        training steps only (an evaluation uses the next one's without advancing)."""
+        if training:
+            self._steps += 1
+        if self._global_step is None:
+            return self._steps
+        return self._global_step * 2**16 + self._steps
 
     @property
     def page_budget(self) -> int | None:
@@ -176,8 +202,9 @@ class OOMBEngine:
         step's gradients would be silently wrong).
         """
         self._check_nothing_pending("engine.loss")
+        self.user_hooks.check(self.model, self._parameters(), training=True)
         with self._reporting():
-            step = self._plan(input_ids, labels, position_ids, attention_mask)
+            step = self._plan(input_ids, labels, position_ids, attention_mask, training=True)
             kept = self.config.reused_chunks(len(step.bounds)) if torch.is_grad_enabled() else 0
             step.reused_from = len(step.bounds) - kept if kept else None
             weight = self.model.lm_head().weight
@@ -200,6 +227,7 @@ class OOMBEngine:
         mode so that the next training step can keep writing into it.
         """
         self._check_nothing_pending("engine.evaluate")
+        self.user_hooks.check(self.model, (), training=False)
         with self._reporting():
             step = self._plan(input_ids, labels, position_ids, attention_mask)
             with torch.inference_mode(False), torch.no_grad():  # leaving inference mode re-enables grad
@@ -250,9 +278,11 @@ class OOMBEngine:
         check_kernel_shapes(backend, self.model.head_dim, self.config.page_size)
         return backend
 
-    def _plan(self, input_ids, labels, position_ids=None, attention_mask=None) -> _Step:
+    def _plan(
+        self, input_ids, labels, position_ids=None, attention_mask=None, training: bool = False
+    ) -> _Step:
         """Validate the inputs and cut the step into chunks, before any work (under context parallelism, first
-        check that every rank of the group has the same batch)."""
+        check that every rank of the group has the same batch); ``training``: a training step's."""
         if self.context is not None:
             self.context.check_same(fingerprint(input_ids, labels, position_ids, attention_mask), "batch")
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64) or 0 in input_ids.shape:
@@ -276,8 +306,8 @@ class OOMBEngine:
         layout = self._layout(input_ids, labels, position_ids, attention_mask)
         sparse = None
         if self.page_budget is not None:
-            self._steps += 1
-            sparse = SparseStep(self.page_budget, cfg.page_score, probe=self.probe_recall, seed=self._steps)
+            seed = self._probe_seed(training)
+            sparse = SparseStep(self.page_budget, cfg.page_score, probe=self.probe_recall, seed=seed)
         shape = PoolShape(
             model.num_layers,
             batch,
@@ -387,7 +417,13 @@ class OOMBEngine:
         # the gradient autograd will hand the cross-entropy: the division's backward, the same op
         expected = None if grad_output is None else grad_output / denominator
         head = self.model.lm_head()
-        into = None if expected is None else gradient_accumulator(head.weight, sums)
+        # a gradient hook on the head's weight (the embedding's, when tied) must see the head's gradient: then the
+        # cross-entropy hands it to autograd instead of adding it in place
+        into = (
+            None
+            if expected is None or gradient_hooks(head.weight)
+            else gradient_accumulator(head.weight, sums)
+        )
         total = linear_cross_entropy(hidden, head, targets, self.config.loss_block, expected, into)
         loss = total / denominator
         if step.step_loss is not None and sweep == "backward":

@@ -414,3 +414,35 @@ def test_each_offloaded_stream_copies_exactly_its_selected_pages():
         pages += start // PAGE if s.pages is None else len(s.pages[s.pages >= 0].unique())
     copied = sum(t.nbytes for t in engine.pool.transfers if t.direction == "h2d" and t.what == "kv")
     assert copied == pages * engine.pool.shape.page_bytes("kv") > 0
+
+
+def test_recall_probe_follows_the_global_step_not_the_engines_history():
+    """The probe's blocks are drawn by the trainer's step (``global_step``, restored by a resume) and the
+    micro-batch within it: a fresh engine at step 2 measures what an engine that ran steps 0-1 and evaluations
+    measures there (the weights are unchanged: no optimizer step); evaluations do not advance the draws."""
+    model = build_causal_lm("qwen2")
+    ids = torch.randint(0, 97, (1, SEQ), generator=torch.Generator().manual_seed(8))
+
+    def engine_at(step: int) -> OOMBEngine:
+        engine = OOMBEngine(HFChunkModel(model), OOMBConfig(CHUNK, PAGE, page_budget=1))
+        engine.probe_recall, engine.global_step = True, step
+        return engine
+
+    def recalls(engine, micro_batches=2) -> list[float]:
+        measured = []
+        for _ in range(micro_batches):
+            engine.loss(ids).backward()
+            measured.append(engine.stats.sparse.selection_recall)
+        return measured
+
+    ran = engine_at(0)
+    seen = [recalls(ran)]
+    ran.evaluate(ids)
+    ran.global_step = 1
+    seen.append(recalls(ran))
+    ran.evaluate(ids)
+    ran.global_step = 2
+    ran.evaluate(ids)
+    seen.append(recalls(ran))
+    assert recalls(engine_at(2)) == seen[2]
+    assert len({r for step in seen for r in step}) == 6  # each step and micro-batch draws its own blocks

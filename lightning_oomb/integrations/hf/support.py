@@ -6,7 +6,10 @@ convolutions, recurrent blocks) other than the mixers whose state OOMB carries a
 (:mod:`lightning_oomb.integrations.hf.states`), layer types other than attention and those hybrids' layers, attention that does not dispatch through ``AttentionInterface``, multi-head latent
 attention, attention dropout, the MoE router's auxiliary loss, non-causal attention, length-dependent RoPE
 that cannot be pinned, an LM head that is not a plain linear layer (a LoRA adapter on it) and attention shapes that
-differ between layers. :func:`logit_transform` reads the logit scale and softcap the model's head applies.
+differ between layers, and a training loss of the model's own that OOMB, which computes the next-token
+cross-entropy in its place and never calls the model's forward, would silently drop (a loss function set on the
+model, a ``loss_type`` naming another loss, a ``forward`` or ``loss_function`` defined outside transformers: a
+subclass adding a z-loss). :func:`logit_transform` reads the logit scale and softcap the model's head applies.
 
 :func:`verify_exactness` is the safety net for what a reading cannot see: it builds a *twin* of the model — the
 same class and config at a tiny width, in float64, on the CPU — and checks that the model's own head turns final
@@ -15,8 +18,10 @@ gradient agree between three chunks and one chunk (1e-6) and between one chunk a
 training (its ``logits`` with a cross-entropy: 1e-5) — float64 (a hybrid's recurrences too, which transformers
 computes in float32: :mod:`~lightning_oomb.integrations.hf.float64_rules`), but some models norm or softmax in
 float32 even then, while a chunking error is orders of magnitude larger — as the test suite does, to 1e-10, for the
-families it names. A mismatch or a failure refuses the model with the measured error; a twin that cannot be built,
-or cannot train itself, skips the check.
+families it names — and that the twin's own loss, given labels, is that cross-entropy (1e-5: transformers computes
+it in float32). A mismatch or a failure refuses the model with the measured error; a twin that cannot be built,
+or cannot train itself, skips the check. The check leaves the global random state as it found it (the twin seeds
+its own weights), and a verdict cached for the architecture builds no twin.
 """
 
 from __future__ import annotations
@@ -147,6 +152,41 @@ def _per_layer_shapes(config) -> list[str]:
     return differ
 
 
+def _defined_by(cls: type, attribute: str) -> type | None:
+    """The first class of ``cls``'s MRO that defines ``attribute`` itself."""
+    return next((c for c in cls.__mro__ if attribute in vars(c)), None)
+
+
+def _outside_transformers(cls: type | None) -> bool:
+    return cls is not None and not cls.__module__.startswith("transformers.")
+
+
+def _own_loss(model: torch.nn.Module) -> str | None:
+    """What makes ``model``'s training loss other than the next-token cross-entropy of its logits (its MoE router's
+    balancing loss aside) that OOMB computes in its place — OOMB never calls the model's forward or its
+    ``loss_function`` — or ``None``: a loss function set on the model (``model.loss_function = ...``, or a
+    ``loss_type`` that names another of transformers' losses), a ``loss_function`` or ``forward`` defined outside
+    transformers (a subclass that adds a term: a z-loss, a regulariser). A subclass that overrides neither, and a
+    peft model (the strategy trains the transformers model inside it), are plain."""
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+
+    cls = type(model)
+    if hasattr(model, "_loss_function"):  # what transformers' loss_function property returns first
+        function = model._loss_function
+        return f"model.loss_function = {getattr(function, '__name__', function)}, set on the model"
+    if _outside_transformers(owner := _defined_by(cls, "loss_function")):
+        return f"its loss_function, defined by {owner.__module__}.{owner.__qualname__}"
+    loss_type = getattr(model, "loss_type", None)
+    if loss_type is not None and LOSS_MAPPING.get(loss_type, ForCausalLMLoss) not in (
+        ForCausalLMLoss,
+        LOSS_MAPPING.get("ForCausalLM"),
+    ):
+        return f"its loss_type={loss_type!r} (transformers' {LOSS_MAPPING[loss_type].__name__})"
+    if _outside_transformers(owner := _defined_by(cls, "forward")):
+        return f"its forward, defined by {owner.__module__}.{owner.__qualname__}"
+    return None
+
+
 def check_supported(model: torch.nn.Module) -> None:
     """Raise :class:`OOMBConfigError` if the adapter cannot train ``model`` exactly; say why and what to do."""
     from transformers import PreTrainedModel
@@ -156,6 +196,15 @@ def check_supported(model: torch.nn.Module) -> None:
         raise OOMBConfigError(
             f"{name} is not a Hugging Face causal LM with an LM head — the OOMB adapter drives "
             "`*ForCausalLM` models — load the model with AutoModelForCausalLM."
+        )
+    if own := _own_loss(model):
+        raise OOMBConfigError(
+            f"OOMB cannot train {name} with its own loss ({own}): OOMB replaces the model's forward and computes "
+            "the plain next-token cross-entropy (mean over the labels) itself, so anything else the model's loss "
+            "does would be silently lost — compute an extra term of the parameters in "
+            "training_step and add it to the loss the model call returns; leave the forward and loss_function "
+            "transformers' own (a subclass that does not override them; del model._loss_function); or train with "
+            "strategy='auto' for a loss that needs the logits (label smoothing, z-loss)."
         )
     config = model.config
     reasons = []
@@ -306,13 +355,31 @@ def _tiny(d: dict) -> None:
             _tiny(d[sub])
 
 
-def _twin(model: torch.nn.Module):
+def _tiny_config(model: torch.nn.Module):
+    """The twin's config: ``model``'s shrunk by :func:`_tiny`."""
     config = model.config
     d = config.to_dict()
     _tiny(d)
     tiny = type(config).from_dict(d)
     with contextlib.suppress(Exception):  # MoE experts looped in eager torch: grouped matmuls refuse float64
         tiny._experts_implementation = "eager"
+    return tiny
+
+
+@contextlib.contextmanager
+def _own_rng():
+    """The random state as it was, afterwards: the twin's weights come from a seed of their own, and the user's
+    ``seed_everything`` (shuffles, dropout masks) must go on as if no check had run. The CPU generator, and the
+    current CUDA device's when CUDA is running (nothing here starts it, or seeds any other device's)."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []):
+        yield
+
+
+def _twin(model: torch.nn.Module, tiny=None):
+    """A float64 CPU twin of ``model`` of the config ``tiny`` (default: :func:`_tiny_config`), and that config.
+    Seeds the CPU generator: call it under :func:`_own_rng`."""
+    tiny = _tiny_config(model) if tiny is None else tiny
     with torch.device("meta"):  # its size first, allocating nothing
         size = sum(p.numel() for p in type(model)(tiny).parameters())
     if size > _TWIN_MAX_PARAMETERS:
@@ -320,7 +387,8 @@ def _twin(model: torch.nn.Module):
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        torch.manual_seed(0)
+        # not torch.manual_seed: it would also seed CUDA's generators (or queue their seeding until CUDA starts)
+        torch.default_generator.manual_seed(0)
         with torch.device("cpu"):
             twin = type(model)(tiny)
     finally:
@@ -388,9 +456,42 @@ def _mismatch(twin: torch.nn.Module, adapter_cls) -> str | None:
         raise _UnusableTwin from err
     chunked = _loss_and_grads(twin, ids, oomb(_TWIN_CHUNK))
     whole = _loss_and_grads(twin, ids, oomb(_TWIN_CHUNK * 4))
-    return _difference(whole, reference, 1e-5, "against the model's own training") or _difference(
-        chunked, whole, 1e-6, "between three chunks and one"
+    return (
+        _difference(whole, reference, 1e-5, "against the model's own training")
+        or _difference(chunked, whole, 1e-6, "between three chunks and one")
+        or _own_loss_difference(twin, ids, reference[0])
     )
+
+
+def _own_loss_difference(twin: torch.nn.Module, ids: torch.Tensor, want: torch.Tensor) -> str | None:
+    """``None`` if the loss the twin's forward computes itself, given labels, is the loss the reference computes
+    from its logits (the next-token cross-entropy, plus the router's balancing loss) — else what differs: a loss
+    function or a term transformers' class (or a global ``LOSS_MAPPING`` entry) adds, that OOMB would not compute,
+    or labels it takes as already shifted (``WhisperForCausalLM``: OOMB would shift them again).
+    Only the value is compared, to 1e-5: transformers computes its cross-entropy in float32, whose rounding a
+    gradient comparison could not tell from an error; a different loss differs by far more. ``None`` too if the
+    forward has no loss or fails given labels."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # a subclass's loss_type=None warning: about the twin, not the user's model
+    try:
+        with torch.no_grad():
+            got = twin(input_ids=ids, labels=ids, use_cache=False).loss
+    except Exception:
+        return None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    if not isinstance(got, torch.Tensor) or got.numel() != 1:
+        return None
+    error = _relative(got.detach().to(want.dtype).reshape(()), want)
+    if error > 1e-5:
+        return (
+            f"that its own training loss (its forward given labels) differs from the next-token cross-entropy of "
+            f"its logits, which OOMB computes, by a relative error of {error:.1e} (a loss function or a term OOMB "
+            "does not compute, or labels the model does not shift: WhisperForCausalLM's)"
+        )
+    return None
 
 
 def _head_mismatch(twin: torch.nn.Module, adapter_cls) -> str | None:
@@ -444,25 +545,30 @@ def verify_exactness(model: torch.nn.Module, adapter_cls) -> bool:
     dtype, run in float64 in the twin (:mod:`~lightning_oomb.integrations.hf.float64_rules`): else its chunkings
     would differ by float32 rounding (up to 4e-2 in ``A_log``'s gradient of a tiny Qwen3-Next twin) and the check
     could not tell rounding from an error."""
-    try:
-        twin, tiny = _twin(model)
-    except Exception:  # a config that does not shrink: nothing to check against
-        return False
-    # float32 recurrences the twin cannot compute in float64 (an unknown rule's name): only its head is checked
-    unknown = float32_recurrences(model) and not float32_rules_of(twin)
-    key = f"{type(model).__qualname__}:{tiny.to_json_string()}"
-    if key not in _verdicts:
+    with _own_rng():  # the twin's seed and the check's draws leave the user's random state as it was
         try:
-            with float64_recurrences(twin):
-                _verdicts[key] = _head_mismatch(twin, adapter_cls) or (
-                    _UNCHECKED if unknown else _mismatch(twin, adapter_cls)
-                )
-        except _UnusableTwin:
-            _verdicts[key] = _UNCHECKED
-        except OOMBConfigError as err:
-            _verdicts[key] = str(err)
-        except Exception as err:
-            _verdicts[key] = f"that running it in chunks fails ({type(err).__name__}: {err})"
+            tiny = _tiny_config(model)
+            key = f"{type(model).__qualname__}:{tiny.to_json_string()}"
+        except Exception:  # a config that does not shrink: nothing to check against
+            return False
+        if key not in _verdicts:  # once per architecture: no twin is built for a verdict already known
+            try:
+                twin, _ = _twin(model, tiny)
+            except Exception:  # nothing to check against
+                return False
+            # float32 recurrences the twin cannot compute in float64 (an unknown rule's name): only its head checked
+            unknown = float32_recurrences(model) and not float32_rules_of(twin)
+            try:
+                with float64_recurrences(twin):
+                    _verdicts[key] = _head_mismatch(twin, adapter_cls) or (
+                        _UNCHECKED if unknown else _mismatch(twin, adapter_cls)
+                    )
+            except _UnusableTwin:
+                _verdicts[key] = _UNCHECKED
+            except OOMBConfigError as err:
+                _verdicts[key] = str(err)
+            except Exception as err:
+                _verdicts[key] = f"that running it in chunks fails ({type(err).__name__}: {err})"
     verdict = _verdicts[key]
     if verdict not in (None, _UNCHECKED):
         raise OOMBConfigError(
