@@ -9,7 +9,6 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_oomb.context_parallel import OOMBContextParallelStrategy
 from lightning_oomb.engine import OOMBConfig, OOMBConfigError, OOMBEngine
 from lightning_oomb.engine.planner import plan  # lightning_oomb.plan(...): a step's memory, before allocating
-from lightning_oomb.precision import OOMBPrecision
 from lightning_oomb.strategy import OOMBStrategy
 
 __version__ = "0.1.0.dev0"
@@ -22,7 +21,6 @@ __all__ = [
     "OOMBConfigError",
     "OOMBContextParallelStrategy",
     "OOMBEngine",
-    "OOMBPrecision",
     "OOMBStrategy",
     "__version__",
     "plan",

@@ -30,7 +30,7 @@ from lightning_oomb.engine import OOMBConfig, OOMBConfigError, OOMBEngine
 from lightning_oomb.engine.model import ManagedModel
 from lightning_oomb.engine.planner import Machine, plan, step_size_of
 from lightning_oomb.integrations import managed_model
-from lightning_oomb.precision import OOMBPrecision
+from lightning_oomb.precision import checked_precision
 
 
 def config_from_arguments(arguments: dict[str, Any]) -> OOMBConfig:
@@ -57,18 +57,18 @@ def most_micro_batches(trainer) -> int:
 
 
 class _OOMBStrategyMixin:
-    """What every OOMB strategy shares: precision wrapping, the engine and the model-call interception."""
+    """What every OOMB strategy shares: the precision check, the engine and the model-call interception."""
 
     engine: OOMBEngine | None = None
     model_adapter: ManagedModel | None = None
 
     @property
     def precision_plugin(self) -> Precision:
-        return self._precision_plugin if self._precision_plugin is not None else OOMBPrecision()
+        return self._precision_plugin if self._precision_plugin is not None else Precision()
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
-        self._precision_plugin = OOMBPrecision.wrap(plugin)
+        self._precision_plugin = checked_precision(plugin)
 
     def _build_engine(self, module: LightningModule) -> None:
         if not module.automatic_optimization:
@@ -224,7 +224,7 @@ class OOMBStrategy(_OOMBStrategyMixin, SingleDeviceStrategy):
             options that would; ``False`` skips it.
         device: explicit device; by default the Trainer's accelerator decides (``accelerator="auto"`` works).
         accelerator, checkpoint_io, precision_plugin: as for Lightning's ``SingleDeviceStrategy`` (a stock
-            precision plugin is wrapped in :class:`~lightning_oomb.precision.OOMBPrecision`).
+            precision plugin, kept as it is: :mod:`~lightning_oomb.precision`).
         """,
     )
 

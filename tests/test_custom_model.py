@@ -4,27 +4,18 @@ checkpointing; and the example script runs."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from lightning_oomb.engine import OOMBConfig
+from tests.helpers.examples import load_example
 from tests.helpers.lightning import oomb_step_through_trainer
 from tests.helpers.models import max_relative_error
-
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_model.py"
 
 
 @pytest.fixture(scope="module")
 def example():
-    spec = importlib.util.spec_from_file_location("custom_model", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_example("custom_model")
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])

@@ -22,7 +22,7 @@ or the environment variable ``OOMB_ATTENTION_BACKEND`` (``auto`` | ``torch`` | `
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Literal
 
@@ -62,7 +62,8 @@ class ChunkContext:
     (:mod:`lightning_oomb.engine.states`). ``tokens``: right padding — which of the call's tokens ``[B, L]`` are real
     (``None``: all; e.g. a router's balancing loss counts only those). ``results``: ``reuse_attention`` — the
     forward sweep keeps this chunk's (``index``-th of ``chunks``) results there, the backward sweep's recompute
-    takes them (:mod:`lightning_oomb.engine.results`).
+    takes them (:mod:`lightning_oomb.engine.results`). ``written``: the layers whose K/V this forward or eval pass
+    over the chunk has stored (a second call with one of them is refused).
     """
 
     pool: KVPool
@@ -82,6 +83,7 @@ class ChunkContext:
     results: ForwardResults | None = None
     index: int = 0
     chunks: int = 0
+    written: set[int] = field(default_factory=set, repr=False)
 
 
 @dataclass(frozen=True)
@@ -264,9 +266,7 @@ class PagedAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, chunk: ChunkContext, layer: int, scale: float, window, softcap, sinks):
         pool = chunk.pool
         if chunk.sweep != "backward":  # the backward sweep's recompute writes nothing new
-            shape = chunk.shape.for_dtype(k.dtype)
-            if pool.shape != shape:
-                pool.reserve(shape, k.device)
+            _claim(chunk, layer, k)
         kept = _take_kept(chunk, layer)
         if chunk.context is not None:
             return _forward_across_group(ctx, q, k, v, chunk, layer, scale, window, softcap, sinks, kept)
@@ -319,6 +319,77 @@ class PagedAttention(torch.autograd.Function):
             dsinks = sink_grad(sinks, lse, delta) if sinks is not None and ctx.needs_input_grad[8] else None
         dk, dv = pool.read_grad(layer, chunk.start, q.shape[2])
         return dq, dk.to(kv_dtype), dv.to(kv_dtype), None, None, None, None, None, dsinks
+
+
+def _claim(chunk: ChunkContext, layer: int, k: torch.Tensor) -> None:
+    """Record that this forward or eval pass over the chunk stores ``layer``'s K/V; the sweep's first call sizes the
+    pool for its K/V dtype. A layer stored before in this pass, or K/V of another dtype, is refused: either would
+    overwrite pages that earlier calls' gradients are read from. (The backward sweep repeats the pass: it claims
+    nothing, as it writes nothing new.)"""
+    if layer in chunk.written:
+        raise OOMBConfigError(
+            f"paged_attention was called twice with layer={layer} in one chunk — each call stores the chunk's K/V "
+            "in its layer's pages, so the second call overwrites the first's and the gradients come out wrong — "
+            f"each paged_attention call needs its own layer index in 0..num_layers-1; num_layers counts attention "
+            f"calls (the model declares {chunk.shape.num_layers}: two calls in one layer take two indices)."
+        )
+    pool, shape = chunk.pool, chunk.shape.for_dtype(k.dtype)
+    if chunk.index == 0 and not chunk.written:  # the sweep's first call: a new step, maybe a new dtype
+        if pool.shape != shape:
+            pool.reserve(shape, k.device)
+    elif pool.shape != shape:
+        raise OOMBConfigError(
+            f"layer {layer} passes {k.dtype} keys and values but this step's first attention call passed "
+            f"{pool.shape.dtype} — every layer's pages live in one pool of one dtype — cast q, k and v to one dtype "
+            "before paged_attention in every layer (and its output back, if the layer needs another)."
+        )
+    chunk.written.add(layer)
+
+
+def _check_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: ChunkContext, layer: int) -> None:
+    """Refuse a call whose layer index or tensor shapes do not fit the chunk and the model's declared shape (shape
+    reads only: it runs on every call)."""
+    shape = chunk.shape
+    if not 0 <= layer < shape.num_layers:
+        raise OOMBConfigError(
+            f"paged_attention was called with layer={layer} but the model declares num_layers={shape.num_layers} — "
+            "the pool holds pages for layers 0..num_layers-1 only — each paged_attention call needs its own layer "
+            "index in 0..num_layers-1; num_layers counts attention calls."
+        )
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise OOMBConfigError(
+            f"layer {layer} calls paged_attention with {_shapes(q, k, v)} — it takes q [batch, heads, tokens, "
+            "head_dim] and k, v [batch, kv_heads, tokens, head_dim] — view the projections per head and transpose "
+            "[B, L, H, D] to [B, H, L, D] with .transpose(1, 2)."
+        )
+    if k.shape != v.shape:
+        raise OOMBConfigError(
+            f"layer {layer} calls paged_attention with {_shapes(q, k, v)}: keys and values of different shapes — "
+            "one page pool holds both, in one shape — values with another head dim than the keys (or other head "
+            "counts) are not supported: train this model with another strategy."
+        )
+    rows = (
+        max(chunk.context.own, 1)
+        if chunk.context is not None
+        else min(shape.chunk_size, shape.seq_len - chunk.start)
+    )
+    want = (shape.batch, rows, shape.head_dim)
+    if (q.shape[0], q.shape[2], q.shape[3]) != want or (k.shape[0], k.shape[2], k.shape[3]) != want:
+        raise OOMBConfigError(
+            f"layer {layer} calls paged_attention with {_shapes(q, k, v)} but the chunk has batch {shape.batch} "
+            f"and {rows} tokens, and the model declares head_dim={shape.head_dim} — every call attends the whole chunk "
+            "with the declared head dim — pass the chunk's q, k, v as [batch, heads, tokens, head_dim] (or correct "
+            "the model's head_dim)."
+        )
+    if q.shape[1] % k.shape[1]:
+        raise OOMBConfigError(
+            f"layer {layer} calls paged_attention with {q.shape[1]} query heads and {k.shape[1]} KV heads — each KV "
+            "head serves a group of query heads — use a multiple of the KV heads for the query heads."
+        )
+
+
+def _shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    return f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
 
 
 def _attend_call(q, chunk: ChunkContext, layer: int, scale, window, softcap, sinks):
@@ -468,5 +539,9 @@ def paged_attention(
     """Attention of a chunk's ``q [B, Hq, Lq, D]`` over its layer's pages plus its own ``k, v``; ``[B, Hq, Lq, D]``.
 
     ``window``: a sliding window of keys (query ``i`` sees ``W`` keys up to itself); ``softcap``: scores
-    ``c * tanh(s / c)``; ``sinks [Hq]``: one extra logit per query head in every row's softmax."""
+    ``c * tanh(s / c)``; ``sinks [Hq]``: one extra logit per query head in every row's softmax. ``layer``: the
+    call's own index in ``0..num_layers-1`` (a layer attending twice takes two). Every call's ``k`` has the dtype
+    of the step's first call (the pool's). A call that does not fit the chunk, the model's declared shape or these
+    rules raises :class:`OOMBConfigError`."""
+    _check_call(q, k, v, chunk, layer)
     return PagedAttention.apply(q, k, v, chunk, layer, scale, window, softcap, sinks)

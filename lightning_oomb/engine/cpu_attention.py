@@ -31,8 +31,8 @@ from lightning_oomb.engine.pages import add_tokens, gather_tokens
 
 __all__ = ["attention_delta", "paged_attention_backward", "paged_attention_forward"]  # the backend contract
 
-_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+_flash_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_flash_backward_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 PAST_BLOCK = 16384  # keys per call before q_start: bounds the gathered copy of K/V, not the work
 
 
@@ -41,6 +41,20 @@ def fast_path(q: torch.Tensor, q_start: int, window, softcap, doc_start, page_se
     no_window = window is None or window >= q_start + q.shape[2]
     plain = softcap is None and doc_start is None and page_select is None and visits is None
     return q.device.type == "cpu" and no_window and plain
+
+
+def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with unit stride along its last dim, copied only when it has another: the fused kernels honour every
+    other stride but read the head dim as if dense (a ``q`` transposed from ``[.., D, L]`` gave wrong results)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _flash(q, k, v, causal: bool, scale: float):
+    return _flash_op(*map(_unit_last_stride, (q, k, v)), 0.0, causal, scale=scale)
+
+
+def _flash_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    return _flash_backward_op(*map(_unit_last_stride, (dout, q, k, v, out, lse)), 0.0, causal, scale=scale)
 
 
 def _pieces(q_start: int, lo: int, hi: int):
@@ -75,8 +89,8 @@ def _attend(q, k, v, causal: bool, scale: float):
     """``(out, lse)`` ``[B, Hq, L, D]``, ``[B, Hq, L]`` of one piece (``k, v`` per KV head)."""
     b, hq, lq, d = q.shape
     if causal:
-        return _flash(q, _per_query_head(k, hq), _per_query_head(v, hq), 0.0, True, scale=scale)
-    out, lse = _flash(_stacked(q, k.shape[1]), k, v, 0.0, False, scale=scale)
+        return _flash(q, _per_query_head(k, hq), _per_query_head(v, hq), True, scale)
+    out, lse = _flash(_stacked(q, k.shape[1]), k, v, False, scale)
     return out.reshape(b, hq, lq, d), lse.reshape(b, hq, lq)
 
 
@@ -84,11 +98,12 @@ def _attend_backward(dout, q, out, lse, k, v, causal: bool, scale: float):
     """``(dq [B, Hq, L, D], dk, dv [B, Hkv, Lk, D])`` of one piece, as :func:`_attend` splits it."""
     hq, hkv = q.shape[1], k.shape[1]
     if causal:
-        dq, dk, dv = _flash_backward(dout, q, _per_query_head(k, hq), _per_query_head(v, hq), out, lse, 0.0, True,
-                                     scale=scale)  # fmt: skip
+        dq, dk, dv = _flash_backward(
+            dout, q, _per_query_head(k, hq), _per_query_head(v, hq), out, lse, True, scale
+        )
         return dq, _grouped_sum(dk, hkv), _grouped_sum(dv, hkv)
     dout, qs, out, lse = (_stacked(x, hkv) for x in (dout, q, out, lse))
-    dq, dk, dv = _flash_backward(dout, qs, k, v, out, lse, 0.0, False, scale=scale)
+    dq, dk, dv = _flash_backward(dout, qs, k, v, out, lse, False, scale)
     return dq.reshape(q.shape), dk, dv
 
 

@@ -131,8 +131,8 @@ class LinearCrossEntropy(torch.autograd.Function):
                 "once, in its forward — back-propagate through it once (without retain_graph), or call it again."
             )
         if ctx.added:  # made at the promised scale, the weight's already added: nothing to rescale
-            torch._assert_async(
-                grad_total == grads.scale,
+            torch._assert_async(  # (a NaN loss gradient, e.g. a NaN loss squared, is the NaN promised)
+                (grad_total == grads.scale) | (grad_total.isnan() & grads.scale.isnan()),
                 "linear_cross_entropy got another gradient than expected_grad, at whose scale the weight's gradient "
                 "was already added into weight_grad — pass the gradient that will reach the loss",
             )

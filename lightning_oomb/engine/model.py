@@ -12,28 +12,113 @@ any other ``nn.Module`` can implement them too — with :class:`ManagedModelMixi
 
 A model with layers that carry a state along the sequence (a recurrence, a causal convolution) sets
 ``carries_states = True``: the engine then passes each chunk's :class:`~lightning_oomb.engine.states.ChunkStates`
-as ``chunk.states``, whose ``incoming(key)`` the layer starts from and ``outgoing(key, state)`` it reports, and
-carries states and gradients across chunks (:mod:`lightning_oomb.engine.states`).
+as ``chunk.states``, whose ``incoming(key)`` the layer starts from (``None`` in the first chunk: its zero state)
+and ``outgoing(key, state)`` it reports, and carries states and gradients across chunks
+(:mod:`lightning_oomb.engine.states`). Every chunk must report every key, with the same shapes and dtypes (the
+next chunk starts from what was reported), and each reported state must stay attached to the chunk's graph —
+computed from the incoming state and the chunk's inputs, neither detached nor made under ``no_grad`` — so that its
+gradient reaches the earlier chunks.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import functools
+import types
+from collections.abc import Callable, Iterator
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from lightning_oomb.engine.attention import ChunkContext
+from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.loss import LMHead
 
 # respond(input_ids [B, N], labels [B, N] | None, position_ids=None, attention_mask=None) -> the loss of the call
 Respond = Callable[..., torch.Tensor]
+_ANSWERS = "_oomb_answers_calls"  # marks the temporary forward of answered_by
+
+
+def runs_class_forward(module: torch.nn.Module, forward: Callable) -> bool:
+    """Whether ``forward``, set on ``module`` itself, only runs its class's forward: that forward bound to it,
+    ``torch.compile(module.forward)``, accelerate's hook around such (``_hf_hook``: device placement, offload), or
+    :func:`answered_by`'s forward left on a copy (it runs the copy's class forward)."""
+    if isinstance(forward, types.MethodType):
+        function = forward.__func__
+        return forward.__self__ is module and (
+            function is type(module).forward or hasattr(function, _ANSWERS)
+        )
+    if (compiled := getattr(forward, "_torchdynamo_orig_callable", None)) is not None:
+        return runs_class_forward(module, compiled)
+    if (
+        isinstance(forward, functools.partial)
+        and getattr(forward.func, "__module__", None) == "accelerate.hooks"
+        and getattr(module, "_hf_hook", None) is not None
+        and (inner := getattr(module, "_old_forward", None)) is not forward
+    ):
+        return runs_class_forward(module, inner)
+    return False
+
+
+@contextlib.contextmanager
+def answered_by(module: torch.nn.Module, answer: Callable) -> Iterator[None]:
+    """While the block runs, ``module(...)`` returns ``answer(...)``; a copy made meanwhile (``copy.deepcopy``
+    rebinds the temporary method to the copy) runs its class's forward, as a plain model. A ``forward`` set on the
+    instance is put back afterwards; one that does more than run the class's forward (:func:`runs_class_forward`:
+    a wrapper adding a loss term) is refused, since the answer never runs it. ``torch.compile(module.forward)`` is
+    accepted: the engine runs the model a chunk at a time, uncompiled."""
+    own = vars(module).get("forward")
+    if own is not None and not runs_class_forward(module, own):
+        raise OOMBConfigError(
+            f"{type(module).__name__}'s forward is replaced on the instance "
+            f"({getattr(own, '__qualname__', type(own).__name__)}) — the OOMB strategy answers the model's calls "
+            "in its steps with the engine's chunked loss and never runs that forward, so whatever it adds would be "
+            "silently lost — compute an extra term in training_step and add it to the loss the model call "
+            "returns, or remove the instance forward (`del model.forward`)."
+        )
+
+    def forward(self, *args, **kwargs):
+        if self is not module:  # a copy made while the block runs
+            return type(self).forward(self, *args, **kwargs)
+        return answer(*args, **kwargs)
+
+    setattr(forward, _ANSWERS, True)
+    module.forward = types.MethodType(forward, module)
+    try:
+        yield
+    finally:
+        if own is None:
+            vars(module).pop("forward", None)
+        else:
+            module.forward = own
 
 
 @runtime_checkable
 class ChunkModel(Protocol):
-    """What the engine needs from a model."""
+    """What the engine needs from a model.
+
+    **Attention calls.** ``num_layers`` counts :func:`~lightning_oomb.engine.attention.paged_attention` call slots,
+    not blocks: each call in a chunk's forward takes its own ``layer`` index in ``0 .. num_layers - 1`` (a block that
+    attends twice takes two; only a checkpoint's recompute calls an index again). Every layer's ``k, v`` have the
+    same dtype and shape, ``[B, kv_heads, L, head_dim]`` (one pool holds them all). The op is causal attention with
+    the engine's document masks (packed sequences) and, per call, a sliding ``window``, a ``softcap`` and ``sinks``;
+    there is no additive score bias (ALiBi, relative-position bias) and no custom mask.
+
+    **Optional attributes.** ``layer_windows``: per layer index, the ``window`` its call passes (``None``: full
+    attention); window layers then keep only the pages their window reaches, and a call passing another window is
+    refused (without it every page is kept). ``carries_states`` (the module docstring); ``new_step_loss()``
+    (:class:`StepLoss`).
+
+    **Memory plan** (:mod:`~lightning_oomb.engine.planner`: the strategies' setup check, ``oomb plan``). An
+    ``nn.Module`` model's parameters are counted exactly, its activations with the Llama-style layer formula read
+    off its modules: the hidden size from the LM head, one attention per call slot, one MLP per ``nn.Linear`` that
+    projects a wider input back to the hidden size (its down projection; the widest such input is the MLP width),
+    so MLP-only blocks count with nothing declared. A model that carries states declares their size with
+    ``carried_state_elements() -> (elements in the activations' dtype, float32 elements)`` per batch row and chunk
+    boundary (without it they are not counted: the plan's notes say so), and may describe its carried layers with
+    ``carried_mixer_shapes()`` (:class:`~lightning_oomb.engine.planner.Mixer`: gated delta-net, Mamba2, gated short
+    convolution); a carried layer it does not describe saves activations the plan does not count.
+    """
 
     num_layers: int
     kv_heads: int
@@ -86,7 +171,8 @@ class ManagedModelMixin:
 
     The model still defines ``num_layers``, ``kv_heads``, ``head_dim``, ``vocab_size``, ``num_embeddings``,
     ``hidden_states`` (its attention modules call :func:`~lightning_oomb.engine.attention.paged_attention` with
-    their layer index when a chunk context is given) and ``lm_head``. This mixin adds: ``engaged`` (nothing to
+    their layer index when a chunk context is given) and ``lm_head``, and what :class:`ChunkModel` says of attention
+    calls, optional attributes and the memory plan applies. This mixin adds: ``engaged`` (nothing to
     switch), ``answer_calls`` (inside the strategy's steps, ``model(input_ids, labels=None, position_ids=None,
     attention_mask=None)`` returns the engine's loss tensor — override it if your ``forward`` differs), and ``layer_checkpointing``, which
     the strategy sets from its option, as an engine does whose config says ``True`` (checkpoint your blocks in
@@ -103,8 +189,5 @@ class ManagedModelMixin:
         def forward(input_ids, labels=None, position_ids=None, attention_mask=None):
             return respond(input_ids, labels, position_ids=position_ids, attention_mask=attention_mask)
 
-        self.forward = forward
-        try:
+        with answered_by(self, forward):
             yield
-        finally:
-            del self.forward

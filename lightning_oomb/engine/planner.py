@@ -59,7 +59,8 @@ options that would make it fit (each tried in the planner).
 - *reused attention results* (``reuse_attention``): the forward sweep's output and log-sum-exp of every attention
   layer for the kept chunks, one whole-chunk slot each, in page-locked host memory (:func:`reused_attention_bytes`);
   on the device they take the place of the recompute's own results (no new term).
-- *carried states* (hybrids: :mod:`~lightning_oomb.engine.states`): each row's recurrent / convolution states at
+- *carried states* (hybrids, and ChunkModels that declare ``carried_state_elements()``:
+  :mod:`~lightning_oomb.engine.states`): each row's recurrent / convolution states at
   every chunk boundary; with ``offload=True`` they wait in a page-locked host buffer instead (counted in the host
   tier, each boundary rounded up to 8 bytes) and the device holds two boundaries' worth (a chunk's incoming leaves
   and the gradients it hands on). While a chunk is back-propagated three boundaries' worth more are in flight
@@ -73,9 +74,12 @@ gradient, the optimizer step). Gradients count as allocated throughout (they are
 gradients accumulate). The plan is of allocated bytes (``torch.cuda.max_memory_allocated``): the caching
 allocator's fragmentation and the CUDA context come on top. Calibrated on CPU runs of tiny Llama / Qwen2 / Qwen3 /
 Mistral models (saved tensors exact, a step's allocation peak within a few percent); other families and
-non-Hugging-Face ChunkModels use the same layer formula and say so in :attr:`MemoryPlan.notes`. Hybrids' carried
+non-Hugging-Face ChunkModels use the same layer formula and say so in :attr:`MemoryPlan.notes` — one attention per
+paged-attention call slot, one MLP per down projection their modules show, autocast's copies of their ``nn.Linear``
+weights (:func:`_shape_of_chunk_model`; ``engine/model.py``'s ``ChunkModel`` tells their authors). Hybrids' carried
 mixers (Qwen3-Next, Bamba, Falcon-H1, LFM2) and float32 LoRA adapters of a bfloat16 model: a CPU step's peak
-within -4 % .. +10 % (``tests/engine/test_planner_hybrids.py``, ``tests/engine/test_planner.py``).
+within -4 % .. +10 % (``tests/engine/test_planner_hybrids.py``, ``tests/engine/test_planner.py``); a ChunkModel with
+MLP-only blocks or a carried short convolution: 0 % .. +5 % (``tests/engine/test_planner_custom.py``).
 
 **Options.** When the step does not fit, :func:`plan` plans the changes that could make it fit and lists those that
 do (:attr:`MemoryPlan.options`): ``kv_grad_dtype="bfloat16"``, ``grad_accumulation="float32-host"`` (on a GPU) or
@@ -189,7 +193,10 @@ class ModelShape:
     has one: :class:`Mixer`). ``adapters``: trainable LoRA adapters (peft) as ``(in_features, rank, itemsize,
     count)``; ``frozen_layers``: the decoder's own weights get no gradients (LoRA). ``windows``: each paged layer's
     sliding window (``None`` in it: full attention; ``None``: every layer full), so window layers keep only their
-    tails."""
+    tails. ``mlp_layers``: the layers' MLPs (``None``: one per layer; a ChunkModel: those its modules show,
+    :func:`_shape_of_chunk_model`); ``linear_weights``: elements of the decoder's ``nn.Linear`` weights, each saved once more
+    as a compute-dtype copy under autocast (``None``: the Llama-style layers'); ``unsized_states``: the model
+    carries states but does not say their size (not counted)."""
 
     num_layers: int
     hidden_size: int
@@ -225,6 +232,14 @@ class ModelShape:
     adapters: tuple[tuple[int, int, int, int], ...] = ()
     frozen_layers: bool = False
     windows: tuple[int | None, ...] | None = None
+    mlp_layers: int | None = None
+    linear_weights: int | None = None
+    unsized_states: bool = False
+
+    @property
+    def mlps(self) -> int:
+        """Layers' MLPs (a ChunkModel's MLP-only blocks included)."""
+        return self.num_layers if self.mlp_layers is None else self.mlp_layers
 
     @property
     def mlp_width(self) -> int:
@@ -282,8 +297,9 @@ class ModelShape:
 def model_shape(model: Any) -> ModelShape:
     """The :class:`ModelShape` of ``model``: a :class:`ModelShape`, a transformers config (a multimodal one's
     decoder config; or a ``{"model_type": ...}``-style dict of its fields), an ``nn.Module`` holding one (its parameters are counted
-    exactly), a ChunkModel adapter around one, or any ChunkModel (its MLP width and head count read off its
-    modules)."""
+    exactly), a ChunkModel adapter around one, or any ChunkModel ``nn.Module`` (its parameters counted exactly, its
+    MLPs, widths and head count read off its modules, its carried states as it declares them:
+    :func:`_shape_of_chunk_model`)."""
     if isinstance(model, ModelShape):
         return model
     if isinstance(model, Mapping):
@@ -384,36 +400,51 @@ def _config_windows(cfg: Any) -> tuple[int | None, ...] | None:
 
 
 def _shape_of_chunk_model(model: torch.nn.Module) -> ModelShape:
+    """A ChunkModel's shape read off its modules (``engine/model.py``'s ``ChunkModel`` says it to the model's
+    author): the hidden size from the LM head; its MLPs are the ``nn.Linear`` modules that project a wider input
+    back to the hidden size (their down projections: one per MLP, the widest input the MLP width; none found: one
+    MLP per attention call slot, as wide as the widest ``nn.Linear``); its blocks as many as its attention call
+    slots (``num_layers``) or MLPs, the more; ``layer_windows`` and carried states as its adapter declares them
+    (:func:`_with_adapter`)."""
     lm_head = model.lm_head()
     head = lm_head.weight
+    hidden = head.shape[1]
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight is not head]
-    widest = max((max(m.in_features, m.out_features) for m in linears), default=4 * head.shape[1])
-    return ModelShape(
-        num_layers=model.num_layers,
-        hidden_size=head.shape[1],
-        intermediate_size=widest,
-        num_heads=max(1, head.shape[1] // model.head_dim),
+    downs = [m.in_features for m in linears if m.out_features == hidden < m.in_features]
+    widest = max((max(m.in_features, m.out_features) for m in linears), default=4 * hidden)
+    mlps = len(downs) or model.num_layers
+    shape = ModelShape(
+        num_layers=max(model.num_layers, mlps),
+        hidden_size=hidden,
+        intermediate_size=max(downs, default=widest),
+        num_heads=max(1, hidden // model.head_dim),
         kv_heads=model.kv_heads,
         head_dim=model.head_dim,
         vocab_size=model.vocab_size,
         num_embeddings=model.num_embeddings,
         family=type(model).__name__,
         logit_softcap=lm_head.softcap is not None,
-        windows=getattr(model, "layer_windows", None),
+        kv_layers=model.num_layers,
+        mlp_layers=mlps,
+        linear_weights=sum(m.weight.numel() for m in linears),
     )
+    return _with_adapter(shape, model)
 
 
 def _with_adapter(shape: ModelShape, adapter: Any) -> ModelShape:
-    """What a model's adapter declares: its layers' windows (``layer_windows``) and, for a hybrid, its paged layers,
-    carried state sizes (``carried_state_elements()``) and carried mixers (``carried_mixer_shapes()``, if it
-    describes them: :class:`Mixer`)."""
+    """What a model's adapter (or a ChunkModel itself) declares: its layers' windows (``layer_windows``) and, when
+    it carries states, its paged layers, carried state sizes (``carried_state_elements()``; without it the states
+    are not counted, and the plan says so) and carried mixers (``carried_mixer_shapes()``, if it describes them:
+    :class:`Mixer`)."""
     shape = dataclasses.replace(shape, windows=getattr(adapter, "layer_windows", shape.windows))
     if not getattr(adapter, "carries_states", False):
         return shape
-    conv, recurrent = adapter.carried_state_elements()
+    elements = getattr(adapter, "carried_state_elements", None)
+    conv, recurrent = elements() if callable(elements) else (0, 0)
     mixers = tuple(getattr(adapter, "carried_mixer_shapes", tuple)())
     return dataclasses.replace(shape, kv_layers=adapter.num_layers, conv_state_elements=conv,
-                               recurrent_state_elements=recurrent, mixers=mixers)  # fmt: skip
+                               recurrent_state_elements=recurrent, mixers=mixers,
+                               unsized_states=not callable(elements))  # fmt: skip
 
 
 def _with_parameters(shape: ModelShape, module: torch.nn.Module) -> ModelShape:
@@ -627,12 +658,16 @@ def saved_bytes(
         tiled = mlp_tiled(shape, mlp_tile, min(chunk_size, seq_len))
         attn, mlp = _layer_bytes_per_token(shape, dtypes, streamed=False, tiled=tiled)
         streamed = 2 * r * shape.kv_heads * shape.head_dim  # a host-tier layer saves its chunk's K and V too
-        # a hybrid's layers without attention: their input norm and carried mixer (mixer_bytes)
-        mixed = (shape.num_layers - shape.paged_layers) * _mixer_norm_bytes(shape, dtypes) * tokens
+        # a hybrid's layers without attention: their input norm and carried mixer (mixer_bytes); a ChunkModel's
+        # other layers without attention are its MLP-only blocks
+        mixer_layers = min(shape.num_layers - shape.paged_layers, len(shape.mixers))
+        mixed = mixer_layers * _mixer_norm_bytes(shape, dtypes) * tokens
         mixed += sum(_mixer_saves(shape, dtypes, batch, min(chunk_size, seq_len)))
-        per_token = shape.paged_layers * attn + shape.num_layers * mlp + host_layers * streamed
+        per_token = shape.paged_layers * attn + shape.mlps * mlp + host_layers * streamed
         layers = (per_token + adapter_bytes(shape, dtypes)) * tokens + mixed
-        copies = shape.num_layers * shape.layer_linear_params * c if dtypes.mixed else 0
+        linear = shape.linear_weights
+        linear = shape.num_layers * shape.layer_linear_params if linear is None else linear
+        copies = linear * c if dtypes.mixed else 0
         rope = 2 * min(chunk_size, seq_len) * shape.head_dim * r  # cos and sin, shared by every layer
     return {
         "layers": layers,
@@ -1289,7 +1324,7 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     lq = min(config.chunk_size, seq_len)  # the keys the last layer's chunk sees: a window's, a page budget's
     # states in flight while a chunk is recomputed and back-propagated: its incoming states' copies, its outgoing
     # states and their gradients (three boundaries' worth)
-    handed = 3 * shape.carried_state_bytes(dtypes.activation) * batch * bool(shape.mixers)
+    handed = 3 * shape.carried_state_bytes(dtypes.activation) * batch
     own = handed if ckpt else 0
     window = shape.windows[-1] if shape.windows else None
     reach = min(seq_len, math.inf if window is None else window - 1 + lq,
@@ -1328,7 +1363,7 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
         "layer_transients": max(mlp_bwd, attn_bwd, mixer_bwd),
         "optimizer_transients": step,
     }
-    if shape.mixers:
+    if handed:
         device["states_in_flight"] = handed
     result = MemoryPlan(
         seq_len, batch, config, inputs.precision, spec.name, machine, shape, pool, len(tiers.hbm_layers),
@@ -1418,6 +1453,10 @@ def _notes(inputs: _Inputs, config: OOMBConfig) -> list[str]:
         notes.append(
             f"activations of {shape.family} estimated with the Llama-style layer formula (calibrated on "
             f"{', '.join(CALIBRATED)}): treat them as approximate"
+        )
+    if shape.unsized_states:
+        notes.append(
+            f"{shape.family} carries states but has no carried_state_elements(): its states are not counted"
         )
     if shape.mixers:
         notes.append(

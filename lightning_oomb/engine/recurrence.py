@@ -33,6 +33,7 @@ from lightning_oomb.engine.grads import (
     earlier_sums,
     gradient_accumulator,
     half_trainable,
+    restore_zeros,
 )
 from lightning_oomb.engine.kv_pool import KVPool
 from lightning_oomb.engine.loss import IGNORE_INDEX, linear_cross_entropy
@@ -199,8 +200,15 @@ class OOMBEngine:
 
         One step at a time: the pool holds this step's pages until its backward sweep, so call ``backward`` on
         the result before the next ``loss`` or :meth:`evaluate` (refused otherwise, before any work: the earlier
-        step's gradients would be silently wrong).
+        step's gradients would be silently wrong), and only once. Under ``torch.inference_mode`` (refused) use
+        :meth:`evaluate`.
         """
+        if torch.is_inference_mode_enabled():
+            raise OOMBConfigError(
+                "engine.loss under torch.inference_mode: it returns a differentiable loss whose backward sweep "
+                "recomputes every chunk, which inference mode forbids — use engine.evaluate(...) for a loss without "
+                "gradients (it runs under inference_mode), or call engine.loss outside inference mode to train."
+            )
         self._check_nothing_pending("engine.loss")
         self.user_hooks.check(self.model, self._parameters(), training=True)
         with self._reporting():
@@ -481,7 +489,8 @@ class OOMBEngine:
         devices = [device] if device.type == "cuda" else []
         fork = torch.random.fork_rng(devices=devices, device_type=device.type)
         params = self._parameters()
-        mode = self.config.grad_summing(len(step.bounds), earlier_sums(half_trainable(params)))
+        accumulating, cleared = earlier_sums(half_trainable(params))
+        mode = self.config.grad_summing(len(step.bounds), accumulating)
         sums = (
             None
             if mode == "native"
@@ -499,6 +508,8 @@ class OOMBEngine:
             engaged,
         ):
             carried = step.states
+            # every parameter trains: then each carried state depends on trainable ones and must carry grad
+            all_trainable = bool(params) and all(p.requires_grad for p in params)
             for index in reversed(range(len(step.bounds))):
                 rng[index].restore()
                 if self.results.keeps(index):  # its forward results start back to the device now
@@ -507,37 +518,65 @@ class OOMBEngine:
                     states = None if carried is None else carried.backward_chunk(index)
                     loss = self._chunk_loss(step, index, "backward", grad_output, states, sums)
                 # with carried states, their gradients from the next chunk flow in with the loss's
-                boundary, grads = ([], []) if carried is None else carried.boundary_gradients(states)
+                boundary, grads = (
+                    ([], []) if carried is None else carried.boundary_gradients(states, all_trainable)
+                )
                 torch.autograd.backward([loss, *boundary], [grad_output, *grads])
                 if carried is not None:
                     carried.finish_backward(states)
                 if sums is not None:
                     sums.chunk_done(more=index > 0)
+        restore_zeros(cleared)
         self.stats.extra.update(self.pool.stats(), parked_bytes=parking.parked_bytes(device) - parked)
 
-    def input_versions(self, step: _Step) -> tuple:
-        """What the backward sweep recomputes from: the in-place version counters of the parameters, token ids and
-        positions, and the model's train / eval mode (dropout)."""
-        tensors = (*self._parameters(), step.input_ids, step.positions, step.tokens)
-        return (*(t._version for t in tensors if t is not None), getattr(self.model, "training", None))
+    def input_versions(self, step: _Step) -> dict[str, object]:
+        """What the backward sweep recomputes from, by name: the in-place version counters of the parameters, token
+        ids, positions and padding mask (an inference tensor has none, and cannot be edited outside inference mode),
+        and the model's train / eval mode (dropout)."""
+        tensors = {
+            "a parameter": self._parameters(),
+            "input_ids": [step.input_ids],
+            "position_ids": [step.positions],
+            "attention_mask": [] if step.tokens is None else [step.tokens],
+        }
+        versions = {
+            name: tuple(None if t.is_inference() else t._version for t in group)
+            for name, group in tensors.items()
+        }
+        return versions | {"mode": getattr(self.model, "training", None)}
 
-    def check_unchanged(self, step: _Step, versions: tuple) -> None:
-        """Refuse a backward sweep whose weights, ids or mode changed since the step's forward sweep (as autograd
-        refuses a modified saved tensor): its recompute would not be the loss's computation."""
+    def check_unchanged(self, step: _Step, versions: dict[str, object], sweep: str) -> None:
+        """Refuse a step whose weights, ids or mode changed since its forward sweep began (as autograd refuses a
+        modified saved tensor): the backward sweep's recompute would not be the loss's computation. ``sweep``: the
+        one that just ran: ``"forward"`` (the model itself changed them), or ``"backward"`` (about to run: changed
+        between the sweeps)."""
         now = self.input_versions(step)
-        if now[-1] != versions[-1]:
+        when = (
+            "while engine.loss ran the model's forward sweep (the model itself did it, in hidden_states or "
+            "lm_head)"
+            if sweep == "forward"
+            else "between engine.loss and its backward (by the caller, e.g. optimizer.step() or an edit of the "
+            "batch before loss.backward(), or by a call of the model in between)"
+        )
+        if now["mode"] != versions["mode"]:
+            before, after = ("train" if mode else "eval" for mode in (versions["mode"], now["mode"]))
             raise RuntimeError(
-                f"the model went from {'train' if versions[-1] else 'eval'} to {'train' if now[-1] else 'eval'} "
-                "mode between engine.loss and its backward: the backward sweep recomputes every chunk, with "
-                "dropout as the mode says, so its gradients would not be this loss's — call backward before "
-                "switching the mode."
+                f"the model went from {before} to {after} mode {when}: the backward sweep recomputes every chunk, "
+                "with dropout as the mode says, so its gradients would not be this loss's — switch the mode before "
+                "engine.loss or after its backward."
             )
-        if now != versions:
+        changed = [name for name in versions if now[name] != versions[name]]
+        if changed:
+            fix = (
+                "use out-of-place ops on the model's inputs and parameters (e.g. input_ids = input_ids.clamp(...), "
+                "not input_ids.clamp_(...))"
+                if sweep == "forward"
+                else "call backward before changing the weights or the batch"
+            )
+            what = f"{' and '.join(changed)} {'was' if len(changed) == 1 else 'were'}"
             raise RuntimeError(
-                "a parameter or the input ids were modified in place between engine.loss and its backward (e.g. "
-                "optimizer.step() or a weight update before loss.backward()): the backward sweep recomputes every "
-                "chunk from the current weights, so its gradients would not be this loss's — call backward "
-                "before changing the weights or the batch."
+                f"{what} modified in place {when}: the backward sweep recomputes every chunk from them as they are "
+                f"now, so its gradients would not be this loss's — {fix}."
             )
 
     def _parked_saves(self, device: torch.device):
@@ -644,6 +683,7 @@ class _ChunkRecurrentStep(torch.autograd.Function):
         ctx.autocast = AutocastState(step.input_ids.device)
         ctx.versions = engine.input_versions(step)
         loss, ctx.rng = engine.forward_sweep(step)
+        engine.check_unchanged(step, ctx.versions, "forward")
         return loss
 
     @staticmethod
@@ -651,11 +691,15 @@ class _ChunkRecurrentStep(torch.autograd.Function):
     def backward(ctx, grad_output):
         if ctx.step is None:
             raise RuntimeError(
-                "engine.loss was back-propagated a second time (retain_graph=True): its backward sweep consumed the "
-                "step's pages — back-propagate it once (sum what must share it first), or call engine.loss again."
+                "the loss of one engine.loss call was back-propagated a second time (e.g. "
+                "backward(retain_graph=True), then backward again): its backward sweep already ran and freed the "
+                "step's pages and carried states, so there is nothing left to recompute from — call backward once "
+                "per engine.loss (add up the terms computed from one loss and back-propagate their sum); to "
+                "accumulate gradients, call engine.loss again for each micro-batch and back-propagate each loss "
+                "once (.grad adds up)."
             )
         try:
-            ctx.engine.check_unchanged(ctx.step, ctx.versions)
+            ctx.engine.check_unchanged(ctx.step, ctx.versions, "backward")
             ctx.engine.backward_sweep(ctx.step, ctx.rng, ctx.autocast, grad_output)
         finally:  # done, or failed (the pool is released): either way no longer pending
             ctx.step = ctx.rng = ctx.engine._pending = None

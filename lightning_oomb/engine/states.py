@@ -11,7 +11,10 @@ leaves' gradients on to chunk ``c - 1`` — the pattern of the KV gradient pages
 A model's layer reads :meth:`ChunkStates.incoming` (``None`` in the first chunk) and reports its final state with
 :meth:`ChunkStates.outgoing`; keys are any hashable naming the layer's state, e.g. ``(layer_idx, "conv", 0)``. A
 layer's second call in one chunk (the recompute of per-layer checkpointing) reads the same incoming leaves and
-its report is ignored: the first is the one in the chunk's graph.
+its report is ignored: the first is the one in the chunk's graph. What would train silently wrong is refused: a
+later chunk reading a key the previous one did not report, a read state cut from the graph (no gradient reaches
+its leaf), and (when every parameter trains) a reported state without grad that the next chunk's gradient should
+flow into.
 
 With ``offload=True`` the kept states wait in page-locked host memory (:class:`HostStates`, one buffer for all of
 a step's boundaries): the forward sweep copies each boundary's states out once and keeps on the device only those
@@ -27,26 +30,45 @@ from collections.abc import Hashable
 
 import torch
 
+from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.pages import page_locked_bytes
 
 BOUNDARY_ALIGN = 8  # bytes: every boundary's states start at a multiple, so each dtype's view is aligned
 
 
 class ChunkStates:
-    """One chunk's incoming states and the outgoing states its layers report (:mod:`lightning_oomb.engine.states`)."""
+    """One chunk's incoming states (``None``: the first chunk, which has none) and the outgoing states its layers
+    report (:mod:`lightning_oomb.engine.states`)."""
 
-    def __init__(self, incoming: dict[Hashable, torch.Tensor]) -> None:
+    def __init__(self, incoming: dict[Hashable, torch.Tensor] | None) -> None:
         self._incoming = incoming
         self.reported: dict[Hashable, torch.Tensor] = {}
+        self.read: set[Hashable] = set()  # the keys its layers asked for
 
     @property
     def continues(self) -> bool:
-        """Whether the chunk continues a sequence (it has incoming states; ``False`` in the first chunk)."""
-        return bool(self._incoming)
+        """Whether the chunk continues a sequence (``False`` in the first chunk)."""
+        return self._incoming is not None
 
     def incoming(self, key: Hashable) -> torch.Tensor | None:
-        """The state ``key`` this chunk starts from (``None``: the sequence starts here, the layer's zero state)."""
-        return self._incoming.get(key)
+        """The state ``key`` this chunk starts from (``None``: the sequence starts here, the layer's zero state).
+
+        A later chunk asking for a key the previous chunk did not report is refused: the layer would restart from
+        its zero state in mid-sequence."""
+        if self._incoming is None:
+            return None
+        state = self._incoming.get(key)
+        if state is None:
+            reported = ", ".join(sorted(map(repr, self._incoming))) or "none"
+            raise OOMBConfigError(
+                f"a chunk reads the carried state {key!r}, which the previous chunk did not report (it reported "
+                f"{reported}) — the layer would restart from its zero state in mid-sequence and train silently "
+                "wrong — report the state after each chunk's last token with "
+                f"chunk.states.outgoing({key!r}, state), under the key the next chunk reads (only a sequence's "
+                "first chunk gets None from incoming)."
+            )
+        self.read.add(key)
+        return state
 
     def outgoing(self, key: Hashable, state: torch.Tensor) -> None:
         """Report the state ``key`` after the chunk's last token (the first report of a key in a chunk counts)."""
@@ -146,7 +168,9 @@ class CarriedStates:
     def forward_chunk(self, index: int) -> ChunkStates:
         """Chunk ``index`` of a forward sweep: its incoming states (without graph)."""
         later = self.keep and index not in self._on_host  # the backward sweep reads them from here
-        return ChunkStates(self._stored.get(index, {}) if later else self._stored.pop(index, {}))
+        return ChunkStates(
+            None if index == 0 else self._stored.get(index) if later else self._stored.pop(index)
+        )
 
     def finish_forward(self, index: int, chunk: ChunkStates) -> None:
         """Keep what chunk ``index`` (not the last) reported as the next chunk's incoming states: copies, so a state
@@ -168,19 +192,49 @@ class CarriedStates:
         stored = self.host.get(index) if index in self._on_host else self._stored.pop(index, {})
         self._on_host.discard(index)
         self._leaves = {key: state.detach().requires_grad_(True) for key, state in stored.items()}
-        return ChunkStates(self._leaves)
+        return ChunkStates(None if index == 0 else self._leaves)
 
-    def boundary_gradients(self, chunk: ChunkStates) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def boundary_gradients(
+        self, chunk: ChunkStates, all_trainable: bool
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The chunk's outgoing states and the gradients the next chunk handed them, to back-propagate with the
-        chunk's loss."""
-        pairs = [(chunk.reported[key], grad) for key, grad in self._grads.items() if key in chunk.reported]
-        pairs = [(state, grad.to(state.dtype)) for state, grad in pairs if state.requires_grad]
-        return [state for state, _ in pairs], [grad for _, grad in pairs]
+        chunk's loss. A state without grad drops its gradient: refused when every parameter of the model trains
+        (``all_trainable``), as the state then depends on trainable ones — it was detached; with frozen
+        parameters it may depend on none (e.g. a frozen layer's convolution input), and is left alone."""
+        states, grads = [], []
+        for key, grad in self._grads.items():
+            state = chunk.reported.get(key)
+            if state is None:
+                raise OOMBConfigError(
+                    f"the carried state {key!r} was reported in the forward sweep but not when the backward sweep "
+                    "recomputed the chunk — its gradient from the next chunk has nowhere to go — report the same "
+                    "states whether or not grad is enabled (the recompute must repeat the forward computation)."
+                )
+            if state.requires_grad:
+                states.append(state)
+                grads.append(grad.to(state.dtype))
+            elif all_trainable:
+                raise OOMBConfigError(
+                    f"the carried state {key!r} was reported without grad (detached, or computed under "
+                    "torch.no_grad or inside a reentrant checkpoint) although every parameter trains — the "
+                    "gradient the next chunk hands it would be dropped and the earlier chunks' gradients would be "
+                    "silently wrong — report the state as computed, in the graph: no .detach(), and "
+                    "checkpoint(..., use_reentrant=False)."
+                )
+        return states, grads
 
     def finish_backward(self, chunk: ChunkStates) -> None:
         """Hand the incoming leaves' gradients on to the previous chunk, and drop the chunk's outgoing states: they
         hold its graph, whose nodes (a checkpoint's saved arguments) may hold the chunk's context and so these
-        states — a cycle through autograd that Python's collector cannot see."""
+        states — a cycle through autograd that Python's collector cannot see. A state the chunk read whose leaf
+        got no gradient is refused: the model cut it from the graph, so none flows back to the earlier chunks."""
+        for key in chunk.read:
+            if self._leaves[key].grad is None:
+                raise OOMBConfigError(
+                    f"the chunk read the carried state {key!r} but no gradient reached it (detached after "
+                    "chunk.states.incoming, or used under torch.no_grad) — the earlier chunks would get none "
+                    "through it and train silently wrong — compute from the state as incoming returns it."
+                )
         self._grads = {key: leaf.grad for key, leaf in self._leaves.items() if leaf.grad is not None}
         self._leaves = {}
         chunk.reported.clear()

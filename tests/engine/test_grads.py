@@ -279,6 +279,20 @@ def test_zero_grads_do_not_flush_to_the_host():
     assert all(torch.equal(zeros[n], none[n]) for n in none)
 
 
+@pytest.mark.parametrize("accumulation", ["float32", "float32-host", "native"])
+def test_a_zero_grad_the_step_adds_nothing_to_stays_zero(accumulation):
+    """``zero_grad(set_to_none=False)``, then a step in which a trainable parameter gets no gradient: its ``.grad``
+    stays the zeros autograd leaves (``None`` would make the optimizer skip it: no weight decay, no momentum)."""
+    model = build_causal_lm("qwen2", dtype=torch.bfloat16)
+    model.register_parameter("unused", torch.nn.Parameter(torch.ones(3, 4, dtype=torch.bfloat16)))
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    engine = OOMBEngine(HFChunkModel(model), OOMBConfig(16, 8, grad_accumulation=accumulation))
+    engine.loss(torch.randint(0, 97, (1, 64), generator=torch.Generator().manual_seed(6))).backward()
+    assert model.unused.grad is not None and not model.unused.grad.any()
+    assert model.lm_head.weight.grad.any()
+
+
 def test_host_flush_pipeline_waits_for_each_copy(monkeypatch):
     """On CUDA the staging copies run asynchronously. Here every non-blocking copy is held back until an event
     recorded after it is waited for (the latest a GPU could run it): the sums stay exact, so each add and each

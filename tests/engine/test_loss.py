@@ -170,6 +170,16 @@ def test_weight_gradient_added_in_place_into_a_given_tensor(scale, into):
         linear_cross_entropy(h, head, t, 5, weight_grad=target)
 
 
+def test_a_nan_loss_gradient_is_the_nan_promised():
+    """A NaN reaching the loss (a diverged batch's loss squared) gives NaN gradients, as autograd would, instead of
+    failing the check that the gradient is the promised one (on CUDA a device-side assert)."""
+    h, w, _, t = random_inputs(12)
+    nan = torch.tensor(float("nan"), dtype=h.dtype)
+    target = torch.zeros_like(w)
+    linear_cross_entropy(h, LMHead(w), t, 5, expected_grad=nan, weight_grad=target).backward(nan)
+    assert h.grad.isnan().all() and target.isnan().all()
+
+
 def test_no_weight_gradient_tensor_is_made_when_it_goes_in_place():
     """bf16: with ``weight_grad`` the peak is the block's logits and the per-token part only (no [V, H] tensor), and
     what the plan counts for it; into a float32 sum plus one bf16 slab of the product (at most the logits' size)."""

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from lightning_oomb.engine import OOMBConfig, OOMBEngine
 from lightning_oomb.engine.batch import plan_layout
 from lightning_oomb.integrations.hf import HFChunkModel
+from tests.engine.test_packing import apart
 from tests.helpers.distributed import run_ranks
 from tests.helpers.lightning import oomb_step_through_trainer
 from tests.helpers.models import build_causal_lm, grads_of, max_relative_error
@@ -67,11 +68,7 @@ def oomb(model, batch, offload=False):
 
 def reference(model, rows):
     """Mean of transformers' own full-sequence losses of flattened rows (their targets pooled), and gradients."""
-    model.zero_grad()
-    sums, counts = zip(*(hf_summed_loss(model, row) for row in rows), strict=True)
-    loss = sum(sums) / sum(counts)
-    loss.backward()
-    return loss.detach(), grads_of(model)
+    return apart(model, rows, hf_summed_loss)
 
 
 @pytest.mark.parametrize("offload", [False, True])

@@ -30,10 +30,11 @@ def summed_token_loss(model, ids):
     ), ids.shape[1] - 1
 
 
-def apart(model, pieces):
-    """Mean next-token loss over the targets of every piece, each trained as its own sequence, and its gradients."""
+def apart(model, pieces, summed=summed_token_loss):
+    """Mean next-token loss over the targets of every piece, each trained as its own sequence (``summed``: its
+    summed loss and target count), and its gradients."""
     model.zero_grad()
-    sums, counts = zip(*(summed_token_loss(model, p) for p in pieces), strict=True)
+    sums, counts = zip(*(summed(model, p) for p in pieces), strict=True)
     loss = sum(sums) / sum(counts)
     loss.backward()
     return loss.detach(), grads_of(model)

@@ -117,6 +117,13 @@ def measure(family, precision, checkpointing, chunk, seq_len=None, vocab=97, liv
                         grad_accumulation=accumulation, mlp_tile=mlp_tile, page_budget=page_budget)  # fmt: skip
     engine = OOMBEngine(HFChunkModel(model, layer_checkpointing=checkpointing), config)
     ids = torch.randint(0, vocab, (2, seq_len or 3 * chunk), generator=torch.Generator().manual_seed(chunk))
+    saved, peak = second_step(engine, model, ids, precision, live)
+    predicted = plan(engine.model, ids.shape[1], 2, config, precision, None, BIG_CPU)
+    return predicted, saved, peak
+
+
+def second_step(engine, model, ids, precision: str, live: bool = True) -> tuple[int, int | None]:
+    """(saved-tensor peak, live-bytes peak or None) of a second step of ``engine`` on ``ids`` (gradients exist)."""
     autocast = (
         torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else contextlib.nullcontext()
     )
@@ -131,8 +138,7 @@ def measure(family, precision, checkpointing, chunk, seq_len=None, vocab=97, liv
         with autocast:
             loss = engine.loss(ids)
         loss.backward()
-    predicted = plan(engine.model, ids.shape[1], 2, config, precision, None, BIG_CPU)
-    return predicted, meter.peak, tracker.peak if live else None
+    return meter.peak, tracker.peak if live else None
 
 
 @pytest.mark.parametrize("chunk", [32, 64])

@@ -4,10 +4,8 @@ demo script's run, and a tiny fit goes end to end through the CLI."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import re
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +16,8 @@ from lightning_oomb.callbacks import OOMBOffload
 from lightning_oomb.cli import build_cli, main, plan_command
 from lightning_oomb.engine import OOMBConfigError
 from lightning_oomb.models import CausalLMModule
+from tests.helpers.examples import EXAMPLES, load_example
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 CONFIGS = sorted((EXAMPLES / "configs").glob("*.yaml"))
 DEMO_CONFIG = EXAMPLES / "configs" / "demo-cpu.yaml"
 
@@ -33,11 +31,7 @@ def isolate(monkeypatch):
 
 
 def load_demo_script():
-    spec = importlib.util.spec_from_file_location("train_long_context", EXAMPLES / "train_long_context.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_example("train_long_context")
 
 
 def test_there_are_example_configs():

@@ -12,7 +12,7 @@ from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, 
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_oomb
-from lightning_oomb import OOMBConfigError, OOMBContextParallelStrategy, OOMBPrecision, OOMBStrategy
+from lightning_oomb import OOMBConfigError, OOMBContextParallelStrategy, OOMBStrategy
 from tests.helpers.lightning import TinyLM, batches, fit, make_trainer, oomb
 
 
@@ -42,33 +42,41 @@ def test_import_registers_the_strategy():
 
 
 @pytest.mark.parametrize(
-    ("flag", "inner"),
+    ("flag", "stock", "dtype"),
     [
-        ("32-true", Precision),
-        ("64-true", DoublePrecision),
-        ("bf16-mixed", MixedPrecision),
-        ("bf16-true", HalfPrecision),
+        ("32-true", Precision, torch.float32),
+        ("64-true", DoublePrecision, torch.float64),
+        ("bf16-mixed", MixedPrecision, torch.bfloat16),
+        ("bf16-true", HalfPrecision, torch.bfloat16),
     ],
 )
-def test_every_stock_precision_is_wrapped(flag, inner):
+def test_every_stock_precision_is_kept_as_it_is(flag, stock, dtype):
+    """What reads the plugin's type sees the stock one: ThroughputMonitor's compute dtype (a wrapper read as 32-true
+    made its MFU 15x too high under bf16)."""
+    from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
+
     trainer = L.Trainer(strategy=oomb(), precision=flag, accelerator="cpu", logger=False)
     plugin = trainer.strategy.precision_plugin
-    assert isinstance(plugin, OOMBPrecision) and type(plugin.inner) is inner
+    assert type(plugin) is stock and _plugin_to_compute_dtype(plugin) == dtype
 
 
-def test_scaler_state_moves_between_oomb_and_stock_checkpoints():
-    """A 16-mixed checkpoint written by strategy="auto" resumes under OOMB with its loss scale, and back."""
+def test_a_plugin_of_another_strategy_is_refused():
+    from lightning.pytorch.plugins.precision import FSDPPrecision
+
+    with pytest.raises(OOMBConfigError, match="FSDPPrecision cannot be combined with the OOMB strategy"):
+        OOMBStrategy(precision_plugin=FSDPPrecision("bf16-mixed"))
+
+
+def test_scaler_state_resumes_from_a_checkpoint_of_the_former_wrapper():
+    """Checkpoints written while the strategy wrapped its plugin filed the scaler under both class names: the stock
+    plugin's key restores it."""
     stock = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
-    checkpoint = {"MixedPrecision": stock.state_dict()}
-    resumed = OOMBPrecision(MixedPrecision("16-mixed", "cpu"))
-    resumed.on_load_checkpoint(checkpoint)
-    assert resumed.scaler.get_scale() == 1024.0
-
-    saved = {}
-    resumed.on_save_checkpoint(saved)
-    back = MixedPrecision("16-mixed", "cpu")
-    back.load_state_dict(saved["MixedPrecision"])
-    assert back.scaler.get_scale() == 1024.0
+    checkpoint = {"OOMBPrecision": stock.state_dict(), "MixedPrecision": stock.state_dict()}
+    trainer = L.Trainer(strategy=oomb(), accelerator="cpu", logger=False)
+    trainer.strategy.precision_plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    trainer._checkpoint_connector._loaded_checkpoint = checkpoint
+    trainer._checkpoint_connector.restore_precision_plugin_state()
+    assert trainer.strategy.precision_plugin.scaler.get_scale() == 1024.0
 
 
 def test_accelerator_auto_resolves_to_the_gpu():

@@ -23,7 +23,7 @@ import torch
 from lightning_oomb.engine.attention import ChunkContext
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.loss import LMHead
-from lightning_oomb.engine.model import Respond
+from lightning_oomb.engine.model import Respond, answered_by
 from lightning_oomb.engine.planner import Mixer
 from lightning_oomb.engine.tiles import tiled
 from lightning_oomb.integrations.hf.attention import ATTN_NAME, ENGAGED, register_attention
@@ -134,6 +134,21 @@ def verify_exactness_of(model: torch.nn.Module) -> bool:
     return verify_exactness(model, HFChunkModel)
 
 
+def _support_inputs(model: torch.nn.Module) -> tuple:
+    """What :func:`~lightning_oomb.integrations.hf.support.check_supported` reads that can change after setup,
+    cheaply compared: the LM head module, its class and a ``forward`` set on it, the model's class, its
+    ``loss_function`` set on it, its ``loss_type``."""
+    head = model.get_output_embeddings()
+    return (
+        head,
+        type(head),
+        vars(head).get("forward") if isinstance(head, torch.nn.Module) else None,
+        type(model),
+        getattr(model, "_loss_function", None),
+        getattr(model, "loss_type", None),
+    )
+
+
 def _checkpointing_on(model: torch.nn.Module) -> bool:
     return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
 
@@ -169,6 +184,7 @@ class HFChunkModel:
         self, model: torch.nn.Module, layer_checkpointing: bool = False, verify_exactness: bool = False
     ):
         check_supported(model)
+        self._supported = _support_inputs(model)
         register_attention()
         if verify_exactness:
             verify_exactness_of(model)
@@ -274,6 +290,12 @@ class HFChunkModel:
         return out.last_hidden_state
 
     def lm_head(self) -> LMHead:
+        """The head as it is now; the model is checked again (:func:`~lightning_oomb.integrations.hf.support.
+        check_supported`) if its head or loss changed since (a LoRA adapter injected on ``lm_head``, a
+        ``loss_function`` set, in ``on_fit_start``): OOMB's loss reads the head's weight and nothing else."""
+        if (inputs := _support_inputs(self.model)) != self._supported:
+            check_supported(self.model)
+            self._supported = inputs
         head = self.model.get_output_embeddings()
         return LMHead(head.weight, head.bias, self.logit_scale, self.logit_softcap)
 
@@ -283,7 +305,8 @@ class HFChunkModel:
         :func:`~lightning_oomb.integrations.hf.calls.read_call`) return what HF would, with the engine's loss
         (``respond``) and a logits stand-in that refuses every use (the whole sequence's logits are never
         materialised). ``position_ids`` that restart mark packed documents, an ``attention_mask`` right padding
-        (:mod:`lightning_oomb.engine.batch`)."""
+        (:mod:`lightning_oomb.engine.batch`). A forward set on the model instance is kept, or refused if it does
+        more than run the model (:func:`~lightning_oomb.engine.model.answered_by`)."""
 
         def forward(*args, **kwargs):
             call = read_call(self.model, args, kwargs, self._balances_experts)
@@ -295,8 +318,5 @@ class HFChunkModel:
             )
             return answer(call, loss)
 
-        self.model.forward = forward
-        try:
+        with answered_by(self.model, forward):
             yield
-        finally:
-            del self.model.forward

@@ -49,7 +49,9 @@ def can_pin(module: torch.nn.Module) -> bool:
 @contextlib.contextmanager
 def pinned_rope(rotaries: list[tuple[torch.nn.Module, list[str | None]]], num_tokens: int) -> Iterator[None]:
     """While the block runs, every rotary module in ``rotaries`` uses the frequencies of a call whose largest
-    position is ``num_tokens - 1``, whatever positions a chunk passes."""
+    position is ``num_tokens - 1``, whatever positions a chunk passes. A ``forward`` set on a module's instance (an
+    accelerate hook) is put back afterwards."""
+    own = [vars(module).get("forward") for module, _ in rotaries]
     for module, layer_types in rotaries:
         decorated = type(module).forward
         probe = next(module.buffers(), None)
@@ -66,5 +68,8 @@ def pinned_rope(rotaries: list[tuple[torch.nn.Module, list[str | None]]], num_to
     try:
         yield
     finally:
-        for module, _ in rotaries:
-            del module.forward
+        for (module, _), forward in zip(rotaries, own, strict=True):
+            if forward is None:
+                del module.forward
+            else:
+                module.forward = forward

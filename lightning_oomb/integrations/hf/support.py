@@ -32,6 +32,7 @@ import re
 import torch
 
 from lightning_oomb.engine.errors import OOMBConfigError
+from lightning_oomb.engine.model import runs_class_forward
 from lightning_oomb.integrations.hf.decoder import decoder_of
 from lightning_oomb.integrations.hf.float64_rules import float32_rules_of, float64_recurrences
 from lightning_oomb.integrations.hf.moe import balancing_loss_of
@@ -133,11 +134,15 @@ def logit_transform(config) -> tuple[float, float | None]:
 
 def _plain_linear(module: torch.nn.Module) -> bool:
     """Whether ``module`` computes ``x @ weight.T + bias`` and nothing else (peft's ``modules_to_save`` wrapper
-    of such layers too: its ``weight`` is the trained copy's)."""
+    of such layers too: its ``weight`` is the trained copy's); a ``forward`` set on the instance may only run the
+    class's (an accelerate hook)."""
     inner = getattr(module, "modules_to_save", None)
     if isinstance(inner, torch.nn.ModuleDict):
         return all(_plain_linear(m) for m in (module.original_module, *inner.values()))
-    return type(module).forward is torch.nn.Linear.forward
+    own = vars(module).get("forward")
+    return type(module).forward is torch.nn.Linear.forward and (
+        own is None or runs_class_forward(module, own)
+    )
 
 
 def _per_layer_shapes(config) -> list[str]:
@@ -227,7 +232,7 @@ def check_supported(model: torch.nn.Module) -> None:
         reasons.append(
             f"its LM head ({type(head).__name__}) is not a plain linear layer — OOMB's chunked cross-entropy applies "
             "the head's weight and bias itself; a LoRA adapter on lm_head: leave it out of target_modules "
-            "(modules_to_save=['lm_head'] trains the head whole)"
+            "(modules_to_save=['lm_head'] trains the head whole); a forward set on the head's instance: remove it"
         )
     if differ := _per_layer_shapes(config):
         reasons.append(
