@@ -293,10 +293,12 @@ class ResumableLoader(DataLoader):
 
     Lightning saves ``state_dict()`` of every train dataloader that has one with the checkpoint and gives it back
     through ``load_state_dict()`` on resume (before the first batch is drawn), so a resumed fit continues at the
-    next row. The state is ``{"epoch", "rows", "num_rows"}``: the epoch and how many rows of its order have left the
-    loader, counted in the main process as batches are handed out (rows that workers prefetched do not count). Under
-    data parallelism each replica draws its share of the rows (:class:`RowSampler`; ``rows``: the replica's, alike on
-    every replica), a context group the same ones.
+    next row. The state is ``{"epoch", "rows", "num_rows", ...}``: the epoch and how many rows of its order have left
+    the loader, counted in the main process as batches are handed out (rows that workers prefetched do not count),
+    and what that position means something under: the row count, ``batch_size`` (Lightning counts the epoch's done
+    batches), the data replicas and the order's ``seed`` and ``shuffle`` — a resume that changes one is refused
+    (it would skip or repeat rows). Under data parallelism each replica draws its share of the rows
+    (:class:`RowSampler`; ``rows``: the replica's, alike on every replica), a context group the same ones.
     """
 
     def __init__(
@@ -314,16 +316,28 @@ class ResumableLoader(DataLoader):
         self._position = {"epoch": 0, "rows": 0}
         self._resume: dict[str, int] | None = None
 
+    def _setting(self) -> dict[str, int | bool]:
+        """What a saved position means something under (see the class docstring)."""
+        sampler = self.sampler
+        return {"num_rows": sampler.num_rows, "batch_size": self.batch_size, "num_replicas": sampler.num_replicas,
+                "seed": sampler.seed, "shuffle": sampler.shuffle}  # fmt: skip
+
     def state_dict(self) -> dict[str, int]:
         position = self._resume if self._resume is not None else self._position
-        return {**position, "num_rows": self.sampler.num_rows}
+        return {**position, **self._setting()}
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        if state_dict["num_rows"] != self.sampler.num_rows:
+        # (a checkpoint from before a key was saved is checked for the keys it has)
+        changed = [
+            f"{k} {state_dict[k]} -> {v}" for k, v in self._setting().items() if state_dict.get(k, v) != v
+        ]
+        if changed:
             raise OOMBConfigError(
-                f"the checkpoint's training data had {state_dict['num_rows']} rows, this data module has "
-                f"{self.sampler.num_rows} — files, records, seq_len or val_rows changed, so its position means "
-                "nothing here — resume with the same data, or start a new fit from the checkpoint's weights."
+                f"the checkpoint's training data position was saved under other settings ({', '.join(changed)}) "
+                "— rows counts the rows of one replica's order in batches of one size (files, records, seq_len or "
+                "val_rows change the rows; devices or nodes the replicas), so resumed here it would skip or repeat "
+                "rows — resume with the same data, batch_size, seed, shuffle and devices, or start a new fit from "
+                "the checkpoint's weights."
             )
         self._resume = {"epoch": state_dict["epoch"], "rows": state_dict["rows"]}
 
@@ -341,12 +355,14 @@ class ResumableLoader(DataLoader):
 
 
 def expand_paths(files: str | Path | Sequence[str | Path]) -> list[Path]:
-    """Paths and glob patterns to a sorted, de-duplicated list of existing files; raise if none match (or a pattern
-    names only a directory)."""
+    """Paths and glob patterns to the existing files they name, each once (a file named twice, by two paths too,
+    is read once), sorted within each pattern, in the patterns' order; raise if none match (or a pattern names only
+    a directory). A path to an existing file is that file, even if it has glob characters (``doc[1].txt``)."""
     patterns = [files] if isinstance(files, (str, Path)) else list(files)
-    found: dict[Path, None] = {}
+    found: dict[Path, Path] = {}
     for pattern in patterns:
-        matches = sorted(glob.glob(str(Path(pattern).expanduser()), recursive=True))
+        path = Path(pattern).expanduser()
+        matches = [str(path)] if path.is_file() else sorted(glob.glob(str(path), recursive=True))
         if not matches:
             raise OOMBConfigError(
                 f"no file matches {str(pattern)!r} — TextFileDataModule reads local text and .jsonl files — check "
@@ -358,8 +374,9 @@ def expand_paths(files: str | Path | Sequence[str | Path]) -> list[Path]:
                 f"{str(pattern)!r} names a directory, not files — TextFileDataModule reads the files a path or glob "
                 f"names — use e.g. '{Path(pattern) / '**' / '*.txt'}'."
             )
-        found.update((m, None) for m in files_found)
-    return list(found)
+        for m in files_found:
+            found.setdefault(m.resolve(), m)
+    return list(found.values())
 
 
 JSON_LINES = (".jsonl", ".ndjson")  # one JSON record per line (any case)
@@ -450,11 +467,15 @@ def tokenize_documents(
     tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], eos_token_id: int | None, batch: int = 1024
 ) -> list[torch.Tensor]:
     """Each text's token ids without special tokens, plus ``eos_token_id`` (when given), as ``IntTensor``s; texts
-    without tokens are dropped. Tokenized ``batch`` texts at a time (fast tokenizers work on batches in parallel)."""
+    without tokens are dropped. A special token's text inside a document (``</s>``, an HTML strikethrough tag;
+    ``<|endoftext|>`` in a text about tokenizers) is tokenized as text, not as that token (``split_special_tokens``:
+    an EOS mid-document would teach the model to end there). Tokenized ``batch`` texts at a time (fast tokenizers
+    work on batches in parallel)."""
     eos = [] if eos_token_id is None else [eos_token_id]
     docs = []
     for i in range(0, len(texts), batch):
-        encoded = tokenizer(list(texts[i : i + batch]), add_special_tokens=False, verbose=False)["input_ids"]
+        encoded = tokenizer(list(texts[i : i + batch]), add_special_tokens=False, split_special_tokens=True,
+                            verbose=False)["input_ids"]  # fmt: skip
         docs += [torch.tensor(ids + eos, dtype=torch.int32) for ids in encoded if ids]
     return docs
 

@@ -21,6 +21,7 @@ from lightning_oomb.data import (
     ResumableLoader,
     RowSampler,
     TextFileDataModule,
+    expand_paths,
     split_at_starts,
 )
 from lightning_oomb.models import CausalLMModule
@@ -267,6 +268,27 @@ def test_byte_tokenizer_needs_no_files():
     assert [doc.tolist() for doc in dm.documents()] == [[b + 3 for b in "héllo".encode()] + [1]]
 
 
+def test_file_paths_name_each_file_once_and_literally(tmp_path, monkeypatch):
+    """``doc[1].txt`` is that file (as a glob it matched ``doc1.txt``); a file named by two paths is read once."""
+    for name in ("doc[1].txt", "doc1.txt", "a.txt"):
+        (tmp_path / name).write_text(name)
+    monkeypatch.chdir(tmp_path)
+    assert expand_paths("doc[1].txt") == [Path("doc[1].txt")]
+    assert expand_paths(["doc1.txt", tmp_path / "doc1.txt", "*.txt"]) == [
+        Path("doc1.txt"),
+        Path("a.txt"),
+        Path("doc[1].txt"),
+    ]
+
+
+def test_special_token_text_inside_a_document_is_text():
+    """``</s>`` (an HTML strikethrough tag) or ``<pad>`` written in a document are its bytes, not an EOS mid-document
+    (the model would learn to end there) or a pad target; only the appended EOS is one."""
+    text = "a</s>b<pad>c"
+    dm = TextFileDataModule(records=[{"text": text}], tokenizer="bytes", seq_len=2)
+    assert [doc.tolist() for doc in dm.documents()] == [[b + 3 for b in text.encode()] + [1]]
+
+
 def test_packed_rows_are_hf_flattened_documents():
     """Every row (training and validation, in source order) is what ``DataCollatorWithFlattening`` makes of the
     document pieces that fall into it; a document split across rows restarts at position 0 in the next row."""
@@ -377,7 +399,8 @@ def test_loader_state_counts_the_rows_handed_out(num_workers):
     seen = [next(batches)["input_ids"] for _ in range(2)]
     # workers have prefetched more; only what left the loader counts
     state = interrupted.state_dict()
-    assert state == {"epoch": 1, "rows": 4, "num_rows": 7}
+    assert state == {"epoch": 1, "rows": 4, "num_rows": 7, "batch_size": 2, "num_replicas": 1, "seed": 3,
+                     "shuffle": True}  # fmt: skip
     resumed = loader()
     resumed.load_state_dict(state)
     assert resumed.state_dict() == state and len(resumed) == 4  # a whole epoch's length, as Lightning expects
@@ -387,8 +410,29 @@ def test_loader_state_counts_the_rows_handed_out(num_workers):
     resumed.load_state_dict(state)
     resumed.sampler.set_epoch(2)  # a state of an earlier epoch (saved at its end) resumes nothing
     assert len(list(resumed)) == 4
-    with pytest.raises(OOMBConfigError, match="had 7 rows, this data module has 6"):
-        ResumableLoader(PackedRows(rows.rows[:6])).load_state_dict(state)
+    with pytest.raises(OOMBConfigError, match="other settings \\(num_rows 7 -> 6"):
+        ResumableLoader(PackedRows(rows.rows[:6]), batch_size=2, shuffle=True, seed=3).load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"batch_size": 4}, {"num_replicas": 2}, {"seed": 4}, {"shuffle": False}],
+    ids=["batch-size", "replicas", "seed", "order"],
+)
+def test_a_resume_under_other_settings_is_refused(change):
+    """Lightning counts the epoch's done batches of the old size and ``rows`` counts one replica's rows of one
+    order: resumed with a larger batch the epoch's end was skipped (rows 12-15 of 16), on other replicas rows were
+    repeated or skipped, with another seed or order the position fell in another order."""
+    rows = PackedRows(torch.arange(160).view(16, 10))
+    settings = {"batch_size": 2, "shuffle": True, "seed": 3, "num_replicas": 1}
+    saved = ResumableLoader(rows, **settings)
+    next(iter(saved))
+    state = saved.state_dict()
+    ResumableLoader(rows, **settings).load_state_dict(state)  # the same settings resume
+    with pytest.raises(OOMBConfigError, match=f"other settings \\({next(iter(change))} "):
+        ResumableLoader(rows, **(settings | change)).load_state_dict(state)
+    old = {k: v for k, v in state.items() if k in ("epoch", "rows", "num_rows")}  # a checkpoint of before
+    ResumableLoader(rows, **(settings | change)).load_state_dict(old)
 
 
 class BatchRecorder(L.Callback):

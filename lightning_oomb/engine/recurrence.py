@@ -66,7 +66,9 @@ class _Step:
 
     input_ids: torch.Tensor
     targets: torch.Tensor
-    denominator: int
+    denominator: (
+        int | float
+    )  # the loss's divisor: the batch's target tokens, or the caller's num_items_in_batch
     shape: PoolShape
     backend: str
     bounds: list[tuple[int, int]]
@@ -193,10 +195,13 @@ class OOMBEngine:
         labels: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        num_items_in_batch: int | float | torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Differentiable mean next-token loss of ``input_ids [B, N]`` (``labels`` default to ``input_ids``; packed
         documents by ``position_ids`` that restart, right padding by ``attention_mask``: see
-        :mod:`lightning_oomb.engine.batch`).
+        :mod:`lightning_oomb.engine.batch`). ``num_items_in_batch`` (as transformers' loss takes it): divide the
+        summed token losses by this count instead of the batch's target tokens — e.g. the target tokens of every
+        micro-batch of an accumulated step, so that each token weighs alike (a model's router loss is unaffected).
 
         One step at a time: the pool holds this step's pages until its backward sweep, so call ``backward`` on
         the result before the next ``loss`` or :meth:`evaluate` (refused otherwise, before any work: the earlier
@@ -212,7 +217,9 @@ class OOMBEngine:
         self._check_nothing_pending("engine.loss")
         self.user_hooks.check(self.model, self._parameters(), training=True)
         with self._reporting():
-            step = self._plan(input_ids, labels, position_ids, attention_mask, training=True)
+            step = self._plan(
+                input_ids, labels, position_ids, attention_mask, num_items_in_batch, training=True
+            )
             kept = self.config.reused_chunks(len(step.bounds)) if torch.is_grad_enabled() else 0
             step.reused_from = len(step.bounds) - kept if kept else None
             weight = self.model.lm_head().weight
@@ -228,6 +235,7 @@ class OOMBEngine:
         labels: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        num_items_in_batch: int | float | torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Mean next-token loss by the forward sweep alone (no gradient state kept); arguments as :meth:`loss`.
 
@@ -237,7 +245,7 @@ class OOMBEngine:
         self._check_nothing_pending("engine.evaluate")
         self.user_hooks.check(self.model, (), training=False)
         with self._reporting():
-            step = self._plan(input_ids, labels, position_ids, attention_mask)
+            step = self._plan(input_ids, labels, position_ids, attention_mask, num_items_in_batch)
             with torch.inference_mode(False), torch.no_grad():  # leaving inference mode re-enables grad
                 loss, _ = self.forward_sweep(step, sweep="eval")
         return loss
@@ -287,10 +295,17 @@ class OOMBEngine:
         return backend
 
     def _plan(
-        self, input_ids, labels, position_ids=None, attention_mask=None, training: bool = False
+        self,
+        input_ids,
+        labels,
+        position_ids=None,
+        attention_mask=None,
+        num_items=None,
+        training: bool = False,
     ) -> _Step:
         """Validate the inputs and cut the step into chunks, before any work (under context parallelism, first
-        check that every rank of the group has the same batch); ``training``: a training step's."""
+        check that every rank of the group has the same batch); ``num_items``: the loss's divisor, if not the
+        batch's target count; ``training``: a training step's."""
         if self.context is not None:
             self.context.check_same(fingerprint(input_ids, labels, position_ids, attention_mask), "batch")
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64) or 0 in input_ids.shape:
@@ -329,7 +344,7 @@ class OOMBEngine:
             page_score=None if sparse is None or layout is not None else sparse.score,
         )
         bounds = chunk_bounds(seq_len, cfg.chunk_size)
-        denominator = int((targets != IGNORE_INDEX).sum())
+        denominator = int((targets != IGNORE_INDEX).sum()) if num_items is None else _count(num_items)
         floors = key_floors(batch_layout.doc_start, [start for start, _ in bounds])
         new_step_loss = getattr(model, "new_step_loss", None)
         step_loss = new_step_loss() if new_step_loss is not None else None
@@ -421,7 +436,7 @@ class OOMBEngine:
             lo, hi = (lo, hi) if hi > lo else (start, start + 1)
         chunk.tokens = None if step.tokens is None else step.tokens[:, lo:hi]
         hidden = self.model.hidden_states(step.input_ids[:, lo:hi], step.positions[:, lo:hi], chunk)
-        denominator = max(step.denominator, 1)
+        denominator = step.denominator or 1  # (a batch without targets: loss 0)
         # the gradient autograd will hand the cross-entropy: the division's backward, the same op
         expected = None if grad_output is None else grad_output / denominator
         head = self.model.lm_head()
@@ -672,6 +687,18 @@ def check_carried_states(bounds: list[tuple[int, int]], layout: Layout | None, d
             f"length that is not 1 more than a multiple of chunk_size (e.g. {length - 1} or {length + 1}: drop a "
             "token, or right-pad one with attention_mask)."
         )
+
+
+def _count(num_items) -> int | float:
+    """``num_items_in_batch`` as a positive number (a tensor is read once)."""
+    value = num_items.item() if isinstance(num_items, torch.Tensor) and num_items.numel() == 1 else num_items
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
+        raise OOMBConfigError(
+            f"num_items_in_batch={num_items!r} is not a positive count — it divides the summed token losses "
+            "(transformers' convention) — pass the number of target tokens the loss is averaged over, or None for "
+            "this batch's."
+        )
+    return value
 
 
 class _ChunkRecurrentStep(torch.autograd.Function):

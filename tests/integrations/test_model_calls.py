@@ -6,10 +6,10 @@ import pytest
 import torch
 import transformers as tf
 
-from lightning_oomb.engine import OOMBConfigError
+from lightning_oomb.engine import OOMBConfig, OOMBConfigError, OOMBEngine
 from lightning_oomb.integrations.hf import HFChunkModel
 from lightning_oomb.integrations.hf.calls import LogitsUnavailable, read_call
-from tests.helpers.models import build_causal_lm
+from tests.helpers.models import build_causal_lm, full_sequence_loss, grads_of, max_relative_error
 
 
 def recorded_calls(model):
@@ -76,7 +76,6 @@ def test_arguments_that_change_nothing_in_the_loss_are_accepted(extra):
 @pytest.mark.parametrize(
     ("extra", "match"),
     [
-        ({"num_items_in_batch": 80}, r"num_items_in_batch \(the loss is the mean .* scale the returned loss"),
         ({"output_attentions": True}, r"output_attentions \(the attention weights"),
         ({"logits_to_keep": 1}, r"logits_to_keep \(the logits are never materialised"),
         ({"output_router_logits": True}, r"config.output_router_logits"),
@@ -84,7 +83,7 @@ def test_arguments_that_change_nothing_in_the_loss_are_accepted(extra):
         ({"cache_position": torch.arange(5, 17)}, "cached decoding"),
         ({"past_key_values": tf.DynamicCache()}, "past_key_values .*generate in predict_step"),
     ],
-    ids=["items", "attentions", "logits-to-keep", "router", "token-types", "decoding-position", "cache"],
+    ids=["attentions", "logits-to-keep", "router", "token-types", "decoding-position", "cache"],
 )
 def test_arguments_the_engine_cannot_honour_are_refused_with_their_reason(extra, match):
     model = build_causal_lm("qwen2")
@@ -126,3 +125,25 @@ def test_the_vocabulary_is_read_at_each_step():
     adapter = HFChunkModel(model)
     model.resize_token_embeddings(130)
     assert adapter.vocab_size == adapter.num_embeddings == 130
+
+
+def test_num_items_in_batch_divides_the_summed_loss_as_transformers_does():
+    """``model(..., num_items_in_batch=n)``: the summed token losses over ``n`` (a tensor or a number), as HF's
+    loss computes it for gradient accumulation weighted by tokens — loss and gradients in float64 (1e-10)."""
+    model = build_causal_lm("qwen2")
+    ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(3))
+    labels = ids.clone()
+    labels[0, :7] = -100
+    targets = int((labels[:, 1:] != -100).sum())
+    want_loss = full_sequence_loss(model, ids, labels) * targets / 100
+    want_loss.backward()
+    want = grads_of(model)
+    model.zero_grad()
+    engine = OOMBEngine(HFChunkModel(model), OOMBConfig(16, 8))
+    with engine.model.answer_calls(lambda ids, labels, **kw: engine.loss(ids, labels, **kw)):
+        loss = model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(100)).loss
+    loss.backward()
+    assert abs(loss.item() / want_loss.item() - 1) <= 1e-10
+    assert max_relative_error(grads_of(model), want) <= 1e-10
+    with pytest.raises(OOMBConfigError, match="num_items_in_batch=0 is not a positive count"):
+        engine.evaluate(ids, labels, num_items_in_batch=0)

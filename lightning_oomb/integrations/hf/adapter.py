@@ -315,6 +315,9 @@ class HFChunkModel:
                 call.labels,
                 position_ids=call.position_ids,
                 attention_mask=call.attention_mask,
+                **(
+                    {} if call.num_items_in_batch is None else {"num_items_in_batch": call.num_items_in_batch}
+                ),
             )
             return answer(call, loss)
 

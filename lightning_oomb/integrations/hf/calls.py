@@ -3,7 +3,8 @@
 :func:`read_call` binds a call's positional and keyword arguments to the model's own ``forward`` signature (so
 ``model(ids, mask, positions)`` means what it means to Hugging Face: GPT-2 takes its arguments in another order than
 Llama) and keeps what the engine computes the loss from — ``input_ids``, ``labels``, ``position_ids``,
-``attention_mask`` — after checking every other argument: values that change nothing in the loss are accepted
+``attention_mask``, ``num_items_in_batch`` (the loss's divisor, as transformers' loss takes it) — after checking
+every other argument: values that change nothing in the loss are accepted
 (``use_cache``, ``output_attentions=False``, ``logits_to_keep=0``, a ``cache_position`` that counts the sequence,
 ``DataCollatorWithFlattening``'s ``cu_seq_lens_*`` / ``max_length_*`` / ``seq_idx`` when they say what the
 ``position_ids`` say), anything else is refused with its own reason. :func:`answer` builds the reply, a
@@ -33,6 +34,7 @@ class Call:
     labels: torch.Tensor | None
     position_ids: torch.Tensor | None
     attention_mask: torch.Tensor | None
+    num_items_in_batch: int | float | torch.Tensor | None
     tuple_reply: bool
 
 
@@ -53,6 +55,7 @@ def read_call(model: torch.nn.Module, args: tuple, kwargs: dict, balances_expert
             given[name] = value
     take = {k: given.pop(k, None) for k in ("input_ids", "labels", "position_ids", "attention_mask")}
     return_dict = given.pop("return_dict", None)
+    num_items = given.pop("num_items_in_batch", None)
     given.pop("use_cache", None)
     if take["input_ids"] is None:
         raise OOMBConfigError(
@@ -63,7 +66,7 @@ def read_call(model: torch.nn.Module, args: tuple, kwargs: dict, balances_expert
     _check_rest(given, take["input_ids"], take["position_ids"], balances_experts)
     if return_dict is None:
         return_dict = getattr(model.config, "return_dict", True)
-    return Call(**take, tuple_reply=not return_dict)
+    return Call(**take, num_items_in_batch=num_items, tuple_reply=not return_dict)
 
 
 def _check_rest(given: dict, input_ids: torch.Tensor, position_ids, balances_experts: bool) -> None:
@@ -100,9 +103,6 @@ def _check_rest(given: dict, input_ids: torch.Tensor, position_ids, balances_exp
     reasons = {
         "output_router_logits": "the router's load-balancing loss is trained as the model's config says "
         "(config.output_router_logits) — set it there, not in the call",
-        "num_items_in_batch": "the loss is the mean over the batch's target tokens (Lightning divides by "
-        "accumulate_grad_batches) — to normalise by a count across micro-batches, scale the returned loss in "
-        "training_step by (this batch's target tokens / num_items_in_batch)",
         "output_attentions": "the attention weights of the whole sequence are never materialised",
         "output_hidden_states": "the hidden states of the whole sequence are never kept (chunk by chunk)",
         "logits_to_keep": "the logits are never materialised; the loss covers every target",
