@@ -38,7 +38,7 @@ import lightning_oomb  # noqa: F401  (registers strategy="oomb")
 # `oomb fit --help` lists them among the available subclasses
 from lightning_oomb.data import NeedleRetrievalDataModule, TextFileDataModule  # noqa: F401
 from lightning_oomb.engine import OOMBConfigError
-from lightning_oomb.engine.planner import MemoryPlan, gib, plan, precision_dtypes, step_size_of
+from lightning_oomb.engine.planner import MemoryPlan, gib, plan, precision_dtypes, step_sizes_of
 from lightning_oomb.models import CausalLMModule, build_config, qwen2_5_7b_config  # noqa: F401
 from lightning_oomb.strategy import most_micro_batches
 
@@ -240,7 +240,7 @@ def plan_command(args: list[str], print_table: bool = True) -> MemoryPlan | None
             f"the config trains with {type(strategy).__name__} — oomb plan predicts the OOMB strategy's memory — "
             "set trainer.strategy: oomb (or lightning_oomb.OOMBStrategy)."
         )
-    data_seq_len, data_batch = step_size_of(cli.datamodule)
+    *warm_up, (data_seq_len, data_batch) = step_sizes_of(cli.datamodule)
     seq_len, batch = opts.seq_len or data_seq_len, opts.batch_size or data_batch
     if seq_len is None:
         raise OOMBConfigError(
@@ -253,20 +253,30 @@ def plan_command(args: list[str], print_table: bool = True) -> MemoryPlan | None
     )
     device = "cuda" if gpu else "cpu"
     param_dtype = getattr(torch, dtype) if dtype not in (None, "auto") else None
-    result = plan(
-        planned_model(model_config(cli.model, opts.model_config), cli.trainer.precision, param_dtype),
-        seq_len,
-        batch,
-        strategy.oomb_config,
-        cli.trainer.precision,
-        opts.optimizer,
-        device,
-        **memory,
-        param_dtype=param_dtype,
-        context_parallel=strategy.context_size_on(cli.world) if hasattr(strategy, "context_size_on") else 1,
-        accumulate_grad_batches=most_micro_batches(cli.trainer),
-        processes_per_node=cli.per_node,
-    )
+    model = planned_model(model_config(cli.model, opts.model_config), cli.trainer.precision, param_dtype)
+
+    def plan_step(seq_len: int, batch: int, config) -> MemoryPlan:
+        return plan(
+            model,
+            seq_len,
+            batch,
+            config,
+            cli.trainer.precision,
+            opts.optimizer,
+            device,
+            **memory,
+            param_dtype=param_dtype,
+            context_parallel=strategy.context_size_on(cli.world)
+            if hasattr(strategy, "context_size_on")
+            else 1,
+            accumulate_grad_batches=most_micro_batches(cli.trainer),
+            processes_per_node=cli.per_node,
+        )
+
+    result = plan_step(seq_len, batch, strategy.oomb_config)
+    if not (opts.seq_len or opts.batch_size):  # the data's warm-up steps, under the main steps' decisions
+        warm = (plan_step(n, b, result.config) for n, b in warm_up)
+        result = next((p for p in warm if not p.fits), result)
     if print_table:
         print_plan(result)
     return result

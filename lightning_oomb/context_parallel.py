@@ -31,7 +31,7 @@ from typing_extensions import override
 
 from lightning_oomb.engine import OOMBConfigError
 from lightning_oomb.engine.context import ContextGroup
-from lightning_oomb.engine.planner import Machine, step_size_of
+from lightning_oomb.engine.planner import Machine, step_sizes_of
 from lightning_oomb.engine.recurrence import check_context
 from lightning_oomb.strategy import _OOMBStrategyMixin, config_from_arguments, strategy_doc
 
@@ -186,8 +186,8 @@ class OOMBContextParallelStrategy(_OOMBStrategyMixin, DDPStrategy):
             # does (Lightning's injected sampler would reshuffle them and cannot enter a custom batch sampler)
             trainer._accelerator_connector.use_distributed_sampler = False
         self._agreeing(self._build_engine, trainer.lightning_module)
-        seq_len = step_size_of(trainer.datamodule)[0]  # the datamodule's, where it declares one
-        check_context(self.oomb_config, self.context_parallel_size, seq_len)
+        for seq_len, _ in step_sizes_of(trainer.datamodule):  # the datamodule's, where it declares them
+            check_context(self.oomb_config, self.context_parallel_size, seq_len)
         super().setup(trainer)
         self._agreeing(self._check_memory_plan, trainer)
 

@@ -159,6 +159,8 @@ class NeedleRetrievalDataModule(LightningDataModule):
         # batches never mix the two lengths
         self.train_batches = _batches(0, short, short_batch_size) + _batches(short, train_samples, batch_size)
         self.batch_size = batch_size
+        # the training steps' shapes, for the memory plan (the warm-up's can take more: a larger batch)
+        self.step_sizes = [(short_seq_len, short_batch_size)] * bool(short) + [(seq_len, batch_size)]
 
     @property
     def vocab_size(self) -> int:

@@ -28,7 +28,7 @@ from typing_extensions import override
 
 from lightning_oomb.engine import OOMBConfig, OOMBConfigError, OOMBEngine
 from lightning_oomb.engine.model import ManagedModel
-from lightning_oomb.engine.planner import Machine, plan, step_size_of
+from lightning_oomb.engine.planner import Machine, plan, step_sizes_of
 from lightning_oomb.integrations import managed_model
 from lightning_oomb.precision import checked_precision
 
@@ -98,7 +98,8 @@ class _OOMBStrategyMixin:
         and configured the optimizers, so the plan counts the real parameters (trainable ones, LoRA included), the
         real optimizer's states and the Trainer's precision. The sequence length is only known at the first step,
         so the plan uses the datamodule's ``seq_len`` and ``batch_size`` (attributes or hyperparameters; this
-        project's datamodules have both); without a ``seq_len`` no plan is made here, and the pool's own check at
+        project's datamodules have both; a warm-up of another shape, declared in ``step_sizes``, is planned under
+        the main steps' decisions and must fit too); without a ``seq_len`` no plan is made here, and the pool's own check at
         the first step still guards the KV pool. ``OOMBStrategy(plan_memory=False)`` skips it. The same plan decides
         ``layer_checkpointing="auto"`` (without a ``seq_len`` it stays on) and, under offload on a GPU,
         ``hbm_budget="auto"`` with the optimizer states counted (:func:`~lightning_oomb.engine.planner.decide_auto`;
@@ -108,29 +109,37 @@ class _OOMBStrategyMixin:
         options, and then this one too). Under ``oomb_cp`` a node's ranks share its host memory; gradient accumulation counts its most
         micro-batches (``GradientAccumulationScheduler`` included).
         """
-        seq_len, batch = step_size_of(trainer.datamodule)
+        sizes = [(n, b) for n, b in step_sizes_of(trainer.datamodule) if n is not None]
         config = self.oomb_config
         auto = (
             config.layer_checkpointing == "auto"
             or (config.offload and config.hbm_budget == "auto")
             or config.reuse_attention == "auto"
         )
-        if not (self._plan_memory or auto) or trainer.state.fn != "fit" or seq_len is None:
+        if not (self._plan_memory or auto) or trainer.state.fn != "fit" or not sizes:
             return
         optimizer = self.optimizers[0] if self.optimizers else None
         params = sum(p.numel() * p.element_size() for p in trainer.lightning_module.parameters())
-        result = plan(
-            self.model_adapter,
-            seq_len,
-            batch,
-            self.oomb_config,
-            self.precision_plugin.precision,
-            optimizer if isinstance(optimizer, torch.optim.Optimizer) else None,
-            self._planning_machine(params),
-            context_parallel=self.engine.context.size if self.engine.context is not None else 1,
-            accumulate_grad_batches=most_micro_batches(trainer),
-            processes_per_node=getattr(self, "num_processes", 1),  # they share the node's host memory
-        )
+        machine = self._planning_machine(params)
+
+        def plan_step(seq_len: int, batch: int, config: OOMBConfig):
+            return plan(
+                self.model_adapter,
+                seq_len,
+                batch,
+                config,
+                self.precision_plugin.precision,
+                optimizer if isinstance(optimizer, torch.optim.Optimizer) else None,
+                machine,
+                context_parallel=self.engine.context.size if self.engine.context is not None else 1,
+                accumulate_grad_batches=most_micro_batches(trainer),
+                processes_per_node=getattr(self, "num_processes", 1),  # they share the node's host memory
+            )
+
+        # the main steps (the last shape) decide the "auto" options; other shapes (a warm-up's) must fit under them
+        *others, main = sizes
+        result = plan_step(*main, config)
+        result = next((p for p in (plan_step(*o, result.config) for o in others) if not p.fits), result)
         decided = [
             f"{name}={getattr(result.config, name)!r}"
             for name in OOMBConfig.field_names()

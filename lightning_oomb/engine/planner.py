@@ -634,6 +634,14 @@ def step_size_of(data: Any) -> tuple[int | None, int]:
     return (seq_len if valid[0] else None), (batch if valid[1] else 1)
 
 
+def step_sizes_of(data: Any) -> list[tuple[int | None, int]]:
+    """Every ``(seq_len, batch_size)`` a data module's training steps take: its ``step_sizes`` (e.g. a warm-up
+    phase of shorter sequences in larger batches, which can take more memory than the main phase), else
+    :func:`step_size_of`'s one. The memory plan is made for each; the largest decides."""
+    sizes = getattr(data, "step_sizes", None)
+    return list(sizes) if sizes else [step_size_of(data)]
+
+
 # ------------------------------------------------------------------------------------------------------ terms
 def saved_bytes(
     shape: ModelShape,

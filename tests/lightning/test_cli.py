@@ -167,6 +167,24 @@ def test_oomb_console_script_plans_the_cpu_demo(monkeypatch, capsys):
     assert "16384 tokens" in text and "host memory" in text and "fits" in text
 
 
+def test_oomb_plan_checks_the_data_warm_up_steps_too():
+    """The demo's warm-up (here 16 sequences of 8192 per step) takes 13x the memory of its main 16384-token steps:
+    planned under the main steps' decisions, it is the plan shown when it does not fit."""
+    base = [
+        "--config",
+        str(DEMO_CONFIG),
+        "--trainer.accelerator=auto",
+        "--device-memory=0.3GiB",
+        "--host-memory=8GiB",
+    ]
+    main_steps = plan_command(base, print_table=False)
+    assert (main_steps.batch, main_steps.seq_len, main_steps.fits) == (1, 16384, True)
+    warm = ["--data.init_args.short_seq_len", "8192", "--data.init_args.short_batch_size", "16"]
+    warm_up = plan_command(base + warm, print_table=False)
+    assert (warm_up.batch, warm_up.seq_len, warm_up.fits) == (16, 8192, False)
+    assert warm_up.config == main_steps.config
+
+
 def test_oomb_plan_reads_a_model_config_override(tmp_path, capsys):
     from lightning_oomb.models import qwen2_5_7b_config
 
