@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule
-from torch.utils.data import ConcatDataset, DataLoader, Dataset, DistributedSampler
+from torch.utils.data import ConcatDataset, DataLoader, Dataset, DistributedSampler, Sampler
 
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.loss import IGNORE_INDEX
@@ -178,7 +178,7 @@ class NeedleRetrievalDataModule(LightningDataModule):
                 "— train it on one device or one context group (oomb_cp with context_parallel_size = devices), or "
                 "shard your data with TextFileDataModule."
             )
-        return DataLoader(self.train_set, batch_sampler=self.train_batches)
+        return ResumableBatchLoader(self.train_set, self.train_batches)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.batch_size)
@@ -186,6 +186,65 @@ class NeedleRetrievalDataModule(LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         """The held-out sequences (``trainer.test`` / ``oomb test``: no split of its own)."""
         return self.val_dataloader()
+
+
+class FixedBatches(Sampler[list[int]]):
+    """The same batches of indices every epoch, the next iteration starting part-way (:meth:`skip`); Lightning
+    sets its epoch (``set_epoch``)."""
+
+    def __init__(self, batches: list[list[int]]) -> None:
+        self.batches, self.epoch, self._skip = batches, 0, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def skip(self, batches: int) -> None:
+        """Start the next iteration after the epoch's first ``batches`` batches."""
+        self._skip = batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        start, self._skip = self._skip, 0
+        return iter(self.batches[start:])
+
+    def __len__(self) -> int:
+        return len(
+            self.batches
+        )  # the whole epoch's, also when resumed: Lightning counts the skipped ones as done
+
+
+class ResumableBatchLoader(DataLoader):
+    """A ``DataLoader`` over :class:`FixedBatches` that a checkpoint can stop and resume mid-epoch (as
+    :class:`ResumableLoader`): its state is ``{"epoch", "batches", "num_batches"}``, the batches of the epoch handed
+    out; a resume with other batches is refused."""
+
+    def __init__(self, dataset: Dataset, batches: list[list[int]]) -> None:
+        super().__init__(dataset, batch_sampler=FixedBatches(batches))
+        self._position = {"epoch": 0, "batches": 0}
+        self._resume: dict[str, int] | None = None
+
+    def state_dict(self) -> dict[str, int]:
+        position = self._resume if self._resume is not None else self._position
+        return {**position, "num_batches": len(self.batch_sampler)}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        if state_dict["num_batches"] != len(self.batch_sampler):
+            raise OOMBConfigError(
+                f"the checkpoint's training data had {state_dict['num_batches']} batches per epoch, this data module "
+                f"has {len(self.batch_sampler)} — its samples or batch sizes changed, so its position means nothing "
+                "here — resume with the same data module settings, or start a new fit from the checkpoint's weights."
+            )
+        self._resume = {"epoch": state_dict["epoch"], "batches": state_dict["batches"]}
+
+    def __iter__(self) -> Iterator[Batch]:
+        # a generator: it runs after Lightning's load_state_dict and set_epoch (a state of another epoch: not resumed)
+        batches = self.batch_sampler
+        resume, self._resume = self._resume, None
+        done = resume["batches"] if resume is not None and resume["epoch"] == batches.epoch else 0
+        batches.skip(done)
+        self._position = {"epoch": batches.epoch, "batches": done}
+        for batch in super().__iter__():
+            self._position["batches"] += 1
+            yield batch
 
 
 def _batches(start: int, count: int, size: int) -> list[list[int]]:

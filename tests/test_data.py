@@ -131,6 +131,31 @@ def test_needle_data_module_splits_and_warm_up():
     )
 
 
+def test_needle_training_resumes_mid_epoch():
+    """A checkpoint in the middle of the epoch (here after 4 of 6 batches: inside the full-length part) resumes at
+    the next batch, not at the warm-up's first (which would train the warm-up again and never reach the rest); a
+    state of another epoch resumes nothing; other batches are refused."""
+    settings = dict(seq_len=256, num_values=5, train_samples=3, short_seq_len=64, short_samples=5,
+                    short_batch_size=2)  # fmt: skip
+    epoch = [b["input_ids"] for b in NeedleRetrievalDataModule(**settings).train_dataloader()]
+    interrupted = NeedleRetrievalDataModule(**settings).train_dataloader()
+    batches = iter(interrupted)
+    seen = [next(batches)["input_ids"] for _ in range(4)]
+    state = interrupted.state_dict()
+    assert state == {"epoch": 0, "batches": 4, "num_batches": 6}
+    resumed = NeedleRetrievalDataModule(**settings).train_dataloader()
+    resumed.load_state_dict(state)
+    assert len(resumed) == 6  # the whole epoch's length, as Lightning expects
+    assert all(map(torch.equal, seen + [b["input_ids"] for b in resumed], epoch))
+    resumed.load_state_dict(state)
+    resumed.batch_sampler.set_epoch(1)
+    assert len(list(resumed)) == 6
+    with pytest.raises(OOMBConfigError, match="had 6 batches per epoch, this data module has 8"):
+        NeedleRetrievalDataModule(**(settings | {"short_batch_size": 1})).train_dataloader().load_state_dict(
+            state
+        )
+
+
 def test_needle_data_module_rejects_empty_batches():
     with pytest.raises(OOMBConfigError, match="at least one"):
         NeedleRetrievalDataModule(short_batch_size=0)
