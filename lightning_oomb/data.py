@@ -188,6 +188,66 @@ class NeedleRetrievalDataModule(LightningDataModule):
         return self.val_dataloader()
 
 
+class ResumableIteration(DataLoader):
+    """A ``DataLoader`` that a checkpoint can stop and resume mid-epoch, at the next :attr:`unit` of its order.
+
+    Lightning saves ``state_dict()`` of every train dataloader that has one with the checkpoint and gives it back
+    through ``load_state_dict()`` on resume (before the first batch is drawn; then ``set_epoch``). The state is
+    ``{"epoch", unit: how many of the epoch's order have left the loader, ...}`` — counted in the main process as
+    batches are handed out (what workers prefetched does not count) — with what that position means something
+    under (:meth:`_setting`): a resume that changes one is refused, as it would skip or repeat data. A state of
+    another epoch (saved at an epoch's end) resumes nothing."""
+
+    unit: str  # what the position counts
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._position = {"epoch": 0, self.unit: 0}
+        self._resume: dict[str, int] | None = None
+
+    def _order(self):
+        """The sampler (or batch sampler) of the epoch's order: its ``epoch``, ``skip(n)`` of its next iteration."""
+        raise NotImplementedError
+
+    def _setting(self) -> dict[str, int | bool]:
+        """What a saved position means something under."""
+        raise NotImplementedError
+
+    def _handed_out(self, done: int) -> int:
+        """The position after one more batch, from ``done``."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, int]:
+        position = self._resume if self._resume is not None else self._position
+        return {**position, **self._setting()}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        # (a checkpoint from before a key was saved is checked for the keys it has)
+        changed = [
+            f"{k} {state_dict[k]} -> {v}" for k, v in self._setting().items() if state_dict.get(k, v) != v
+        ]
+        if changed:
+            raise OOMBConfigError(
+                f"the checkpoint's training data position was saved under other settings ({', '.join(changed)}), "
+                f"so resumed here it would skip or repeat data — resume with the same data and data module "
+                f"settings{self._same}, or start a new fit from the checkpoint's weights."
+            )
+        self._resume = {"epoch": state_dict["epoch"], self.unit: state_dict[self.unit]}
+
+    _same = ""  # what else a resume keeps, for the refusal
+
+    def __iter__(self) -> Iterator[Batch]:
+        # A generator: nothing below runs before the first batch is asked for, after load_state_dict and set_epoch
+        order = self._order()
+        resume, self._resume = self._resume, None
+        done = resume[self.unit] if resume is not None and resume["epoch"] == order.epoch else 0
+        order.skip(done)
+        self._position = {"epoch": order.epoch, self.unit: done}
+        for batch in super().__iter__():
+            self._position[self.unit] = self._handed_out(self._position[self.unit])
+            yield batch
+
+
 class FixedBatches(Sampler[list[int]]):
     """The same batches of indices every epoch, the next iteration starting part-way (:meth:`skip`); Lightning
     sets its epoch (``set_epoch``)."""
@@ -212,39 +272,23 @@ class FixedBatches(Sampler[list[int]]):
         )  # the whole epoch's, also when resumed: Lightning counts the skipped ones as done
 
 
-class ResumableBatchLoader(DataLoader):
-    """A ``DataLoader`` over :class:`FixedBatches` that a checkpoint can stop and resume mid-epoch (as
-    :class:`ResumableLoader`): its state is ``{"epoch", "batches", "num_batches"}``, the batches of the epoch handed
-    out; a resume with other batches is refused."""
+class ResumableBatchLoader(ResumableIteration):
+    """A ``DataLoader`` over :class:`FixedBatches` that a checkpoint can stop and resume mid-epoch: its state is
+    ``{"epoch", "batches", "num_batches"}``, the batches of the epoch handed out (:class:`ResumableIteration`)."""
+
+    unit = "batches"
 
     def __init__(self, dataset: Dataset, batches: list[list[int]]) -> None:
         super().__init__(dataset, batch_sampler=FixedBatches(batches))
-        self._position = {"epoch": 0, "batches": 0}
-        self._resume: dict[str, int] | None = None
 
-    def state_dict(self) -> dict[str, int]:
-        position = self._resume if self._resume is not None else self._position
-        return {**position, "num_batches": len(self.batch_sampler)}
+    def _order(self) -> FixedBatches:
+        return self.batch_sampler
 
-    def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        if state_dict["num_batches"] != len(self.batch_sampler):
-            raise OOMBConfigError(
-                f"the checkpoint's training data had {state_dict['num_batches']} batches per epoch, this data module "
-                f"has {len(self.batch_sampler)} — its samples or batch sizes changed, so its position means nothing "
-                "here — resume with the same data module settings, or start a new fit from the checkpoint's weights."
-            )
-        self._resume = {"epoch": state_dict["epoch"], "batches": state_dict["batches"]}
+    def _setting(self) -> dict[str, int | bool]:
+        return {"num_batches": len(self.batch_sampler)}
 
-    def __iter__(self) -> Iterator[Batch]:
-        # a generator: it runs after Lightning's load_state_dict and set_epoch (a state of another epoch: not resumed)
-        batches = self.batch_sampler
-        resume, self._resume = self._resume, None
-        done = resume["batches"] if resume is not None and resume["epoch"] == batches.epoch else 0
-        batches.skip(done)
-        self._position = {"epoch": batches.epoch, "batches": done}
-        for batch in super().__iter__():
-            self._position["batches"] += 1
-            yield batch
+    def _handed_out(self, done: int) -> int:
+        return done + 1
 
 
 def _batches(start: int, count: int, size: int) -> list[list[int]]:
@@ -349,18 +393,16 @@ def data_replicas(datamodule: LightningDataModule) -> tuple[int, int]:
     return int(shards.get("num_replicas", 1)), int(shards.get("rank", 0))
 
 
-class ResumableLoader(DataLoader):
-    """A ``DataLoader`` over a :class:`RowSampler` that a checkpoint can stop and resume mid-epoch.
-
-    Lightning saves ``state_dict()`` of every train dataloader that has one with the checkpoint and gives it back
-    through ``load_state_dict()`` on resume (before the first batch is drawn), so a resumed fit continues at the
-    next row. The state is ``{"epoch", "rows", "num_rows", ...}``: the epoch and how many rows of its order have left
-    the loader, counted in the main process as batches are handed out (rows that workers prefetched do not count),
-    and what that position means something under: the row count, ``batch_size`` (Lightning counts the epoch's done
-    batches), the data replicas and the order's ``seed`` and ``shuffle`` — a resume that changes one is refused
-    (it would skip or repeat rows). Under data parallelism each replica draws its share of the rows
+class ResumableLoader(ResumableIteration):
+    """A ``DataLoader`` over a :class:`RowSampler` that a checkpoint can stop and resume mid-epoch, at the next row
+    (:class:`ResumableIteration`). The state is ``{"epoch", "rows", ...}`` and what that position means something
+    under: the row count, ``batch_size`` (Lightning counts the epoch's done batches), the data replicas and the
+    order's ``seed`` and ``shuffle``. Under data parallelism each replica draws its share of the rows
     (:class:`RowSampler`; ``rows``: the replica's, alike on every replica), a context group the same ones.
     """
+
+    unit = "rows"
+    _same = " (batch_size, seed, shuffle) and devices"
 
     def __init__(
         self,
@@ -374,45 +416,17 @@ class ResumableLoader(DataLoader):
     ) -> None:
         sampler = RowSampler(len(dataset), shuffle=shuffle, seed=seed, num_replicas=num_replicas, rank=rank)
         super().__init__(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers)
-        self._position = {"epoch": 0, "rows": 0}
-        self._resume: dict[str, int] | None = None
+
+    def _order(self) -> RowSampler:
+        return self.sampler
 
     def _setting(self) -> dict[str, int | bool]:
-        """What a saved position means something under (see the class docstring)."""
         sampler = self.sampler
         return {"num_rows": sampler.num_rows, "batch_size": self.batch_size, "num_replicas": sampler.num_replicas,
                 "seed": sampler.seed, "shuffle": sampler.shuffle}  # fmt: skip
 
-    def state_dict(self) -> dict[str, int]:
-        position = self._resume if self._resume is not None else self._position
-        return {**position, **self._setting()}
-
-    def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        # (a checkpoint from before a key was saved is checked for the keys it has)
-        changed = [
-            f"{k} {state_dict[k]} -> {v}" for k, v in self._setting().items() if state_dict.get(k, v) != v
-        ]
-        if changed:
-            raise OOMBConfigError(
-                f"the checkpoint's training data position was saved under other settings ({', '.join(changed)}) "
-                "— rows counts the rows of one replica's order in batches of one size (files, records, seq_len or "
-                "val_rows change the rows; devices or nodes the replicas), so resumed here it would skip or repeat "
-                "rows — resume with the same data, batch_size, seed, shuffle and devices, or start a new fit from "
-                "the checkpoint's weights."
-            )
-        self._resume = {"epoch": state_dict["epoch"], "rows": state_dict["rows"]}
-
-    def __iter__(self) -> Iterator[Batch]:
-        # A generator: nothing below runs before the first batch is asked for, which Lightning does after
-        # load_state_dict and set_epoch. A state saved in another epoch (e.g. at its end) is not resumed.
-        sampler = self.sampler
-        resume, self._resume = self._resume, None
-        skipped = resume["rows"] if resume is not None and resume["epoch"] == sampler.epoch else 0
-        sampler.skip(skipped)
-        self._position = {"epoch": sampler.epoch, "rows": skipped}
-        for batch in super().__iter__():
-            self._position["rows"] = min(self._position["rows"] + self.batch_size, len(sampler))
-            yield batch
+    def _handed_out(self, done: int) -> int:
+        return min(done + self.batch_size, len(self.sampler))
 
 
 def expand_paths(files: str | Path | Sequence[str | Path]) -> list[Path]:
