@@ -8,6 +8,7 @@ Face packing convention: positions restart at every document), so a LightningMod
 
 from __future__ import annotations
 
+import abc
 import glob
 import json
 import math
@@ -188,7 +189,7 @@ class NeedleRetrievalDataModule(LightningDataModule):
         return self.val_dataloader()
 
 
-class ResumableIteration(DataLoader):
+class ResumableIteration(DataLoader, abc.ABC):
     """A ``DataLoader`` that a checkpoint can stop and resume mid-epoch, at the next :attr:`unit` of its order.
 
     Lightning saves ``state_dict()`` of every train dataloader that has one with the checkpoint and gives it back
@@ -205,17 +206,17 @@ class ResumableIteration(DataLoader):
         self._position = {"epoch": 0, self.unit: 0}
         self._resume: dict[str, int] | None = None
 
+    @abc.abstractmethod
     def _order(self):
         """The sampler (or batch sampler) of the epoch's order: its ``epoch``, ``skip(n)`` of its next iteration."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _setting(self) -> dict[str, int | bool]:
         """What a saved position means something under."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _handed_out(self, done: int) -> int:
         """The position after one more batch, from ``done``."""
-        raise NotImplementedError
 
     def state_dict(self) -> dict[str, int]:
         position = self._resume if self._resume is not None else self._position
