@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import glob
+import itertools
 import json
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -354,16 +355,20 @@ class PackedRows(Dataset):
 
 class RowSampler(DistributedSampler):
     """Row indices of one epoch: ``0 .. num_rows - 1`` in order, or (``shuffle``) a permutation that depends only on
-    ``(seed, epoch)``; under data parallelism (``num_replicas`` > 1) replica ``rank`` takes every
-    ``num_replicas``-th row of that order, from its ``rank``-th (the tail that does not divide evenly is left out,
-    so every replica takes as many batches). The next iteration can start part-way into the replica's rows
+    ``(seed, epoch)``. Under data parallelism (``num_replicas`` > 1) the order is padded as ``DistributedSampler``
+    pads it by default (``drop_last=False``): by wrapping around to its first rows until it divides among the
+    replicas; replica ``rank`` then takes every ``num_replicas``-th row from its ``rank``-th. So every row is trained
+    on every epoch and every replica takes as many rows (``ceil(num_rows / num_replicas)``), at the cost of up to
+    ``num_replicas - 1`` rows seen twice in an epoch (the order's first: other rows each epoch when shuffled, the
+    same with packed rows, whose order is fixed). Dropping the tail instead would, with a fixed order, leave the
+    same rows out every epoch: never trained on. The next iteration can start part-way into the replica's rows
     (:meth:`skip`). A ``DistributedSampler``, so Lightning keeps it rather than injecting its own."""
 
     def __init__(
         self, num_rows: int, shuffle: bool = False, seed: int = 0, num_replicas: int = 1, rank: int = 0
     ):
         super().__init__(range(num_rows), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
-                         drop_last=True)  # fmt: skip
+                         drop_last=False)  # fmt: skip
         self.num_rows = num_rows
         self._skip = 0
 
@@ -372,12 +377,16 @@ class RowSampler(DistributedSampler):
         self._skip = rows
 
     def order(self) -> list[int]:
+        """The epoch's rows in order, unpadded: alike on every replica."""
         if not self.shuffle:
             return list(range(self.num_rows))
         return np.random.default_rng([self.seed, self.epoch]).permutation(self.num_rows).tolist()
 
     def __iter__(self) -> Iterator[int]:
-        mine = self.order()[self.rank : self.num_samples * self.num_replicas : self.num_replicas]
+        order = self.order()
+        if padding := self.total_size - len(order):  # wrap around (more than once if replicas > rows)
+            order += (order * math.ceil(padding / len(order)))[:padding]
+        mine = order[self.rank : self.total_size : self.num_replicas]
         rows, self._skip = mine[self._skip :], 0
         return iter(rows)
 
@@ -399,7 +408,9 @@ class ResumableLoader(ResumableIteration):
     (:class:`ResumableIteration`). The state is ``{"epoch", "rows", ...}`` and what that position means something
     under: the row count, ``batch_size`` (Lightning counts the epoch's done batches), the data replicas and the
     order's ``seed`` and ``shuffle``. Under data parallelism each replica draws its share of the rows
-    (:class:`RowSampler`; ``rows``: the replica's, alike on every replica), a context group the same ones.
+    (:class:`RowSampler`: every row, the order padded to divide; ``rows``: the replica's, alike on every replica), a
+    context group the same ones. (A position saved when the uneven tail was dropped still resumes right: each
+    replica's rows before the padding are the same.)
     """
 
     unit = "rows"
@@ -481,7 +492,8 @@ def read_documents(
 ) -> list[str]:
     """Document texts in source order: ``records`` in order, or the files sorted by path, a text file being one
     document and a JSON Lines file (``.jsonl`` / ``.ndjson``, any case) one document per non-blank line (the JSON
-    record's ``text_field``); a ``.json`` file is refused (not one record per line)."""
+    record's ``text_field``); a ``.json`` file is refused (not one record per line). A UTF-8 byte-order mark at a
+    file's start (Windows editors write one) is no text: it is dropped."""
     if records is not None:
         return [_text_of(record, text_field, f"record {i}") for i, record in enumerate(records)]
     texts: list[str] = []
@@ -495,7 +507,8 @@ def read_documents(
             )
         try:
             if kind not in JSON_LINES:
-                texts.append(path.read_text(encoding="utf-8"))
+                # (not "utf-8-sig": its errors count bytes from after the mark)
+                texts.append(path.read_text(encoding="utf-8").removeprefix("\ufeff"))
                 continue
             texts.extend(_records_of(path, text_field))
         except UnicodeDecodeError as error:
@@ -509,7 +522,7 @@ def read_documents(
 def _records_of(path: Path, text_field: str) -> list[str]:
     """The documents of a JSON Lines file: each non-blank line's record's ``text_field``."""
     texts = []
-    with path.open(encoding="utf-8") as lines:
+    with path.open(encoding="utf-8-sig") as lines:  # a byte-order mark is dropped
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
@@ -540,20 +553,54 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
 
 
 def tokenize_documents(
-    tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], eos_token_id: int | None, batch: int = 1024
+    tokenizer: PreTrainedTokenizerBase,
+    texts: Sequence[str],
+    eos_token_id: int | None,
+    batch: int = 1024,
+    start_ids: Sequence[int] = (),
 ) -> list[torch.Tensor]:
-    """Each text's token ids without special tokens, plus ``eos_token_id`` (when given), as ``IntTensor``s; texts
-    without tokens are dropped. A special token's text inside a document (``</s>``, an HTML strikethrough tag;
-    ``<|endoftext|>`` in a text about tokenizers) is tokenized as text, not as that token (``split_special_tokens``:
-    an EOS mid-document would teach the model to end there). Tokenized ``batch`` texts at a time (fast tokenizers
-    work on batches in parallel)."""
+    """Each text's token ids without special tokens, after ``start_ids`` (a BOS: :func:`sequence_start`) and
+    followed by ``eos_token_id`` (when given), as ``IntTensor``s; texts without tokens are dropped. A special
+    token's text inside a document (``</s>``, an HTML strikethrough tag; ``<|endoftext|>`` in a text about
+    tokenizers) is tokenized as text, not as that token (``split_special_tokens``: an EOS mid-document would teach
+    the model to end there). Tokenized ``batch`` texts at a time (fast tokenizers work on batches in parallel)."""
+    start = list(start_ids)
     eos = [] if eos_token_id is None else [eos_token_id]
     docs = []
     for i in range(0, len(texts), batch):
-        encoded = tokenizer(list(texts[i : i + batch]), add_special_tokens=False, split_special_tokens=True,
-                            verbose=False)["input_ids"]  # fmt: skip
-        docs += [torch.tensor(ids + eos, dtype=torch.int32) for ids in encoded if ids]
+        encoded = _encode(tokenizer, list(texts[i : i + batch]), special=False)
+        docs += [torch.tensor(start + ids + eos, dtype=torch.int32) for ids in encoded if ids]
     return docs
+
+
+def _encode(tokenizer: PreTrainedTokenizerBase, texts: list[str], special: bool) -> list[list[int]]:
+    return tokenizer(texts, add_special_tokens=special, split_special_tokens=True, verbose=False)["input_ids"]
+
+
+PROBE = "Hello"  # a text nearly every tokenizer has tokens for
+
+
+def sequence_start(tokenizer: PreTrainedTokenizerBase, texts: Iterable[str] = ()) -> list[int] | None:
+    """The ids ``tokenizer`` puts before a text's own tokens when it adds special tokens: its BOS for Llama, Mistral
+    or Gemma, ``[CLS]`` for BERT, nothing for GPT-2, Qwen or ``"bytes"``. Read off what it makes of a probe text
+    (:data:`PROBE`, else the first 1000 characters of each of ``texts`` in turn) with and without special tokens:
+    what the tokenizer does, whatever its class (in transformers 5 ``add_bos_token`` can be False for a tokenizer
+    whose ``tokenizer.json`` adds a BOS, and ``build_inputs_with_special_tokens`` is gone from fast tokenizers).
+    ``None`` when no probe has tokens; raises when the special tokens change the text's own tokens."""
+    for probe in itertools.chain([PROBE], (text[:1000] for text in texts)):
+        plain = _encode(tokenizer, [probe], special=False)[0]
+        if not plain:
+            continue
+        full = _encode(tokenizer, [probe], special=True)[0]
+        for k in range(len(full) - len(plain) + 1):
+            if full[k : k + len(plain)] == plain:
+                return full[:k]
+        raise OOMBConfigError(
+            f"the tokenizer tokenizes {probe[:40]!r} as {plain[:8]} without special tokens but {full[:8]} with "
+            "them, so what it adds at a sequence start cannot be read off — set add_bos=True (its bos_token before "
+            "every document) or add_bos=False (none)."
+        )
+    return None
 
 
 class TextFileDataModule(LightningDataModule):
@@ -562,21 +609,26 @@ class TextFileDataModule(LightningDataModule):
 
     Documents: a text file (read whole, UTF-8) is one document; a ``*.jsonl`` (or ``.ndjson``) file holds one JSON
     record per line, the document under ``text_field``; ``records`` is any iterable of mappings with that field,
-    e.g. a Hugging Face ``datasets.Dataset``. Each document is tokenized without special tokens and followed by the
-    tokenizer's EOS token.
+    e.g. a Hugging Face ``datasets.Dataset``. Each document is tokenized without special tokens, preceded by what
+    the tokenizer itself adds at a sequence start (``add_bos``; Llama's and Gemma's BOS, nothing for GPT-2, Qwen or
+    ``bytes``: the model sees documents start as in its own training) and followed by the tokenizer's EOS token, or,
+    for a tokenizer without one, its SEP token (how BERT-style tokenizers end a sequence). A tokenizer with neither
+    is refused, with ``pack=False`` too (documents would run into each other unmarked).
 
     Batches with ``pack=True`` (the default) are ``{"input_ids", "labels", "position_ids"}``, each
     ``LongTensor[batch_size, seq_len]``, in the Hugging Face packing convention (``DataCollatorWithFlattening``):
     ``position_ids`` are 0 at every document start and count up from there; ``labels`` equal ``input_ids`` except
     -100 wherever ``position_ids == 0``, so no token is trained to predict the first token of the next document.
+    A document's BOS is its position 0: an input, never a target (as in unpacked training, where the shift drops
+    the first label); the model is trained to predict the document's first token from it.
     A document longer than the rest of its row continues in the next row, where its positions restart at 0, as if
-    its remainder were a document of its own: every row is self-contained (the model never sees the previous row,
-    and positions continuing from it would describe context that is not there). HF models given ``position_ids``,
-    no ``attention_mask`` and ``use_cache=False`` keep packed documents apart (a new document wherever positions do
-    not step by 1; with transformers' default KV cache they do not: :class:`~lightning_oomb.models.CausalLMModule`
-    passes it); so does the OOMB strategy.
+    its remainder were a document of its own (with no BOS: it is no document start): every row is self-contained
+    (the model never sees the previous row, and positions continuing from it would describe context that is not
+    there). HF models given ``position_ids``, no ``attention_mask`` and ``use_cache=False`` keep packed documents
+    apart (a new document wherever positions do not step by 1; with transformers' default KV cache they do not:
+    :class:`~lightning_oomb.models.CausalLMModule` passes it); so does the OOMB strategy.
     With ``pack=False`` documents form one plain stream, batches are ``{"input_ids", "labels"}`` with labels equal
-    to input ids, and attention crosses document ends.
+    to input ids (a BOS is a target too, after the previous document's EOS), and attention crosses document ends.
 
     Splits: the documents in source order (files sorted by path, lines and records in order) are cut into rows;
     the last ``val_rows`` rows are the validation set, the same whatever ``seed``, ``shuffle`` and ``pack``; the
@@ -584,6 +636,10 @@ class TextFileDataModule(LightningDataModule):
     training documents (a document cut by the validation boundary keeps its training part) are shuffled by
     ``seed`` (if ``shuffle``) and packed once, so training rows come in the same order every epoch; with
     ``pack=False`` the training rows are shuffled each epoch by ``(seed, epoch)`` (if ``shuffle``).
+
+    Data parallelism: each replica trains on its share of every epoch's rows; when they do not divide evenly, the
+    order wraps around to its first rows (``DistributedSampler``'s default), so every row is trained on and up to
+    ``replicas - 1`` rows twice an epoch (:class:`RowSampler`).
 
     Resuming: the train dataloader (:class:`ResumableLoader`) is saved with every checkpoint (epoch and rows
     handed out), so a fit resumed from a mid-epoch checkpoint continues at the next row, not at the epoch's start.
@@ -607,6 +663,9 @@ class TextFileDataModule(LightningDataModule):
         text_field: the field of a JSON-lines record (or of a ``records`` item) that holds the document's text.
         records: instead of ``files``, an iterable of mappings with ``text_field``: from Python e.g. a Hugging
             Face ``datasets.Dataset``, from YAML a list. Read once, in :meth:`setup`; not saved in ``hparams``.
+        add_bos: what starts each document. ``None``: what the tokenizer adds at a sequence start
+            (:func:`sequence_start`), ``True``: its ``bos_token`` (refused without one; e.g. GPT-2's
+            ``<|endoftext|>``, which it does not add itself), ``False``: nothing.
     """
 
     def __init__(
@@ -622,6 +681,7 @@ class TextFileDataModule(LightningDataModule):
         seed: int = 0,
         text_field: str = "text",
         records: Iterable[Mapping[str, Any]] | None = None,
+        add_bos: bool | None = None,
     ) -> None:
         super().__init__()
         if (files is None) == (records is None):
@@ -657,6 +717,7 @@ class TextFileDataModule(LightningDataModule):
         self.pack = pack
         self.seed = seed
         self.text_field = text_field
+        self.add_bos = add_bos
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self.train_set: PackedRows | None = None
         self.val_set: PackedRows | None = None
@@ -673,7 +734,8 @@ class TextFileDataModule(LightningDataModule):
         return len(self.tokenizer)
 
     def documents(self) -> list[torch.Tensor]:
-        """Every document's token ids (``IntTensor``, EOS last) in source order; bad input raises before tokenizing."""
+        """Every document's token ids (``IntTensor``: sequence-start tokens first, EOS last) in source order; bad
+        input raises before tokenizing."""
         texts = read_documents(self.files, self.records, self.text_field)
         if not any(texts):
             source = "the records" if self.records is not None else f"files {self.files!r}"
@@ -682,19 +744,49 @@ class TextFileDataModule(LightningDataModule):
                 "records) and text_field."
             )
         tok = self.tokenizer
-        if self.pack and tok.eos_token_id is None:
-            raise OOMBConfigError(
-                f"tokenizer {self.tokenizer_name!r} has no EOS token — packing ends every document with one, so "
-                "the model learns where documents end — use the model's own tokenizer, or pack=False."
-            )
-        docs = tokenize_documents(tok, texts, tok.eos_token_id)
+        end = self._document_end()
+        start = self._document_start(texts)
+        docs = tokenize_documents(tok, texts, end, start_ids=start or ())
         if not docs:
             raise OOMBConfigError(
                 f"tokenizer {self.tokenizer_name!r} turned the corpus's {len(texts)} document(s) into no tokens — it "
                 "cannot read this text (e.g. a vocabulary without these characters) — pass the model's own "
                 "tokenizer, or tokenizer='bytes'."
             )
+        if start is None:  # some text has tokens, but no probe has: rare enough to ask rather than guess
+            raise OOMBConfigError(
+                f"tokenizer {self.tokenizer_name!r} has no tokens for the probe texts (the start of the corpus's "
+                "documents), so what it adds at a sequence start cannot be read off — set add_bos=True (its "
+                "bos_token before every document) or add_bos=False (none)."
+            )
         return docs
+
+    def _document_end(self) -> int:
+        """The token after every document: the EOS, else the SEP; refused without either."""
+        tok = self.tokenizer
+        for end in (tok.eos_token_id, getattr(tok, "sep_token_id", None)):
+            if end is not None:
+                return end
+        raise OOMBConfigError(
+            f"tokenizer {self.tokenizer_name!r} has no EOS token (nor a SEP token) — every document ends with one, "
+            "so the model learns where documents end (and, with pack=False, documents do not run into each other "
+            "unmarked) — use the model's own tokenizer, or save this one with an EOS (tokenizer.eos_token = ...; "
+            "tokenizer.save_pretrained(directory)) and pass that directory."
+        )
+
+    def _document_start(self, texts: Sequence[str]) -> list[int] | None:
+        """The tokens before every document (``add_bos``); ``None``: the tokenizer's could not be read off."""
+        if self.add_bos is False:
+            return []
+        if self.add_bos is None:
+            return sequence_start(self.tokenizer, texts)
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        if bos is None:
+            raise OOMBConfigError(
+                f"add_bos=True, but tokenizer {self.tokenizer_name!r} has no BOS token — there is nothing to put "
+                "before each document — use add_bos=None (what the tokenizer adds at a sequence start) or False."
+            )
+        return [bos]
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:

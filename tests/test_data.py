@@ -31,15 +31,25 @@ TEXT = "the quick brown fox jumps over the lazy dog . " * 40
 REPO = Path(__file__).resolve().parents[1]
 
 
-def make_tokenizer(directory: Path, corpus: list[str], eos: bool = True) -> Path:
-    """A word-level tokenizer trained on ``corpus`` and saved as a Hugging Face tokenizer (no download)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+def make_tokenizer(
+    directory: Path, corpus: list[str], eos: bool = True, bos: str | None = None, sep: bool = False
+) -> Path:
+    """A word-level tokenizer trained on ``corpus`` and saved as a Hugging Face tokenizer (no download). ``bos``:
+    ``"adds"``, a BOS ``<s>`` that the tokenizer adds at a sequence start (its ``tokenizer.json`` post-processor, as
+    Llama's and Gemma's), ``"has"``, one it has but does not add (as GPT-2's); ``sep``: a SEP token ``<sep>``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
+    specials = ["<unk>", "</s>"] + ["<s>"] * bool(bos) + ["<sep>"] * sep
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(corpus, trainer=trainers.WordLevelTrainer(special_tokens=["<unk>", "</s>"]))
+    tok.train_from_iterator(corpus, trainer=trainers.WordLevelTrainer(special_tokens=specials))
+    if bos == "adds":
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+        )
     special = {"eos_token": "</s>"} if eos else {}
+    special |= ({"bos_token": "<s>"} if bos else {}) | ({"sep_token": "<sep>"} if sep else {})
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", **special).save_pretrained(directory)
     return directory
 
@@ -276,14 +286,32 @@ def test_bad_records_are_named(records, match):
         TextFileDataModule(records=records, tokenizer="bytes", seq_len=2).setup("fit")
 
 
-def test_packing_needs_an_eos_token(tmp_path):
-    tok_dir = make_tokenizer(tmp_path / "tok", [TEXT], eos=False)
-    records = [{"text": TEXT}]
-    with pytest.raises(OOMBConfigError, match="has no EOS token"):
-        TextFileDataModule(records=records, tokenizer=str(tok_dir), seq_len=8).setup("fit")
-    plain = TextFileDataModule(records=records, tokenizer=str(tok_dir), seq_len=8, pack=False)
-    plain.setup("fit")  # a plain stream needs no document ends
-    assert len(plain.train_set) == len(TEXT.split()) // 8
+@pytest.mark.parametrize("pack", [True, False])
+def test_documents_need_an_end_token(tmp_path, pack):
+    """Without an EOS, ``pack=False`` joined the documents with nothing between them, silently; a tokenizer's SEP
+    (how BERT-style tokenizers end a sequence) ends them when it has no EOS; with neither it is refused."""
+    records = [{"text": TEXT}, {"text": TEXT}]
+    bare = make_tokenizer(tmp_path / "bare", [TEXT], eos=False)
+    with pytest.raises(OOMBConfigError, match="has no EOS token \\(nor a SEP token\\) .*tokenizer.eos_token"):
+        TextFileDataModule(records=records, tokenizer=str(bare), seq_len=8, pack=pack).setup("fit")
+    sep = make_tokenizer(tmp_path / "sep", [TEXT], eos=False, sep=True)
+    dm = TextFileDataModule(records=records, tokenizer=str(sep), seq_len=8, pack=pack)
+    words = dm.tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    assert [d.tolist() for d in dm.documents()] == [words + [dm.tokenizer.sep_token_id]] * 2
+
+
+def test_a_byte_order_mark_is_no_text(tmp_path):
+    """A file saved with a UTF-8 byte-order mark (Windows editors) had it tokenized as text (a .jsonl file was
+    refused as not JSON); it is dropped, from the file's start only."""
+    texts = ["a mark mid-text\ufeff is kept", "second"]
+    (tmp_path / "bom.txt").write_text(texts[0], encoding="utf-8-sig")
+    (tmp_path / "bom.jsonl").write_text(
+        "\n".join(json.dumps({"text": t}) for t in texts), encoding="utf-8-sig"
+    )
+    for name, want in (("bom.txt", texts[:1]), ("bom.jsonl", texts)):
+        assert (tmp_path / name).read_bytes().startswith(b"\xef\xbb\xbf")
+        dm = TextFileDataModule(str(tmp_path / name), tokenizer="bytes", seq_len=2)
+        assert [d.tolist() for d in dm.documents()] == [[b + 3 for b in t.encode()] + [1] for t in want], name
 
 
 def test_byte_tokenizer_needs_no_files():
@@ -291,6 +319,74 @@ def test_byte_tokenizer_needs_no_files():
     assert dm.vocab_size == 259 and dm.tokenizer.eos_token_id == 1
     # UTF-8 bytes shifted by 3 (pad, EOS, unk come first), EOS after the document; the empty one is dropped
     assert [doc.tolist() for doc in dm.documents()] == [[b + 3 for b in "héllo".encode()] + [1]]
+
+
+def test_documents_start_as_the_tokenizer_starts_a_sequence(tmp_path):
+    """A tokenizer that adds a BOS (Llama, Gemma: here through its tokenizer.json, while its ``add_bos_token``
+    says False) got documents without one, which its model never saw; ``add_bos`` turns it off, or on for one that
+    has a BOS but does not add it. In packed rows the BOS is position 0: no target, the first word's context."""
+    records = [{"text": "the quick fox"}, {"text": "the lazy dog"}]
+    adds = AutoTokenizer.from_pretrained(make_tokenizer(tmp_path / "adds", [TEXT], bos="adds"))
+    assert not adds.add_bos_token and adds("the")["input_ids"][0] == adds.bos_token_id
+
+    def documents(tok: str, **options) -> list[list[int]]:
+        dm = TextFileDataModule(records=records, tokenizer=tok, seq_len=4, shuffle=False, **options)
+        return [d.tolist() for d in dm.documents()]
+
+    words = [adds(r["text"], add_special_tokens=False)["input_ids"] for r in records]
+    bos, eos = adds.bos_token_id, adds.eos_token_id
+    assert documents(str(tmp_path / "adds")) == [[bos, *w, eos] for w in words]
+    assert documents(str(tmp_path / "adds"), add_bos=False) == [[*w, eos] for w in words]
+    has = str(make_tokenizer(tmp_path / "has", [TEXT], bos="has"))  # the same vocabulary, nothing added
+    assert documents(has) == [[*w, eos] for w in words]
+    assert documents(has, add_bos=True) == [[bos, *w, eos] for w in words]
+    assert documents("bytes") == [[b + 3 for b in r["text"].encode()] + [1] for r in records]  # unchanged
+    with pytest.raises(OOMBConfigError, match="add_bos=True, but tokenizer 'bytes' has no BOS token"):
+        documents("bytes", add_bos=True)
+    dm = TextFileDataModule(records=records, tokenizer=str(tmp_path / "adds"), seq_len=5, shuffle=False)
+    dm.setup("fit")
+    row = dm.train_set[0]  # <s> the quick fox </s>
+    assert row["input_ids"].tolist() == [bos, *words[0], eos] and row["position_ids"].tolist() == [
+        0,
+        1,
+        2,
+        3,
+        4,
+    ]
+    assert row["labels"].tolist() == [-100, *words[0], eos]
+
+
+def test_a_sequence_start_that_cannot_be_read_off_is_asked_for():
+    """Special tokens that change a text's own tokens, or no probe with tokens (the text before its 1000th
+    character, and ``Hello``, tokenized to nothing): ``add_bos`` is asked for rather than guessed."""
+
+    class Odd:
+        eos_token_id = 0
+
+        def __init__(self, reads) -> None:
+            self.reads = reads
+
+        def __call__(self, texts, add_special_tokens, **kwargs):
+            return {"input_ids": [self.reads(t, add_special_tokens) for t in texts]}
+
+    def documents(reads, **options):
+        dm = TextFileDataModule(records=[{"text": "x" * 1001}], tokenizer="odd", seq_len=2, **options)
+        dm._tokenizer = Odd(reads)
+        return [d.tolist() for d in dm.documents()]
+
+    def late(text, special):  # tokens only past the 1000th character
+        return [5] * (len(text) > 1000)
+
+    def merging(text, special):  # one token with special tokens, two without
+        return [1, 6] if special else [5, 5]
+
+    with pytest.raises(
+        OOMBConfigError, match="no tokens for the probe texts .* set add_bos=True .* or add_bos=False"
+    ):
+        documents(late)
+    assert documents(late, add_bos=False) == [[5, 0]]
+    with pytest.raises(OOMBConfigError, match="as \\[5, 5\\] without special tokens but \\[1, 6\\] with"):
+        documents(merging)
 
 
 def test_file_paths_name_each_file_once_and_literally(tmp_path, monkeypatch):
@@ -542,15 +638,52 @@ def test_example_packed_config_builds_its_data(monkeypatch, one_thread):  # the 
 
 def test_rows_are_shared_out_over_data_replicas_and_resume_per_replica():
     """Each data replica takes every ``replicas``-th row of the epoch's order (alike on every replica: the same
-    ``(seed, epoch)``), as many as the others (the uneven tail left out); a resumed replica skips its own rows."""
+    ``(seed, epoch)``), padded as ``DistributedSampler`` pads (wrapping around to the order's first rows) so that
+    every replica takes as many; a resumed replica skips its own rows."""
     shards = [RowSampler(7, shuffle=True, seed=3, num_replicas=2, rank=r) for r in range(2)]
     for s in shards:
         s.set_epoch(1)
     rows = [list(s) for s in shards]
-    assert len(rows[0]) == len(rows[1]) == len(shards[0]) == 3
-    assert sorted(rows[0] + rows[1]) == sorted(shards[0].order()[:6]) and not set(rows[0]) & set(rows[1])
+    order = shards[0].order()
+    assert len(rows[0]) == len(rows[1]) == len(shards[0]) == 4
+    assert rows[0] + rows[1] == order[0::2] + order[1::2] + [order[0]]  # row 7 of 8: the order's first again
     shards[1].skip(2)
     assert list(shards[1]) == rows[1][2:] and list(shards[1]) == rows[1]  # the skip holds for one iteration
+    few = [list(RowSampler(2, num_replicas=5, rank=r)) for r in range(5)]  # more replicas than rows
+    assert few == [[0], [1], [0], [1], [0]]
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_every_row_is_trained_on_under_data_replicas(replicas):
+    """Packed rows come in one order every epoch: the uneven tail the replicas dropped was the same rows every
+    epoch, never trained on. Now every row is, each epoch, and a replica resumed mid-epoch (its own position) goes
+    on with its own next rows."""
+    records = [{"text": t} for t in texts_of_lengths(*[3 + 7 * i % 45 for i in range(24)])]
+    dm = TextFileDataModule(records=records, tokenizer="bytes", seq_len=30, batch_size=2)
+    dm.setup("fit")
+    num_rows = len(dm.train_set)
+    assert num_rows % replicas  # an uneven tail
+    shape = (num_rows + replicas - 1) // replicas, dm.seq_len
+    # each row by its index (its tokens are unique to it here)
+    index = {tuple(dm.train_set[i]["input_ids"].tolist()): i for i in range(num_rows)}
+    assert len(index) == num_rows
+    for epoch in range(2):
+        seen = []
+        for rank in range(replicas):
+            loader = ResumableLoader(dm.train_set, batch_size=2, num_replicas=replicas, rank=rank)
+            loader.sampler.set_epoch(epoch)
+            mine = torch.cat([b["input_ids"] for b in loader])
+            assert mine.shape == shape
+            seen += [index[tuple(r)] for r in mine.tolist()]
+            interrupted = ResumableLoader(dm.train_set, batch_size=2, num_replicas=replicas, rank=rank)
+            interrupted.sampler.set_epoch(epoch)
+            first = next(iter(interrupted))["input_ids"]
+            resumed = ResumableLoader(dm.train_set, batch_size=2, num_replicas=replicas, rank=rank)
+            resumed.load_state_dict(interrupted.state_dict())
+            resumed.sampler.set_epoch(epoch)
+            assert torch.equal(torch.cat([first, *(b["input_ids"] for b in resumed)]), mine)
+        assert sorted(set(seen)) == list(range(num_rows)), epoch  # every row trained on
+        assert len(seen) - num_rows == -num_rows % replicas  # the padding: a few rows twice
 
 
 def test_the_needle_task_refuses_data_parallel_replicas():
@@ -577,4 +710,4 @@ def test_the_text_loader_takes_its_replicas_share_from_the_strategy(text_corpus)
     )
     data.setup("fit")
     sampler = data.train_dataloader().sampler
-    assert (sampler.num_replicas, sampler.rank, len(sampler)) == (2, 1, sampler.num_rows // 2)
+    assert (sampler.num_replicas, sampler.rank, len(sampler)) == (2, 1, math.ceil(sampler.num_rows / 2))
