@@ -14,10 +14,12 @@ A model with layers that carry a state along the sequence (a recurrence, a causa
 ``carries_states = True``: the engine then passes each chunk's :class:`~lightning_oomb.engine.states.ChunkStates`
 as ``chunk.states``, whose ``incoming(key)`` the layer starts from (``None`` in the first chunk: its zero state)
 and ``outgoing(key, state)`` it reports, and carries states and gradients across chunks
-(:mod:`lightning_oomb.engine.states`). Every chunk must report every key, with the same shapes and dtypes (the
-next chunk starts from what was reported), and each reported state must stay attached to the chunk's graph —
+(:mod:`lightning_oomb.engine.states`). Every chunk must report every key, the whole state after its last token,
+with the same shapes and dtypes (the next chunk starts from what was reported; a shape with no batch-size
+dimension, a changed shape or dtype is refused), and each reported state must stay attached to the chunk's graph —
 computed from the incoming state and the chunk's inputs, neither detached nor made under ``no_grad`` — so that its
-gradient reaches the earlier chunks.
+gradient reaches the earlier chunks. A state whose gradient the model stops by design (a Transformer-XL memory) is
+reported with ``outgoing(key, state, grad=False)``: carried forward, never back-propagated into.
 """
 
 from __future__ import annotations

@@ -11,10 +11,15 @@ leaves' gradients on to chunk ``c - 1`` — the pattern of the KV gradient pages
 A model's layer reads :meth:`ChunkStates.incoming` (``None`` in the first chunk) and reports its final state with
 :meth:`ChunkStates.outgoing`; keys are any hashable naming the layer's state, e.g. ``(layer_idx, "conv", 0)``. A
 layer's second call in one chunk (the recompute of per-layer checkpointing) reads the same incoming leaves and
-its report is ignored: the first is the one in the chunk's graph. What would train silently wrong is refused: a
-later chunk reading a key the previous one did not report, a read state cut from the graph (no gradient reaches
-its leaf), and (when every parameter trains) a reported state without grad that the next chunk's gradient should
-flow into.
+its report is ignored: the first is the one in the chunk's graph. A state reported with ``grad=False`` is carried
+forward but takes no gradient (a stop-gradient by design, e.g. a Transformer-XL memory): the next chunk gets it as
+a leaf without grad and the engine back-propagates nothing into it. What would train silently wrong is refused: a
+later chunk reading a key the previous one did not report; a reported state whose shape or dtype differs from the
+one the chunk started from (the next chunk would compute with a broadcast or recast state) or that has no
+dimension of the batch size; a read state cut from the graph (no gradient reaches its leaf); and a reported state
+without grad that the next chunk's gradient should flow into — when the chunk read a state that carries grad, or
+every parameter trains (else it may depend on nothing trainable, e.g. a frozen layer's convolution input in the
+first chunk).
 
 With ``offload=True`` the kept states wait in page-locked host memory (:class:`HostStates`, one buffer for all of
 a step's boundaries): the forward sweep copies each boundary's states out once and keeps on the device only those
@@ -40,9 +45,11 @@ class ChunkStates:
     """One chunk's incoming states (``None``: the first chunk, which has none) and the outgoing states its layers
     report (:mod:`lightning_oomb.engine.states`)."""
 
-    def __init__(self, incoming: dict[Hashable, torch.Tensor] | None) -> None:
+    def __init__(self, incoming: dict[Hashable, torch.Tensor] | None, batch: int | None = None) -> None:
         self._incoming = incoming
+        self._batch = batch  # the step's batch size (None: not checked)
         self.reported: dict[Hashable, torch.Tensor] = {}
+        self.stopped: set[Hashable] = set()  # the reported keys that take no gradient (grad=False)
         self.read: set[Hashable] = set()  # the keys its layers asked for
 
     @property
@@ -70,9 +77,38 @@ class ChunkStates:
         self.read.add(key)
         return state
 
-    def outgoing(self, key: Hashable, state: torch.Tensor) -> None:
-        """Report the state ``key`` after the chunk's last token (the first report of a key in a chunk counts)."""
-        self.reported.setdefault(key, state)
+    def outgoing(self, key: Hashable, state: torch.Tensor, grad: bool = True) -> None:
+        """Report the state ``key`` after the chunk's last token (the first report of a key in a chunk counts), in
+        the shape and dtype the chunk got it in. ``grad=False``: the model stops the state's gradient by design
+        (e.g. a Transformer-XL memory): the next chunk gets it without grad, and nothing is back-propagated into
+        it (nor is it refused for having no grad)."""
+        if key in self.reported:
+            return
+        self._check_shape(key, state)
+        self.reported[key] = state
+        if not grad:
+            self.stopped.add(key)
+
+    def _check_shape(self, key: Hashable, state: torch.Tensor) -> None:
+        """Refuse a state whose shape or dtype differs from the incoming one, or with no batch-size dimension."""
+        fix = (
+            f"report the whole state after the chunk's last token, e.g. chunk.states.outgoing({key!r}, h) with h "
+            "of shape [batch, ...], in the same shape and dtype in every chunk (no slice or broadcastable view "
+            "of it; cast it back to the dtype it came in)."
+        )
+        before = None if self._incoming is None else self._incoming.get(key)
+        if before is not None and (before.shape, before.dtype) != (state.shape, state.dtype):
+            raise OOMBConfigError(
+                f"a chunk reports the carried state {key!r} as {tuple(state.shape)} {state.dtype}, but started from "
+                f"it as {tuple(before.shape)} {before.dtype} (what the previous chunk reported) — the next chunk "
+                "would compute with a broadcast or recast state and train silently wrong — " + fix
+            )
+        if self._batch is not None and self._batch > 1 and self._batch not in state.shape:
+            raise OOMBConfigError(
+                f"the carried state {key!r} is reported as {tuple(state.shape)}, with no dimension of the batch size "
+                f"{self._batch} — every sequence carries its own state, so this one would be broadcast over the "
+                "batch and train silently wrong — " + fix
+            )
 
 
 def boundary_bytes(states: dict[Hashable, torch.Tensor]) -> int:
@@ -147,12 +183,18 @@ class CarriedStates:
         boundaries: the step's chunk boundaries (chunks - 1), what ``host`` is reserved for.
     """
 
-    def __init__(self, keep: bool = True, host: HostStates | None = None, boundaries: int = 0) -> None:
-        self.keep, self.host, self.boundaries = keep, host, boundaries
+    def __init__(
+        self, keep: bool = True, host: HostStates | None = None, boundaries: int = 0, batch: int | None = None
+    ) -> None:
+        self.keep, self.host, self.boundaries, self.batch = keep, host, boundaries, batch
         self._stored: dict[int, dict[Hashable, torch.Tensor]] = {}
+        self._stopped: dict[int, frozenset] = {}  # per boundary, the keys reported with grad=False
         self._on_host: set[int] = set()
         self._grads: dict[Hashable, torch.Tensor] = {}
         self._leaves: dict[Hashable, torch.Tensor] = {}
+        # backward sweep: the running chunk's stopped keys (grad=False), incoming and outgoing (None: the last chunk)
+        self._in_stopped: frozenset | None = None
+        self._out_stopped: frozenset | None = None
 
     @property
     def nbytes(self) -> int:
@@ -169,7 +211,7 @@ class CarriedStates:
         """Chunk ``index`` of a forward sweep: its incoming states (without graph)."""
         later = self.keep and index not in self._on_host  # the backward sweep reads them from here
         return ChunkStates(
-            None if index == 0 else self._stored.get(index) if later else self._stored.pop(index)
+            None if index == 0 else self._stored.get(index) if later else self._stored.pop(index), self.batch
         )
 
     def finish_forward(self, index: int, chunk: ChunkStates) -> None:
@@ -178,6 +220,8 @@ class CarriedStates:
         copied out too, for the backward sweep."""
         states = {key: state.detach().clone() for key, state in chunk.reported.items()}
         self._stored[index + 1] = states
+        if self.keep:
+            self._stopped[index + 1] = frozenset(chunk.stopped)
         if self.host is None or not self.keep or not states:
             return
         if index == 0:
@@ -188,19 +232,34 @@ class CarriedStates:
 
     def backward_chunk(self, index: int) -> ChunkStates:
         """Chunk ``index`` of the backward sweep: its stored incoming states as leaves that require grad (freed
-        from the store)."""
+        from the store), but those reported with ``grad=False``."""
         stored = self.host.get(index) if index in self._on_host else self._stored.pop(index, {})
         self._on_host.discard(index)
-        self._leaves = {key: state.detach().requires_grad_(True) for key, state in stored.items()}
-        return ChunkStates(None if index == 0 else self._leaves)
+        stopped = self._stopped.pop(index, frozenset())
+        self._out_stopped, self._in_stopped = self._in_stopped, stopped
+        self._leaves = {
+            key: state.detach().requires_grad_(key not in stopped) for key, state in stored.items()
+        }
+        return ChunkStates(None if index == 0 else self._leaves, self.batch)
 
     def boundary_gradients(
         self, chunk: ChunkStates, all_trainable: bool
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The chunk's outgoing states and the gradients the next chunk handed them, to back-propagate with the
-        chunk's loss. A state without grad drops its gradient: refused when every parameter of the model trains
-        (``all_trainable``), as the state then depends on trainable ones — it was detached; with frozen
-        parameters it may depend on none (e.g. a frozen layer's convolution input), and is left alone."""
+        chunk's loss. A state without grad would drop its gradient: refused when the chunk read a state that
+        carries grad (the recurrence was cut: detached, or computed under ``no_grad``) or every parameter of the
+        model trains (``all_trainable``); else it may depend on nothing trainable (e.g. a frozen layer's
+        convolution input in the first chunk), and is left alone. States reported with ``grad=False`` take none."""
+        if self._out_stopped is not None:
+            for key in chunk.reported:
+                if (key in chunk.stopped) != (key in self._out_stopped):
+                    raise OOMBConfigError(
+                        f"the carried state {key!r} was reported with grad={key not in self._out_stopped} in the "
+                        f"forward sweep but grad={key not in chunk.stopped} when the backward sweep recomputed the "
+                        "chunk — the engine would carry its gradient one way and back-propagate it the other — "
+                        "report each state with the same grad= whether or not grad is enabled."
+                    )
+        read = sorted(repr(key) for key in chunk.read if self._leaves[key].requires_grad)
         states, grads = [], []
         for key, grad in self._grads.items():
             state = chunk.reported.get(key)
@@ -213,13 +272,20 @@ class CarriedStates:
             if state.requires_grad:
                 states.append(state)
                 grads.append(grad.to(state.dtype))
-            elif all_trainable:
+            elif read or all_trainable:
+                why = (
+                    "every parameter trains"
+                    if all_trainable
+                    else f"the chunk read the incoming state{'s' * (len(read) > 1)} {', '.join(read)} (with grad)"
+                )
                 raise OOMBConfigError(
                     f"the carried state {key!r} was reported without grad (detached, or computed under "
-                    "torch.no_grad or inside a reentrant checkpoint) although every parameter trains — the "
-                    "gradient the next chunk hands it would be dropped and the earlier chunks' gradients would be "
-                    "silently wrong — report the state as computed, in the graph: no .detach(), and "
-                    "checkpoint(..., use_reentrant=False)."
+                    f"torch.no_grad or inside a reentrant checkpoint) although {why} — the gradient the next "
+                    "chunk hands it would be dropped and the earlier chunks' gradients would be silently wrong — "
+                    "report the state as computed, in the graph: no .detach(), and checkpoint(..., "
+                    "use_reentrant=False) (a frozen layer's convolution state: the last columns of "
+                    "torch.cat([incoming, inputs], -1)); if the model stops its gradient by design (a "
+                    f"Transformer-XL memory), report it with chunk.states.outgoing({key!r}, state, grad=False)."
                 )
         return states, grads
 
@@ -227,9 +293,10 @@ class CarriedStates:
         """Hand the incoming leaves' gradients on to the previous chunk, and drop the chunk's outgoing states: they
         hold its graph, whose nodes (a checkpoint's saved arguments) may hold the chunk's context and so these
         states — a cycle through autograd that Python's collector cannot see. A state the chunk read whose leaf
-        got no gradient is refused: the model cut it from the graph, so none flows back to the earlier chunks."""
+        got no gradient (but one reported with ``grad=False``) is refused: the model cut it from the graph, so none
+        flows back to the earlier chunks."""
         for key in chunk.read:
-            if self._leaves[key].grad is None:
+            if self._leaves[key].requires_grad and self._leaves[key].grad is None:
                 raise OOMBConfigError(
                     f"the chunk read the carried state {key!r} but no gradient reached it (detached after "
                     "chunk.states.incoming, or used under torch.no_grad) — the earlier chunks would get none "

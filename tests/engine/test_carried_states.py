@@ -49,8 +49,11 @@ class RecurrentLM(ManagedModelMixin, nn.Module):
             chunk.states.outgoing("h", h)
         return torch.stack(outs, 1)
 
+    def embedded(self, input_ids: torch.Tensor, chunk: ChunkContext | None) -> torch.Tensor:
+        return self.embed(input_ids)
+
     def hidden_states(self, input_ids, position_ids, chunk: ChunkContext | None = None) -> torch.Tensor:
-        x = self.embed(input_ids)
+        x = self.embedded(input_ids, chunk)
         if self.layer_checkpointing and torch.is_grad_enabled():
             y = checkpoint(self.recur, x, chunk, use_reentrant=False)
         else:
@@ -149,3 +152,172 @@ def test_context_parallelism_is_refused_for_carried_states():
     model = SimpleNamespace(carries_states=True)
     with pytest.raises(OOMBConfigError, match="context group.*context_parallel_size=1"):
         OOMBEngine(model, OOMBConfig(16, 8), context=SimpleNamespace(size=2))
+
+
+# ------------------------------------------------------------------------------ how a model reports its state
+class ReportingLM(RecurrentLM):
+    """The recurrence reporting its state one way: ``"right"``; ``"broadcast"`` (``h[:1]``, broadcast over the
+    batch by the next chunk); ``"recast"`` (the first chunk's in float32); ``"early"`` (the state after the chunk's
+    second-to-last token); ``"detached"``; ``"stopped"`` (``grad=False``: a stop-gradient by design, whose
+    full-sequence reference detaches ``h`` every ``stop_every`` tokens); ``"stopped-forward-only"`` (``grad=False``
+    in the forward sweep only)."""
+
+    def __init__(self, report: str, stop_every: int | None = None) -> None:
+        super().__init__()
+        self.report, self.stop_every = report, stop_every
+
+    def recur(self, x: torch.Tensor, chunk: ChunkContext | None) -> torch.Tensor:
+        h = None if chunk is None else chunk.states.incoming("h")
+        h = x.new_zeros(x.shape[0], x.shape[2]) if h is None else h
+        outs = []
+        for t in range(x.shape[1]):
+            if chunk is None and self.stop_every and t and t % self.stop_every == 0:
+                h = h.detach()
+            h = torch.sigmoid(self.decay) * h + self.inp(x[:, t])
+            outs.append(h)
+        if chunk is not None:
+            states, report = chunk.states, self.report
+            if report == "broadcast":
+                states.outgoing("h", h[:1])
+            elif report == "recast":
+                states.outgoing("h", h if states.continues else h.float())
+            elif report == "early":
+                states.outgoing("h", outs[-2])
+            elif report == "detached":
+                states.outgoing("h", h.detach())
+            elif report in ("stopped", "stopped-forward-only"):
+                states.outgoing("h", h, grad=report == "stopped-forward-only" and torch.is_grad_enabled())
+            else:
+                states.outgoing("h", h)
+        return torch.stack(outs, 1)
+
+
+def reporting_model(report: str, stop_every: int | None = None) -> RecurrentLM:
+    model, _ = model_and_ids()
+    reporting = ReportingLM(report, stop_every).double()
+    reporting.load_state_dict(model.state_dict())
+    return reporting
+
+
+def engine_step(model, ids, chunk_size: int = 16) -> tuple[torch.Tensor, dict]:
+    model.zero_grad()
+    loss = OOMBEngine(model, OOMBConfig(chunk_size, 8, attention_backend="torch")).loss(ids)
+    loss.backward()
+    return loss.detach(), grads_of(model)
+
+
+def test_a_state_reported_in_another_shape_or_dtype_is_refused():
+    """The next chunk would compute with a broadcast (``h[:1]`` for ``h [B, dim]``) or recast state: refused when
+    reported (the forward sweep), naming the key, both shapes and the fix. The check compares each report with the
+    state the chunk started from, and the batch size; the first chunk's report is what the second one starts
+    from."""
+    from lightning_oomb.engine import OOMBConfigError
+    from lightning_oomb.engine.states import ChunkStates
+
+    _, ids = model_and_ids()
+    with pytest.raises(OOMBConfigError, match=r"'h' is reported as \(1, 16\), with no dimension of the batch size 2.*outgoing\('h', h\) with h of shape \[batch, \.\.\.\]"):  # fmt: skip
+        engine_step(reporting_model("broadcast"), ids)
+    with pytest.raises(OOMBConfigError, match=r"reports the carried state 'h' as \(2, 16\) torch.float64, but started from it as \(2, 16\) torch.float32.*cast it back"):  # fmt: skip
+        engine_step(reporting_model("recast"), ids)
+    chunk = ChunkStates({"h": torch.zeros(2, 3)}, batch=2)
+    with pytest.raises(
+        OOMBConfigError, match=r"'h' as \(2, 1, 3\) torch.float32, but started from it as \(2, 3\)"
+    ):
+        chunk.outgoing("h", torch.zeros(2, 1, 3))
+    chunk.outgoing("h", torch.zeros(2, 3))  # the same shape and dtype: fine
+    ChunkStates(None, batch=1).outgoing("h", torch.zeros(1, 3))  # one sequence: any shape has its batch
+
+
+def test_a_detached_state_is_refused_when_the_chunk_read_one_with_grad():
+    """With a frozen parameter the every-parameter-trains rule does not apply; the chunk read ``h`` as a leaf with
+    grad, so an outgoing state without grad was cut from it (silently wrong gradients before this check)."""
+    from lightning_oomb.engine import OOMBConfigError
+
+    model, ids = reporting_model("detached"), model_and_ids()[1]
+    model.qkv.requires_grad_(False)  # off the state's path
+    with pytest.raises(OOMBConfigError, match=r"'h' was reported without grad .*although the chunk read the incoming state 'h' \(with grad\).*grad=False\)"):  # fmt: skip
+        engine_step(model, ids)
+
+
+class FrozenConvLM(RecurrentLM):
+    """A frozen short causal convolution (kernel 3) on the frozen embedding before the trainable recurrence; its
+    carried state is the last two convolution inputs, cut from ``cat([incoming, inputs])`` (``sliced=False``) or
+    from the chunk's inputs alone (``sliced=True``: no grad, though the chunk read states with grad)."""
+
+    def __init__(self, sliced: bool = False) -> None:
+        super().__init__()
+        self.sliced = sliced
+        self.conv = nn.Conv1d(16, 16, 3, groups=16, bias=False)
+        for frozen in (self.embed, self.conv):
+            frozen.requires_grad_(False)
+
+    def embedded(self, input_ids: torch.Tensor, chunk: ChunkContext | None) -> torch.Tensor:
+        x = self.embed(input_ids)
+        u = x.transpose(1, 2)  # [B, dim, L]
+        past = None if chunk is None else chunk.states.incoming("conv")
+        full = torch.cat([u.new_zeros(*u.shape[:2], 2) if past is None else past, u], -1)
+        if chunk is not None:
+            chunk.states.outgoing("conv", (u if self.sliced else full)[..., -2:])
+        return x + self.conv(full).transpose(1, 2)
+
+
+def test_a_frozen_layers_convolution_state_trains_exactly():
+    """Legitimate states without grad pass: the first chunk's convolution state (frozen embedding and
+    convolution) reads nothing and depends on nothing trainable; later chunks' come from the incoming state. One
+    cut from the chunk's inputs alone has no grad in a chunk that read states with grad: refused, naming how to
+    report it."""
+    from lightning_oomb.engine import OOMBConfigError
+
+    torch.manual_seed(0)
+    model = FrozenConvLM().double()
+    ids = model_and_ids()[1]
+    want_loss = model.full_sequence_loss(ids)
+    want_loss.backward()
+    want = grads_of(model)
+    loss, grads = engine_step(model, ids, 8)
+    assert abs(loss.item() - want_loss.item()) <= 1e-10 * want_loss.item()
+    assert max_relative_error(grads, want) <= 1e-10
+    model.sliced = True
+    with pytest.raises(OOMBConfigError, match=r"'conv' was reported without grad.*although the chunk read the incoming states 'conv', 'h' \(with grad\).*torch.cat\(\[incoming, inputs\], -1\)"):  # fmt: skip
+        engine_step(model, ids, 8)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("chunk_size", [16, 8])
+def test_a_state_reported_with_grad_false_stops_its_gradient_exactly(chunk_size, checkpointing):
+    """``outgoing(key, state, grad=False)`` (a Transformer-XL-style memory): neither refused nor back-propagated
+    into — the step equals full-sequence training that detaches the state at every chunk boundary, in float64,
+    and differs from training through it."""
+    model = reporting_model("stopped", stop_every=chunk_size)
+    _, ids = model_and_ids()
+    want_loss = model.full_sequence_loss(ids)
+    want_loss.backward()
+    want = grads_of(model)
+    model.layer_checkpointing = checkpointing
+    loss, grads = engine_step(model, ids, chunk_size)
+    assert abs(loss.item() - want_loss.item()) <= 1e-10 * want_loss.item()
+    assert max_relative_error(grads, want) <= 1e-10
+    model.zero_grad()
+    model.stop_every = None
+    model.full_sequence_loss(ids).backward()
+    assert max_relative_error(grads_of(model), want) > 1e-3  # the stop changes the gradients
+
+
+def test_a_state_reported_with_grad_false_in_one_sweep_only_is_refused():
+    from lightning_oomb.engine import OOMBConfigError
+
+    _, ids = model_and_ids()
+    with pytest.raises(OOMBConfigError, match=r"'h' was reported with grad=False in the forward sweep but grad=True when the backward sweep recomputed"):  # fmt: skip
+        engine_step(reporting_model("stopped-forward-only"), ids)
+
+
+def test_chunked_against_one_chunk_catches_a_state_reported_a_token_early():
+    """No engine check can see a state reported after the chunk's second-to-last token; comparing a step in
+    chunks with the same step in one chunk (no state carried), in float64, does."""
+    _, ids = model_and_ids()
+    for report, exact in (("right", True), ("early", False)):
+        model = reporting_model(report)
+        one_loss, one = engine_step(model, ids, 48)
+        loss, grads = engine_step(model, ids, 16)
+        assert (abs(loss.item() - one_loss.item()) <= 1e-10 * one_loss.item()) == exact
+        assert (max_relative_error(grads, one) <= 1e-10) == exact
