@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import re
 import sys
 from pathlib import Path
@@ -119,14 +120,23 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "k
           "gib": 2**30, "tib": 2**40}  # fmt: skip
 
 
-def parse_bytes(text: str) -> int:
-    """``"141GB"`` (10^9), ``"128GiB"`` (2^30), ``"1.5e11"`` -> bytes."""
-    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
-    if not match or match.group(2) not in _UNITS:
+def parse_bytes(text: str, option: str | None = None) -> int:
+    """``"141GB"`` (10^9), ``"128GiB"`` (2^30), ``"1.5e11"`` -> bytes; anything else (``"."``, ``"1.2.3GB"``, ``"lots"``)
+    is refused with an :class:`OOMBConfigError` naming ``option`` (e.g. ``"--device-memory"``) and the accepted
+    forms."""
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[+]?[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
+    try:
+        number = float(match.group(1)) if match and match.group(2) in _UNITS else None
+    except ValueError:  # "." or "1.2.3": digits and dots that are no number
+        number = None
+    if number is None or not math.isfinite(number):
+        where = f"{option}={text!r}" if option else repr(text)
         raise OOMBConfigError(
-            f"{text!r} is not a memory size — the planner compares bytes — write e.g. 141GB, 128GiB or 80e9."
+            f"{where} is not a memory size — the planner compares bytes — write a number of bytes with an optional "
+            "unit: e.g. 141GB (10^9 bytes), 128GiB (2^30 bytes), 80e9 or 85899345920 (bytes); units B, KB, MB, "
+            "GB, TB, KiB, MiB, GiB, TiB."
         )
-    return int(float(match.group(1)) * _UNITS[match.group(2)])
+    return int(number * _UNITS[match.group(2)])
 
 
 class _PlanCLI(OOMBCLI):
@@ -222,7 +232,8 @@ def plan_command(args: list[str], print_table: bool = True) -> MemoryPlan | None
             + "\nEvery other argument is `oomb fit`'s (--config, --trainer..., --model..., --data...)."
         )
         return None
-    memory = {k: parse_bytes(v) for k, v in (("device_memory", opts.device_memory), ("host_memory", opts.host_memory))
+    memory = {k: parse_bytes(v, "--" + k.replace("_", "-"))
+              for k, v in (("device_memory", opts.device_memory), ("host_memory", opts.host_memory))
               if v is not None}  # fmt: skip
     loggers = [logging.getLogger(n) for n in ("lightning.pytorch", "lightning.fabric")]
     levels = [x.level for x in loggers]

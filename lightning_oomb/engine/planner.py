@@ -14,14 +14,17 @@ options that would make it fit (each tried in the planner).
 - *KV pool*: :func:`~lightning_oomb.engine.kv_pool.place_layers` and :func:`~lightning_oomb.engine.pages.arena_bytes`
   of the engine's own :class:`~lightning_oomb.engine.pages.PoolShape` (sliding-window layers keeping only their
   tails, as the model's windows say) — exactly what ``KVPool.reserve`` allocates
-  (HBM tier and staging buffers on the device, the host tier pinned). K/V take the dtype of the keys after RoPE:
-  the parameters' dtype (float32 under ``bf16-mixed``: RoPE's cos/sin promote them). A sparse step
+  (HBM tier and staging buffers on the device, the host tier pinned). K/V are in the compute dtype (the autocast
+  dtype under ``*-mixed``: the op casts ``q, k, v`` to it) and, on a GPU, a head dim the Triton kernels cannot tile
+  zero-padded to the next power of two (:func:`~lightning_oomb.engine.attention.stored_head_dim`). A sparse step
   (``page_budget``) adds the page summaries (``PoolShape.summary_bytes``, on the device).
 - *activations*: what autograd saves during one chunk's recompute (:func:`saved_bytes`; calibrated on
   :class:`~lightning_oomb.engine.memory.SavedTensorMeter`); per decoder layer and token of a Llama-style layer
-  (HF's RMSNorm computes in float32): each norm ``4H + 4 + rH`` (its float32 input, 1/rms, the normed input) plus
-  the projections' input (``rH``; under autocast one cast copy per projection, ``cH`` each), attention ``2rQ``
-  (query after RoPE, output) ``+ 4 Hq`` (float32 LSE) ``+ rQ`` (o_proj input; ``cQ`` under autocast), the MLP
+  (HF's RMSNorm computes in float32): each norm ``4H + 4 + rH`` (its float32 input, 1/rms, the normed input; ``4H``
+  for torch's ``nn.RMSNorm``, which keeps it in float32: ``ModelShape.float32_norms``) plus
+  the projections' input (``rH``; under autocast one cast copy per projection, ``cH`` each), attention ``2cQ``
+  (the op's query and output, in the compute dtype; on a GPU at the pages' padded head dim, not counted) ``+ 4 Hq``
+  (float32 LSE) ``+ rQ`` (o_proj input; ``cQ`` under autocast), the MLP
   ``4cI`` (gate, SiLU, up, product) — ``Q = Hq x head_dim``. Under autocast every decoder weight is saved once more
   as a ``c`` copy. With ``layer_checkpointing`` a layer saves only its input (``rH``; under offload on a GPU
   parked in host memory but two layers': :func:`parked_saves_bytes`). Plus the final norm
@@ -36,7 +39,10 @@ options that would make it fit (each tried in the planner).
   their compute-dtype cast, ``(4 + c) b V`` (``4bV`` in float32, ``8bV`` in float64; a soft cap's derivative makes
   it at least ``8bV``), plus a ``c min(b, H) V`` slab of the weight gradient's product when that is added into a
   wider tensor (float32 weights under autocast, float32 gradient sums). The LM-head gradient itself is added in
-  place into ``.grad`` or its float32 sum (counted there), not made anew per chunk.
+  place into ``.grad`` or its float32 sum (counted there), not made anew per chunk — unless a user's gradient hook
+  on the head's weight (the tied embedding's) must see it: then a new ``[V, H]`` one in the weight's dtype
+  (``pVH``) per chunk, handed to autograd (what the hook itself makes, e.g. a new gradient it returns, is not
+  counted).
 - *layer transients* (:func:`layer_backward_bytes`): while the last decoder layer back-propagates — with
   checkpointing its recompute's saved tensors again, less its attention result (the kept one) — the gradients in
   flight (``2cI + 4rH`` per token in the MLP: the down projection's saved input is freed before the product's
@@ -86,7 +92,8 @@ do (:attr:`MemoryPlan.options`): ``kv_grad_dtype="bfloat16"``, ``grad_accumulati
 ``"native"`` (16-bit parameters), fewer ``reuse_attention`` chunks,
 ``layer_checkpointing=True``, ``mlp_tile`` (dense MLPs: 1024 tokens, or the longest of 512, 256, 128 that fits,
 shorter than a chunk's rows), the largest smaller
-``chunk_size``, ``offload=True`` with ``hbm_budget="auto"`` or the largest explicit budget (whole layers), pairs of
+``chunk_size`` that fits (any multiple of ``page_size``; beside another change, the largest that fits with it),
+``offload=True`` with ``hbm_budget="auto"`` or the largest explicit budget (whole layers), pairs of
 these when no single one suffices, a fused optimizer, 16-bit weights instead of autocast, the longest ``seq_len``
 that fits (its ``"auto"`` options decided for it, as a run of it decides them), and the fewest devices once context
 parallelism exists. A tiled MLP (``mlp_tile``) saves only its
@@ -96,8 +103,9 @@ input and holds one tile's intermediates in its backward (:func:`layer_backward_
 (:class:`~lightning_oomb.engine.step_time.StepRates`: matmul and attention FLOP/s, host-device bytes/s; for a GPU
 :meth:`Machine.local` finds them in :data:`MEASURED_STEP_RATES` by its name) from the step's FLOPs and offload
 copies (:mod:`~lightning_oomb.engine.step_time`); ``None`` without rates (no GPU has been measured yet, so the table
-is empty: pass ``Machine(..., rates=StepRates(...))``) and under context parallelism (its communication is not
-modelled here: ``benchmarks/cp_model.py``).
+is empty: pass ``Machine(..., rates=StepRates(...))``) and under context parallelism: a rank's compute is about
+``1 / devices`` of the step's, but its collectives wait on the interconnect, whose rate :class:`StepRates` does not
+hold (``benchmarks/cp_model.py`` models it at assumed rates): with rates given, the plan's notes say so.
 """
 
 from __future__ import annotations
@@ -113,6 +121,7 @@ from typing import Any
 import torch
 
 from lightning_oomb.engine import parking
+from lightning_oomb.engine.attention import stored_head_dim
 from lightning_oomb.engine.config import OOMBConfig
 from lightning_oomb.engine.cpu_attention import PAST_BLOCK
 from lightning_oomb.engine.errors import OOMBConfigError
@@ -123,6 +132,7 @@ from lightning_oomb.engine.reference import KEY_BLOCK
 from lightning_oomb.engine.results import result_slot_bytes
 from lightning_oomb.engine.states import BOUNDARY_ALIGN
 from lightning_oomb.engine.step_time import StepRates, copy_bytes, step_flops, step_time
+from lightning_oomb.engine.user_hooks import gradient_hooks
 
 # measured step rates per device kind ("nvidia-h200": {"attention_flops": ..., "dense_flops": ..., "h2d_bytes": ...});
 # per device name (torch.cuda.get_device_name()): rates benchmarks/run_gpu.sh measured (its summary.json's
@@ -188,7 +198,8 @@ class ModelShape:
     scores (Gemma 2); ``eager_experts``: MoE experts run in a Python loop (transformers' ``"eager"`` experts
     implementation; the default ``grouped_mm`` holds less in its backward). A hybrid (recurrent / convolution
     layers beside attention): ``kv_layers``, the layers that have KV pages (``None``: all), and per batch row, the elements of the
-    states carried at each chunk boundary — ``conv_state_elements`` (in the activations' dtype) and
+    states carried at each chunk boundary — ``conv_state_elements`` (in the compute dtype: a mixer's input projection
+    makes them, under autocast in the autocast dtype) and
     ``recurrent_state_elements`` (float32, as the recurrences compute them), and its ``mixers`` (one per layer that
     has one: :class:`Mixer`). ``adapters``: trainable LoRA adapters (peft) as ``(in_features, rank, itemsize,
     count)``; ``frozen_layers``: the decoder's own weights get no gradients (LoRA). ``windows``: each paged layer's
@@ -196,7 +207,10 @@ class ModelShape:
     tails. ``mlp_layers``: the layers' MLPs (``None``: one per layer; a ChunkModel: those its modules show,
     :func:`_shape_of_chunk_model`); ``linear_weights``: elements of the decoder's ``nn.Linear`` weights, each saved once more
     as a compute-dtype copy under autocast (``None``: the Llama-style layers'); ``unsized_states``: the model
-    carries states but does not say their size (not counted)."""
+    carries states but does not say their size (not counted); ``head_grad_hooked``: a user's gradient hook on the LM
+    head's weight (the tied embedding's), so the loss hands autograd a new ``[V, H]`` gradient per chunk;
+    ``float32_norms``: its RMSNorms keep their normed input in float32 (torch's ``nn.RMSNorm``, which casts only its
+    result; Hugging Face's cast it back to the activations' dtype first)."""
 
     num_layers: int
     hidden_size: int
@@ -235,11 +249,22 @@ class ModelShape:
     mlp_layers: int | None = None
     linear_weights: int | None = None
     unsized_states: bool = False
+    head_grad_hooked: bool = False
+    float32_norms: bool = False
 
     @property
     def mlps(self) -> int:
         """Layers' MLPs (a ChunkModel's MLP-only blocks included)."""
         return self.num_layers if self.mlp_layers is None else self.mlp_layers
+
+    @property
+    def mixing_layers(self) -> int:
+        """Layers with a token mixer — attention, or a hybrid's carried mixer (whose projections the FLOP model
+        counts as attention's) — all but a ChunkModel's MLP-only blocks."""
+        if self.mixers:
+            return min(self.num_layers, self.paged_layers + len(self.mixers))
+        carries = self.conv_state_elements or self.recurrent_state_elements or self.unsized_states
+        return self.num_layers if carries else min(self.paged_layers, self.num_layers)
 
     @property
     def mlp_width(self) -> int:
@@ -289,9 +314,17 @@ class ModelShape:
         """Layers with KV pages (a hybrid's attention layers)."""
         return self.num_layers if self.kv_layers is None else self.kv_layers
 
-    def carried_state_bytes(self, activation: torch.dtype) -> int:
-        """One batch row's carried states at one chunk boundary (0 without recurrent / convolution layers)."""
-        return self.conv_state_elements * activation.itemsize + self.recurrent_state_elements * 4
+    def normed_bytes(self, activation: torch.dtype) -> int:
+        """Bytes per token of an RMSNorm's normed input, saved for its weight's gradient (none when frozen)."""
+        if self.frozen_layers:
+            return 0
+        return (NORM_BYTES if self.float32_norms else activation.itemsize) * self.hidden_size
+
+    def carried_state_bytes(self, compute: torch.dtype) -> int:
+        """One batch row's carried states at one chunk boundary (0 without recurrent / convolution layers): the
+        convolution states in the ``compute`` dtype (what the engine keeps is what the model reported: a projection's
+        output, under autocast in the autocast dtype), the recurrent ones in float32."""
+        return self.conv_state_elements * compute.itemsize + self.recurrent_state_elements * 4
 
 
 def model_shape(model: Any) -> ModelShape:
@@ -341,9 +374,22 @@ def _is_config(obj: Any) -> bool:
     return obj is not None and all(hasattr(obj, k) for k in ("num_hidden_layers", "hidden_size"))
 
 
+def paged_head_dim(config: Any) -> int:
+    """The head dim of a Hugging Face config's K/V pages: the wider of the keys' (multi-head latent attention's
+    ``qk_nope_head_dim + qk_rope_head_dim``, else ``head_dim``, else hidden / heads) and the values' (``v_head_dim``
+    where given: the narrower is zero-padded)."""
+    nope, rope = getattr(config, "qk_nope_head_dim", None), getattr(config, "qk_rope_head_dim", None)
+    keys = (
+        nope + rope
+        if isinstance(nope, int) and isinstance(rope, int)
+        else getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    )
+    return max(keys, getattr(config, "v_head_dim", None) or keys)
+
+
 def _shape_of_config(cfg: Any) -> ModelShape:
     heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    head_dim = paged_head_dim(cfg)
     experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or 0
     family = getattr(cfg, "model_type", None) or "llama"
     return ModelShape(
@@ -403,21 +449,30 @@ def _shape_of_chunk_model(model: torch.nn.Module) -> ModelShape:
     """A ChunkModel's shape read off its modules (``engine/model.py``'s ``ChunkModel`` says it to the model's
     author): the hidden size from the LM head; its MLPs are the ``nn.Linear`` modules that project a wider input
     back to the hidden size (their down projections: one per MLP, the widest input the MLP width; none found: one
-    MLP per attention call slot, as wide as the widest ``nn.Linear``); its blocks as many as its attention call
-    slots (``num_layers``) or MLPs, the more; ``layer_windows`` and carried states as its adapter declares them
+    MLP per attention call slot, as wide as the widest ``nn.Linear``), except attention's output projections
+    (:func:`_attention_output`), whose input gives the query heads (else ``hidden // head_dim``); its blocks as many
+    as its attention call slots (``num_layers``) or MLPs, the more; its norms ``nn.RMSNorm`` or not; ``layer_windows`` and carried states as its adapter declares them
     (:func:`_with_adapter`)."""
     lm_head = model.lm_head()
     head = lm_head.weight
     hidden = head.shape[1]
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight is not head]
-    downs = [m.in_features for m in linears if m.out_features == hidden < m.in_features]
+    # a wider input projected back to the hidden size: an MLP's down projection, or attention's output projection
+    # (heads x head_dim wider than the hidden size)
+    wider = []  # (o, the other nn.Linear modules beside it)
+    for parent in model.modules():
+        children = [c for c in parent.children() if isinstance(c, torch.nn.Linear) and c.weight is not head]
+        wider += [(o, [c for c in children if c is not o]) for o in children
+                  if o.out_features == hidden < o.in_features]  # fmt: skip
+    outputs = [o.in_features for o, siblings in wider if _attention_output(o, siblings, model)]
+    downs = [o.in_features for o, siblings in wider if not _attention_output(o, siblings, model)]
     widest = max((max(m.in_features, m.out_features) for m in linears), default=4 * hidden)
     mlps = len(downs) or model.num_layers
     shape = ModelShape(
         num_layers=max(model.num_layers, mlps),
         hidden_size=hidden,
         intermediate_size=max(downs, default=widest),
-        num_heads=max(1, hidden // model.head_dim),
+        num_heads=max(outputs, default=hidden) // model.head_dim or 1,
         kv_heads=model.kv_heads,
         head_dim=model.head_dim,
         vocab_size=model.vocab_size,
@@ -427,8 +482,28 @@ def _shape_of_chunk_model(model: torch.nn.Module) -> ModelShape:
         kv_layers=model.num_layers,
         mlp_layers=mlps,
         linear_weights=sum(m.weight.numel() for m in linears),
+        float32_norms=any(isinstance(m, torch.nn.RMSNorm) for m in model.modules()),
     )
     return _with_adapter(shape, model)
+
+
+def _attention_output(o: torch.nn.Linear, siblings: list[torch.nn.Linear], model: Any) -> bool:
+    """Whether ``o`` (a wider input projected to the hidden size) is attention's output projection, not an MLP's
+    down projection: its module also projects the hidden states to its input's width (the queries) and to the K/V
+    width (``kv_heads x head_dim``: K and V apart, or together), or to both at once (a fused QKV projection) — an
+    MLP's gate and up projections give its own width (or twice it, fused). (An MLP exactly twice as wide as K/V
+    would read as attention.)"""
+    if o.in_features % model.head_dim:
+        return False
+    kv = model.kv_heads * model.head_dim
+    reads = [s.out_features for s in siblings if s.in_features == o.out_features]
+    if o.in_features + 2 * kv in reads:  # fused QKV
+        return True
+    if o.in_features not in reads:
+        return False
+    rest = list(reads)
+    rest.remove(o.in_features)  # the queries'
+    return 2 * kv in rest or rest.count(kv) >= 2
 
 
 def _with_adapter(shape: ModelShape, adapter: Any) -> ModelShape:
@@ -468,6 +543,7 @@ def _with_parameters(shape: ModelShape, module: torch.nn.Module) -> ModelShape:
         adapters=tuple((*key, n) for key, n in adapters.items()),
         frozen_layers=frozen,
         head_trainable=head.requires_grad,
+        head_grad_hooked=head.requires_grad and bool(gradient_hooks(head)),
         embedding_trainable=embedding.requires_grad,
         params=sum(p.numel() for p in params),
         trainable=sum(p.numel() for p in trainable),
@@ -491,6 +567,12 @@ class Dtypes:
     @property
     def mixed(self) -> bool:
         return self.compute != self.activation
+
+    @property
+    def kv(self) -> torch.dtype:
+        """Attention's ``q, k, v``, output and K/V pages: the compute dtype (autocast casts them, as it casts
+        ``scaled_dot_product_attention``'s)."""
+        return self.compute
 
 
 def precision_dtypes(precision: str | int, param_dtype: torch.dtype | None = None) -> Dtypes:
@@ -665,7 +747,9 @@ def saved_bytes(
     else:
         tiled = mlp_tiled(shape, mlp_tile, min(chunk_size, seq_len))
         attn, mlp = _layer_bytes_per_token(shape, dtypes, streamed=False, tiled=tiled)
-        streamed = 2 * r * shape.kv_heads * shape.head_dim  # a host-tier layer saves its chunk's K and V too
+        streamed = (
+            2 * dtypes.kv.itemsize * shape.kv_heads * shape.head_dim
+        )  # a host-tier layer: its K and V too
         # a hybrid's layers without attention: their input norm and carried mixer (mixer_bytes); a ChunkModel's
         # other layers without attention are its MLP-only blocks
         mixer_layers = min(shape.num_layers - shape.paged_layers, len(shape.mixers))
@@ -687,7 +771,7 @@ def saved_bytes(
 
 def kept_attention_bytes(shape: ModelShape, dtypes: Dtypes, tokens: int) -> int:
     """Bytes of every layer's kept attention output and LSE for a chunk of ``tokens`` (with layer checkpointing)."""
-    r = dtypes.activation.itemsize
+    r = dtypes.kv.itemsize
     lse = 8 if dtypes.activation == torch.float64 else 4
     return shape.paged_layers * (r * shape.num_heads * shape.head_dim + lse * shape.num_heads) * tokens
 
@@ -697,7 +781,7 @@ def parked_kept_bytes(shape: ModelShape, dtypes: Dtypes, tokens: int, pinned: bo
     Kept.park`): every layer's output and LSE in host memory, each rounded up to a power of two when ``pinned``
     (CUDA: the caching host allocator's blocks); on the device the layer's being restored and, on CUDA, the next
     one down's, brought back ahead (:meth:`~lightning_oomb.engine.attention.Kept.prefetch`)."""
-    out = dtypes.activation.itemsize * shape.num_heads * shape.head_dim * tokens
+    out = dtypes.kv.itemsize * shape.num_heads * shape.head_dim * tokens
     lse = (8 if dtypes.activation == torch.float64 else 4) * shape.num_heads * tokens
     host = sum(1 << (n - 1).bit_length() if pinned else n for n in (out, lse))
     return (2 if pinned else 1) * (out + lse), shape.paged_layers * host
@@ -717,7 +801,7 @@ def parked_saves_bytes(
     saved = [r * h * tokens] * shape.num_layers + [
         NORM_BYTES * h * tokens,
         NORM_BYTES * tokens,
-        r * h * tokens,
+        shape.normed_bytes(dtypes.activation) * tokens,
     ]
     host = sum(1 << (n - 1).bit_length() if pinned else n for n in saved if n >= least)
     return min(2, shape.num_layers) * r * h * tokens, host
@@ -727,6 +811,12 @@ def parked_bytes(shape: ModelShape, dtypes: Dtypes, tokens: int) -> int:
     """Bytes a chunk of ``tokens`` parks in host memory under offload with layer checkpointing on a GPU (the kept
     attention results and the saved layer inputs; each copied out and back once)."""
     return sum(f(shape, dtypes, tokens, pinned=False)[1] for f in (parked_kept_bytes, parked_saves_bytes))
+
+
+def _page_head_dim(shape: ModelShape, config: OOMBConfig, machine: Machine) -> int:
+    """The pages' head dim: on a GPU with the Triton kernels, ``shape.head_dim`` zero-padded to a power of two."""
+    triton = machine.device_type == "cuda" and config.attention_backend in ("auto", "triton")
+    return stored_head_dim("triton" if triton else "torch", shape.head_dim)
 
 
 def _layer_bytes_per_token(
@@ -743,16 +833,17 @@ def _layer_bytes_per_token(
     # the projections' inputs are saved by the projections, else by adapters in the activations' dtype
     inputs = not shape.frozen_layers or any(a <= r for _, _, a, _ in shape.adapters)
 
+    normed = shape.normed_bytes(dtypes.activation)
+
     def norm(readers: int) -> int:  # float32 input, 1/rms, normed input, then what the projections save
-        normed = 0 if shape.frozen_layers else r * h
         return f * h + f + normed + (readers * c * h if dtypes.mixed else r * h) * inputs
 
-    attn = norm(3) + 2 * r * q + lse * heads + (c if dtypes.mixed else r) * q * inputs
+    attn = norm(3) + 2 * c * q + lse * heads + (c if dtypes.mixed else r) * q * inputs
     if shape.qk_norm:  # per-head norms of q and k: float32 input, 1/rms, normed (in the compute dtype)
         attn += (f + c) * (q + kv) + f * (heads + kv_heads)
     if streamed:
-        attn += 2 * r * kv
-    mlp = f * h + f + 2 * r * h if tiled else norm(2) + (3 + inputs) * c * shape.mlp_width
+        attn += 2 * c * kv
+    mlp = f * h + f + normed + r * h if tiled else norm(2) + (3 + inputs) * c * shape.mlp_width
     # MoE: per routed expert its gathered input, output and weighted output; the router's scores
     if shape.num_experts:
         mlp += 3 * c * h * shape.experts_per_token + 2 * f * shape.num_experts
@@ -811,7 +902,7 @@ def _mixer_saves(shape: ModelShape, dtypes: Dtypes, batch: int, length: int) -> 
 def _mixer_norm_bytes(shape: ModelShape, dtypes: Dtypes) -> int:
     """Bytes per token a mixer layer's input norm saves (float32 input, 1/rms, normed input; the mixer saves the
     projections' input)."""
-    return NORM_BYTES * (shape.hidden_size + 1) + dtypes.activation.itemsize * shape.hidden_size
+    return NORM_BYTES * (shape.hidden_size + 1) + shape.normed_bytes(dtypes.activation)
 
 
 def mlp_tiled(shape: ModelShape, mlp_tile: int | None, chunk_tokens: int) -> bool:
@@ -821,8 +912,7 @@ def mlp_tiled(shape: ModelShape, mlp_tile: int | None, chunk_tokens: int) -> boo
 
 def _head_bytes_per_token(shape: ModelShape, dtypes: Dtypes) -> int:
     """The final norm's saved tensors (the cross-entropy saves none: its gradients are made in its forward)."""
-    normed = dtypes.activation.itemsize * shape.hidden_size * (not shape.frozen_layers)
-    return NORM_BYTES * shape.hidden_size + NORM_BYTES + normed
+    return NORM_BYTES * shape.hidden_size + NORM_BYTES + shape.normed_bytes(dtypes.activation)
 
 
 def loss_backward_bytes(
@@ -1296,8 +1386,8 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     # each chunk, and replicates every page's summary on each rank: context.SharedSummaries)
     owned = math.ceil(seq_len / devices)
     sparse = config.page_score if config.page_budget is not None else None
-    pool = PoolShape(shape.paged_layers, batch, owned, shape.kv_heads, shape.head_dim, config.page_size,
-                     config.chunk_size // devices, config.kv_grad_dtype, dtypes.activation,
+    pool = PoolShape(shape.paged_layers, batch, owned, shape.kv_heads, _page_head_dim(shape, config, machine),
+                     config.page_size, config.chunk_size // devices, config.kv_grad_dtype, dtypes.kv,
                      windows=shape.windows,
                      page_score=sparse if devices == 1 else None)  # fmt: skip
     summaries = dataclasses.replace(pool, seq_len=seq_len, page_score=sparse).summary_bytes
@@ -1316,23 +1406,24 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     if parks:  # the layers' inputs parked
         saved["layers"], host["parked_saves"] = parked_saves_bytes(shape, dtypes, tokens, pinned=True)
     activations = sum(saved.values())
-    # the LM head's gradient is added into its float32 sum, or into its .grad
+    # the LM head's gradient is added into its float32 sum, or into its .grad — or, when a gradient hook must see
+    # it, made anew for autograd (engine/recurrence.py)
     summing = config.grad_summing(math.ceil(seq_len / config.chunk_size), inputs.accumulating)
     summed = summing == "float32" and dtypes.param in HALF_DTYPES
-    accumulator = torch.float32 if summed else dtypes.param
+    accumulator = None if shape.head_grad_hooked else torch.float32 if summed else dtypes.param
     loss = loss_backward_bytes(shape, dtypes, tokens, config.loss_block, shape.head_trainable, accumulator)
     streamed = bool(tiers.host_layers) and tiers.host_layers[-1] == pool.num_layers - 1
     boundaries = max(math.ceil(seq_len / config.chunk_size) - 1, 0)
-    carried = shape.carried_state_bytes(dtypes.activation) * batch * boundaries
+    carried = shape.carried_state_bytes(dtypes.compute) * batch * boundaries
     # in the host buffer; the device holds a chunk's leaves and their gradients
     if config.offload and carried:
-        per_boundary = shape.carried_state_bytes(dtypes.activation) * batch
+        per_boundary = shape.carried_state_bytes(dtypes.compute) * batch
         host["carried_states"] = math.ceil(per_boundary / BOUNDARY_ALIGN) * BOUNDARY_ALIGN * boundaries
         carried = per_boundary * min(boundaries, 2)
     lq = min(config.chunk_size, seq_len)  # the keys the last layer's chunk sees: a window's, a page budget's
     # states in flight while a chunk is recomputed and back-propagated: its incoming states' copies, its outgoing
     # states and their gradients (three boundaries' worth)
-    handed = 3 * shape.carried_state_bytes(dtypes.activation) * batch
+    handed = 3 * shape.carried_state_bytes(dtypes.compute) * batch
     own = handed if ckpt else 0
     window = shape.windows[-1] if shape.windows else None
     reach = min(seq_len, math.inf if window is None else window - 1 + lq,
@@ -1379,6 +1470,13 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     )  # fmt: skip
     result.fits = result.device_fits and result.host_fits
     result.notes = _notes(inputs, config)
+    if devices > 1 and machine.rates is not None:
+        result.notes.append(
+            f"no step time under context parallelism ({devices} devices per sequence): a rank computes about "
+            f"1/{devices} of the step's FLOPs, but the collectives it waits on (per layer and chunk: the queries, "
+            "partial outputs and their gradients) take the interconnect's time, which StepRates does not measure "
+            "(benchmarks/cp_model.py models it at assumed rates)"
+        )
     if machine.rates is not None and devices == 1:
         dense, attention = step_flops(shape, seq_len, config, batch)
         kv, grad = (pool.page_bytes(part) / config.page_size for part in ("kv", "grad"))
@@ -1400,7 +1498,7 @@ def reused_attention_bytes(
     tokens = (
         min(config.chunk_size, seq_len) if devices == 1 else math.ceil(pages / devices) * config.page_size
     )
-    slot = result_slot_bytes(batch, shape.num_heads, tokens, shape.head_dim, dtypes.activation, lse)
+    slot = result_slot_bytes(batch, shape.num_heads, tokens, shape.head_dim, dtypes.kv, lse)
     return kept * shape.paged_layers * slot
 
 
@@ -1471,12 +1569,8 @@ def _notes(inputs: _Inputs, config: OOMBConfig) -> list[str]:
             "carried mixers counted as transformers' torch implementation computes them (the fla / mamba_ssm "
             "kernels hold less)"
         )
-    if config.kv_grad_dtype == "bfloat16" and dtypes.activation.itemsize > GRAD_DTYPES["bfloat16"].itemsize:
-        notes.append(f"kv_grad_dtype='bfloat16' has no effect with {dtypes.activation} K/V (never narrower)")
-    if dtypes.mixed:
-        notes.append(
-            f"under {inputs.precision} K/V are {dtypes.activation} (RoPE's cos/sin promote the keys)"
-        )
+    if config.kv_grad_dtype == "bfloat16" and dtypes.kv.itemsize > GRAD_DTYPES["bfloat16"].itemsize:
+        notes.append(f"kv_grad_dtype='bfloat16' has no effect with {dtypes.kv} K/V (never narrower)")
     return notes
 
 
@@ -1508,6 +1602,13 @@ def _options(
             for b in singles[i + 1 :]:
                 both = {**a, **b}
                 if not a.keys() & b.keys():
+                    if "chunk_size" in both:  # the largest chunk that fits with the other change
+                        other = dataclasses.replace(
+                            config, **{k: v for k, v in both.items() if k != "chunk_size"}
+                        )
+                        both["chunk_size"] = (
+                            _largest_chunk(inputs, other, batch, seq_len) or both["chunk_size"]
+                        )
                     attempt(both, dataclasses.replace(config, **both))
     # outside the strategy's options: a fused optimizer step (no state-sized temporary), 16-bit weights and states
     spec, dtypes, other = inputs.optimizer, inputs.dtypes, []
@@ -1542,8 +1643,9 @@ def _options(
     for index, (changed, changes, text) in enumerate(other):
         if index == 2 and found:
             break
-        for extra in withs:
-            result = _plan(changed, dataclasses.replace(config, **extra), batch, seq_len)
+        for extra in withs:  # the "auto" options decided as a run with these changes decides them
+            tried = decide_auto(changed, dataclasses.replace(asked, **extra), batch, seq_len)
+            result = _plan(changed, tried, batch, seq_len)
             if result.fits:
                 said = f"{text} with {_say(extra)}" if extra else text
                 fitting.append(Option({**changes, **extra}, said, result.peak_device, result.host_tier))
@@ -1571,7 +1673,7 @@ def _options(
 def _candidates(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int) -> list[list[dict]]:
     """Groups of alternative changes, the preferred (fastest) first in each group."""
     groups = []
-    if config.kv_grad_dtype == "float32" and inputs.dtypes.activation.itemsize < 4:
+    if config.kv_grad_dtype == "float32" and inputs.dtypes.kv.itemsize < 4:
         groups.append([{"kv_grad_dtype": "bfloat16"}])
     chunks = math.ceil(seq_len / config.chunk_size)
     device_sums, host_sums = _grad_sums(inputs, config, chunks)
@@ -1589,12 +1691,12 @@ def _candidates(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int) -
     tiles = [{"mlp_tile": t} for t in (1024, 512, 256, 128) if t < min(config.chunk_size, seq_len)]
     if config.mlp_tile is None and not inputs.shape.num_experts and tiles:
         groups.append(tiles)
-    chunks, chunk = [], config.chunk_size // 2
-    while chunk >= config.page_size and chunk % config.page_size == 0:
-        chunks.append({"chunk_size": chunk})
-        chunk //= 2
-    if chunks:
-        groups.append(chunks)
+    # the largest smaller chunk that fits, else a page's (the most a pair can gain from it)
+    if min(config.chunk_size, seq_len) > config.page_size:
+        largest = _largest_chunk(inputs, config, batch, seq_len)
+        groups.append(
+            [{"chunk_size": c} for c in dict.fromkeys((largest or config.page_size, config.page_size))]
+        )
     if inputs.machine.device_type == "cuda":
         offload = (
             []
@@ -1602,8 +1704,9 @@ def _candidates(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int) -
             else [{"offload": True, "hbm_budget": "auto"}]
         )
         shape = inputs.shape
-        pool = PoolShape(shape.paged_layers, batch, seq_len, shape.kv_heads, shape.head_dim, config.page_size,
-                         config.chunk_size, config.kv_grad_dtype, inputs.dtypes.activation,
+        pool = PoolShape(shape.paged_layers, batch, seq_len, shape.kv_heads,
+                         _page_head_dim(shape, config, inputs.machine), config.page_size, config.chunk_size,
+                         config.kv_grad_dtype, inputs.dtypes.kv,
                          windows=shape.windows)  # fmt: skip
         # window layers keeping only their tails stay on the device; then k full layers, most first
         fixed = sum(map(pool.bytes_of, pool.recycling)) + config.staging_buffers * pool.block_bytes
@@ -1611,6 +1714,18 @@ def _candidates(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int) -
                     for k in range(pool.num_layers - len(pool.recycling) - 1, -1, -1)]  # fmt: skip
         groups.append(offload)
     return groups
+
+
+def _largest_chunk(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int) -> int | None:
+    """The largest ``chunk_size`` below the chunk's rows (``min(chunk_size, seq_len)``), a multiple of ``page_size``,
+    with which the step fits (by bisection: a shorter chunk holds fewer activations); ``None`` if none does."""
+    page = config.page_size
+    lo, hi = 0, (min(config.chunk_size, seq_len) - 1) // page  # in pages
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        fits = _plan(inputs, dataclasses.replace(config, chunk_size=mid * page), batch, seq_len).fits
+        lo, hi = (mid, hi) if fits else (lo, mid - 1)
+    return lo * page or None
 
 
 def _say(changes: dict) -> str:

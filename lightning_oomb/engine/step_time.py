@@ -2,7 +2,8 @@
 
 **FLOPs** (:func:`step_flops`). Matmuls: 2 FLOPs per weight and token per forward, a backward = 2 forwards; a
 decoder layer's weights are its attention projections and the MLP a token passes through (its active experts under
-MoE; a hybrid's other mixers counted as attention projections). OOMB runs each decoder layer in the forward sweep,
+MoE; a hybrid's other mixers counted as attention projections; a ChunkModel's MLP-only blocks have no attention
+projections, its blocks without an MLP none of the MLP's: ``ModelShape.mixing_layers``, ``ModelShape.mlps``). OOMB runs each decoder layer in the forward sweep,
 the chunk's recompute, the layer's checkpoint recompute (``layer_checkpointing``; it stops after the last tensor
 the backward needs, so without ``mlp_tile`` the MLP's down projection is not recomputed) and the backward, a tiled
 MLP (``mlp_tile``) once more, and the LM head in the forward sweep, the recompute and the backward (matmul FLOPs of
@@ -36,6 +37,8 @@ class ModelShape(Protocol):
 
     num_layers: int
     paged_layers: int
+    mixing_layers: int
+    mlps: int
     hidden_size: int
     num_heads: int
     head_dim: int
@@ -77,10 +80,13 @@ def step_flops(
         not reference and config.mlp_tile is not None and config.mlp_tile < min(config.chunk_size, seq_len)
     )
     passes = (3 if reference else 4) + checkpointing
-    per_layer = (shape.attention_params + 3 * down) * passes + 3 * down * tiled
-    per_layer -= down * (checkpointing and not tiled)  # the checkpoint's recompute stops before it
+    mlp = 3 * down * passes + 3 * down * tiled
+    mlp -= down * (checkpointing and not tiled)  # the checkpoint's recompute stops before it
+    # the counted layers' token mixers and MLPs (a ChunkModel's MLP-only blocks have no attention projections)
+    mixing, mlps = (round(layers * n / shape.num_layers) for n in (shape.mixing_layers, shape.mlps))
     head_passes = 3 if reference else 4
-    dense = 2 * batch * seq_len * (layers * per_layer + shape.vocab_size * h * head_passes)
+    layer_flops = mixing * shape.attention_params * passes + mlps * mlp
+    dense = 2 * batch * seq_len * (layer_flops + shape.vocab_size * h * head_passes)
 
     windows = list(shape.windows or [None] * shape.paged_layers)
     windows = windows[

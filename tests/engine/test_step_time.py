@@ -125,7 +125,7 @@ def test_parked_chunks_count_in_the_copies():
     forced: tests/engine/test_offload.py), and a copy-bound step takes that much longer."""
     from lightning_oomb.engine.planner import parked_bytes, precision_dtypes
 
-    model = build_causal_lm("qwen2", dtype=torch.bfloat16, num_hidden_layers=2)
+    model = build_causal_lm("qwen2", dtype=torch.bfloat16, num_hidden_layers=2, head_dim=16)  # pages unpadded
     config = OOMBConfig(32, 8, offload=True, hbm_budget=0, layer_checkpointing=True)
     rates = StepRates(dense_flops=1e30, attention_flops=1e30, copy_bytes=1e6)  # copies only
     times = {
@@ -137,3 +137,37 @@ def test_parked_chunks_count_in_the_copies():
     parked = parked_bytes(model_shape(model), precision_dtypes("bf16-true"), 2 * 32)
     assert parked > 0
     assert times["cuda"] - times["cpu"] == pytest.approx(2 * (SEQ // 32) * parked / 1e6)
+
+
+@pytest.mark.parametrize("layout", ["AMAM", "AAMM"])
+def test_mlp_only_blocks_count_no_attention_projections(monkeypatch, layout):
+    """A ChunkModel with MLP-only blocks (``tests/engine/test_planner_custom.py``'s): a step's matmul FLOPs, counted
+    by torch's FLOP counter, are exactly the model's — attention projections only for the blocks that attend (they
+    were counted for every block: 23 % more here)."""
+    from tests.engine.test_planner_custom import BlocksLM
+
+    monkeypatch.setattr(attention, "attend", _uncounted(attention.attend))
+    monkeypatch.setattr(attention, "attend_backward", _uncounted(attention.attend_backward))
+    model = BlocksLM(layout)
+    config = OOMBConfig(32, 8, attention_backend="torch")
+    engine = OOMBEngine(model, config)
+    ids = torch.randint(0, 97, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    in_place = {torch.ops.aten.addmm_: lambda _, a, b, **__: mm_flop(a, b)}
+    with FlopCounterMode(display=False, custom_mapping=in_place) as counter:
+        engine.loss(ids).backward()
+    shape = model_shape(model)
+    assert (shape.mixing_layers, shape.mlps, shape.num_layers) == (2, 4, 4)
+    assert counter.get_total_flops() == step_flops(shape, SEQ, config, batch=2)[0]
+
+
+def test_a_context_parallel_plan_says_why_it_has_no_step_time():
+    """Under context parallelism the step's collectives wait on the interconnect, whose rate StepRates does not
+    hold: no step time, and the notes say why (they said nothing)."""
+    rates = StepRates(dense_flops=1e9, attention_flops=5e8, copy_bytes=1e9)
+    machine = Machine("cpu", 1 << 40, 1 << 40, rates=rates)
+    model = build_causal_lm("qwen2", dtype=torch.float32)
+    shared = plan(model, SEQ, 2, OOMBConfig(32, 8), "32-true", None, machine, context_parallel=2)
+    assert shared.step_time_s is None
+    assert any("context parallelism (2 devices" in note and "interconnect" in note for note in shared.notes)
+    alone = plan(model, SEQ, 2, OOMBConfig(32, 8), "32-true", None, machine)
+    assert alone.step_time_s is not None and not any("context parallelism" in note for note in alone.notes)
