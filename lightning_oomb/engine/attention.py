@@ -27,6 +27,7 @@ from types import ModuleType
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 
 from lightning_oomb.engine import context, cpu_attention, reference
 from lightning_oomb.engine.config import check_backend_name
@@ -156,21 +157,21 @@ def resolve_backend(name: str, device: torch.device) -> Backend:
     return name
 
 
-def check_kernel_shapes(backend: Backend, head_dim: int, page_size: int) -> None:
-    """Refuse, before any work, a head dim or page size the chosen backend cannot take."""
-    if backend != "triton":
-        return
-    for name, size in (("page_size", page_size), ("head_dim", head_dim)):
-        if size < 16 or size & (size - 1):
-            fix = (
-                "use page_size=128 (or another power of two >= 16)"
-                if name == "page_size"
-                else ("use attention_backend='torch' for this model")
-            )
-            raise OOMBConfigError(
-                f"{name}={size} cannot be used with the Triton attention kernels — their tiles need a power of "
-                f"two >= 16 — {fix}."
-            )
+def check_kernel_shapes(backend: Backend, page_size: int) -> None:
+    """Refuse, before any work, a page size the chosen backend cannot take."""
+    if backend == "triton" and (page_size < 16 or page_size & (page_size - 1)):
+        raise OOMBConfigError(
+            f"page_size={page_size} cannot be used with the Triton attention kernels — their tiles need a power of "
+            "two >= 16 — use page_size=128 (or another power of two >= 16)."
+        )
+
+
+def stored_head_dim(backend: Backend, head_dim: int) -> int:
+    """The pages' head dim for a model's ``head_dim``: the Triton kernels' tiles need a power of two >= 16, so
+    other head dims are stored zero-padded to the next one (Phi-3's 96 as 128; DeepSeek's multi-head latent
+    attention, 192, as 256) — zero query and key columns add nothing to a score, zero value columns make output
+    columns that are cut off. The other backends store them as they are."""
+    return max(16, 1 << (head_dim - 1).bit_length()) if backend == "triton" else head_dim
 
 
 def kernels(backend: Backend) -> ModuleType:
@@ -362,6 +363,12 @@ def _check_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: ChunkC
             "head_dim] and k, v [batch, kv_heads, tokens, head_dim] — view the projections per head and transpose "
             "[B, L, H, D] to [B, H, L, D] with .transpose(1, 2)."
         )
+    if not q.dtype == k.dtype == v.dtype or not q.device == k.device == v.device:
+        raise OOMBConfigError(
+            f"layer {layer} calls paged_attention with q {q.dtype} on {q.device}, k {k.dtype} on {k.device}, v "
+            f"{v.dtype} on {v.device} — the op (like torch's scaled_dot_product_attention) takes q, k and v of one "
+            "dtype on one device — cast them to one dtype (and move them to one device) before the call."
+        )
     if k.shape != v.shape:
         raise OOMBConfigError(
             f"layer {layer} calls paged_attention with {_shapes(q, k, v)}: keys and values of different shapes — "
@@ -373,11 +380,11 @@ def _check_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: ChunkC
         if chunk.context is not None
         else min(shape.chunk_size, shape.seq_len - chunk.start)
     )
-    want = (shape.batch, rows, shape.head_dim)
+    want = (shape.batch, rows, shape.call_head_dim)
     if (q.shape[0], q.shape[2], q.shape[3]) != want or (k.shape[0], k.shape[2], k.shape[3]) != want:
         raise OOMBConfigError(
             f"layer {layer} calls paged_attention with {_shapes(q, k, v)} but the chunk has batch {shape.batch} "
-            f"and {rows} tokens, and the model declares head_dim={shape.head_dim} — every call attends the whole chunk "
+            f"and {rows} tokens, and the model declares head_dim={shape.call_head_dim} — every call attends the whole chunk "
             "with the declared head dim — pass the chunk's q, k, v as [batch, heads, tokens, head_dim] (or correct "
             "the model's head_dim)."
         )
@@ -386,6 +393,19 @@ def _check_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: ChunkC
             f"layer {layer} calls paged_attention with {q.shape[1]} query heads and {k.shape[1]} KV heads — each KV "
             "head serves a group of query heads — use a multiple of the KV heads for the query heads."
         )
+
+
+def _autocast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Under autocast, ``q, k, v`` in its dtype, as autocast casts ``scaled_dot_product_attention``'s (16- and
+    32-bit floats; float64 kept): a model's norms may leave ``q, k`` in float32 beside a bfloat16 ``v``."""
+    device = q.device.type
+    if not torch.is_autocast_enabled(device):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(x.to(dtype) if x.dtype in _AUTOCAST_CASTS else x for x in (q, k, v))
+
+
+_AUTOCAST_CASTS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
@@ -525,6 +545,7 @@ def _selected_blocks(chunk: ChunkContext, layer: int, selection: Selection | Non
     return None if selection is None else selection.blocks(chunk.shape.block_pages)
 
 
+@torch.compiler.disable
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -540,8 +561,16 @@ def paged_attention(
 
     ``window``: a sliding window of keys (query ``i`` sees ``W`` keys up to itself); ``softcap``: scores
     ``c * tanh(s / c)``; ``sinks [Hq]``: one extra logit per query head in every row's softmax. ``layer``: the
-    call's own index in ``0..num_layers-1`` (a layer attending twice takes two). Every call's ``k`` has the dtype
-    of the step's first call (the pool's). A call that does not fit the chunk, the model's declared shape or these
-    rules raises :class:`OOMBConfigError`."""
+    call's own index in ``0..num_layers-1`` (a layer attending twice takes two). ``q``, ``k`` and ``v`` have one
+    dtype and device (under autocast: cast to its dtype, as it casts torch's ``scaled_dot_product_attention``'s),
+    and every call's the dtype of the step's first call (the pool's). A call that does not fit the
+    chunk, the model's declared shape or these rules raises :class:`OOMBConfigError`. The op runs outside
+    ``torch.compile`` graphs (``torch.compiler.disable``): compiled decoder layers break around it, into graphs that
+    every chunk and step reuses (its per-chunk state would make Dynamo recompile at each call otherwise)."""
+    q, k, v = _autocast(q, k, v)
     _check_call(q, k, v, chunk, layer)
+    width = q.shape[-1]
+    if pad := chunk.shape.head_dim - width:  # pages wider than the heads (:func:`stored_head_dim`)
+        q, k, v = (F.pad(x, (0, pad)) for x in (q, k, v))
+        return PagedAttention.apply(q, k, v, chunk, layer, scale, window, softcap, sinks)[..., :width]
     return PagedAttention.apply(q, k, v, chunk, layer, scale, window, softcap, sinks)

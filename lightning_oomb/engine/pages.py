@@ -65,7 +65,9 @@ class PoolShape:
     ``kv_grad_dtype``: the gradient-page option; :attr:`grad_dtype` is what it resolves to for ``dtype``.
     ``windows``: each layer's sliding window as the model declares it (``None``: unknown, every layer full).
     ``page_score``: the step attends sparsely, so every page also keeps its summary for this page score on the
-    device (:mod:`lightning_oomb.engine.sparse`); ``None``: dense.
+    device (:mod:`lightning_oomb.engine.sparse`); ``None``: dense. ``model_head_dim``: the head dim of the model's
+    attention calls where the pages are wider (zero-padded for the kernels,
+    :func:`~lightning_oomb.engine.attention.stored_head_dim`); ``None``: ``head_dim``.
     """
 
     num_layers: int
@@ -79,6 +81,12 @@ class PoolShape:
     dtype: torch.dtype | None = None
     windows: tuple[int | None, ...] | None = None  # per layer: its sliding window (None: full attention)
     page_score: str | None = None
+    model_head_dim: int | None = None
+
+    @property
+    def call_head_dim(self) -> int:
+        """The head dim of the model's ``q, k, v``."""
+        return self.head_dim if self.model_head_dim is None else self.model_head_dim
 
     def for_dtype(self, dtype: torch.dtype) -> PoolShape:
         """This shape with K/V in ``dtype``."""

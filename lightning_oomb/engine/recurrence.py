@@ -22,7 +22,12 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_oomb.engine import parking
-from lightning_oomb.engine.attention import ChunkContext, check_kernel_shapes, resolve_backend
+from lightning_oomb.engine.attention import (
+    ChunkContext,
+    check_kernel_shapes,
+    resolve_backend,
+    stored_head_dim,
+)
 from lightning_oomb.engine.batch import key_floors, plan_layout
 from lightning_oomb.engine.config import OOMBConfig
 from lightning_oomb.engine.context import ContextChunk, ContextGroup, Layout, SharedSummaries, fingerprint
@@ -288,10 +293,10 @@ class OOMBEngine:
 
     # -------------------------------------------------------------------------------------------- internals
     def check_device(self, device: torch.device) -> str:
-        """The attention backend for ``device``; refuses (before any work) a backend, head dim or page size that
-        cannot run there."""
+        """The attention backend for ``device``; refuses (before any work) a backend or page size that cannot run
+        there."""
         backend = resolve_backend(self.config.attention_backend, device)
-        check_kernel_shapes(backend, self.model.head_dim, self.config.page_size)
+        check_kernel_shapes(backend, self.config.page_size)
         return backend
 
     def _plan(
@@ -336,12 +341,13 @@ class OOMBEngine:
             batch,
             seq_len if layout is None else layout.local_len,
             model.kv_heads,
-            model.head_dim,
+            stored_head_dim(backend, model.head_dim),
             cfg.page_size,
             cfg.chunk_size if layout is None else cfg.chunk_size // layout.size,
             cfg.kv_grad_dtype,
             windows=getattr(model, "layer_windows", None),
             page_score=None if sparse is None or layout is not None else sparse.score,
+            model_head_dim=model.head_dim,
         )
         bounds = chunk_bounds(seq_len, cfg.chunk_size)
         denominator = int((targets != IGNORE_INDEX).sum()) if num_items is None else _count(num_items)
@@ -358,7 +364,7 @@ class OOMBEngine:
         if getattr(model, "carries_states", False):
             check_carried_states(bounds, layout, batch_layout.doc_start)
             host = self.host_states if self.config.offload else None
-            states = CarriedStates(host=host, boundaries=len(bounds) - 1)
+            states = CarriedStates(host=host, boundaries=len(bounds) - 1, batch=batch)
         return _Step(input_ids, targets, denominator, shape, backend, bounds, batch_layout.positions,
                      batch_layout.doc_start, floors, step_loss, sparse, layout, shared, states,
                      batch_layout.tokens, position_span=batch_layout.span)  # fmt: skip
@@ -523,7 +529,8 @@ class OOMBEngine:
             engaged,
         ):
             carried = step.states
-            # every parameter trains: then each carried state depends on trainable ones and must carry grad
+            # every parameter trains: then each carried state depends on trainable ones and must carry grad (as
+            # must one of a chunk that read an incoming state with grad: CarriedStates.boundary_gradients)
             all_trainable = bool(params) and all(p.requires_grad for p in params)
             for index in reversed(range(len(step.bounds))):
                 rng[index].restore()

@@ -202,12 +202,15 @@ BAD_CALLS = {
     "q-tokens": (lambda q, k, v: (q[:, :, 1:], k, v), "batch 2 and 16 tokens"),
     "q-head-dim": (lambda q, k, v: (q[..., :4], k, v), "declares head_dim=8"),
     "heads-not-grouped": (lambda q, k, v: (q[:, :3], k, v), "3 query heads and 2 KV heads"),
+    "q-dtype": (lambda q, k, v: (q.float(), k, v), "q torch.float32 on cpu, k torch.float64"),
+    "v-dtype": (lambda q, k, v: (q, k, v.float()), "v torch.float32 on cpu .* of one dtype"),
 }
 
 
 @pytest.mark.parametrize("name", BAD_CALLS)
 def test_a_call_that_does_not_fit_the_chunk_is_refused(name):
-    """Shapes the kernels would read past (NaN on the CPU backend) or fail on deep inside are named at the call."""
+    """Shapes the kernels would read past (NaN on the CPU backend) or fail on deep inside (the Triton launcher on
+    q of another dtype than K/V) are named at the call."""
     bad, message = BAD_CALLS[name]
     model = TinyCalls(2, lambda i, q, k, v: (*(bad(q, k, v) if i else (q, k, v)), i))
     with pytest.raises(OOMBConfigError, match=message):

