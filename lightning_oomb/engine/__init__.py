@@ -1,6 +1,7 @@
 """Lightning-free OOMB core: plain torch, usable without a Trainer (see docs/design.md for the rooms)."""
 
 from lightning_oomb.engine.attention import ChunkContext, paged_attention
+from lightning_oomb.engine.check import check_chunking
 from lightning_oomb.engine.config import OOMBConfig
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.kv_pool import KVPool
@@ -24,5 +25,6 @@ __all__ = [
     "PagedKV",
     "PoolShape",
     "StepLoss",
+    "check_chunking",
     "paged_attention",
 ]

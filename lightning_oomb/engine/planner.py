@@ -375,15 +375,20 @@ def _is_config(obj: Any) -> bool:
 
 
 def paged_head_dim(config: Any) -> int:
-    """The head dim of a Hugging Face config's K/V pages: the wider of the keys' (multi-head latent attention's
-    ``qk_nope_head_dim + qk_rope_head_dim``, else ``head_dim``, else hidden / heads) and the values' (``v_head_dim``
-    where given: the narrower is zero-padded)."""
+    """The head dim of a Hugging Face config's K/V pages: the widest of the keys' (multi-head latent attention's
+    ``qk_nope_head_dim + qk_rope_head_dim``, else ``head_dim`` — the widest of a ``per_layer_config``'s, Gemma 4's
+    global layers' — else hidden / heads) and the values' (``v_head_dim`` where given); narrower heads are
+    zero-padded to it."""
     nope, rope = getattr(config, "qk_nope_head_dim", None), getattr(config, "qk_rope_head_dim", None)
-    keys = (
-        nope + rope
-        if isinstance(nope, int) and isinstance(rope, int)
-        else getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    )
+    if isinstance(nope, int) and isinstance(rope, int):
+        keys = nope + rope
+    else:
+        fields = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+        layers = (fields.get("per_layer_config") or {}).values()
+        dims = [
+            d for d in (fields.get("head_dim"), *(c.get("head_dim") for c in layers)) if isinstance(d, int)
+        ]
+        keys = max(dims) if dims else config.hidden_size // config.num_attention_heads
     return max(keys, getattr(config, "v_head_dim", None) or keys)
 
 

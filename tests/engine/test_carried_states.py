@@ -311,13 +311,34 @@ def test_a_state_reported_with_grad_false_in_one_sweep_only_is_refused():
         engine_step(reporting_model("stopped-forward-only"), ids)
 
 
-def test_chunked_against_one_chunk_catches_a_state_reported_a_token_early():
-    """No engine check can see a state reported after the chunk's second-to-last token; comparing a step in
-    chunks with the same step in one chunk (no state carried), in float64, does."""
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_check_chunking_catches_a_state_reported_a_token_early(checkpointing):
+    """No engine check can see a state reported after the chunk's second-to-last token; ``check_chunking``
+    (a step in chunks against the same step in one chunk, no state carried, in float64) does, and passes the
+    model that reports the right one. The checked model is left as it was."""
+    from lightning_oomb.engine import OOMBConfigError, check_chunking
+
     _, ids = model_and_ids()
-    for report, exact in (("right", True), ("early", False)):
-        model = reporting_model(report)
-        one_loss, one = engine_step(model, ids, 48)
-        loss, grads = engine_step(model, ids, 16)
-        assert (abs(loss.item() - one_loss.item()) <= 1e-10 * one_loss.item()) == exact
-        assert (max_relative_error(grads, one) <= 1e-10) == exact
+    right = reporting_model("right")
+    before = {n: p.clone() for n, p in right.named_parameters()}
+    assert (
+        check_chunking(right.float(), ids, layer_checkpointing=checkpointing) <= 1e-10
+    )  # a float64 copy trains
+    assert all(p.dtype == torch.float32 and p.grad is None for p in right.parameters())
+    assert all(torch.equal(p.double(), before[n]) for n, p in right.named_parameters())
+    with pytest.raises(
+        OOMBConfigError, match=r"trains differently in chunks of 8 tokens .* relative error of"
+    ):
+        check_chunking(
+            reporting_model("early"), ids, chunk_size=8, page_size=8, layer_checkpointing=checkpointing
+        )
+
+
+def test_check_chunking_refuses_what_it_cannot_check():
+    from lightning_oomb.engine import OOMBConfigError, check_chunking
+
+    model, ids = model_and_ids()
+    with pytest.raises(OOMBConfigError, match="makes one chunk of the 45 tokens"):
+        check_chunking(model, ids, chunk_size=48)
+    with pytest.raises(OOMBConfigError, match="takes an nn.Module"):
+        check_chunking(object(), ids)

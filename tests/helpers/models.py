@@ -187,12 +187,14 @@ _ONE_PLUS_NORMS = ("Qwen3NextRMSNorm", "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm")
 
 
 def float64_norms(model) -> None:
-    """Gemma's and Qwen3-Next's RMSNorms (also the gated one of its linear attention) and Cohere's LayerNorm compute
+    """Gemma's (Gemma 4's scaling by its weight) and Qwen3-Next's RMSNorms (also the gated one of its linear attention) and Cohere's LayerNorm compute
     in float32 whatever the model's dtype (a float32 reduction over tokens in their weight gradient, which chunking
     reorders: ~1e-7); make them compute in the model's dtype so float64 tests can ask 1e-10."""
     for module in model.modules():
         name = type(module).__name__
-        if (name.startswith("Gemma") and name.endswith("RMSNorm")) or name in _ONE_PLUS_NORMS:
+        if name == "Gemma4RMSNorm":  # scales by weight (if it has one)
+            module.forward = lambda x, m=module: m._norm(x) * (m.weight if m.with_scale else 1.0)
+        elif (name.startswith("Gemma") and name.endswith("RMSNorm")) or name in _ONE_PLUS_NORMS:
             module.forward = lambda x, m=module: m._norm(x) * (1.0 + m.weight)
         elif name.endswith("RMSNormGated") and name.startswith("Qwen3"):
             module.forward = lambda x, gate, m=module: _gated_norm(x, gate, m)

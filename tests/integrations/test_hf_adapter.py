@@ -12,6 +12,7 @@ from lightning_oomb.integrations.hf.attention import RUNNING
 from tests.helpers.models import (
     build_causal_lm,
     exact_full_sequence_loss,
+    float64_norms,
     grads_of,
     max_relative_error,
     oomb_step,
@@ -112,17 +113,6 @@ def newer_family(name: str, **config):
     [
         ("biogpt", dict(attention_probs_dropout_prob=0.1), "attention_probs_dropout_prob=0.1"),
         (
-            "gemma4_text",
-            dict(
-                num_key_value_heads=2,
-                head_dim=8,
-                global_head_dim=16,
-                hidden_size_per_layer_input=0,
-                layer_types=["sliding_attention"],
-            ),
-            "differ in head_dim",
-        ),  # fmt: skip
-        (
             "dory",
             dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
             r"LM head \(DoryLMHead\) is not a plain linear layer",
@@ -148,14 +138,43 @@ MLA = dict(num_hidden_layers=2, num_key_value_heads=4, kv_lora_rank=16, qk_nope_
         ("nemotron", dict(num_key_value_heads=2)),
         ("deepseek_v3", dict(MLA, q_lora_rank=16, v_head_dim=8, n_group=1, topk_group=1)),
         ("deepseek_v2", dict(MLA, q_lora_rank=None, v_head_dim=16)),
+        (
+            "gemma4_text",
+            dict(
+                num_hidden_layers=3,
+                num_key_value_heads=2,
+                head_dim=8,
+                global_head_dim=16,
+                hidden_size_per_layer_input=0,
+                sliding_window=8,
+                layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            ),
+        ),
+        (
+            "minicpm3",
+            dict(
+                num_key_value_heads=4,
+                kv_lora_rank=16,
+                q_lora_rank=16,
+                qk_nope_head_dim=8,
+                qk_rope_head_dim=4,
+                head_dim=4,
+                v_head_dim=8,
+                dim_model_base=8,
+                scale_emb=3.0,
+            ),
+        ),
     ],
 )
 def test_attention_the_adapter_routes_or_pads_is_exact(name, config, checkpointing):
     """StableLM's and Nemotron's decoder layers call attention without the keywords that carry the chunk context:
     the attention module finds its model's running chunk instead (also in a checkpoint's recompute). DeepSeek's
-    multi-head latent attention has keys of 12 and values of 8 (V3) or 16 (V2) per head: both are zero-padded to
-    the wider (float64; DeepSeek's router computes in float32, so its weight's gradient matches to 1e-6)."""
+    multi-head latent attention has keys of 12 and values of 8 (V3, MiniCPM3: its logits divided by
+    logits_scaling) or 16 (V2) per head: both are zero-padded to the wider (float64; DeepSeek's router computes in
+    float32, so its weight's gradient matches to 1e-6). Gemma 4's full-attention layers have heads of 16 beside
+    its sliding layers' 8: the sliding ones are zero-padded to 16."""
     model = newer_family(name, **config).double()
+    float64_norms(model)  # Gemma's compute in float32
     ids = torch.randint(0, 64, (2, 37), generator=torch.Generator().manual_seed(2))
     want_loss = exact_full_sequence_loss(model, ids)
     want_loss.backward()

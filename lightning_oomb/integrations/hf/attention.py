@@ -64,24 +64,24 @@ def oomb_attention_forward(
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     layer = getattr(module, "oomb_layer", module.layer_idx)  # a hybrid's attention layers: their rank
-    query, key, value, width = _one_head_dim(query, key, value)
-    out = paged_attention(query, key, value, oomb_chunk, layer, scale, sliding_window, softcap, s_aux)
-    return out[..., :width].transpose(
-        1, 2
-    ).contiguous(), None  # as sdpa's and eager's: some models .view() it
-
-
-def _one_head_dim(query, key, value):
-    """Keys and values of different head dims (DeepSeek's multi-head latent attention: 192 and 128; MiMo-V2: 192
-    and 128) zero-padded to the wider one, as transformers pads them for flash attention: zero query and key
-    columns add nothing to a score, zero value columns make output columns that are cut off (their gradient is
-    dropped). Returns ``(query, key, value, the values' head dim)``."""
     width = value.shape[-1]
-    if key.shape[-1] == width:
-        return query, key, value, width
-    pad = max(key.shape[-1], width)
-    query, key, value = (F.pad(x, (0, pad - x.shape[-1])) for x in (query, key, value))
-    return query, key, value, width
+    query, key, value = _one_head_dim(query, key, value, oomb_chunk.shape.call_head_dim)
+    out = paged_attention(query, key, value, oomb_chunk, layer, scale, sliding_window, softcap, s_aux)
+    out = out[..., :width].transpose(1, 2).contiguous()  # as sdpa's and eager's: some models .view() it
+    return out, None
+
+
+def _one_head_dim(query, key, value, head_dim: int):
+    """``query, key, value`` zero-padded to the model's one paged ``head_dim`` where narrower — keys and values of
+    different head dims (DeepSeek's multi-head latent attention: 192 and 128), or a layer's heads narrower than
+    another's (Gemma 4's sliding layers: 256 beside 512) — as transformers pads them for flash attention: zero
+    query and key columns add nothing to a score, zero value columns make output columns that are cut off (their
+    gradient is dropped)."""
+    if query.shape[-1] == key.shape[-1] == value.shape[-1] == head_dim:
+        return query, key, value
+    return tuple(
+        F.pad(x, (0, head_dim - x.shape[-1])) if x.shape[-1] < head_dim else x for x in (query, key, value)
+    )
 
 
 def register_attention() -> None:

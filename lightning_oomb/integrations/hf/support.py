@@ -102,6 +102,8 @@ def _stateful_mixers(model: torch.nn.Module) -> tuple[list[str], list[str]]:
 
 # model types whose head multiplies its logits by ``logits_scaling`` (Granite's divide by it)
 _MULTIPLIED_LOGITS_SCALING = frozenset({"hyperclovax"})
+# divide the logits by logits_scaling as Granite does (MiniCPM3 divides the hidden states; its head has no bias)
+_DIVIDED_LOGITS_SCALING = frozenset({"minicpm3"})
 
 
 def _scales_logits(c) -> bool:
@@ -110,12 +112,12 @@ def _scales_logits(c) -> bool:
 
 def _logits_scaling_known(c) -> bool:
     kind = str(getattr(c, "model_type", ""))
-    return "granite" in kind or kind in _MULTIPLIED_LOGITS_SCALING
+    return "granite" in kind or kind in _MULTIPLIED_LOGITS_SCALING | _DIVIDED_LOGITS_SCALING
 
 
 def logit_transform(config) -> tuple[float, float | None]:
-    """``(scale, softcap)`` the model's head applies to its logits: Cohere's ``logit_scale``, Granite's
-    ``1 / logits_scaling`` (HyperCLOVAX: ``logits_scaling``), Falcon-H1's ``lm_head_multiplier``, Gemma's
+    """``(scale, softcap)`` the model's head applies to its logits: Cohere's ``logit_scale``, Granite's and
+    MiniCPM3's ``1 / logits_scaling`` (HyperCLOVAX: ``logits_scaling``), Falcon-H1's ``lm_head_multiplier``, Gemma's
     ``final_logit_softcapping``."""
     scale, softcap = 1.0, None
     for c in _configs(config):
@@ -146,10 +148,11 @@ def _plain_linear(module: torch.nn.Module) -> bool:
 
 
 def _per_layer_shapes(config) -> list[str]:
-    """Attention shape fields that differ between layers (transformers refuses to read them as one value)."""
+    """Attention shape fields that differ between layers (transformers refuses to read them as one value); a
+    per-layer ``head_dim`` is not one: narrower layers are zero-padded to the widest (``paged_head_dim``)."""
     differ = []
     for c in _configs(config):
-        for field in ("num_attention_heads", "num_key_value_heads", "head_dim"):
+        for field in ("num_attention_heads", "num_key_value_heads"):
             try:
                 getattr(c, field, None)
             except Exception:  # transformers' AmbiguousGlobalPerLayerAttributeError
