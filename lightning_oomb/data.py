@@ -9,7 +9,9 @@ Face packing convention: positions restart at every document), so a LightningMod
 from __future__ import annotations
 
 import abc
+import functools
 import glob
+import hashlib
 import itertools
 import json
 import math
@@ -212,7 +214,7 @@ class ResumableIteration(DataLoader, abc.ABC):
         """The sampler (or batch sampler) of the epoch's order: its ``epoch``, ``skip(n)`` of its next iteration."""
 
     @abc.abstractmethod
-    def _setting(self) -> dict[str, int | bool]:
+    def _setting(self) -> dict[str, int | bool | str]:
         """What a saved position means something under."""
 
     @abc.abstractmethod
@@ -341,6 +343,15 @@ class PackedRows(Dataset):
         self.rows = rows
         self.starts = starts
 
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """A digest of the rows (and document starts): what a resumed position was counted over (other files,
+        tokenizer or ``add_bos`` give other rows)."""
+        digest = hashlib.blake2b(self.rows.contiguous().numpy().tobytes(), digest_size=8)
+        if self.starts is not None:
+            digest.update(self.starts.contiguous().numpy().tobytes())
+        return digest.hexdigest()
+
     def __len__(self) -> int:
         return len(self.rows)
 
@@ -406,8 +417,8 @@ def data_replicas(datamodule: LightningDataModule) -> tuple[int, int]:
 class ResumableLoader(ResumableIteration):
     """A ``DataLoader`` over a :class:`RowSampler` that a checkpoint can stop and resume mid-epoch, at the next row
     (:class:`ResumableIteration`). The state is ``{"epoch", "rows", ...}`` and what that position means something
-    under: the row count, ``batch_size`` (Lightning counts the epoch's done batches), the data replicas and the
-    order's ``seed`` and ``shuffle``. Under data parallelism each replica draws its share of the rows
+    under: the row count and (for :class:`PackedRows`) a digest of the rows, ``batch_size`` (Lightning counts the
+    epoch's done batches), the data replicas and the order's ``seed`` and ``shuffle``. Under data parallelism each replica draws its share of the rows
     (:class:`RowSampler`: every row, the order padded to divide; ``rows``: the replica's, alike on every replica), a
     context group the same ones. (A position saved when the uneven tail was dropped still resumes right: each
     replica's rows before the padding are the same.)
@@ -432,10 +443,12 @@ class ResumableLoader(ResumableIteration):
     def _order(self) -> RowSampler:
         return self.sampler
 
-    def _setting(self) -> dict[str, int | bool]:
+    def _setting(self) -> dict[str, int | bool | str]:
         sampler = self.sampler
-        return {"num_rows": sampler.num_rows, "batch_size": self.batch_size, "num_replicas": sampler.num_replicas,
-                "seed": sampler.seed, "shuffle": sampler.shuffle}  # fmt: skip
+        setting = {"num_rows": sampler.num_rows, "batch_size": self.batch_size, "num_replicas": sampler.num_replicas,
+                   "seed": sampler.seed, "shuffle": sampler.shuffle}  # fmt: skip
+        fingerprint = getattr(self.dataset, "fingerprint", None)  # PackedRows'
+        return setting if fingerprint is None else {**setting, "data": fingerprint}
 
     def _handed_out(self, done: int) -> int:
         return min(done + self.batch_size, len(self.sampler))

@@ -521,7 +521,7 @@ def test_loader_state_counts_the_rows_handed_out(num_workers):
     # workers have prefetched more; only what left the loader counts
     state = interrupted.state_dict()
     assert state == {"epoch": 1, "rows": 4, "num_rows": 7, "batch_size": 2, "num_replicas": 1, "seed": 3,
-                     "shuffle": True}  # fmt: skip
+                     "shuffle": True, "data": rows.fingerprint}  # fmt: skip
     resumed = loader()
     resumed.load_state_dict(state)
     assert resumed.state_dict() == state and len(resumed) == 4  # a whole epoch's length, as Lightning expects
@@ -554,6 +554,22 @@ def test_a_resume_under_other_settings_is_refused(change):
         ResumableLoader(rows, **(settings | change)).load_state_dict(state)
     old = {k: v for k, v in state.items() if k in ("epoch", "rows", "num_rows")}  # a checkpoint of before
     ResumableLoader(rows, **(settings | change)).load_state_dict(old)
+
+
+def test_a_resume_over_other_rows_of_the_same_count_is_refused():
+    """Other files, tokenizer or ``add_bos`` (a BOS now added) can give as many rows of other tokens: the position
+    would fall in other data. The rows' digest is saved with it (a checkpoint of before, without one, resumes)."""
+    rows = PackedRows(torch.arange(160).view(16, 10), torch.zeros(16, 10, dtype=torch.bool))
+    saved = ResumableLoader(rows, batch_size=2)
+    next(iter(saved))
+    state = saved.state_dict()
+    same = PackedRows(rows.rows.clone(), rows.starts.clone())
+    ResumableLoader(same, batch_size=2).load_state_dict(state)
+    other = PackedRows(rows.rows.clone(), rows.starts.clone())
+    other.rows[3, 0] = 1  # one token differs
+    with pytest.raises(OOMBConfigError, match="other settings \\(data [0-9a-f]{16} -> [0-9a-f]{16}\\)"):
+        ResumableLoader(other, batch_size=2).load_state_dict(state)
+    ResumableLoader(other, batch_size=2).load_state_dict({k: v for k, v in state.items() if k != "data"})
 
 
 class BatchRecorder(L.Callback):
