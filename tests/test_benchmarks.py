@@ -262,3 +262,12 @@ def test_predictions_are_one_command(tmp_path):
     # the 32K peak against HF as measured (its gradients allocated) and as Lightning runs it (predicted)
     assert rows["hf_32k_peak_without_grads_gib"] < 77.0
     assert out.with_suffix(".md").read_text().count("\n| ") == 12  # the header and eleven rows of ten goals
+
+
+def test_model_coverage_smoke(tmp_path):
+    """A family refused only for its default attention dropout is checked again with it 0 (GPT-2: exact then)."""
+    out = tmp_path / "coverage.json"
+    text = run("benchmarks/model_coverage.py", "--families", "gpt2", "qwen2", "--out", str(out))
+    rows = {r["family"]: r["status"] for r in json.loads(out.read_text())["rows"]}
+    assert rows == {"gpt2": "exact with attention dropout 0", "qwen2": "exact"}
+    assert out.with_suffix(".md").exists() and "1 exact, 1 exact with attention dropout 0" in text
