@@ -393,6 +393,8 @@ def paged_head_dim(config: Any) -> int:
 
 
 def _shape_of_config(cfg: Any) -> ModelShape:
+    if getattr(cfg, "model_type", None) == "mamba2" or getattr(cfg, "num_attention_heads", None) is None:
+        return _shape_of_attention_free(cfg)
     heads = cfg.num_attention_heads
     head_dim = paged_head_dim(cfg)
     experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or 0
@@ -419,6 +421,23 @@ def _shape_of_config(cfg: Any) -> ModelShape:
         eager_experts=getattr(cfg, "_experts_implementation", None) == "eager",
         windows=_config_windows(cfg),
     )
+
+
+def _shape_of_attention_free(cfg: Any) -> ModelShape:
+    """A config without attention (pure Mamba2): no pages and no MLP, each layer a norm and a carried Mamba2 mixer
+    (from the config's ``num_heads``, ``head_dim``, ``state_size``, ``n_groups``, ``conv_kernel``, ``chunk_size``)."""
+    heads, head_dim, state = cfg.num_heads, cfg.head_dim, cfg.state_size
+    channels = heads * head_dim + 2 * cfg.n_groups * state  # the convolution's: x, B and C
+    mixer = Mixer("mamba2", channels=channels, kernel=cfg.conv_kernel, heads=heads, head_dim=head_dim, state=state,
+                  block=cfg.chunk_size, gated_norm=True)  # fmt: skip
+    layers = cfg.num_hidden_layers
+    return ModelShape(
+        num_layers=layers, hidden_size=cfg.hidden_size, intermediate_size=heads * head_dim, num_heads=1, kv_heads=1,
+        head_dim=16, vocab_size=cfg.vocab_size, num_embeddings=cfg.vocab_size,
+        tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)), qk_norm=False, qkv_bias=False,
+        family=getattr(cfg, "model_type", None) or "mamba2", kv_layers=0, mlp_layers=0, mixers=(mixer,) * layers,
+        conv_state_elements=layers * channels * cfg.conv_kernel, recurrent_state_elements=layers * heads * head_dim * state,
+    )  # fmt: skip
 
 
 def _mlp_width(cfg: Any) -> int:

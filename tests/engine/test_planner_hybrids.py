@@ -42,3 +42,27 @@ def test_a_hybrids_carried_mixers_are_planned(family, precision, checkpointing):
     assert len(predicted.model.mixers) == {"falcon_h1": 4, "qwen3_next": 3}.get(family, 2)
     if not checkpointing:  # (checkpointed layers save their inputs: tests/engine/test_planner.py)
         assert abs(predicted.device["activations"] / saved - 1) <= 0.10, (predicted.saved, saved)
+
+
+def test_a_pure_mamba2_config_is_planned_as_its_model():
+    """A config without attention (pure Mamba2, ``oomb plan --model-config``): no pages, no MLP, a carried Mamba2
+    mixer per layer — the states and the pool as the built model's adapter plans them (it crashed on the missing
+    ``num_attention_heads``). (Its step's peak is planned 4-8 % under a CPU step's at tiny sizes: the mixer rule's
+    transients were fitted on hybrids.)"""
+    import torch
+    import transformers as tf
+
+    from lightning_oomb.engine import OOMBConfig
+    from lightning_oomb.engine.planner import Machine, plan
+    from lightning_oomb.integrations.hf import HFChunkModel
+
+    config = tf.Mamba2Config(hidden_size=32, num_hidden_layers=3, vocab_size=64, num_heads=4, head_dim=16,
+                             state_size=8, n_groups=1, chunk_size=8)  # fmt: skip
+    machine = Machine("cpu", 1 << 40, 1 << 40)
+    with torch.device("meta"):
+        model = tf.Mamba2ForCausalLM(config)
+    from_config, from_model = (plan(source, 256, 2, OOMBConfig(64, 16), "32-true", None, machine)
+                               for source in (config, HFChunkModel(model)))  # fmt: skip
+    assert from_config.pool.num_layers == from_model.pool.num_layers == 0
+    assert from_config.device["carried_states"] == from_model.device["carried_states"] > 0
+    assert from_config.model.mlps == 0 and len(from_config.model.mixers) == 3

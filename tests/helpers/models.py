@@ -253,6 +253,8 @@ HYBRIDS = {  # model_type -> the tiny config's fields (every layer kind of the f
                        expand=2, chunk_size=8, layers_block_type=["mamba", "attention", "mamba", "moe"],
                        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                        moe_shared_expert_intermediate_size=16, n_group=1, topk_group=1),
+    "mamba2": dict(num_heads=4, head_dim=16, state_size=8, conv_kernel=4, expand=2, n_groups=1, chunk_size=8,
+                   residual_in_fp32=False),  # float64 residuals (the default keeps them in float32)
 }  # fmt: skip
 
 

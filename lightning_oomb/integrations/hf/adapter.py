@@ -192,9 +192,15 @@ class HFChunkModel:
         config = model.config.get_text_config(decoder=True)  # a multimodal wrapper's decoder (Gemma 3)
         layers = getattr(decoder_of(model), "layers", None)  # Blenderbot's config counts its encoder's
         self.num_layers = config.num_hidden_layers if layers is None else len(layers)
-        heads = config.num_attention_heads
-        self.kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        self.head_dim = paged_head_dim(config)
+        self._mixers = carried_mixers(model)
+        self._routed = _attention_modules(model)  # each finds the running chunk in RUNNING
+        if (
+            self._mixers and not self._routed
+        ):  # no attention at all (pure Mamba2): carried states, an empty pool
+            self.kv_heads, self.head_dim = 1, 16
+        else:
+            self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+            self.head_dim = paged_head_dim(config)
         self.layer_checkpointing = layer_checkpointing
         self.mlp_tile: int | None = None  # OOMBConfig.mlp_tile, set by the engine
         self._mlps = dense_mlps(model)
@@ -203,9 +209,7 @@ class HFChunkModel:
         self._balances_experts = bool(getattr(config, "output_router_logits", False))
         # a hybrid: its recurrent / convolution layers' states are carried across chunks, and only its attention
         # layers have pages (each gets its rank among them as its pool layer)
-        self._mixers = carried_mixers(model)
         self.carries_states = bool(self._mixers)
-        self._routed = _attention_modules(model)  # each finds the running chunk in RUNNING
         self._attention = self._routed if self.carries_states else []
         if self.carries_states:
             self.num_layers = len(self._attention)

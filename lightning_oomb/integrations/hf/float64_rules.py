@@ -56,10 +56,17 @@ def float64_ssd_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=Non
     return (y, state) if return_final_states else y
 
 
+def declined_fused_scan(*args, **kwargs) -> None:
+    """Pure Mamba2's fused training shortcut (``mamba2_split_conv1d_scan_combined``) declined: the mixer then takes
+    its torch path, whose scan is :func:`float64_ssd_scan`."""
+    return None
+
+
 FLOAT64_RULES = {  # transformers' module-level function -> its float64 version
     "torch_chunk_gated_delta_rule": float64_delta_rule,
     "torch_recurrent_gated_delta_rule": float64_delta_rule,
     "mamba2_chunk_scan": float64_ssd_scan,
+    "mamba2_split_conv1d_scan_combined": declined_fused_scan,
 }
 
 

@@ -40,6 +40,7 @@ CARRIED_MIXERS = frozenset({
     "BambaMixer",  # Bamba: Mamba2
     "NemotronHMamba2Mixer",  # Nemotron-H: Mamba2
     "GraniteMoeHybridMambaLayer",  # Granite 4 hybrids: Mamba2
+    "Mamba2Mixer",  # Mamba2 (pure): no attention layer
 })  # fmt: skip
 
 

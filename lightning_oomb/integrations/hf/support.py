@@ -351,6 +351,10 @@ def _tiny(d: dict) -> None:
             d[field] = min(d[field], value)
         elif isinstance(d.get(field), list) and all(isinstance(v, int) for v in d[field]):  # one per layer
             d[field] = [min(v, value) for v in d[field]]
+    if d.get("model_type") == "mamba2":  # pure Mamba2: its heads span expand x hidden
+        d.update(num_heads=4, head_dim=16, n_groups=1, state_size=8, hidden_size=4 * 16 // d.get("expand", 2))
+    if d.get("residual_in_fp32"):  # (Mamba's) the twin's residual stream in its own float64
+        d["residual_in_fp32"] = False
     if isinstance(d.get("qk_nope_head_dim"), int) and isinstance(d.get("qk_rope_head_dim"), int):  # MLA
         d["qk_head_dim"] = d["qk_nope_head_dim"] + d["qk_rope_head_dim"]
         if rope_head:  # DeepSeek's head_dim names the rotated share (its RoPE's size)
