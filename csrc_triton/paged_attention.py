@@ -119,20 +119,43 @@ def _interpreting() -> bool:
 # say: tuning (OOMB_TRITON_AUTOTUNE=1) tries both at every tile (SM90_VARIANTS).
 SM90_DEFAULTS = {"forward": (128, 64, 8, 3), "dkdv": (16, 128, 8, 2), "dq": (128, 64, 8, 3)}
 SM90_VARIANTS = {"dkdv": ({"SPLIT": False}, {"SPLIT": True})}  # constexprs per tile; the default's first
+# Wider heads (Gemma 2/3's 256; Gemma 4's 512, DeepSeek's latent attention padded to 256) at the head-dim-128 tiles
+# spill (dK/dV 2.9 KB at 256, 7-12 KB everywhere at 512) and the dQ tile needs 262 KB of shared memory at 256 (sm_90
+# has 227 KB per block). These tiles compile for sm_90 without spills at every flag on Triton 3.9, within the shared
+# memory (benchmarks/results/kernel-compile-sm90-wide.md; on 3.6 the sparse forward at 256 spills 20 bytes): 32
+# query rows on 8 warps (mma.sync laid along the keys; 128-row wgmma tiles at 256 spill 48-256 bytes with offload's
+# CARRY / ACCUMULATE), 32 or 16 keys per dK/dV step. Whether a spilling wgmma tile is faster is for a GPU to say
+# (OOMB_TRITON_AUTOTUNE=1 tries the space).
+SM90_WIDE_DEFAULTS = {
+    256: {"forward": (32, 64, 8, 3), "dkdv": (16, 32, 8, 2), "dq": (32, 64, 8, 2)},
+    512: {"forward": (32, 32, 8, 2), "dkdv": (16, 16, 8, 2), "dq": (32, 32, 8, 2)},
+}
+
+
+def shipped_tile(kernel: str, head_dim: int) -> tuple[int, int, int, int]:
+    """The default ``(BLOCK_M, BLOCK_N, warps, stages)`` of ``kernel`` at ``head_dim``: :data:`SM90_DEFAULTS` up to
+    128, :data:`SM90_WIDE_DEFAULTS` for wider heads (the next width up)."""
+    if head_dim <= 128:
+        return SM90_DEFAULTS[kernel]
+    width = next((w for w in sorted(SM90_WIDE_DEFAULTS) if head_dim <= w), max(SM90_WIDE_DEFAULTS))
+    return SM90_WIDE_DEFAULTS[width][kernel]
 
 
 def _configs(kernel: str, tiles: list[tuple[int, int]], stages: tuple[int, ...]):
     """Tuning space: the kernel's default (:data:`SM90_DEFAULTS`) first, then ``tiles`` x warps x ``stages``, each
     tile in every variant of :data:`SM90_VARIANTS` (the default's first)."""
-    default, variants = SM90_DEFAULTS[kernel], SM90_VARIANTS.get(kernel, ({},))
     if _interpreting():
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, **variants[0]}, num_warps=1, num_stages=1)]
-    space = [default] + [(m, n, w, st) for m, n in tiles for w in (4, 8) for st in stages]
-    return [
-        triton.Config({"BLOCK_M": m, "BLOCK_N": n, **variant}, num_warps=w, num_stages=st)
-        for m, n, w, st in dict.fromkeys(space)
-        for variant in variants
-    ]
+        variant = SM90_VARIANTS.get(kernel, ({},))[0]
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, **variant}, num_warps=1, num_stages=1)]
+    space = [SM90_DEFAULTS[kernel]] + [(m, n, w, st) for m, n in tiles for w in (4, 8) for st in stages]
+    return [config for tile in dict.fromkeys(space) for config in _tile_configs(kernel, tile)]
+
+
+def _tile_configs(kernel: str, tile: tuple[int, int, int, int]) -> list[triton.Config]:
+    """``tile`` in every variant of :data:`SM90_VARIANTS` (the default's first)."""
+    m, n, w, st = tile
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, **variant}, num_warps=w, num_stages=st)
+            for variant in SM90_VARIANTS.get(kernel, ({},))]  # fmt: skip
 
 
 def _autotune() -> bool:
@@ -155,7 +178,7 @@ def _fitted(c: triton.Config, mma_rows: str, page: int, sparse: bool) -> triton.
     return triton.Config(kw, num_warps=warps, num_stages=c.num_stages)
 
 
-def _pruner(mma_rows: str, factor: int, max_regs: int = 64, head: int = 1):
+def _pruner(mma_rows: str, factor: int, max_regs: int = 64, head: int = 1, kernel: str | None = None):
     """``early_config_prune`` for a kernel whose MMAs have ``mma_rows`` rows and whose fp32 accumulators hold
     ``factor * <mma_rows>`` rows of ``HEAD_DIM``: every config fitted to the call (:func:`_fitted`; duplicates
     dropped), and of the rest those needing at most ``max_regs`` accumulator registers per thread. The limits are
@@ -164,9 +187,12 @@ def _pruner(mma_rows: str, factor: int, max_regs: int = 64, head: int = 1):
     queries per step they do not spill). The default (first) always stays. With tuning off (the default,
     :func:`_autotune`) only the default is kept; with ``OOMB_TRITON_TUNE_CONFIGS=N`` at most N, the first ``head``
     (the default tile in each of its variants) among them (:func:`_spread`). ``prune.space(configs, **key)``: the
-    whole space."""
+    whole space. ``kernel`` (``"forward"``, ``"dkdv"``, ``"dq"``): a head dim above 128 takes that kernel's wide
+    default (:func:`shipped_tile`) in place of the default tile."""
 
     def space(configs: list[triton.Config], **kwargs) -> list[triton.Config]:
+        if kernel and kwargs["HEAD_DIM"] > 128 and not _interpreting():  # a wide head's own default first
+            configs = _tile_configs(kernel, shipped_tile(kernel, kwargs["HEAD_DIM"])) + configs[head:]
         kept = {}
         for i, c in enumerate(configs):
             f = _fitted(c, mma_rows, kwargs["PAGE"], kwargs.get("SPARSE", False))
@@ -513,7 +539,9 @@ def _fwd_walk(
 @triton.autotune(
     configs=_configs("forward", [(64, 64), (64, 128), (128, 64), (128, 128)], stages=(2, 3)),
     key=["HEAD_DIM", "PAGE", "SPARSE"],
-    prune_configs_by={"early_config_prune": _pruner("BLOCK_M", 1)},  # acc [BLOCK_M, HEAD_DIM]
+    prune_configs_by={
+        "early_config_prune": _pruner("BLOCK_M", 1, kernel="forward")
+    },  # acc [BLOCK_M, HEAD_DIM]
     pre_hook=_restore_state.pre,
     post_hook=_restore_state.post,
 )
@@ -660,7 +688,7 @@ def _bwd_dkdv_walk(
     configs=_configs("dkdv", [(16, 128), (32, 64), (32, 128)], stages=(2, 3)),  # 64 queries or 4 stages spill
     key=["HEAD_DIM", "PAGE", "SPARSE"],
     # dk, dv [BLOCK_N, HEAD_DIM]; a capped search tries the default tile with both loops
-    prune_configs_by={"early_config_prune": _pruner("BLOCK_N", 2, 128, len(SM90_VARIANTS["dkdv"]))},
+    prune_configs_by={"early_config_prune": _pruner("BLOCK_N", 2, 128, len(SM90_VARIANTS["dkdv"]), "dkdv")},
     pre_hook=_restore_grad_pages.pre,
     post_hook=_restore_grad_pages.post,
 )
@@ -799,7 +827,7 @@ def _bwd_dq_walk(
 @triton.autotune(
     configs=_configs("dq", [(64, 32), (64, 64), (128, 32), (128, 64)], stages=(2, 3)),
     key=["HEAD_DIM", "PAGE", "SPARSE"],
-    prune_configs_by={"early_config_prune": _pruner("BLOCK_M", 1)},  # dq [BLOCK_M, HEAD_DIM]
+    prune_configs_by={"early_config_prune": _pruner("BLOCK_M", 1, kernel="dq")},  # dq [BLOCK_M, HEAD_DIM]
     pre_hook=_restore_dq.pre,
     post_hook=_restore_dq.post,
 )

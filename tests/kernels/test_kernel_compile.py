@@ -1,5 +1,5 @@
 """The shipped default tiles compiled offline for sm_90 (Triton's bundled ptxas, no GPU): no spills (on Triton 3.9
-and on the GPU machine's 3.6), no MMA rows computed twice. Runs ``benchmarks/kernel_compile.py --quick`` in a subprocess (the suite's process interprets the
+and on the GPU machine's 3.6), no MMA rows computed twice, within sm_90's shared memory. Runs ``benchmarks/kernel_compile.py --quick`` in a subprocess (the suite's process interprets the
 kernels)."""
 
 from __future__ import annotations
@@ -37,3 +37,19 @@ def test_default_tiles_compile_for_sm90_without_spills(tmp_path):
     for v in variants:
         assert v["spill_store_bytes"] == 0 and v["spill_load_bytes"] == 0, v
         assert v["mma_rows"] <= v["tile_rows"], v
+        assert v["shared_bytes"] <= SM90_SHARED_BYTES, v
+
+
+SM90_SHARED_BYTES = 227 * 1024  # per block on H100 / H200
+
+
+def test_wide_heads_get_their_own_default_tiles():
+    """Head dims above 128 spill (or overflow shared memory) at the 128 tiles: each width gets the tiles compiled
+    clean for it (benchmarks/results/kernel-compile-sm90-wide.md), a width between two the wider one's."""
+    from csrc_triton.paged_attention import SM90_DEFAULTS, SM90_WIDE_DEFAULTS, shipped_tile
+
+    for kernel in SM90_DEFAULTS:
+        assert shipped_tile(kernel, 96) == shipped_tile(kernel, 128) == SM90_DEFAULTS[kernel]
+        assert shipped_tile(kernel, 192) == shipped_tile(kernel, 256) == SM90_WIDE_DEFAULTS[256][kernel]
+        assert shipped_tile(kernel, 512) == shipped_tile(kernel, 1024) == SM90_WIDE_DEFAULTS[512][kernel]
+    assert all(tiles["forward"][0] < SM90_DEFAULTS["forward"][0] for tiles in SM90_WIDE_DEFAULTS.values())
