@@ -771,9 +771,8 @@ def saved_bytes(
     else:
         tiled = mlp_tiled(shape, mlp_tile, min(chunk_size, seq_len))
         attn, mlp = _layer_bytes_per_token(shape, dtypes, streamed=False, tiled=tiled)
-        streamed = (
-            2 * dtypes.kv.itemsize * shape.kv_heads * shape.head_dim
-        )  # a host-tier layer: its K and V too
+        # a host-tier layer saves its chunk's K and V too
+        streamed = 2 * dtypes.kv.itemsize * shape.kv_heads * shape.head_dim
         # a hybrid's layers without attention: their input norm and carried mixer (mixer_bytes); a ChunkModel's
         # other layers without attention are its MLP-only blocks
         mixer_layers = min(shape.num_layers - shape.paged_layers, len(shape.mixers))

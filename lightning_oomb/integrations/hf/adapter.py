@@ -194,9 +194,8 @@ class HFChunkModel:
         self.num_layers = config.num_hidden_layers if layers is None else len(layers)
         self._mixers = carried_mixers(model)
         self._routed = _attention_modules(model)  # each finds the running chunk in RUNNING
-        if (
-            self._mixers and not self._routed
-        ):  # no attention at all (pure Mamba2): carried states, an empty pool
+        # no attention at all (pure Mamba2): carried states only, an empty pool
+        if self._mixers and not self._routed:
             self.kv_heads, self.head_dim = 1, 16
         else:
             self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
