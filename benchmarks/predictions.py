@@ -2,7 +2,8 @@
 :func:`lightning_oomb.plan`, time by its step model (:mod:`lightning_oomb.engine.step_time`) at nominal rates.
 
 Qwen2.5-7B's shape, bf16-true, one row, no optimizer state (as the benchmarks step) unless a row says AdamW; chunks
-of 4096, pages of 128, layer checkpointing. The machine: 139.8 GiB of GPU memory, 120 GiB of host memory for the
+of 4096, pages of 128, layer checkpointing, unless a row says "strategy defaults" (``kv_grad_dtype``,
+``layer_checkpointing`` and ``reuse_attention`` decided by the plan, as ``OOMBStrategy()`` decides them). The machine: 139.8 GiB of GPU memory, 120 GiB of host memory for the
 step. Rates (assumed): 500 TFLOP/s for matmuls, 300 TFLOP/s for attention, 25 GB/s host-device copies; "scaled"
 multiplies a time by HF's step measured on an H200 at 32K (5.16 s) over its predicted time at those rates — a
 correction of the assumed rates by the one measurement there is. Every number here is a prediction.
@@ -20,6 +21,7 @@ from pathlib import Path
 from benchmarks.common import GIB, write_json
 from lightning_oomb import plan
 from lightning_oomb.engine import OOMBConfig
+from lightning_oomb.engine.config import STRATEGY_DEFAULTS
 from lightning_oomb.engine.planner import Machine, model_shape, parked_bytes, precision_dtypes
 from lightning_oomb.engine.step_time import StepRates, copy_bytes, step_flops, step_time
 from lightning_oomb.models import qwen2_5_7b_config
@@ -31,6 +33,7 @@ K = 1024
 BASE = OOMBConfig(4096, 128, layer_checkpointing=True)
 OFFLOADED = dataclasses.replace(BASE, offload=True, hbm_budget=0)  # every layer's pages in host memory
 AUTO = dataclasses.replace(BASE, offload=True)  # hbm_budget="auto": as many layers on the GPU as fit
+DEFAULTS = OOMBConfig(4096, 128, **STRATEGY_DEFAULTS)  # the strategies' defaults, decided by the plan
 
 
 def planned(tokens: int, config: OOMBConfig, optimizer: str | None = None):
@@ -64,7 +67,8 @@ def predictions() -> dict:
     rows = {"scale": scale}
     rows["32k_time_vs_hf"] = {name: seconds(32 * K, config) / hf for name, config in (
         ("checkpointing", BASE), ("reuse_attention", dataclasses.replace(BASE, reuse_attention=True)),
-        ("no_checkpointing", dataclasses.replace(BASE, layer_checkpointing=False)))}  # fmt: skip
+        ("no_checkpointing", dataclasses.replace(BASE, layer_checkpointing=False)),
+        ("strategy_defaults", planned(32 * K, DEFAULTS).config))}  # fmt: skip
     sums = ("auto", "float32", "float32-host", "native")  # auto: the default, as the strategies decide it
     at_32k = {g: planned(32 * K, dataclasses.replace(BASE, grad_accumulation=g)) for g in sums}
     rows["32k_peak_gib"] = {label(g, p): p.peak_device / GIB for g, p in at_32k.items()}
@@ -92,24 +96,29 @@ def predictions() -> dict:
     rows["128k_offload"] = {"copies_s_per_layer": one_layer,
                             "parking_s_per_layer": 2 * chunks * parked / shape.num_layers / RATES.copy_bytes,
                             "attention_s_per_layer": attention / RATES.attention_flops / shape.num_layers}  # fmt: skip
-    dense = {"plain": BASE, "reuse_attention": dataclasses.replace(BASE, reuse_attention=True)}
+    dense = {"plain": BASE, "reuse_attention": dataclasses.replace(BASE, reuse_attention=True),
+             "strategy defaults": planned(256 * K, DEFAULTS).config}  # fmt: skip
     rows["256k_tokens_per_s"] = {n: 256 * K / seconds(256 * K, c) for n, c in dense.items()}
+    rows["256k_defaults_decided"] = {k: getattr(dense["strategy defaults"], k) for k in STRATEGY_DEFAULTS}
     rows["256k_reuse_host_gib"] = (
         planned(256 * K, dense["reuse_attention"]).host_parts["reused_attention"] / GIB
     )
     million = {}
     for name, config in (("plain", AUTO), ("reuse auto", dataclasses.replace(AUTO, reuse_attention="auto")),
                          ("reuse auto, bf16 gradient pages", dataclasses.replace(
-                             AUTO, reuse_attention="auto", kv_grad_dtype="bfloat16"))):  # fmt: skip
+                             AUTO, reuse_attention="auto", kv_grad_dtype="bfloat16")),
+                         ("strategy defaults", dataclasses.replace(DEFAULTS, offload=True))):  # fmt: skip
         p = planned(K * K, config)
         million[name] = {"seconds": seconds(K * K, p.config), "kept_chunks": p.config.reused_chunks(256),
+                         "kv_grad_dtype": p.config.kv_grad_dtype, "layer_checkpointing": p.config.layer_checkpointing,
                          "hbm_layers": p.hbm_layers, "host_layers": p.host_layers, "fits": p.fits}  # fmt: skip
     rows["1m_step"] = million
     sparse = dataclasses.replace(BASE, page_budget=64)
     rows["256k_sparse_tokens_per_s"] = 256 * K / seconds(256 * K, sparse)
     rows["longest_tokens"] = {f"{g}, {pages} gradient pages": longest(dataclasses.replace(
         AUTO, kv_grad_dtype=pages, grad_accumulation=g)) for g in ("float32", "float32-host")
-        for pages in ("float32", "bfloat16")}  # fmt: skip
+        for pages in ("float32", "bfloat16")} | {"float32, auto gradient pages (the default)": longest(
+        dataclasses.replace(AUTO, kv_grad_dtype="auto", grad_accumulation="float32"))}  # fmt: skip
     for optimizer in (None, "adamw"):
         p = planned(K * K, AUTO, optimizer)
         rows[f"1m_fits_{optimizer or 'no_optimizer'}"] = {
@@ -139,7 +148,8 @@ def table(rows: dict) -> list[str]:
         "| goal | target | predicted |",
         "|---|---|---|",
         f"| 32K step time vs HF | <= 1.2x | {t['checkpointing']:.2f}x with checkpointing, {t['reuse_attention']:.2f}x "
-        f"with reuse_attention, {t['no_checkpointing']:.2f}x without checkpointing |",
+        f"with reuse_attention, {t['no_checkpointing']:.2f}x without checkpointing, {t['strategy_defaults']:.2f}x "
+        "with the strategy defaults |",
         "| 32K peak vs HF's 77.0 GiB (its gradients allocated before the step) | <= 50 % | "
         + ", ".join(f"{g} {rows['32k_peak_gib'][g]:.1f} GiB ({100 * v:.0f} %)" for g, v in p32.items())
         + " |",
@@ -156,7 +166,9 @@ def table(rows: dict) -> list[str]:
         "(overlapped) |",
         "| dense throughput at 256K | >= 1,500 tokens/s | "
         + ", ".join(f"{n} {v:,.0f} ({v / s:,.0f} scaled)" for n, v in tps.items())
-        + f"; reuse keeps {rows['256k_reuse_host_gib']:.1f} GiB in host memory |",
+        + f"; reuse keeps {rows['256k_reuse_host_gib']:.1f} GiB in host memory; the strategy defaults decide "
+        + ", ".join(f"{k}={v!r}" for k, v in rows["256k_defaults_decided"].items())
+        + " |",
         f"| dense 1M-token step | <= 2,500 s | {million} |",
         f"| sparse (4K + 64 pages) at 256K | >= 4,000 tokens/s | {rows['256k_sparse_tokens_per_s']:,.0f} "
         f"({rows['256k_sparse_tokens_per_s'] / s:,.0f} scaled) |",

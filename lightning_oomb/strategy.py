@@ -101,7 +101,8 @@ class _OOMBStrategyMixin:
         project's datamodules have both; a warm-up of another shape, declared in ``step_sizes``, is planned under
         the main steps' decisions and must fit too); without a ``seq_len`` no plan is made here, and the pool's own check at
         the first step still guards the KV pool. ``OOMBStrategy(plan_memory=False)`` skips it. The same plan decides
-        ``layer_checkpointing="auto"`` (without a ``seq_len`` it stays on) and, under offload on a GPU,
+        ``layer_checkpointing="auto"`` (without a ``seq_len`` it stays on), ``kv_grad_dtype="auto"`` (without a
+        ``seq_len``: float32) and, under offload on a GPU,
         ``hbm_budget="auto"`` with the optimizer states counted (:func:`~lightning_oomb.engine.planner.decide_auto`;
         without a ``seq_len`` the pool decides at the first step from the free memory), ``reuse_attention="auto"``
         (without a ``seq_len``: no chunk's results are kept) and ``grad_accumulation="auto"`` (without a plan: each
@@ -115,6 +116,7 @@ class _OOMBStrategyMixin:
             config.layer_checkpointing == "auto"
             or (config.offload and config.hbm_budget == "auto")
             or config.reuse_attention == "auto"
+            or config.kv_grad_dtype == "auto"
         )
         if not (self._plan_memory or auto) or trainer.state.fn != "fit" or not sizes:
             return
@@ -243,8 +245,8 @@ class OOMBStrategy(_OOMBStrategyMixin, SingleDeviceStrategy):
         self,
         chunk_size: int = 4096,
         page_size: int = 128,
-        kv_grad_dtype: str = "float32",
-        layer_checkpointing: bool | str = False,
+        kv_grad_dtype: str = "auto",
+        layer_checkpointing: bool | str = "auto",
         attention_backend: str = "auto",
         loss_block: int = 1024,
         offload: bool = False,
@@ -255,7 +257,7 @@ class OOMBStrategy(_OOMBStrategyMixin, SingleDeviceStrategy):
         page_score: str = "bound",
         grad_accumulation: str = "auto",
         mlp_tile: int | None = None,
-        reuse_attention: bool | int | str = False,
+        reuse_attention: bool | int | str = "auto",
         target_module: str | None = None,
         verify_exactness: bool = True,
         plan_memory: bool = True,

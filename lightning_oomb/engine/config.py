@@ -15,24 +15,34 @@ from lightning_oomb.engine.sparse import check_budget, check_page_score
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
 GRAD_ACCUMULATIONS = ("auto", "float32", "float32-host", "native")
+# the strategies' defaults where they differ from the engine's: decided by their memory plan at setup
+STRATEGY_DEFAULTS = {"kv_grad_dtype": "auto", "layer_checkpointing": "auto", "reuse_attention": "auto"}
 
 
 @dataclass(frozen=True)
 class OOMBConfig:
-    """Options of the OOMB engine.
+    """Options of the OOMB engine. The strategies, which plan each run's memory at setup, default
+    ``kv_grad_dtype``, ``layer_checkpointing`` and ``reuse_attention`` to ``"auto"`` (the fastest choice that fits,
+    decided by the plan and logged); the engine alone, with no plan, defaults them to fixed choices.
 
     Args:
         chunk_size: tokens processed together (``C``); activation memory scales with it, not with the sequence
             length. A multiple of ``page_size``.
         page_size: tokens per KV page (``P``, the kernel tile; the Triton kernels take powers of two >= 16).
-        kv_grad_dtype: ``"float32"`` (default) or ``"bfloat16"`` gradient pages: half the memory, more rounding;
-            never narrower than the K/V dtype (with float32 K/V the pages stay float32).
+        kv_grad_dtype: ``"float32"`` (the engine's default) or ``"bfloat16"`` gradient pages: half the memory,
+            more rounding (measured 0.96-1.05x plain bf16 training's gradient error at 1-1024 chunks,
+            ``benchmarks/bf16_grad_fidelity.py``); never narrower than the K/V dtype (with float32 K/V the pages stay
+            float32). ``"auto"`` (the strategies' default): their memory plan at setup takes ``"float32"`` when the
+            step fits with it, else ``"bfloat16"``; undecided (no ``seq_len`` to plan for, a bare engine):
+            ``"float32"``.
         layer_checkpointing: also checkpoint each decoder layer inside a chunk's recompute: a chunk's activations
             shrink to each layer's input (plus its attention output, kept so the attention is not recomputed), at
-            the price of one more pass through each layer's other parts. ``"auto"``: on when the memory plan
-            (:func:`lightning_oomb.plan`) says the step would not fit without it, off otherwise (the strategies
-            decide at setup from the datamodule's ``seq_len``; without one, on). ``True`` turns the model's
-            checkpointing on (e.g. ``HFChunkModel.layer_checkpointing``) when the engine is made.
+            the price of one more pass through each layer's other parts. ``"auto"`` (the strategies' default): on
+            when the memory plan (:func:`lightning_oomb.plan`) says the step would not fit without it, off
+            otherwise (the strategies decide at setup from the datamodule's ``seq_len``; without one, on).
+            ``True`` turns the model's checkpointing on (e.g. ``HFChunkModel.layer_checkpointing``) when the engine
+            is made; ``False`` (the engine's default) leaves the model's own choice, as does an undecided
+            ``"auto"`` in a bare engine.
         attention_backend: ``"auto"`` (Triton on CUDA, ``"cpu"`` on CPU, the torch reference elsewhere; the
             environment variable ``OOMB_ATTENTION_BACKEND`` overrides ``auto``), ``"torch"`` (the plain-torch
             reference, the oracle: any device, slow), ``"cpu"`` (CPU only: torch's fused CPU flash attention where
@@ -102,9 +112,9 @@ class OOMBConfig:
             takes them instead of attending again: attention runs once forward and once backward per step (HF
             with checkpointing: twice forward). ``True``: every chunk; an int ``k``: the last ``k`` chunks of a
             step (those that attend to the most keys: the last fifth of the chunks carry over a third of the
-            attention); ``"auto"``: the strategies' memory plan at setup keeps the most last chunks whose results
-            fit the memory the rest of the step leaves (none while undecided: without a ``seq_len`` to plan for, or
-            a bare engine); ``False`` (default): recompute. Exact (the same result); the memory plan counts the
+            attention); ``"auto"`` (the strategies' default): their memory plan at setup keeps the most last chunks
+            whose results fit in half the memory the rest of the step leaves (none while undecided: without a
+            ``seq_len`` to plan for, or a bare engine); ``False`` (the engine's default): recompute. Exact (the same result); the memory plan counts the
             host bytes. Under ``oomb_cp`` each rank keeps its slices' results (no rank attends in the recompute).
     """
 
@@ -134,9 +144,9 @@ class OOMBConfig:
                 f"chunk_size={self.chunk_size} is not a multiple of page_size={self.page_size} — chunks must start "
                 f"on page boundaries — use e.g. chunk_size={max(1, self.chunk_size // self.page_size) * self.page_size}."
             )
-        if self.kv_grad_dtype not in GRAD_DTYPES:
+        if self.kv_grad_dtype not in (*GRAD_DTYPES, "auto"):
             raise OOMBConfigError(
-                f"kv_grad_dtype={self.kv_grad_dtype!r} is not supported — use one of {sorted(GRAD_DTYPES)}."
+                f"kv_grad_dtype={self.kv_grad_dtype!r} is not supported — use one of {[*sorted(GRAD_DTYPES), 'auto']}."
             )
         check_backend_name(self.attention_backend)
         if not isinstance(self.offload, bool):

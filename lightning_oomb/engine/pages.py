@@ -46,7 +46,9 @@ Part = Literal["kv", "grad"]  # the K and V pages, or the dK and dV pages
 
 
 def resolve_grad_dtype(name: str, kv_dtype: torch.dtype) -> torch.dtype:
-    """The gradient-page dtype for option ``name``, never narrower than the K/V dtype."""
+    """The gradient-page dtype for option ``name`` (``"auto"`` not yet decided: float32), never narrower than the
+    K/V dtype."""
+    name = "float32" if name == "auto" else name
     if name not in GRAD_DTYPES:
         raise OOMBConfigError(
             f"kv_grad_dtype={name!r} is not supported — gradient pages are accumulated in place — "

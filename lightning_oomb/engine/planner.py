@@ -1286,49 +1286,91 @@ def plan(
 
 
 def decide_auto(inputs, config: OOMBConfig, batch: int, seq_len: int, devices: int = 1) -> OOMBConfig:
-    """The ``"auto"`` options decided as the strategies decide them at setup: ``layer_checkpointing`` off when the
-    step fits without it; under offload on a CUDA device, ``hbm_budget`` = the device bytes the rest of the step
-    leaves (every term of its plan with no HBM-tier layer, less ``PLANNED_HEADROOM`` of the device) — unlike the
-    engine's own ``"auto"``, which sees only what is allocated at the first step (not yet the optimizer states);
-    ``grad_accumulation`` before it: ``"float32-host"`` for one window of chunks without gradient accumulation (then
-    free), else ``"float32"`` when the step fits with it, else ``"float32-host"`` on a GPU when that fits; then
-    ``reuse_attention`` = the most last chunks whose kept results still let the step fit (``False``: none)."""
-    if config.layer_checkpointing == "auto":
-        off = _budgeted(
+    """The ``"auto"`` options decided as the strategies decide them at setup: the faster choice where it fits with
+    ``PLANNED_HEADROOM`` of a GPU to spare (:func:`_roomy`), else the leaner one:
+
+    - ``kv_grad_dtype``: ``"float32"`` when the step (its other options decided for it) fits, else ``"bfloat16"``
+      (16-bit K/V only) — exact sums are given up last;
+    - ``layer_checkpointing``: off when the step (its other options decided for it: e.g. ``"float32-host"`` sums
+      rather than one more pass through every layer) fits, else on;
+    - ``grad_accumulation``: ``"float32-host"`` for one window of chunks without gradient accumulation (then
+      free), else ``"float32"`` when the step fits with it, else ``"float32-host"`` on a GPU when that fits;
+    - ``hbm_budget`` (under offload on a CUDA device): the device bytes the rest of the step leaves (every term of
+      its plan with no HBM-tier layer, less ``PLANNED_HEADROOM`` of the device) — unlike the engine's own
+      ``"auto"``, which sees only what is allocated at the first step (not yet the optimizer states);
+    - ``reuse_attention``: the most last chunks whose kept results still let the step fit and take at most half
+      the memory the step leaves them (the rest stays free for the data loader, checkpoint saving, other
+      processes; ``False``: none).
+    """
+    if config.kv_grad_dtype == "auto":
+        wide = decide_auto(
+            inputs, dataclasses.replace(config, kv_grad_dtype="float32"), batch, seq_len, devices
+        )
+        if inputs.dtypes.kv.itemsize >= 4 or _roomy(_plan(inputs, wide, batch, seq_len, devices)):
+            return wide
+        return decide_auto(
+            inputs, dataclasses.replace(config, kv_grad_dtype="bfloat16"), batch, seq_len, devices
+        )
+    if config.layer_checkpointing == "auto":  # off, with the other options decided for it, if that fits
+        off = decide_auto(
             inputs, dataclasses.replace(config, layer_checkpointing=False), batch, seq_len, devices
         )
-        fits = _plan(inputs, off, batch, seq_len, devices).fits
-        config = off if fits else dataclasses.replace(config, layer_checkpointing=True)
+        if _roomy(_plan(inputs, off, batch, seq_len, devices)):
+            return off
+        config = dataclasses.replace(config, layer_checkpointing=True)
     if config.grad_accumulation == "auto" and any(_half_elements(inputs)):  # else nothing to sum: left "auto"
         config = dataclasses.replace(
             config, grad_accumulation=_summing(inputs, config, batch, seq_len, devices)
         )
     config = _budgeted(inputs, config, batch, seq_len, devices)
     if config.reuse_attention == "auto":
-        # bisect the kept chunks (more of them, more memory)
+        # bisect the kept chunks (more of them, more memory), within half of what the step leaves them
+        base = _plan(inputs, dataclasses.replace(config, reuse_attention=False), batch, seq_len, devices)
+        share = _spare_for_results(base) // 2
+
+        def room(kept: int) -> bool:
+            p = _plan(inputs, dataclasses.replace(config, reuse_attention=kept), batch, seq_len, devices)
+            return _roomy(p) and p.host_parts["reused_attention"] <= share
+
         lo, hi = 0, math.ceil(seq_len / config.chunk_size)
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            fits = _plan(
-                inputs, dataclasses.replace(config, reuse_attention=mid), batch, seq_len, devices
-            ).fits
-            lo, hi = (mid, hi) if fits else (lo, mid - 1)
+            lo, hi = (mid, hi) if room(mid) else (lo, mid - 1)
         config = dataclasses.replace(config, reuse_attention=lo or False)
     return config
 
 
+def _spare_for_results(result: MemoryPlan) -> int:
+    """The memory a step without kept attention results leaves where they would be kept: host memory (on a CPU,
+    the one memory the device terms share)."""
+    if result.machine.device_type == "cpu":
+        return max(result.device_capacity - result.peak_device, 0)
+    return max(result.host_capacity - result.host_tier, 0)
+
+
 def _summing(inputs, config: OOMBConfig, batch: int, seq_len: int, devices: int) -> str:
     """``grad_accumulation="auto"``: ``"float32-host"`` where it needs no host memory (one window of chunks, no
-    gradient accumulation), else ``"float32"`` if the step fits with it, else on a GPU ``"float32-host"`` if the
-    step fits with that, else ``"float32"`` (the plan then refuses, naming the options)."""
+    gradient accumulation), else ``"float32"`` if the step fits with it with room to spare (:func:`_roomy`), else
+    on a GPU ``"float32-host"`` if the step fits with that, else ``"float32"`` (the plan then refuses, naming the
+    options)."""
     if one_window(math.ceil(seq_len / config.chunk_size), inputs.accumulating):
         return "float32-host"
-    ways = ("float32", "float32-host") if inputs.machine.device_type == "cuda" else ()
-    for way in ways:
-        tried = _budgeted(inputs, dataclasses.replace(config, grad_accumulation=way), batch, seq_len, devices)
-        if _plan(inputs, tried, batch, seq_len, devices).fits:
-            return way
+    if inputs.machine.device_type == "cuda":  # float32 sums on the GPU with room to spare, else on the host
+        for way, enough in (("float32", _roomy), ("float32-host", lambda result: result.fits)):
+            tried = _budgeted(
+                inputs, dataclasses.replace(config, grad_accumulation=way), batch, seq_len, devices
+            )
+            if enough(_plan(inputs, tried, batch, seq_len, devices)):
+                return way
     return "float32"
+
+
+def _roomy(result: MemoryPlan) -> bool:
+    """Whether a plan fits with room to spare, as an ``"auto"`` choice must (it trades memory for speed): on a GPU
+    ``PLANNED_HEADROOM`` of the device stays free (the allocator's slack, the CUDA context), as a planned
+    ``hbm_budget`` leaves it."""
+    spare = PLANNED_HEADROOM * result.machine.device_bytes if result.machine.device_type == "cuda" else 0
+    return result.fits and result.peak_device <= result.device_capacity - spare
 
 
 def _budgeted(inputs, config: OOMBConfig, batch: int, seq_len: int, devices: int) -> OOMBConfig:

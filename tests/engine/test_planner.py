@@ -628,14 +628,17 @@ def test_a_run_that_cannot_fit_is_refused_at_setup_with_the_option_that_fits(mon
     monkeypatch.setattr(planner.Machine, "local", cpu_of(tight_machine()))
     module = TinyLM()
     trainer = make_trainer(
-        lightning_oomb.OOMBStrategy(chunk_size=16, page_size=8, verify_exactness=False), steps=1
+        lightning_oomb.OOMBStrategy(
+            chunk_size=16, page_size=8, verify_exactness=False, layer_checkpointing=False
+        ),
+        steps=1,
     )
     with pytest.raises(OOMBConfigError, match="would run out of memory.*layer_checkpointing=True") as err:
         trainer.fit(module, datamodule=SizedData())
     assert "setup" in "".join(str(f.name) for f in err.traceback)
     assert trainer.strategy.engine.pool.shape is None  # nothing of OOMB's was allocated
-    # the option it names fits on the same machine, and the check can be skipped
-    for options in ({"layer_checkpointing": True}, {"plan_memory": False}):
+    # the option it names fits on the same machine (the default, "auto", decides it), the check can be skipped
+    for options in ({"layer_checkpointing": True}, {}, {"layer_checkpointing": False, "plan_memory": False}):
         strategy = lightning_oomb.OOMBStrategy(chunk_size=16, page_size=8, verify_exactness=False, **options)
         trainer = make_trainer(strategy, steps=1, limit_val_batches=0)
         trainer.fit(TinyLM(), datamodule=SizedData())
@@ -672,7 +675,8 @@ def test_auto_gradient_sums_are_decided_at_setup(monkeypatch, caplog):
     peaks = [plan(model, 40, 2, OOMBConfig(16, 8, grad_accumulation=way), "bf16-true", optimizer, big,
                   accumulate_grad_batches=2).peak_device for way in ("float32", "float32-host")]  # fmt: skip
     assert peaks[1] < peaks[0]
-    for device_bytes, want in (((peaks[0] + peaks[1]) // 2, "float32-host"), (1 << 40, "float32")):
+    roomy = (peaks[0] + peaks[1]) / 2 / (1 - planner.PLANNED_HEADROOM)  # an "auto" choice leaves the headroom
+    for device_bytes, want in ((int(roomy), "float32-host"), (1 << 40, "float32")):
         monkeypatch.setattr(planner.Machine, "local", gpu_of(device_bytes))
         strategy = lightning_oomb.OOMBStrategy(chunk_size=16, page_size=8, verify_exactness=False)
         trainer = make_trainer(strategy, steps=1, limit_val_batches=0, precision="bf16-true",
@@ -681,10 +685,44 @@ def test_auto_gradient_sums_are_decided_at_setup(monkeypatch, caplog):
             trainer.fit(TinyLM(), datamodule=TwoBatches())
         assert strategy.engine.config.grad_accumulation == want and trainer.global_step == 1
         assert "OOMB memory plan: 2 x 40 tokens, bf16-true" in caplog.text
-        assert f"fits; decided grad_accumulation='{want}'" in caplog.text
+        assert "fits; decided kv_grad_dtype='float32', layer_checkpointing=False" in caplog.text
+        assert f"grad_accumulation='{want}'" in caplog.text
         caplog.clear()
         # the second micro-batch's sweep: the first one's .grad to the host sums, then its one window added there
         assert strategy.engine.host_grads.flushes == (2 if want == "float32-host" else 0)
+
+
+def test_auto_gradient_pages_are_float32_where_they_fit_else_bfloat16(monkeypatch, caplog):
+    """``kv_grad_dtype="auto"`` (the strategies' default): float32 gradient pages where the step fits with room to
+    spare, else bfloat16 — Qwen2.5-7B with offload on an H200 with 120 GiB of host memory: float32 at 1M tokens,
+    bfloat16 at 1.5M; float32 K/V keep float32 pages; undecided it is float32; the strategy decides it at setup
+    (a tiny bf16 run on a GPU the plan is told of, between the two pools' needs) for the engine and its pool."""
+    h200 = Machine("cuda", int(139.8 * 2**30), 120 * 2**30)
+    config = OOMBConfig(offload=True, kv_grad_dtype="auto", layer_checkpointing=True)
+    for tokens, want in ((1 << 20, "float32"), (3 << 19, "bfloat16")):
+        result = plan(qwen2_5_7b_config(), tokens, 1, config, "bf16-true", "adamw", h200)
+        assert result.fits and result.config.kv_grad_dtype == want
+    wide = plan(qwen2_5_7b_config(), 3 << 19, 1, dataclasses.replace(config, kv_grad_dtype="float32"),
+                "bf16-true", "adamw", h200)  # fmt: skip
+    assert not wide.fits and "kv_grad_dtype='bfloat16'" in wide.refusal()
+    fp32 = plan(qwen2_5_7b_config(), 3 << 19, 1, config, "32-true", None, Machine("cuda", 1 << 40, 1 << 40))
+    assert fp32.config.kv_grad_dtype == "float32"  # float32 K/V: no narrower pages to fall back to
+    assert PoolShape(1, 1, 16, 1, 8, 8, 16, "auto", torch.bfloat16).grad_dtype == torch.float32  # undecided
+    model = TinyLM().model.bfloat16()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    fixed = dict(chunk_size=16, page_size=8, layer_checkpointing=True, grad_accumulation="float32")
+    peaks = [plan(model, 40, 2, OOMBConfig(**fixed, kv_grad_dtype=g), "bf16-true", optimizer, Machine("cuda",
+                  1 << 40, 1 << 40)).peak_device for g in ("float32", "bfloat16")]  # fmt: skip
+    assert peaks[1] < peaks[0]
+    monkeypatch.setattr(
+        planner.Machine, "local", gpu_of(int((peaks[0] + peaks[1]) / 2 / (1 - planner.PLANNED_HEADROOM)))
+    )
+    strategy = lightning_oomb.OOMBStrategy(verify_exactness=False, reuse_attention=False, **fixed)
+    trainer = make_trainer(strategy, steps=1, limit_val_batches=0, precision="bf16-true")
+    with caplog.at_level("INFO"):
+        trainer.fit(TinyLM(), datamodule=SizedData())
+    assert "decided kv_grad_dtype='bfloat16'" in caplog.text and trainer.global_step == 1
+    assert strategy.engine.config.kv_grad_dtype == strategy.engine.pool.config.kv_grad_dtype == "bfloat16"
 
 
 def test_a_nodes_processes_share_its_host_memory_and_the_most_micro_batches_count():

@@ -203,8 +203,9 @@ def test_reuse_gives_the_recomputes_bits_in_bf16():
 
 
 def test_auto_keeps_the_most_chunks_the_host_holds(monkeypatch):
-    """``reuse_attention="auto"``: the plan keeps the most last chunks that still fit (Qwen2.5-7B at 256K beside 48
-    GiB of host memory: some, not all of 64; with room: all), and the strategy decides it at setup."""
+    """``reuse_attention="auto"`` (the strategies' default): the plan keeps the most last chunks that still fit in
+    half the memory the rest of the step leaves (Qwen2.5-7B at 256K beside 48 GiB of host memory: some, not all of
+    64; with room: all), and the strategy decides it at setup."""
     import lightning_oomb
     from tests.engine.test_planner import SizedData, cpu_of, qwen2_5_7b_config
     from tests.helpers.lightning import TinyLM, make_trainer
@@ -215,9 +216,13 @@ def test_auto_keeps_the_most_chunks_the_host_holds(monkeypatch):
         machine = planner.Machine("cuda", 141 * 10**9, host * 2**30)
         result = planner.plan(qwen2_5_7b_config(), 262144, 1, config, "bf16-true", None, machine)
         k = result.config.reuse_attention
-        more = planner.plan(qwen2_5_7b_config(), 262144, 1, OOMBConfig(layer_checkpointing=True,
-                            reuse_attention=k + 1), "bf16-true", None, machine, suggest=False)  # fmt: skip
-        assert result.fits and (k == 64 or not more.fits)
+        kept, more = (planner.plan(qwen2_5_7b_config(), 262144, 1, OOMBConfig(layer_checkpointing=True,
+                      reuse_attention=n), "bf16-true", None, machine, suggest=False) for n in (k, k + 1))  # fmt: skip
+        none = planner.plan(qwen2_5_7b_config(), 262144, 1, OOMBConfig(layer_checkpointing=True), "bf16-true",
+                            None, machine)  # fmt: skip
+        share = (none.host_capacity - none.host_tier) // 2
+        assert result.fits and kept.host_parts["reused_attention"] <= share
+        assert k == 64 or more.host_parts["reused_attention"] > share
         decided.append(k)
     assert 0 < decided[0] < 64 == decided[1]
     assert OOMBConfig(reuse_attention="auto").reused_chunks(8) == 0  # undecided: none kept

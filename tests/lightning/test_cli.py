@@ -137,8 +137,10 @@ def test_oomb_plan_prints_the_table_of_an_example_config(name, hbm, host, capsys
     assert result.fits and result.machine.device_type == "cuda" and result.precision == "bf16-true"
     fit = build_cli(["--config", str(EXAMPLES / "configs" / name), "--trainer.accelerator=cpu"], run=False)
     asked = fit.trainer.strategy.oomb_config
-    assert asked.grad_accumulation == "auto"  # the plan decides it: the float32 sums fit an H200
-    assert result.config == dataclasses.replace(asked, grad_accumulation="float32")
+    assert asked.grad_accumulation == asked.reuse_attention == "auto"  # the plan decides them:
+    kept = result.config.reuse_attention  # the float32 sums fit an H200, as do most chunks' kept results
+    assert result.config == dataclasses.replace(asked, grad_accumulation="float32", reuse_attention=kept)
+    assert kept > result.seq_len // asked.chunk_size // (8 if "cp8" in name else 1) // 2
     assert result.model.num_layers == 28
     # a node's ranks share its host memory: each plans with its share
     assert result.machine.host_bytes == 128 * 2**30 // (8 if "cp8" in name else 1)

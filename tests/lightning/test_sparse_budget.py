@@ -6,6 +6,7 @@ import pytest
 
 from lightning_oomb import OOMBConfig, OOMBConfigError, OOMBStrategy
 from lightning_oomb.callbacks import OOMBSparseBudget
+from lightning_oomb.engine.config import STRATEGY_DEFAULTS
 from tests.helpers.lightning import batches, oomb
 from tests.helpers.lightning import fit as fit_tiny
 from tests.lightning.test_callbacks import Recorder
@@ -30,7 +31,7 @@ def fit(strategy, callbacks, steps=3, with_recalls=False, **kwargs):
 
 
 def test_strategy_option_reaches_the_engine():
-    assert OOMBStrategy(page_budget=64).oomb_config == OOMBConfig(page_budget=64)
+    assert OOMBStrategy(page_budget=64).oomb_config == OOMBConfig(page_budget=64, **STRATEGY_DEFAULTS)
     with pytest.raises(OOMBConfigError, match="page_budget=0"):
         OOMBStrategy(page_budget=0)
     trainer, _ = fit(oomb(page_budget=2), [], steps=1)

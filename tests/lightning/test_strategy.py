@@ -260,20 +260,22 @@ def test_offload_through_the_strategy_matches_no_offload():
 @pytest.mark.parametrize("strategy_cls", [OOMBStrategy, OOMBContextParallelStrategy])
 def test_strategy_arguments_are_the_config_options(strategy_cls):
     """OOMBConfig defines every option once; each strategy's typed __init__ (the YAML schema) has each with the
-    same default and annotation, and its docstring carries each option's documentation."""
+    same annotation and default — but the options its memory plan decides, "auto" there — and its docstring carries
+    each option's documentation."""
     import dataclasses
     import inspect
 
     from lightning_oomb.engine import OOMBConfig
+    from lightning_oomb.engine.config import STRATEGY_DEFAULTS
 
     params = inspect.signature(strategy_cls.__init__).parameters
     for field in dataclasses.fields(OOMBConfig):
         assert field.name in params, field.name
-        assert params[field.name].default == field.default, field.name
+        assert params[field.name].default == STRATEGY_DEFAULTS.get(field.name, field.default), field.name
         assert params[field.name].annotation == field.type, field.name
     assert OOMBConfig.args_doc() in strategy_cls.__doc__
     strategy = strategy_cls(loss_block=256, prefetch_depth=2)
-    assert strategy.oomb_config == OOMBConfig(loss_block=256, prefetch_depth=2)
+    assert strategy.oomb_config == OOMBConfig(loss_block=256, prefetch_depth=2, **STRATEGY_DEFAULTS)
 
 
 def test_triton_without_cuda_is_refused_at_setup(monkeypatch):
