@@ -73,6 +73,9 @@ def predictions() -> dict:
     at_32k = {g: planned(32 * K, dataclasses.replace(BASE, grad_accumulation=g)) for g in sums}
     rows["32k_peak_gib"] = {label(g, p): p.peak_device / GIB for g, p in at_32k.items()}
     rows["32k_peak_gib"]["auto, every layer offloaded"] = planned(32 * K, OFFLOADED).peak_device / GIB
+    rows["32k_peak_gib"]["strategy defaults"] = (
+        planned(32 * K, DEFAULTS).peak_device / GIB
+    )  # speed where it fits
     rows["32k_peak_vs_hf"] = {g: v / HF_32K_GIB for g, v in rows["32k_peak_gib"].items()}
     # HF's 77.0 GiB was measured with its gradients allocated before the step; at its peak (the loss backward)
     # only the LM head's exist when the step starts without them, as Lightning's zero_grad() leaves it
