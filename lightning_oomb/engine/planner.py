@@ -1498,11 +1498,13 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     )
     below_head = activations - saved["head"]
     embed = shape.num_embeddings * shape.hidden_size * dtypes.activation.itemsize * shape.embedding_trainable
-    kept = kept_attention_bytes(shape, dtypes, tokens) if ckpt else 0
+    # the op's results (kept, parked, reused) are as wide as the pages (zero-padded heads: stored_head_dim)
+    wide = dataclasses.replace(shape, head_dim=pool.head_dim)
+    kept = kept_attention_bytes(wide, dtypes, tokens) if ckpt else 0
     if ckpt and config.offload:  # parked in host memory until each layer's checkpoint recompute
-        kept, host["kept_attention"] = parked_kept_bytes(shape, dtypes, tokens, machine.device_type == "cuda")
+        kept, host["kept_attention"] = parked_kept_bytes(wide, dtypes, tokens, machine.device_type == "cuda")
     sums, host["grad_sums"] = _grad_sums(inputs, config, math.ceil(seq_len / config.chunk_size))
-    host["reused_attention"] = reused_attention_bytes(shape, dtypes, config, batch, seq_len, devices)
+    host["reused_attention"] = reused_attention_bytes(wide, dtypes, config, batch, seq_len, devices)
     phases = {
         "loss backward": sums + handed + activations + kept + loss,
         "MLP backward": sums + own + below_head + kept + mlp_bwd,

@@ -363,6 +363,28 @@ def test_a_real_optimizers_states_are_counted_exactly(make):
 
 
 # --------------------------------------------------------------------------------------------------- fit or not
+def test_results_of_zero_padded_heads_are_planned_at_the_pages_width():
+    """Phi-3's heads (96) are stored 128 wide on a GPU (the Triton pages); the op attends at that width, so the
+    results it keeps for the checkpoint recompute, parks under offload and keeps for ``reuse_attention`` are as
+    wide: the engine's own slot size at 128 (CPU pages stay 96 wide)."""
+    from transformers import Phi3Config
+
+    from lightning_oomb.engine.results import result_slot_bytes
+
+    config = OOMBConfig(1024, 128, layer_checkpointing=True, reuse_attention=True)
+    for device, width in (("cuda", 128), ("cpu", 96)):
+        result = plan(Phi3Config(), 4096, 1, config, "bf16-true", None, Machine(device, 1 << 40, 1 << 40))
+        assert result.pool.head_dim == width
+        slot = result_slot_bytes(1, 32, 1024, width, torch.bfloat16, torch.float32)
+        assert result.host_parts["reused_attention"] == 4 * 32 * slot  # 4 chunks, 32 layers
+        assert result.device["kept_attention"] == 32 * 1024 * 32 * (2 * width + 4)
+        parked = plan(Phi3Config(), 4096, 1, dataclasses.replace(config, offload=True, hbm_budget=0), "bf16-true",
+                      None, Machine(device, 1 << 40, 1 << 40))  # fmt: skip
+        if device == "cuda":  # page-locked blocks: powers of two
+            assert parked.host_parts["kept_attention"] == 32 * (2 ** (32 * 1024 * 2 * width - 1).bit_length()
+                                                                  + 2 ** (32 * 1024 * 4 - 1).bit_length())  # fmt: skip
+
+
 def test_qwen2_5_7b_on_an_h200():
     """The example configs' runs fit; a 1M-token step does not, and every option named fits when planned."""
     cfg = qwen2_5_7b_config()
