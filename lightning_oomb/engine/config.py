@@ -114,8 +114,9 @@ class OOMBConfig:
             step (those that attend to the most keys: the last fifth of the chunks carry over a third of the
             attention); ``"auto"`` (the strategies' default): their memory plan at setup keeps the most last chunks
             whose results fit in half the memory the rest of the step leaves (none while undecided: without a
-            ``seq_len`` to plan for, or a bare engine); ``False`` (the engine's default): recompute. Exact (the same result); the memory plan counts the
-            host bytes. Under ``oomb_cp`` each rank keeps its slices' results (no rank attends in the recompute).
+            ``seq_len`` to plan for, or a bare engine); ``False`` (the engine's default): recompute. Exact (the same
+            result); the memory plan counts the host bytes. Under ``oomb_cp`` each rank keeps its slices' results
+            (no rank attends in the recompute).
     """
 
     chunk_size: int = 4096
