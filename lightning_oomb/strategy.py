@@ -27,6 +27,7 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
 from lightning_oomb.engine import OOMBConfig, OOMBConfigError, OOMBEngine
+from lightning_oomb.engine.config import STRATEGY_DEFAULTS
 from lightning_oomb.engine.model import ManagedModel
 from lightning_oomb.engine.planner import Machine, plan, step_sizes_of
 from lightning_oomb.integrations import managed_model
@@ -112,11 +113,8 @@ class _OOMBStrategyMixin:
         """
         sizes = [(n, b) for n, b in step_sizes_of(trainer.datamodule) if n is not None]
         config = self.oomb_config
-        auto = (
-            config.layer_checkpointing == "auto"
-            or (config.offload and config.hbm_budget == "auto")
-            or config.reuse_attention == "auto"
-            or config.kv_grad_dtype == "auto"
+        auto = any(getattr(config, name) == "auto" for name in STRATEGY_DEFAULTS) or (
+            config.offload and config.hbm_budget == "auto"
         )
         if not (self._plan_memory or auto) or trainer.state.fn != "fit" or not sizes:
             return
