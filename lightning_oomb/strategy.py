@@ -89,8 +89,11 @@ class _OOMBStrategyMixin:
         self.engine = OOMBEngine(self.model_adapter, config, context=self._context_group())
         self.engine.check_device(self.root_device)  # backend, head dim and page size, before any work
 
-    # ---- memory plan at setup (lightning_oomb.engine.planner) -------------------------------------------------
+    # ---- memory plan at setup, or at the first training batch (lightning_oomb.engine.planner) -------------------
     _plan_memory: bool = True
+    _planned_sizes: list[tuple[int, int]] | None = (
+        None  # the (seq_len, batch) planned for; None: no plan made
+    )
 
     def _check_memory_plan(self, trainer) -> None:
         """Refuse, before the first step allocates anything of OOMB's, a fit whose step cannot fit the device.
@@ -100,27 +103,56 @@ class _OOMBStrategyMixin:
         real optimizer's states and the Trainer's precision. The sequence length is only known at the first step,
         so the plan uses the datamodule's ``seq_len`` and ``batch_size`` (attributes or hyperparameters; this
         project's datamodules have both; a warm-up of another shape, declared in ``step_sizes``, is planned under
-        the main steps' decisions and must fit too); without a ``seq_len`` no plan is made here, and the pool's own check at
-        the first step still guards the KV pool. ``OOMBStrategy(plan_memory=False)`` skips it. The same plan decides
-        ``layer_checkpointing="auto"`` (without a ``seq_len`` it stays on), ``kv_grad_dtype="auto"`` (without a
-        ``seq_len``: float32) and, under offload on a GPU,
-        ``hbm_budget="auto"`` with the optimizer states counted (:func:`~lightning_oomb.engine.planner.decide_auto`;
-        without a ``seq_len`` the pool decides at the first step from the free memory), ``reuse_attention="auto"``
-        (without a ``seq_len``: no chunk's results are kept) and ``grad_accumulation="auto"`` (without a plan: each
-        step decides, ``OOMBConfig``'s docstring; ``plan_memory=False`` plans only to decide other ``"auto"``
-        options, and then this one too). Under ``oomb_cp`` a node's ranks share its host memory; gradient accumulation counts its most
-        micro-batches (``GradientAccumulationScheduler`` included).
+        the main steps' decisions and must fit too). Without a ``seq_len`` (a plain ``DataLoader``) the first
+        training batch's shape is planned for, before the engine runs it (:meth:`_plan_batch`); a later batch of a
+        shape no plan covers (longer rows or more of them) is planned again, its options decided anew for the
+        largest shape seen. ``OOMBStrategy(plan_memory=False)`` skips the check. The same plan decides
+        ``layer_checkpointing="auto"``, ``kv_grad_dtype="auto"`` and, under offload on a GPU, ``hbm_budget="auto"``
+        with the optimizer states counted (:func:`~lightning_oomb.engine.planner.decide_auto`),
+        ``reuse_attention="auto"`` and ``grad_accumulation="auto"`` (without a plan: each step decides,
+        ``OOMBConfig``'s docstring; ``plan_memory=False`` plans only to decide other ``"auto"`` options, and then
+        this one too). Under ``oomb_cp`` a node's ranks share its host memory; gradient accumulation counts its
+        most micro-batches (``GradientAccumulationScheduler`` included).
         """
-        sizes = [(n, b) for n, b in step_sizes_of(trainer.datamodule) if n is not None]
         config = self.oomb_config
         auto = any(getattr(config, name) == "auto" for name in STRATEGY_DEFAULTS) or (
             config.offload and config.hbm_budget == "auto"
         )
-        if not (self._plan_memory or auto) or trainer.state.fn != "fit" or not sizes:
+        self._planned_sizes = None
+        if not (self._plan_memory or auto) or trainer.state.fn != "fit":
             return
-        optimizer = self.optimizers[0] if self.optimizers else None
         params = sum(p.numel() * p.element_size() for p in trainer.lightning_module.parameters())
-        machine = self._planning_machine(params)
+        self._machine = self._planning_machine(params)  # read once, before anything of OOMB's is allocated
+        self._planned_sizes = []
+        sizes = [(n, b) for n, b in step_sizes_of(trainer.datamodule) if n is not None]
+        if sizes:
+            self._plan_steps(trainer, sizes)
+
+    def _plan_batch(self, input_ids: torch.Tensor) -> None:
+        """Before the engine runs a training batch of a shape no plan covers (no row longer, no more rows): plan
+        again with it, its options decided for the largest shape (most tokens) and the others checked under them;
+        the first such batch is planned on every rank at once (``oomb_cp``: all refuse together)."""
+        sizes = self._planned_sizes
+        shape = (input_ids.shape[-1], input_ids.shape[0])
+        if sizes is None or any(shape[0] <= n and shape[1] <= b for n, b in sizes):
+            return
+        others = [s for s in sizes if not (s[0] <= shape[0] and s[1] <= shape[1])]  # those it does not cover
+        main = max(others[-1:] + [shape], key=lambda s: (s[0] * s[1], s[0]))
+        sizes_now = [*(s for s in others + [shape] if s != main), main]
+        if sizes:
+            self._plan_steps(self.lightning_module.trainer, sizes_now)
+        else:
+            self._agreeing(self._plan_steps, self.lightning_module.trainer, sizes_now)
+
+    def _agreeing(self, check, *args) -> None:
+        """Run ``check`` (one device: nothing to agree on; ``oomb_cp`` makes every rank refuse if one does)."""
+        check(*args)
+
+    def _plan_steps(self, trainer, sizes: list[tuple[int, int]]) -> None:
+        """Plan the steps of ``sizes`` (``(seq_len, batch)``; the last one decides the ``"auto"`` options, the
+        others must fit under its decisions), reconfigure the engine and the model, refuse what cannot fit."""
+        config = self.oomb_config
+        optimizer = self.optimizers[0] if self.optimizers else None
 
         def plan_step(seq_len: int, batch: int, config: OOMBConfig):
             return plan(
@@ -130,7 +162,7 @@ class _OOMBStrategyMixin:
                 config,
                 self.precision_plugin.precision,
                 optimizer if isinstance(optimizer, torch.optim.Optimizer) else None,
-                machine,
+                self._machine,
                 context_parallel=self.engine.context.size if self.engine.context is not None else 1,
                 accumulate_grad_batches=most_micro_batches(trainer),
                 processes_per_node=getattr(self, "num_processes", 1),  # they share the node's host memory
@@ -148,9 +180,12 @@ class _OOMBStrategyMixin:
         rank_zero_info(
             f"OOMB memory plan: {result.summary()}" + (f"; decided {', '.join(decided)}" if decided else "")
         )
-        if result.config != config:  # the plan decided the "auto" options: for the engine and the model
+        if (
+            result.config != self.engine.config
+        ):  # the plan decided the "auto" options: for the engine and the model
             self.engine.reconfigure(result.config)
             self.model_adapter.layer_checkpointing = result.config.layer_checkpointing
+        self._planned_sizes = sizes
         if self._plan_memory and not result.fits:
             raise OOMBConfigError(
                 f"{result.refusal()[:-1]} (OOMBStrategy(plan_memory=False) skips this check)."
@@ -177,6 +212,8 @@ class _OOMBStrategyMixin:
                     "`self.model(**batch)` once per training_step."
                 )
             calls.append(mode)
+            if mode == "train":
+                self._plan_batch(input_ids)
             run = engine.loss if mode == "train" else engine.evaluate
             return run(input_ids, labels, **layout)
 
@@ -228,9 +265,10 @@ class OOMBStrategy(_OOMBStrategyMixin, SingleDeviceStrategy):
         verify_exactness: at setup, train a float64 twin of the model's architecture (tiny width, CPU, one to a
             few seconds; deep hybrids up to ~12 s) in chunks against full-sequence training and refuse the model if they differ — the guard
             against architectures that chunking would silently change; ``False`` skips it.
-        plan_memory: at setup, predict the step's peak memory (``lightning_oomb.plan``, for the datamodule's
-            ``seq_len`` and ``batch_size``) and refuse, before the first step, a run that cannot fit, naming the
-            options that would; ``False`` skips it.
+        plan_memory: predict the step's peak memory (``lightning_oomb.plan``: at setup for the datamodule's
+            ``seq_len`` and ``batch_size``, else at the first training batch and any later one of a larger shape)
+            and refuse, before the engine runs it, a step that cannot fit, naming the options that would; ``False``
+            skips it.
         device: explicit device; by default the Trainer's accelerator decides (``accelerator="auto"`` works).
         accelerator, checkpoint_io, precision_plugin: as for Lightning's ``SingleDeviceStrategy`` (a stock
             precision plugin, kept as it is: :mod:`~lightning_oomb.precision`).

@@ -21,9 +21,10 @@ STRATEGY_DEFAULTS = {"kv_grad_dtype": "auto", "layer_checkpointing": "auto", "re
 
 @dataclass(frozen=True)
 class OOMBConfig:
-    """Options of the OOMB engine. The strategies, which plan each run's memory at setup, default
-    ``kv_grad_dtype``, ``layer_checkpointing`` and ``reuse_attention`` to ``"auto"`` (the fastest choice that fits,
-    decided by the plan and logged); the engine alone, with no plan, defaults them to fixed choices.
+    """Options of the OOMB engine. The strategies, which plan each run's memory (at setup for a datamodule's
+    ``seq_len``, else at the first training batch), default ``kv_grad_dtype``, ``layer_checkpointing`` and
+    ``reuse_attention`` to ``"auto"`` (the fastest choice that fits, decided by the plan and logged); the engine
+    alone, with no plan, defaults them to fixed choices.
 
     Args:
         chunk_size: tokens processed together (``C``); activation memory scales with it, not with the sequence
@@ -33,13 +34,13 @@ class OOMBConfig:
             more rounding (measured 0.96-1.05x plain bf16 training's gradient error at 1-1024 chunks,
             ``benchmarks/bf16_grad_fidelity.py``); never narrower than the K/V dtype (with float32 K/V the pages stay
             float32). ``"auto"`` (the strategies' default): their memory plan at setup takes ``"float32"`` when the
-            step fits with it, else ``"bfloat16"``; undecided (no ``seq_len`` to plan for, a bare engine):
-            ``"float32"``.
+            step fits with it, else ``"bfloat16"``; undecided (a bare engine): ``"float32"``.
         layer_checkpointing: also checkpoint each decoder layer inside a chunk's recompute: a chunk's activations
             shrink to each layer's input (plus its attention output, kept so the attention is not recomputed), at
             the price of one more pass through each layer's other parts. ``"auto"`` (the strategies' default): on
             when the memory plan (:func:`lightning_oomb.plan`) says the step would not fit without it, off
-            otherwise (the strategies decide at setup from the datamodule's ``seq_len``; without one, on).
+            otherwise (the strategies decide at setup from the datamodule's ``seq_len``; without one, at the first
+            training batch).
             ``True`` turns the model's checkpointing on (e.g. ``HFChunkModel.layer_checkpointing``) when the engine
             is made; ``False`` (the engine's default) leaves the model's own choice, as does an undecided
             ``"auto"`` in a bare engine.
@@ -57,8 +58,7 @@ class OOMBConfig:
         hbm_budget: device bytes for pages (HBM-tier layers + staging buffers) when ``offload`` is on: an int, or
             ``"auto"``: the strategies decide it at setup from the memory plan (the device bytes left by weights,
             gradients, optimizer states and one chunk's activations and transients, less 5 % of the device); the
-            engine alone (or without a ``seq_len`` to plan for) takes the free device memory at the first step
-            minus a quarter of the device. Whole layers are placed; a budget below the staging buffers puts every
+            engine alone takes the free device memory at the first step minus a quarter of the device. Whole layers are placed; a budget below the staging buffers puts every
             layer on the host.
         staging_buffers: device buffers of one block each — one chunk's K, V, dK, dV pages of one layer,
             ``2 * batch * chunk_size * kv_heads * head_dim * (kv itemsize + grad itemsize)`` bytes (24 MiB for
@@ -80,7 +80,7 @@ class OOMBConfig:
             memory; the matrices' ``.grad`` sums at most 16 chunks in 16 bits, the error measured as flat as
             ``"float32"``'s), else ``"float32"``, unless the strategies' memory plan at setup finds that the step
             fits a GPU only with ``"float32-host"`` — then that (both keep the error flat); where no plan decides
-            (no ``seq_len``, ``plan_memory=False`` with no other ``"auto"`` option to decide, a bare engine) each
+            (``plan_memory=False`` with no other ``"auto"`` option to decide, a bare engine) each
             step decides: ``"float32-host"`` for one of at most 16 chunks that starts without an earlier
             micro-batch's ``.grad``, else ``"float32"``. A ``.grad`` of zeros (``zero_grad(set_to_none=False)``)
             is dropped when the sweep starts: it holds no earlier sum. ``"float32"``: in a float32 sum per
@@ -113,8 +113,8 @@ class OOMBConfig:
             with checkpointing: twice forward). ``True``: every chunk; an int ``k``: the last ``k`` chunks of a
             step (those that attend to the most keys: the last fifth of the chunks carry over a third of the
             attention); ``"auto"`` (the strategies' default): their memory plan at setup keeps the most last chunks
-            whose results fit in half the memory the rest of the step leaves (none while undecided: without a
-            ``seq_len`` to plan for, or a bare engine); ``False`` (the engine's default): recompute. Exact (the same
+            whose results fit in half the memory the rest of the step leaves (none while undecided: a bare
+            engine); ``False`` (the engine's default): recompute. Exact (the same
             result); the memory plan counts the host bytes. Under ``oomb_cp`` each rank keeps its slices' results
             (no rank attends in the recompute).
     """

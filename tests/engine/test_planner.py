@@ -747,6 +747,55 @@ def test_auto_gradient_pages_are_float32_where_they_fit_else_bfloat16(monkeypatc
     assert strategy.engine.config.kv_grad_dtype == strategy.engine.pool.config.kv_grad_dtype == "bfloat16"
 
 
+def shaped_batches(*shapes: tuple[int, int]) -> torch.utils.data.DataLoader:
+    """A plain DataLoader (no datamodule, no ``seq_len``) of one batch per ``(rows, tokens)``, in that order."""
+    gen = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, 97, shape, generator=gen) for shape in shapes]
+    rows = [{"input_ids": i, "labels": i, "attention_mask": torch.ones_like(i)} for i in ids]
+    return torch.utils.data.DataLoader(rows, batch_size=None)
+
+
+def test_a_plain_dataloader_is_planned_at_its_first_batch_and_again_at_a_larger_one(monkeypatch, caplog):
+    """Without a ``seq_len`` to plan for at setup, the strategy plans each training batch of a shape no plan covers
+    before the engine runs it: the first (1 x 40 tokens) fits without layer checkpointing, the second (2 x 40) only
+    with it, so ``"auto"`` turns it on there; a covered third (1 x 16) plans nothing; a machine too small for the
+    first batch is refused at that batch, with nothing of OOMB's allocated."""
+    model = TinyLM().model
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    fixed = dict(chunk_size=16, page_size=8, reuse_attention=False)
+
+    def peak(rows: int, checkpointing: bool) -> int:
+        config = OOMBConfig(**fixed, layer_checkpointing=checkpointing)
+        return plan(model, 40, rows, config, "32-true", optimizer, BIG_CPU).peak_device
+
+    assert peak(1, False) < peak(2, True) < peak(2, False)
+    monkeypatch.setattr(
+        planner.Machine, "local", cpu_of(planner.HOST_RESERVE_BYTES + (peak(2, True) + peak(2, False)) // 2)
+    )
+    seen = []
+    record = L.Callback()
+    record.on_train_batch_end = lambda trainer, *_: seen.append(
+        trainer.strategy.model_adapter.layer_checkpointing
+    )
+    strategy = lightning_oomb.OOMBStrategy(verify_exactness=False, **fixed)
+    trainer = make_trainer(strategy, steps=3, limit_val_batches=0, callbacks=[record])
+    with caplog.at_level("INFO"):
+        trainer.fit(TinyLM(), train_dataloaders=shaped_batches((1, 40), (2, 40), (1, 16)))
+    assert seen == [False, True, True] and trainer.global_step == 3
+    plans = re.findall(
+        r"OOMB memory plan: (\d+ x \d+) tokens.*decided .*layer_checkpointing=(\w+)", caplog.text
+    )
+    assert plans == [("1 x 40", "False"), ("2 x 40", "True")]
+
+    monkeypatch.setattr(planner.Machine, "local", cpu_of(planner.HOST_RESERVE_BYTES + peak(1, True) // 2))
+    strategy = lightning_oomb.OOMBStrategy(verify_exactness=False, **fixed)
+    trainer = make_trainer(strategy, steps=1, limit_val_batches=0)
+    with pytest.raises(OOMBConfigError, match="1 x 40 tokens.*would run out of memory") as err:
+        trainer.fit(TinyLM(), train_dataloaders=shaped_batches((1, 40)))
+    assert "training_step" in "".join(str(f.name) for f in err.traceback)
+    assert strategy.engine.pool.shape is None  # refused before the engine ran the batch
+
+
 def test_a_nodes_processes_share_its_host_memory_and_the_most_micro_batches_count():
     from lightning.pytorch.callbacks import GradientAccumulationScheduler
 

@@ -33,21 +33,25 @@ class Rows(L.LightningDataModule):
         return batches(n=12)
 
 
-def fit(strategy, devices: int = 1, steps: int = 3, resume=None, **kwargs):
+def fit(strategy, devices: int = 1, steps: int = 3, resume=None, plain: bool = False, **kwargs):
+    """Train ``steps`` steps on :class:`Rows` (``plain``: its loader alone, with no ``seq_len`` to plan for)."""
     torch.manual_seed(0)
     module = TinyLM().double()
     # the batches in their order on every rank (Lightning's distributed sampler would shuffle them, alike on each)
     trainer = make_trainer(strategy, steps, devices=devices, precision="64-true", accumulate_grad_batches=2,
                            gradient_clip_val=0.05, use_distributed_sampler=False, **kwargs)  # fmt: skip
-    trainer.fit(module, datamodule=Rows(), ckpt_path=resume)
+    data = {"train_dataloaders": Rows().train_dataloader()} if plain else {"datamodule": Rows()}
+    trainer.fit(module, ckpt_path=resume, **data)
     return module
 
 
-def test_three_steps_with_accumulation_and_clipping_equal_one_process():
-    """The ranks plan at setup (each with the group's least memory) and keep their slices' attention results as
-    ``reuse_attention="auto"`` decides; the weights equal one process's."""
+@pytest.mark.parametrize("plain", [False, True])
+def test_three_steps_with_accumulation_and_clipping_equal_one_process(plain):
+    """The ranks plan (each with the group's least memory) at setup, or with a plain loader at the first batch, all
+    at once, and keep their slices' attention results as ``reuse_attention="auto"`` decides; the weights equal one
+    process's."""
     want = fit(oomb())
-    got = fit(cp(reuse_attention="auto"), devices=2)
+    got = fit(cp(reuse_attention="auto"), devices=2, plain=plain)
     for (name, a), b in zip(want.named_parameters(), got.parameters(), strict=True):
         assert torch.allclose(a, b, rtol=1e-10, atol=1e-12), name
     start = TinyLM().double()  # the steps moved the weights (clipping kept them small, not zero)
