@@ -111,6 +111,16 @@ def host_memory_available() -> int | None:
     return None
 
 
+def device_memory_available(device: torch.device) -> tuple[int, int]:
+    """``(bytes this process can still allocate, the device's total)`` on a CUDA device: the free memory plus the
+    allocator's cached blocks, within the share ``torch.cuda.set_per_process_memory_fraction`` allows it (the
+    allocator refuses more)."""
+    free, total = torch.cuda.mem_get_info(device)
+    reserved, allocated = torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
+    share = int(torch.cuda.get_per_process_memory_fraction(device) * total)
+    return max(0, min(free + reserved, share) - allocated), total
+
+
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
@@ -222,10 +232,9 @@ class KVPool:
             warnings.warn(message, UserWarning, stacklevel=4)
 
     def _budget(self, device: torch.device) -> int | None:
-        def free() -> tuple[int, int]:  # the free memory, cached blocks and this pool's own arenas included
-            available, total = torch.cuda.mem_get_info(device)
-            cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-            return available + cached + self.device_bytes, total
+        def free() -> tuple[int, int]:  # what this process can allocate, this pool's own arenas included
+            available, total = device_memory_available(device)
+            return available + self.device_bytes, total
 
         return hbm_budget(self.config, device.type, free)
 
@@ -253,9 +262,8 @@ class KVPool:
         if not new_device:
             return
         if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-            self._refuse_if_short(shape, plan, new_device, free + cached + freed_device, device)
+            available, _ = device_memory_available(device)
+            self._refuse_if_short(shape, plan, new_device, available + freed_device, device)
         elif device.type == "cpu" and host_usable is not None:
             self._refuse_if_short(shape, plan, new_device, host_usable - new_host + freed_device, device)
 

@@ -126,7 +126,13 @@ from lightning_oomb.engine.config import OOMBConfig
 from lightning_oomb.engine.cpu_attention import PAST_BLOCK
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.grads import HALF_DTYPES, one_window, staging_elements
-from lightning_oomb.engine.kv_pool import HOST_RESERVE_BYTES, hbm_budget, host_memory_available, place_layers
+from lightning_oomb.engine.kv_pool import (
+    HOST_RESERVE_BYTES,
+    device_memory_available,
+    hbm_budget,
+    host_memory_available,
+    place_layers,
+)
 from lightning_oomb.engine.pages import GRAD_DTYPES, PoolShape, arena_bytes
 from lightning_oomb.engine.reference import KEY_BLOCK
 from lightning_oomb.engine.results import result_slot_bytes
@@ -712,7 +718,8 @@ class Machine:
 
     @classmethod
     def local(cls, device: str | torch.device | None = None, resident_bytes: int = 0) -> Machine:
-        """This machine now: on CUDA, free device memory plus what this process's allocator holds; on a CPU,
+        """This machine now: on CUDA, free device memory plus what this process's allocator holds (within its
+        ``torch.cuda.set_per_process_memory_fraction`` share: a way to plan for less of the GPU); on a CPU,
         ``MemAvailable`` plus ``resident_bytes`` (e.g. the weights already loaded, which the plan counts); where
         ``MemAvailable`` cannot be read, host memory counts as unlimited."""
         device = torch.device(
@@ -726,9 +733,9 @@ class Machine:
         )
         if device.type != "cuda":
             return cls(device.type, host, host)
-        free, total = torch.cuda.mem_get_info(device)
+        available, total = device_memory_available(device)
         rates = MEASURED_STEP_RATES.get(torch.cuda.get_device_name(device))
-        return cls("cuda", free + torch.cuda.memory_reserved(device), host, total, rates)
+        return cls("cuda", available + torch.cuda.memory_allocated(device), host, total, rates)
 
 
 def step_size_of(data: Any) -> tuple[int | None, int]:

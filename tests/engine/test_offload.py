@@ -435,9 +435,14 @@ def test_the_device_tier_is_checked_before_allocating_too(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 << 30, 80 << 30))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 2 << 30)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 1.0)
     with pytest.raises(
         OOMBConfigError, match=r"needs 24\.00 GiB of GPU memory.*12\.00 GiB is free.*offload=True"
     ):
+        pool.reserve(shape, torch.device("cuda", 0))
+    # a process limited to a share of the device (set_per_process_memory_fraction) can use only that share
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 0.1)
+    with pytest.raises(OOMBConfigError, match=r"needs 24\.00 GiB of GPU memory.*8\.00 GiB is free"):
         pool.reserve(shape, torch.device("cuda", 0))
     assert pool.allocated_bytes == 0
 

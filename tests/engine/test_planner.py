@@ -618,6 +618,25 @@ def test_a_gpu_plan_on_a_machine_without_one_reads_only_the_host_memory(monkeypa
     assert result.machine.host_bytes == 100 * 2**30
 
 
+def test_a_gpu_plan_takes_the_share_of_the_device_the_process_may_use(monkeypatch):
+    """``Machine.local`` on CUDA: free memory plus what this process's allocator holds, within the share
+    ``torch.cuda.set_per_process_memory_fraction`` gives it (mocked: 80 GiB device, 10 GiB free, 20 GiB reserved
+    of which 16 GiB allocated)."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 20 << 30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 16 << 30)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU")
+    monkeypatch.setattr(planner, "host_memory_available", lambda: 100 * 2**30)
+    for fraction, want in (
+        (1.0, 30 << 30),
+        (0.3, 24 << 30),
+        (0.1, 16 << 30),
+    ):  # never less than what it holds
+        monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None, f=fraction: f)
+        machine = Machine.local("cuda")
+        assert (machine.device_bytes, machine.total, machine.host_bytes) == (want, 80 << 30, 100 << 30)
+
+
 # ------------------------------------------------------------------------------------------ the strategy at setup
 class SizedData(L.LightningDataModule):
     """The tiny batches, with the seq_len and batch_size the strategy plans for."""

@@ -140,7 +140,7 @@ def test_oomb_plan_prints_the_table_of_an_example_config(name, hbm, host, capsys
     assert asked.grad_accumulation == asked.reuse_attention == "auto"  # the plan decides them:
     kept = result.config.reuse_attention  # the float32 sums fit an H200, as do most chunks' kept results
     want = {"grad_accumulation": "float32", "reuse_attention": kept}
-    if asked.layer_checkpointing == "auto":  # the 128K example leaves these to the plan: an H200 needs neither
+    if asked.layer_checkpointing == "auto":  # the 128K example leaves it to the plan: an H200 needs neither
         want.update(layer_checkpointing=False, kv_grad_dtype="float32")
     assert result.config == dataclasses.replace(asked, **want)
     assert kept > result.seq_len // asked.chunk_size // (8 if "cp8" in name else 1) // 2
