@@ -253,7 +253,7 @@ def row_work(
     reference = config is None
     config = config or OOMBConfig(scale.chunk, scale.page, layer_checkpointing=True)
     flops = step_flops(shape, tokens, config, reference=reference)
-    if reference or not config.offload:
+    if reference or not config.offloads:
         return flops, 0.0
     kv = 2 * shape.kv_heads * shape.head_dim * 2  # bf16 K and V per token (the GPU's dtype)
     grad = kv * (1 if config.kv_grad_dtype == "bfloat16" else 2)
@@ -304,7 +304,7 @@ class Runner:
             host_bytes = 0
             if config is not None:
                 out["config"] = dataclasses.asdict(config)
-                if config.offload:
+                if config.offloads:
                     shape = pool_shape(self.model, config, tokens)
                     host_layers = shape.num_layers - (row.device_layers or 0)
                     host_bytes = host_layers * shape.layer_bytes
@@ -441,7 +441,7 @@ class Scaling:
         if row.get("peak_gib") is None or "config" not in row:
             return None, None
         config = OOMBConfig(**row["config"])
-        if config.offload and config.hbm_budget:
+        if config.offloads and config.hbm_budget:
             return None, None  # an explicit HBM tier is sized for the reduced model
         tokens, flag = row["context"], precision(self.device)
         full = planned_peak_gib(self.scale.config(), tokens, config, self.device, flag)

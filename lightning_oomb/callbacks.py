@@ -74,13 +74,13 @@ class OOMBOffload(OOMBMonitor):
     ``oomb/demand_copies`` (copies a prefetch did not foresee), ``oomb/parked_bytes`` (with layer checkpointing:
     what the backward sweep's chunk recomputes parked in host memory, each byte copied out and back once),
     ``oomb/hbm_pool_bytes``, ``oomb/staging_bytes`` and ``oomb/host_pool_bytes``; use it instead of the monitor.
-    Refuses a run whose strategy does not offload.
+    Refuses a run whose strategy does not offload (``offload=False``; with ``"auto"`` its memory plan decides).
     """
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        if not trainer.strategy.oomb_config.offload:
+        if trainer.strategy.oomb_config.offload is False:
             name = type(trainer.strategy).__name__
             raise OOMBConfigError(
                 f"OOMBOffload logs offload traffic but the strategy keeps every page on the device (offload=False) — "

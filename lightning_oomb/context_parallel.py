@@ -62,7 +62,7 @@ class OOMBContextParallelStrategy(_OOMBStrategyMixin, DDPStrategy):
         layer_checkpointing: bool | str = "auto",
         attention_backend: str = "auto",
         loss_block: int = 1024,
-        offload: bool = False,
+        offload: bool | str = "auto",
         hbm_budget: int | str = "auto",
         staging_buffers: int = 4,
         prefetch_depth: int | None = None,

@@ -107,8 +107,8 @@ class _OOMBStrategyMixin:
         training batch's shape is planned for, before the engine runs it (:meth:`_plan_batch`); a later batch of a
         shape no plan covers (longer rows or more of them) is planned again, its options decided anew for the
         largest shape seen. ``OOMBStrategy(plan_memory=False)`` skips the check. The same plan decides
-        ``layer_checkpointing="auto"``, ``kv_grad_dtype="auto"`` and, under offload on a GPU, ``hbm_budget="auto"``
-        with the optimizer states counted (:func:`~lightning_oomb.engine.planner.decide_auto`),
+        ``layer_checkpointing="auto"``, ``kv_grad_dtype="auto"``, ``offload="auto"`` and, under offload on a GPU,
+        ``hbm_budget="auto"`` with the optimizer states counted (:func:`~lightning_oomb.engine.planner.decide_auto`),
         ``reuse_attention="auto"`` and ``grad_accumulation="auto"`` (without a plan: each step decides,
         ``OOMBConfig``'s docstring; ``plan_memory=False`` plans only to decide other ``"auto"`` options, and then
         this one too). Under ``oomb_cp`` a node's ranks share its host memory; gradient accumulation counts its
@@ -116,7 +116,7 @@ class _OOMBStrategyMixin:
         """
         config = self.oomb_config
         auto = any(getattr(config, name) == "auto" for name in STRATEGY_DEFAULTS) or (
-            config.offload and config.hbm_budget == "auto"
+            config.offloads and config.hbm_budget == "auto"
         )
         self._planned_sizes = None
         if not (self._plan_memory or auto) or trainer.state.fn != "fit":
@@ -285,7 +285,7 @@ class OOMBStrategy(_OOMBStrategyMixin, SingleDeviceStrategy):
         layer_checkpointing: bool | str = "auto",
         attention_backend: str = "auto",
         loss_block: int = 1024,
-        offload: bool = False,
+        offload: bool | str = "auto",
         hbm_budget: int | str = "auto",
         staging_buffers: int = 4,
         prefetch_depth: int | None = None,

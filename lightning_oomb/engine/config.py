@@ -16,14 +16,19 @@ from lightning_oomb.engine.sparse import check_budget, check_page_score
 BACKENDS = ("auto", "torch", "cpu", "triton")
 GRAD_ACCUMULATIONS = ("auto", "float32", "float32-host", "native")
 # the strategies' defaults where they differ from the engine's: decided by their memory plan at setup
-STRATEGY_DEFAULTS = {"kv_grad_dtype": "auto", "layer_checkpointing": "auto", "reuse_attention": "auto"}
+STRATEGY_DEFAULTS = {
+    "kv_grad_dtype": "auto",
+    "layer_checkpointing": "auto",
+    "offload": "auto",
+    "reuse_attention": "auto",
+}
 
 
 @dataclass(frozen=True)
 class OOMBConfig:
     """Options of the OOMB engine. The strategies, which plan each run's memory (at setup for a datamodule's
-    ``seq_len``, else at the first training batch), default ``kv_grad_dtype``, ``layer_checkpointing`` and
-    ``reuse_attention`` to ``"auto"`` (the fastest choice that fits, decided by the plan and logged); the engine
+    ``seq_len``, else at the first training batch), default ``kv_grad_dtype``, ``layer_checkpointing``,
+    ``offload`` and ``reuse_attention`` to ``"auto"`` (the fastest choice that fits, decided by the plan and logged); the engine
     alone, with no plan, defaults them to fixed choices.
 
     Args:
@@ -54,7 +59,10 @@ class OOMBConfig:
         offload: keep the K/V and gradient pages of layers beyond ``hbm_budget`` in pinned host memory, streamed
             through device staging buffers on side CUDA streams; results equal those without offload up to float
             rounding. On a CPU device with ``hbm_budget="auto"`` it changes nothing (pages are in host memory
-            already; an explicit budget streams them anyway, which tests the schedule).
+            already; an explicit budget streams them anyway, which tests the schedule). ``"auto"`` (the
+            strategies' default): their memory plan turns it on when the step (its other options decided for it)
+            would not fit the GPU with its pages there, off otherwise and on a CPU device; undecided (a bare
+            engine): off.
         hbm_budget: device bytes for pages (HBM-tier layers + staging buffers) when ``offload`` is on: an int, or
             ``"auto"``: the strategies decide it at setup from the memory plan (the device bytes left by weights,
             gradients, optimizer states and one chunk's activations and transients, less 5 % of the device); the
@@ -125,7 +133,7 @@ class OOMBConfig:
     layer_checkpointing: bool | str = False
     attention_backend: str = "auto"
     loss_block: int = 1024
-    offload: bool = False
+    offload: bool | str = False
     hbm_budget: int | str = "auto"
     staging_buffers: int = 4
     prefetch_depth: int | None = None
@@ -150,8 +158,8 @@ class OOMBConfig:
                 f"kv_grad_dtype={self.kv_grad_dtype!r} is not supported — use one of {[*sorted(GRAD_DTYPES), 'auto']}."
             )
         check_backend_name(self.attention_backend)
-        if not isinstance(self.offload, bool):
-            raise OOMBConfigError(f"offload={self.offload!r} must be True or False.")
+        if not isinstance(self.offload, bool) and self.offload != "auto":
+            raise OOMBConfigError(f"offload={self.offload!r} must be True, False or 'auto'.")
         if not isinstance(self.layer_checkpointing, bool) and self.layer_checkpointing != "auto":
             raise OOMBConfigError(
                 f"layer_checkpointing={self.layer_checkpointing!r} must be True, False or 'auto'."
@@ -209,6 +217,11 @@ class OOMBConfig:
         yet decided: none)."""
         reuse = self.reuse_attention
         return chunks if reuse is True else 0 if reuse == "auto" else min(int(reuse), chunks)
+
+    @property
+    def offloads(self) -> bool:
+        """Whether pages beyond ``hbm_budget`` live in host memory (``"auto"`` not yet decided: no)."""
+        return self.offload is True
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

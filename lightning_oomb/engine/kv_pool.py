@@ -130,7 +130,7 @@ def hbm_budget(config: OOMBConfig, device_type: str, free: Callable[[], tuple[in
     """The device bytes of the pool's pages at its first step (``None``: no limit — no offload, or ``"auto"`` off
     CUDA, where the device is host memory): the given ``hbm_budget``, or for ``"auto"`` the free device bytes less
     ``AUTO_HEADROOM`` of the device (``free() -> (free bytes, total bytes)``, asked only then)."""
-    if not config.offload:
+    if not config.offloads:
         return None
     if config.hbm_budget != "auto":
         return int(config.hbm_budget)
@@ -212,7 +212,7 @@ class KVPool:
     def _warn_no_effect(self, shape: PoolShape, device: torch.device) -> None:
         """Options that silently change nothing for this step say so, once per pool."""
         cfg = self.config
-        if cfg.offload and cfg.hbm_budget == "auto" and device.type != "cuda":
+        if cfg.offloads and cfg.hbm_budget == "auto" and device.type != "cuda":
             self._warn_once(
                 "offload",
                 f"offload=True has no effect on a {device.type} device: every page already lives in host memory "
@@ -298,7 +298,7 @@ class KVPool:
             smaller = needed * (kv_size + 2) // (kv_size + grad_size)
             ways.append(f"kv_grad_dtype='bfloat16' (needs {_gib(smaller)})")
         ways.append("a shorter context or a smaller batch")
-        offload = self.config.offload
+        offload = self.config.offloads
         if device is None:
             ways.append("a larger hbm_budget (more layers stay on the device)")
         elif device.type == "cuda" and offload:
@@ -406,7 +406,7 @@ class KVPool:
         ``prefetch_copies``/``demand_copies`` (host-to-device copies issued ahead of use / when needed)."""
         plan = self.plan
         out = {
-            "offload": self.config.offload,
+            "offload": self.config.offloads,
             "hbm_layers": len(plan.hbm_layers) if plan else 0,
             "host_layers": len(plan.host_layers) if plan else 0,
             "hbm_pool_bytes": self._hbm.nbytes if self._hbm else 0,

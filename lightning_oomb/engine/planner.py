@@ -1298,6 +1298,8 @@ def decide_auto(inputs, config: OOMBConfig, batch: int, seq_len: int, devices: i
 
     - ``kv_grad_dtype``: ``"float32"`` when the step (its other options decided for it) fits, else ``"bfloat16"``
       (16-bit K/V only) — exact sums are given up last;
+    - ``offload``: off when the step (its other options decided for it: e.g. layer checkpointing on) fits with its
+      pages on the GPU, else on (with ``hbm_budget="auto"``: the layers that fit stay on the GPU); off on a CPU;
     - ``layer_checkpointing``: off when the step (its other options decided for it: e.g. ``"float32-host"`` sums
       rather than one more pass through every layer) fits, else on;
     - ``grad_accumulation``: ``"float32-host"`` for one window of chunks without gradient accumulation (then
@@ -1318,6 +1320,11 @@ def decide_auto(inputs, config: OOMBConfig, batch: int, seq_len: int, devices: i
         return decide_auto(
             inputs, dataclasses.replace(config, kv_grad_dtype="bfloat16"), batch, seq_len, devices
         )
+    if config.offload == "auto":  # pages on the device, with the other options decided for it, if that fits
+        kept = decide_auto(inputs, dataclasses.replace(config, offload=False), batch, seq_len, devices)
+        if inputs.machine.device_type != "cuda" or _roomy(_plan(inputs, kept, batch, seq_len, devices)):
+            return kept
+        return decide_auto(inputs, dataclasses.replace(config, offload=True), batch, seq_len, devices)
     if config.layer_checkpointing == "auto":  # off, with the other options decided for it, if that fits
         off = decide_auto(
             inputs, dataclasses.replace(config, layer_checkpointing=False), batch, seq_len, devices
@@ -1382,7 +1389,7 @@ def _roomy(result: MemoryPlan) -> bool:
 
 def _budgeted(inputs, config: OOMBConfig, batch: int, seq_len: int, devices: int) -> OOMBConfig:
     machine = inputs.machine
-    if not (config.offload and config.hbm_budget == "auto" and machine.device_type == "cuda"):
+    if not (config.offloads and config.hbm_budget == "auto" and machine.device_type == "cuda"):
         return config
     rest = _plan(inputs, dataclasses.replace(config, hbm_budget=0), batch, seq_len, devices)
     others = rest.peak_device - rest.device["staging"]  # the budget holds the staging buffers too
@@ -1474,7 +1481,7 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
         shape, dtypes, batch, seq_len, config.chunk_size, ckpt, len(tiers.host_layers), config.mlp_tile
     )
     tokens = batch * min(config.chunk_size, seq_len)
-    parks = ckpt and config.offload and machine.device_type in parking.DEVICE_TYPES
+    parks = ckpt and config.offloads and machine.device_type in parking.DEVICE_TYPES
     if parks:  # the layers' inputs parked
         saved["layers"], host["parked_saves"] = parked_saves_bytes(shape, dtypes, tokens, pinned=True)
     activations = sum(saved.values())
@@ -1488,7 +1495,7 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     boundaries = max(math.ceil(seq_len / config.chunk_size) - 1, 0)
     carried = shape.carried_state_bytes(dtypes.compute) * batch * boundaries
     # in the host buffer; the device holds a chunk's leaves and their gradients
-    if config.offload and carried:
+    if config.offloads and carried:
         per_boundary = shape.carried_state_bytes(dtypes.compute) * batch
         host["carried_states"] = math.ceil(per_boundary / BOUNDARY_ALIGN) * BOUNDARY_ALIGN * boundaries
         carried = per_boundary * min(boundaries, 2)
@@ -1508,7 +1515,7 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     # the op's results (kept, parked, reused) are as wide as the pages (zero-padded heads: stored_head_dim)
     wide = dataclasses.replace(shape, head_dim=pool.head_dim)
     kept = kept_attention_bytes(wide, dtypes, tokens) if ckpt else 0
-    if ckpt and config.offload:  # parked in host memory until each layer's checkpoint recompute
+    if ckpt and config.offloads:  # parked in host memory until each layer's checkpoint recompute
         kept, host["kept_attention"] = parked_kept_bytes(wide, dtypes, tokens, machine.device_type == "cuda")
     sums, host["grad_sums"] = _grad_sums(inputs, config, math.ceil(seq_len / config.chunk_size))
     host["reused_attention"] = reused_attention_bytes(wide, dtypes, config, batch, seq_len, devices)
@@ -1774,7 +1781,7 @@ def _candidates(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int) -
     if inputs.machine.device_type == "cuda":
         offload = (
             []
-            if config.offload and config.hbm_budget == "auto"
+            if config.offloads and config.hbm_budget == "auto"
             else [{"offload": True, "hbm_budget": "auto"}]
         )
         shape = inputs.shape

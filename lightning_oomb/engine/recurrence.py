@@ -363,7 +363,7 @@ class OOMBEngine:
         states = None
         if getattr(model, "carries_states", False):
             check_carried_states(bounds, layout, batch_layout.doc_start)
-            host = self.host_states if self.config.offload else None
+            host = self.host_states if self.config.offloads else None
             states = CarriedStates(host=host, boundaries=len(bounds) - 1, batch=batch)
         return _Step(input_ids, targets, denominator, shape, backend, bounds, batch_layout.positions,
                      batch_layout.doc_start, floors, step_loss, sparse, layout, shared, states,
@@ -424,7 +424,7 @@ class OOMBEngine:
             step.floors[index],
             step.sparse,
             kept={} if sweep == "backward" else None,
-            park_kept=sweep == "backward" and self.config.offload and self._checkpointed(),
+            park_kept=sweep == "backward" and self.config.offloads and self._checkpointed(),
             states=states,
             results=self.results if sweep != "eval" and self.results.keeps(index) else None,
             index=index,
@@ -605,7 +605,7 @@ class OOMBEngine:
         """Where a chunk recompute's saved activations wait: under offload with layer checkpointing on a CUDA
         device in host memory (:class:`~lightning_oomb.engine.parking.ParkedSaves`), else where autograd keeps
         them."""
-        if self.config.offload and self._checkpointed() and device.type in parking.DEVICE_TYPES:
+        if self.config.offloads and self._checkpointed() and device.type in parking.DEVICE_TYPES:
             return parking.ParkedSaves(device)
         return contextlib.nullcontext()
 

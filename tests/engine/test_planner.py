@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import re
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import torch
 
 import lightning_oomb
 from lightning_oomb.engine import KVPool, OOMBConfig, OOMBConfigError, OOMBEngine, PoolShape, planner
+from lightning_oomb.engine.config import STRATEGY_DEFAULTS
 from lightning_oomb.engine.memory import SavedTensorMeter
 from lightning_oomb.engine.planner import Machine, ModelShape, OptimizerSpec, model_shape, plan
 from lightning_oomb.integrations.hf import HFChunkModel
@@ -813,6 +815,52 @@ def test_a_plain_dataloader_is_planned_at_its_first_batch_and_again_at_a_larger_
         trainer.fit(TinyLM(), train_dataloaders=shaped_batches((1, 40)))
     assert "training_step" in "".join(str(f.name) for f in err.traceback)
     assert strategy.engine.pool.shape is None  # refused before the engine ran the batch
+
+
+class LongData(SizedData):
+    seq_len = 160  # 10 chunks: the pages outweigh 4 staging buffers of a chunk
+
+
+def test_auto_offload_is_on_only_where_the_pages_do_not_fit_the_gpu(monkeypatch, caplog):
+    """``offload="auto"`` (the strategies' default): Qwen2.5-7B, bf16-true, AdamW on an H200 with 120 GiB of host
+    memory keeps its pages on the GPU at 32K and 256K and offloads at 1M, where they cannot all be on it; a CPU never
+    offloads, an undecided engine does not; the strategy decides it at setup (a tiny bf16 run on a GPU the plan is
+    told of, between the step's needs with and without offload), and the step streams pages through host memory."""
+    h200 = Machine("cuda", int(139.8 * 2**30), 120 * 2**30)
+    defaults = OOMBConfig(**STRATEGY_DEFAULTS)
+    for tokens, want in ((1 << 15, False), (1 << 18, False), (1 << 20, True)):
+        result = plan(qwen2_5_7b_config(), tokens, 1, defaults, "bf16-true", "adamw", h200)
+        assert result.fits and result.config.offload is want
+    on_gpu = plan(qwen2_5_7b_config(), 1 << 20, 1, dataclasses.replace(defaults, offload=False), "bf16-true",
+                  "adamw", h200)  # fmt: skip
+    assert not on_gpu.fits and "offload=True" in on_gpu.refusal()
+    assert (
+        plan(qwen2_5_7b_config(), 1 << 20, 1, defaults, "bf16-true", "adamw", "cpu").config.offload is False
+    )
+    assert not defaults.offloads and OOMBConfig(offload=True).offloads
+    model = TinyLM().model.bfloat16()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    fixed = dict(chunk_size=16, page_size=8, layer_checkpointing=True, grad_accumulation="float32",
+                 kv_grad_dtype="float32", reuse_attention=False)  # fmt: skip
+    peaks = [plan(model, 160, 2, OOMBConfig(**fixed, offload=o, hbm_budget=0), "bf16-true", optimizer,
+                  Machine("cuda", 1 << 40, 1 << 40)).peak_device for o in (False, True)]  # fmt: skip
+    assert peaks[1] < peaks[0]
+    # room for the offloaded step with an HBM tier of the staging buffers and 8 KiB: no layer (the CPU run's pages
+    # are 8 wide, a GPU's 16: the plan for a GPU counts twice the bytes per layer)
+    monkeypatch.setattr(
+        planner.Machine, "local", gpu_of(math.ceil((peaks[1] + 8192) / (1 - planner.PLANNED_HEADROOM)))
+    )
+    host_layers = []
+    record = L.Callback()
+    record.on_train_batch_end = lambda trainer, *_: host_layers.append(
+        trainer.strategy.engine.pool.stats()["host_layers"]
+    )
+    strategy = lightning_oomb.OOMBStrategy(verify_exactness=False, **fixed)
+    trainer = make_trainer(strategy, steps=1, limit_val_batches=0, precision="bf16-true", callbacks=[record])
+    with caplog.at_level("INFO"):
+        trainer.fit(TinyLM(), datamodule=LongData())
+    assert "decided offload=True" in caplog.text and trainer.global_step == 1
+    assert strategy.engine.config.offloads and host_layers == [2]
 
 
 def test_a_nodes_processes_share_its_host_memory_and_the_most_micro_batches_count():

@@ -91,7 +91,11 @@ def test_offload_callback_logs_the_traffic_of_the_strategys_streams():
 @pytest.mark.parametrize(
     ("strategy", "callbacks", "match"),
     [
-        (oomb, [OOMBOffload()], r"OOMBStrategy\(offload=True\).*or log with OOMBMonitor"),
+        (
+            lambda: oomb(offload=False),
+            [OOMBOffload()],
+            r"OOMBStrategy\(offload=True\).*or log with OOMBMonitor",
+        ),
         (offloading, [OOMBOffload(), OOMBMonitor()], "keep only OOMBOffload"),
     ],
 )
