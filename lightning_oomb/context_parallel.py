@@ -191,7 +191,8 @@ class OOMBContextParallelStrategy(_OOMBStrategyMixin, DDPStrategy):
         super().setup(trainer)
         self._agreeing(self._check_memory_plan, trainer)
 
-    def _agreeing(self, check, *args) -> None:
+    @override
+    def _agreeing(self, check, *args, when: str = "at setup") -> None:
         """Run ``check`` on every rank; if it refused (or failed) on any, every rank raises, naming the rank (no rank
         goes on into a collective the others never join): a refusal as ``OOMBConfigError``; a failure as itself on
         its rank, as ``RuntimeError`` on the others."""
@@ -211,7 +212,7 @@ class OOMBContextParallelStrategy(_OOMBStrategyMixin, DDPStrategy):
         rank, (kind, text) = failed[0]
         if kind == OOMBConfigError.__name__:
             raise OOMBConfigError(f"rank {rank}: {text}")
-        raise RuntimeError(f"rank {rank} failed at setup: {kind}: {text}")
+        raise RuntimeError(f"rank {rank} failed {when}: {kind}: {text}")
 
     @override
     def configure_ddp(self) -> None:

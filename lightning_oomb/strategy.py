@@ -142,10 +142,13 @@ class _OOMBStrategyMixin:
         if sizes:
             self._plan_steps(self.lightning_module.trainer, sizes_now)
         else:
-            self._agreeing(self._plan_steps, self.lightning_module.trainer, sizes_now)
+            self._agreeing(
+                self._plan_steps, self.lightning_module.trainer, sizes_now, when="planning the first batch"
+            )
 
-    def _agreeing(self, check, *args) -> None:
-        """Run ``check`` (one device: nothing to agree on; ``oomb_cp`` makes every rank refuse if one does)."""
+    def _agreeing(self, check, *args, when: str = "at setup") -> None:
+        """Run ``check`` (one device: nothing to agree on; ``oomb_cp`` makes every rank refuse if one does, naming
+        the rank and ``when``)."""
         check(*args)
 
     def _plan_steps(self, trainer, sizes: list[tuple[int, int]]) -> None:
