@@ -35,7 +35,8 @@ and copies (``lightning_oomb.engine.step_time``, the planner's model) at rates c
 far; a row that would not fit what is left is skipped with the reason. The smoke run: ``--tiny --device cpu``.
 
 The summary fits the step rates of this device (matmul and attention FLOP/s, by least squares over the dense
-OOMB rows without offload; host-device bytes/s from a timed pinned copy) and writes them to ``summary.json``
+OOMB rows without offload; host-device bytes/s from a timed pinned copy; host memory bytes/s of float32-host's adds
+from a timed float32 += bf16 add) and writes them to ``summary.json``
 (``step_rates``) with each row's planned step time at them next to its measured one: the entry for
 ``lightning_oomb.engine.planner.MEASURED_STEP_RATES``.
 
@@ -49,6 +50,7 @@ import dataclasses
 import gc
 import glob
 import json
+import math
 import statistics
 import sys
 import time
@@ -78,7 +80,7 @@ from benchmarks.common import (
 )
 from lightning_oomb.engine import OOMBConfig
 from lightning_oomb.engine.planner import model_shape, parked_bytes, precision_dtypes
-from lightning_oomb.engine.step_time import StepRates, copy_bytes, step_flops, step_time
+from lightning_oomb.engine.step_time import StepRates, copy_bytes, host_sum_bytes, step_flops, step_time
 
 GB = 1e9
 PARTS = ("compare", "reduced", "summary")
@@ -230,8 +232,8 @@ class Clock:
     ) -> tuple[float, float]:
         """(compute, copies) seconds of one step at the nominal rates."""
         host_layers = scale.config(row.layers).num_hidden_layers - (row.device_layers or 0)
-        flops, copies = row_work(scale, row.layers, tokens, config, host_layers)
-        return step_time(*flops, 0.0, self.rates), copies / self.rates.copy_bytes
+        flops, copies, summed = row_work(scale, row.layers, tokens, config, host_layers)
+        return step_time(*flops, 0.0, self.rates, summed), copies / self.rates.copy_bytes
 
     def predict(self, row: Row, scale: Scale, tokens: int, config, host_bytes: int) -> float:
         compute, copies = self.nominal_s(row, scale, tokens, config)
@@ -246,22 +248,29 @@ class Clock:
 
 def row_work(
     scale: Scale, layers: int | None, tokens: int, config: OOMBConfig | None, host_layers: int = 0
-) -> tuple[tuple[float, float], float]:
-    """``((matmul, attention) FLOPs, copied bytes)`` of one step on ``layers`` decoder layers (the planner's model;
-    ``config``: ``None`` for the reference, checkpointed as the benchmark runs it)."""
+) -> tuple[tuple[float, float], float, tuple[float, float]]:
+    """``((matmul, attention) FLOPs, copied bytes, float32-host's flushed bytes)`` of one step on ``layers`` decoder
+    layers (the planner's model, every parameter bf16 and trainable; ``config``: ``None`` for the reference,
+    checkpointed as the benchmark runs it)."""
     shape = model_shape(scale.config(layers))
     reference = config is None
     config = config or OOMBConfig(scale.chunk, scale.page, layer_checkpointing=True)
     flops = step_flops(shape, tokens, config, reference=reference)
+    chunks = math.ceil(tokens / config.chunk_size)
+    summed = (
+        host_sum_bytes(chunks, False, shape.parameter_count() - shape.vector_params())
+        if not reference and config.grad_summing(chunks, False) == "float32-host"
+        else (0.0, 0.0)
+    )
     if reference or not config.offloads:
-        return flops, 0.0
+        return flops, 0.0, summed
     kv = 2 * shape.kv_heads * shape.head_dim * 2  # bf16 K and V per token (the GPU's dtype)
     grad = kv * (1 if config.kv_grad_dtype == "bfloat16" else 2)
     chunk = min(config.chunk_size, tokens)
     parked = (
         parked_bytes(shape, precision_dtypes("bf16-true"), chunk) if config.layer_checkpointing is True else 0
     )
-    return flops, copy_bytes(tokens, config, host_layers, kv, grad, parked)
+    return flops, copy_bytes(tokens, config, host_layers, kv, grad, parked), summed
 
 
 # ------------------------------------------------------------------------------------------------- parts
@@ -827,16 +836,16 @@ def fit_rates(scale: Scale, rows: list[dict], device: torch.device) -> dict | No
         factor = float((unit @ seconds.flatten()) / (unit @ unit))
         inverse = [factor / nominal.dense_flops, factor / nominal.attention_flops]
         fit = "one factor on the nominal rates"
-    rates = StepRates(1 / inverse[0], 1 / inverse[1], copy_rate(device))
+    rates = StepRates(1 / inverse[0], 1 / inverse[1], copy_rate(device), host_add_rate(device))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     planned = [{"role": r["role"], "layers": r["layers"], "context": r["context"], "measured_s": r["step_s"],
-                "planned_s": step_time(*row_flops, row_copies, rates)}
-               for r, (row_flops, row_copies) in zip(measured, work)]  # fmt: skip
-    copies = "a timed pinned copy" if device.type == "cuda" else "nominal"
+                "planned_s": step_time(*row_flops, row_copies, rates, row_summed)}
+               for r, (row_flops, row_copies, row_summed) in zip(measured, work)]  # fmt: skip
+    copies = "a timed pinned copy and host add" if device.type == "cuda" else "nominal"
     return {"device": name, **dataclasses.asdict(rates), "fit": fit, "copies": copies, "fitted_rows": len(dense),
             "rows": planned,
             "entry": f"MEASURED_STEP_RATES[{name!r}] = StepRates({rates.dense_flops:.3g}, "
-                     f"{rates.attention_flops:.3g}, {rates.copy_bytes:.3g})"}  # fmt: skip
+                     f"{rates.attention_flops:.3g}, {rates.copy_bytes:.3g}, {rates.host_bytes:.3g})"}  # fmt: skip
 
 
 def rates_table(rates: dict | None) -> list[str]:
@@ -863,6 +872,20 @@ def copy_rate(device: torch.device, size: int = 1 << 30, repeats: int = 3) -> fl
         host.copy_(on_device, non_blocking=True)
     torch.cuda.synchronize(device)
     return 2 * repeats * size / (time.perf_counter() - start)
+
+
+def host_add_rate(device: torch.device, elements: int = 1 << 28, repeats: int = 3) -> float:
+    """Host memory bytes/s of ``float32-host``'s add (a float32 sum += a pinned bf16 window: 10 bytes an element);
+    nominal off CUDA (a CPU run has no host sums to time against a GPU's)."""
+    if device.type != "cuda":
+        return NOMINAL["cpu"].host_bytes
+    total = torch.zeros(elements, dtype=torch.float32)
+    window = torch.ones(elements, dtype=torch.bfloat16, pin_memory=True)
+    total.add_(window)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        total.add_(window)
+    return 10 * repeats * elements / (time.perf_counter() - start)
 
 
 def summary(args, scale: Scale, device: torch.device) -> int:

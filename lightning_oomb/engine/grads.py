@@ -42,6 +42,14 @@ def one_window(chunks: int, accumulating: bool) -> bool:
     return chunks <= HOST_FLUSH_CHUNKS and not accumulating
 
 
+def host_flushes(chunks: int, accumulating: bool, every: int = HOST_FLUSH_CHUNKS) -> int:
+    """Flushes of a ``float32-host`` sweep of ``chunks`` chunks (:class:`HostGradSums`): the earlier micro-batches'
+    ``.grad`` first (``accumulating``), one per window of ``every`` chunks that more chunks follow, and — if any of
+    those — the last window when the sweep ends (which then also writes the sums back into ``.grad``)."""
+    flushed = (chunks - 1) // every + accumulating
+    return flushed + 1 if flushed else 0
+
+
 def earlier_sums(params: list[torch.Tensor]) -> tuple[bool, list[tuple[torch.Tensor, torch.Tensor]]]:
     """Whether a ``.grad`` of ``params`` holds an earlier micro-batch's sum, and the ``(parameter, zeros)`` whose
     all-zero ``.grad`` (``zero_grad(set_to_none=False)``) holds none and was set to ``None`` (adding it changes

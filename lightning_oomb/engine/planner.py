@@ -137,7 +137,7 @@ from lightning_oomb.engine.pages import GRAD_DTYPES, PoolShape, arena_bytes
 from lightning_oomb.engine.reference import KEY_BLOCK
 from lightning_oomb.engine.results import result_slot_bytes
 from lightning_oomb.engine.states import BOUNDARY_ALIGN
-from lightning_oomb.engine.step_time import StepRates, copy_bytes, step_flops, step_time
+from lightning_oomb.engine.step_time import StepRates, copy_bytes, host_sum_bytes, step_flops, step_time
 from lightning_oomb.engine.user_hooks import gradient_hooks
 
 # measured step rates per device kind ("nvidia-h200": {"attention_flops": ..., "dense_flops": ..., "h2d_bytes": ...});
@@ -1563,7 +1563,13 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
         kv, grad = (pool.page_bytes(part) / config.page_size for part in ("kv", "grad"))
         parked = parked_bytes(shape, dtypes, tokens) if parks else 0
         copies = copy_bytes(seq_len, config, len(tiers.host_layers), kv, grad, parked)
-        result.step_time_s = step_time(dense, attention, copies, machine.rates)
+        chunks = math.ceil(seq_len / config.chunk_size)
+        summed = (
+            host_sum_bytes(chunks, inputs.accumulating, _half_elements(inputs)[1])
+            if config.grad_summing(chunks, inputs.accumulating) == "float32-host"
+            else (0.0, 0.0)
+        )
+        result.step_time_s = step_time(dense, attention, copies, machine.rates, summed)
     return result
 
 

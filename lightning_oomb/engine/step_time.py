@@ -18,7 +18,9 @@ query of a sliding-window layer sees at most ``window`` keys; in a sparse step (
 
 **Time** (:func:`step_time`): the compute time at the rates — matmul FLOPs / ``dense_flops`` + attention FLOPs /
 ``attention_flops`` — or the offload copies' time (bytes / ``copy_bytes``) where that is longer: the offload
-schedule overlaps copies with compute. Host work of ``grad_accumulation="float32-host"`` is not counted.
+schedule overlaps copies with compute. ``grad_accumulation="float32-host"``'s flushes stop the compute while they
+run (:func:`host_sum_bytes`): each takes its copies' time or its host adds' (bytes of host memory read and written
+/ ``host_bytes``), whichever is longer — the staging slabs overlap the two.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Protocol
 import torch
 
 from lightning_oomb.engine.config import OOMBConfig
+from lightning_oomb.engine.grads import host_flushes
 
 
 class ModelShape(Protocol):
@@ -54,11 +57,13 @@ ATTENTION_BACKWARD = 2.5  # an attention backward in forwards (FlashAttention's 
 @dataclass(frozen=True)
 class StepRates:
     """Measured rates of one device kind: ``dense_flops`` (matmuls) and ``attention_flops`` per second inside a
-    training step, ``copy_bytes`` per second between host and device (each way)."""
+    training step, ``copy_bytes`` per second between host and device (each way), ``host_bytes`` per second of host
+    memory traffic in ``float32-host``'s adds (a nominal 20 GB/s where not measured)."""
 
     dense_flops: float
     attention_flops: float
     copy_bytes: float
+    host_bytes: float = 2e10
 
 
 def step_flops(
@@ -147,6 +152,21 @@ def copy_bytes(
     return host_layers * per_layer + 2 * chunks * parked
 
 
-def step_time(dense: float, attention: float, copies: float, rates: StepRates) -> float:
-    """Seconds of a step of ``dense`` matmul and ``attention`` FLOPs moving ``copies`` bytes (the module docstring)."""
-    return max(dense / rates.dense_flops + attention / rates.attention_flops, copies / rates.copy_bytes)
+def host_sum_bytes(chunks: int, accumulating: bool, matrix_elements: int) -> tuple[float, float]:
+    """``(bytes copied between device and host, bytes of host memory read and written)`` by ``float32-host``'s
+    flushes in a sweep of ``chunks`` chunks (:func:`~lightning_oomb.engine.grads.host_flushes`) summing
+    ``matrix_elements`` 16-bit elements: per flush each element's 2 bytes copied out, read and added into a float32
+    sum (4 read, 4 written); once at the end each sum read, rounded and copied back (4 + 2, 2)."""
+    flushes = host_flushes(chunks, accumulating)
+    if not flushes:
+        return 0.0, 0.0
+    return matrix_elements * (2 * flushes + 2), matrix_elements * (10 * flushes + 6)
+
+
+def step_time(
+    dense: float, attention: float, copies: float, rates: StepRates, summed: tuple[float, float] = (0.0, 0.0)
+) -> float:
+    """Seconds of a step of ``dense`` matmul and ``attention`` FLOPs moving ``copies`` bytes, with ``summed``
+    (:func:`host_sum_bytes`) of ``float32-host``'s flushes (the module docstring)."""
+    compute = max(dense / rates.dense_flops + attention / rates.attention_flops, copies / rates.copy_bytes)
+    return compute + max(summed[0] / rates.copy_bytes, summed[1] / rates.host_bytes)

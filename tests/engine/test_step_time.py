@@ -119,6 +119,24 @@ def test_the_plan_predicts_a_step_time_only_at_measured_rates():
     assert "step" in planned.summary()
 
 
+def test_host_gradient_sums_count_their_flushes_in_the_step_time():
+    """``float32-host`` stops the compute for each flush: 40 chunks in windows of 16 flush 3 times (two windows more
+    chunks follow, then the last) and write back once, so the planned time grows by the copies' time or the host
+    adds', whichever is longer, over the model's 16-bit matrix elements (counted here); 16 chunks flush nothing."""
+    model = build_causal_lm("qwen2", dtype=torch.bfloat16)
+    matrices = sum(p.numel() for p in model.parameters() if p.dim() >= 2)
+    copies_bound = StepRates(1e30, 1e30, copy_bytes=1e6, host_bytes=1e9)
+    adds_bound = StepRates(1e30, 1e30, copy_bytes=1e9, host_bytes=1e6)
+    for rates, chunks, want in ((copies_bound, 40, matrices * (2 * 3 + 2) / 1e6),
+                                (adds_bound, 40, matrices * (10 * 3 + 6) / 1e6), (adds_bound, 16, 0.0)):  # fmt: skip
+        times = [
+            plan(model, 8 * chunks, 1, OOMBConfig(8, 8, grad_accumulation=way), "bf16-true", None,
+                 Machine("cuda", 1 << 40, 1 << 40, rates=rates)).step_time_s
+            for way in ("native", "float32-host")
+        ]  # fmt: skip
+        assert times[1] - times[0] == pytest.approx(want, abs=1e-9)
+
+
 def test_parked_chunks_count_in_the_copies():
     """Offload with layer checkpointing on a GPU parks each chunk's kept attention results and layer inputs in host
     memory, out and back: the planned copies grow by twice those bytes per chunk (the bytes a CPU run parks when
