@@ -79,14 +79,13 @@ from benchmarks.common import (
     write_json,
 )
 from lightning_oomb.engine import OOMBConfig
-from lightning_oomb.engine.planner import model_shape, parked_bytes, precision_dtypes
+from lightning_oomb.engine.planner import NOMINAL_STEP_RATES, model_shape, parked_bytes, precision_dtypes
 from lightning_oomb.engine.step_time import StepRates, copy_bytes, host_sum_bytes, step_flops, step_time
 
 GB = 1e9
 PARTS = ("compare", "reduced", "summary")
 # nominal rates that predict the first row; later rows use the ratio measured/nominal of the rows before them
 # (compute only; copies overlap it, so a row takes the larger)
-NOMINAL = {"cuda": StepRates(5e14, 3e14, 2.5e10), "cpu": StepRates(2e10, 5e9, 5e9)}
 PIN_BYTES_PER_S = (
     4e9  # cudaHostRegister of a host tier (pages faulted in and locked), for the prediction only
 )
@@ -221,7 +220,7 @@ class Clock:
 
     def __init__(self, budget_s: float, device: torch.device):
         self.start, self.budget = time.monotonic(), budget_s
-        self.rates = NOMINAL["cuda" if device.type == "cuda" else "cpu"]
+        self.rates = NOMINAL_STEP_RATES["cuda" if device.type == "cuda" else "cpu"]
         self.ratios: list[float] = []
 
     def left(self) -> float:
@@ -829,7 +828,7 @@ def fit_rates(scale: Scale, rows: list[dict], device: torch.device) -> dict | No
     fit = "matmul and attention rates, least squares"
     # the rows cannot tell matmuls from attention: one factor on the nominal rates' ratio
     if min(inverse) <= 0:
-        nominal = NOMINAL[device.type if device.type == "cuda" else "cpu"]
+        nominal = NOMINAL_STEP_RATES[device.type if device.type == "cuda" else "cpu"]
         unit = flops @ torch.tensor(
             [1 / nominal.dense_flops, 1 / nominal.attention_flops], dtype=torch.float64
         )
@@ -861,7 +860,7 @@ def rates_table(rates: dict | None) -> list[str]:
 def copy_rate(device: torch.device, size: int = 1 << 30, repeats: int = 3) -> float:
     """Host-device bytes/s each way: a pinned buffer copied to the device and back (nominal off CUDA)."""
     if device.type != "cuda":
-        return NOMINAL["cpu"].copy_bytes
+        return NOMINAL_STEP_RATES["cpu"].copy_bytes
     host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
     on_device = torch.empty_like(host, device=device)
     on_device.copy_(host)
@@ -878,7 +877,7 @@ def host_add_rate(device: torch.device, elements: int = 1 << 28, repeats: int = 
     """Host memory bytes/s of ``float32-host``'s add (a float32 sum += a pinned bf16 window: 10 bytes an element);
     nominal off CUDA (a CPU run has no host sums to time against a GPU's)."""
     if device.type != "cuda":
-        return NOMINAL["cpu"].host_bytes
+        return NOMINAL_STEP_RATES["cpu"].host_bytes
     total = torch.zeros(elements, dtype=torch.float32)
     window = torch.ones(elements, dtype=torch.bfloat16, pin_memory=True)
     total.add_(window)

@@ -22,12 +22,18 @@ from benchmarks.common import GIB, write_json
 from lightning_oomb import plan
 from lightning_oomb.engine import OOMBConfig
 from lightning_oomb.engine.config import STRATEGY_DEFAULTS
-from lightning_oomb.engine.planner import Machine, model_shape, parked_bytes, precision_dtypes
-from lightning_oomb.engine.step_time import StepRates, copy_bytes, step_flops, step_time
+from lightning_oomb.engine.planner import (
+    NOMINAL_STEP_RATES,
+    Machine,
+    model_shape,
+    parked_bytes,
+    precision_dtypes,
+)
+from lightning_oomb.engine.step_time import copy_bytes, step_flops, step_time
 from lightning_oomb.models import qwen2_5_7b_config
 
 MACHINE = Machine("cuda", int(139.8 * GIB), 120 * GIB)
-RATES = StepRates(5e14, 3e14, 2.5e10)
+RATES = NOMINAL_STEP_RATES["cuda"]  # 500 TFLOP/s matmuls, 300 attention, 25 GB/s copies
 HF_32K_S, HF_32K_GIB = 5.16, 77.0  # HF + SDPA + checkpointing on an H200, measured (docs/design.md section 4)
 K = 1024
 BASE = OOMBConfig(4096, 128, layer_checkpointing=True)

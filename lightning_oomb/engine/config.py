@@ -28,8 +28,8 @@ STRATEGY_DEFAULTS = {
 class OOMBConfig:
     """Options of the OOMB engine. The strategies, which plan each run's memory (at setup for a datamodule's
     ``seq_len``, else at the first training batch), default ``kv_grad_dtype``, ``layer_checkpointing``,
-    ``offload`` and ``reuse_attention`` to ``"auto"`` (the fastest choice that fits, decided by the plan and logged); the engine
-    alone, with no plan, defaults them to fixed choices.
+    ``offload`` and ``reuse_attention`` to ``"auto"`` (the fastest choice that fits, decided by the plan and
+    logged); the engine alone, with no plan, defaults them to fixed choices.
 
     Args:
         chunk_size: tokens processed together (``C``); activation memory scales with it, not with the sequence
@@ -43,9 +43,10 @@ class OOMBConfig:
         layer_checkpointing: also checkpoint each decoder layer inside a chunk's recompute: a chunk's activations
             shrink to each layer's input (plus its attention output, kept so the attention is not recomputed), at
             the price of one more pass through each layer's other parts. ``"auto"`` (the strategies' default): on
-            when the memory plan (:func:`lightning_oomb.plan`) says the step would not fit without it, off
-            otherwise (the strategies decide at setup from the datamodule's ``seq_len``; without one, at the first
-            training batch).
+            when the memory plan (:func:`lightning_oomb.plan`) says the step would not fit without it, or that it
+            would fit only with ``"float32-host"`` sums whose flushes its step-time model predicts slower than the
+            extra pass, off otherwise (the strategies decide at setup from the datamodule's ``seq_len``; without
+            one, at the first training batch).
             ``True`` turns the model's checkpointing on (e.g. ``HFChunkModel.layer_checkpointing``) when the engine
             is made; ``False`` (the engine's default) leaves the model's own choice, as does an undecided
             ``"auto"`` in a bare engine.
@@ -66,8 +67,8 @@ class OOMBConfig:
         hbm_budget: device bytes for pages (HBM-tier layers + staging buffers) when ``offload`` is on: an int, or
             ``"auto"``: the strategies decide it at setup from the memory plan (the device bytes left by weights,
             gradients, optimizer states and one chunk's activations and transients, less 5 % of the device); the
-            engine alone takes the free device memory at the first step minus a quarter of the device. Whole layers are placed; a budget below the staging buffers puts every
-            layer on the host.
+            engine alone takes the free device memory at the first step minus a quarter of the device. Whole layers
+            are placed; a budget below the staging buffers puts every layer on the host.
         staging_buffers: device buffers of one block each — one chunk's K, V, dK, dV pages of one layer,
             ``2 * batch * chunk_size * kv_heads * head_dim * (kv itemsize + grad itemsize)`` bytes (24 MiB for
             Qwen2.5-7B at chunk 4096) — through which host-tier layers stream; at least 2 (the chunk's own block

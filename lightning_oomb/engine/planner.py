@@ -144,6 +144,12 @@ from lightning_oomb.engine.user_hooks import gradient_hooks
 # per device name (torch.cuda.get_device_name()): rates benchmarks/run_gpu.sh measured (its summary.json's
 # "step_rates"); empty until a GPU run is recorded
 MEASURED_STEP_RATES: Mapping[str, StepRates] = {}
+# rates the "auto" decisions compare choices' step times at where a device has none measured (an H100/H200-class
+# GPU's bf16 matmuls and attention, PCIe 5 copies; two CPU cores)
+NOMINAL_STEP_RATES: Mapping[str, StepRates] = {
+    "cuda": StepRates(5e14, 3e14, 2.5e10, 2e10),
+    "cpu": StepRates(2e10, 5e9, 5e9, 5e9),
+}
 
 PLANNED_HEADROOM = (
     0.05  # a planned hbm_budget="auto" leaves this share of the device (allocator, CUDA context)
@@ -1301,7 +1307,8 @@ def decide_auto(inputs, config: OOMBConfig, batch: int, seq_len: int, devices: i
     - ``offload``: off when the step (its other options decided for it: e.g. layer checkpointing on) fits with its
       pages on the GPU, else on (with ``hbm_budget="auto"``: the layers that fit stay on the GPU); off on a CPU;
     - ``layer_checkpointing``: off when the step (its other options decided for it: e.g. ``"float32-host"`` sums
-      rather than one more pass through every layer) fits, else on;
+      rather than one more pass through every layer) fits, unless the step on (its options decided for it) fits too
+      and is predicted faster (:func:`_faster`: ``"float32-host"``'s flushes can outweigh the extra pass), else on;
     - ``grad_accumulation``: ``"float32-host"`` for one window of chunks without gradient accumulation (then
       free), else ``"float32"`` when the step fits with it, else ``"float32-host"`` on a GPU when that fits;
     - ``hbm_budget`` (under offload on a CUDA device): the device bytes the rest of the step leaves (every term of
@@ -1325,13 +1332,15 @@ def decide_auto(inputs, config: OOMBConfig, batch: int, seq_len: int, devices: i
         if inputs.machine.device_type != "cuda" or _roomy(_plan(inputs, kept, batch, seq_len, devices)):
             return kept
         return decide_auto(inputs, dataclasses.replace(config, offload=True), batch, seq_len, devices)
-    if config.layer_checkpointing == "auto":  # off, with the other options decided for it, if that fits
-        off = decide_auto(
-            inputs, dataclasses.replace(config, layer_checkpointing=False), batch, seq_len, devices
+    if (
+        config.layer_checkpointing == "auto"
+    ):  # off, with the other options decided for it, if it fits and is faster
+        off, on = (
+            decide_auto(inputs, dataclasses.replace(config, layer_checkpointing=c), batch, seq_len, devices)
+            for c in (False, True)
         )
-        if _roomy(_plan(inputs, off, batch, seq_len, devices)):
-            return off
-        config = dataclasses.replace(config, layer_checkpointing=True)
+        fits = _roomy(_plan(inputs, off, batch, seq_len, devices))
+        return off if fits and not _faster(inputs, on, off, batch, seq_len, devices) else on
     if config.grad_accumulation == "auto" and any(_half_elements(inputs)):  # else nothing to sum: left "auto"
         config = dataclasses.replace(
             config, grad_accumulation=_summing(inputs, config, batch, seq_len, devices)
@@ -1352,6 +1361,17 @@ def decide_auto(inputs, config: OOMBConfig, batch: int, seq_len: int, devices: i
             lo, hi = (mid, hi) if room(mid) else (lo, mid - 1)
         config = dataclasses.replace(config, reuse_attention=lo or False)
     return config
+
+
+def _faster(inputs, a: OOMBConfig, b: OOMBConfig, batch: int, seq_len: int, devices: int) -> bool:
+    """Whether step ``a`` fits with room to spare and is predicted faster than ``b`` (the step-time model at the
+    machine's measured rates, else at ``NOMINAL_STEP_RATES``; no step time under context parallelism: no)."""
+    machine = inputs.machine
+    rates = machine.rates or NOMINAL_STEP_RATES.get(machine.device_type, NOMINAL_STEP_RATES["cpu"])
+    timed = dataclasses.replace(inputs, machine=dataclasses.replace(machine, rates=rates))
+    first, second = (_plan(timed, c, batch, seq_len, devices) for c in (a, b))
+    times = (first.step_time_s, second.step_time_s)
+    return _roomy(first) and None not in times and times[0] < times[1]
 
 
 def _spare_for_results(result: MemoryPlan) -> int:

@@ -721,14 +721,16 @@ def test_auto_gradient_sums_are_decided_at_setup(monkeypatch, caplog):
     roomy = (peaks[0] + peaks[1]) / 2 / (1 - planner.PLANNED_HEADROOM)  # an "auto" choice leaves the headroom
     for device_bytes, want in ((int(roomy), "float32-host"), (1 << 40, "float32")):
         monkeypatch.setattr(planner.Machine, "local", gpu_of(device_bytes))
-        strategy = lightning_oomb.OOMBStrategy(chunk_size=16, page_size=8, verify_exactness=False)
+        # checkpointing stays off (on, float32 sums would fit and the step-time model finds that faster here)
+        strategy = lightning_oomb.OOMBStrategy(chunk_size=16, page_size=8, verify_exactness=False,
+                                               layer_checkpointing=False)  # fmt: skip
         trainer = make_trainer(strategy, steps=1, limit_val_batches=0, precision="bf16-true",
                                accumulate_grad_batches=2)  # fmt: skip
         with caplog.at_level("INFO"):
             trainer.fit(TinyLM(), datamodule=TwoBatches())
         assert strategy.engine.config.grad_accumulation == want and trainer.global_step == 1
         assert "OOMB memory plan: 2 x 40 tokens, bf16-true" in caplog.text
-        assert "fits; decided kv_grad_dtype='float32', layer_checkpointing=False" in caplog.text
+        assert "fits; decided kv_grad_dtype='float32', offload=False" in caplog.text
         assert f"grad_accumulation='{want}'" in caplog.text
         caplog.clear()
         # the second micro-batch's sweep: the first one's .grad to the host sums, then its one window added there
@@ -815,6 +817,25 @@ def test_a_plain_dataloader_is_planned_at_its_first_batch_and_again_at_a_larger_
         trainer.fit(TinyLM(), train_dataloaders=shaped_batches((1, 40)))
     assert "training_step" in "".join(str(f.name) for f in err.traceback)
     assert strategy.engine.pool.shape is None  # refused before the engine ran the batch
+
+
+def test_auto_checkpointing_weighs_host_sums_flushes_against_the_extra_pass():
+    """Qwen2.5-7B with AdamW at 256K on an H200 fits without layer checkpointing only with ``float32-host`` sums,
+    whose flushes (4, of 15 GB out and 76 GB of host adds each) the step-time model finds slower at the nominal
+    rates than checkpointing's extra pass with float32 sums on the GPU: ``"auto"`` turns checkpointing on; on a
+    machine whose host adds are 100x faster, off."""
+    config = OOMBConfig(**STRATEGY_DEFAULTS)
+    decided = {}
+    for host_rate in (None, 100 * planner.NOMINAL_STEP_RATES["cuda"].host_bytes):
+        rates = (
+            None
+            if host_rate is None
+            else dataclasses.replace(planner.NOMINAL_STEP_RATES["cuda"], host_bytes=host_rate)
+        )
+        machine = Machine("cuda", int(139.8 * 2**30), 120 * 2**30, rates=rates)
+        result = plan(qwen2_5_7b_config(), 1 << 18, 1, config, "bf16-true", "adamw", machine)
+        decided[host_rate] = (result.config.layer_checkpointing, result.config.grad_accumulation, result.fits)
+    assert list(decided.values()) == [(True, "float32", True), (False, "float32-host", True)]
 
 
 class LongData(SizedData):
