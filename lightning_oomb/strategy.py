@@ -91,9 +91,9 @@ class _OOMBStrategyMixin:
 
     # ---- memory plan at setup, or at the first training batch (lightning_oomb.engine.planner) -------------------
     _plan_memory: bool = True
-    _planned_sizes: list[tuple[int, int]] | None = (
-        None  # the (seq_len, batch) planned for; None: no plan made
-    )
+    # the (seq_len, batch) shapes planned for (None: no plan is made), on the machine read at setup
+    _planned_sizes: list[tuple[int, int]] | None = None
+    _machine: Machine | None = None
 
     def _check_memory_plan(self, trainer) -> None:
         """Refuse, before the first step allocates anything of OOMB's, a fit whose step cannot fit the device.
@@ -134,17 +134,20 @@ class _OOMBStrategyMixin:
         the first such batch is planned on every rank at once (``oomb_cp``: all refuse together)."""
         sizes = self._planned_sizes
         shape = (input_ids.shape[-1], input_ids.shape[0])
-        if sizes is None or any(shape[0] <= n and shape[1] <= b for n, b in sizes):
+
+        def covers(big: tuple[int, int], small: tuple[int, int]) -> bool:
+            return small[0] <= big[0] and small[1] <= big[1]
+
+        if sizes is None or any(covers(s, shape) for s in sizes):
             return
-        others = [s for s in sizes if not (s[0] <= shape[0] and s[1] <= shape[1])]  # those it does not cover
-        main = max(others[-1:] + [shape], key=lambda s: (s[0] * s[1], s[0]))
-        sizes_now = [*(s for s in others + [shape] if s != main), main]
+        kept = [s for s in sizes if not covers(shape, s)]
+        main = max(kept[-1:] + [shape], key=lambda s: (s[0] * s[1], s[0]))  # the most tokens decide
+        planned = [s for s in kept + [shape] if s != main] + [main]
+        trainer = self.lightning_module.trainer
         if sizes:
-            self._plan_steps(self.lightning_module.trainer, sizes_now)
+            self._plan_steps(trainer, planned)
         else:
-            self._agreeing(
-                self._plan_steps, self.lightning_module.trainer, sizes_now, when="planning the first batch"
-            )
+            self._agreeing(self._plan_steps, trainer, planned, when="planning the first batch")
 
     def _agreeing(self, check, *args, when: str = "at setup") -> None:
         """Run ``check`` (one device: nothing to agree on; ``oomb_cp`` makes every rank refuse if one does, naming
@@ -183,9 +186,8 @@ class _OOMBStrategyMixin:
         rank_zero_info(
             f"OOMB memory plan: {result.summary()}" + (f"; decided {', '.join(decided)}" if decided else "")
         )
-        if (
-            result.config != self.engine.config
-        ):  # the plan decided the "auto" options: for the engine and the model
+        # the plan decided the "auto" options (again, for a new shape): for the engine and the model
+        if result.config != self.engine.config:
             self.engine.reconfigure(result.config)
             self.model_adapter.layer_checkpointing = result.config.layer_checkpointing
         self._planned_sizes = sizes

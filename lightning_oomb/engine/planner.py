@@ -1328,13 +1328,12 @@ def decide_auto(inputs, config: OOMBConfig, batch: int, seq_len: int, devices: i
             inputs, dataclasses.replace(config, kv_grad_dtype="bfloat16"), batch, seq_len, devices
         )
     if config.offload == "auto":  # pages on the device, with the other options decided for it, if that fits
-        kept = decide_auto(inputs, dataclasses.replace(config, offload=False), batch, seq_len, devices)
-        if inputs.machine.device_type != "cuda" or _roomy(_plan(inputs, kept, batch, seq_len, devices)):
-            return kept
+        on_device = decide_auto(inputs, dataclasses.replace(config, offload=False), batch, seq_len, devices)
+        if inputs.machine.device_type != "cuda" or _roomy(_plan(inputs, on_device, batch, seq_len, devices)):
+            return on_device
         return decide_auto(inputs, dataclasses.replace(config, offload=True), batch, seq_len, devices)
-    if (
-        config.layer_checkpointing == "auto"
-    ):  # off, with the other options decided for it, if it fits and is faster
+    if config.layer_checkpointing == "auto":
+        # off, with the other options decided for it, if it fits and on is not predicted faster
         off, on = (
             decide_auto(inputs, dataclasses.replace(config, layer_checkpointing=c), batch, seq_len, devices)
             for c in (False, True)
