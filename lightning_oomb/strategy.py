@@ -89,7 +89,7 @@ class _OOMBStrategyMixin:
         self.engine = OOMBEngine(self.model_adapter, config, context=self._context_group())
         self.engine.check_device(self.root_device)  # backend, head dim and page size, before any work
 
-    # ---- memory plan at setup, or at the first training batch (lightning_oomb.engine.planner) -------------------
+    # ---- memory plan at setup, or at the first batch (lightning_oomb.engine.planner) ----------------------------
     _plan_memory: bool = True
     # the (seq_len, batch) shapes planned for (None: no plan is made), on the machine read at setup
     _planned_sizes: list[tuple[int, int]] | None = None
@@ -104,7 +104,8 @@ class _OOMBStrategyMixin:
         so the plan uses the datamodule's ``seq_len`` and ``batch_size`` (attributes or hyperparameters; this
         project's datamodules have both; a warm-up of another shape, declared in ``step_sizes``, is planned under
         the main steps' decisions and must fit too). Without a ``seq_len`` (a plain ``DataLoader``) the first
-        training batch's shape is planned for, before the engine runs it (:meth:`_plan_batch`); a later batch of a
+        batch's shape (training, or the sanity check's validation) is planned for as a training step's, before the
+        engine runs it (:meth:`_plan_batch`); a later batch of a
         shape no plan covers (longer rows or more of them) is planned again, its options decided anew for the
         largest shape seen. ``OOMBStrategy(plan_memory=False)`` skips the check. The same plan decides
         ``layer_checkpointing="auto"``, ``kv_grad_dtype="auto"``, ``offload="auto"`` and, under offload on a GPU,
@@ -129,9 +130,10 @@ class _OOMBStrategyMixin:
             self._plan_steps(trainer, sizes)
 
     def _plan_batch(self, input_ids: torch.Tensor) -> None:
-        """Before the engine runs a training batch of a shape no plan covers (no row longer, no more rows): plan
-        again with it, its options decided for the largest shape (most tokens) and the others checked under them;
-        the first such batch is planned on every rank at once (``oomb_cp``: all refuse together)."""
+        """Before the engine runs a batch (training or validation) of a shape no plan covers (no row longer, no more
+        rows): plan again with a training step of it, the options decided for the largest shape (most tokens) and
+        the others checked under them; the first such batch is planned on every rank at once (``oomb_cp``: all
+        refuse together)."""
         sizes = self._planned_sizes
         shape = (input_ids.shape[-1], input_ids.shape[0])
 
@@ -217,8 +219,7 @@ class _OOMBStrategyMixin:
                     "`self.model(**batch)` once per training_step."
                 )
             calls.append(mode)
-            if mode == "train":
-                self._plan_batch(input_ids)
+            self._plan_batch(input_ids)  # a validation batch first (the sanity check) is planned too
             run = engine.loss if mode == "train" else engine.evaluate
             return run(input_ids, labels, **layout)
 
@@ -271,7 +272,7 @@ class OOMBStrategy(_OOMBStrategyMixin, SingleDeviceStrategy):
             few seconds; deep hybrids up to ~12 s) in chunks against full-sequence training and refuse the model if they differ — the guard
             against architectures that chunking would silently change; ``False`` skips it.
         plan_memory: predict the step's peak memory (``lightning_oomb.plan``: at setup for the datamodule's
-            ``seq_len`` and ``batch_size``, else at the first training batch and any later one of a larger shape)
+            ``seq_len`` and ``batch_size``, else at the first batch and any later one of a larger shape)
             and refuse, before the engine runs it, a step that cannot fit, naming the options that would; ``False``
             skips it.
         device: explicit device; by default the Trainer's accelerator decides (``accelerator="auto"`` works).

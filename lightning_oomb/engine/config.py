@@ -27,7 +27,7 @@ STRATEGY_DEFAULTS = {
 @dataclass(frozen=True)
 class OOMBConfig:
     """Options of the OOMB engine. The strategies, which plan each run's memory (at setup for a datamodule's
-    ``seq_len``, else at the first training batch), default ``kv_grad_dtype``, ``layer_checkpointing``,
+    ``seq_len``, else at the first batch), default ``kv_grad_dtype``, ``layer_checkpointing``,
     ``offload`` and ``reuse_attention`` to ``"auto"`` (the fastest choice that fits, decided by the plan and
     logged); the engine alone, with no plan, defaults them to fixed choices.
 
@@ -46,7 +46,7 @@ class OOMBConfig:
             when the memory plan (:func:`lightning_oomb.plan`) says the step would not fit without it, or that it
             would fit only with ``"float32-host"`` sums whose flushes its step-time model predicts slower than the
             extra pass, off otherwise (the strategies decide at setup from the datamodule's ``seq_len``; without
-            one, at the first training batch).
+            one, at the first batch).
             ``True`` turns the model's checkpointing on (e.g. ``HFChunkModel.layer_checkpointing``) when the engine
             is made; ``False`` (the engine's default) leaves the model's own choice, as does an undecided
             ``"auto"`` in a bare engine.

@@ -779,10 +779,11 @@ def shaped_batches(*shapes: tuple[int, int]) -> torch.utils.data.DataLoader:
 
 
 def test_a_plain_dataloader_is_planned_at_its_first_batch_and_again_at_a_larger_one(monkeypatch, caplog):
-    """Without a ``seq_len`` to plan for at setup, the strategy plans each training batch of a shape no plan covers
-    before the engine runs it: the first (1 x 40 tokens) fits without layer checkpointing, the second (2 x 40) only
-    with it, so ``"auto"`` turns it on there; a covered third (1 x 16) plans nothing; a machine too small for the
-    first batch is refused at that batch, with nothing of OOMB's allocated."""
+    """Without a ``seq_len`` to plan for at setup, the strategy plans each batch of a shape no plan covers before the
+    engine runs it: the first (1 x 40 tokens) fits without layer checkpointing, the second (2 x 40) only with it, so
+    ``"auto"`` turns it on there; a covered third (1 x 16) plans nothing; a sanity check's validation batch is
+    planned first; a machine too small for the first batch is refused at that batch, with nothing of OOMB's
+    allocated."""
     model = TinyLM().model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     fixed = dict(chunk_size=16, page_size=8, reuse_attention=False)
@@ -805,10 +806,19 @@ def test_a_plain_dataloader_is_planned_at_its_first_batch_and_again_at_a_larger_
     with caplog.at_level("INFO"):
         trainer.fit(TinyLM(), train_dataloaders=shaped_batches((1, 40), (2, 40), (1, 16)))
     assert seen == [False, True, True] and trainer.global_step == 3
-    plans = re.findall(
-        r"OOMB memory plan: (\d+ x \d+) tokens.*decided .*layer_checkpointing=(\w+)", caplog.text
-    )
-    assert plans == [("1 x 40", "False"), ("2 x 40", "True")]
+    plans = r"OOMB memory plan: (\d+ x \d+) tokens.*decided .*layer_checkpointing=(\w+)"
+    assert re.findall(plans, caplog.text) == [("1 x 40", "False"), ("2 x 40", "True")]
+    # the sanity check's validation batch comes first: planned as a training step of its shape
+    caplog.clear()
+    seen.clear()
+    strategy = lightning_oomb.OOMBStrategy(verify_exactness=False, **fixed)
+    trainer = make_trainer(strategy, steps=1, num_sanity_val_steps=1, limit_val_batches=1, callbacks=[record])
+    with caplog.at_level("INFO"):
+        trainer.fit(
+            TinyLM(), train_dataloaders=shaped_batches((2, 40)), val_dataloaders=shaped_batches((1, 40))
+        )
+    assert seen == [True] and trainer.global_step == 1
+    assert re.findall(plans, caplog.text) == [("1 x 40", "False"), ("2 x 40", "True")]
 
     monkeypatch.setattr(planner.Machine, "local", cpu_of(planner.HOST_RESERVE_BYTES + peak(1, True) // 2))
     strategy = lightning_oomb.OOMBStrategy(verify_exactness=False, **fixed)
