@@ -79,7 +79,13 @@ from benchmarks.common import (
     write_json,
 )
 from lightning_oomb.engine import OOMBConfig
-from lightning_oomb.engine.planner import NOMINAL_STEP_RATES, model_shape, parked_bytes, precision_dtypes
+from lightning_oomb.engine.planner import (
+    NOMINAL_STEP_RATES,
+    model_shape,
+    parked_bytes,
+    precision_dtypes,
+    reused_attention_bytes,
+)
 from lightning_oomb.engine.step_time import StepRates, copy_bytes, host_sum_bytes, step_flops, step_time
 
 GB = 1e9
@@ -261,15 +267,17 @@ def row_work(
         if not reference and config.grad_summing(chunks, False) == "float32-host"
         else (0.0, 0.0)
     )
-    if reference or not config.offloads:
+    if reference:
         return flops, 0.0, summed
+    dtypes = precision_dtypes("bf16-true")
     kv = 2 * shape.kv_heads * shape.head_dim * 2  # bf16 K and V per token (the GPU's dtype)
     grad = kv * (1 if config.kv_grad_dtype == "bfloat16" else 2)
     chunk = min(config.chunk_size, tokens)
-    parked = (
-        parked_bytes(shape, precision_dtypes("bf16-true"), chunk) if config.layer_checkpointing is True else 0
-    )
-    return flops, copy_bytes(tokens, config, host_layers, kv, grad, parked), summed
+    parks = config.offloads and config.layer_checkpointing is True
+    parked = parked_bytes(shape, dtypes, chunk) if parks else 0
+    reused = reused_attention_bytes(shape, dtypes, config, 1, tokens)
+    host = host_layers if config.offloads else 0
+    return flops, copy_bytes(tokens, config, host, kv, grad, parked, reused), summed
 
 
 # ------------------------------------------------------------------------------------------------- parts

@@ -1316,7 +1316,8 @@ def decide_auto(inputs, config: OOMBConfig, batch: int, seq_len: int, devices: i
       ``"auto"``, which sees only what is allocated at the first step (not yet the optimizer states);
     - ``reuse_attention``: the most last chunks whose kept results still let the step fit and take at most half
       the memory the step leaves them (the rest stays free for the data loader, checkpoint saving, other
-      processes; ``False``: none).
+      processes), unless keeping none is predicted faster (:func:`_faster`: the results' copies, out and back,
+      share the host link with offload's; ``False``: none).
     """
     if config.kv_grad_dtype == "auto":
         wide = decide_auto(
@@ -1358,7 +1359,10 @@ def decide_auto(inputs, config: OOMBConfig, batch: int, seq_len: int, devices: i
         while lo < hi:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if room(mid) else (lo, mid - 1)
-        config = dataclasses.replace(config, reuse_attention=lo or False)
+        none = dataclasses.replace(config, reuse_attention=False)
+        kept = dataclasses.replace(config, reuse_attention=lo)
+        # a copy-bound step (offload's pages streaming) may lose more to the results' copies than it saves
+        config = none if not lo or _faster(inputs, none, kept, batch, seq_len, devices) else kept
     return config
 
 
@@ -1581,7 +1585,9 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
         dense, attention = step_flops(shape, seq_len, config, batch)
         kv, grad = (pool.page_bytes(part) / config.page_size for part in ("kv", "grad"))
         parked = parked_bytes(shape, dtypes, tokens) if parks else 0
-        copies = copy_bytes(seq_len, config, len(tiers.host_layers), kv, grad, parked)
+        copies = copy_bytes(
+            seq_len, config, len(tiers.host_layers), kv, grad, parked, host["reused_attention"]
+        )
         chunks = math.ceil(seq_len / config.chunk_size)
         summed = (
             host_sum_bytes(chunks, inputs.accumulating, _half_elements(inputs)[1])

@@ -17,8 +17,8 @@ query of a sliding-window layer sees at most ``window`` keys; in a sparse step (
 ``page_budget`` pages before its chunk.
 
 **Time** (:func:`step_time`): the compute time at the rates — matmul FLOPs / ``dense_flops`` + attention FLOPs /
-``attention_flops`` — or the offload copies' time (bytes / ``copy_bytes``) where that is longer: the offload
-schedule overlaps copies with compute. ``grad_accumulation="float32-host"``'s flushes stop the compute while they
+``attention_flops`` — or the host-device copies' time (bytes / ``copy_bytes``: offload's pages, parked saves, kept
+attention results) where that is longer: side streams overlap copies with compute. ``grad_accumulation="float32-host"``'s flushes stop the compute while they
 run (:func:`host_sum_bytes`): each takes its copies' time or its host adds' (bytes of host memory read and written
 / ``host_bytes``), whichever is longer — the staging slabs overlap the two.
 """
@@ -133,13 +133,15 @@ def copy_bytes(
     kv_bytes: float,
     grad_bytes: float,
     parked: float = 0.0,
+    reused: float = 0.0,
 ) -> float:
-    """Bytes an offloaded step moves between host and device: each of ``host_layers`` writes its K/V to the host
+    """Bytes a step moves between host and device: each of ``host_layers`` (offload) writes its K/V to the host
     once and, per chunk, streams the earlier chunks' pages in (a sparse step: the selected ones, at most
     ``page_budget`` pages per query block) — K/V in the forward sweep, the recompute (not for a kept chunk) and the
     backward, gradient pages in and out in the backward (``kv_bytes``, ``grad_bytes``: per token, K and V); and
     what each chunk's recompute parks in host memory, out and back (``parked`` bytes per chunk:
-    :mod:`~lightning_oomb.engine.parking`)."""
+    :mod:`~lightning_oomb.engine.parking`); ``reuse_attention``'s kept results, out in the forward sweep and back in
+    the backward (``reused``: their bytes in all)."""
     chunk = config.chunk_size
     chunks = math.ceil(seq_len / chunk)
     first_kept = chunks - config.reused_chunks(chunks)
@@ -149,7 +151,7 @@ def copy_bytes(
         streamed += tokens
         recomputed += tokens if index < first_kept else 0
     per_layer = seq_len * kv_bytes + (2 * streamed + recomputed) * kv_bytes + 2 * streamed * grad_bytes
-    return host_layers * per_layer + 2 * chunks * parked
+    return host_layers * per_layer + 2 * chunks * parked + 2 * reused
 
 
 def host_sum_bytes(chunks: int, accumulating: bool, matrix_elements: int) -> tuple[float, float]:

@@ -137,6 +137,23 @@ def test_host_gradient_sums_count_their_flushes_in_the_step_time():
         assert times[1] - times[0] == pytest.approx(want, abs=1e-9)
 
 
+def test_kept_attention_results_count_in_the_copies_and_a_copy_bound_step_keeps_none():
+    """``reuse_attention``'s kept results go to host memory in the forward sweep and back in the backward: the
+    planned copies are twice their bytes (no offload here: nothing else is copied); ``"auto"`` keeps every chunk's
+    where the link is fast, none where those copies would take longer than the attention they save."""
+    model = build_causal_lm("qwen2", dtype=torch.bfloat16, num_hidden_layers=2, head_dim=16)
+    copies_only = Machine("cuda", 1 << 40, 1 << 40, rates=StepRates(1e30, 1e30, copy_bytes=1e6))
+    kept = plan(model, SEQ, 2, OOMBConfig(32, 8, reuse_attention=True), "bf16-true", None, copies_only)
+    assert kept.host_parts["reused_attention"] > 0
+    assert kept.step_time_s == pytest.approx(2 * kept.host_parts["reused_attention"] / 1e6)
+    decided = []
+    for link in (1e15, 1e3):  # bytes/s
+        machine = Machine("cuda", 1 << 40, 1 << 40, rates=StepRates(1e9, 5e8, copy_bytes=link))
+        auto = OOMBConfig(32, 8, reuse_attention="auto", layer_checkpointing=False)
+        decided.append(plan(model, SEQ, 2, auto, "bf16-true", None, machine).config.reuse_attention)
+    assert decided == [SEQ // 32, False]
+
+
 def test_parked_chunks_count_in_the_copies():
     """Offload with layer checkpointing on a GPU parks each chunk's kept attention results and layer inputs in host
     memory, out and back: the planned copies grow by twice those bytes per chunk (the bytes a CPU run parks when
