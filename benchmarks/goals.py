@@ -78,9 +78,12 @@ from benchmarks.common import (
     versions,
     write_json,
 )
+from lightning_oomb import plan
 from lightning_oomb.engine import OOMBConfig
+from lightning_oomb.engine.config import STRATEGY_DEFAULTS
 from lightning_oomb.engine.planner import (
     NOMINAL_STEP_RATES,
+    Machine,
     model_shape,
     parked_bytes,
     precision_dtypes,
@@ -147,7 +150,8 @@ class Row:
     """One measurement: ``layers`` (``None``: the full model) at context ``length`` (a name of ``Scale.lengths``),
     ``warmup`` untimed then ``repeats`` timed steps; OOMB options: ``offload`` (every layer on the host unless
     ``device_layers`` of them stay in the HBM tier), ``sparse`` (``page_budget``), ``long_chunk``, ``mlp_tile``,
-    ``grad_accumulation``, ``reuse`` (``reuse_attention``)."""
+    ``grad_accumulation``, ``reuse`` (``reuse_attention``); ``defaults``: the options the strategies' defaults
+    (``"auto"``) decide for this step on this machine (the others ignored)."""
 
     role: str
     layers: int | None
@@ -162,6 +166,7 @@ class Row:
     mlp_tile: int | None = None
     grad_accumulation: str = "auto"
     reuse: bool = False
+    defaults: bool = False
 
 
 def compare_rows(repeats: int) -> list:
@@ -169,6 +174,9 @@ def compare_rows(repeats: int) -> list:
         Row("hf-32k", None, "32k", repeats, 1, method=HF),
         Row("oomb-32k", None, "32k", repeats, 1),
         Row("oomb-64k", None, "64k"),
+        Row(
+            "oomb-32k-defaults", None, "32k", repeats, 1, defaults=True
+        ),  # what Trainer(strategy="oomb") runs
         Row("oomb-32k-reuse", None, "32k", repeats, 1, reuse=True),  # one attention forward per chunk
         Row("oomb-32k-offload", None, "32k", repeats, 1, offload=True),  # the least GPU memory at 32K
     ]
@@ -209,6 +217,9 @@ def reduced_rows(scale: Scale) -> list:
 
 def oomb_config(row: Row, scale: Scale, model, tokens: int) -> OOMBConfig:
     chunk = scale.long_chunk if row.long_chunk else scale.chunk
+    if row.defaults:  # decided as the strategies decide them here (the benchmark's step: no optimizer states)
+        asked = OOMBConfig(chunk, scale.page, **STRATEGY_DEFAULTS)
+        return plan(model, tokens, 1, asked, "bf16-true", None, Machine.local(), suggest=False).config
     config = OOMBConfig(chunk, scale.page, layer_checkpointing=True,
                         page_budget=scale.budget if row.sparse else None, mlp_tile=row.mlp_tile,
                         grad_accumulation=row.grad_accumulation, reuse_attention=row.reuse)  # fmt: skip
@@ -386,9 +397,6 @@ def plan_rows(scale: Scale, device: torch.device) -> list[dict]:
     """The planner for the full model with offload (``hbm_budget="auto"``) on this machine: the 1M-token step as the
     benchmark runs it (no optimizer state), the longest such step that fits with float32 and with bfloat16 gradient
     pages, and the 1M-token step with AdamW."""
-    from lightning_oomb import plan
-    from lightning_oomb.engine.planner import Machine
-
     machine = Machine.local(device)
     cfg = scale.config()
     base = OOMBConfig(scale.chunk, scale.page, layer_checkpointing=True, offload=True)
@@ -572,6 +580,16 @@ def goal_table(scale: Scale, rows: list[dict], kernels: dict, plans: list[dict],
                 worst <= 1, f"loss {oomb['loss_vs_hf']:.1e}, gradients {oomb['grads_vs_hf']:.1e} apart (relative)",
                 "the same batch and weights; gradients of the norms every layer's flow through (bf16 rounding "
                 "apart)")  # fmt: skip
+        defaults = ok(rows, "oomb-32k-defaults")
+        if defaults:
+            t = defaults["step_s"] / hf["step_s"]
+            share = ""
+            if hf.get("peak_gib") and defaults.get("peak_gib"):
+                share = f", {100 * defaults['peak_gib'] / hf['peak_gib']:.0f} % of HF's"
+            decided = ", ".join(f"{k}={defaults['config'][k]!r}" for k in STRATEGY_DEFAULTS)
+            add("32K step time vs HF, the strategies' defaults", "<= 1.2x", t, t <= 1.2,
+                f"{t:.2f}x ({defaults['step_s']:.2f} s; peak {fmt(defaults.get('peak_gib'), '.1f')} GiB{share})",
+                f"{full} layers; decided here: {decided}")  # fmt: skip
         reuse = ok(rows, "oomb-32k-reuse")
         if reuse:
             t = reuse["step_s"] / hf["step_s"]
