@@ -62,9 +62,10 @@ class OOMBConfig:
             rounding. On a CPU device with ``hbm_budget="auto"`` it changes nothing (pages are in host memory
             already; an explicit budget streams them anyway, which tests the schedule). ``"auto"`` (the
             strategies' default): their memory plan turns it on when the step (its other options decided for it)
-            would not fit the GPU with its pages there, off otherwise and on a CPU device; undecided (a bare
-            engine): off.
-        hbm_budget: device bytes for pages (HBM-tier layers + staging buffers) when ``offload`` is on: an int, or
+            would not fit the GPU with its pages there, off otherwise and on a CPU device; on with an explicit
+            ``hbm_budget``; undecided (a bare engine): off.
+        hbm_budget: device bytes for pages (HBM-tier layers + staging buffers) when ``offload`` is on (an int with
+            ``offload="auto"`` turns it on; with ``offload=False`` it does nothing, and says so): an int, or
             ``"auto"``: the strategies decide it at setup from the memory plan (the device bytes left by weights,
             gradients, optimizer states and one chunk's activations and transients, less 5 % of the device); the
             engine alone takes the free device memory at the first step minus a quarter of the device. Whole layers
@@ -221,8 +222,9 @@ class OOMBConfig:
 
     @property
     def offloads(self) -> bool:
-        """Whether pages beyond ``hbm_budget`` live in host memory (``"auto"`` not yet decided: no)."""
-        return self.offload is True
+        """Whether pages beyond ``hbm_budget`` live in host memory: ``offload=True``, or ``"auto"`` with an explicit
+        ``hbm_budget`` (a cap on the pages' device memory asks for it); an otherwise undecided ``"auto"``: no."""
+        return self.offload is True or (self.offload == "auto" and self.hbm_budget != "auto")
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

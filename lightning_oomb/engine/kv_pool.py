@@ -218,6 +218,12 @@ class KVPool:
                 f"offload=True has no effect on a {device.type} device: every page already lives in host memory "
                 "(with hbm_budget='auto' nothing moves) — drop offload, or run on a CUDA device.",
             )
+        if cfg.offload is False and cfg.hbm_budget != "auto":
+            self._warn_once(
+                "hbm_budget",
+                f"hbm_budget={cfg.hbm_budget} has no effect with offload=False: every page stays on the device — "
+                "set offload=True (or 'auto') to keep only that many bytes of pages there.",
+            )
         if shape.kv_grad_dtype == "bfloat16" and shape.grad_dtype != torch.bfloat16:
             self._warn_once(
                 "kv_grad_dtype",

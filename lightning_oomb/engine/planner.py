@@ -1305,7 +1305,8 @@ def decide_auto(inputs, config: OOMBConfig, batch: int, seq_len: int, devices: i
     - ``kv_grad_dtype``: ``"float32"`` when the step (its other options decided for it) fits, else ``"bfloat16"``
       (16-bit K/V only) — exact sums are given up last;
     - ``offload``: off when the step (its other options decided for it: e.g. layer checkpointing on) fits with its
-      pages on the GPU, else on (with ``hbm_budget="auto"``: the layers that fit stay on the GPU); off on a CPU;
+      pages on the GPU, else on (with ``hbm_budget="auto"``: the layers that fit stay on the GPU); off on a CPU; on
+      with an explicit ``hbm_budget``;
     - ``layer_checkpointing``: off when the step (its other options decided for it: e.g. ``"float32-host"`` sums
       rather than one more pass through every layer) fits, unless the step on (its options decided for it) fits too
       and is predicted faster (:func:`_faster`: ``"float32-host"``'s flushes can outweigh the extra pass), else on;
@@ -1328,6 +1329,8 @@ def decide_auto(inputs, config: OOMBConfig, batch: int, seq_len: int, devices: i
         return decide_auto(
             inputs, dataclasses.replace(config, kv_grad_dtype="bfloat16"), batch, seq_len, devices
         )
+    if config.offload == "auto" and config.hbm_budget != "auto":  # an explicit budget asks for offload
+        return decide_auto(inputs, dataclasses.replace(config, offload=True), batch, seq_len, devices)
     if config.offload == "auto":  # pages on the device, with the other options decided for it, if that fits
         on_device = decide_auto(inputs, dataclasses.replace(config, offload=False), batch, seq_len, devices)
         if inputs.machine.device_type != "cuda" or _roomy(_plan(inputs, on_device, batch, seq_len, devices)):

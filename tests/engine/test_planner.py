@@ -869,6 +869,10 @@ def test_auto_offload_is_on_only_where_the_pages_do_not_fit_the_gpu(monkeypatch,
         plan(qwen2_5_7b_config(), 1 << 20, 1, defaults, "bf16-true", "adamw", "cpu").config.offload is False
     )
     assert not defaults.offloads and OOMBConfig(offload=True).offloads
+    budgeted = dataclasses.replace(defaults, hbm_budget=40 << 30)  # an explicit budget asks for offload
+    assert budgeted.offloads and not dataclasses.replace(budgeted, offload=False).offloads
+    decided = plan(qwen2_5_7b_config(), 1 << 15, 1, budgeted, "bf16-true", "adamw", h200).config
+    assert decided.offload is True and decided.hbm_budget == 40 << 30
     model = TinyLM().model.bfloat16()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     fixed = dict(chunk_size=16, page_size=8, layer_checkpointing=True, grad_accumulation="float32",

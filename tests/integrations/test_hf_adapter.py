@@ -331,6 +331,12 @@ def test_options_that_change_nothing_warn_once():
     assert len(messages) == 2  # one each, not one per step
     assert any("offload=True has no effect on a cpu device" in m for m in messages)
     assert any("kv_grad_dtype='bfloat16' has no effect with torch.float32 K/V" in m for m in messages)
+    # a budget for the pages' device memory without offload
+    engine = OOMBEngine(HFChunkModel(model), OOMBConfig(16, 8, offload=False, hbm_budget=1 << 20))
+    with pytest.warns(
+        UserWarning, match=r"hbm_budget=1048576 has no effect with offload=False.*offload=True"
+    ):
+        engine.loss(torch.randint(0, 97, (1, 24))).backward()
 
 
 def test_full_layers_declare_no_window_even_if_the_module_keeps_the_attribute():
