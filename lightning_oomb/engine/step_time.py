@@ -26,6 +26,7 @@ run (:func:`host_sum_bytes`): each takes its copies' time or its host adds' (byt
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -100,14 +101,14 @@ def step_flops(
     chunks = math.ceil(seq_len / config.chunk_size)
     past_cap = math.inf if config.page_budget is None else config.page_budget * config.page_size
     attention = 0.0
-    for window in windows:
+    for window, count in Counter(windows).items():  # layers of one window see the same pairs
         if reference:  # dense, every pair in each forward
             forward = _pairs(seq_len, seq_len, window, math.inf)[0]
             again = forward if checkpointing else 0.0
         else:  # again: the recompute's pairs (a kept chunk's forward result is reused)
             kept = config.reused_chunks(chunks)
             forward, again = _pairs(seq_len, config.chunk_size, window, past_cap, first_again=chunks - kept)
-        attention += forward * (1 + ATTENTION_BACKWARD) + again
+        attention += count * (forward * (1 + ATTENTION_BACKWARD) + again)
     return dense, 4 * shape.head_dim * shape.num_heads * batch * attention
 
 
