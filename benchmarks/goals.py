@@ -11,7 +11,8 @@ Parts (``--part``; each writes ``<out-dir>/goals-<part>.json`` after every row a
 - ``compare`` — the full model: HF + SDPA + per-layer checkpointing and OOMB at 32K, each warmed up at 32K and
   timed over ``--repeats`` steps (median and min; every step starts without gradients, as under Lightning's
   ``zero_grad()``); OOMB at 64K (one step: the check of the layer scaling below); if the budget allows, OOMB at 32K
-  with ``reuse_attention`` and with every layer offloaded.
+  with the options the strategies' defaults decide on this machine, with every layer offloaded and with
+  ``reuse_attention``.
 - ``reduced`` — the same layers, 2 or 4 of them, where a 28-layer step would not fit the budget (a 256K step of 28
   layers is minutes), in priority order (:func:`reduced_rows`): 64K with 4 and 2 layers (the fit); then 2 layers:
   128K without and with offload (3 steps each), 256K dense with every layer offloaded (with the 32K and 128K
@@ -177,8 +178,8 @@ def compare_rows(repeats: int) -> list:
         Row(
             "oomb-32k-defaults", None, "32k", repeats, 1, defaults=True
         ),  # what Trainer(strategy="oomb") runs
-        Row("oomb-32k-reuse", None, "32k", repeats, 1, reuse=True),  # one attention forward per chunk
         Row("oomb-32k-offload", None, "32k", repeats, 1, offload=True),  # the least GPU memory at 32K
+        Row("oomb-32k-reuse", None, "32k", repeats, 1, reuse=True),  # one attention forward per chunk
     ]
 
 
