@@ -117,8 +117,11 @@ def device_memory_available(device: torch.device) -> tuple[int, int]:
     allocator refuses more)."""
     free, total = torch.cuda.mem_get_info(device)
     reserved, allocated = torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
-    share = int(torch.cuda.get_per_process_memory_fraction(device) * total)
-    return max(0, min(free + reserved, share) - allocated), total
+    try:
+        fraction = torch.cuda.get_per_process_memory_fraction(device)
+    except RuntimeError:  # an allocator backend without one (cudaMallocAsync): the whole device
+        fraction = 1.0
+    return max(0, min(free + reserved, int(fraction * total)) - allocated), total
 
 
 def _gib(n: int) -> str:
