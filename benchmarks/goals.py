@@ -18,7 +18,8 @@ Parts (``--part``; each writes ``<out-dir>/goals-<part>.json`` after every row a
   128K without and with offload (3 steps each), 256K dense with every layer offloaded (with the 32K and 128K
   offloaded steps: the GPU-memory slope), a 1M-token sparse step with one layer in the HBM tier and one in pinned
   host memory (chunk 16K: a host layer streams every earlier chunk, 1/16K of them per token), 256K sparse
-  (``page_budget=64``). Every configuration is warmed up at 32K first (kernels compiled, pool arenas grown). Only
+  (``page_budget=64``), 256K with the options the strategies' defaults decide for the full model on this machine.
+  Every configuration is warmed up at 32K first (kernels compiled, pool arenas grown). Only
   one model and one engine are alive at a time, so each peak is the row's own.
 - ``summary`` — the memory planner for the full model at 1M tokens (as benchmarked, and with AdamW) and the
   longest step that fits this machine;
@@ -175,9 +176,8 @@ def compare_rows(repeats: int) -> list:
         Row("hf-32k", None, "32k", repeats, 1, method=HF),
         Row("oomb-32k", None, "32k", repeats, 1),
         Row("oomb-64k", None, "64k"),
-        Row(
-            "oomb-32k-defaults", None, "32k", repeats, 1, defaults=True
-        ),  # what Trainer(strategy="oomb") runs
+        # what Trainer(strategy="oomb") runs: the options its defaults decide here
+        Row("oomb-32k-defaults", None, "32k", repeats, 1, defaults=True),
         Row("oomb-32k-offload", None, "32k", repeats, 1, offload=True),  # the least GPU memory at 32K
         Row("oomb-32k-reuse", None, "32k", repeats, 1, reuse=True),  # one attention forward per chunk
     ]
@@ -205,6 +205,8 @@ def reduced_rows(scale: Scale) -> list:
         Row("1m-sparse-host", 2, "1m", **sparse_host),
         Row("warm-sparse", small, "32k", 1, 1, sparse=True),
         Row("256k-sparse", small, "256k", sparse=True),
+        # the options the strategies' defaults decide for the full model at 256K here (no optimizer states)
+        Row("256k-defaults", small, "256k", defaults=True),
         Row("64k-sparse", small, "64k", 2, sparse=True),  # next to fit-64k on as many layers: sparse vs dense
         Row("256k-offload-reuse", small, "256k", offload=True, reuse=True),  # the forward's attention reused
         # next to 256k-offload: the gradient sums in host memory (its flush cost is an upper bound for the full
@@ -218,9 +220,13 @@ def reduced_rows(scale: Scale) -> list:
 
 def oomb_config(row: Row, scale: Scale, model, tokens: int) -> OOMBConfig:
     chunk = scale.long_chunk if row.long_chunk else scale.chunk
-    if row.defaults:  # decided as the strategies decide them here (the benchmark's step: no optimizer states)
+    if (
+        row.defaults
+    ):  # as the strategies decide them here for the full model (the benchmark's step: no optimizer)
         asked = OOMBConfig(chunk, scale.page, **STRATEGY_DEFAULTS)
-        return plan(model, tokens, 1, asked, "bf16-true", None, Machine.local(), suggest=False).config
+        return plan(
+            scale.config(), tokens, 1, asked, "bf16-true", None, Machine.local(), suggest=False
+        ).config
     config = OOMBConfig(chunk, scale.page, layer_checkpointing=True,
                         page_budget=scale.budget if row.sparse else None, mlp_tile=row.mlp_tile,
                         grad_accumulation=row.grad_accumulation, reuse_attention=row.reuse)  # fmt: skip
@@ -666,6 +672,15 @@ def goal_table(scale: Scale, rows: list[dict], kernels: dict, plans: list[dict],
             f"{fmt(tps, ',.0f', ' tokens/s')} ({fmt(t, '.1f', ' s')} per step; host "
             f"{fmt(reused.get('reused_attention_gib'), '.1f', ' GiB')} of results)",
             f"{reused['layers']} layers {reused['step_s']:.1f} s scaled to {full}; every layer offloaded")  # fmt: skip
+    defaults = ok(rows, "256k-defaults")
+    if defaults:
+        t = scaling.time(defaults)
+        tps = None if t is None else defaults["context"] / t
+        decided = ", ".join(f"{k}={defaults['config'][k]!r}" for k in STRATEGY_DEFAULTS)
+        add("dense throughput at 256K, the strategies' defaults", ">= 1,500 tokens/s", tps,
+            tps is not None and tps >= 1500, f"{fmt(tps, ',.0f', ' tokens/s')} ({fmt(t, '.1f', ' s')} per step)",
+            f"{defaults['layers']} layers {defaults['step_s']:.1f} s scaled to {full}; decided for {full}: "
+            f"{decided}")  # fmt: skip
     hosted = ok(rows, "256k-offload-host")
     if dense and hosted:
         (host_peak, planned), t, t_host = scaling.peak(hosted), scaling.time(dense), scaling.time(hosted)
