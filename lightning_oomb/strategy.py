@@ -140,8 +140,8 @@ class _OOMBStrategyMixin:
         def covers(big: tuple[int, int], small: tuple[int, int]) -> bool:
             return small[0] <= big[0] and small[1] <= big[1]
 
-        if sizes is None or any(covers(s, shape) for s in sizes):
-            return
+        if sizes is None or input_ids.dim() != 2 or any(covers(s, shape) for s in sizes):
+            return  # (ids not [batch, tokens]: the engine refuses them, naming their shape)
         kept = [s for s in sizes if not covers(shape, s)]
         main = max(kept[-1:] + [shape], key=lambda s: (s[0] * s[1], s[0]))  # the most tokens decide
         planned = [s for s in kept + [shape] if s != main] + [main]

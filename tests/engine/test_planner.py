@@ -827,6 +827,17 @@ def test_a_plain_dataloader_is_planned_at_its_first_batch_and_again_at_a_larger_
         trainer.fit(TinyLM(), train_dataloaders=shaped_batches((1, 40)))
     assert "training_step" in "".join(str(f.name) for f in err.traceback)
     assert strategy.engine.pool.shape is None  # refused before the engine ran the batch
+    # unbatched ids are not planned (as 40 rows of 40 tokens): the engine names them
+    ids = torch.randint(0, 97, (40,))
+    trainer = make_trainer(
+        lightning_oomb.OOMBStrategy(verify_exactness=False, **fixed), steps=1, limit_val_batches=0
+    )
+    with pytest.raises(
+        OOMBConfigError, match=r"input_ids must be a non-empty integer tensor \[batch, tokens\]"
+    ):
+        trainer.fit(
+            TinyLM(), train_dataloaders=torch.utils.data.DataLoader([{"input_ids": ids}], batch_size=None)
+        )
 
 
 def test_auto_checkpointing_weighs_host_sums_flushes_against_the_extra_pass():
