@@ -105,14 +105,13 @@ class _OOMBStrategyMixin:
         project's datamodules have both; a warm-up of another shape, declared in ``step_sizes``, is planned under
         the main steps' decisions and must fit too). Without a ``seq_len`` (a plain ``DataLoader``) the first
         batch's shape (training, or the sanity check's validation) is planned for as a training step's, before the
-        engine runs it (:meth:`_plan_batch`); a later batch of a
-        shape no plan covers (longer rows or more of them) is planned again, its options decided anew for the
-        largest shape seen. ``OOMBStrategy(plan_memory=False)`` skips the check. The same plan decides
-        ``layer_checkpointing="auto"``, ``kv_grad_dtype="auto"``, ``offload="auto"`` and, under offload on a GPU,
-        ``hbm_budget="auto"`` with the optimizer states counted (:func:`~lightning_oomb.engine.planner.decide_auto`),
-        ``reuse_attention="auto"`` and ``grad_accumulation="auto"`` (without a plan: each step decides,
-        ``OOMBConfig``'s docstring; ``plan_memory=False`` plans only to decide other ``"auto"`` options, and then
-        this one too). Under ``oomb_cp`` a node's ranks share its host memory; gradient accumulation counts its
+        engine runs it (:meth:`_plan_batch`); a later batch of a shape no plan covers (longer rows or more of them)
+        is planned again, its options decided anew for the largest shape seen. ``OOMBStrategy(plan_memory=False)``
+        skips the check. The same plan decides ``layer_checkpointing="auto"``, ``kv_grad_dtype="auto"``,
+        ``offload="auto"`` and, under offload on a GPU, ``hbm_budget="auto"`` with the optimizer states counted
+        (:func:`~lightning_oomb.engine.planner.decide_auto`), ``reuse_attention="auto"`` and
+        ``grad_accumulation="auto"`` (without a plan: each step decides, ``OOMBConfig``'s docstring;
+        ``plan_memory=False`` plans only to decide other ``"auto"`` options, and then this one too). Under ``oomb_cp`` a node's ranks share its host memory; gradient accumulation counts its
         most micro-batches (``GradientAccumulationScheduler`` included).
         """
         config = self.oomb_config
@@ -135,13 +134,17 @@ class _OOMBStrategyMixin:
         the others checked under them; the first such batch is planned on every rank at once (``oomb_cp``: all
         refuse together)."""
         sizes = self._planned_sizes
-        shape = (input_ids.shape[-1], input_ids.shape[0])
+        if (
+            sizes is None or input_ids.dim() != 2
+        ):  # ids not [batch, tokens]: the engine refuses them, naming why
+            return
+        shape = (input_ids.shape[1], input_ids.shape[0])
 
         def covers(big: tuple[int, int], small: tuple[int, int]) -> bool:
             return small[0] <= big[0] and small[1] <= big[1]
 
-        if sizes is None or input_ids.dim() != 2 or any(covers(s, shape) for s in sizes):
-            return  # (ids not [batch, tokens]: the engine refuses them, naming their shape)
+        if any(covers(s, shape) for s in sizes):
+            return
         kept = [s for s in sizes if not covers(shape, s)]
         main = max(kept[-1:] + [shape], key=lambda s: (s[0] * s[1], s[0]))  # the most tokens decide
         planned = [s for s in kept + [shape] if s != main] + [main]

@@ -18,9 +18,10 @@ query of a sliding-window layer sees at most ``window`` keys; in a sparse step (
 
 **Time** (:func:`step_time`): the compute time at the rates — matmul FLOPs / ``dense_flops`` + attention FLOPs /
 ``attention_flops`` — or the host-device copies' time (bytes / ``copy_bytes``: offload's pages, parked saves, kept
-attention results) where that is longer: side streams overlap copies with compute. ``grad_accumulation="float32-host"``'s flushes stop the compute while they
-run (:func:`host_sum_bytes`): each takes its copies' time or its host adds' (bytes of host memory read and written
-/ ``host_bytes``), whichever is longer — the staging slabs overlap the two.
+attention results) where that is longer: side streams overlap copies with compute. The flushes of
+``grad_accumulation="float32-host"`` stop the compute while they run (:func:`host_sum_bytes`): each takes its
+copies' time or its host adds' (bytes of host memory read and written / ``host_bytes``), whichever is longer — the
+staging slabs overlap the two.
 """
 
 from __future__ import annotations
