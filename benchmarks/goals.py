@@ -220,9 +220,8 @@ def reduced_rows(scale: Scale) -> list:
 
 def oomb_config(row: Row, scale: Scale, model, tokens: int) -> OOMBConfig:
     chunk = scale.long_chunk if row.long_chunk else scale.chunk
-    if (
-        row.defaults
-    ):  # as the strategies decide them here for the full model (the benchmark's step: no optimizer)
+    if row.defaults:
+        # as the strategies decide them here for the full model (the benchmark's step: no optimizer states)
         asked = OOMBConfig(chunk, scale.page, **STRATEGY_DEFAULTS)
         return plan(
             scale.config(), tokens, 1, asked, "bf16-true", None, Machine.local(), suggest=False

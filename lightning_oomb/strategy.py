@@ -134,9 +134,8 @@ class _OOMBStrategyMixin:
         the others checked under them; the first such batch is planned on every rank at once (``oomb_cp``: all
         refuse together)."""
         sizes = self._planned_sizes
-        if (
-            sizes is None or input_ids.dim() != 2
-        ):  # ids not [batch, tokens]: the engine refuses them, naming why
+        # (ids not [batch, tokens] are left to the engine, which refuses them naming why)
+        if sizes is None or input_ids.dim() != 2:
             return
         shape = (input_ids.shape[1], input_ids.shape[0])
 

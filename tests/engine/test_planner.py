@@ -629,11 +629,8 @@ def test_a_gpu_plan_takes_the_share_of_the_device_the_process_may_use(monkeypatc
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 16 << 30)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU")
     monkeypatch.setattr(planner, "host_memory_available", lambda: 100 * 2**30)
-    for fraction, want in (
-        (1.0, 30 << 30),
-        (0.3, 24 << 30),
-        (0.1, 16 << 30),
-    ):  # never less than what it holds
+    # never less than what it holds
+    for fraction, want in ((1.0, 30 << 30), (0.3, 24 << 30), (0.1, 16 << 30)):
         monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None, f=fraction: f)
         machine = Machine.local("cuda")
         assert (machine.device_bytes, machine.total, machine.host_bytes) == (want, 80 << 30, 100 << 30)
