@@ -13,6 +13,10 @@ the same ratio for the final norm's weight alone (whose gradient every token add
 there first) and the worst parameter's. One thread, so rounding is reproducible. (``bf16-mixed`` keeps float32
 parameters: ``grad_accumulation`` does not apply to it.)
 
+``--host-windows W ...`` runs, instead, ``"float32-host"`` with windows of each ``W`` chunks (the chunks a matrix's
+bf16 ``.grad`` sums between flushes; the engine's is ``HOST_FLUSH_CHUNKS``, 16): the error a longer window would
+cost.
+
 Writes JSON (``--out``) and a Markdown table next to it.
 
     PYTHONPATH=$PWD python benchmarks/bf16_grad_fidelity.py --out benchmarks/results/bf16-grad-fidelity-cpu.json
@@ -79,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--chunks", type=int, nargs="+", default=[1, 16, 64, 256, 1024])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--host-windows", type=int, nargs="*", default=[])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/bf16-grad-fidelity-cpu.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -95,7 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     for precision, dtype in (("bf16-true", torch.bfloat16), ("bf16-mixed", torch.float32)):
         plain[precision] = errors(gradients(models[dtype], precision, lambda m: plain_loss(m, ids)), truth)
     rows = []
-    for precision, accumulation, grad_pages in RUNS:
+    runs = [(p, a, g, None) for p, a, g in RUNS]
+    if args.host_windows:
+        runs = [("bf16-true", "float32-host", "float32", w) for w in args.host_windows]
+    for precision, accumulation, grad_pages, window in runs:
         model = models[torch.bfloat16 if precision == "bf16-true" else torch.float32]
         for chunks in args.chunks:
             chunk = args.seq_len // chunks
@@ -103,12 +111,15 @@ def main(argv: list[str] | None = None) -> int:
                 chunk, min(chunk, 16), grad_accumulation=accumulation, kv_grad_dtype=grad_pages
             )
             engine = OOMBEngine(HFChunkModel(model), config)
+            label = accumulation if window is None else f"{accumulation}, windows of {window}"
+            if window is not None:
+                engine.host_grads.every = window
             start = time.perf_counter()
             total, each = errors(gradients(model, precision, lambda m, e=engine: e.loss(ids)), truth)
             ref_total, ref_each = plain[precision]
             worst = max(each, key=lambda n: each[n] / ref_each[n])
             rows.append({
-                "precision": precision, "accumulation": accumulation, "kv_grad_dtype": grad_pages, "chunks": chunks,
+                "precision": precision, "accumulation": label, "kv_grad_dtype": grad_pages, "chunks": chunks,
                 "chunk_size": chunk,
                 "error": total, "plain_error": ref_total, "ratio": total / ref_total,
                 "norm_ratio": each[NORM] / ref_each[NORM],
@@ -116,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                 "seconds": round(time.perf_counter() - start, 2),
             })  # fmt: skip
             r = rows[-1]
-            print(f"{precision} {accumulation:>7} {grad_pages:>8} pages {chunks:>5} chunks: error {total:.4f} = {r['ratio']:.2f}x plain, "
+            print(f"{precision} {label:>7} {grad_pages:>8} pages {chunks:>5} chunks: error {total:.4f} = {r['ratio']:.2f}x plain, "
                   f"final norm {r['norm_ratio']:.2f}x, worst {worst} {r['worst_ratio']:.2f}x ({r['seconds']} s)",
                   flush=True)  # fmt: skip
             command = "benchmarks/bf16_grad_fidelity.py " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -132,9 +143,9 @@ def main(argv: list[str] | None = None) -> int:
 def table(rows: list[dict], seq_len: int) -> str:
     lines = [
         f"Gradient error against float64, one {seq_len}-token step of a tiny Qwen2; x plain = over full-sequence "
-        "training in the same precision (bf16-true: "
-        f"{next((r['plain_error'] for r in rows if r['precision'] == 'bf16-true'), 0):.4f}, bf16-mixed: "
-        f"{next((r['plain_error'] for r in rows if r['precision'] == 'bf16-mixed'), 0):.4f}).",
+        "training in the same precision ("
+        + ", ".join(f"{p}: {e:.4f}" for p, e in {r["precision"]: r["plain_error"] for r in rows}.items())
+        + ").",
         "",
         "| precision | grad_accumulation | gradient pages | chunks | error | x plain | final norm's x plain | worst parameter "
         "| its x plain |",
