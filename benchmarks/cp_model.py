@@ -21,7 +21,6 @@ Writes JSON (``--out``), a PNG (speed-up vs GPUs) and a Markdown table next to i
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import tempfile
 from pathlib import Path
@@ -33,7 +32,7 @@ from lightning_oomb import plan
 from lightning_oomb.engine import OOMBConfig, OOMBEngine
 from lightning_oomb.engine.context import ContextGroup
 from lightning_oomb.engine.planner import Machine, model_shape
-from lightning_oomb.engine.step_time import step_flops
+from lightning_oomb.engine.step_time import StepRates, context_seconds, context_sent, step_flops
 from lightning_oomb.integrations.hf import HFChunkModel
 from tests.helpers.distributed import run_ranks
 
@@ -55,27 +54,14 @@ LENGTHS = (262144, 1048576)
 
 # ---------------------------------------------------------------------------------------------- the formula
 def sent_per_chunk(shape, batch: int, rows: list[int], q_bytes: int, acc_bytes: int, forwards: int) -> dict:
-    """Bytes one rank contributes per layer and chunk to each collective: ``rows``: the chunk's tokens on each
-    rank; ``q_bytes``: the activations' itemsize; ``acc_bytes``: the attention's accumulator itemsize;
-    ``forwards``: attention forwards per step (each all-gathers the queries, all-reduces the row maxima and
-    reduce-scatters the accumulators with their normalisers); the backward all-gathers Q, dO and (LSE, delta) and
-    reduce-scatters dQ."""
-    heads, d, size, longest, total = shape.num_heads, shape.head_dim, len(rows), max(rows), sum(rows)
-    rowwise = batch * heads * longest  # one value per (padded) own query row
-    return {
-        "all_gather": forwards * rowwise * d * q_bytes + rowwise * (2 * d * q_bytes + 2 * acc_bytes),
-        "all_reduce_max": forwards * batch * heads * total * acc_bytes,
-        "reduce_scatter": forwards * size * rowwise * (d + 1) * acc_bytes + size * rowwise * d * acc_bytes,
-    }
+    """The planner's bytes one rank contributes per layer and chunk (:func:`context_sent`)."""
+    return context_sent(shape.num_heads, shape.head_dim, batch, rows, q_bytes, acc_bytes, forwards)
 
 
-def wire_seconds(sent: dict, size: int, link: str) -> float:
-    """Seconds on the link for ``sent`` (one rank's contributions) under ring collectives, with latency."""
-    if size == 1:
-        return 0.0
-    wire = (size - 1) * sent["all_gather"] + 2 * (size - 1) / size * sent["all_reduce_max"]
-    wire += (size - 1) / size * sent["reduce_scatter"]
-    return wire / LINKS[link]
+def link_rates(link: str) -> StepRates:
+    """The assumed compute rates with ``link``'s bandwidth and latency."""
+    return StepRates(ASSUMED["dense_flops"], ASSUMED["attention_flops"], 25e9, link_bytes=LINKS[link],
+                     link_latency_s=ASSUMED["latency_s"][link])  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------ the count
@@ -112,19 +98,12 @@ def predict(seq: int, gpus: int, link: str, chunk: int = 4096, checkpointing: bo
     """One step of Qwen2.5-7B (bf16-true, AdamW) on ``seq`` tokens shared by ``gpus`` GPUs over ``link``."""
     shape = model_shape(QWEN25_7B | {"model_type": "qwen2"})
     forwards = ATTENTION_FORWARDS
-    layers = shape.num_layers
     config = OOMBConfig(chunk, 128, kv_grad_dtype="bfloat16", layer_checkpointing=checkpointing)
     dense, attention = step_flops(shape, seq, config)
     compute = (dense / ASSUMED["dense_flops"] + attention / ASSUMED["attention_flops"]) / gpus
-    chunks = math.ceil(seq / chunk)
     sent = sent_per_chunk(shape, 1, [chunk // gpus] * gpus, 2, 4, forwards)
-    calls = 3 * forwards + 4  # collectives per layer and chunk
-    comm = (
-        chunks
-        * layers
-        * (wire_seconds(sent, gpus, link) + (calls * ASSUMED["latency_s"][link] if gpus > 1 else 0))
-    )
-    grads = shape.parameter_count() * 2
+    rates, grads = link_rates(link), shape.parameter_count() * 2
+    comm = context_seconds(shape, seq, config, 1, gpus, rates, 2, 4, 0) if gpus > 1 else 0.0
     grad_sync = 2 * (gpus - 1) / gpus * grads / LINKS[link]
     step = compute + comm + grad_sync
     machine = Machine("cuda", 141 * 10**9, 128 * GIB)

@@ -100,12 +100,12 @@ parallelism exists. A tiled MLP (``mlp_tile``) saves only its
 input and holds one tile's intermediates in its backward (:func:`layer_backward_bytes`).
 
 **Step time.** :attr:`MemoryPlan.step_time_s` is the step's time at the machine's measured rates
-(:class:`~lightning_oomb.engine.step_time.StepRates`: matmul and attention FLOP/s, host-device bytes/s; for a GPU
-:meth:`Machine.local` finds them in :data:`MEASURED_STEP_RATES` by its name) from the step's FLOPs and offload
+(:class:`~lightning_oomb.engine.step_time.StepRates`: matmul and attention FLOP/s, host-device bytes/s, host adds;
+for a GPU :meth:`Machine.local` finds them in :data:`MEASURED_STEP_RATES` by its name) from the step's FLOPs and
 copies (:mod:`~lightning_oomb.engine.step_time`); ``None`` without rates (no GPU has been measured yet, so the table
-is empty: pass ``Machine(..., rates=StepRates(...))``) and under context parallelism: a rank's compute is about
-``1 / devices`` of the step's, but its collectives wait on the interconnect, whose rate :class:`StepRates` does not
-hold (``benchmarks/cp_model.py`` models it at assumed rates): with rates given, the plan's notes say so.
+is empty: pass ``Machine(..., rates=StepRates(...))``). Under context parallelism a rank computes and copies
+``1 / devices`` of the step and then waits on the collectives (:func:`~lightning_oomb.engine.step_time.
+context_seconds`, at the rates' link bandwidth and latency: nominal NVLink figures until measured).
 """
 
 from __future__ import annotations
@@ -137,7 +137,14 @@ from lightning_oomb.engine.pages import GRAD_DTYPES, PoolShape, arena_bytes
 from lightning_oomb.engine.reference import KEY_BLOCK
 from lightning_oomb.engine.results import result_slot_bytes
 from lightning_oomb.engine.states import BOUNDARY_ALIGN
-from lightning_oomb.engine.step_time import StepRates, copy_bytes, host_sum_bytes, step_flops, step_time
+from lightning_oomb.engine.step_time import (
+    StepRates,
+    context_seconds,
+    copy_bytes,
+    host_sum_bytes,
+    step_flops,
+    step_time,
+)
 from lightning_oomb.engine.user_hooks import gradient_hooks
 
 # measured step rates per device kind ("nvidia-h200": {"attention_flops": ..., "dense_flops": ..., "h2d_bytes": ...});
@@ -1371,7 +1378,7 @@ def decide_auto(inputs, config: OOMBConfig, batch: int, seq_len: int, devices: i
 
 def _faster(inputs, a: OOMBConfig, b: OOMBConfig, batch: int, seq_len: int, devices: int) -> bool:
     """Whether step ``a`` fits with room to spare and is predicted faster than ``b`` (the step-time model at the
-    machine's measured rates, else at ``NOMINAL_STEP_RATES``; no step time under context parallelism: no)."""
+    machine's measured rates, else at ``NOMINAL_STEP_RATES``)."""
     machine = inputs.machine
     rates = machine.rates or NOMINAL_STEP_RATES.get(machine.device_type, NOMINAL_STEP_RATES["cpu"])
     timed = dataclasses.replace(inputs, machine=dataclasses.replace(machine, rates=rates))
@@ -1577,14 +1584,7 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     )  # fmt: skip
     result.fits = result.device_fits and result.host_fits
     result.notes = _notes(inputs, config)
-    if devices > 1 and machine.rates is not None:
-        result.notes.append(
-            f"no step time under context parallelism ({devices} devices per sequence): a rank computes about "
-            f"1/{devices} of the step's FLOPs, but the collectives it waits on (per layer and chunk: the queries, "
-            "partial outputs and their gradients) take the interconnect's time, which StepRates does not measure "
-            "(benchmarks/cp_model.py models it at assumed rates)"
-        )
-    if machine.rates is not None and devices == 1:
+    if machine.rates is not None:
         dense, attention = step_flops(shape, seq_len, config, batch)
         kv, grad = (pool.page_bytes(part) / config.page_size for part in ("kv", "grad"))
         parked = parked_bytes(shape, dtypes, tokens) if parks else 0
@@ -1597,7 +1597,14 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
             if config.grad_summing(chunks, inputs.accumulating) == "float32-host"
             else (0.0, 0.0)
         )
-        result.step_time_s = step_time(dense, attention, copies, machine.rates, summed)
+        # under context parallelism a rank computes and copies 1/devices of the step, then waits on collectives
+        result.step_time_s = step_time(
+            dense / devices, attention / devices, copies / devices, machine.rates, summed
+        )
+        if devices > 1:  # the attention's accumulators are float32 (float64 under 64-true)
+            accumulators = max(4, dtypes.activation.itemsize)
+            result.step_time_s += context_seconds(shape, seq_len, config, batch, devices, machine.rates,
+                                                  dtypes.activation.itemsize, accumulators, device["gradients"])  # fmt: skip
     return result
 
 

@@ -60,12 +60,18 @@ ATTENTION_BACKWARD = 2.5  # an attention backward in forwards (FlashAttention's 
 class StepRates:
     """Measured rates of one device kind: ``dense_flops`` (matmuls) and ``attention_flops`` per second inside a
     training step, ``copy_bytes`` per second between host and device (each way), ``host_bytes`` per second of host
-    memory traffic in ``float32-host``'s adds (a nominal 20 GB/s where not measured)."""
+    memory traffic in ``float32-host``'s adds (a nominal 20 GB/s where not measured); under context parallelism
+    ``link_bytes`` per second between GPUs and ``link_latency_s`` per collective (nominal NVLink figures where not
+    measured)."""
 
     dense_flops: float
     attention_flops: float
     copy_bytes: float
     host_bytes: float = 2e10
+    link_bytes: float = (
+        4.5e11  # context parallelism: bytes/s one way per GPU (NVLink 4 nominal), per collective
+    )
+    link_latency_s: float = 2e-5  # its fixed cost
 
 
 def step_flops(
@@ -165,6 +171,70 @@ def host_sum_bytes(chunks: int, accumulating: bool, matrix_elements: int) -> tup
     if not flushes:
         return 0.0, 0.0
     return matrix_elements * (2 * flushes + 2), matrix_elements * (10 * flushes + 6)
+
+
+ATTENTION_COLLECTIVES = (3, 4)  # per layer and chunk: 3 per attention forward, 4 for its backward
+
+
+def context_sent(
+    num_heads: int, head_dim: int, batch: int, rows: list[int], q_bytes: int, acc_bytes: int, forwards: int
+) -> dict[str, float]:
+    """Bytes one rank contributes per layer and chunk to each collective of context parallelism (the engine's
+    ``ContextGroup.sent`` counts them: ``benchmarks/cp_model.py`` checks the two equal): ``rows``, the chunk's
+    tokens on each rank; ``q_bytes``, the activations' itemsize; ``acc_bytes``, the attention's accumulators';
+    ``forwards``, attention forwards of the chunk (each all-gathers the queries, all-reduces the row maxima and
+    reduce-scatters the accumulators with their normalisers); its backward all-gathers Q, dO and (LSE, delta) and
+    reduce-scatters dQ."""
+    size, rowwise = len(rows), batch * num_heads * max(rows)  # one value per (padded) own query row
+    return {
+        "all_gather": forwards * rowwise * head_dim * q_bytes
+        + rowwise * (2 * head_dim * q_bytes + 2 * acc_bytes),
+        "all_reduce_max": forwards * batch * num_heads * sum(rows) * acc_bytes,
+        "reduce_scatter": forwards * size * rowwise * (head_dim + 1) * acc_bytes
+        + size * rowwise * head_dim * acc_bytes,
+    }
+
+
+def collective_seconds(sent: dict[str, float], size: int, forwards: int, rates: StepRates) -> float:
+    """Seconds on the link for one rank's ``sent`` under ring collectives (an all-gather sends ``size - 1`` parts, a
+    reduce-scatter ``(size - 1) / size`` of its buffer, an all-reduce twice that), with each call's latency."""
+    if size == 1:
+        return 0.0
+    wire = (size - 1) * sent["all_gather"] + 2 * (size - 1) / size * sent["all_reduce_max"]
+    wire += (size - 1) / size * sent["reduce_scatter"]
+    calls = ATTENTION_COLLECTIVES[0] * forwards + ATTENTION_COLLECTIVES[1]
+    return wire / rates.link_bytes + calls * rates.link_latency_s
+
+
+def context_seconds(
+    shape: ModelShape,
+    seq_len: int,
+    config: OOMBConfig,
+    batch: int,
+    devices: int,
+    rates: StepRates,
+    q_bytes: int,
+    acc_bytes: int,
+    grad_bytes: int,
+) -> float:
+    """A rank's seconds in context parallelism's collectives per step, not overlapped with compute (they are
+    synchronous as built): per attention layer and chunk those of :func:`context_sent` (two attention forwards, one
+    for a chunk whose forward result is kept: ``reuse_attention``), and once the gradients' all-reduce
+    (``grad_bytes``)."""
+    chunks = math.ceil(seq_len / config.chunk_size)
+    kept = config.reused_chunks(chunks)
+    rows = [math.ceil(min(config.chunk_size, seq_len) / devices)] * devices
+    per_chunk = {
+        forwards: collective_seconds(
+            context_sent(shape.num_heads, shape.head_dim, batch, rows, q_bytes, acc_bytes, forwards),
+            devices,
+            forwards,
+            rates,
+        )
+        for forwards in (1, 2)
+    }
+    layers = shape.paged_layers * ((chunks - kept) * per_chunk[2] + kept * per_chunk[1])
+    return layers + 2 * (devices - 1) / devices * grad_bytes / rates.link_bytes
 
 
 def step_time(
