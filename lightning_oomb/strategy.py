@@ -111,8 +111,9 @@ class _OOMBStrategyMixin:
         ``offload="auto"`` and, under offload on a GPU, ``hbm_budget="auto"`` with the optimizer states counted
         (:func:`~lightning_oomb.engine.planner.decide_auto`), ``reuse_attention="auto"`` and
         ``grad_accumulation="auto"`` (without a plan: each step decides, ``OOMBConfig``'s docstring;
-        ``plan_memory=False`` plans only to decide other ``"auto"`` options, and then this one too). Under ``oomb_cp`` a node's ranks share its host memory; gradient accumulation counts its
-        most micro-batches (``GradientAccumulationScheduler`` included).
+        ``plan_memory=False`` plans only to decide other ``"auto"`` options, and then this one too). Under
+        ``oomb_cp`` a node's ranks share its host memory; gradient accumulation counts its most micro-batches
+        (``GradientAccumulationScheduler`` included).
         """
         config = self.oomb_config
         auto = any(getattr(config, name) == "auto" for name in STRATEGY_DEFAULTS) or (

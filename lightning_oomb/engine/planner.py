@@ -1602,9 +1602,18 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
             dense / devices, attention / devices, copies / devices, machine.rates, summed
         )
         if devices > 1:  # the attention's accumulators are float32 (float64 under 64-true)
-            accumulators = max(4, dtypes.activation.itemsize)
-            result.step_time_s += context_seconds(shape, seq_len, config, batch, devices, machine.rates,
-                                                  dtypes.activation.itemsize, accumulators, device["gradients"])  # fmt: skip
+            itemsize = dtypes.activation.itemsize
+            result.step_time_s += context_seconds(
+                shape,
+                seq_len,
+                config,
+                batch,
+                devices,
+                machine.rates,
+                itemsize,
+                max(4, itemsize),
+                device["gradients"],
+            )
     return result
 
 

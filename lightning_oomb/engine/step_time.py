@@ -68,10 +68,9 @@ class StepRates:
     attention_flops: float
     copy_bytes: float
     host_bytes: float = 2e10
-    link_bytes: float = (
-        4.5e11  # context parallelism: bytes/s one way per GPU (NVLink 4 nominal), per collective
-    )
-    link_latency_s: float = 2e-5  # its fixed cost
+    # context parallelism: bytes/s one way per GPU (NVLink 4 nominal) and each collective's fixed cost
+    link_bytes: float = 4.5e11
+    link_latency_s: float = 2e-5
 
 
 def step_flops(
