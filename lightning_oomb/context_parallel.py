@@ -6,7 +6,7 @@ under offload and page traffic divided by the group size), attention exchanges o
 outputs (:mod:`lightning_oomb.engine.context`) — and the data dimension replicates that over different batches (the
 sampler shards batches over "data" only). There is no DDP wrapper (the backward sweep runs inside the loop's own
 ``backward``): after the backward of the last micro-batch of an optimizer step the gradients are summed over the
-context group and averaged over the data replicas, once, before clipping and the optimizer step. torch.distributed
+context group and averaged over the data replicas, once, before ``on_after_backward`` (as DDP's). torch.distributed
 is the engine (NCCL on GPUs, gloo on CPU), launched the Lightning way (``devices=N`` starts the processes, torchrun
 or SLURM set the ranks), so it runs across nodes unchanged. Checkpoints are saved by rank 0; every rank holds the
 whole model and optimizer state, so a run resumes on any device count that divides as the new mesh needs.
@@ -216,15 +216,23 @@ class OOMBContextParallelStrategy(_OOMBStrategyMixin, DDPStrategy):
 
     @override
     def configure_ddp(self) -> None:
-        """No DDP wrapper: the gradients are reduced once per optimizer step (:meth:`post_backward`)."""
+        """No DDP wrapper: the gradients are reduced once per optimizer step (:meth:`backward`)."""
 
     # ---------------------------------------------------------------------------------------------- gradients
     @override
-    def post_backward(self, closure_loss: torch.Tensor) -> None:
-        trainer = self.lightning_module.trainer
-        if trainer.fit_loop.epoch_loop._should_accumulate():
-            return
-        self.reduce_gradients()
+    def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Lightning's ``Strategy.backward`` with the gradients reduced between the backward and the precision
+        plugin's ``post_backward`` (which calls ``on_after_backward``): the hook sees what it sees under DDP — at an
+        optimizer step's last micro-batch the reduced gradients, before it the rank's own running sums."""
+        module = self.lightning_module
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+        if not module.trainer.fit_loop.epoch_loop._should_accumulate():
+            self.reduce_gradients()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
     def reduce_gradients(self) -> None:
         """Sum every gradient over its context group and average over the data replicas (one all-reduce per dtype,

@@ -491,7 +491,7 @@ def _text_of(record: Any, text_field: str, where: str) -> str:
     elif not isinstance(record[text_field], str):
         problem = f"holds a {type(record[text_field]).__name__} under {text_field!r}, not a string"
     else:
-        return record[text_field]
+        return record[text_field].removeprefix("\ufeff")  # a byte-order mark (a file's, read raw) is no text
     raise OOMBConfigError(
         f"{where} {problem} — each record must be a mapping whose text_field ({text_field!r}) is the document's "
         "text — fix the record, or set text_field to the field that holds the text."
@@ -506,7 +506,7 @@ def read_documents(
     """Document texts in source order: ``records`` in order, or the files sorted by path, a text file being one
     document and a JSON Lines file (``.jsonl`` / ``.ndjson``, any case) one document per non-blank line (the JSON
     record's ``text_field``); a ``.json`` file is refused (not one record per line). A UTF-8 byte-order mark at a
-    file's start (Windows editors write one) is no text: it is dropped."""
+    file's or a record's start (Windows editors write one) is no text: it is dropped."""
     if records is not None:
         return [_text_of(record, text_field, f"record {i}") for i, record in enumerate(records)]
     texts: list[str] = []
@@ -518,35 +518,31 @@ def read_documents(
                 "(.jsonl: one record per line) — write its records one per line to a .jsonl file, or pass them "
                 "as records=."
             )
-        try:
-            if kind not in JSON_LINES:
-                # (not "utf-8-sig": its errors count bytes from after the mark)
-                texts.append(path.read_text(encoding="utf-8").removeprefix("\ufeff"))
-                continue
-            texts.extend(_records_of(path, text_field))
+        try:  # decoded whole: an error's byte counts from the file's start ("utf-8-sig" counts after the mark)
+            text = path.read_text(encoding="utf-8").removeprefix("\ufeff")
         except UnicodeDecodeError as error:
             raise OOMBConfigError(
                 f"{path} is not UTF-8 text ({error.reason} at byte {error.start}) — TextFileDataModule reads UTF-8 "
                 "— convert it (e.g. iconv -f latin1 -t utf-8) or leave it out of files."
             ) from None
+        texts.extend(_records_of(path, text, text_field) if kind in JSON_LINES else [text])
     return texts
 
 
-def _records_of(path: Path, text_field: str) -> list[str]:
-    """The documents of a JSON Lines file: each non-blank line's record's ``text_field``."""
+def _records_of(path: Path, text: str, text_field: str) -> list[str]:
+    """The documents of a JSON Lines file's ``text``: each non-blank line's record's ``text_field``."""
     texts = []
-    with path.open(encoding="utf-8-sig") as lines:  # a byte-order mark is dropped
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise OOMBConfigError(
-                    f"{path}:{number} is not JSON ({error.msg}) — a .jsonl file holds one JSON record per line "
-                    "— fix the line, or rename the file if it is plain text."
-                ) from None
-            texts.append(_text_of(record, text_field, f"{path}:{number}"))
+    for number, line in enumerate(text.split("\n"), 1):  # not splitlines(): JSON strings may hold U+2028 raw
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise OOMBConfigError(
+                f"{path}:{number} is not JSON ({error.msg}) — a .jsonl file holds one JSON record per line "
+                "— fix the line, or rename the file if it is plain text."
+            ) from None
+        texts.append(_text_of(record, text_field, f"{path}:{number}"))
     return texts
 
 

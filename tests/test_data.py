@@ -312,6 +312,18 @@ def test_a_byte_order_mark_is_no_text(tmp_path):
         assert (tmp_path / name).read_bytes().startswith(b"\xef\xbb\xbf")
         dm = TextFileDataModule(str(tmp_path / name), tokenizer="bytes", seq_len=2)
         assert [d.tolist() for d in dm.documents()] == [[b + 3 for b in t.encode()] + [1] for t in want], name
+    # records made from such files read raw (e.g. a datasets.Dataset) start with it too
+    dm = TextFileDataModule(records=[{"text": "\ufeff" + t} for t in texts], tokenizer="bytes", seq_len=2)
+    assert [d.tolist() for d in dm.documents()] == [[b + 3 for b in t.encode()] + [1] for t in texts]
+
+
+def test_a_jsonl_file_that_is_not_utf8_names_the_byte_from_the_files_start(tmp_path):
+    """Read line by line, the error counted from the start of the decoder's buffer, not the file's."""
+    lines = b"".join(b'{"text": "%d"}\n' % i for i in range(2000)) + '{"text": "caf\xe9"}'.encode("latin-1")
+    (tmp_path / "latin.jsonl").write_bytes(lines)
+    at = lines.index(b"\xe9")
+    with pytest.raises(OOMBConfigError, match=rf"latin.jsonl is not UTF-8 text \(.* at byte {at}\)"):
+        TextFileDataModule(str(tmp_path / "latin.jsonl"), tokenizer="bytes", seq_len=2).setup("fit")
 
 
 def test_byte_tokenizer_needs_no_files():

@@ -1297,7 +1297,7 @@ def plan(
     shape = model_shape(model)
     dtypes = precision_dtypes(precision, param_dtype)
     spec = optimizer_spec(optimizer)
-    inputs = _Inputs(shape, dtypes, spec, machine, str(precision), accumulate_grad_batches > 1)
+    inputs = _Inputs(shape, dtypes, spec, machine, str(precision), accumulate_grad_batches)
     asked, config = config, decide_auto(inputs, config, batch, seq_len, context_parallel)
     result = _plan(inputs, config, batch, seq_len, context_parallel)
     if suggest and not result.fits:
@@ -1437,7 +1437,11 @@ class _Inputs:
     optimizer: OptimizerSpec
     machine: Machine
     precision: str
-    accumulating: bool = False  # several micro-batches per optimizer step
+    micro_batches: int = 1  # per optimizer step (the Trainer's accumulate_grad_batches)
+
+    @property
+    def accumulating(self) -> bool:
+        return self.micro_batches > 1
 
 
 def _machine(machine: Machine | str | None, device_memory: int | None, host_memory: int | None) -> Machine:
@@ -1612,7 +1616,7 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
                 machine.rates,
                 itemsize,
                 max(4, itemsize),
-                device["gradients"],
+                device["gradients"] / inputs.micro_batches,  # one all-reduce per optimizer step
             )
     return result
 

@@ -214,12 +214,12 @@ def context_seconds(
     rates: StepRates,
     q_bytes: int,
     acc_bytes: int,
-    grad_bytes: int,
+    grad_bytes: float,
 ) -> float:
     """A rank's seconds in context parallelism's collectives per step, not overlapped with compute (they are
     synchronous as built): per attention layer and chunk those of :func:`context_sent` (two attention forwards, one
-    for a chunk whose forward result is kept: ``reuse_attention``), and once the gradients' all-reduce
-    (``grad_bytes``)."""
+    for a chunk whose forward result is kept: ``reuse_attention``), and the gradients' all-reduce of ``grad_bytes``
+    (once per optimizer step: a micro-batch's share under gradient accumulation)."""
     chunks = math.ceil(seq_len / config.chunk_size)
     kept = config.reused_chunks(chunks)
     rows = [math.ceil(min(config.chunk_size, seq_len) / devices)] * devices

@@ -211,3 +211,9 @@ def test_a_context_parallel_plan_divides_the_compute_and_adds_the_collectives():
         waits = context_seconds(shape, SEQ, config, 2, 2, rates, 4, 4, shared.device["gradients"])
         assert waits > 0 and shared.step_time_s == pytest.approx((dense / 1e9 + attn / 5e8) / 2 + waits)
         assert (shared.step_time_s < alone.step_time_s) is faster
+        # 4 micro-batches an optimizer step: each carries a quarter of the one all-reduce (half the bytes each way)
+        quarter = plan(
+            model, SEQ, 2, config, "32-true", None, machine, context_parallel=2, accumulate_grad_batches=4
+        )
+        saved = shared.step_time_s - quarter.step_time_s
+        assert saved == pytest.approx(3 / 4 * shared.device["gradients"] / link)

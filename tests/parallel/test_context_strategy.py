@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
 
 from lightning_oomb import OOMBConfig, OOMBConfigError, OOMBContextParallelStrategy, plan
 from lightning_oomb.context_parallel import least_over_ranks
@@ -45,13 +46,25 @@ def fit(strategy, devices: int = 1, steps: int = 3, resume=None, plain: bool = F
     return module
 
 
+class ReducedAfterBackward(Callback):
+    """Fails a rank whose ``on_after_backward`` at an optimizer step's last micro-batch sees other gradients than
+    the optimizer step gets (the reduced ones, as under DDP)."""
+
+    def on_after_backward(self, trainer, module):
+        self.seen = [None if p.grad is None else p.grad.clone() for p in module.parameters()]
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        for seen, p in zip(self.seen, module.parameters(), strict=True):
+            assert (seen is None and p.grad is None) or torch.equal(seen, p.grad)
+
+
 @pytest.mark.parametrize("plain", [False, True])
 def test_three_steps_with_accumulation_and_clipping_equal_one_process(plain):
     """The ranks plan (each with the group's least memory) at setup, or with a plain loader at the first batch, all
     at once, and keep their slices' attention results as ``reuse_attention="auto"`` decides; the weights equal one
-    process's."""
+    process's; ``on_after_backward`` sees the reduced gradients."""
     want = fit(oomb())
-    got = fit(cp(reuse_attention="auto"), devices=2, plain=plain)
+    got = fit(cp(reuse_attention="auto"), devices=2, plain=plain, callbacks=[ReducedAfterBackward()])
     for (name, a), b in zip(want.named_parameters(), got.parameters(), strict=True):
         assert torch.allclose(a, b, rtol=1e-10, atol=1e-12), name
     start = TinyLM().double()  # the steps moved the weights (clipping kept them small, not zero)
