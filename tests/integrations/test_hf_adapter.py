@@ -124,6 +124,20 @@ def test_more_unsupported_models_are_refused_before_any_work(name, config, match
         HFChunkModel(newer_family(name, **config))
 
 
+def test_a_drafter_that_reads_its_main_models_states_is_refused():
+    """Gemma 4's unified assistant was accepted and failed at the first step with transformers' own error (its
+    sibling ``gemma4_assistant``, refused by the same rule, has no default config that builds)."""
+    name = "gemma4_unified_assistant"
+    if name not in tf.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        pytest.skip(f"transformers {tf.__version__} has no {name}")
+    with torch.device("meta"):  # its default size, allocating nothing
+        model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.for_model(name))
+    with pytest.raises(
+        OOMBConfigError, match="speculative-decoding drafter: its forward reads its main model's"
+    ):
+        HFChunkModel(model)
+
+
 # float64: eager experts (grouped matmuls refuse it)
 MLA = dict(num_hidden_layers=2, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
            head_dim=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1,

@@ -27,6 +27,7 @@ its own weights), and a verdict cached for the architecture builds no twin.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import re
 
 import torch
@@ -216,6 +217,11 @@ def check_supported(model: torch.nn.Module) -> None:
         )
     config = model.config
     reasons = []
+    if "shared_kv_states" in inspect.signature(model.forward).parameters:  # Gemma 4's assistants
+        reasons.append(
+            "it is a speculative-decoding drafter: its forward reads its main model's embeddings and key/value "
+            "states (inputs_embeds, shared_kv_states), which a causal-LM training step does not have"
+        )
     if not type(model)._can_set_attn_implementation():
         reasons.append("its attention does not dispatch through transformers' AttentionInterface")
     carried, refused = _stateful_mixers(model)
