@@ -31,7 +31,8 @@ from benchmarks.common import GIB, build_qwen2, write_json
 from lightning_oomb import plan
 from lightning_oomb.engine import OOMBConfig, OOMBEngine
 from lightning_oomb.engine.context import ContextGroup
-from lightning_oomb.engine.planner import Machine, model_shape
+from lightning_oomb.engine.model_shape import model_shape
+from lightning_oomb.engine.planner import Machine
 from lightning_oomb.engine.step_time import StepRates, context_seconds, context_sent, step_flops
 from lightning_oomb.integrations.hf import HFChunkModel
 from tests.helpers.distributed import run_ranks

@@ -83,10 +83,10 @@ from benchmarks.common import (
 from lightning_oomb import plan
 from lightning_oomb.engine import OOMBConfig
 from lightning_oomb.engine.config import STRATEGY_DEFAULTS
+from lightning_oomb.engine.model_shape import model_shape
 from lightning_oomb.engine.planner import (
     NOMINAL_STEP_RATES,
     Machine,
-    model_shape,
     parked_bytes,
     precision_dtypes,
     reused_attention_bytes,

@@ -118,7 +118,7 @@ class ChunkModel(Protocol):
     so MLP-only blocks count with nothing declared. A model that carries states declares their size with
     ``carried_state_elements() -> (elements in the activations' dtype, float32 elements)`` per batch row and chunk
     boundary (without it they are not counted: the plan's notes say so), and may describe its carried layers with
-    ``carried_mixer_shapes()`` (:class:`~lightning_oomb.engine.planner.Mixer`: gated delta-net, Mamba2, gated short
+    ``carried_mixer_shapes()`` (:class:`~lightning_oomb.engine.model_shape.Mixer`: gated delta-net, Mamba2, gated short
     convolution); a carried layer it does not describe saves activations the plan does not count.
     """
 

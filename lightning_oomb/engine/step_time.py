@@ -38,7 +38,7 @@ from lightning_oomb.engine.grads import host_flushes
 
 
 class ModelShape(Protocol):
-    """What the FLOP model reads of a model (:class:`lightning_oomb.engine.planner.ModelShape` has it)."""
+    """What the FLOP model reads of a model (:class:`lightning_oomb.engine.model_shape.ModelShape` has it)."""
 
     num_layers: int
     paged_layers: int

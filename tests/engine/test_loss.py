@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from lightning_oomb.engine import OOMBConfig, OOMBEngine, planner
 from lightning_oomb.engine import loss as loss_module
 from lightning_oomb.engine.loss import LMHead, linear_cross_entropy, shift_labels
-from lightning_oomb.engine.planner import ModelShape
+from lightning_oomb.engine.model_shape import ModelShape
 from lightning_oomb.integrations.hf import HFChunkModel
 from tests.helpers.memory import cross_entropy_peak
 from tests.helpers.models import build_causal_lm

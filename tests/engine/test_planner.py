@@ -18,7 +18,8 @@ import lightning_oomb
 from lightning_oomb.engine import KVPool, OOMBConfig, OOMBConfigError, OOMBEngine, PoolShape, planner
 from lightning_oomb.engine.config import STRATEGY_DEFAULTS
 from lightning_oomb.engine.memory import SavedTensorMeter
-from lightning_oomb.engine.planner import Machine, ModelShape, OptimizerSpec, model_shape, plan
+from lightning_oomb.engine.model_shape import ModelShape, model_shape
+from lightning_oomb.engine.planner import Machine, OptimizerSpec, plan
 from lightning_oomb.integrations.hf import HFChunkModel
 from lightning_oomb.models import qwen2_5_7b_config
 from tests.helpers.lightning import TinyLM, batches, make_trainer

@@ -15,7 +15,8 @@ from lightning_oomb.engine import (
     OOMBConfig,
     OOMBEngine,
 )
-from lightning_oomb.engine.planner import Mixer, plan
+from lightning_oomb.engine.model_shape import Mixer
+from lightning_oomb.engine.planner import plan
 from tests.engine.test_planner import (  # noqa: F401  (one_thread: an autouse fixture)
     BIG_CPU,
     DTYPES,

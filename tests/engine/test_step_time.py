@@ -12,7 +12,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.flop_counter import FlopCounterMode, mm_flop
 
 from lightning_oomb.engine import OOMBConfig, OOMBEngine, attention
-from lightning_oomb.engine.planner import Machine, model_shape, plan
+from lightning_oomb.engine.model_shape import model_shape
+from lightning_oomb.engine.planner import Machine, plan
 from lightning_oomb.engine.step_time import StepRates, _pairs, context_seconds, copy_bytes, step_flops
 from lightning_oomb.integrations.hf import HFChunkModel
 from tests.helpers.models import build_causal_lm

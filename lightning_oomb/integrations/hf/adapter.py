@@ -24,7 +24,7 @@ from lightning_oomb.engine.attention import ChunkContext
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.loss import LMHead
 from lightning_oomb.engine.model import Respond, answered_by
-from lightning_oomb.engine.planner import Mixer, paged_head_dim
+from lightning_oomb.engine.model_shape import Mixer, paged_head_dim
 from lightning_oomb.engine.tiles import tiled
 from lightning_oomb.integrations.hf.attention import ATTN_NAME, ENGAGED, RUNNING, register_attention
 from lightning_oomb.integrations.hf.calls import answer, read_call

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_oomb.engine.errors import OOMBConfigError
-from lightning_oomb.engine.planner import Mixer
+from lightning_oomb.engine.model_shape import Mixer
 from lightning_oomb.engine.states import ChunkStates
 from lightning_oomb.integrations.hf.decoder import decoder_of
 
@@ -131,7 +131,7 @@ DELTA_BLOCK = (
 
 
 def mixer_shape(module: torch.nn.Module) -> Mixer:
-    """The :class:`~lightning_oomb.engine.planner.Mixer` of a carried mixer: a gated delta-net (``num_v_heads``), a
+    """The :class:`~lightning_oomb.engine.model_shape.Mixer` of a carried mixer: a gated delta-net (``num_v_heads``), a
     Mamba2 mixer (``ssm_state_size``) or a short convolution."""
     conv = next(m for m in module.modules() if isinstance(m, torch.nn.Conv1d))
     gated = any(type(m).__name__.endswith("RMSNormGated") for m in module.children())

@@ -1,0 +1,439 @@
+"""What the memory planner needs of a model (:class:`ModelShape`), read off a transformers config, a module that holds
+one, a ChunkModel adapter around one, or any ChunkModel ``nn.Module`` (:func:`model_shape`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightning_oomb.engine.errors import OOMBConfigError
+from lightning_oomb.engine.grads import HALF_DTYPES
+from lightning_oomb.engine.user_hooks import gradient_hooks
+
+# families whose layers the activation formula was measured on (tests/engine/test_planner.py)
+CALIBRATED = ("llama", "qwen2", "qwen3", "mistral")
+NORM_BYTES = 4  # HF's RMSNorm computes in float32 whatever the model's dtype
+# config fields of the width of an MoE layer's shared experts
+SHARED_WIDTHS = (
+    "shared_expert_intermediate_size",
+    "shared_intermediate_size",
+    "moe_shared_expert_intermediate_size",
+)
+
+
+@dataclass(frozen=True)
+class Mixer:
+    """One carried token mixer of a hybrid (:func:`~lightning_oomb.engine.planner.mixer_bytes`): ``kind`` ``"delta"`` (gated delta-net),
+    ``"mamba2"`` or ``"conv"`` (gated short convolution); ``channels`` and ``kernel`` of its causal convolution;
+    ``heads`` x ``head_dim``: the values its rule mixes (a delta-net's value heads, Mamba2's heads); ``state``: a
+    delta-net's key head dim, Mamba2's state size; ``block``: the rule's block (a delta rule's 64, Mamba2's
+    ``chunk_size``); ``gated_norm``: a gated RMSNorm on its output (else Falcon-H1's plain gate)."""
+
+    kind: str
+    channels: int
+    kernel: int
+    heads: int = 0
+    head_dim: int = 0
+    state: int = 0
+    block: int = 1
+    gated_norm: bool = False
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs of a model. ``params`` / ``trainable``: parameter counts (``None``: from the
+    Llama-style formula); ``weight_bytes`` / ``grad_bytes``: exact bytes when a module was read (else counts x the
+    precision's dtype); ``largest_param``: elements of the largest parameter; ``head_trainable`` /
+    ``embedding_trainable``: whether the LM head / input embedding get gradients (not under LoRA); ``half_trainable``:
+    trainable elements in a 16-bit dtype (``None``: all trainable ones when the precision's parameters are 16-bit),
+    ``half_vectors`` those of them in 1-D parameters (``None``: :meth:`vector_params`);
+    ``mlp_width``: MLP width a token passes through (``experts_per_token x`` the expert width for MoE, plus
+    ``shared_width``: its shared experts');
+    ``logit_softcap``: the head soft-caps its logits (Gemma 2/3); ``attention_softcap``: attention soft-caps its
+    scores (Gemma 2); ``eager_experts``: MoE experts run in a Python loop (transformers' ``"eager"`` experts
+    implementation; the default ``grouped_mm`` holds less in its backward). A hybrid (recurrent / convolution
+    layers beside attention): ``kv_layers``, the layers that have KV pages (``None``: all), and per batch row, the elements of the
+    states carried at each chunk boundary — ``conv_state_elements`` (in the compute dtype: a mixer's input projection
+    makes them, under autocast in the autocast dtype) and
+    ``recurrent_state_elements`` (float32, as the recurrences compute them), and its ``mixers`` (one per layer that
+    has one: :class:`Mixer`). ``adapters``: trainable LoRA adapters (peft) as ``(in_features, rank, itemsize,
+    count)``; ``frozen_layers``: the decoder's own weights get no gradients (LoRA). ``windows``: each paged layer's
+    sliding window (``None`` in it: full attention; ``None``: every layer full), so window layers keep only their
+    tails. ``mlp_layers``: the layers' MLPs (``None``: one per layer; a ChunkModel: those its modules show,
+    :func:`_shape_of_chunk_model`); ``linear_weights``: elements of the decoder's ``nn.Linear`` weights, each saved once more
+    as a compute-dtype copy under autocast (``None``: the Llama-style layers'); ``unsized_states``: the model
+    carries states but does not say their size (not counted); ``head_grad_hooked``: a user's gradient hook on the LM
+    head's weight (the tied embedding's), so the loss hands autograd a new ``[V, H]`` gradient per chunk;
+    ``float32_norms``: its RMSNorms keep their normed input in float32 (torch's ``nn.RMSNorm``, which casts only its
+    result; Hugging Face's cast it back to the activations' dtype first)."""
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    kv_heads: int
+    head_dim: int
+    vocab_size: int
+    num_embeddings: int
+    tied_embeddings: bool = False
+    qk_norm: bool = False
+    qkv_bias: bool = False
+    family: str = "llama"
+    num_experts: int = 0
+    experts_per_token: int = 0
+    shared_width: int = 0
+    params: int | None = None
+    trainable: int | None = None
+    weight_bytes: int | None = None
+    grad_bytes: int | None = None
+    largest_param: int | None = None
+    head_trainable: bool = True
+    embedding_trainable: bool = True
+    logit_softcap: bool = False
+    attention_softcap: bool = False
+    eager_experts: bool = False
+    half_trainable: int | None = None
+    half_vectors: int | None = None
+    kv_layers: int | None = None
+    conv_state_elements: int = 0
+    recurrent_state_elements: int = 0
+    mixers: tuple[Mixer, ...] = ()
+    adapters: tuple[tuple[int, int, int, int], ...] = ()
+    frozen_layers: bool = False
+    windows: tuple[int | None, ...] | None = None
+    mlp_layers: int | None = None
+    linear_weights: int | None = None
+    unsized_states: bool = False
+    head_grad_hooked: bool = False
+    float32_norms: bool = False
+
+    @property
+    def mlps(self) -> int:
+        """Layers' MLPs (a ChunkModel's MLP-only blocks included)."""
+        return self.num_layers if self.mlp_layers is None else self.mlp_layers
+
+    @property
+    def mixing_layers(self) -> int:
+        """Layers with a token mixer — attention, or a hybrid's carried mixer (whose projections the FLOP model
+        counts as attention's) — all but a ChunkModel's MLP-only blocks."""
+        if self.mixers:
+            return min(self.num_layers, self.paged_layers + len(self.mixers))
+        carries = self.conv_state_elements or self.recurrent_state_elements or self.unsized_states
+        return self.num_layers if carries else min(self.paged_layers, self.num_layers)
+
+    @property
+    def mlp_width(self) -> int:
+        return self.intermediate_size * (self.experts_per_token or 1) + self.shared_width
+
+    @property
+    def attention_params(self) -> int:
+        """Elements of one decoder layer's q, k, v and o projection weights."""
+        return 2 * self.hidden_size * (self.num_heads + self.kv_heads) * self.head_dim
+
+    @property
+    def mlp_params(self) -> int:
+        """Elements of one decoder layer's MLP weights (every expert's, for MoE)."""
+        return 3 * self.hidden_size * self.intermediate_size * max(self.num_experts, 1)
+
+    @property
+    def layer_linear_params(self) -> int:
+        return self.attention_params + self.mlp_params
+
+    def parameter_count(self) -> int:
+        """Parameters of a Llama-style causal LM of this shape (exact for Llama, Qwen2/3, Mistral)."""
+        if self.params is not None:
+            return self.params
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.kv_heads * self.head_dim
+        layer = self.layer_linear_params + 2 * h + (q + 2 * kv if self.qkv_bias else 0)
+        layer += 2 * self.head_dim if self.qk_norm else 0
+        layer += h * self.num_experts  # the router
+        head = 0 if self.tied_embeddings else self.vocab_size * h
+        return self.num_embeddings * h + self.num_layers * layer + h + head
+
+    def vector_params(self) -> int:
+        """Elements of the 1-D parameters (norm weights, biases) of a Llama-style causal LM of this shape."""
+        q, kv = self.num_heads * self.head_dim, self.kv_heads * self.head_dim
+        layer = (
+            2 * self.hidden_size
+            + (q + 2 * kv if self.qkv_bias else 0)
+            + (2 * self.head_dim if self.qk_norm else 0)
+        )
+        return self.num_layers * layer + self.hidden_size
+
+    @property
+    def calibrated(self) -> bool:
+        return self.family in CALIBRATED and not self.num_experts
+
+    @property
+    def paged_layers(self) -> int:
+        """Layers with KV pages (a hybrid's attention layers)."""
+        return self.num_layers if self.kv_layers is None else self.kv_layers
+
+    def normed_bytes(self, activation: torch.dtype) -> int:
+        """Bytes per token of an RMSNorm's normed input, saved for its weight's gradient (none when frozen)."""
+        if self.frozen_layers:
+            return 0
+        return (NORM_BYTES if self.float32_norms else activation.itemsize) * self.hidden_size
+
+    def carried_state_bytes(self, compute: torch.dtype) -> int:
+        """One batch row's carried states at one chunk boundary (0 without recurrent / convolution layers): the
+        convolution states in the ``compute`` dtype (what the engine keeps is what the model reported: a projection's
+        output, under autocast in the autocast dtype), the recurrent ones in float32."""
+        return self.conv_state_elements * compute.itemsize + self.recurrent_state_elements * 4
+
+
+def model_shape(model: Any) -> ModelShape:
+    """The :class:`ModelShape` of ``model``: a :class:`ModelShape`, a transformers config (a multimodal one's
+    decoder config; or a ``{"model_type": ...}``-style dict of its fields), an ``nn.Module`` holding one (its parameters are counted
+    exactly), a ChunkModel adapter around one, or any ChunkModel ``nn.Module`` (its parameters counted exactly, its
+    MLPs, widths and head count read off its modules, its carried states as it declares them:
+    :func:`_shape_of_chunk_model`)."""
+    if isinstance(model, ModelShape):
+        return model
+    if isinstance(model, Mapping):
+        return _shape_of_config(_AttrDict(model))
+    config = _text_config(getattr(model, "config", None))
+    model = _text_config(model)
+    if isinstance(model, torch.nn.Module) and _is_config(config):
+        return _with_parameters(_shape_of_config(config), model)
+    inner = getattr(model, "model", None)  # e.g. the Hugging Face adapter around a PreTrainedModel
+    if not isinstance(model, torch.nn.Module) and isinstance(inner, torch.nn.Module):
+        return _with_adapter(model_shape(inner), model)
+    if _is_config(model):
+        return _shape_of_config(model)
+    if isinstance(model, torch.nn.Module) and hasattr(model, "num_layers") and hasattr(model, "lm_head"):
+        return _with_parameters(_shape_of_chunk_model(model), model)
+    raise OOMBConfigError(
+        f"cannot read a model shape from {type(model).__name__} — the planner needs layers, widths, heads and the "
+        "vocabulary — pass a transformers config, the model itself, or a lightning_oomb.engine.model_shape.ModelShape."
+    )
+
+
+class _AttrDict(dict):
+    """A dict of config fields read like a config object."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError as err:
+            raise AttributeError(name) from err
+
+
+def _text_config(obj: Any) -> Any:
+    """A multimodal wrapper's decoder config (Gemma 3's text config); anything else as it is."""
+    text = getattr(obj, "get_text_config", None)
+    return text(decoder=True) if callable(text) and not isinstance(obj, torch.nn.Module) else obj
+
+
+def _is_config(obj: Any) -> bool:
+    return obj is not None and all(hasattr(obj, k) for k in ("num_hidden_layers", "hidden_size"))
+
+
+def paged_head_dim(config: Any) -> int:
+    """The head dim of a Hugging Face config's K/V pages: the widest of the keys' (multi-head latent attention's
+    ``qk_nope_head_dim + qk_rope_head_dim``, else ``head_dim`` — the widest of a ``per_layer_config``'s, Gemma 4's
+    global layers' — else hidden / heads) and the values' (``v_head_dim`` where given); narrower heads are
+    zero-padded to it."""
+    nope, rope = getattr(config, "qk_nope_head_dim", None), getattr(config, "qk_rope_head_dim", None)
+    if isinstance(nope, int) and isinstance(rope, int):
+        keys = nope + rope
+    else:
+        fields = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+        layers = (fields.get("per_layer_config") or {}).values()
+        dims = [
+            d for d in (fields.get("head_dim"), *(c.get("head_dim") for c in layers)) if isinstance(d, int)
+        ]
+        keys = max(dims) if dims else config.hidden_size // config.num_attention_heads
+    return max(keys, getattr(config, "v_head_dim", None) or keys)
+
+
+def _shape_of_config(cfg: Any) -> ModelShape:
+    if getattr(cfg, "model_type", None) == "mamba2" or getattr(cfg, "num_attention_heads", None) is None:
+        return _shape_of_attention_free(cfg)
+    heads = cfg.num_attention_heads
+    head_dim = paged_head_dim(cfg)
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or 0
+    family = getattr(cfg, "model_type", None) or "llama"
+    return ModelShape(
+        num_layers=cfg.num_hidden_layers,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=(getattr(cfg, "moe_intermediate_size", None) if experts else None)
+        or _mlp_width(cfg),
+        num_heads=heads,
+        kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        vocab_size=cfg.vocab_size,
+        num_embeddings=cfg.vocab_size,
+        tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        qk_norm=family.startswith("qwen3") or family.startswith("gemma3"),
+        qkv_bias=bool(getattr(cfg, "attention_bias", family in ("qwen2", "qwen2_moe"))),
+        family=family,
+        num_experts=experts,
+        experts_per_token=(getattr(cfg, "num_experts_per_tok", None) or 0) if experts else 0,
+        shared_width=next((getattr(cfg, k) for k in SHARED_WIDTHS if getattr(cfg, k, None) and experts), 0),
+        logit_softcap=getattr(cfg, "final_logit_softcapping", None) is not None,
+        attention_softcap=getattr(cfg, "attn_logit_softcapping", None) is not None,
+        eager_experts=getattr(cfg, "_experts_implementation", None) == "eager",
+        windows=_config_windows(cfg),
+    )
+
+
+def _shape_of_attention_free(cfg: Any) -> ModelShape:
+    """A config without attention (pure Mamba2): no pages and no MLP, each layer a norm and a carried Mamba2 mixer
+    (from the config's ``num_heads``, ``head_dim``, ``state_size``, ``n_groups``, ``conv_kernel``, ``chunk_size``)."""
+    heads, head_dim, state = cfg.num_heads, cfg.head_dim, cfg.state_size
+    channels = heads * head_dim + 2 * cfg.n_groups * state  # the convolution's: x, B and C
+    mixer = Mixer("mamba2", channels=channels, kernel=cfg.conv_kernel, heads=heads, head_dim=head_dim, state=state,
+                  block=cfg.chunk_size, gated_norm=True)  # fmt: skip
+    layers = cfg.num_hidden_layers
+    return ModelShape(
+        num_layers=layers, hidden_size=cfg.hidden_size, intermediate_size=heads * head_dim, num_heads=1, kv_heads=1,
+        head_dim=16, vocab_size=cfg.vocab_size, num_embeddings=cfg.vocab_size,
+        tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)), qk_norm=False, qkv_bias=False,
+        family=getattr(cfg, "model_type", None) or "mamba2", kv_layers=0, mlp_layers=0, mixers=(mixer,) * layers,
+        conv_state_elements=layers * channels * cfg.conv_kernel, recurrent_state_elements=layers * heads * head_dim * state,
+    )  # fmt: skip
+
+
+def _mlp_width(cfg: Any) -> int:
+    """A dense MLP's width: ``intermediate_size``, adjusted as LFM2 adjusts it (``block_auto_adjust_ff_dim``: two
+    thirds, times ``block_ffn_dim_multiplier``, rounded up to ``block_multiple_of``)."""
+    width = cfg.intermediate_size
+    if not getattr(cfg, "block_auto_adjust_ff_dim", False):
+        return width
+    width = int(2 * width / 3)
+    if getattr(cfg, "block_ffn_dim_multiplier", None) is not None:
+        multiple = cfg.block_multiple_of
+        width = -(-int(cfg.block_ffn_dim_multiplier * width) // multiple) * multiple
+    return width
+
+
+def _config_windows(cfg: Any) -> tuple[int | None, ...] | None:
+    """Each layer's sliding window as a Hugging Face config declares it: ``sliding_window`` on the layers its
+    ``layer_types`` calls ``sliding_attention`` (on every layer without ``layer_types``: Mistral, Phi-3); ``None``
+    without a window, or with layer types other than these two (a hybrid: its adapter says,
+    :func:`_with_adapter`)."""
+    window = getattr(cfg, "sliding_window", None)
+    if isinstance(window, bool) or not isinstance(window, int):
+        return None
+    types = getattr(cfg, "layer_types", None)
+    if types is None:
+        return (window,) * cfg.num_hidden_layers
+    if any(t not in ("sliding_attention", "full_attention") for t in types):
+        return None
+    return tuple(window if t == "sliding_attention" else None for t in types)
+
+
+def _shape_of_chunk_model(model: torch.nn.Module) -> ModelShape:
+    """A ChunkModel's shape read off its modules (``engine/model.py``'s ``ChunkModel`` says it to the model's
+    author): the hidden size from the LM head; its MLPs are the ``nn.Linear`` modules that project a wider input
+    back to the hidden size (their down projections: one per MLP, the widest input the MLP width; none found: one
+    MLP per attention call slot, as wide as the widest ``nn.Linear``), except attention's output projections
+    (:func:`_attention_output`), whose input gives the query heads (else ``hidden // head_dim``); its blocks as many
+    as its attention call slots (``num_layers``) or MLPs, the more; its norms ``nn.RMSNorm`` or not; ``layer_windows`` and carried states as its adapter declares them
+    (:func:`_with_adapter`)."""
+    lm_head = model.lm_head()
+    head = lm_head.weight
+    hidden = head.shape[1]
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight is not head]
+    # a wider input projected back to the hidden size: an MLP's down projection, or attention's output projection
+    # (heads x head_dim wider than the hidden size)
+    wider = []  # (o, the other nn.Linear modules beside it)
+    for parent in model.modules():
+        children = [c for c in parent.children() if isinstance(c, torch.nn.Linear) and c.weight is not head]
+        wider += [(o, [c for c in children if c is not o]) for o in children
+                  if o.out_features == hidden < o.in_features]  # fmt: skip
+    outputs = [o.in_features for o, siblings in wider if _attention_output(o, siblings, model)]
+    downs = [o.in_features for o, siblings in wider if not _attention_output(o, siblings, model)]
+    widest = max((max(m.in_features, m.out_features) for m in linears), default=4 * hidden)
+    mlps = len(downs) or model.num_layers
+    shape = ModelShape(
+        num_layers=max(model.num_layers, mlps),
+        hidden_size=hidden,
+        intermediate_size=max(downs, default=widest),
+        num_heads=max(outputs, default=hidden) // model.head_dim or 1,
+        kv_heads=model.kv_heads,
+        head_dim=model.head_dim,
+        vocab_size=model.vocab_size,
+        num_embeddings=model.num_embeddings,
+        family=type(model).__name__,
+        logit_softcap=lm_head.softcap is not None,
+        kv_layers=model.num_layers,
+        mlp_layers=mlps,
+        linear_weights=sum(m.weight.numel() for m in linears),
+        float32_norms=any(isinstance(m, torch.nn.RMSNorm) for m in model.modules()),
+    )
+    return _with_adapter(shape, model)
+
+
+def _attention_output(o: torch.nn.Linear, siblings: list[torch.nn.Linear], model: Any) -> bool:
+    """Whether ``o`` (a wider input projected to the hidden size) is attention's output projection, not an MLP's
+    down projection: its module also projects the hidden states to its input's width (the queries) and to the K/V
+    width (``kv_heads x head_dim``: K and V apart, or together), or to both at once (a fused QKV projection) — an
+    MLP's gate and up projections give its own width (or twice it, fused). (An MLP exactly twice as wide as K/V
+    would read as attention.)"""
+    if o.in_features % model.head_dim:
+        return False
+    kv = model.kv_heads * model.head_dim
+    reads = [s.out_features for s in siblings if s.in_features == o.out_features]
+    if o.in_features + 2 * kv in reads:  # fused QKV
+        return True
+    if o.in_features not in reads:
+        return False
+    rest = list(reads)
+    rest.remove(o.in_features)  # the queries'
+    return 2 * kv in rest or rest.count(kv) >= 2
+
+
+def _with_adapter(shape: ModelShape, adapter: Any) -> ModelShape:
+    """What a model's adapter (or a ChunkModel itself) declares: its layers' windows (``layer_windows``) and, when
+    it carries states, its paged layers, carried state sizes (``carried_state_elements()``; without it the states
+    are not counted, and the plan says so) and carried mixers (``carried_mixer_shapes()``, if it describes them:
+    :class:`Mixer`)."""
+    shape = dataclasses.replace(shape, windows=getattr(adapter, "layer_windows", shape.windows))
+    if not getattr(adapter, "carries_states", False):
+        return shape
+    elements = getattr(adapter, "carried_state_elements", None)
+    conv, recurrent = elements() if callable(elements) else (0, 0)
+    mixers = tuple(getattr(adapter, "carried_mixer_shapes", tuple)())
+    return dataclasses.replace(shape, kv_layers=adapter.num_layers, conv_state_elements=conv,
+                               recurrent_state_elements=recurrent, mixers=mixers,
+                               unsized_states=not callable(elements))  # fmt: skip
+
+
+def _with_parameters(shape: ModelShape, module: torch.nn.Module) -> ModelShape:
+    params = list(module.parameters())  # shared (tied) parameters appear once
+    trainable = [p for p in params if p.requires_grad]
+    if callable(getattr(module, "get_output_embeddings", None)):  # Hugging Face
+        head, embedding = module.get_output_embeddings().weight, module.get_input_embeddings().weight
+    else:  # a ChunkModel: its embedding is the parameter shaped [num_embeddings, hidden]
+        head = module.lm_head().weight
+        shaped = [p for p in params if p.shape == (shape.num_embeddings, shape.hidden_size)]
+        embedding = next((p for p in shaped if p is not head), head)
+    adapters = Counter((a.in_features, a.out_features, a.weight.element_size())
+                       for m in module.modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")
+                       for a in m.lora_A.values() if isinstance(a, torch.nn.Linear) and a.weight.requires_grad)  # fmt: skip
+    decoder = module.get_decoder() if callable(getattr(module, "get_decoder", None)) else module
+    frozen = bool(adapters) and not any(
+        p.requires_grad for n, p in decoder.named_parameters() if "lora_" not in n
+    )
+    return dataclasses.replace(
+        shape,
+        adapters=tuple((*key, n) for key, n in adapters.items()),
+        frozen_layers=frozen,
+        head_trainable=head.requires_grad,
+        head_grad_hooked=head.requires_grad and bool(gradient_hooks(head)),
+        embedding_trainable=embedding.requires_grad,
+        params=sum(p.numel() for p in params),
+        trainable=sum(p.numel() for p in trainable),
+        weight_bytes=sum(p.numel() * p.element_size() for p in params),
+        grad_bytes=sum(p.numel() * p.element_size() for p in trainable),
+        largest_param=max((p.numel() for p in trainable), default=0),
+        half_trainable=sum(p.numel() for p in trainable if p.dtype in HALF_DTYPES),
+        half_vectors=sum(p.numel() for p in trainable if p.dtype in HALF_DTYPES and p.dim() < 2),
+    )
