@@ -15,7 +15,8 @@ allocated. The model's shape comes from ``--model-config`` (a known hub id, a lo
 ``config.json``/YAML file or a JSON dict), else ``model.init_args.config``, else ``model_name_or_path``: the hub
 ids of :data:`KNOWN_MODELS` are built from their shape (no download), a local directory is read, any other id is
 fetched with ``AutoConfig`` where the hub can be reached. ``--seq-len``/``--batch-size`` override the datamodule's,
-``--optimizer`` the optimizer (default ``adamw``: what ``CausalLMModule`` trains with).
+``--optimizer`` the optimizer (default: ``CausalLMModule``'s AdamW, ``adamw-fused`` where it takes torch's fused
+one, else ``adamw``).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import lightning_oomb  # noqa: F401  (registers strategy="oomb")
 from lightning_oomb.data import NeedleRetrievalDataModule, TextFileDataModule  # noqa: F401
 from lightning_oomb.engine import OOMBConfigError
 from lightning_oomb.engine.planner import MemoryPlan, gib, plan, precision_dtypes, step_sizes_of
-from lightning_oomb.models import CausalLMModule, build_config, qwen2_5_7b_config  # noqa: F401
+from lightning_oomb.models import CausalLMModule, build_config, fused_adamw, qwen2_5_7b_config  # noqa: F401
 from lightning_oomb.strategy import most_micro_batches
 
 
@@ -224,7 +225,8 @@ def plan_command(args: list[str], print_table: bool = True) -> MemoryPlan | None
     own.add_argument("--model-config", help="model shape: a hub id, a local directory, a config file or JSON")
     own.add_argument("--seq-len", type=int)
     own.add_argument("--batch-size", type=int)
-    own.add_argument("--optimizer", default="adamw", help="none, sgd, sgd-momentum, adam, adamw, ...")
+    own.add_argument("--optimizer", help="none, sgd, sgd-momentum, adam, adamw, adamw-fused, ... (default: the "
+                                          "module's AdamW)")  # fmt: skip
     opts, rest = own.parse_known_args(args)
     if {"-h", "--help"} & set(rest):
         print(
@@ -264,6 +266,7 @@ def plan_command(args: list[str], print_table: bool = True) -> MemoryPlan | None
     )
     device = "cuda" if gpu else "cpu"
     param_dtype = getattr(torch, dtype) if dtype not in (None, "auto") else None
+    optimizer = opts.optimizer or _module_optimizer(cli.model, device, cli.trainer)
     model = planned_model(model_config(cli.model, opts.model_config), cli.trainer.precision, param_dtype)
 
     def plan_step(seq_len: int, batch: int, config) -> MemoryPlan:
@@ -273,7 +276,7 @@ def plan_command(args: list[str], print_table: bool = True) -> MemoryPlan | None
             batch,
             config,
             cli.trainer.precision,
-            opts.optimizer,
+            optimizer,
             device,
             **memory,
             param_dtype=param_dtype,
@@ -291,6 +294,16 @@ def plan_command(args: list[str], print_table: bool = True) -> MemoryPlan | None
     if print_table:
         print_plan(result)
     return result
+
+
+def _module_optimizer(module: LightningModule, device: str, trainer) -> str:
+    """The optimizer a fit of ``module`` would make, as a planner name: ``CausalLMModule``'s AdamW, fused where it
+    would be (:func:`~lightning_oomb.models.fused_adamw`); AdamW for any other module (the usual choice)."""
+    if not isinstance(module, CausalLMModule):
+        return "adamw"
+    choice = module.hparams.get("fused_optimizer")
+    fused = fused_adamw(choice, device, trainer.precision, trainer.gradient_clip_val)
+    return "adamw-fused" if fused else "adamw"
 
 
 def print_plan(result: MemoryPlan) -> None:

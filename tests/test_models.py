@@ -9,8 +9,15 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_oomb import OOMBConfigError
-from lightning_oomb.models import QWEN2_5_7B, CausalLMModule, build_config, lr_factor, qwen2_5_7b_config
+from lightning_oomb import OOMBConfigError, OOMBStrategy
+from lightning_oomb.models import (
+    QWEN2_5_7B,
+    CausalLMModule,
+    build_config,
+    fused_adamw,
+    lr_factor,
+    qwen2_5_7b_config,
+)
 from tests.helpers.lightning import make_trainer
 from tests.helpers.models import build_causal_lm
 
@@ -80,12 +87,50 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
 def test_weight_decay_skips_norms_and_biases():
     module = CausalLMModule(config=TINY, weight_decay=0.1)
     module.configure_model()
-    module.trainer = type("Trainer", (), {"estimated_stepping_batches": 10})()
+    trainer = {"estimated_stepping_batches": 10, "precision": "32-true", "gradient_clip_val": None}
+    module.trainer = type("Trainer", (), trainer)()
     optimizer = module.configure_optimizers()["optimizer"]
+    assert not optimizer.defaults["fused"]  # on a CPU: torch's default AdamW
     decay, no_decay = optimizer.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(module.parameters()))
+
+
+@pytest.mark.parametrize(
+    ("choice", "device", "precision", "clip", "fused"),
+    [
+        (None, "cuda", "bf16-true", 1.0, True),  # no state-sized sqrt temporary at the optimizer step
+        (None, "cuda", "bf16-mixed", None, True),
+        (
+            None,
+            "cuda",
+            "bf16-mixed",
+            1.0,
+            False,
+        ),  # Lightning's mixed-precision plugin cannot clip a fused one
+        (None, "cpu", "32-true", None, False),
+        (False, "cuda", "bf16-true", None, False),
+        (True, "cpu", "32-true", 1.0, True),
+    ],
+)
+def test_adamw_is_fused_on_a_gpu_unless_lightning_must_clip_it_under_mixed_precision(
+    choice, device, precision, clip, fused
+):
+    assert fused_adamw(choice, device, precision, clip) is fused
+
+
+def test_a_fused_adamw_that_lightning_cannot_clip_is_refused_and_one_it_can_trains():
+    with pytest.raises(
+        OOMBConfigError, match=r"fused_optimizer=True with precision='16-mixed' .* drop gradient"
+    ):
+        fused_adamw(True, "cuda", "16-mixed", 0.5)
+    module = CausalLMModule(config=TINY, fused_optimizer=True)
+    trainer = make_trainer(OOMBStrategy(chunk_size=16, page_size=8), 1, gradient_clip_val=0.5)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, TINY["vocab_size"], (2, 40), generator=gen)
+    trainer.fit(module, DataLoader([{"input_ids": row[None]} for row in ids], batch_size=None))
+    assert trainer.optimizers[0].defaults["fused"] and trainer.global_step == 1
 
 
 def _batch(gen: torch.Generator, rows: int, tokens: int, ignored: int = 0) -> dict[str, torch.Tensor]:

@@ -228,13 +228,16 @@ class OptimizerSpec:
     largest_group: int | None = None
 
 
-_OPTIMIZERS = {"none": 0, "sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2, "adagrad": 1, "rmsprop": 1}
+_OPTIMIZERS = {"none": 0, "sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2, "adagrad": 1, "rmsprop": 1,
+               "adam-fused": 2, "adamw-fused": 2}  # fmt: skip
 
 
 def optimizer_spec(optimizer: Any) -> OptimizerSpec:
     """The :class:`OptimizerSpec` of ``optimizer``: ``None`` / ``"none"``, ``"sgd"``, ``"sgd-momentum"``,
-    ``"adamw"``, ``"adam"``, ..., an :class:`OptimizerSpec`, or a ``torch.optim.Optimizer`` (its type, options and
-    parameter groups are read; an unknown type is assumed to keep two states per parameter, like Adam)."""
+    ``"adamw"``, ``"adam"`` (torch's default implementation: ``foreach`` on CUDA), ``"adamw-fused"``,
+    ``"adam-fused"`` (``fused=True``), ..., an :class:`OptimizerSpec`, or a ``torch.optim.Optimizer`` (its type,
+    options and parameter groups are read; an unknown type is assumed to keep two states per parameter, like
+    Adam)."""
     if isinstance(optimizer, OptimizerSpec):
         return optimizer
     if optimizer is None:
@@ -246,7 +249,8 @@ def optimizer_spec(optimizer: Any) -> OptimizerSpec:
                 f"optimizer={optimizer!r} is unknown to the planner — it counts each optimizer's state tensors — "
                 f"use one of {sorted(_OPTIMIZERS)}, an OptimizerSpec, or the torch optimizer itself."
             )
-        return OptimizerSpec(name, _OPTIMIZERS[name], sqrt_copy=name in ("adam", "adamw"))
+        fused = name.endswith("-fused")
+        return OptimizerSpec(name, _OPTIMIZERS[name], sqrt_copy=name in ("adam", "adamw"), fused=fused)
     if isinstance(optimizer, torch.optim.Optimizer):
         return _spec_of_optimizer(optimizer)
     raise OOMBConfigError(

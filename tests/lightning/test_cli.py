@@ -135,6 +135,7 @@ def test_oomb_plan_prints_the_table_of_an_example_config(name, hbm, host, capsys
     result = plan_command(["--config", str(EXAMPLES / "configs" / name), *H200_ARGS])
     text = capsys.readouterr().out
     assert result.fits and result.machine.device_type == "cuda" and result.precision == "bf16-true"
+    assert result.optimizer == "adamw-fused"  # CausalLMModule's on a GPU (bf16-true clips a fused one)
     fit = build_cli(["--config", str(EXAMPLES / "configs" / name), "--trainer.accelerator=cpu"], run=False)
     asked = fit.trainer.strategy.oomb_config
     assert asked.grad_accumulation == asked.reuse_attention == "auto"  # the plan decides them:
