@@ -130,8 +130,11 @@ def test_a_drafter_that_reads_its_main_models_states_is_refused():
     name = "gemma4_unified_assistant"
     if name not in tf.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         pytest.skip(f"transformers {tf.__version__} has no {name}")
-    with torch.device("meta"):  # its default size, allocating nothing
-        model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.for_model(name))
+    try:
+        with torch.device("meta"):  # its default size, allocating nothing
+            model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.for_model(name))
+    except AttributeError as err:  # transformers 5.17 cannot build its default config (no text vocab_size)
+        pytest.skip(f"transformers {tf.__version__} cannot build {name}'s default config: {err}")
     with pytest.raises(
         OOMBConfigError, match="speculative-decoding drafter: its forward reads its main model's"
     ):
