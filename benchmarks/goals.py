@@ -243,7 +243,8 @@ class Clock:
 
     def __init__(self, budget_s: float, device: torch.device):
         self.start, self.budget = time.monotonic(), budget_s
-        self.rates = NOMINAL_STEP_RATES["cuda" if device.type == "cuda" else "cpu"]
+        self.cuda = device.type == "cuda"
+        self.rates = NOMINAL_STEP_RATES["cuda" if self.cuda else "cpu"]
         self.ratios: list[float] = []
 
     def left(self) -> float:
@@ -254,7 +255,7 @@ class Clock:
     ) -> tuple[float, float]:
         """(compute, copies) seconds of one step at the nominal rates."""
         host_layers = scale.config(row.layers).num_hidden_layers - (row.device_layers or 0)
-        flops, copies, summed = row_work(scale, row.layers, tokens, config, host_layers)
+        flops, copies, summed = row_work(scale, row.layers, tokens, config, host_layers, self.cuda)
         return step_time(*flops, 0.0, self.rates, summed), copies / self.rates.copy_bytes
 
     def predict(self, row: Row, scale: Scale, tokens: int, config, host_bytes: int) -> float:
@@ -269,18 +270,24 @@ class Clock:
 
 
 def row_work(
-    scale: Scale, layers: int | None, tokens: int, config: OOMBConfig | None, host_layers: int = 0
+    scale: Scale,
+    layers: int | None,
+    tokens: int,
+    config: OOMBConfig | None,
+    host_layers: int = 0,
+    mirrored: bool = True,
 ) -> tuple[tuple[float, float], float, tuple[float, float]]:
     """``((matmul, attention) FLOPs, copied bytes, float32-host's flushed bytes)`` of one step on ``layers`` decoder
     layers (the planner's model, every parameter bf16 and trainable; ``config``: ``None`` for the reference,
-    checkpointed as the benchmark runs it)."""
+    checkpointed as the benchmark runs it; ``mirrored``: float32-host's adds beside the compute, as on a GPU with
+    host memory to spare for the mirror)."""
     shape = model_shape(scale.config(layers))
     reference = config is None
     config = config or OOMBConfig(scale.chunk, scale.page, layer_checkpointing=True)
     flops = step_flops(shape, tokens, config, reference=reference)
     chunks = math.ceil(tokens / config.chunk_size)
     summed = (
-        host_sum_bytes(chunks, False, shape.parameter_count() - shape.vector_params())
+        host_sum_bytes(chunks, False, shape.parameter_count() - shape.vector_params(), mirrored)
         if not reference and config.grad_summing(chunks, False) == "float32-host"
         else (0.0, 0.0)
     )
@@ -856,8 +863,8 @@ def fit_rates(scale: Scale, rows: list[dict], device: torch.device) -> dict | No
     """This device's step rates (the module docstring) and every measured OOMB row's planned time at them next to
     its measured one; ``None`` without two dense rows to fit."""
     measured = [r for r in rows if r.get("method") == OOMB and "step_s" in r and "config" in r]
-    work = [row_work(scale, r["layers"], r["context"], OOMBConfig(**r["config"]), r.get("host_layers") or 0)
-            for r in measured]  # fmt: skip
+    work = [row_work(scale, r["layers"], r["context"], OOMBConfig(**r["config"]), r.get("host_layers") or 0,
+                     device.type == "cuda") for r in measured]  # fmt: skip
     dense = [
         i for i, r in enumerate(measured) if not r["config"]["offload"] and r["config"]["page_budget"] is None
     ]

@@ -13,22 +13,29 @@ Parameters of other dtypes (float32, float64, frozen ones) are left to autograd.
 
 :class:`HostGradSums` (``grad_accumulation="float32-host"``) costs no device memory for the matrices: their chunk
 gradients accumulate in the 16-bit ``.grad`` for up to ``every`` chunks (rounded per chunk, as autograd does, over a
-window that does not grow with the sequence), then the window's sum is copied to a float32 sum in host memory and
-``.grad`` dropped; when the sweep ends the host sum (plus the last window) is written back into ``.grad``, rounded
-once. What ``.grad`` holds when the sweep starts (earlier micro-batches of gradient accumulation) goes to the host sum
-first, so no window rounds on top of it. A sweep of at most ``every`` chunks that starts without ``.grad`` never
-flushes: it is ``"native"``. Vectors (norm weights, biases: tiny,
-and summed over every token, so the most sensitive) take :class:`Float32GradSums` on the device. Cost: 4 host bytes
-per matrix element and two pinned staging slabs; per flush one device-to-host copy of the matrices' gradients (2
-bytes each) and a host add, in slabs over all matrices so the copy of one overlaps the add of the previous.
+window that does not grow with the sequence), then the window's sum is added to a float32 sum in host memory and
+``.grad`` dropped; when the sweep ends each host sum is copied back to the device, added to the last window there and
+rounded once into ``.grad``. What ``.grad`` holds when the sweep starts (earlier micro-batches of gradient
+accumulation) goes to the host sum first, so no window rounds on top of it. A sweep of at most ``every`` chunks that
+starts without ``.grad`` never flushes: it is ``"native"``. Vectors (norm weights, biases: tiny, and summed over every
+token, so the most sensitive) take :class:`Float32GradSums` on the device.
+
+Cost: 4 host bytes per matrix element (page-locked on a GPU), and per flush one device-to-host copy of the matrices'
+gradients (2 bytes each) and a host add (4 bytes read and written per element: the slow part). On a GPU whose host
+memory has room (:func:`mirror_fits`) the copy goes to a page-locked mirror of all the matrices' 16-bit gradients (2
+more host bytes per element) and a worker thread adds it while the device computes on: the compute waits for the
+copy only. Without a mirror it goes through two page-locked slabs, the copy of one overlapping the add of the other,
+and the compute waits for the adds. At the end: the sums copied in (4 bytes per element), in slabs, on the device.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from lightning_oomb.engine.memory import HOST_RESERVE_BYTES, host_memory_available
 from lightning_oomb.engine.user_hooks import engine_hook
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -130,24 +137,34 @@ class Float32GradSums:
 
 class HostGradSums:
     """Context manager for ``grad_accumulation="float32-host"`` (see the module docstring); one per engine, kept
-    across steps with its host sums and staging slabs. :meth:`sweep` names the parameters of the next ``with``; the
-    backward sweep calls :meth:`chunk_done` after every chunk."""
+    across steps with its host sums and staging. :meth:`sweep` names the parameters of the next ``with``; the
+    backward sweep calls :meth:`chunk_done` after every chunk. ``mirror``: stage a flush through a page-locked copy
+    of all the matrices' 16-bit gradients and add it into the host sums on a worker thread while the device computes
+    on (``None``: on a GPU when host memory has room for it, :func:`mirror_fits`); else through two slabs, the
+    compute waiting for the adds."""
 
-    def __init__(self, every: int = HOST_FLUSH_CHUNKS, slab: int = STAGING_ELEMENTS):
-        self.every, self.slab = every, slab
+    def __init__(
+        self, every: int = HOST_FLUSH_CHUNKS, slab: int = STAGING_ELEMENTS, mirror: bool | None = None
+    ):
+        self.every, self.slab, self.mirror = every, slab, mirror
         self.matrices: list[torch.Tensor] = []
         self.vectors = Float32GradSums(())
         self._host: dict[int, torch.Tensor] = {}
         self._staging: list[torch.Tensor] = []
+        self._mirror: torch.Tensor | None = None  # uint8, page-locked on a GPU
+        self._pending: Future | None = None  # the worker's adds of the last flush through the mirror
+        self._worker: ThreadPoolExecutor | None = None
         self._chunks, self.flushes, self._written = 0, 0, set()
 
     @property
     def host_bytes(self) -> int:
-        """Host memory held: the float32 sums and the staging slabs."""
-        return sum(t.numel() * t.element_size() for t in (*self._host.values(), *self._staging))
+        """Host memory held: the float32 sums and the staging (slabs or mirror)."""
+        held = (*self._host.values(), *self._staging, *([] if self._mirror is None else [self._mirror]))
+        return sum(t.numel() * t.element_size() for t in held)
 
     def sweep(self, params: Iterable[torch.Tensor]) -> HostGradSums:
         """Sum ``params``' gradients in the next ``with`` (host sums of parameters no longer among them are freed)."""
+        self._settle()
         params = half_trainable(params)
         self.matrices = [p for p in params if p.dim() >= 2]
         self.vectors = Float32GradSums(p for p in params if p.dim() < 2)
@@ -174,17 +191,12 @@ class HostGradSums:
 
     def __exit__(self, *exc) -> None:
         self.vectors.__exit__(*exc)
-        if not self.flushes:  # a single window: .grad holds it, as autograd made it
-            return
-        self._flush()
-        pairs = []  # the host sums, rounded once, back into .grad
-        for p in self.matrices:
-            if id(p) in self._written:
-                p.grad = torch.empty(p.shape, dtype=p.dtype, device=p.device)
-                pairs.append((self._host[id(p)].view(-1), p.grad.view(-1), False))
-        self._stream(pairs, to_host=False)
+        self._settle()
+        if self.flushes:  # else a single window: .grad holds it, as autograd made it
+            self._merge()
 
     def _flush(self) -> None:
+        """Move the matrices' ``.grad`` (a window's sums) into the host sums and drop it."""
         self.flushes += 1
         pairs = []
         for p in self.matrices:
@@ -193,49 +205,89 @@ class HostGradSums:
                 continue
             first = id(p) not in self._written  # the step's first window writes over an earlier step's sum
             if id(p) not in self._host:
-                self._host[id(p)] = torch.empty(p.shape, dtype=torch.float32)
+                pinned = grad.device.type == "cuda"  # the final merge reads it asynchronously
+                self._host[id(p)] = torch.empty(p.shape, dtype=torch.float32, pin_memory=pinned)
             self._written.add(id(p))
             pairs.append((grad.contiguous().view(-1), self._host[id(p)].view(-1), first))
-        self._stream(pairs, to_host=True)
+        if pairs and self._mirrored(pairs[0][0].device):
+            self._through_mirror(pairs)
+        else:
+            self._through_slabs(pairs)
 
-    def _stream(self, pairs: list[tuple[torch.Tensor, torch.Tensor, bool]], to_host: bool) -> None:
-        """Copy each ``(src, dst, first)`` pair's ``src`` into ``dst`` through the two staging slabs, slab by slab
-        over all pairs in one pipeline: to the host added into (``first``: written over) the float32 ``dst``; from
-        the host rounded to ``dst``'s dtype. The device's copy of one slab overlaps the host's work on the previous
-        one, across the pairs' boundaries too (most matrices are smaller than a slab)."""
+    def _mirrored(self, device: torch.device) -> bool:
+        if self.mirror is not None:
+            return self.mirror
+        size = sum(p.numel() * p.element_size() for p in self.matrices)
+        held = 0 if self._mirror is None else self._mirror.numel()
+        return device.type == "cuda" and (held >= size or mirror_fits(size - held))
+
+    def _through_mirror(self, pairs: list[tuple[torch.Tensor, torch.Tensor, bool]]) -> None:
+        """Copy every ``(src, dst, first)`` pair's 16-bit ``src`` into the mirror (on the device's stream: the
+        compute waits for these copies only) and hand the adds into the float32 ``dst`` to the worker thread."""
+        self._settle()  # the previous flush's adds have read the mirror
+        size = sum(src.numel() * src.element_size() for src, _, _ in pairs)
+        device = pairs[0][0].device
+        if self._mirror is None or self._mirror.numel() < size:
+            self._mirror = None  # the old one freed first
+            self._mirror = torch.empty(size, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        jobs, offset = [], 0
+        for src, dst, first in pairs:
+            n = src.numel() * src.element_size()
+            staged = self._mirror[offset : offset + n].view(src.dtype)
+            staged.copy_(src, non_blocking=True)
+            jobs.append((staged, dst, first))
+            offset += n
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="oomb-host-sums")
+        self._pending = self._worker.submit(_add_staged, _record(device), jobs)
+
+    def _settle(self) -> None:
+        """Wait for the worker's adds (and raise what failed in them)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def _merge(self) -> None:
+        """The last flush, on the device: each matrix's ``.grad`` (the last window, or none) plus its host sum,
+        slab by slab (the sum copied in as float32), rounded once into ``.grad``."""
+        self.flushes += 1
+        for p in self.matrices:
+            if id(p) not in self._written:  # no earlier window: .grad is the step's sum, as autograd made it
+                continue
+            held = self._host[id(p)].view(-1)
+            out = p.grad if p.grad is not None else torch.empty(p.shape, dtype=p.dtype, device=p.device)
+            window, flat = p.grad is not None, out.view(-1)
+            for i in range(0, held.numel(), self.slab):
+                total = torch.empty(min(self.slab, held.numel() - i), dtype=torch.float32, device=p.device)
+                total.copy_(held[i : i + self.slab], non_blocking=p.device.type == "cuda")
+                if window:
+                    total += flat[i : i + self.slab]
+                flat[i : i + self.slab].copy_(total)
+            p.grad = out
+
+    def _through_slabs(self, pairs: list[tuple[torch.Tensor, torch.Tensor, bool]]) -> None:
+        """Copy each ``(src, dst, first)`` pair's ``src`` to the host through the two staging slabs, added into
+        (``first``: written over) the float32 ``dst``, slab by slab over all pairs in one pipeline: the device's copy
+        of one slab overlaps the host's add of the previous one, across the pairs' boundaries too (most matrices are
+        smaller than a slab)."""
         if not pairs:
             return
-        device = pairs[0][0 if to_host else 1].device
+        device = pairs[0][0].device
         slabs = (
             (src[i : i + self.slab], dst[i : i + self.slab], first)
             for src, dst, first in pairs
             for i in range(0, src.numel(), self.slab)
         )
-        pending = None  # to the host: the slab whose copy is in flight, to add next
-        read = [None, None]  # from the host: per slab, the event after its last copy to the device
+        pending = None  # the slab whose copy is in flight, to add next
         for index, (src, dst, first) in enumerate(slabs):
-            which = index % 2
-            buffer = self._slab(which, src.numel(), (src if to_host else dst).dtype, device)
-            if to_host:
-                buffer.copy_(src, non_blocking=True)
-                event = _record(device)
-                if pending is not None:
-                    self._land(*pending)
-                pending = (event, buffer, dst, first)
-            else:
-                _wait(read[which])  # the slab's previous copy to the device has read it
-                buffer.copy_(src)
-                dst.copy_(buffer, non_blocking=True)
-                read[which] = _record(device)
+            buffer = self._slab(index % 2, src.numel(), src.dtype, device)
+            buffer.copy_(src, non_blocking=True)
+            event = _record(device)
+            if pending is not None:
+                _add_staged(*pending)
+            pending = (event, [(buffer, dst, first)])
         if pending is not None:
-            self._land(*pending)
-        for event in read:
-            _wait(event)
-
-    @staticmethod
-    def _land(event, buffer: torch.Tensor, dst: torch.Tensor, first: bool) -> None:
-        _wait(event)
-        dst.copy_(buffer) if first else dst.add_(buffer)
+            _add_staged(*pending)
 
     def _slab(self, which: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Staging slab ``which`` (of two, each :func:`staging_elements` 16-bit elements) as ``numel`` elements of
@@ -245,6 +297,21 @@ class HostGradSums:
             pinned = device.type == "cuda"
             self._staging = [torch.empty(size, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)]
         return self._staging[which][: numel * dtype.itemsize].view(dtype)
+
+
+def _add_staged(event, jobs: list[tuple[torch.Tensor, torch.Tensor, bool]]) -> None:
+    """Once ``event`` (after the copies into the staged tensors) has passed: each ``(staged, dst, first)``'s 16-bit
+    ``staged`` added into (``first``: written over) its float32 ``dst``."""
+    _wait(event)
+    for staged, dst, first in jobs:
+        dst.copy_(staged) if first else dst.add_(staged)
+
+
+def mirror_fits(size: int) -> bool:
+    """Whether host memory has room for a ``float32-host`` mirror of ``size`` bytes beside what the system keeps
+    (:data:`~lightning_oomb.engine.memory.HOST_RESERVE_BYTES`); unreadable host memory counts as unlimited."""
+    available = host_memory_available()
+    return available is None or available >= size + HOST_RESERVE_BYTES
 
 
 def staging_elements(largest: int, slab: int = STAGING_ELEMENTS) -> int:

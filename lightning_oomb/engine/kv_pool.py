@@ -33,12 +33,12 @@ import torch
 
 from lightning_oomb.engine.config import OOMBConfig
 from lightning_oomb.engine.errors import OOMBConfigError
+from lightning_oomb.engine.memory import HOST_RESERVE_BYTES, host_memory_available
 from lightning_oomb.engine.offload import Offloader, StagingCache, Transfer, Transport, default_transport
 from lightning_oomb.engine.pages import Arena, PagedKV, PoolShape, arena_bytes, gather_tokens, write_tokens
 from lightning_oomb.engine.sparse import summarize
 
 AUTO_HEADROOM = 0.25  # hbm_budget="auto" leaves this fraction of the device for params, grads and activations
-HOST_RESERVE_BYTES = 2 << 30  # host memory never pinned: left to the OS, the data loader and Python
 
 
 # ------------------------------------------------------------------------------------------------------ tiers
@@ -97,18 +97,6 @@ def place_layers(
         "host": len(plan.host_layers) * shape.layer_slots,
     }
     return plan, slots
-
-
-def host_memory_available() -> int | None:
-    """``MemAvailable`` of ``/proc/meminfo`` in bytes; ``None`` where it cannot be read (not Linux)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def device_memory_available(device: torch.device) -> tuple[int, int]:

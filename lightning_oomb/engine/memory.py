@@ -1,4 +1,5 @@
-"""Measure activation memory: bytes of tensors that autograd holds for backward."""
+"""Memory facts: host memory available (``MemAvailable``), and activation memory — bytes of tensors that autograd
+holds for backward."""
 
 from __future__ import annotations
 
@@ -6,6 +7,20 @@ import weakref
 from collections.abc import Iterable
 
 import torch
+
+HOST_RESERVE_BYTES = 2 << 30  # host memory never pinned: left to the OS, the data loader and Python
+
+
+def host_memory_available() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes; ``None`` where it cannot be read (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 class _Held:

@@ -61,7 +61,10 @@ options that would make it fit (each tried in the planner).
   ``.grad`` (:mod:`~lightning_oomb.engine.grads`): 2 bytes per such parameter, in every moment of the sweep, not at
   the optimizer step. ``"float32-host"``: 2 bytes per 1-D parameter element on the device; once a sweep has more
   than one window of chunks (or under gradient accumulation), 4 host bytes per element of the other parameters
-  (their sums in host memory) and two staging slabs (:class:`~lightning_oomb.engine.grads.HostGradSums`).
+  (their sums in host memory) and their staging (:class:`~lightning_oomb.engine.grads.HostGradSums`): on a GPU
+  whose host memory has room after every other term a page-locked mirror of their 16-bit gradients (2 bytes per
+  element), else two slabs; at the end of the sweep a slab of the sums on the device (not counted: at most 128 MiB,
+  when the sweep's activations are freed).
 - *reused attention results* (``reuse_attention``): the forward sweep's output and log-sum-exp of every attention
   layer for the kept chunks, one whole-chunk slot each, in page-locked host memory (:func:`reused_attention_bytes`);
   on the device they take the place of the recompute's own results (no new term).
@@ -125,13 +128,8 @@ from lightning_oomb.engine.config import OOMBConfig
 from lightning_oomb.engine.cpu_attention import PAST_BLOCK
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.grads import HALF_DTYPES, one_window, staging_elements
-from lightning_oomb.engine.kv_pool import (
-    HOST_RESERVE_BYTES,
-    device_memory_available,
-    hbm_budget,
-    host_memory_available,
-    place_layers,
-)
+from lightning_oomb.engine.kv_pool import device_memory_available, hbm_budget, place_layers
+from lightning_oomb.engine.memory import HOST_RESERVE_BYTES, host_memory_available
 from lightning_oomb.engine.model_shape import CALIBRATED, NORM_BYTES, Mixer, ModelShape, model_shape
 from lightning_oomb.engine.pages import GRAD_DTYPES, PoolShape, arena_bytes
 from lightning_oomb.engine.reference import KEY_BLOCK
@@ -807,6 +805,7 @@ HOST_LABELS = {
     "parked_saves": "layer inputs kept (checkpointing), pinned",
     "carried_states": "recurrent / convolution states at chunk boundaries, pinned",
     "grad_sums": "float32 gradient sums, host",
+    "grad_staging": "float32 gradient sums' staging, pinned",
     "reused_attention": "forward attention results (reuse_attention), pinned",
 }
 
@@ -1137,6 +1136,7 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
         kept, host["kept_attention"] = parked_kept_bytes(wide, dtypes, tokens, machine.device_type == "cuda")
     sums, host["grad_sums"] = _grad_sums(inputs, config, math.ceil(seq_len / config.chunk_size))
     host["reused_attention"] = reused_attention_bytes(wide, dtypes, config, batch, seq_len, devices)
+    host["grad_staging"], mirrored = _grad_staging(inputs, host)
     phases = {
         "loss backward": sums + handed + activations + kept + loss,
         "MLP backward": sums + own + below_head + kept + mlp_bwd,
@@ -1178,7 +1178,7 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
         )
         chunks = math.ceil(seq_len / config.chunk_size)
         summed = (
-            host_sum_bytes(chunks, inputs.accumulating, _half_elements(inputs)[1])
+            host_sum_bytes(chunks, inputs.accumulating, _half_elements(inputs)[1], mirrored)
             if config.grad_summing(chunks, inputs.accumulating) == "float32-host"
             else (0.0, 0.0)
         )
@@ -1222,17 +1222,34 @@ def _grad_sums(inputs: _Inputs, config: OOMBConfig, chunks: int) -> tuple[int, i
     """(device, host) bytes of the backward sweep's float32 gradient sums of trainable 16-bit parameters (see the
     module docstring): ``"float32"`` 2 device bytes per element; ``"float32-host"`` 2 per vector element on the
     device, and — once a sweep has more than one window of chunks, or under gradient accumulation — 4 host bytes
-    per matrix element plus two staging slabs (:mod:`~lightning_oomb.engine.grads`); ``"native"`` none."""
+    per matrix element (:mod:`~lightning_oomb.engine.grads`; their staging: :func:`_grad_staging`); ``"native"``
+    none."""
     vectors, matrices = _half_elements(inputs)
     mode = config.grad_summing(chunks, inputs.accumulating)
     if mode == "float32":
         return 2 * (vectors + matrices), 0
     if mode != "float32-host":
         return 0, 0
-    shape = inputs.shape
+    flushed = not one_window(chunks, inputs.accumulating)
+    return 2 * vectors, 4 * matrices if flushed else 0
+
+
+def _grad_staging(inputs: _Inputs, host: dict[str, int]) -> tuple[int, bool]:
+    """Host bytes of ``float32-host``'s staging and whether it is the mirror, as
+    :class:`~lightning_oomb.engine.grads.HostGradSums` chooses: on a GPU whose host memory has room beside the step's
+    other ``host`` terms, a page-locked copy of the matrices' 16-bit gradients (their flushes' adds then run beside
+    the compute); else two slabs."""
+    if not host["grad_sums"]:
+        return 0, False
+    machine, shape = inputs.machine, inputs.shape
+    mirror = 2 * _half_elements(inputs)[1]
+    if (
+        machine.device_type == "cuda"
+        and sum(host.values()) + mirror <= machine.host_bytes - HOST_RESERVE_BYTES
+    ):
+        return mirror, True
     largest = shape.largest_param or max(shape.num_embeddings, shape.vocab_size) * shape.hidden_size
-    flushed = not one_window(chunks, inputs.accumulating) and matrices
-    return 2 * vectors, 4 * matrices + 2 * 2 * staging_elements(largest) if flushed else 0
+    return 2 * 2 * staging_elements(largest), False
 
 
 def _half_elements(inputs: _Inputs) -> tuple[int, int]:

@@ -19,9 +19,9 @@ query of a sliding-window layer sees at most ``window`` keys; in a sparse step (
 **Time** (:func:`step_time`): the compute time at the rates — matmul FLOPs / ``dense_flops`` + attention FLOPs /
 ``attention_flops`` — or the host-device copies' time (bytes / ``copy_bytes``: offload's pages, parked saves, kept
 attention results) where that is longer: side streams overlap copies with compute. The flushes of
-``grad_accumulation="float32-host"`` stop the compute while they run (:func:`host_sum_bytes`): each takes its
-copies' time or its host adds' (bytes of host memory read and written / ``host_bytes``), whichever is longer — the
-staging slabs overlap the two.
+``grad_accumulation="float32-host"`` stop the compute while they run (:func:`host_sum_bytes`): their copies, and
+without a page-locked mirror their host adds too (bytes of host memory read and written / ``host_bytes``), whichever
+is longer — the staging slabs overlap the two; with the mirror a worker thread adds while the device computes on.
 """
 
 from __future__ import annotations
@@ -161,15 +161,19 @@ def copy_bytes(
     return host_layers * per_layer + 2 * chunks * parked + 2 * reused
 
 
-def host_sum_bytes(chunks: int, accumulating: bool, matrix_elements: int) -> tuple[float, float]:
-    """``(bytes copied between device and host, bytes of host memory read and written)`` by ``float32-host``'s
-    flushes in a sweep of ``chunks`` chunks (:func:`~lightning_oomb.engine.grads.host_flushes`) summing
-    ``matrix_elements`` 16-bit elements: per flush each element's 2 bytes copied out, read and added into a float32
-    sum (4 read, 4 written); once at the end each sum read, rounded and copied back (4 + 2, 2)."""
+def host_sum_bytes(
+    chunks: int, accumulating: bool, matrix_elements: int, mirrored: bool = False
+) -> tuple[float, float]:
+    """``(bytes copied between device and host, bytes of host memory read and written)`` that the compute waits for
+    in ``float32-host``'s flushes of a sweep of ``chunks`` chunks (:func:`~lightning_oomb.engine.grads.host_flushes`)
+    summing ``matrix_elements`` 16-bit elements (:class:`~lightning_oomb.engine.grads.HostGradSums`): per flush but
+    the last each element's 2 bytes copied out and — without the mirror (``mirrored``), whose adds run beside the
+    compute — read and added into a float32 sum (4 read, 4 written); at the end each float32 sum copied in (4)."""
     flushes = host_flushes(chunks, accumulating)
     if not flushes:
         return 0.0, 0.0
-    return matrix_elements * (2 * flushes + 2), matrix_elements * (10 * flushes + 6)
+    earlier = flushes - 1
+    return matrix_elements * (2 * earlier + 4), 0.0 if mirrored else matrix_elements * 10 * earlier
 
 
 ATTENTION_COLLECTIVES = (3, 4)  # per layer and chunk: 3 per attention forward, 4 for its backward

@@ -19,8 +19,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only
 SEQ = 300  # 10 chunks of 32 tokens, the last ragged
 
 
-def step(dtype, transport=None, **options):
-    """Loss and gradients of one OOMB step of a tiny Qwen2 on the GPU (torch reference attention: deterministic)."""
+def step(dtype, transport=None, mirror=None, **options):
+    """Loss and gradients of one OOMB step of a tiny Qwen2 on the GPU (torch reference attention: deterministic;
+    ``mirror``: float32-host's staging, see ``HostGradSums``)."""
     model = build_causal_lm("qwen2", dtype=dtype, tie_word_embeddings=False).cuda()
     ids = torch.randint(0, 97, (2, SEQ), generator=torch.Generator().manual_seed(0)).cuda()
     extra = {} if transport is None else {"transport": transport}
@@ -28,6 +29,7 @@ def step(dtype, transport=None, **options):
                         OOMBConfig(32, 16, attention_backend="torch", **options), **extra)  # fmt: skip
     if options.get("grad_accumulation") == "float32-host":
         engine.host_grads.every, engine.host_grads.slab = 1, 1000  # a flush per chunk, many slabs per matrix
+        engine.host_grads.mirror = mirror
     loss = engine.loss(ids)
     loss.backward()
     torch.cuda.synchronize()
@@ -45,12 +47,16 @@ def test_reused_results_come_back_through_the_side_stream(extra):
     assert max_relative_error(got, want) <= 1e-5
 
 
-def test_host_sums_through_the_staging_slabs():
+@pytest.mark.parametrize("mirror", [False, True])
+def test_host_sums_through_the_staging_slabs_or_the_mirror(mirror):
     """A flush per chunk: the host's float32 sums equal the device's float32 sums (the same bf16 chunk gradients
-    added in the same order) after the copies out and back through the page-locked slabs."""
+    added in the same order) after the copies out — through the page-locked slabs, or into the page-locked mirror
+    that the worker thread adds while the GPU computes on — and the merge on the GPU at the end."""
     _, want, _ = step(torch.bfloat16, grad_accumulation="float32")
-    _, got, engine = step(torch.bfloat16, grad_accumulation="float32-host")
+    _, got, engine = step(torch.bfloat16, mirror=mirror, grad_accumulation="float32-host")
     assert engine.host_grads.flushes == 10
+    held = engine.host_grads._mirror
+    assert (held is not None and held.is_pinned()) == mirror
     assert max_relative_error(got, want) <= 1e-3  # bf16 ulp is 4e-3: equal up to the chunks' own rounding
 
 

@@ -4,6 +4,8 @@ accumulation, the negative control), earlier ``.grad`` is added once, other para
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -173,6 +175,44 @@ def test_host_sums_round_once_per_window(chunks, accumulating):
     assert sums.host_bytes == (3 * 5 * 4 + 2 * 4 * 2 if sums.flushes else 0)
 
 
+@pytest.mark.parametrize("accumulating", [True, False])
+def test_host_sums_through_the_mirror_are_those_through_the_slabs(monkeypatch, accumulating):
+    """The page-locked mirror (a GPU's choice when host memory has room; asked for here): the flushes' adds run on
+    the worker thread into the same float32 sums — the same bits as through the slabs — and the mirror holds one
+    16-bit copy of the matrices; an add that fails is raised at the next flush or when the sweep ends."""
+    threads = set()
+    add_staged = grads._add_staged
+
+    def watched(event, jobs):
+        threads.add(threading.current_thread().name)
+        return add_staged(event, jobs)
+
+    monkeypatch.setattr(grads, "_add_staged", watched)
+    shapes = [(3, 5), (2, 2)]
+    earlier = [g[0] for g in (chunk_gradients(1, s, 9 + i) for i, s in enumerate(shapes))]
+    chunks = list(zip(*(chunk_gradients(10, s, i) for i, s in enumerate(shapes))))
+    got = {}
+    for mirror in (False, True):
+        matrices = [torch.nn.Parameter(torch.zeros(s, dtype=torch.bfloat16)) for s in shapes]
+        for m, g in zip(matrices, earlier):
+            m.grad = g.clone() if accumulating else None
+        sums = HostGradSums(every=4, slab=4, mirror=mirror)
+        host_sweep(sums, matrices, chunks)
+        got[mirror] = [m.grad for m in matrices]
+        assert sums.host_bytes == (4 + 2 * mirror) * 19 + (not mirror) * 2 * 4 * 2
+    assert all(torch.equal(a, b) for a, b in zip(got[False], got[True], strict=True))
+    for i, g in enumerate(got[True]):
+        assert torch.equal(g, windowed(earlier[i] if accumulating else None, [c[i] for c in chunks], 4))
+    assert any(name.startswith("oomb-host-sums") for name in threads)
+
+    def failing(event, jobs):
+        raise RuntimeError("the host add failed")
+
+    monkeypatch.setattr(grads, "_add_staged", failing)
+    with pytest.raises(RuntimeError, match="the host add failed"):
+        host_sweep(HostGradSums(every=4, slab=4, mirror=True), matrices, chunks)
+
+
 def test_host_sums_keep_an_earlier_micro_batch_out_of_the_bf16_window():
     """An earlier ``.grad`` of 256 plus 4 chunks of 1 (one window, no flush of its own): bf16 would round every +1
     back to 256; the earlier sum waits in float32 in host memory, the window sums 4 exactly: 260, rounded once."""
@@ -216,16 +256,18 @@ def test_host_sums_in_the_engine(accumulation):
         assert all(torch.equal(one_window[n], four_chunks[n]) for n in matrices)
 
 
-def test_host_sums_of_single_chunk_windows_equal_the_device_sums():
+@pytest.mark.parametrize("mirror", [False, True])
+def test_host_sums_of_single_chunk_windows_equal_the_device_sums(mirror):
     """Flushed after every chunk, the host's float32 sum adds the same bf16 chunk gradients in the same order as
     Float32GradSums: the same bits for every parameter (the LM head's too: one loss block per chunk, whose bf16
-    product both add in float32). Slabs of 100 elements: the staging pipeline runs over many."""
+    product both add in float32), through the slabs or the mirror. Slabs of 100 elements: the staging pipeline (and
+    the final merge) runs over many."""
     ids = torch.randint(0, 97, (1, 64), generator=torch.Generator().manual_seed(3))
     runs = []
     for mode in ("float32", "float32-host"):
         model = build_causal_lm("qwen2", dtype=torch.bfloat16, tie_word_embeddings=False)
         engine = OOMBEngine(HFChunkModel(model), OOMBConfig(8, 8, grad_accumulation=mode))
-        engine.host_grads.every, engine.host_grads.slab = 1, 100
+        engine.host_grads.every, engine.host_grads.slab, engine.host_grads.mirror = 1, 100, mirror
         engine.loss(ids).backward()
         runs.append(grads_of(model))
     assert engine.host_grads.flushes == 8
@@ -293,10 +335,12 @@ def test_a_zero_grad_the_step_adds_nothing_to_stays_zero(accumulation):
     assert model.lm_head.weight.grad.any()
 
 
-def test_host_flush_pipeline_waits_for_each_copy(monkeypatch):
+@pytest.mark.parametrize("mirror", [False, True])
+def test_host_flush_pipeline_waits_for_each_copy(monkeypatch, mirror):
     """On CUDA the staging copies run asynchronously. Here every non-blocking copy is held back until an event
     recorded after it is waited for (the latest a GPU could run it): the sums stay exact, so each add and each
-    reuse of a slab waits for the copy it needs, across matrices smaller and larger than a slab (4 elements)."""
+    reuse of a slab waits for the copy it needs, across matrices smaller and larger than a slab (4 elements); with
+    the mirror the worker thread's adds wait for the copies into it."""
     queue, done = [], [0]
     copy = torch.Tensor.copy_
 
@@ -318,7 +362,7 @@ def test_host_flush_pipeline_waits_for_each_copy(monkeypatch):
     shapes = [(1, 3), (7, 1), (2, 2)]
     matrices = [torch.nn.Parameter(torch.zeros(s, dtype=torch.bfloat16)) for s in shapes]
     chunks = list(zip(*(chunk_gradients(5, s, seed) for seed, s in enumerate(shapes))))
-    host_sweep(HostGradSums(every=1, slab=4), matrices, chunks)
+    host_sweep(HostGradSums(every=1, slab=4, mirror=mirror), matrices, chunks)
     assert queue and done[0] == len(queue)
     for i, m in enumerate(matrices):
         assert torch.equal(m.grad, windowed(None, [c[i] for c in chunks], 1)), shapes[i]

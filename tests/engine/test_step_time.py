@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.flop_counter import FlopCounterMode, mm_flop
 
 from lightning_oomb.engine import OOMBConfig, OOMBEngine, attention
+from lightning_oomb.engine.memory import HOST_RESERVE_BYTES
 from lightning_oomb.engine.model_shape import model_shape
 from lightning_oomb.engine.planner import Machine, plan
 from lightning_oomb.engine.step_time import StepRates, _pairs, context_seconds, copy_bytes, step_flops
@@ -121,21 +122,28 @@ def test_the_plan_predicts_a_step_time_only_at_measured_rates():
 
 
 def test_host_gradient_sums_count_their_flushes_in_the_step_time():
-    """``float32-host`` stops the compute for each flush: 40 chunks in windows of 16 flush 3 times (two windows more
-    chunks follow, then the last) and write back once, so the planned time grows by the copies' time or the host
-    adds', whichever is longer, over the model's 16-bit matrix elements (counted here); 16 chunks flush nothing."""
+    """``float32-host`` stops the compute for its flushes: 40 chunks in windows of 16 flush twice while chunks follow
+    (each: 2 bytes per 16-bit matrix element copied out, and without the mirror 10 of host adds) and merge the sums
+    on the device at the end (4 bytes copied in), so the planned time grows by the copies' time or the host adds',
+    whichever is longer; with the page-locked mirror (a GPU with host memory to spare) the adds run beside the
+    compute; 16 chunks flush nothing."""
     model = build_causal_lm("qwen2", dtype=torch.bfloat16)
     matrices = sum(p.numel() for p in model.parameters() if p.dim() >= 2)
     copies_bound = StepRates(1e30, 1e30, copy_bytes=1e6, host_bytes=1e9)
     adds_bound = StepRates(1e30, 1e30, copy_bytes=1e9, host_bytes=1e6)
-    for rates, chunks, want in ((copies_bound, 40, matrices * (2 * 3 + 2) / 1e6),
-                                (adds_bound, 40, matrices * (10 * 3 + 6) / 1e6), (adds_bound, 16, 0.0)):  # fmt: skip
-        times = [
+    no_mirror = HOST_RESERVE_BYTES + 4 * matrices + 1  # room for the sums, not for their mirror
+    for rates, host, chunks, want in ((copies_bound, 1 << 40, 40, matrices * (2 * 2 + 4) / 1e6),
+                                      (adds_bound, no_mirror, 40, matrices * 10 * 2 / 1e6),
+                                      (adds_bound, 1 << 40, 40, matrices * (2 * 2 + 4) / 1e9),
+                                      (adds_bound, no_mirror, 16, 0.0)):  # fmt: skip
+        plans = [
             plan(model, 8 * chunks, 1, OOMBConfig(8, 8, grad_accumulation=way), "bf16-true", None,
-                 Machine("cuda", 1 << 40, 1 << 40, rates=rates)).step_time_s
+                 Machine("cuda", 1 << 40, host, rates=rates))
             for way in ("native", "float32-host")
         ]  # fmt: skip
-        assert times[1] - times[0] == pytest.approx(want, abs=1e-9)
+        assert plans[1].step_time_s - plans[0].step_time_s == pytest.approx(want, abs=1e-9)
+        mirror = plans[1].host_parts["grad_staging"] == 2 * matrices
+        assert mirror == (host > no_mirror and chunks > 16)
 
 
 def test_kept_attention_results_count_in_the_copies_and_a_copy_bound_step_keeps_none():
