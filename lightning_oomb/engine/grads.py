@@ -192,7 +192,7 @@ class HostGradSums:
     def __exit__(self, *exc) -> None:
         self.vectors.__exit__(*exc)
         self._settle()
-        if self.flushes:  # else a single window: .grad holds it, as autograd made it
+        if self.flushes and exc[0] is None:  # else a single window (.grad holds it, as autograd made it) or a failure
             self._merge()
 
     def _flush(self) -> None:
