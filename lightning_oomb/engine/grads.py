@@ -36,6 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from lightning_oomb.engine.memory import HOST_RESERVE_BYTES, host_memory_available
+from lightning_oomb.engine.pages import page_locked_bytes
 from lightning_oomb.engine.user_hooks import engine_hook
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -137,11 +138,11 @@ class Float32GradSums:
 
 class HostGradSums:
     """Context manager for ``grad_accumulation="float32-host"`` (see the module docstring); one per engine, kept
-    across steps with its host sums and staging. :meth:`sweep` names the parameters of the next ``with``; the
-    backward sweep calls :meth:`chunk_done` after every chunk. ``mirror``: stage a flush through a page-locked copy
-    of all the matrices' 16-bit gradients and add it into the host sums on a worker thread while the device computes
-    on (``None``: on a GPU when host memory has room for it, :func:`mirror_fits`); else through two slabs, the
-    compute waiting for the adds."""
+    across steps with its host memory. :meth:`sweep` names the parameters of the next ``with``; the backward sweep
+    calls :meth:`chunk_done` after every chunk. ``mirror``: stage a flush through a copy of all the matrices' 16-bit
+    gradients in host memory and add it into the sums on a worker thread while the device computes on (``None``: on
+    a GPU when host memory has room for it, :func:`mirror_fits`); else through two slabs, the compute waiting for the
+    adds. The sums and the mirror are one allocation, page-locked on a GPU (``cudaHostRegister``: exact sizes)."""
 
     def __init__(
         self, every: int = HOST_FLUSH_CHUNKS, slab: int = STAGING_ELEMENTS, mirror: bool | None = None
@@ -149,27 +150,33 @@ class HostGradSums:
         self.every, self.slab, self.mirror = every, slab, mirror
         self.matrices: list[torch.Tensor] = []
         self.vectors = Float32GradSums(())
-        self._host: dict[int, torch.Tensor] = {}
+        self._host: dict[int, torch.Tensor] = {}  # per matrix: its flat float32 sum
+        self._mirror: dict[int, torch.Tensor] = {}  # per matrix: its flat 16-bit copy (mirrored)
+        self._memory: torch.Tensor | None = None  # the bytes of both
+        self._unpin = None  # unregisters a page-locked _memory
         self._staging: list[torch.Tensor] = []
-        self._mirror: torch.Tensor | None = None  # uint8, page-locked on a GPU
         self._pending: Future | None = None  # the worker's adds of the last flush through the mirror
         self._worker: ThreadPoolExecutor | None = None
         self._chunks, self.flushes, self._written = 0, 0, set()
 
     @property
     def host_bytes(self) -> int:
-        """Host memory held: the float32 sums and the staging (slabs or mirror)."""
-        held = (*self._host.values(), *self._staging, *([] if self._mirror is None else [self._mirror]))
+        """Host memory held: the float32 sums, the mirror and the staging slabs."""
+        held = (*([] if self._memory is None else [self._memory]), *self._staging)
         return sum(t.numel() * t.element_size() for t in held)
 
     def sweep(self, params: Iterable[torch.Tensor]) -> HostGradSums:
-        """Sum ``params``' gradients in the next ``with`` (host sums of parameters no longer among them are freed)."""
+        """Sum ``params``' gradients in the next ``with`` (the host memory is laid out anew when their matrices
+        change)."""
         self._settle()
         params = half_trainable(params)
-        self.matrices = [p for p in params if p.dim() >= 2]
+        matrices = [p for p in params if p.dim() >= 2]
+        if [(id(p), p.shape, p.dtype) for p in matrices] != [
+            (id(p), p.shape, p.dtype) for p in self.matrices
+        ]:
+            self._release()
+        self.matrices = matrices
         self.vectors = Float32GradSums(p for p in params if p.dim() < 2)
-        shapes = {id(p): p.shape for p in self.matrices}
-        self._host = {k: t for k, t in self._host.items() if shapes.get(k) == t.shape}
         self._chunks, self.flushes, self._written = 0, 0, set()
         return self
 
@@ -192,54 +199,67 @@ class HostGradSums:
     def __exit__(self, *exc) -> None:
         self.vectors.__exit__(*exc)
         self._settle()
-        if self.flushes and exc[0] is None:  # else a single window (.grad holds it, as autograd made it) or a failure
+        if (
+            self.flushes and exc[0] is None
+        ):  # else a single window (.grad holds it, as autograd made it) or a failure
             self._merge()
 
     def _flush(self) -> None:
-        """Move the matrices' ``.grad`` (a window's sums) into the host sums and drop it."""
+        """Move the matrices' ``.grad`` (a window's sums) into the host sums and drop it: through the mirror (the
+        compute waits for the copies into it; the worker adds) or through the slabs (the compute waits for the
+        adds)."""
         self.flushes += 1
-        pairs = []
+        self._settle()  # the previous flush's adds are done: the mirror is free again
+        jobs = []
         for p in self.matrices:
             grad, p.grad = p.grad, None
             if grad is None:
                 continue
+            if self._memory is None:
+                self._allocate(grad.device)
             first = id(p) not in self._written  # the step's first window writes over an earlier step's sum
-            if id(p) not in self._host:
-                pinned = grad.device.type == "cuda"  # the final merge reads it asynchronously
-                self._host[id(p)] = torch.empty(p.shape, dtype=torch.float32, pin_memory=pinned)
             self._written.add(id(p))
-            pairs.append((grad.contiguous().view(-1), self._host[id(p)].view(-1), first))
-        if pairs and self._mirrored(pairs[0][0].device):
-            self._through_mirror(pairs)
-        else:
-            self._through_slabs(pairs)
-
-    def _mirrored(self, device: torch.device) -> bool:
-        if self.mirror is not None:
-            return self.mirror
-        size = sum(p.numel() * p.element_size() for p in self.matrices)
-        held = 0 if self._mirror is None else self._mirror.numel()
-        return device.type == "cuda" and (held >= size or mirror_fits(size - held))
-
-    def _through_mirror(self, pairs: list[tuple[torch.Tensor, torch.Tensor, bool]]) -> None:
-        """Copy every ``(src, dst, first)`` pair's 16-bit ``src`` into the mirror (on the device's stream: the
-        compute waits for these copies only) and hand the adds into the float32 ``dst`` to the worker thread."""
-        self._settle()  # the previous flush's adds have read the mirror
-        size = sum(src.numel() * src.element_size() for src, _, _ in pairs)
-        device = pairs[0][0].device
-        if self._mirror is None or self._mirror.numel() < size:
-            self._mirror = None  # the old one freed first
-            self._mirror = torch.empty(size, dtype=torch.uint8, pin_memory=device.type == "cuda")
-        jobs, offset = [], 0
-        for src, dst, first in pairs:
-            n = src.numel() * src.element_size()
-            staged = self._mirror[offset : offset + n].view(src.dtype)
-            staged.copy_(src, non_blocking=True)
-            jobs.append((staged, dst, first))
-            offset += n
+            jobs.append((grad.contiguous().view(-1), self._host[id(p)], first, self._mirror.get(id(p))))
+        if not jobs:
+            return
+        device = jobs[0][0].device
+        if not self._mirror:
+            self._through_slabs([(grad, held, first) for grad, held, first, _ in jobs])
+            return
+        for grad, _, _, staged in jobs:
+            staged.copy_(grad, non_blocking=True)
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="oomb-host-sums")
-        self._pending = self._worker.submit(_add_staged, _record(device), jobs)
+        adds = [(staged, held, first) for _, held, first, staged in jobs]
+        self._pending = self._worker.submit(_add_staged, _record(device), adds)
+
+    def _allocate(self, device: torch.device) -> None:
+        """The host memory of the matrices' float32 sums and (where chosen) their mirror, as one allocation."""
+        sums = sum(p.numel() for p in self.matrices) * 4
+        copies = sum(p.numel() * p.element_size() for p in self.matrices)
+        mirrored = (
+            self.mirror if self.mirror is not None else device.type == "cuda" and mirror_fits(sums + copies)
+        )
+        total = sums + copies * mirrored
+        if device.type == "cuda":
+            self._memory, self._unpin = page_locked_bytes(total, self, device)
+        else:
+            self._memory = torch.empty(total, dtype=torch.uint8)
+        offset, mirror_at = 0, sums
+        for p in self.matrices:
+            self._host[id(p)] = self._memory[offset : offset + 4 * p.numel()].view(torch.float32)
+            offset += 4 * p.numel()
+            if mirrored:
+                size = p.numel() * p.element_size()
+                self._mirror[id(p)] = self._memory[mirror_at : mirror_at + size].view(p.dtype)
+                mirror_at += size
+
+    def _release(self) -> None:
+        """Give the host memory back (page-locked: once the device's copies are done)."""
+        self._host, self._mirror, self._memory = {}, {}, None
+        if self._unpin is not None:
+            self._unpin()
+            self._unpin = None
 
     def _settle(self) -> None:
         """Wait for the worker's adds (and raise what failed in them)."""
@@ -254,9 +274,9 @@ class HostGradSums:
         for p in self.matrices:
             if id(p) not in self._written:  # no earlier window: .grad is the step's sum, as autograd made it
                 continue
-            held = self._host[id(p)].view(-1)
-            out = p.grad if p.grad is not None else torch.empty(p.shape, dtype=p.dtype, device=p.device)
-            window, flat = p.grad is not None, out.view(-1)
+            held, window = self._host[id(p)], p.grad is not None
+            out = p.grad.contiguous() if window else torch.empty(p.shape, dtype=p.dtype, device=p.device)
+            flat = out.view(-1)
             for i in range(0, held.numel(), self.slab):
                 total = torch.empty(min(self.slab, held.numel() - i), dtype=torch.float32, device=p.device)
                 total.copy_(held[i : i + self.slab], non_blocking=p.device.type == "cuda")
@@ -270,8 +290,6 @@ class HostGradSums:
         (``first``: written over) the float32 ``dst``, slab by slab over all pairs in one pipeline: the device's copy
         of one slab overlaps the host's add of the previous one, across the pairs' boundaries too (most matrices are
         smaller than a slab)."""
-        if not pairs:
-            return
         device = pairs[0][0].device
         slabs = (
             (src[i : i + self.slab], dst[i : i + self.slab], first)

@@ -804,8 +804,8 @@ HOST_LABELS = {
     "kept_attention": "attention results kept (checkpointing), pinned",
     "parked_saves": "layer inputs kept (checkpointing), pinned",
     "carried_states": "recurrent / convolution states at chunk boundaries, pinned",
-    "grad_sums": "float32 gradient sums, host",
-    "grad_staging": "float32 gradient sums' staging, pinned",
+    "grad_sums": "float32 gradient sums, pinned",
+    "grad_staging": "float32 gradient sums' mirror or slabs, pinned",
     "reused_attention": "forward attention results (reuse_attention), pinned",
 }
 
