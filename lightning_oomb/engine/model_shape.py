@@ -28,8 +28,8 @@ SHARED_WIDTHS = (
 
 @dataclass(frozen=True)
 class Mixer:
-    """One carried token mixer of a hybrid (:func:`~lightning_oomb.engine.planner.mixer_bytes`): ``kind`` ``"delta"`` (gated delta-net),
-    ``"mamba2"`` or ``"conv"`` (gated short convolution); ``channels`` and ``kernel`` of its causal convolution;
+    """One carried token mixer of a hybrid (:func:`~lightning_oomb.engine.planner.mixer_bytes`): ``kind``
+    ``"delta"`` (gated delta-net), ``"mamba2"`` or ``"conv"`` (gated short convolution); ``channels`` and ``kernel`` of its causal convolution;
     ``heads`` x ``head_dim``: the values its rule mixes (a delta-net's value heads, Mamba2's heads); ``state``: a
     delta-net's key head dim, Mamba2's state size; ``block``: the rule's block (a delta rule's 64, Mamba2's
     ``chunk_size``); ``gated_norm``: a gated RMSNorm on its output (else Falcon-H1's plain gate)."""

@@ -77,18 +77,18 @@ options that would make it fit (each tried in the planner).
 - *optimizer step*: torch's ``foreach`` Adam/AdamW (its default on CUDA) makes one state-sized ``sqrt`` copy of
   the largest parameter group (the for-loop one of the largest parameter; fused: none).
 
-The peak is the persistent part (weights, gradients, optimizer states, the pool's device arenas and summaries) plus the largest
-of the moments (loss backward, the last layer's MLP, attention and carried mixer's backward, the embedding's dense
-gradient, the optimizer step). Gradients count as allocated throughout (they are from the second chunk on, and whenever
-gradients accumulate). The plan is of allocated bytes (``torch.cuda.max_memory_allocated``): the caching
-allocator's fragmentation and the CUDA context come on top. Calibrated on CPU runs of tiny Llama / Qwen2 / Qwen3 /
-Mistral models (saved tensors exact, a step's allocation peak within a few percent); other families and
+The peak is the persistent part (weights, gradients, optimizer states, the pool's device arenas and summaries) plus
+the largest of the moments (loss backward, the last layer's MLP, attention and carried mixer's backward, the
+embedding's dense gradient, the optimizer step). Gradients count as allocated throughout (they are from the second
+chunk on, and whenever gradients accumulate). The plan is of allocated bytes (``torch.cuda.max_memory_allocated``):
+the caching allocator's fragmentation and the CUDA context come on top. Calibrated on CPU runs of tiny Llama / Qwen2 /
+Qwen3 / Mistral models (saved tensors exact, a step's allocation peak within a few percent); other families and
 non-Hugging-Face ChunkModels use the same layer formula and say so in :attr:`MemoryPlan.notes` — one attention per
 paged-attention call slot, one MLP per down projection their modules show, autocast's copies of their ``nn.Linear``
-weights (:func:`~lightning_oomb.engine.model_shape.model_shape`; ``engine/model.py``'s ``ChunkModel`` tells their authors). Hybrids' carried
-mixers (Qwen3-Next, Bamba, Falcon-H1, LFM2) and float32 LoRA adapters of a bfloat16 model: a CPU step's peak
-within -4 % .. +10 % (``tests/engine/test_planner_hybrids.py``, ``tests/engine/test_planner.py``); a ChunkModel with
-MLP-only blocks or a carried short convolution: 0 % .. +5 % (``tests/engine/test_planner_custom.py``).
+weights (:func:`~lightning_oomb.engine.model_shape.model_shape`; ``engine/model.py``'s ``ChunkModel`` tells their
+authors). Hybrids' carried mixers (Qwen3-Next, Bamba, Falcon-H1, LFM2) and float32 LoRA adapters of a bfloat16 model:
+a CPU step's peak within -4 % .. +10 % (``tests/engine/test_planner_hybrids.py``, ``tests/engine/test_planner.py``); a
+ChunkModel with MLP-only blocks or a carried short convolution: 0 % .. +5 % (``tests/engine/test_planner_custom.py``).
 
 **Options.** When the step does not fit, :func:`plan` plans the changes that could make it fit and lists those that
 do (:attr:`MemoryPlan.options`): ``kv_grad_dtype="bfloat16"``, ``grad_accumulation="float32-host"`` (on a GPU) or
