@@ -151,9 +151,10 @@ class OOMBConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise OOMBConfigError(f"{name}={value!r} must be a positive integer.")
         if self.chunk_size % self.page_size:
+            nearest = max(1, round(self.chunk_size / self.page_size)) * self.page_size
             raise OOMBConfigError(
                 f"chunk_size={self.chunk_size} is not a multiple of page_size={self.page_size} — chunks must start "
-                f"on page boundaries — use e.g. chunk_size={max(1, self.chunk_size // self.page_size) * self.page_size}."
+                f"on page boundaries — use e.g. chunk_size={nearest}."
             )
         if self.kv_grad_dtype not in (*GRAD_DTYPES, "auto"):
             raise OOMBConfigError(

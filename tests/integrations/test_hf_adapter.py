@@ -241,6 +241,7 @@ def test_oomb_attention_outside_a_step_says_what_to_do():
     ("kwargs", "match"),
     [
         (dict(chunk_size=100, page_size=64), "multiple of page_size"),
+        (dict(chunk_size=4090, page_size=128), r"use e\.g\. chunk_size=4096\.$"),  # the nearest multiple
         (dict(page_size=0), "positive integer"),
         (dict(kv_grad_dtype="float16"), "kv_grad_dtype"),
         (dict(attention_backend="cuda"), "backend"),
