@@ -87,7 +87,8 @@ class CausalLMModule(LightningModule):
             the ``foreach`` one, torch's CUDA default, makes a ``sqrt`` copy of its largest parameter group, 14 GiB
             at the optimizer step of a bf16 7B model, often a long-context run's peak). ``None``: fused for
             parameters on a GPU unless Lightning's mixed-precision plugin clips gradients (it refuses fused
-            optimizers there: ``*-mixed`` with ``gradient_clip_val``), as :func:`fused_adamw` decides.
+            optimizers there: ``*-mixed`` with ``gradient_clip_val``) or scales the loss (``16-mixed``: hooks
+            before the step would see scaled gradients), as :func:`fused_adamw` decides.
     """
 
     def __init__(
@@ -217,7 +218,9 @@ def fused_adamw(
 ) -> bool:
     """Whether :class:`CausalLMModule` trains with torch's fused AdamW: ``choice`` (its ``fused_optimizer``), or for
     ``None`` on a CUDA device unless the Lightning ``precision`` flag is ``*-mixed`` and gradients are clipped
-    (Lightning's mixed-precision plugin refuses to clip for a fused optimizer) — refused there when asked for."""
+    (Lightning's mixed-precision plugin refuses to clip for a fused optimizer) — refused there when asked for — or
+    it is ``16-mixed`` (a fused optimizer unscales inside its step, so ``on_before_optimizer_step`` would see the
+    gradients still scaled)."""
     clipping = bool(gradient_clip_val) and str(precision).endswith("-mixed")
     if choice and clipping:
         raise OOMBConfigError(
@@ -226,7 +229,8 @@ def fused_adamw(
             "fused_optimizer to None (the foreach AdamW here), drop gradient clipping, or train with a *-true "
             "precision."
         )
-    return choice if choice is not None else device_type == "cuda" and not clipping
+    scaled = str(precision) in ("16-mixed", "16")
+    return choice if choice is not None else device_type == "cuda" and not (clipping or scaled)
 
 
 def with_targets(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
