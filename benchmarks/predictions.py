@@ -61,6 +61,33 @@ def longest(config: OOMBConfig) -> int:
     return lo * config.chunk_size
 
 
+H100 = Machine("cuda", int(79.1 * GIB), 120 * GIB, rates=RATES)  # an 80 GB GPU (H100 SXM: the H200's compute)
+
+
+def on_80gb() -> dict:
+    """Qwen2.5-7B, bf16-true, fused AdamW (``CausalLMModule`` on a GPU) with the strategy defaults on an 80 GB GPU
+    and 120 GiB of host memory: per step length what the plan decides, its peaks and its predicted time; and the
+    longest step that fits."""
+
+    def at(tokens: int):
+        config = dataclasses.replace(DEFAULTS, hbm_budget="auto")
+        return plan(qwen2_5_7b_config(), tokens, 1, config, "bf16-true", "adamw-fused", H100, suggest=False)
+
+    rows = {}
+    for tokens in (32 * K, 128 * K, 256 * K, 512 * K):
+        p = at(tokens)
+        decided = {k: getattr(p.config, k) for k in (*STRATEGY_DEFAULTS, "grad_accumulation")}
+        rows[f"{tokens // K}K"] = {"fits": p.fits, "decided": decided, "hbm_layers": p.hbm_layers,
+                                   "peak_gib": p.peak_device / GIB, "host_gib": p.host_tier / GIB,
+                                   "seconds": p.step_time_s, "tokens_per_s": tokens / p.step_time_s}  # fmt: skip
+    lo, hi = 0, 2 * K * K // DEFAULTS.chunk_size
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if at(mid * DEFAULTS.chunk_size).fits else (lo, mid - 1)
+    rows["longest_tokens"] = lo * DEFAULTS.chunk_size
+    return rows
+
+
 def predictions() -> dict:
     shape = model_shape(qwen2_5_7b_config())
     hf = seconds(32 * K, BASE, reference=True)
@@ -123,6 +150,7 @@ def predictions() -> dict:
         AUTO, kv_grad_dtype=pages, grad_accumulation=g)) for g in ("float32", "float32-host")
         for pages in ("float32", "bfloat16")} | {"float32, auto gradient pages (the default)": longest(
         dataclasses.replace(AUTO, kv_grad_dtype="auto", grad_accumulation="float32"))}  # fmt: skip
+    rows["80gb"] = on_80gb()
     for optimizer in (None, "adamw"):
         p = planned(K * K, AUTO, optimizer)
         rows[f"1m_fits_{optimizer or 'no_optimizer'}"] = {
@@ -180,7 +208,23 @@ def table(rows: dict) -> list[str]:
         + ", ".join(f"{n} {v / K / K:.2f}M" for n, v in longest_.items())
         + " |",
         f"| 1M tokens in one step | fits | {fits('1m_fits_no_optimizer')}; with AdamW {fits('1m_fits_adamw')} |",
+        "",
+        "An 80 GB GPU (79.1 GiB, the H200's rates) with 120 GiB of host memory: Qwen2.5-7B, bf16-true, fused AdamW "
+        "(`CausalLMModule` on a GPU), the strategy defaults as the plan decides them "
+        f"(longest step that fits: {rows['80gb']['longest_tokens'] / K / K:.2f}M tokens):",
+        "",
+        "| step | decided | GPU peak | host | step time | tokens/s |",
+        "|---|---|---|---|---|---|",
+        *(_row_80gb(n, r, s) for n, r in rows["80gb"].items() if n != "longest_tokens"),
     ]
+
+
+def _row_80gb(name: str, r: dict, scale: float) -> str:
+    decided = ", ".join(f"{k}={v!r}" for k, v in r["decided"].items())
+    time, rate = r["seconds"], r["tokens_per_s"]
+    return (f"| {name} | {decided}; pages of {r['hbm_layers']} of 28 layers on the GPU | {r['peak_gib']:.1f} GiB | "
+            f"{r['host_gib']:.1f} GiB | {time:,.1f} s ({time * scale:,.1f} scaled) | {rate:,.0f} "
+            f"({rate / scale:,.0f} scaled) |")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
