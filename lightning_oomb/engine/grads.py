@@ -171,9 +171,11 @@ class HostGradSums:
         self._settle()
         params = half_trainable(params)
         matrices = [p for p in params if p.dim() >= 2]
-        if [(id(p), p.shape, p.dtype) for p in matrices] != [
-            (id(p), p.shape, p.dtype) for p in self.matrices
-        ]:
+
+        def layout(ms: list[torch.Tensor]) -> list[tuple]:
+            return [(id(m), m.shape, m.dtype) for m in ms]
+
+        if layout(matrices) != layout(self.matrices):
             self._release()
         self.matrices = matrices
         self.vectors = Float32GradSums(p for p in params if p.dim() < 2)
@@ -199,9 +201,8 @@ class HostGradSums:
     def __exit__(self, *exc) -> None:
         self.vectors.__exit__(*exc)
         self._settle()
-        if (
-            self.flushes and exc[0] is None
-        ):  # else a single window (.grad holds it, as autograd made it) or a failure
+        # no flush: a single window, which .grad holds as autograd made it; an exception: a failed sweep
+        if self.flushes and exc[0] is None:
             self._merge()
 
     def _flush(self) -> None:
