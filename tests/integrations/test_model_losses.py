@@ -1,7 +1,8 @@
 """A model whose own training loss is not the next-token cross-entropy OOMB computes in its place is refused, not
 trained silently on another loss: a loss function set on the model, a ``loss_type`` naming another loss, a
 subclass's ``forward`` or ``loss_function`` (a z-loss, label smoothing); the self-check compares the twin's own
-loss with OOMB's. And the self-check leaves the user's random state as it found it."""
+loss with OOMB's. And the self-check leaves the user's random state as it found it, and says why where it
+cannot run."""
 
 from __future__ import annotations
 
@@ -139,3 +140,24 @@ def test_a_cached_verdict_builds_no_twin(monkeypatch):
 
     monkeypatch.setattr(support, "_twin", no_twin)
     assert support.verify_exactness(build(), HFChunkModel) is True
+
+
+@pytest.mark.parametrize("cause", ["twin-too-big", "twin-cannot-train"])
+def test_a_model_the_self_check_cannot_check_is_accepted_with_a_warning_naming_why(cause, monkeypatch):
+    """Where no twin can be checked, the model passes on the static rules alone, and the user is told so and why
+    (not silently): here a twin over the size limit, and a twin whose own training fails (Xmod's without a
+    default language)."""
+    monkeypatch.setattr(support, "_verdicts", {})
+    if cause == "twin-too-big":
+        monkeypatch.setattr(support, "_TWIN_MAX_PARAMETERS", 10)
+        why = r"no tiny twin could be built: ValueError: the twin would have \d+ parameters"
+        model = build()
+    else:
+        why = r"its tiny twin cannot train itself: ValueError: Input language unknown"
+        config = tf.XmodConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                               intermediate_size=32, is_decoder=True, attention_probs_dropout_prob=0.0)  # fmt: skip
+        model = tf.XmodForCausalLM(config)
+    with pytest.warns(UserWarning, match=rf"could not check \w+ \({why}.*unverified.*verify_exactness=False"):
+        assert support.verify_exactness(model, HFChunkModel) is False
+    with pytest.warns(UserWarning, match=why):  # through the adapter the strategy builds, the verdict cached
+        HFChunkModel(model, verify_exactness=True)

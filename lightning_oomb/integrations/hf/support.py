@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import re
+import warnings
 
 import torch
 
@@ -306,8 +307,9 @@ _HEAD_FIELDS = ("num_attention_heads", "n_head", "num_heads", "n_heads", "decode
 _WIDTH_FIELDS = ("hidden_size", "d_model", "n_embd")  # the model width, under its usual names
 _TWIN_CHUNK, _TWIN_TOKENS = 16, 53  # three chunks and a ragged fourth
 _TWIN_MAX_PARAMETERS = 20_000_000  # a config that does not shrink below this is not checked (memory, time)
-_UNCHECKED = "unchecked"  # the twin could not train itself
-_verdicts: dict[str, str | None] = {}  # config JSON of a twin -> None (exact), _UNCHECKED or the error found
+_verdicts: dict[
+    str, str | _Unchecked | None
+] = {}  # a twin's config JSON -> None (exact), why unchecked, or the error
 
 
 def _fewer_heads(d: dict, heads: str, kv_heads: str) -> None:
@@ -556,45 +558,74 @@ class _UnusableTwin(Exception):
     """The twin's own full-sequence training fails: the check is skipped."""
 
 
+class _Unchecked(str):
+    """The verdict of a check that could not run: why."""
+
+
 def verify_exactness(model: torch.nn.Module, adapter_cls) -> bool:
     """Refuse ``model`` if OOMB does not train a float64 twin of its architecture exactly (see the module
-    docstring); ``adapter_cls`` builds the adapter of the twin. Returns whether the check ran (``False``: no twin
-    could be built, or it could not train itself, or it is a hybrid with a float32 recurrence OOMB has no float64
-    version of: only its head checked). Verdicts are cached per architecture.
+    docstring); ``adapter_cls`` builds the adapter of the twin. Returns whether the check ran; where it could not
+    (no twin could be built, or it could not train itself, or it is a hybrid with a float32 recurrence OOMB has no
+    float64 version of: only its head checked), warns with the reason — the model is accepted by the static rules
+    alone. Verdicts are cached per architecture.
 
     A hybrid's recurrences (gated delta rule, Mamba2 scan), which transformers computes in float32 whatever the
     dtype, run in float64 in the twin (:mod:`~lightning_oomb.integrations.hf.float64_rules`): else its chunkings
     would differ by float32 rounding (up to 4e-2 in ``A_log``'s gradient of a tiny Qwen3-Next twin) and the check
     could not tell rounding from an error."""
-    with _own_rng():  # the twin's seed and the check's draws leave the user's random state as it was
-        try:
-            tiny = _tiny_config(model)
-            key = f"{type(model).__qualname__}:{tiny.to_json_string()}"
-        except Exception:  # a config that does not shrink: nothing to check against
-            return False
-        if key not in _verdicts:  # once per architecture: no twin is built for a verdict already known
-            try:
-                twin, _ = _twin(model, tiny)
-            except Exception:  # nothing to check against
-                return False
-            # float32 recurrences the twin cannot compute in float64 (an unknown rule's name): only its head checked
-            unknown = float32_recurrences(model) and not float32_rules_of(twin)
-            try:
-                with float64_recurrences(twin):
-                    _verdicts[key] = _head_mismatch(twin, adapter_cls) or (
-                        _UNCHECKED if unknown else _mismatch(twin, adapter_cls)
-                    )
-            except _UnusableTwin:
-                _verdicts[key] = _UNCHECKED
-            except OOMBConfigError as err:
-                _verdicts[key] = str(err)
-            except Exception as err:
-                _verdicts[key] = f"that running it in chunks fails ({type(err).__name__}: {err})"
-    verdict = _verdicts[key]
-    if verdict not in (None, _UNCHECKED):
+    verdict = _verdict(model, adapter_cls)
+    if isinstance(verdict, _Unchecked):
+        warnings.warn(
+            f"OOMB's self-check could not check {type(model).__name__} ({verdict}): the model passed OOMB's "
+            "static rules only, so its exactness under chunking is unverified — compare a few steps with "
+            "strategy='auto' on short sequences before a long run (verify_exactness=False skips the check and "
+            "this warning).",
+            UserWarning,
+            stacklevel=2,
+        )
+        return False
+    if verdict is not None:
         raise OOMBConfigError(
             f"OOMB cannot train {type(model).__name__} exactly: its self-check (a float64 twin of the architecture "
             f"trained in chunks and whole) found {verdict} — this architecture needs support OOMB does not have "
             "yet — train it with another strategy (or pass verify_exactness=False to train it anyway)."
         )
-    return verdict is None
+    return True
+
+
+def _verdict(model: torch.nn.Module, adapter_cls) -> str | _Unchecked | None:
+    """The self-check's verdict on ``model``'s architecture: ``None`` (exact), the error found, or why it could not
+    run (:class:`_Unchecked`); cached per architecture."""
+    with _own_rng():  # the twin's seed and the check's draws leave the user's random state as it was
+        try:
+            tiny = _tiny_config(model)
+            key = f"{type(model).__qualname__}:{tiny.to_json_string()}"
+        except Exception as err:  # a config that does not shrink: nothing to check against
+            return _Unchecked(f"its config could not be shrunk to a tiny twin's: {type(err).__name__}: {err}")
+        if key not in _verdicts:  # once per architecture: no twin is built for a verdict already known
+            try:
+                twin, _ = _twin(model, tiny)
+            except Exception as err:  # nothing to check against
+                return _Unchecked(f"no tiny twin could be built: {type(err).__name__}: {err}")
+            # float32 recurrences the twin cannot compute in float64 (an unknown rule's name): only its head checked
+            unknown = float32_recurrences(model) and not float32_rules_of(twin)
+            try:
+                with float64_recurrences(twin):
+                    _verdicts[key] = _head_mismatch(twin, adapter_cls) or (
+                        _Unchecked(
+                            "its recurrences compute in float32 and OOMB has no float64 version of them: "
+                            "only its LM head was checked"
+                        )  # fmt: skip
+                        if unknown
+                        else _mismatch(twin, adapter_cls)
+                    )
+            except _UnusableTwin as err:
+                cause = err.__cause__
+                _verdicts[key] = _Unchecked(
+                    f"its tiny twin cannot train itself: {type(cause).__name__}: {cause}"
+                )
+            except OOMBConfigError as err:
+                _verdicts[key] = str(err)
+            except Exception as err:
+                _verdicts[key] = f"that running it in chunks fails ({type(err).__name__}: {err})"
+    return _verdicts[key]
