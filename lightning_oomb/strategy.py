@@ -195,6 +195,9 @@ class _OOMBStrategyMixin:
         if result.config != self.engine.config:
             self.engine.reconfigure(result.config)
             self.model_adapter.layer_checkpointing = result.config.layer_checkpointing
+        # float32-host's mirror as planned, in this process's share of the host memory (a node's ranks would each
+        # see the whole node's free memory when they first flush)
+        self.engine.host_grads.mirror = result.grad_mirror
         self._planned_sizes = sizes
         if self._plan_memory and not result.fits:
             raise OOMBConfigError(

@@ -141,8 +141,8 @@ class HostGradSums:
     across steps with its host memory. :meth:`sweep` names the parameters of the next ``with``; the backward sweep
     calls :meth:`chunk_done` after every chunk. ``mirror``: stage a flush through a copy of all the matrices' 16-bit
     gradients in host memory and add it into the sums on a worker thread while the device computes on (``None``: on
-    a GPU when host memory has room for it, :func:`mirror_fits`); else through two slabs, the compute waiting for the
-    adds. The sums and the mirror are one allocation, page-locked on a GPU (``cudaHostRegister``: exact sizes)."""
+    a GPU when host memory has room for it, :func:`mirror_fits`; the strategies set their memory plan's choice, made
+    in the process's share of the host memory); else through two slabs, the compute waiting for the adds. The sums and the mirror are one allocation, page-locked on a GPU (``cudaHostRegister``: exact sizes)."""
 
     def __init__(
         self, every: int = HOST_FLUSH_CHUNKS, slab: int = STAGING_ELEMENTS, mirror: bool | None = None
@@ -167,7 +167,7 @@ class HostGradSums:
 
     def sweep(self, params: Iterable[torch.Tensor]) -> HostGradSums:
         """Sum ``params``' gradients in the next ``with`` (the host memory is laid out anew when their matrices
-        change)."""
+        change, or ``mirror`` was set to another choice than the layout's)."""
         self._settle()
         params = half_trainable(params)
         matrices = [p for p in params if p.dim() >= 2]
@@ -175,7 +175,8 @@ class HostGradSums:
         def layout(ms: list[torch.Tensor]) -> list[tuple]:
             return [(id(m), m.shape, m.dtype) for m in ms]
 
-        if layout(matrices) != layout(self.matrices):
+        chosen = self._memory is not None and self.mirror is not None and self.mirror != bool(self._mirror)
+        if layout(matrices) != layout(self.matrices) or chosen:  # other matrices, or another mirror choice
             self._release()
         self.matrices = matrices
         self.vectors = Float32GradSums(p for p in params if p.dim() < 2)
@@ -257,7 +258,7 @@ class HostGradSums:
 
     def _release(self) -> None:
         """Give the host memory back (page-locked: once the device's copies are done)."""
-        self._host, self._mirror, self._memory = {}, {}, None
+        self._host, self._mirror, self._memory, self._staging = {}, {}, None, []
         if self._unpin is not None:
             self._unpin()
             self._unpin = None

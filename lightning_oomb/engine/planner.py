@@ -667,6 +667,7 @@ class MemoryPlan:
     notes: list[str] = field(default_factory=list)
     step_time_s: float | None = None
     host_parts: dict[str, int] = field(default_factory=dict)  # host_tier's terms (HOST_LABELS)
+    grad_mirror: bool = False  # float32-host's flushes through a page-locked mirror (else two slabs)
 
     @property
     def persistent(self) -> int:
@@ -1165,7 +1166,7 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
         device["states_in_flight"] = handed
     result = MemoryPlan(
         seq_len, batch, config, inputs.precision, spec.name, machine, shape, pool, len(tiers.hbm_layers),
-        len(tiers.host_layers), device, phases, sum(host.values()), saved, host_parts=host,
+        len(tiers.host_layers), device, phases, sum(host.values()), saved, host_parts=host, grad_mirror=mirrored,
     )  # fmt: skip
     result.fits = result.device_fits and result.host_fits
     result.notes = _notes(inputs, config)

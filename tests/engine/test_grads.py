@@ -234,6 +234,21 @@ def test_host_sums_start_fresh_each_step():
     assert set(sums._host) == {id(used)}  # the idle matrix's host sum was freed
 
 
+def test_host_sums_follow_a_new_mirror_choice():
+    """The strategies set ``mirror`` from each memory plan: a choice other than the layout's lays the host memory
+    out anew (with a mirror or two slabs), and the sums are the same."""
+    p = torch.nn.Parameter(torch.zeros(3, 5, dtype=torch.bfloat16))
+    chunks = [[g] for g in chunk_gradients(5, (3, 5), 3)]
+    sums = HostGradSums(every=2, slab=4, mirror=False)
+    host_sweep(sums, [p], chunks)
+    want = p.grad
+    for mirror in (True, False):
+        p.grad, sums.mirror = None, mirror
+        host_sweep(sums, [p], chunks)
+        assert bool(sums._mirror) == mirror and torch.equal(p.grad, want)
+        assert sums.host_bytes == (6 * 15 if mirror else 4 * 15 + 2 * 4 * 2)
+
+
 @pytest.mark.parametrize("accumulation", ["float32", "native"])
 def test_host_sums_in_the_engine(accumulation):
     """8 chunks, flushed every 2: the vectors' gradients are those of the float32 sums bit for bit; a sweep of one

@@ -708,7 +708,8 @@ def test_auto_checkpointing_is_off_when_the_step_fits_and_on_when_not(monkeypatc
 def test_auto_gradient_sums_are_decided_at_setup(monkeypatch, caplog):
     """``grad_accumulation="auto"`` (the default) under bf16-true: the strategy's plan puts the float32 sums in host
     memory on a GPU that cannot hold them (a CUDA machine the plan is told of; the step runs here), keeps them on
-    the device where they fit; the second micro-batch of an accumulated step starts with a ``.grad``."""
+    the device where they fit; the second micro-batch of an accumulated step starts with a ``.grad``. The plan's
+    choice of a mirror for the host sums is the engine's (each process plans in its share of the host memory)."""
     model = TinyLM().model.bfloat16()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     big = Machine("cuda", 1 << 40, 1 << 40)
@@ -731,7 +732,13 @@ def test_auto_gradient_sums_are_decided_at_setup(monkeypatch, caplog):
         assert f"grad_accumulation='{want}'" in caplog.text
         caplog.clear()
         # the second micro-batch's sweep: the first one's .grad to the host sums, then its one window added there
+        # — through the page-locked mirror the plan chose (host memory has room), forced here on the CPU
         assert strategy.engine.host_grads.flushes == (2 if want == "float32-host" else 0)
+        assert (
+            strategy.engine.host_grads.mirror
+            is bool(strategy.engine.host_grads._mirror)
+            is (want != "float32")
+        )
 
 
 def test_auto_gradient_pages_are_float32_where_they_fit_else_bfloat16(monkeypatch, caplog):
@@ -850,7 +857,8 @@ def test_auto_checkpointing_weighs_host_sums_flushes_against_the_extra_pass():
         rates = dataclasses.replace(nominal, host_bytes=speedup * nominal.host_bytes)
         machine = Machine("cuda", int(139.8 * 2**30), host * 2**30, rates=rates)
         result = plan(qwen2_5_7b_config(), 1 << 18, 1, config, "bf16-true", "adamw", machine)
-        mirrored = result.host_parts["grad_staging"] > 14 * 2**30
+        mirrored = result.grad_mirror
+        assert mirrored == (result.host_parts["grad_staging"] > 14 * 2**30)  # the mirror, else two slabs
         decided[host, speedup] = (
             result.config.layer_checkpointing,
             result.config.grad_accumulation,
@@ -920,6 +928,13 @@ def test_a_nodes_processes_share_its_host_memory_and_the_most_micro_batches_coun
     gpu, cpu = Machine("cuda", 80 << 30, 128 << 30), Machine("cpu", 64 << 30, 64 << 30)
     assert gpu.shared_by(8) == Machine("cuda", 80 << 30, 16 << 30) and gpu.shared_by(1) == gpu
     assert cpu.shared_by(2) == Machine("cpu", 32 << 30, 32 << 30)
+    # float32-host's sums of Qwen2.5-7B (28.4 GiB) and their mirror (14.2 GiB) fit 80 GiB, not one of two shares
+    config = OOMBConfig(
+        **{**STRATEGY_DEFAULTS, "grad_accumulation": "float32-host", "layer_checkpointing": False}
+    )
+    shared = [plan(qwen2_5_7b_config(), 1 << 17, 1, config, "bf16-true", "adamw", Machine("cuda", 140 << 30, 80 << 30),
+                   processes_per_node=n) for n in (1, 2)]  # fmt: skip
+    assert [p.fits for p in shared] == [True, True] and [p.grad_mirror for p in shared] == [True, False]
     scheduled = make_trainer(oomb_strategy(), callbacks=[GradientAccumulationScheduler({0: 1, 2: 4})])
     assert most_micro_batches(scheduled) == 4 and most_micro_batches(make_trainer(oomb_strategy())) == 1
 
