@@ -401,12 +401,12 @@ def test_rejects_unsupported_inputs():
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("family", "head_dim"),
-    [("qwen2", 16), ("mistral", 16), ("qwen2", 12)],
-    ids=["qwen2", "mistral", "head-dim-12"],
+    [("mistral", 16), ("qwen2", 12)],
+    ids=["mistral", "qwen2-head-dim-12"],
 )
 def test_engine_with_triton_matches_torch_backend(causal_lm, family, head_dim):
     """OOMBEngine + HFChunkModel: the Triton backend gives the torch backend's loss and gradients (fp32) — also for
-    a head dim the kernels' tiles cannot take (12: its pages hold 16, zero-padded)."""
+    a head dim the kernels' tiles cannot take (12: its pages hold 16, zero-padded; Qwen2's biased projections)."""
     from lightning_oomb.engine import OOMBConfig, OOMBEngine
     from lightning_oomb.integrations.hf import HFChunkModel
 
