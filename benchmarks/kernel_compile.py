@@ -1,8 +1,12 @@
-"""Offline sm_90 compile of the paged-attention kernels: registers, spills and MMA layout per kernel and config.
+"""Offline compile of the paged-attention kernels for a GPU architecture (default sm_90): registers, spills, shared
+memory and MMA layout per kernel and config.
 
-No GPU needed: each kernel is compiled from its source for ``GPUTarget("cuda", 90, 32)`` (``triton.compile`` on an
-``ASTSource``) and the PTX is assembled with Triton's bundled ``ptxas -v`` (``--gpu-name=sm_90a``), whose report
-gives registers per thread and spill bytes. The launch-time specialisation is mimicked: pointers and the strides
+No GPU needed: each kernel is compiled from its source for ``GPUTarget("cuda", arch, 32)`` (``triton.compile`` on an
+``ASTSource``) and the PTX is assembled with Triton's bundled ``ptxas -v`` (``--gpu-name=sm_90a`` / ``sm_<arch>``),
+whose report gives registers per thread and spill bytes; the compiled kernel's shared memory is checked against the
+architecture's limit per block (:data:`SHARED_LIMITS`: Triton refuses to load a kernel above it). ``--arch 89``
+(RTX 40, L4, L40S; sm_86 has the same limit) or ``80`` (A100) compiles the tiles those GPUs get
+(``MMA_SYNC_DEFAULTS``). The launch-time specialisation is mimicked: pointers and the strides
 that are not 1 divisible by 16, unit strides constant 1, the tuning key's constexprs as a real launch sets them
 (bf16 inputs, float32 gradient pages, ``HEAD_DIM=128``, ``PAGE=128``).
 
@@ -15,8 +19,8 @@ Flags: ``SPARSE`` (a page selection), ``CARRY`` (a carried state: offload's key 
 into an accumulator), ``ROWS`` (packed documents), ``SOFTCAP``; and the config's own: ``SPLIT`` (dK/dV: the fully
 visible query blocks in an unmasked loop of their own). ``--all`` compiles every config the pruner keeps
 (the tuning space), not only the defaults (plain variants only); ``--quick`` only the defaults per tuning key
-(``tests/kernels/test_kernel_compile.py``). Writes ``benchmarks/results/kernel-compile-sm90.json`` and ``.md`` and
-prints the table.
+(``tests/kernels/test_kernel_compile.py``). Writes ``benchmarks/results/kernel-compile-sm<arch>.json`` and ``.md``
+and prints the table.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ KERNELS = {
     "_bwd_dq_kernel": ("BLOCK_M", [{"ACCUMULATE": False}, {"ACCUMULATE": True}]),
 }
 TERMS = [(False, False), (True, False), (False, True), (True, True)]  # (ROWS, SOFTCAP)
+SHARED_LIMITS = {80: 166912, 86: 101376, 89: 101376, 90: 232448}  # bytes of shared memory per block (opt-in)
 BASE = {"HEAD_DIM": 128, "PAGE": 128, "PRECISION": "tf32", "SOFTCAP": False, "ROWS": False, "COUNT": False,
         "K_P2": 64}  # fmt: skip
 
@@ -60,9 +65,12 @@ def parse_args(argv=None):
     parser.add_argument("--head-dim", type=int, nargs="+", default=[128])
     parser.add_argument("--page", type=int, default=128)
     parser.add_argument(
-        "--out", type=Path, default=ROOT / "benchmarks" / "results" / "kernel-compile-sm90.json"
+        "--arch", type=int, default=90, choices=sorted(SHARED_LIMITS), help="compute capability"
     )
-    return parser.parse_args(argv)
+    parser.add_argument("--out", type=Path, help="default: benchmarks/results/kernel-compile-sm<arch>.json")
+    args = parser.parse_args(argv)
+    args.out = args.out or ROOT / "benchmarks" / "results" / f"kernel-compile-sm{args.arch}.json"
+    return args
 
 
 def signature(jit, constexprs: dict, flags: dict) -> tuple[dict, dict, dict]:
@@ -87,12 +95,16 @@ def signature(jit, constexprs: dict, flags: dict) -> tuple[dict, dict, dict]:
     return sig, consts, attrs
 
 
-def ptxas_report(ptx: str, ptxas: str) -> dict:
-    """Registers and spill bytes from ``ptxas -v`` for sm_90a."""
+def gpu_name(arch: int) -> str:
+    return "sm_90a" if arch == 90 else f"sm_{arch}"  # (wgmma needs sm_90a)
+
+
+def ptxas_report(ptx: str, ptxas: str, arch: int = 90) -> dict:
+    """Registers and spill bytes from ``ptxas -v`` for ``arch``."""
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"
         src.write_text(ptx)
-        log = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", str(src), "-o", str(src.with_suffix(".o"))],
+        log = subprocess.run([ptxas, "-v", f"--gpu-name={gpu_name(arch)}", str(src), "-o", str(src.with_suffix(".o"))],
                              capture_output=True, text=True, check=True).stderr  # fmt: skip
     regs = re.search(r"Used (\d+) registers", log)
     stores = re.search(r"(\d+) bytes spill stores", log)
@@ -122,7 +134,9 @@ def mma_layouts(ttgir: str) -> list[dict]:
     return found
 
 
-def compile_one(kernels, name: str, config, flags: dict, head_dim: int, page: int, ptxas: str) -> dict:
+def compile_one(
+    kernels, name: str, config, flags: dict, head_dim: int, page: int, ptxas: str, arch: int = 90
+) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -136,7 +150,7 @@ def compile_one(kernels, name: str, config, flags: dict, head_dim: int, page: in
     started = time.perf_counter()
     compiled = triton.compile(
         src,
-        target=GPUTarget("cuda", 90, 32),
+        target=GPUTarget("cuda", arch, 32),
         options={"num_warps": config.num_warps, "num_stages": config.num_stages},
     )
     layouts = mma_layouts(compiled.asm["ttgir"])
@@ -149,8 +163,9 @@ def compile_one(kernels, name: str, config, flags: dict, head_dim: int, page: in
         **config.kwargs,
         "num_warps": config.num_warps,
         "num_stages": config.num_stages,
-        **ptxas_report(compiled.asm["ptx"], ptxas),
+        **ptxas_report(compiled.asm["ptx"], ptxas, arch),
         "shared_bytes": compiled.metadata.shared,
+        "shared_limit": SHARED_LIMITS[arch],
         "mma": layouts,
         "tile_rows": config.kwargs[rows_name],
         "mma_rows": covered,
@@ -158,13 +173,13 @@ def compile_one(kernels, name: str, config, flags: dict, head_dim: int, page: in
     }
 
 
-def variants(kernels, name: str, head_dim: int, page: int, every: bool, quick: bool = False):
-    """``(config, flags)`` to compile: the shipped sm_90 default (or the pruned space) per tuning key, plain and
-    with the score terms that are not part of the key (documents: ``ROWS``; ``SOFTCAP``)."""
+def variants(kernels, name: str, head_dim: int, page: int, every: bool, quick: bool = False, arch: int = 90):
+    """``(config, flags)`` to compile: the shipped default for ``arch`` (or the pruned space) per tuning key, plain
+    and with the score terms that are not part of the key (documents: ``ROWS``; ``SOFTCAP``)."""
     tuner = getattr(kernels, name)
     _, extra = KERNELS[name]
     for sparse in (False, True):
-        key = {"HEAD_DIM": head_dim, "PAGE": page, "SPARSE": sparse}
+        key = {"HEAD_DIM": head_dim, "PAGE": page, "SPARSE": sparse, "ARCH": arch}
         configs = kernels.tuning_space(tuner, key) if every else [kernels.default_config(tuner, key)]
         for config in configs:
             for flags in extra[:1] if quick or every else extra:
@@ -173,8 +188,8 @@ def variants(kernels, name: str, head_dim: int, page: int, every: bool, quick: b
 
 
 def table(records: list[dict]) -> str:
-    head = "| kernel | flags | tile (M, N) | warps | stages | regs | spill bytes (st/ld) | MMA rows / tile rows |"
-    lines = [head, "|" + "---|" * 8]
+    head = "| kernel | flags | tile (M, N) | warps | stages | regs | spill bytes (st/ld) | shared bytes | MMA rows / tile rows |"
+    lines = [head, "|" + "---|" * 9]
     for r in records:
         flags = (
             ", ".join(k for k in ("SPARSE", "CARRY", "ACCUMULATE", "ROWS", "SOFTCAP", "SPLIT") if r.get(k))
@@ -183,7 +198,7 @@ def table(records: list[dict]) -> str:
         lines.append(
             f"| {r['kernel']} (d={r['HEAD_DIM']}) | {flags} | ({r['BLOCK_M']}, {r['BLOCK_N']}) | {r['num_warps']} | "
             f"{r['num_stages']} | {r['n_regs']} | {r['spill_store_bytes']}/{r['spill_load_bytes']} | "
-            f"{r['mma_rows']} / {r['tile_rows']} |"
+            f"{r['shared_bytes']:,} | {r['mma_rows']} / {r['tile_rows']} |"
         )
     return "\n".join(lines)
 
@@ -192,36 +207,41 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     sys.path.insert(0, str(ROOT))
     if os.environ.get("TRITON_INTERPRET") == "1":
-        print("kernel_compile.py compiles for sm_90: unset TRITON_INTERPRET.", file=sys.stderr)
+        print("kernel_compile.py compiles for a GPU: unset TRITON_INTERPRET.", file=sys.stderr)
         return 2
     from triton.backends.nvidia.compiler import get_ptxas
 
     from benchmarks.common import command, versions, write_json
     from csrc_triton import paged_attention as kernels
 
-    ptxas = get_ptxas(90).path
+    ptxas = get_ptxas(args.arch).path
     records = []
     for head_dim in args.head_dim:
         for name in KERNELS:
-            for config, flags in variants(kernels, name, head_dim, args.page, args.all, args.quick):
-                record = compile_one(kernels, name, config, flags, head_dim, args.page, ptxas)
+            for config, flags in variants(
+                kernels, name, head_dim, args.page, args.all, args.quick, args.arch
+            ):
+                record = compile_one(kernels, name, config, flags, head_dim, args.page, ptxas, args.arch)
                 print(json.dumps(record), flush=True)
                 records.append(record)
-    result = {"command": command(), "versions": versions(), "target": "sm_90a (offline, ptxas -v)",
+    result = {"command": command(), "versions": versions(), "target": f"{gpu_name(args.arch)} (offline, ptxas -v)",
               "variants": records}  # fmt: skip
     write_json(args.out, result)
     md = table(records)
     args.out.with_suffix(".md").write_text(
-        f"# Offline sm_90 compile of the paged-attention kernels\n\n`{result['command']}`\n\n"
+        f"# Offline {gpu_name(args.arch)} compile of the paged-attention kernels\n\n`{result['command']}`\n\n"
         f"Triton {result['versions'].get('triton')}; bf16 inputs, float32 gradient pages, page {args.page}. Registers "
-        "per thread and spill bytes from `ptxas -v`; MMA rows: the rows one MMA layout covers (16 per warp along "
+        "per thread and spill bytes from `ptxas -v`; shared bytes: the compiled kernel's (this architecture's limit "
+        f"per block: {SHARED_LIMITS[args.arch]:,}); MMA rows: the rows one MMA layout covers (16 per warp along "
         "M), above the tile's rows the extra warps compute the same rows again.\n\n"
         f"{md}\n"
     )
     print(md)
     spilled = [r for r in records if r["spill_store_bytes"] or r["spill_load_bytes"]]
     duplicated = [r for r in records if r["mma_rows"] and r["mma_rows"] > r["tile_rows"]]
-    print(f"\n{len(records)} variants: {len(spilled)} spill, {len(duplicated)} duplicate MMA rows")
+    too_big = [r for r in records if r["shared_bytes"] > r["shared_limit"]]
+    print(f"\n{len(records)} variants: {len(spilled)} spill, {len(duplicated)} duplicate MMA rows, "
+          f"{len(too_big)} above the shared memory limit")  # fmt: skip
     return 0
 
 

@@ -36,9 +36,10 @@ Every key range is split into blocks that need no mask (all their keys visible t
 the few on the causal diagonal / window edge / ragged last page that do (the dK/dV kernel's default masks all its
 query blocks in one loop, for registers: :data:`SM90_DEFAULTS`); blocks nobody sees are never visited.
 Tiles, warps and stages: by default each kernel runs at its shipped tile (:data:`SM90_DEFAULTS`, chosen for
-sm_90 and checked offline with ptxas: no spills, no MMA rows computed twice; ``benchmarks/kernel_compile.py``),
-fitted to the call's ``HEAD_DIM``, ``PAGE`` and ``SPARSE`` (:func:`_fitted`) — the first step compiles but never
-tunes. ``OOMB_TRITON_AUTOTUNE=1`` turns on ``triton.autotune`` keyed on those (and the dtypes), over spaces pruned
+sm_90 and checked offline with ptxas: no spills, no MMA rows computed twice; ``benchmarks/kernel_compile.py``;
+on GPUs without wgmma :data:`MMA_SYNC_DEFAULTS`, which fit their 99 KB of shared memory), fitted to the call's
+``HEAD_DIM``, ``PAGE`` and ``SPARSE`` (:func:`_fitted`) — the first step compiles but never tunes; a GPU whose
+shared memory still does not hold a tile gets a smaller one (:func:`smaller_configs`). ``OOMB_TRITON_AUTOTUNE=1`` turns on ``triton.autotune`` keyed on those (and the dtypes), over spaces pruned
 of tiles that duplicate MMA rows or whose accumulators take too many registers; tuning then happens at
 the first call of each key (``TRITON_CACHE_AUTOTUNING=1`` keeps the result on disk, ``OOMB_TRITON_TUNE_CONFIGS=N``
 tries at most N configs per key — the default and the rest spread over the space — each one compilation). Under
@@ -75,12 +76,14 @@ selection the compiled kernels are the dense ones, unchanged.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from csrc_triton.contract import (
     check_buffer,
@@ -130,15 +133,44 @@ SM90_WIDE_DEFAULTS = {
     256: {"forward": (32, 64, 8, 3), "dkdv": (16, 32, 8, 2), "dq": (32, 64, 8, 2)},
     512: {"forward": (32, 32, 8, 2), "dkdv": (16, 16, 8, 2), "dq": (32, 32, 8, 2)},
 }
+# GPUs without wgmma (sm_80 A100; sm_86 / sm_89 / sm_120: RTX 30 / 40 / 50, A10, L4, L40S) run every MMA as mma.sync,
+# and all but sm_80 have 99 KB of shared memory per block (101,376 bytes): the sm_90 dQ tile needs 102,404 bytes
+# there (and spills 0.6-1.3 KB), the wide dQ tiles 102,400 and 139,264 — Triton refuses to load them. These tiles
+# fit 99 KB at every flag (offline compile for sm_89 and sm_80, Triton 3.9 and 3.6:
+# benchmarks/results/kernel-compile-sm89.md): at head dim 128 the forward and dQ take 32 keys per step, dK/dV keeps
+# its tile (78 KB); the wide dQ tiles are halved. Spills: at most 64 bytes on sm_89 (dQ at 128 with a selection),
+# 104 on sm_80. Speed on those GPUs is not measured.
+MMA_SYNC_DEFAULTS = {
+    128: {"forward": (128, 32, 8, 3), "dkdv": (16, 128, 8, 2), "dq": (128, 32, 8, 3)},
+    256: {"forward": (32, 64, 8, 3), "dkdv": (16, 32, 8, 2), "dq": (32, 32, 8, 2)},
+    512: {"forward": (32, 32, 8, 2), "dkdv": (16, 16, 8, 2), "dq": (16, 16, 8, 2)},
+}
 
 
-def shipped_tile(kernel: str, head_dim: int) -> tuple[int, int, int, int]:
-    """The default ``(BLOCK_M, BLOCK_N, warps, stages)`` of ``kernel`` at ``head_dim``: :data:`SM90_DEFAULTS` up to
-    128, :data:`SM90_WIDE_DEFAULTS` for wider heads (the next width up)."""
-    if head_dim <= 128:
-        return SM90_DEFAULTS[kernel]
-    width = next((w for w in sorted(SM90_WIDE_DEFAULTS) if head_dim <= w), max(SM90_WIDE_DEFAULTS))
-    return SM90_WIDE_DEFAULTS[width][kernel]
+def wgmma(arch: int) -> bool:
+    """Whether the GPU of compute capability ``arch`` (``10 * major + minor``) gets the sm_90 tiles: Hopper and the
+    data-centre Blackwells (227 KB of shared memory per block); the others get :data:`MMA_SYNC_DEFAULTS`."""
+    return 90 <= arch < 120
+
+
+def shipped_tile(kernel: str, head_dim: int, arch: int = 90) -> tuple[int, int, int, int]:
+    """The default ``(BLOCK_M, BLOCK_N, warps, stages)`` of ``kernel`` at ``head_dim`` on a GPU of compute
+    capability ``arch`` (:func:`wgmma`): :data:`SM90_DEFAULTS` up to 128, :data:`SM90_WIDE_DEFAULTS` for wider heads
+    (the next width up), or :data:`MMA_SYNC_DEFAULTS` likewise."""
+    tables = {128: SM90_DEFAULTS, **SM90_WIDE_DEFAULTS} if wgmma(arch) else MMA_SYNC_DEFAULTS
+    width = next((w for w in sorted(tables) if head_dim <= w), max(tables))
+    return tables[width][kernel]
+
+
+def _device_arch() -> int:
+    """The current CUDA device's compute capability as ``10 * major + minor`` (90 without CUDA)."""
+    return _arch_of(torch.cuda.current_device()) if torch.cuda.is_available() else 90
+
+
+@functools.cache
+def _arch_of(device: int) -> int:
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
 
 
 def _configs(kernel: str, tiles: list[tuple[int, int]], stages: tuple[int, ...]):
@@ -187,12 +219,15 @@ def _pruner(mma_rows: str, factor: int, max_regs: int = 64, head: int = 1, kerne
     queries per step they do not spill). The default (first) always stays. With tuning off (the default,
     :func:`_autotune`) only the default is kept; with ``OOMB_TRITON_TUNE_CONFIGS=N`` at most N, the first ``head``
     (the default tile in each of its variants) among them (:func:`_spread`). ``prune.space(configs, **key)``: the
-    whole space. ``kernel`` (``"forward"``, ``"dkdv"``, ``"dq"``): a head dim above 128 takes that kernel's wide
-    default (:func:`shipped_tile`) in place of the default tile."""
+    whole space. ``kernel`` (``"forward"``, ``"dkdv"``, ``"dq"``): the default tile is that kernel's
+    :func:`shipped_tile` for the call's ``HEAD_DIM`` and the device (``ARCH`` in the key, else the current one's)."""
 
     def space(configs: list[triton.Config], **kwargs) -> list[triton.Config]:
-        if kernel and kwargs["HEAD_DIM"] > 128 and not _interpreting():  # a wide head's own default first
-            configs = _tile_configs(kernel, shipped_tile(kernel, kwargs["HEAD_DIM"])) + configs[head:]
+        own = kernel and shipped_tile(kernel, kwargs["HEAD_DIM"], kwargs.get("ARCH") or _device_arch())
+        if (
+            own and own != SM90_DEFAULTS[kernel] and not _interpreting()
+        ):  # this width's and device's default first
+            configs = _tile_configs(kernel, own) + configs[head:]
         kept = {}
         for i, c in enumerate(configs):
             f = _fitted(c, mma_rows, kwargs["PAGE"], kwargs.get("SPARSE", False))
@@ -205,13 +240,13 @@ def _pruner(mma_rows: str, factor: int, max_regs: int = 64, head: int = 1, kerne
         kept = space(configs, **kwargs)
         return _spread(kept, _tune_cap(), head) if _autotune() else kept[:1]
 
-    prune.space = space
+    prune.space, prune.mma_rows = space, mma_rows
     return prune
 
 
 def tuning_space(tuner, key: dict) -> list[triton.Config]:
-    """The configs an autotuned kernel of this module tries for ``key`` (``HEAD_DIM``, ``PAGE``, ``SPARSE``), the
-    default first."""
+    """The configs an autotuned kernel of this module tries for ``key`` (``HEAD_DIM``, ``PAGE``, ``SPARSE``; ``ARCH``:
+    a compute capability, default the current device's), the default first."""
     return tuner.early_config_prune.space(tuner.configs, **key)
 
 
@@ -220,18 +255,49 @@ def default_config(tuner, key: dict) -> triton.Config:
     return tuning_space(tuner, key)[0]
 
 
+def smaller_configs(config: triton.Config, mma_rows: str, page: int, sparse: bool) -> list[triton.Config]:
+    """``config``, then configs needing less shared memory, fitted as it is (:func:`_fitted`): fewer stages, then the
+    key tile halved, then the query tile too (at least 16 each) — what :func:`_launch` falls back to on a GPU whose
+    shared memory the shipped tile does not fit."""
+    m, n = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
+    tiles = dict.fromkeys([(m, n), (m, max(16, n // 2)), (max(16, m // 2), max(16, n // 2)), (16, 16)])
+    found = {}
+    for tm, tn in tiles:
+        for stages in range(config.num_stages, 0, -1):
+            kw = {**config.kwargs, "BLOCK_M": tm, "BLOCK_N": tn}
+            c = _fitted(
+                triton.Config(kw, num_warps=config.num_warps, num_stages=stages), mma_rows, page, sparse
+            )
+            found.setdefault((*sorted(c.kwargs.items()), c.num_warps, c.num_stages), c)
+    return list(found.values())
+
+
 def _launch(tuner, grid, *args, **kwargs) -> None:
     """Run an autotuned kernel: through its autotuner with ``OOMB_TRITON_AUTOTUNE=1``, else straight at
-    :func:`default_config` for the call's key (recorded in ``tuner.cache``) — no benchmarking on any Triton
-    version."""
+    :func:`default_config` for the call's key and device (recorded in ``tuner.cache``) — no benchmarking on any
+    Triton version. Where the device's shared memory does not hold that tile (Triton refuses to load it), the
+    first of :func:`smaller_configs` that loads is used from then on."""
     if _autotune():
         tuner[grid](*args, **kwargs)
         return
-    key = ("default", kwargs["HEAD_DIM"], kwargs["PAGE"], kwargs["SPARSE"])
+    arch = _device_arch()
+    key = ("default", arch, kwargs["HEAD_DIM"], kwargs["PAGE"], kwargs["SPARSE"])
     config = tuner.cache.get(key)
-    if config is None:
-        config = tuner.cache[key] = default_config(tuner, dict(zip(("HEAD_DIM", "PAGE", "SPARSE"), key[1:])))
-    tuner.fn.run(*args, grid=grid, warmup=False, **kwargs, **config.all_kwargs())
+    if config is not None:
+        tuner.fn.run(*args, grid=grid, warmup=False, **kwargs, **config.all_kwargs())
+        return
+    default = default_config(tuner, dict(zip(("ARCH", "HEAD_DIM", "PAGE", "SPARSE"), key[1:])))
+    refused = None
+    fallbacks = smaller_configs(default, tuner.early_config_prune.mma_rows, kwargs["PAGE"], kwargs["SPARSE"])
+    for config in fallbacks:
+        try:  # Triton checks shared memory when it loads the compiled kernel, before any launch
+            tuner.fn.run(*args, grid=grid, warmup=False, **kwargs, **config.all_kwargs())
+        except OutOfResources as err:
+            refused = refused or err
+            continue
+        tuner.cache[key] = config
+        return
+    raise refused
 
 
 def _tune_cap() -> int | None:

@@ -1,6 +1,8 @@
-"""The shipped default tiles compiled offline for sm_90 (Triton's bundled ptxas, no GPU): no spills (on Triton 3.9
-and on the GPU machine's 3.6), no MMA rows computed twice, within sm_90's shared memory. Runs ``benchmarks/kernel_compile.py --quick`` in a subprocess (the suite's process interprets the
-kernels)."""
+"""The shipped default tiles compiled offline (Triton's bundled ptxas, no GPU): for sm_90 no spills (on Triton 3.9
+and on the GPU machine's 3.6), no MMA rows computed twice, within sm_90's shared memory; for GPUs without wgmma
+(sm_89's 99 KB per block) within their shared memory. Runs ``benchmarks/kernel_compile.py --quick`` in a subprocess
+(the suite's process interprets the kernels). And a GPU whose shared memory a tile does not fit falls back to a
+smaller one."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -37,10 +40,89 @@ def test_default_tiles_compile_for_sm90_without_spills(tmp_path):
     for v in variants:
         assert v["spill_store_bytes"] == 0 and v["spill_load_bytes"] == 0, v
         assert v["mma_rows"] <= v["tile_rows"], v
-        assert v["shared_bytes"] <= SM90_SHARED_BYTES, v
+        assert v["shared_bytes"] <= 227 * 1024 == v["shared_limit"], v  # per block on H100 / H200
 
 
-SM90_SHARED_BYTES = 227 * 1024  # per block on H100 / H200
+KERNEL_NAMES = {"_fwd_kernel": "forward", "_bwd_dkdv_kernel": "dkdv", "_bwd_dq_kernel": "dq"}
+
+
+@pytest.mark.parametrize("arch", [89, 80])
+def test_the_mma_sync_tiles_are_those_compiled_within_shared_memory(arch):
+    """The tiles GPUs without wgmma get are those the recorded offline compile (``benchmarks/kernel_compile.py --arch
+    89|80 --head-dim 128 256 512``, Triton 3.9) fitted into their shared memory (99 KB per block on sm_89, where the
+    sm_90 dQ tile needs 100 KB; 163 KB on sm_80) at every flag, with spills of at most 64 / 104 bytes: a changed
+    table needs that compile again."""
+    from csrc_triton.paged_attention import MMA_SYNC_DEFAULTS
+
+    variants = json.loads((ROOT / "benchmarks" / "results" / f"kernel-compile-sm{arch}.json").read_text())[
+        "variants"
+    ]
+    compiled = {(KERNEL_NAMES[v["kernel"]], v["HEAD_DIM"], v["BLOCK_M"], v["BLOCK_N"], v["num_warps"], v["num_stages"])
+                for v in variants}  # fmt: skip
+    shipped = {
+        (kernel, width, *tile) for width, tiles in MMA_SYNC_DEFAULTS.items() for kernel, tile in tiles.items()
+    }
+    assert compiled == shipped
+    assert all(v["shared_bytes"] <= v["shared_limit"] == SHARED_LIMITS[arch] for v in variants)
+    assert (
+        max(max(v["spill_store_bytes"], v["spill_load_bytes"]) for v in variants) <= {89: 64, 80: 104}[arch]
+    )
+    assert len(variants) == 120  # 3 widths x 3 kernels x their flags
+
+
+SHARED_LIMITS = {89: 99 * 1024, 80: 163 * 1024}  # bytes per block: RTX 40, L4, L40S (and sm_86); A100
+
+
+def test_gpus_without_wgmma_get_their_own_tiles():
+    """Hopper and data-centre Blackwell take the sm_90 tiles; A100, RTX 30/40/50, A10, L4, L40S the mma.sync ones
+    (benchmarks/results/kernel-compile-sm89.md), by width as the sm_90 ones."""
+    from csrc_triton.paged_attention import MMA_SYNC_DEFAULTS, SM90_DEFAULTS, shipped_tile
+
+    for kernel in SM90_DEFAULTS:
+        assert shipped_tile(kernel, 128, 90) == shipped_tile(kernel, 128, 100) == SM90_DEFAULTS[kernel]
+        for arch in (80, 86, 89, 120):
+            assert shipped_tile(kernel, 64, arch) == MMA_SYNC_DEFAULTS[128][kernel]
+            assert shipped_tile(kernel, 192, arch) == MMA_SYNC_DEFAULTS[256][kernel]
+            assert shipped_tile(kernel, 512, arch) == MMA_SYNC_DEFAULTS[512][kernel]
+    assert shipped_tile("dq", 128, 89) != SM90_DEFAULTS["dq"]
+
+
+def test_a_tile_the_gpu_cannot_load_falls_back_to_a_smaller_one(monkeypatch):
+    """Where Triton refuses to load the shipped tile (its shared memory above the GPU's), the launch takes the first
+    of ``smaller_configs`` that loads — fewer stages first — and keeps it for the key; if none loads, the first
+    refusal is raised."""
+    import triton
+    from triton.runtime.errors import OutOfResources
+
+    from csrc_triton import paged_attention as kernels
+
+    monkeypatch.setattr(kernels, "_interpreting", lambda: False)
+    monkeypatch.setattr(kernels, "_device_arch", lambda: 89)
+    tried = []
+
+    def run(*args, grid, warmup, **kwargs):
+        tried.append((kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs["num_warps"], kwargs["num_stages"]))
+        if kwargs["num_stages"] > limit:
+            raise OutOfResources(120_000, 101_376, "shared memory")
+
+    prune = kernels._pruner("BLOCK_M", 1, kernel="forward")
+    tuner = SimpleNamespace(cache={}, configs=[triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8,
+                            num_stages=3)], early_config_prune=prune, fn=SimpleNamespace(run=run))  # fmt: skip
+    call = {"HEAD_DIM": 128, "PAGE": 128, "SPARSE": False}
+    limit = 2
+    for _ in range(2):
+        kernels._launch(tuner, (1,), **call)
+    assert tried == [
+        (128, 32, 8, 3),
+        (128, 32, 8, 2),
+        (128, 32, 8, 2),
+    ]  # sm_89's tile, 3 stages refused, then kept
+    assert [c.num_stages for c in kernels.smaller_configs(tuner.cache[("default", 89, 128, 128, False)],
+                                                           "BLOCK_M", 128, False)] == [2, 1] * 4  # fmt: skip
+    tuner.cache.clear()
+    limit = 0
+    with pytest.raises(OutOfResources, match="shared memory"):
+        kernels._launch(tuner, (1,), **call)
 
 
 def test_wide_heads_get_their_own_default_tiles():
