@@ -39,8 +39,9 @@ Tiles, warps and stages: by default each kernel runs at its shipped tile (:data:
 sm_90 and checked offline with ptxas: no spills, no MMA rows computed twice; ``benchmarks/kernel_compile.py``;
 on GPUs without wgmma :data:`MMA_SYNC_DEFAULTS`, which fit their 99 KB of shared memory), fitted to the call's
 ``HEAD_DIM``, ``PAGE`` and ``SPARSE`` (:func:`_fitted`) — the first step compiles but never tunes; a GPU whose
-shared memory still does not hold a tile gets a smaller one (:func:`smaller_configs`). ``OOMB_TRITON_AUTOTUNE=1`` turns on ``triton.autotune`` keyed on those (and the dtypes), over spaces pruned
-of tiles that duplicate MMA rows or whose accumulators take too many registers; tuning then happens at
+shared memory still does not hold a tile gets a smaller one (:func:`smaller_configs`). ``OOMB_TRITON_AUTOTUNE=1``
+turns on ``triton.autotune`` keyed on those (and the dtypes), over spaces pruned of tiles that duplicate MMA rows or
+whose accumulators take too many registers; tuning then happens at
 the first call of each key (``TRITON_CACHE_AUTOTUNING=1`` keeps the result on disk, ``OOMB_TRITON_TUNE_CONFIGS=N``
 tries at most N configs per key — the default and the rest spread over the space — each one compilation). Under
 ``TRITON_INTERPRET=1`` one tiny config is used so CPU tests stay fast.
@@ -224,10 +225,8 @@ def _pruner(mma_rows: str, factor: int, max_regs: int = 64, head: int = 1, kerne
 
     def space(configs: list[triton.Config], **kwargs) -> list[triton.Config]:
         own = kernel and shipped_tile(kernel, kwargs["HEAD_DIM"], kwargs.get("ARCH") or _device_arch())
-        if (
-            own and own != SM90_DEFAULTS[kernel] and not _interpreting()
-        ):  # this width's and device's default first
-            configs = _tile_configs(kernel, own) + configs[head:]
+        if own and own != SM90_DEFAULTS[kernel] and not _interpreting():
+            configs = _tile_configs(kernel, own) + configs[head:]  # this width's and device's default first
         kept = {}
         for i, c in enumerate(configs):
             f = _fitted(c, mma_rows, kwargs["PAGE"], kwargs.get("SPARSE", False))

@@ -142,7 +142,8 @@ class HostGradSums:
     calls :meth:`chunk_done` after every chunk. ``mirror``: stage a flush through a copy of all the matrices' 16-bit
     gradients in host memory and add it into the sums on a worker thread while the device computes on (``None``: on
     a GPU when host memory has room for it, :func:`mirror_fits`; the strategies set their memory plan's choice, made
-    in the process's share of the host memory); else through two slabs, the compute waiting for the adds. The sums and the mirror are one allocation, page-locked on a GPU (``cudaHostRegister``: exact sizes)."""
+    in the process's share of the host memory); else through two slabs, the compute waiting for the adds. The sums
+    and the mirror are one allocation, page-locked on a GPU (``cudaHostRegister``: exact sizes)."""
 
     def __init__(
         self, every: int = HOST_FLUSH_CHUNKS, slab: int = STAGING_ELEMENTS, mirror: bool | None = None

@@ -307,9 +307,10 @@ _HEAD_FIELDS = ("num_attention_heads", "n_head", "num_heads", "n_heads", "decode
 _WIDTH_FIELDS = ("hidden_size", "d_model", "n_embd")  # the model width, under its usual names
 _TWIN_CHUNK, _TWIN_TOKENS = 16, 53  # three chunks and a ragged fourth
 _TWIN_MAX_PARAMETERS = 20_000_000  # a config that does not shrink below this is not checked (memory, time)
-_verdicts: dict[
-    str, str | _Unchecked | None
-] = {}  # a twin's config JSON -> None (exact), why unchecked, or the error
+_verdicts: dict = {}  # a twin's config JSON -> None (exact), the error found, or why it could not run (_Unchecked)
+_NO_FLOAT64_RULE = (
+    "its recurrences compute in float32 and OOMB has no float64 version of them: only its LM head was checked"
+)
 
 
 def _fewer_heads(d: dict, heads: str, kv_heads: str) -> None:
@@ -612,12 +613,7 @@ def _verdict(model: torch.nn.Module, adapter_cls) -> str | _Unchecked | None:
             try:
                 with float64_recurrences(twin):
                     _verdicts[key] = _head_mismatch(twin, adapter_cls) or (
-                        _Unchecked(
-                            "its recurrences compute in float32 and OOMB has no float64 version of them: "
-                            "only its LM head was checked"
-                        )  # fmt: skip
-                        if unknown
-                        else _mismatch(twin, adapter_cls)
+                        _Unchecked(_NO_FLOAT64_RULE) if unknown else _mismatch(twin, adapter_cls)
                     )
             except _UnusableTwin as err:
                 cause = err.__cause__
