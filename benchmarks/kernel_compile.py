@@ -5,7 +5,7 @@ No GPU needed: each kernel is compiled from its source for ``GPUTarget("cuda", a
 ``ASTSource``) and the PTX is assembled with Triton's bundled ``ptxas -v`` (``--gpu-name=sm_90a`` / ``sm_<arch>``),
 whose report gives registers per thread and spill bytes; the compiled kernel's shared memory is checked against the
 architecture's limit per block (:data:`SHARED_LIMITS`: Triton refuses to load a kernel above it). ``--arch 89``
-(RTX 40, L4, L40S; sm_86 has the same limit) or ``80`` (A100) compiles the tiles those GPUs get
+(RTX 40, L4, L40S; sm_86 has the same limit), ``120`` (RTX 50) or ``80`` (A100) compiles the tiles those GPUs get
 (``MMA_SYNC_DEFAULTS``). The launch-time specialisation is mimicked: pointers and the strides
 that are not 1 divisible by 16, unit strides constant 1, the tuning key's constexprs as a real launch sets them
 (bf16 inputs, float32 gradient pages, ``HEAD_DIM=128``, ``PAGE=128``).
@@ -47,7 +47,7 @@ KERNELS = {
     "_bwd_dq_kernel": ("BLOCK_M", [{"ACCUMULATE": False}, {"ACCUMULATE": True}]),
 }
 TERMS = [(False, False), (True, False), (False, True), (True, True)]  # (ROWS, SOFTCAP)
-SHARED_LIMITS = {80: 166912, 86: 101376, 89: 101376, 90: 232448}  # bytes of shared memory per block (opt-in)
+SHARED_LIMITS = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 120: 101376}  # bytes per block (opt-in)
 BASE = {"HEAD_DIM": 128, "PAGE": 128, "PRECISION": "tf32", "SOFTCAP": False, "ROWS": False, "COUNT": False,
         "K_P2": 64}  # fmt: skip
 
@@ -96,7 +96,7 @@ def signature(jit, constexprs: dict, flags: dict) -> tuple[dict, dict, dict]:
 
 
 def gpu_name(arch: int) -> str:
-    return "sm_90a" if arch == 90 else f"sm_{arch}"  # (wgmma needs sm_90a)
+    return f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"  # (Triton's PTX targets sm_90a / sm_120a)
 
 
 def ptxas_report(ptx: str, ptxas: str, arch: int = 90) -> dict:

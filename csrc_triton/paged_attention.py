@@ -137,10 +137,10 @@ SM90_WIDE_DEFAULTS = {
 # GPUs without wgmma (sm_80 A100; sm_86 / sm_89 / sm_120: RTX 30 / 40 / 50, A10, L4, L40S) run every MMA as mma.sync,
 # and all but sm_80 have 99 KB of shared memory per block (101,376 bytes): the sm_90 dQ tile needs 102,404 bytes
 # there (and spills 0.6-1.3 KB), the wide dQ tiles 102,400 and 139,264 — Triton refuses to load them. These tiles
-# fit 99 KB at every flag (offline compile for sm_89 and sm_80, Triton 3.9 and 3.6:
+# fit 99 KB at every flag (offline compile for sm_89, sm_120 and sm_80; sm_89 on Triton 3.9 and 3.6:
 # benchmarks/results/kernel-compile-sm89.md): at head dim 128 the forward and dQ take 32 keys per step, dK/dV keeps
 # its tile (78 KB); the wide dQ tiles are halved. Spills: at most 64 bytes on sm_89 (dQ at 128 with a selection),
-# 104 on sm_80. Speed on those GPUs is not measured.
+# 188 on sm_120, 104 on sm_80. Speed on those GPUs is not measured.
 MMA_SYNC_DEFAULTS = {
     128: {"forward": (128, 32, 8, 3), "dkdv": (16, 128, 8, 2), "dq": (128, 32, 8, 3)},
     256: {"forward": (32, 64, 8, 3), "dkdv": (16, 32, 8, 2), "dq": (32, 32, 8, 2)},

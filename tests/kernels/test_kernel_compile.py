@@ -46,12 +46,12 @@ def test_default_tiles_compile_for_sm90_without_spills(tmp_path):
 KERNEL_NAMES = {"_fwd_kernel": "forward", "_bwd_dkdv_kernel": "dkdv", "_bwd_dq_kernel": "dq"}
 
 
-@pytest.mark.parametrize("arch", [89, 80])
+@pytest.mark.parametrize("arch", [89, 120, 80])
 def test_the_mma_sync_tiles_are_those_compiled_within_shared_memory(arch):
     """The tiles GPUs without wgmma get are those the recorded offline compile (``benchmarks/kernel_compile.py --arch
-    89|80 --head-dim 128 256 512``, Triton 3.9) fitted into their shared memory (99 KB per block on sm_89, where the
-    sm_90 dQ tile needs 100 KB; 163 KB on sm_80) at every flag, with spills of at most 64 / 104 bytes: a changed
-    table needs that compile again."""
+    89|120|80 --head-dim 128 256 512``, Triton 3.9) fitted into their shared memory (99 KB per block on sm_89 and
+    sm_120, where the sm_90 dQ tile needs 100 KB; 163 KB on sm_80) at every flag, with spills of at most 64 / 188 /
+    104 bytes: a changed table needs that compile again."""
     from csrc_triton.paged_attention import MMA_SYNC_DEFAULTS
 
     variants = json.loads((ROOT / "benchmarks" / "results" / f"kernel-compile-sm{arch}.json").read_text())[
@@ -65,12 +65,17 @@ def test_the_mma_sync_tiles_are_those_compiled_within_shared_memory(arch):
     assert compiled == shipped
     assert all(v["shared_bytes"] <= v["shared_limit"] == SHARED_LIMITS[arch] for v in variants)
     assert (
-        max(max(v["spill_store_bytes"], v["spill_load_bytes"]) for v in variants) <= {89: 64, 80: 104}[arch]
+        max(max(v["spill_store_bytes"], v["spill_load_bytes"]) for v in variants)
+        <= {89: 64, 120: 188, 80: 104}[arch]
     )
     assert len(variants) == 120  # 3 widths x 3 kernels x their flags
 
 
-SHARED_LIMITS = {89: 99 * 1024, 80: 163 * 1024}  # bytes per block: RTX 40, L4, L40S (and sm_86); A100
+SHARED_LIMITS = {
+    89: 99 * 1024,
+    120: 99 * 1024,
+    80: 163 * 1024,
+}  # per block: RTX 40, L4, L40S (sm_86); RTX 50; A100
 
 
 def test_gpus_without_wgmma_get_their_own_tiles():
