@@ -79,10 +79,10 @@ def test_gpt_oss_20b_pool_bytes_per_token():
 
 @pytest.mark.slow
 def test_window_tails_with_the_triton_kernels():
-    """The kernels read a window layer's tails and transient pages through its page table like any other (4
-    chunks: 3 boundaries of tails; the interpreter is slow)."""
+    """The kernels read a window layer's tails and transient pages through its page table like any other (3
+    chunks: 2 boundaries of tails; the interpreter is slow)."""
     model = build_causal_lm("mistral", dtype=torch.float32, head_dim=16)
-    ids = torch.randint(0, 97, (1, 4 * CHUNK - 12), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 97, (1, 3 * CHUNK - 12), generator=torch.Generator().manual_seed(1))
     results = {}
     for backend in ("torch", "triton"):
         model.zero_grad()
