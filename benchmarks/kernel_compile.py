@@ -2,7 +2,7 @@
 memory and MMA layout per kernel and config.
 
 No GPU needed: each kernel is compiled from its source for ``GPUTarget("cuda", arch, 32)`` (``triton.compile`` on an
-``ASTSource``) and the PTX is assembled with Triton's bundled ``ptxas -v`` (``--gpu-name=sm_90a`` / ``sm_<arch>``),
+``ASTSource``) and the PTX is assembled with Triton's bundled ``ptxas -v`` (``--gpu-name=sm_90a``, ``sm_120a``, ``sm_89``...),
 whose report gives registers per thread and spill bytes; the compiled kernel's shared memory is checked against the
 architecture's limit per block (:data:`SHARED_LIMITS`: Triton refuses to load a kernel above it). ``--arch 89``
 (RTX 40, L4, L40S; sm_86 has the same limit), ``120`` (RTX 50) or ``80`` (A100) compiles the tiles those GPUs get

@@ -1,8 +1,8 @@
 """The shipped default tiles compiled offline (Triton's bundled ptxas, no GPU): for sm_90 no spills (on Triton 3.9
-and on the GPU machine's 3.6), no MMA rows computed twice, within sm_90's shared memory; for GPUs without wgmma
-(sm_89's 99 KB per block) within their shared memory. Runs ``benchmarks/kernel_compile.py --quick`` in a subprocess
-(the suite's process interprets the kernels). And a GPU whose shared memory a tile does not fit falls back to a
-smaller one."""
+and on the GPU machine's 3.6), no MMA rows computed twice, within sm_90's shared memory (``benchmarks/kernel_compile.py
+--quick`` in a subprocess: the suite's process interprets the kernels); for GPUs without wgmma (sm_89, sm_120: 99 KB
+per block; sm_80) the shipped tiles are those of the recorded compiles, within their shared memory. And a GPU whose
+shared memory a tile does not fit falls back to a smaller one."""
 
 from __future__ import annotations
 
