@@ -755,7 +755,7 @@ def goal_table(scale: Scale, rows: list[dict], kernels: dict, plans: list[dict],
                 kernels[key],
                 kernels[key] >= bound,
                 f"{kernels[key]:.2f}x (worst; {by_keys})",
-                "benchmarks/kernels.py, 4096 queries",
+                "benchmarks/attention_kernels.py, 4096 queries",
             )
 
     plan_1m = next((p for p in plans if p["role"] == "plan-1m"), None)
@@ -973,7 +973,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--budget-s", type=float, default=600.0, help="seconds this part may take (from main)"
     )
     parser.add_argument("--repeats", type=int, default=3, help="timed steps of each method at 32K")
-    parser.add_argument("--kernels-json", type=Path, default=None, help="summary: kernels.py's JSON")
+    parser.add_argument(
+        "--kernels-json", type=Path, default=None, help="summary: attention_kernels.py's JSON"
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument(
         "--tiny", action="store_true", help="tiny shapes (smoke test of the script, e.g. on CPU)"

@@ -78,7 +78,7 @@ goals() {  # goals PART LIMIT_S: a part of benchmarks/goals.py that plans its ro
 for part in "${parts[@]}"; do
   case "$part" in
     checks) run checks 25 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda_paths.py ;;
-    kernels) run kernels 125 env TRITON_PRINT_AUTOTUNING=1 python3 benchmarks/kernels.py --out "$out/kernels-h200.json" \
+    kernels) run kernels 125 env TRITON_PRINT_AUTOTUNING=1 python3 benchmarks/attention_kernels.py --out "$out/kernels-h200.json" \
       --methods paged,sparse,sdpa-repeat,sdpa-gqa,flex --default-tiles --tune-configs 3 --warmup 2 --iters 5 \
       --budget-s 105 ${smoke[@]+"${smoke[@]}"} ;;
     compare) goals compare 140 ;;

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -23,6 +24,14 @@ def run(*args: str) -> str:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
+
+
+def test_no_script_shadows_an_installed_module():
+    """A script's folder comes first on ``sys.path`` when it runs, so a script named like an installed module is
+    imported in its place (``benchmarks/kernels.py`` did that to the ``kernels`` package transformers >= 5.25
+    imports: every benchmark script failed at ``import transformers``)."""
+    scripts = {path.stem for folder in ("benchmarks", "examples") for path in (ROOT / folder).glob("*.py")}
+    assert not {name for name in scripts - {"__init__"} if importlib.util.find_spec(name) is not None}
 
 
 @pytest.mark.slow
@@ -47,14 +56,14 @@ def test_offload_stress_smoke(tmp_path):
 
 
 def test_kernel_benchmark_help():
-    assert "FlexAttention" in run("benchmarks/kernels.py", "--help")
+    assert "FlexAttention" in run("benchmarks/attention_kernels.py", "--help")
 
 
 @pytest.mark.slow
 def test_kernel_benchmark_smoke(tmp_path):
     """Dense and sparse rows (default tiles, then tuned), the sparse accuracy check, ratios and kernel records."""
     out = tmp_path / "kernels.json"
-    text = run("benchmarks/kernels.py", "--smoke", "--methods", "paged,sparse", "--default-tiles",
+    text = run("benchmarks/attention_kernels.py", "--smoke", "--methods", "paged,sparse", "--default-tiles",
                "--tune-configs", "2", "--out", str(out))  # fmt: skip
     data = json.loads(out.read_text())
     methods = {r["method"] for r in data["throughput"]}
@@ -124,16 +133,20 @@ def test_run_gpu_script(tmp_path, tiny):
     assert subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True).returncode == 0
     parts = ["checks", "kernels", "compare", "reduced", "summary", "tests", "stress", "scaling"]
     commands = script_commands(tmp_path, parts, **({"OOMB_BENCH_TINY": "1"} if tiny else {}))
-    from benchmarks import goals, kernels, memory_scaling, offload_stress
+    from benchmarks import attention_kernels, goals, memory_scaling, offload_stress
 
-    parsers = {"benchmarks/goals.py": goals.parse_args, "benchmarks/kernels.py": kernels.parse_args,
+    parsers = {"benchmarks/goals.py": goals.parse_args, "benchmarks/attention_kernels.py": attention_kernels.parse_args,
                "benchmarks/memory_scaling.py": memory_scaling.parse_args,
                "benchmarks/offload_stress.py": offload_stress.parse_args}  # fmt: skip
     checked = []
     for argv in commands:
         if argv[0] in parsers:
             args = parsers[argv[0]](argv[1:])
-            small = args.smoke if argv[0] == "benchmarks/kernels.py" else args.tiny and args.device == "cpu"
+            small = (
+                args.smoke
+                if argv[0] == "benchmarks/attention_kernels.py"
+                else args.tiny and args.device == "cpu"
+            )
             assert small == tiny, argv
             checked.append(argv[0])
         else:
@@ -143,7 +156,8 @@ def test_run_gpu_script(tmp_path, tiny):
     if not tiny:  # the 8-minute default: checks kernels compare reduced summary, in that order
         default = script_commands(tmp_path, [])
         assert (
-            default[0][-1] == "tests/engine/test_cuda_paths.py" and default[1][0] == "benchmarks/kernels.py"
+            default[0][-1] == "tests/engine/test_cuda_paths.py"
+            and default[1][0] == "benchmarks/attention_kernels.py"
         )
         assert [c[2] for c in default if c[0] == "benchmarks/goals.py"] == ["compare", "reduced", "summary"]
 

@@ -4,6 +4,8 @@ exact as uncompiled training."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -21,6 +23,15 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
+def kernel_routed(layer: torch.nn.Module) -> int:
+    """Module classes of ``layer`` whose forward is the ``kernels`` package's routing wrapper (transformers >= 5.25
+    wraps the attention this way): a ``try``/``finally`` that dynamo gives up on at the op's graph break, tracing the
+    forward inside it on its own, so each costs one frame run eagerly (dict updates, no tensor work)."""
+    return len(
+        {type(m) for m in layer.modules() if "kernels" in Path(type(m).forward.__code__.co_filename).parts}
+    )
+
+
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "layer-checkpointing"])
 def test_compiled_layers_train_exactly_and_compile_once(fresh_dynamo, checkpointing):
     model = build_causal_lm("qwen2")
@@ -32,9 +43,8 @@ def test_compiled_layers_train_exactly_and_compile_once(fresh_dynamo, checkpoint
 
     loss, grads, _ = oomb_step(model, IDS, checkpointing, chunk=16, page=8)
     frames = counters["frames"]["total"]
-    assert (
-        counters["frames"]["ok"] == frames
-    )  # no frame given up on (recompile limit, untraceable engine code)
+    # no frame given up on (recompile limit, untraceable engine code) but the kernels package's routing wrappers
+    assert frames - counters["frames"]["ok"] <= kernel_routed(model.model.layers[0])
     assert counters["stats"]["unique_graphs"] <= 8 * len(
         model.model.layers
     )  # pieces around the op, per grad mode

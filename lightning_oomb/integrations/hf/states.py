@@ -3,7 +3,7 @@ across chunks.
 
 transformers' hybrid models let a token mixer continue a sequence through the cache object it is called with
 (``get_conv_state`` / ``update_conv_state``, ``get_recurrent_state`` / ``update_recurrent_state``; transformers
-5.17: ``has_previous_state`` and ``layers[i].recurrent_states``) — the path of a prefill that continues a cached
+5.17: ``has_previous_state`` and ``layers[i].recurrent_states``; 5.25: ``get_recurrent_states_to_keep``) — the path of a prefill that continues a cached
 prompt. While the engine runs a chunk, every carried mixer is called with a :class:`StateCache` over the chunk's
 :class:`~lightning_oomb.engine.states.ChunkStates` in place of the model's (absent) cache: it reads the state the
 previous chunk ended in and reports the state it ends in, and the engine carries both the states and their
@@ -97,6 +97,10 @@ class StateCache:
 
     def is_recording_past(self, layer_idx: int) -> bool:
         return True
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        """No per-token states (transformers >= 5.25 asks, for speculative decoding): the chunk's last one only."""
+        return 0
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         return self._incoming(layer_idx, "conv", state_idx)

@@ -530,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
         args.dtype = "float16"  # the interpreter's tl.dot mishandles bfloat16
     else:
         print(
-            "benchmarks/kernels.py needs a CUDA GPU (use --smoke to check the script on CPU).",
+            "benchmarks/attention_kernels.py needs a CUDA GPU (use --smoke to check the script on CPU).",
             file=sys.stderr,
         )
         return 2
