@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.machinery
+import io
 import json
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -17,13 +21,37 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "run_gpu.sh"
 
 
-def run(*args: str) -> str:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+def run(script: str, *args: str, fresh: bool = False) -> str:
+    """``python script args``, its printed output. In this process unless ``fresh``: a new process would import
+    torch, transformers and Lightning again (5-8 s a script on 2 cores); what a script may change for the process
+    (environment variables, torch's default dtype, threads and grad mode) is restored after it."""
+    if fresh:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        done = subprocess.run([sys.executable, script, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+    import torch
+
+    env, dtype, threads, grad = (
+        dict(os.environ),
+        torch.get_default_dtype(),
+        torch.get_num_threads(),
+        torch.is_grad_enabled(),
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+    printed = io.StringIO()
+    try:
+        with mock.patch.object(sys, "argv", [script, *args]), contextlib.redirect_stdout(printed):
+            runpy.run_path(str(ROOT / script), run_name="__main__")
+    except SystemExit as exit:
+        assert exit.code in (0, None), printed.getvalue()[-3000:]
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+        torch.set_default_dtype(dtype)
+        torch.set_num_threads(threads)
+        torch.set_grad_enabled(grad)
+    return printed.getvalue()
 
 
 def test_no_script_shadows_an_installed_module():
@@ -59,15 +87,25 @@ def test_offload_stress_smoke(tmp_path):
 
 
 def test_kernel_benchmark_help():
-    assert "FlexAttention" in run("benchmarks/attention_kernels.py", "--help")
+    assert "FlexAttention" in run("benchmarks/attention_kernels.py", "--help", fresh=True)
 
 
 @pytest.mark.slow
 def test_kernel_benchmark_smoke(tmp_path):
     """Dense and sparse rows (default tiles, then tuned), the sparse accuracy check, ratios and kernel records."""
     out = tmp_path / "kernels.json"
-    text = run("benchmarks/attention_kernels.py", "--smoke", "--methods", "paged,sparse", "--default-tiles",
-               "--tune-configs", "2", "--out", str(out))  # fmt: skip
+    text = run(
+        "benchmarks/attention_kernels.py",
+        "--smoke",
+        "--methods",
+        "paged,sparse",
+        "--default-tiles",
+        "--tune-configs",
+        "2",
+        "--out",
+        str(out),
+        fresh=True,
+    )  # fmt: skip  (fresh: tuned kernels stay out of this process)
     data = json.loads(out.read_text())
     methods = {r["method"] for r in data["throughput"]}
     assert methods == {"oomb triton (paged)", "oomb triton (paged, sparse)",

@@ -31,8 +31,6 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
-
 from lightning_oomb.engine.config import OOMBConfig
 from lightning_oomb.engine.grads import host_flushes
 
@@ -120,17 +118,26 @@ def step_flops(
 
 def _pairs(seq_len: int, chunk: int, window: int | None, past_cap: float, first_again: int = 0):
     """``(pairs, pairs of chunks < first_again)``: the query-key pairs of a layer the queries see, chunk by chunk
-    (``past_cap``: keys before its chunk a query may see: a sparse step's budget)."""
-    total = again = 0.0
-    width = math.inf if window is None else window
+    (``past_cap``: keys before its chunk a query may see: a sparse step's budget), in closed form per chunk."""
+    total = again = 0
     for index, start in enumerate(range(0, seq_len, chunk)):
-        j = torch.arange(min(chunk, seq_len - start), dtype=torch.float64)  # the chunk's queries
-        own = torch.clamp(j + 1, max=width)
-        past = torch.clamp(width - 1 - j, min=0).clamp(max=min(start, past_cap))
-        pairs = float((own + past).sum())
+        pairs = _chunk_pairs(min(chunk, seq_len - start), window, min(start, past_cap))
         total += pairs
-        again += pairs if index < first_again else 0.0
-    return total, again
+        again += pairs if index < first_again else 0
+    return float(total), float(again)
+
+
+def _chunk_pairs(queries: int, window: int | None, past: float) -> int:
+    """Pairs of a chunk's ``queries``: query ``j`` sees ``min(j + 1, window)`` keys of its chunk and
+    ``min(max(window - 1 - j, 0), past)`` before it (``past``: the earlier keys it may see)."""
+    if window is None or window >= queries + past:  # no key out of the window: causal within, all of the past
+        return queries * (queries + 1) // 2 + queries * int(past)
+    own = min(queries, window)
+    own = own * (own + 1) // 2 + (queries - own) * window
+    reaching = min(queries, max(window - 1, 0))  # queries whose window reaches before the chunk
+    capped = min(max(window - int(past), 0), reaching)  # ... of which see all ``past`` keys
+    rest = reaching - capped  # the others see window - 1 - j keys, j = capped .. reaching - 1
+    return own + capped * int(past) + rest * (window - 1) - (capped + reaching - 1) * rest // 2
 
 
 def copy_bytes(

@@ -62,6 +62,33 @@ def test_matmul_flops_are_what_a_step_computes(monkeypatch, checkpointing, tile)
 def test_visible_pairs_are_the_mask_count(seq_len, chunk, window, cap):
     """Pairs a query sees: causal, within its window, at most ``cap`` keys before its chunk (a sparse budget's
     bound) — the count of a brute-force mask."""
+    mask = visible(seq_len, chunk, window, cap)
+    assert _pairs(seq_len, chunk, window, cap, first_again=1) == (
+        float(mask.sum()),
+        float(mask[:chunk].sum()),
+    )
+
+
+def test_visible_pairs_on_random_shapes():
+    """The closed form per chunk against the mask on random lengths, chunks, windows and budgets."""
+    draw = torch.Generator().manual_seed(7)
+
+    def up_to(n: int) -> int:
+        return int(torch.randint(1, n + 1, (), generator=draw))
+
+    for _ in range(60):
+        seq_len, chunk, again = up_to(200), up_to(64), up_to(5) - 1
+        window = None if up_to(3) == 1 else up_to(90)
+        cap = math.inf if up_to(3) == 1 else up_to(70) - 1
+        mask = visible(seq_len, chunk, window, cap)
+        assert _pairs(seq_len, chunk, window, cap, first_again=again) == (
+            float(mask.sum()), float(mask[: again * chunk].sum())
+        ), (seq_len, chunk, window, cap, again)  # fmt: skip
+
+
+def visible(seq_len: int, chunk: int, window: int | None, cap: float) -> torch.Tensor:
+    """The ``[query, key]`` mask of what a query sees: causal, within ``window``, at most ``cap`` keys before its
+    chunk."""
     q, k = torch.arange(seq_len)[:, None], torch.arange(seq_len)[None]
     mask = k <= q
     if window is not None:
@@ -69,11 +96,7 @@ def test_visible_pairs_are_the_mask_count(seq_len, chunk, window, cap):
     chunk_start = q // chunk * chunk
     past = mask & (k < chunk_start)
     rank = past.flip(-1).cumsum(-1).flip(-1)  # 1 for the last key before the chunk, 2 for the one before...
-    mask &= ~past | (rank <= cap)
-    assert _pairs(seq_len, chunk, window, cap, first_again=1) == (
-        float(mask.sum()),
-        float(mask[:chunk].sum()),
-    )
+    return mask & (~past | (rank <= cap))
 
 
 def test_flops_of_the_reference_and_of_sparse_and_reused_steps():
