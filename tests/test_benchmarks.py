@@ -14,6 +14,7 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
+import torch
 
 from benchmarks.loss_memory import OLD_COMMIT
 
@@ -31,23 +32,15 @@ def run(script: str, *args: str, fresh: bool = False) -> str:
                               timeout=300)  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
         return done.stdout
-    import torch
-
-    env, dtype, threads, grad = (
-        dict(os.environ),
-        torch.get_default_dtype(),
-        torch.get_num_threads(),
-        torch.is_grad_enabled(),
-    )
+    dtype, threads, grad = torch.get_default_dtype(), torch.get_num_threads(), torch.is_grad_enabled()
     printed = io.StringIO()
+    argv = mock.patch.object(sys, "argv", [script, *args])
     try:
-        with mock.patch.object(sys, "argv", [script, *args]), contextlib.redirect_stdout(printed):
+        with mock.patch.dict(os.environ), argv, contextlib.redirect_stdout(printed):
             runpy.run_path(str(ROOT / script), run_name="__main__")
     except SystemExit as exit:
         assert exit.code in (0, None), printed.getvalue()[-3000:]
     finally:
-        os.environ.clear()
-        os.environ.update(env)
         torch.set_default_dtype(dtype)
         torch.set_num_threads(threads)
         torch.set_grad_enabled(grad)
@@ -94,18 +87,9 @@ def test_kernel_benchmark_help():
 def test_kernel_benchmark_smoke(tmp_path):
     """Dense and sparse rows (default tiles, then tuned), the sparse accuracy check, ratios and kernel records."""
     out = tmp_path / "kernels.json"
-    text = run(
-        "benchmarks/attention_kernels.py",
-        "--smoke",
-        "--methods",
-        "paged,sparse",
-        "--default-tiles",
-        "--tune-configs",
-        "2",
-        "--out",
-        str(out),
-        fresh=True,
-    )  # fmt: skip  (fresh: tuned kernels stay out of this process)
+    # a fresh process: the tuned kernels stay out of this one
+    text = run("benchmarks/attention_kernels.py", "--smoke", "--methods", "paged,sparse", "--default-tiles",
+               "--tune-configs", "2", "--out", str(out), fresh=True)  # fmt: skip
     data = json.loads(out.read_text())
     methods = {r["method"] for r in data["throughput"]}
     assert methods == {"oomb triton (paged)", "oomb triton (paged, sparse)",
@@ -207,8 +191,6 @@ def test_goal_table_arithmetic():
     """The goal table from made-up rows (no timings): the ratios, the per-layer scaling of time (checked at 64K), the
     offload overhead scaled per layer, the measured part of the memory slope (of one configuration's rows)."""
     import dataclasses
-
-    import torch
 
     from benchmarks import goals
     from lightning_oomb.engine import OOMBConfig

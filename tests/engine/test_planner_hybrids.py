@@ -20,9 +20,7 @@ def broadcast_scan(family: str) -> bool:
     on the einsum scan) does not count, are a checkpointed step's peak."""
     module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     scan = getattr(module, "mamba2_chunk_scan", None)
-    if isinstance(
-        scan, torch.nn.Module
-    ):  # transformers >= 5.25: a `kernels` module around the torch function
+    if isinstance(scan, torch.nn.Module):  # transformers >= 5.25: a `kernels` module around the function
         scan = inspect.getclosurevars(type(scan).forward).nonlocals["func"]
     return scan is not None and "einsum" not in inspect.getsource(scan)
 

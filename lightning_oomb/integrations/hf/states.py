@@ -3,11 +3,12 @@ across chunks.
 
 transformers' hybrid models let a token mixer continue a sequence through the cache object it is called with
 (``get_conv_state`` / ``update_conv_state``, ``get_recurrent_state`` / ``update_recurrent_state``; transformers
-5.17: ``has_previous_state`` and ``layers[i].recurrent_states``; 5.25: ``get_recurrent_states_to_keep``) — the path of a prefill that continues a cached
-prompt. While the engine runs a chunk, every carried mixer is called with a :class:`StateCache` over the chunk's
-:class:`~lightning_oomb.engine.states.ChunkStates` in place of the model's (absent) cache: it reads the state the
-previous chunk ended in and reports the state it ends in, and the engine carries both the states and their
-gradients (:mod:`lightning_oomb.engine.states`). Attention layers and masks are untouched.
+5.17: ``has_previous_state`` and ``layers[i].recurrent_states``; 5.25: ``get_recurrent_states_to_keep``) — the path
+of a prefill that continues a cached prompt. While the engine runs a chunk, every carried mixer is called with a
+:class:`StateCache` over the chunk's :class:`~lightning_oomb.engine.states.ChunkStates` in place of the model's
+(absent) cache: it reads the state the previous chunk ended in and reports the state it ends in, and the engine
+carries both the states and their gradients (:mod:`lightning_oomb.engine.states`). Attention layers and masks are
+untouched.
 
 :data:`CARRIED_MIXERS` names the mixers whose multi-token call continues an incoming state exactly, each checked in
 float64 against full-sequence training by the test suite; a stateful layer not named there is refused
