@@ -34,7 +34,6 @@ check that the script works.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import math
@@ -429,7 +428,8 @@ def _constants(kernel, jit) -> dict:
 
 def kernel_info(kernels) -> dict:
     """Per autotuned kernel: the config chosen per tuning key, and every compiled variant's tile, warps, stages,
-    registers and spills (``None`` where this Triton does not expose them)."""
+    registers and spills (``None`` where this Triton does not expose them; ``load_error`` for a variant that did
+    not load on this GPU)."""
     info = {}
     for name, tuner in tuners(kernels).items():
         try:
@@ -444,10 +444,16 @@ def _kernel_record(tuner) -> dict:
     variants = []
     for kernel in _compiled(jit) if jit is not None else []:
         meta = getattr(kernel, "metadata", None)
+        failed = None
         if getattr(kernel, "n_regs", None) is None:  # read when the binary is loaded (on first launch)
-            with contextlib.suppress(Exception):
+            try:
                 kernel._init_handles()
+            except (
+                Exception
+            ) as e:  # e.g. OutOfResources: compiled, never ran (the launcher took a smaller tile)
+                failed = f"{type(e).__name__}: {e}"
         variants.append({
+            **({"load_error": failed} if failed else {}),
             **_constants(kernel, jit),
             "num_warps": getattr(meta, "num_warps", None),
             "num_stages": getattr(meta, "num_stages", None),

@@ -79,6 +79,34 @@ def test_offload_stress_smoke(tmp_path):
     assert max(report["worst_rel_grad_err_vs_no_offload"].values()) <= 1e-10  # float64: merges round only
 
 
+def test_kernel_records_name_a_variant_that_did_not_load(monkeypatch):
+    """A compiled variant whose binary does not load (shared memory, say) is recorded with the error, not as a
+    variant that ran with unknown registers."""
+    from types import SimpleNamespace
+
+    from benchmarks import attention_kernels
+
+    class Compiled:
+        def __init__(self, fits: bool) -> None:
+            self.fits, self.n_regs, self.metadata = (
+                fits,
+                None,
+                SimpleNamespace(num_warps=8, num_stages=3, shared=9),
+            )
+
+        def _init_handles(self) -> None:
+            if not self.fits:
+                raise RuntimeError("out of resource: shared memory, Required: 102404, Hardware limit: 101376")
+            self.n_regs, self.n_spills = 128, 0
+
+    monkeypatch.setattr(attention_kernels, "_jit_function", lambda tuner: tuner)
+    monkeypatch.setattr(attention_kernels, "_compiled", lambda jit: [Compiled(True), Compiled(False)])
+    record = attention_kernels._kernel_record(SimpleNamespace(cache={}))
+    loaded, failed = record["compiled"]
+    assert loaded["n_regs"] == 128 and "load_error" not in loaded
+    assert failed["n_regs"] is None and "Required: 102404" in failed["load_error"]
+
+
 def test_kernel_benchmark_help():
     assert "FlexAttention" in run("benchmarks/attention_kernels.py", "--help", fresh=True)
 
