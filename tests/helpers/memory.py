@@ -2,37 +2,45 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 
 class LiveBytes(TorchDispatchMode):
     """Peak bytes of the CPU storages created inside the block (sampled at every op) less those of ``exclude`` (held
-    before it) freed so far: the peak of what the block adds."""
+    before it) freed so far: the peak of what the block adds.
+
+    A storage's Python object lives exactly as long as the storage (torch preserves it), so a weak reference's
+    callback counts each free as it happens — no scan of every live storage at every op."""
 
     def __init__(self, exclude=()):
         super().__init__()
-        self.exclude = {t.untyped_storage().data_ptr(): self._entry(t.untyped_storage()) for t in exclude}
-        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
         self.current = self.peak = 0
+        self.live: dict[int, weakref.ref] = {}
+        self.exclude: dict[int, weakref.ref] = {}
+        for t in exclude:
+            self._track(self.exclude, t.untyped_storage())
 
-    @staticmethod
-    def _entry(storage) -> tuple[StorageWeakRef, int]:
-        return StorageWeakRef(storage), storage.nbytes()
+    def _track(self, held: dict[int, weakref.ref], storage) -> None:
+        key, nbytes = storage.data_ptr(), storage.nbytes()
+
+        def freed(_ref) -> None:
+            held.pop(key, None)
+            self.current -= nbytes
+
+        held[key] = weakref.ref(storage, freed)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for held in (self.live, self.exclude):
-            for key in [k for k, (ref, _) in held.items() if ref.expired()]:
-                self.current -= held.pop(key)[1]
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
                 key = storage.data_ptr()
                 if key and key not in self.live and key not in self.exclude and storage.nbytes():
-                    self.live[key] = self._entry(storage)
+                    self._track(self.live, storage)
                     self.current += storage.nbytes()
         self.peak = max(self.peak, self.current)
         return out
