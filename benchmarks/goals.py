@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import glob
 import json
 import math
@@ -70,6 +69,7 @@ from benchmarks.common import (
     build_qwen2,
     command,
     engine_stats,
+    free_device_memory,
     grad_probe,
     hbm_budget_for,
     make_step,
@@ -329,9 +329,7 @@ class Runner:
         self.step = self.engine = self.key = None
 
     def free(self) -> None:
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        free_device_memory(self.device)
 
     def run(self, row: Row) -> dict:
         scale, device = self.scale, self.device

@@ -17,13 +17,22 @@ a table (with the OOMB/HF time ratio and the offload GPU-memory slope) last.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import GIB, HF, build_qwen2, engine_stats, make_step, measure, reserve_pool, write_json
+from benchmarks.common import (
+    GIB,
+    HF,
+    build_qwen2,
+    engine_stats,
+    free_device_memory,
+    make_step,
+    measure,
+    reserve_pool,
+    write_json,
+)
 from lightning_oomb.engine import OOMBConfig
 from lightning_oomb.models import qwen2_5_7b_config
 
@@ -57,9 +66,7 @@ def run_method(method: str, model, context: int, args, device, warmup: bool = Tr
     finally:
         if engine is not None:
             engine.release()
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        free_device_memory(device)
     print(json.dumps(row), flush=True)
     return row
 
