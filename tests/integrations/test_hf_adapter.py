@@ -402,11 +402,12 @@ def _published_shape(name: str):
         return tf.AutoModelForCausalLM.from_config(tf.AutoConfig.for_model(name))
 
 
-@pytest.mark.parametrize("family", ["gpt_neox", "gptj", "helium", "glm", "gemma3n_text", "mllama"])
+@pytest.mark.parametrize("family", ["gpt_neox", "gptj", "helium", "glm", "falcon", "gemma3n_text", "mllama"])
 def test_the_self_check_runs_on_full_size_configs(family):
     """The twin shrinks full-size configs to a trainable tiny width: heads under other names (GPT-NeoX's 64 heads
     of 44 layers, GPT-J's ``n_head``), the rotated share of a head (``rotary_dim``), a width that is the heads'
-    total (Helium), many query heads per KV head (GLM's 16:1), per-layer widths (Gemma 3n) — so the check runs
+    total (Helium), many query heads per KV head (GLM's 16:1; Falcon's 71:1 as 16:1, else 568 wide and unchecked),
+    per-layer widths (Gemma 3n) — so the check runs
     rather than being skipped; and it passes: Mllama's text model too, whose ``get_decoder()`` returns the causal
     LM itself (the adapter drives its inner model)."""
     from lightning_oomb.integrations.hf.adapter import verify_exactness_of

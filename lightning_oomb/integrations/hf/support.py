@@ -314,7 +314,8 @@ _NO_FLOAT64_RULE = (
 
 
 def _fewer_heads(d: dict, heads: str, kv_heads: str) -> None:
-    """At most 2 KV heads, the query/KV ratio kept; multi-head attention (no separate KV heads) at most 2."""
+    """At most 2 KV heads, the query/KV ratio kept up to 16 (Falcon's 71:1 would keep the twin 568 wide: many query
+    heads per KV head is what counts); multi-head attention (no separate KV heads) at most 2."""
     h, kv = d.get(heads), d.get(kv_heads)
     if not isinstance(h, int):
         return
@@ -322,6 +323,8 @@ def _fewer_heads(d: dict, heads: str, kv_heads: str) -> None:
         d[heads], d[kv_heads] = 2 * h // kv, 2
     elif kv is None:
         d[heads] = min(h, 2)
+    if isinstance(d.get(kv_heads), int) and d[heads] % d[kv_heads] == 0:
+        d[heads] = min(d[heads], 16 * d[kv_heads])
 
 
 def _first_int(d: dict, fields: tuple[str, ...]) -> int | None:
