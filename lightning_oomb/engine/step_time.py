@@ -130,14 +130,15 @@ def _pairs(seq_len: int, chunk: int, window: int | None, past_cap: float, first_
 def _chunk_pairs(queries: int, window: int | None, past: float) -> int:
     """Pairs of a chunk's ``queries``: query ``j`` sees ``min(j + 1, window)`` keys of its chunk and
     ``min(max(window - 1 - j, 0), past)`` before it (``past``: the earlier keys it may see)."""
+    past = int(past)
     if window is None or window >= queries + past:  # no key out of the window: causal within, all of the past
-        return queries * (queries + 1) // 2 + queries * int(past)
+        return queries * (queries + 1) // 2 + queries * past
     own = min(queries, window)
     own = own * (own + 1) // 2 + (queries - own) * window
     reaching = min(queries, max(window - 1, 0))  # queries whose window reaches before the chunk
-    capped = min(max(window - int(past), 0), reaching)  # ... of which see all ``past`` keys
+    capped = min(max(window - past, 0), reaching)  # ... of which see all ``past`` keys
     rest = reaching - capped  # the others see window - 1 - j keys, j = capped .. reaching - 1
-    return own + capped * int(past) + rest * (window - 1) - (capped + reaching - 1) * rest // 2
+    return own + capped * past + rest * (window - 1) - (capped + reaching - 1) * rest // 2
 
 
 def copy_bytes(

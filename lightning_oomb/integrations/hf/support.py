@@ -323,7 +323,7 @@ def _fewer_heads(d: dict, heads: str, kv_heads: str) -> None:
         d[heads], d[kv_heads] = 2 * h // kv, 2
     elif kv is None:
         d[heads] = min(h, 2)
-    if isinstance(d.get(kv_heads), int) and d[heads] % d[kv_heads] == 0:
+    if isinstance(d.get(kv_heads), int) and d[kv_heads] > 0 and d[heads] % d[kv_heads] == 0:
         d[heads] = min(d[heads], 16 * d[kv_heads])
 
 
