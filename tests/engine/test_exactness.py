@@ -85,7 +85,8 @@ def test_dropout_is_replayed_in_the_recompute():
     ids = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(0))
     torch.manual_seed(11)
     cache, want_loss = DynamicCache(), 0.0
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # 5.25 renamed it
+    # transformers 5.25 renamed the argument
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     for start in range(0, 24, 8):
         chunk = ids[:, start : start + 8]
         positions = torch.arange(start, start + 8)[None]
