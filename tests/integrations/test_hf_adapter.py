@@ -117,6 +117,7 @@ def newer_family(name: str, **config):
             dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
             r"LM head \(DoryLMHead\) is not a plain linear layer",
         ),  # its own learnable logit scale  # fmt: skip
+        ("falcon", dict(alibi=True, ffn_hidden_size=32), r"ALiBi position biases .*alibi=True"),  # Falcon-RW
     ],
 )
 def test_more_unsupported_models_are_refused_before_any_work(name, config, match):

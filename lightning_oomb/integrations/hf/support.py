@@ -264,6 +264,11 @@ def check_supported(model: torch.nn.Module) -> None:
                        "output_router_logits=False)")  # fmt: skip
     if getattr(config, "is_causal", True) is False or getattr(config, "use_bidirectional_attention", False):
         reasons.append("its attention is not causal")
+    if (
+        getattr(config, "alibi", False) is True
+    ):  # Falcon-RW: a bias on the scores, passed in the attention mask
+        reasons.append("it adds ALiBi position biases to its attention scores (alibi=True), which OOMB's paged "
+                       "attention does not apply")  # fmt: skip
     if getattr(config, "logits_soft_cap", None) is not None:
         reasons.append("it soft-caps its logits by a rule OOMB does not know (logits_soft_cap)")
     if reasons:
