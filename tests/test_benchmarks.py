@@ -87,12 +87,11 @@ def test_kernel_records_name_a_variant_that_did_not_load(monkeypatch):
     from benchmarks import attention_kernels
 
     class Compiled:
+        metadata = SimpleNamespace(num_warps=8, num_stages=3, shared=9)
+        n_regs = None  # until loaded
+
         def __init__(self, fits: bool) -> None:
-            self.fits, self.n_regs, self.metadata = (
-                fits,
-                None,
-                SimpleNamespace(num_warps=8, num_stages=3, shared=9),
-            )
+            self.fits = fits
 
         def _init_handles(self) -> None:
             if not self.fits:

@@ -264,9 +264,8 @@ def check_supported(model: torch.nn.Module) -> None:
                        "output_router_logits=False)")  # fmt: skip
     if getattr(config, "is_causal", True) is False or getattr(config, "use_bidirectional_attention", False):
         reasons.append("its attention is not causal")
-    if (
-        getattr(config, "alibi", False) is True
-    ):  # Falcon-RW: a bias on the scores, passed in the attention mask
+    # Falcon-RW: ALiBi's bias on the scores comes in the attention mask, which the paged attention does not read
+    if getattr(config, "alibi", False) is True:
         reasons.append("it adds ALiBi position biases to its attention scores (alibi=True), which OOMB's paged "
                        "attention does not apply")  # fmt: skip
     if getattr(config, "logits_soft_cap", None) is not None:
