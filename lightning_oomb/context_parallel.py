@@ -215,6 +215,15 @@ class OOMBContextParallelStrategy(_OOMBStrategyMixin, DDPStrategy):
         raise RuntimeError(f"rank {rank} failed {when}: {kind}: {text}")
 
     @override
+    def teardown(self) -> None:
+        """Also drop the (released) engine and the mesh, this strategy's references to the process groups: the
+        Trainer lives in reference cycles until the interpreter's last collection, and a gloo group first freed
+        there can abort a worker whose fit has finished (SIGABRT, "terminate called without an active exception");
+        without them the destroy at exit frees the groups. The next ``fit`` sets both up anew."""
+        super().teardown()
+        self.engine, self._mesh = None, None
+
+    @override
     def configure_ddp(self) -> None:
         """No DDP wrapper: the gradients are reduced once per optimizer step (:meth:`backward`)."""
 

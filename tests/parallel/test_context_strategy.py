@@ -3,11 +3,15 @@ one process; clear errors before any work; a failing rank ends the others with a
 
 from __future__ import annotations
 
+import atexit
+import os
+import weakref
 from types import SimpleNamespace
 
 import lightning as L
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from lightning_oomb import OOMBConfig, OOMBConfigError, OOMBContextParallelStrategy, plan
@@ -58,6 +62,25 @@ class ReducedAfterBackward(Callback):
             assert (seen is None and p.grad is None) or torch.equal(seen, p.grad)
 
 
+class GroupsFreedAtExit(Callback):
+    """Ends a worker with exit code 3 if, at its exit, the destroyed process groups are still referenced: then they
+    are first freed in the interpreter's finalization, where a gloo group can abort the worker (SIGABRT) after a
+    finished fit. (Registered after the strategies' exit hooks, so it runs first and destroys the groups itself.)"""
+
+    def on_fit_start(self, trainer, module):
+        mesh = trainer.strategy._mesh
+        groups = [
+            weakref.ref(g) for g in (dist.group.WORLD, *(mesh[d].get_group() for d in ("data", "context")))
+        ]
+
+        def check():
+            dist.destroy_process_group()
+            if any(g() is not None for g in groups):
+                os._exit(3)
+
+        atexit.register(check)
+
+
 @pytest.mark.parametrize("plain", [False, True])
 def test_three_steps_with_accumulation_and_clipping_equal_one_process(plain):
     """The ranks plan (each with the group's least memory) at setup, or with a plain loader at the first batch, all
@@ -101,9 +124,17 @@ def test_options_are_checked_at_construction():
 
 def test_a_checkpoint_saved_by_the_group_resumes_on_one_device(tmp_path):
     """Saved once (rank 0) by 2 ranks after 2 steps, resumed by ``strategy="oomb"`` on one process for a third:
-    the same weights as saving and resuming on one process (model and optimizer states are whole on every rank)."""
-    for name, strategy, devices in (("cp", cp(), 2), ("one", oomb(), 1)):
-        fit(strategy, devices, 2, enable_checkpointing=True, default_root_dir=tmp_path / name)
+    the same weights as saving and resuming on one process (model and optimizer states are whole on every rank).
+    The workers hold no process group after the fit (:class:`GroupsFreedAtExit`)."""
+    fit(
+        cp(),
+        2,
+        2,
+        enable_checkpointing=True,
+        default_root_dir=tmp_path / "cp",
+        callbacks=[GroupsFreedAtExit()],
+    )
+    fit(oomb(), 1, 2, enable_checkpointing=True, default_root_dir=tmp_path / "one")
     saved = [sorted((tmp_path / n).rglob("*.ckpt")) for n in ("cp", "one")]
     assert [len(s) for s in saved] == [1, 1]
     got, want = (fit(oomb(), 1, 3, resume=s[0]) for s in saved)
