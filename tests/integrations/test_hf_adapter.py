@@ -421,6 +421,19 @@ def test_the_self_check_runs_on_full_size_configs(family):
     assert verify_exactness_of(model) is True
 
 
+def test_a_decoder_layer_that_attends_twice_has_pages_for_each_call():
+    """LongCat-Flash's decoder layers each hold two attention sublayers (``self_attn`` a ``ModuleList``, layer
+    indices 2i and 2i+1): the pool has a layer per attention call, and the self-check passes (before, the 29th
+    call met a pool of 28 layers and the model was refused with the engine's internal message)."""
+    from lightning_oomb.integrations.hf.adapter import verify_exactness_of
+
+    if "longcat_flash" not in tf.CONFIG_MAPPING:
+        pytest.skip(f"transformers {tf.__version__} has no LongCat-Flash")
+    model = _published_shape("longcat_flash")
+    assert HFChunkModel(model).num_layers == 2 * len(model.get_decoder().layers)
+    assert verify_exactness_of(model) is True
+
+
 def test_a_decoder_with_more_layers_than_its_config_counts_is_checked_whole():
     """Blenderbot's config counts its encoder's 2 layers, its causal LM runs the decoder's 24: every decoder
     layer gets pages, and the self-check refuses what chunks change (its positions come from a cache length)."""

@@ -67,13 +67,15 @@ def _layer_windows(model: torch.nn.Module, attention: list[torch.nn.Module] | No
     """Each attention layer's sliding window as it passes it: the module's ``sliding_window`` (Qwen2/3, Gemma,
     GPT-OSS: ``None`` on full layers) or, without one, the config's (Mistral, Phi-3: every layer); ``None`` on a
     layer the config's ``layer_types`` calls ``full_attention``. ``attention``:
-    the attention modules in pool order (default: every decoder layer's ``self_attn``). ``None`` when the layers
-    cannot be read; the engine checks every call against what this declares."""
+    the attention modules in pool order (default: every decoder layer's ``self_attn``, each of a ``ModuleList``'s
+    in turn: LongCat-Flash's layers attend twice). ``None`` when the layers cannot be read; the engine checks every
+    call against what this declares."""
     if attention is None:
         layers = getattr(decoder_of(model), "layers", None)
         if layers is None:
             return None
         attention = [getattr(layer, "self_attn", None) for layer in layers]
+        attention = [m for a in attention for m in (a if isinstance(a, torch.nn.ModuleList) else [a])]
         if any(module is None for module in attention):
             return None
     config = model.config.get_text_config(decoder=True)
@@ -93,7 +95,7 @@ def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     pages (a recurrent or convolution layer has none)."""
     found = {}
     for module in decoder_of(model).modules():
-        if type(module).__name__.endswith("Attention") and isinstance(
+        if type(module).__name__.endswith(("Attention", "MLA")) and isinstance(
             getattr(module, "layer_idx", None), int
         ):
             found.setdefault(module.layer_idx, module)
@@ -192,8 +194,10 @@ class HFChunkModel:
         config = model.config.get_text_config(decoder=True)  # a multimodal wrapper's decoder (Gemma 3)
         layers = getattr(decoder_of(model), "layers", None)  # Blenderbot's config counts its encoder's
         self.num_layers = config.num_hidden_layers if layers is None else len(layers)
-        self._mixers = carried_mixers(model)
         self._routed = _attention_modules(model)  # each finds the running chunk in RUNNING
+        if self._routed:  # the pool has a layer per attention call: LongCat-Flash's layers hold two
+            self.num_layers = max(self.num_layers, self._routed[-1].layer_idx + 1)
+        self._mixers = carried_mixers(model)
         # no attention at all (pure Mamba2): carried states only, an empty pool
         if self._mixers and not self._routed:
             self.kv_heads, self.head_dim = 1, 16
