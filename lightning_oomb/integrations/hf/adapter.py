@@ -91,8 +91,8 @@ def _layer_windows(model: torch.nn.Module, attention: list[torch.nn.Module] | No
 
 
 def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """A hybrid's attention modules (``*Attention`` with a ``layer_idx``), in layer order: the layers that have
-    pages (a recurrent or convolution layer has none)."""
+    """The decoder's attention modules (``*Attention`` or LongCat-Flash's ``*MLA``, with a ``layer_idx``), in
+    layer order: a hybrid's layers that have pages (a recurrent or convolution layer has none)."""
     found = {}
     for module in decoder_of(model).modules():
         if type(module).__name__.endswith(("Attention", "MLA")) and isinstance(
