@@ -293,6 +293,8 @@ _WIDTHS = {  # config field -> tiny value (ints only; only fields the config has
     "num_experts": 4,
     "num_local_experts": 4,
     "n_routed_experts": 4,
+    "expert_ffn_hidden_size": 16,  # LongCat-Flash's experts and its identity ("zero") experts
+    "zero_expert_num": 2,
     "n_group": 1,
     "topk_group": 1,
     "mamba_d_state": 8,
@@ -375,8 +377,9 @@ def _tiny(d: dict) -> None:
         d["qk_head_dim"] = d["qk_nope_head_dim"] + d["qk_rope_head_dim"]
         if rope_head:  # DeepSeek's head_dim names the rotated share (its RoPE's size)
             d["head_dim"] = d["qk_rope_head_dim"]
-    if isinstance(d.get("num_experts_per_tok"), int):
-        d["num_experts_per_tok"] = min(d["num_experts_per_tok"], 2)
+    for top_k in ("num_experts_per_tok", "moe_topk"):  # (LongCat-Flash's name)
+        if isinstance(d.get(top_k), int):
+            d[top_k] = min(d[top_k], 2)
     for field in ("pad_token_id", "bos_token_id", "eos_token_id"):
         if isinstance(d.get(field), int) and d[field] >= d.get("vocab_size", 96):
             d[field] = d.get("vocab_size", 96) - 1  # an id of the tiny vocabulary (some configs refuse None)
