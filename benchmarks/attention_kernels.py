@@ -448,9 +448,8 @@ def _kernel_record(tuner) -> dict:
         if getattr(kernel, "n_regs", None) is None:  # read when the binary is loaded (on first launch)
             try:
                 kernel._init_handles()
-            except (
-                Exception
-            ) as e:  # e.g. OutOfResources: compiled, never ran (the launcher took a smaller tile)
+            # e.g. OutOfResources: compiled, never ran (the launcher took a smaller tile)
+            except Exception as e:
                 failed = f"{type(e).__name__}: {e}"
         variants.append({
             **({"load_error": failed} if failed else {}),

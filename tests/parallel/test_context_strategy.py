@@ -126,14 +126,8 @@ def test_a_checkpoint_saved_by_the_group_resumes_on_one_device(tmp_path):
     """Saved once (rank 0) by 2 ranks after 2 steps, resumed by ``strategy="oomb"`` on one process for a third:
     the same weights as saving and resuming on one process (model and optimizer states are whole on every rank).
     The workers hold no process group after the fit (:class:`GroupsFreedAtExit`)."""
-    fit(
-        cp(),
-        2,
-        2,
-        enable_checkpointing=True,
-        default_root_dir=tmp_path / "cp",
-        callbacks=[GroupsFreedAtExit()],
-    )
+    fit(cp(), 2, 2, enable_checkpointing=True, default_root_dir=tmp_path / "cp",
+        callbacks=[GroupsFreedAtExit()])  # fmt: skip
     fit(oomb(), 1, 2, enable_checkpointing=True, default_root_dir=tmp_path / "one")
     saved = [sorted((tmp_path / n).rglob("*.ckpt")) for n in ("cp", "one")]
     assert [len(s) for s in saved] == [1, 1]
