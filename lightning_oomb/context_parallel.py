@@ -185,6 +185,8 @@ class OOMBContextParallelStrategy(_OOMBStrategyMixin, DDPStrategy):
             # one context group: every rank takes the loaders' batches as they are, in their order, as `oomb`
             # does (Lightning's injected sampler would reshuffle them and cannot enter a custom batch sampler)
             trainer._accelerator_connector.use_distributed_sampler = False
+        if self._start_method == "forkserver" and self.root_device.type == "cpu":
+            _own_copy_of_the_weights(trainer.lightning_module)
         self._agreeing(self._build_engine, trainer.lightning_module)
         for seq_len, _ in step_sizes_of(trainer.datamodule):  # the datamodule's, where it declares them
             check_context(self.oomb_config, self.context_parallel_size, seq_len)
@@ -294,3 +296,11 @@ def _destroy_process_group() -> None:
     active exception": its worker threads still hold tensors)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@torch.no_grad()
+def _own_copy_of_the_weights(module: torch.nn.Module) -> None:
+    """Gives this rank its own CPU weights. Lightning hands the module to ``forkserver`` workers through shared memory
+    and copies it out only under ``spawn``: every rank would step one shared copy (each update applied N times)."""
+    for tensor in (*module.parameters(), *module.buffers()):
+        tensor.data = tensor.data.clone()

@@ -28,6 +28,9 @@ def pytest_configure(config) -> None:
             f"fails with NumPy {numpy.__version__} ('only 0-dimensional arrays can be converted to Python scalars', "
             "fixed in Triton 3.7) — pip install 'numpy<2.4', or Triton >= 3.7."
         )
+    from tests.helpers.interpreter import speed_up_interpreter
+
+    speed_up_interpreter()
 
 
 @pytest.fixture

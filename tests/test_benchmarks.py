@@ -22,14 +22,19 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "run_gpu.sh"
 
 
+# a fresh process runs the script as `python script args` does, with the suite's interpreter speed-up
+FRESH = "import runpy, sys; from tests.helpers.interpreter import speed_up_interpreter; speed_up_interpreter(); " \
+        "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"  # fmt: skip
+
+
 def run(script: str, *args: str, fresh: bool = False) -> str:
     """``python script args``, its printed output. In this process unless ``fresh``: a new process would import
     torch, transformers and Lightning again (5-8 s a script on 2 cores); what a script may change for the process
     (environment variables, torch's default dtype, threads and grad mode) is restored after it."""
     if fresh:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        done = subprocess.run([sys.executable, script, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=300)  # fmt: skip
+        done = subprocess.run([sys.executable, "-c", FRESH, script, *args], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=300)  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
         return done.stdout
     dtype, threads, grad = torch.get_default_dtype(), torch.get_num_threads(), torch.is_grad_enabled()

@@ -1,6 +1,7 @@
 """Run a function on several CPU processes joined by a gloo process group (context-parallel tests).
 
-Starting a process costs seconds (torch, transformers and Lightning imported anew), far more than a test step, so
+Workers fork from a server that imported torch, transformers and Lightning once (:data:`START_METHOD`; a spawned
+process imports them anew: seconds each on 2 cores). Starting a group still costs more than a test step, so
 :func:`run_ranks` keeps a group of worker processes per world size alive (its collectives time out after the
 first call's ``timeout_s``) and hands each call to it; a call that fails on any rank ends that group (a rank may be
 stuck in a collective) and the next call starts a fresh one. A function run there must leave the process as it
@@ -26,6 +27,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+START_METHOD = "forkserver"  # for the tests' own groups and the strategies' `start_method` alike
+multiprocessing.set_forkserver_preload(
+    ["torch", "transformers", "lightning", "lightning_oomb", "tests.helpers.models"]
+)
 
 
 def _free_port() -> int:
@@ -87,7 +93,7 @@ class _Pool:
     """``world`` worker processes in one gloo group, reused call after call."""
 
     def __init__(self, world: int, timeout_s: float) -> None:
-        context = mp.get_context("spawn")
+        context = mp.get_context(START_METHOD)
         self.world, self.timeout_s = world, timeout_s
         self.tasks = [context.Queue() for _ in range(world)]
         self.done = context.Queue()
@@ -162,6 +168,6 @@ def failing_ranks(fn, world: int, tmp_path: Path, *args, timeout_s: float = 10.0
     """For a run expected to fail, on fresh processes: each rank's traceback (``None`` if it succeeded)."""
     with contextlib.suppress(Exception):  # the first failing process's error; every rank's is in its file
         mp.start_processes(_entry, args=(world, _free_port(), fn, str(tmp_path), args, timeout_s), nprocs=world,
-                           start_method="spawn")  # fmt: skip
+                           start_method=START_METHOD)  # fmt: skip
     errors = [tmp_path / f"rank{r}.err" for r in range(world)]
     return [e.read_text() if e.exists() else None for e in errors]

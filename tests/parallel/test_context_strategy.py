@@ -1,5 +1,5 @@
-"""``Trainer(strategy="oomb_cp")`` on 2 CPU processes (spawned, gloo): the same training as ``strategy="oomb"`` on
-one process; clear errors before any work; a failing rank ends the others with an error naming it."""
+"""``Trainer(strategy="oomb_cp")`` on 2 CPU processes (gloo, forked from a server: ``START_METHOD``): the same
+training as ``strategy="oomb"`` on one process; clear errors before any work; a failing rank ends the others with an error naming it."""
 
 from __future__ import annotations
 
@@ -18,15 +18,15 @@ from lightning_oomb import OOMBConfig, OOMBConfigError, OOMBContextParallelStrat
 from lightning_oomb.context_parallel import least_over_ranks
 from lightning_oomb.engine.planner import Machine
 from lightning_oomb.models import qwen2_5_7b_config
-from tests.helpers.distributed import run_ranks
+from tests.helpers.distributed import START_METHOD, run_ranks
 from tests.helpers.lightning import TinyLM, batches, make_trainer, oomb
 
 pytestmark = pytest.mark.slow
 
 
 def cp(**options) -> OOMBContextParallelStrategy:
-    return OOMBContextParallelStrategy(chunk_size=16, page_size=8, start_method="spawn", collective_timeout=30,
-                                       **options)  # fmt: skip
+    options = {"start_method": START_METHOD, **options}
+    return OOMBContextParallelStrategy(chunk_size=16, page_size=8, collective_timeout=30, **options)
 
 
 class Rows(L.LightningDataModule):
@@ -125,8 +125,9 @@ def test_options_are_checked_at_construction():
 def test_a_checkpoint_saved_by_the_group_resumes_on_one_device(tmp_path):
     """Saved once (rank 0) by 2 ranks after 2 steps, resumed by ``strategy="oomb"`` on one process for a third:
     the same weights as saving and resuming on one process (model and optimizer states are whole on every rank).
-    The workers hold no process group after the fit (:class:`GroupsFreedAtExit`)."""
-    fit(cp(), 2, 2, enable_checkpointing=True, default_root_dir=tmp_path / "cp",
+    The workers hold no process group after the fit (:class:`GroupsFreedAtExit`; spawned: a forked worker ends
+    without the interpreter's exit)."""
+    fit(cp(start_method="spawn"), 2, 2, enable_checkpointing=True, default_root_dir=tmp_path / "cp",
         callbacks=[GroupsFreedAtExit()])  # fmt: skip
     fit(oomb(), 1, 2, enable_checkpointing=True, default_root_dir=tmp_path / "one")
     saved = [sorted((tmp_path / n).rglob("*.ckpt")) for n in ("cp", "one")]
