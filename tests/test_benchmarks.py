@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "run_gpu.sh"
 
 
-# a fresh process runs the script as `python script args` does, with the suite's interpreter speed-up
+# a fresh process runs the script as `__main__` after the suite's interpreter speed-ups
 FRESH = "import runpy, sys; from tests.helpers.interpreter import speed_up_interpreter; speed_up_interpreter(); " \
         "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"  # fmt: skip
 

@@ -26,7 +26,9 @@ def _double_kernel(src, dst, n, BLOCK: tl.constexpr):
 def test_speed_ups_are_installed_and_a_launch_restores_the_language():
     from triton.runtime import interpreter
 
-    assert getattr(interpreter._patch_lang, "once", False), "the per-helper re-patching is back: see the helper"
+    assert getattr(interpreter._patch_lang, "once", False), (
+        "the per-helper re-patching is back: see the helper"
+    )
     assert interpreter.interpreter_builder.options.sanitize_overflow is False
     before = {name: getattr(tl, name) for name in ("load", "store", "arange")}
     x = torch.arange(5, dtype=torch.float32)

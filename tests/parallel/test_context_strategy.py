@@ -1,5 +1,6 @@
 """``Trainer(strategy="oomb_cp")`` on 2 CPU processes (gloo, forked from a server: ``START_METHOD``): the same
-training as ``strategy="oomb"`` on one process; clear errors before any work; a failing rank ends the others with an error naming it."""
+training as ``strategy="oomb"`` on one process; clear errors before any work; a failing rank ends the others with
+an error naming it."""
 
 from __future__ import annotations
 
