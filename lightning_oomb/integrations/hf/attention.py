@@ -48,8 +48,8 @@ def oomb_attention_forward(
         raise OOMBConfigError(
             f"{type(module).__name__} was called without the chunk context the engine passes through the model's "
             "keyword arguments, and is not an attention module OOMB found in the decoder (a class named "
-            "*Attention or *MLA with an integer layer_idx), so OOMB cannot route its attention — train this model with "
-            "another strategy."
+            "*Attention or *MLA with an integer layer_idx), so OOMB cannot route its attention — train this "
+            "model with another strategy."
         )
     if oomb_chunk is None:
         raise OOMBConfigError(
