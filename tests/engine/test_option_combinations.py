@@ -1,0 +1,164 @@
+"""Options together (float64): each case draws a family, a batch layout and a value of every engine option that
+keeps dense attention exact, and OOMB must equal full-sequence training of the same batch — the features' own tests
+each vary one option; this catches two that disagree.
+
+The draw is seeded (the same cases every run; ``OOMB_COMBINATIONS=N`` draws ``N`` more, e.g. for a long local
+sweep: 150 random ones agreed to 8e-15 when this test was written); every value of every option is in the fixed
+draw.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import zlib
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_oomb.engine import OOMBConfig, OOMBEngine
+from lightning_oomb.integrations.hf import HFChunkModel
+from tests.helpers.models import (
+    _reference_forward,
+    build_causal_lm,
+    build_family,
+    float64_norms,
+    grads_of,
+    max_relative_error,
+)
+
+TOL = 1e-10
+SEED, CASES = 20261204, 24
+FAMILIES = (
+    "qwen2",
+    "mistral",
+    "qwen3",
+    "gemma2",
+    "gemma3",
+    "gpt_oss",
+    "phi3_longrope",
+    "llama_dynamic",
+    "granite",
+)
+LAYOUTS = ("one document", "packed", "right-padded", "packed and padded")
+OPTIONS = {  # engine options and the values drawn
+    "layer_checkpointing": (False, True, "auto"),
+    "attention_backend": ("torch", "cpu"),
+    "reuse_attention": (False, True, 1),
+    "mlp_tile": (None, 8),
+    "loss_block": (4, 1024),
+    "offload": (False, True),
+    "page_budget": (None, 10_000),  # more pages than any sequence has: dense
+}
+GEOMETRY = ((8, 4), (16, 8), (16, 16), (32, 8))  # (chunk_size, page_size)
+
+
+@dataclass
+class Case:
+    family: str
+    layout: str
+    geometry: tuple[int, int]
+    options: dict = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        named = ",".join(f"{k}={v}" for k, v in self.options.items())
+        return f"{self.family}-{self.layout.replace(' ', '_')}-{self.geometry[0]}/{self.geometry[1]}-{named}"
+
+
+def draw(seed: int, n: int) -> list[Case]:
+    """``n`` cases: each option's values repeated evenly over them (every value drawn once ``n`` reaches its count),
+    shuffled per option by ``seed``, so the cases pair the values at random."""
+    rng = random.Random(seed)
+
+    def column(values) -> list:
+        spread = (list(values) * (n // len(values) + 1))[:n]
+        rng.shuffle(spread)
+        return spread
+
+    families, layouts, geometries = column(FAMILIES), column(LAYOUTS), column(GEOMETRY)
+    options = {name: column(values) for name, values in OPTIONS.items()}
+    return [
+        Case(families[i], layouts[i], geometries[i], {name: values[i] for name, values in options.items()})
+        for i in range(n)
+    ]
+
+
+FIXED = draw(SEED, CASES)
+MORE = draw(SEED + 1, int(os.environ.get("OOMB_COMBINATIONS", "0")))
+
+
+def batch_of(layout: str, vocab: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Two rows of ``layout``, labels ignoring ~10 % of the targets; documents cross chunk and page boundaries."""
+    docs = {"packed": [[13, 29, 9], [21, 30]], "packed and padded": [[13, 29], [21, 5, 9]]}.get(
+        layout, [[51], [51]]
+    )
+    if layout == "right-padded":
+        docs = [[51], [37]]
+    lengths = [sum(row) for row in docs]
+    n = max(lengths)
+    ids = torch.randint(0, vocab, (2, n), generator=gen)
+    labels = ids.masked_fill(torch.rand(2, n, generator=gen) < 0.1, -100)
+    batch = {"input_ids": ids, "labels": labels}
+    if "packed" in layout:
+        batch["position_ids"] = torch.stack(
+            [
+                torch.cat([torch.arange(d) for d in row] + [torch.arange(row[-1], row[-1] + n - sum(row))])
+                for row in docs
+            ]
+        )
+    if "padded" in layout:
+        batch["attention_mask"] = (torch.arange(n)[None] < torch.tensor(lengths)[:, None]).long()
+    return batch
+
+
+def full_sequence_training(model, batch) -> torch.Tensor:
+    """The loss of the model's own full-sequence call on the batch (textbook attention): each token sees its
+    document's earlier tokens; a document's first token and padding are no target."""
+    ids, labels = batch["input_ids"], batch["labels"].clone()
+    positions = batch.get("position_ids", torch.arange(ids.shape[1]).expand_as(ids))
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+    document = starts.cumsum(1)
+    visible = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).tril() & (
+        document[:, :, None] == document[:, None]
+    )
+    labels[starts] = -100
+    if "attention_mask" in batch:
+        labels[batch["attention_mask"] == 0] = -100
+    masks = dict.fromkeys(range(model.config.num_hidden_layers), visible)
+    logits = _reference_forward(model, ids, masks, position_ids=positions).logits[:, :-1]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
+
+
+def build(family: str):
+    if family in ("qwen2", "mistral", "qwen3"):
+        return build_causal_lm(family), 97
+    model = build_family(family)
+    float64_norms(model)
+    return model, 64
+
+
+@pytest.mark.parametrize("case", FIXED + MORE, ids=str)
+def test_options_together_equal_full_sequence_training(case):
+    model, vocab = build(case.family)
+    batch = batch_of(case.layout, vocab, torch.Generator().manual_seed(zlib.crc32(str(case).encode())))
+    want_loss = full_sequence_training(model, batch)
+    want_loss.backward()
+    want = grads_of(model)
+
+    model.zero_grad()
+    options = dict(case.options)
+    if options.pop("offload"):
+        options.update(
+            offload=True, hbm_budget=0, staging_buffers=3
+        )  # every layer's pages stream through 3 buffers
+    checkpointing = options["layer_checkpointing"]
+    engine = OOMBEngine(
+        HFChunkModel(model, layer_checkpointing=checkpointing), OOMBConfig(*case.geometry, **options)
+    )
+    loss = engine.loss(**batch)
+    loss.backward()
+    assert abs(loss.item() - want_loss.item()) <= TOL * abs(want_loss.item())
+    assert max_relative_error(grads_of(model), want) <= TOL
