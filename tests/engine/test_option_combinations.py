@@ -1,7 +1,7 @@
 """Options together (float64): each case draws a family, a batch layout and a value of every engine option, and
 OOMB must equal full-sequence training of the same batch — with a small page budget, full-sequence training with
-each layer's stored selection as a mask. The features' own tests each vary one option; this catches two that
-disagree.
+each layer's stored selection as a mask; hybrids (states carried across chunks) likewise against their own call.
+The features' own tests each vary one option; this catches two that disagree.
 
 The draw is seeded (the same cases every run; ``OOMB_COMBINATIONS=N`` draws ``N`` more, e.g. for a long local
 sweep: 100 more agreed when this test was written, as did 150 random dense ones to 8e-15); every value of every
@@ -22,9 +22,12 @@ from lightning_oomb.engine import OOMBConfig, OOMBEngine
 from lightning_oomb.integrations.hf import HFChunkModel
 from tests.helpers.attention import selection_mask
 from tests.helpers.models import (
+    HYBRIDS,
     _reference_forward,
     build_causal_lm,
     build_family,
+    build_hybrid,
+    float64_hybrid,
     float64_norms,
     grads_of,
     max_relative_error,
@@ -68,7 +71,7 @@ class Case:
         return f"{self.family}-{self.layout.replace(' ', '_')}-{self.geometry[0]}/{self.geometry[1]}-{named}"
 
 
-def draw(seed: int, n: int) -> list[Case]:
+def draw(seed: int, n: int, families=FAMILIES, layouts=LAYOUTS, options=OPTIONS) -> list[Case]:
     """``n`` cases: each option's values repeated evenly over them (every value drawn once ``n`` reaches its count),
     shuffled per option by ``seed``, so the cases pair the values at random."""
     rng = random.Random(seed)
@@ -78,16 +81,18 @@ def draw(seed: int, n: int) -> list[Case]:
         rng.shuffle(spread)
         return spread
 
-    families, layouts, geometries = column(FAMILIES), column(LAYOUTS), column(GEOMETRY)
-    options = {name: column(values) for name, values in OPTIONS.items()}
-    return [
-        Case(families[i], layouts[i], geometries[i], {name: values[i] for name, values in options.items()})
-        for i in range(n)
-    ]
+    columns = [column(families), column(layouts), column(GEOMETRY)]
+    drawn = {name: column(values) for name, values in options.items()}
+    return [Case(*(c[i] for c in columns), {name: v[i] for name, v in drawn.items()}) for i in range(n)]
 
 
 FIXED = draw(SEED, CASES)
 MORE = draw(SEED + 1, int(os.environ.get("OOMB_COMBINATIONS", "0")))
+# hybrids: states carried across chunks (packing is refused for them; their attention layers' sparse selections are
+# covered by the features' own tests)
+HYBRID_OPTIONS = {**OPTIONS, "page_budget": (None, 10_000)}
+HYBRID_LAYOUTS = ("one document", "right-padded")
+HYBRID = draw(SEED, 10, [f for f in HYBRIDS if f != "nemotron_h"], HYBRID_LAYOUTS, HYBRID_OPTIONS)
 
 
 def batch_of(layout: str, vocab: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -150,26 +155,53 @@ def build(family: str):
     return model, 64
 
 
-@pytest.mark.parametrize("case", FIXED + MORE, ids=str)
-def test_options_together_equal_full_sequence_training(case):
-    model, vocab = build(case.family)
-    batch = batch_of(case.layout, vocab, torch.Generator().manual_seed(zlib.crc32(str(case).encode())))
+def oomb_step(model, case: Case, batch: dict):
+    """One OOMB step of ``case``'s options: its loss, the gradients and the sparse selections it made."""
     options = dict(case.options)
-    if options.pop("offload"):
-        options.update(
-            offload=True, hbm_budget=0, staging_buffers=3
-        )  # every layer's pages stream through 3 buffers
-    checkpointing = options["layer_checkpointing"]
-    engine = OOMBEngine(
-        HFChunkModel(model, layer_checkpointing=checkpointing), OOMBConfig(*case.geometry, **options)
-    )
-    loss = engine.loss(**batch)
+    if options.pop("offload"):  # every layer's pages stream through 3 device buffers
+        options.update(offload=True, hbm_budget=0, staging_buffers=3)
+    chunked = HFChunkModel(model, layer_checkpointing=options["layer_checkpointing"])
+    loss = OOMBEngine(chunked, OOMBConfig(*case.geometry, **options)).loss(**batch)
     selections = loss.grad_fn.step.sparse.selections if options["page_budget"] else {}
     loss.backward()
     got = grads_of(model)
-
     model.zero_grad()
+    return loss.detach(), got, selections
+
+
+def seeded(case: Case) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(str(case).encode()))
+
+
+@pytest.mark.parametrize("case", FIXED + MORE, ids=str)
+def test_options_together_equal_full_sequence_training(case):
+    model, vocab = build(case.family)
+    batch = batch_of(case.layout, vocab, seeded(case))
+    loss, got, selections = oomb_step(model, case, batch)
     want_loss = full_sequence_training(model, batch, selections, case.geometry[1])
     want_loss.backward()
     assert abs(loss.item() - want_loss.item()) <= TOL * abs(want_loss.item())
     assert max_relative_error(got, grads_of(model)) <= TOL
+
+
+@pytest.mark.parametrize("case", HYBRID, ids=str)
+def test_options_together_with_carried_states(case):
+    """The model's own full-sequence call (Mamba2's float32 logits taken from its head in float64); ``A_log``'s
+    gradient is a float32 sum inside the mixers (1e-6), every other 1e-10."""
+    with float64_hybrid(build_hybrid(case.family)) as model:
+        vocab = model.get_output_embeddings().weight.shape[0]
+        batch = batch_of(case.layout, vocab, seeded(case))
+        loss, got, _ = oomb_step(model, case, batch)
+        ids, labels = batch["input_ids"], batch["labels"].clone()
+        if "attention_mask" in batch:
+            labels[batch["attention_mask"] == 0] = -100
+        logits = model(input_ids=ids).logits
+        if logits.dtype != model.dtype:
+            logits = model.get_output_embeddings()(model.get_decoder()(input_ids=ids).last_hidden_state)
+        want_loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+        want_loss.backward()
+        want = grads_of(model)
+    assert abs(loss.item() - want_loss.item()) <= TOL * abs(want_loss.item())
+    assert max_relative_error({n: g for n, g in got.items() if "A_log" not in n},
+                              {n: w for n, w in want.items() if "A_log" not in n}) <= TOL  # fmt: skip
+    assert max_relative_error(got, want) <= 1e-6
