@@ -97,11 +97,12 @@ HYBRID = draw(SEED, 10, [f for f in HYBRIDS if f != "nemotron_h"], HYBRID_LAYOUT
 
 def batch_of(layout: str, vocab: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
     """Two rows of ``layout``, labels ignoring ~10 % of the targets; documents cross chunk and page boundaries."""
-    docs = {"packed": [[13, 29, 9], [21, 30]], "packed and padded": [[13, 29], [21, 5, 9]]}.get(
-        layout, [[51], [51]]
-    )
-    if layout == "right-padded":
-        docs = [[51], [37]]
+    docs = {  # each row's document lengths; padding fills a row to the longest
+        "one document": [[51], [51]],
+        "packed": [[13, 29, 9], [21, 30]],
+        "right-padded": [[51], [37]],
+        "packed and padded": [[13, 29], [21, 5, 9]],
+    }[layout]
     lengths = [sum(row) for row in docs]
     n = max(lengths)
     ids = torch.randint(0, vocab, (2, n), generator=gen)
