@@ -24,12 +24,14 @@ from tests.helpers.attention import selection_mask
 from tests.helpers.models import (
     HYBRIDS,
     _reference_forward,
+    assert_hybrid_exact,
     build_causal_lm,
     build_family,
     build_hybrid,
     float64_hybrid,
     float64_norms,
     grads_of,
+    hybrid_full_sequence,
     max_relative_error,
 )
 
@@ -187,22 +189,13 @@ def test_options_together_equal_full_sequence_training(case):
 
 @pytest.mark.parametrize("case", HYBRID, ids=str)
 def test_options_together_with_carried_states(case):
-    """The model's own full-sequence call (Mamba2's float32 logits taken from its head in float64); ``A_log``'s
-    gradient is a float32 sum inside the mixers (1e-6), every other 1e-10."""
+    """The model's own full-sequence call (:func:`~tests.helpers.models.hybrid_full_sequence`)."""
     with float64_hybrid(build_hybrid(case.family)) as model:
         vocab = model.get_output_embeddings().weight.shape[0]
         batch = batch_of(case.layout, vocab, seeded(case))
         loss, got, _ = oomb_step(model, case, batch)
-        ids, labels = batch["input_ids"], batch["labels"].clone()
+        labels = batch["labels"].clone()
         if "attention_mask" in batch:
             labels[batch["attention_mask"] == 0] = -100
-        logits = model(input_ids=ids).logits
-        if logits.dtype != model.dtype:
-            logits = model.get_output_embeddings()(model.get_decoder()(input_ids=ids).last_hidden_state)
-        want_loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
-        want_loss.backward()
-        want = grads_of(model)
-    assert abs(loss.item() - want_loss.item()) <= TOL * abs(want_loss.item())
-    assert max_relative_error({n: g for n, g in got.items() if "A_log" not in n},
-                              {n: w for n, w in want.items() if "A_log" not in n}) <= TOL  # fmt: skip
-    assert max_relative_error(got, want) <= 1e-6
+        want_loss, want = hybrid_full_sequence(model, batch["input_ids"], labels)
+    assert_hybrid_exact(loss, got, want_loss, want)

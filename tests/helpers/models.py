@@ -280,3 +280,37 @@ def float64_hybrid(model):
     float64_norms(model)
     with float64_recurrences(model):
         yield model
+
+
+FLOAT32_INSIDE = (
+    "A_log"  # exp(A_log) is taken in float32 by the mixers themselves, whatever the model's dtype
+)
+
+
+def hybrid_full_sequence(model, ids, labels=None):
+    """A hybrid's own training step on the whole sequence: loss and gradients (Mamba2 casts its logits to
+    float32: in a float64 model they are taken from its head, as its forward computes them before the cast)."""
+    logits = model(input_ids=ids).logits[:, :-1]
+    if logits.dtype != model.dtype:
+        logits = model.get_output_embeddings()(model.get_decoder()(input_ids=ids).last_hidden_state)[:, :-1]
+    labels = ids if labels is None else labels
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
+    loss.backward()
+    grads = grads_of(model)
+    model.zero_grad()
+    return loss.detach(), grads
+
+
+def relative_errors(got: dict, want: dict) -> dict[str, float]:
+    assert set(got) == set(want), "every parameter gets a gradient"
+    return {n: ((got[n] - w).abs().max() / w.abs().max().clamp_min(1e-30)).item() for n, w in want.items()}
+
+
+def assert_hybrid_exact(got_loss, got, want_loss, want, tolerance=1e-10):
+    """Loss and gradients equal to ``tolerance``; ``A_log``'s (a float32 sum inside the mixers) to 1e-6."""
+    assert abs(got_loss.item() - want_loss.item()) <= tolerance * want_loss.item()
+    err = relative_errors(got, want)
+    assert max(e for n, e in err.items() if FLOAT32_INSIDE not in n) <= tolerance, max(
+        err.items(), key=lambda x: x[1]
+    )
+    assert max(err.values()) <= 1e-6

@@ -16,29 +16,22 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 import transformers as tf
 
 from lightning_oomb.engine import OOMBConfig, OOMBConfigError, OOMBEngine
 from lightning_oomb.integrations.hf import HFChunkModel
 from tests.helpers.lightning import oomb_step_through_trainer
-from tests.helpers.models import HYBRIDS, build_hybrid, float64_hybrid, grads_of
+from tests.helpers.models import (
+    HYBRIDS,
+    assert_hybrid_exact,
+    build_hybrid,
+    float64_hybrid,
+    grads_of,
+    hybrid_full_sequence,
+    relative_errors,
+)
 
 SEQ = 53  # 4 chunks of 16, the last ragged
-FLOAT32_INSIDE = "A_log"  # exp(A_log) is taken in float32 by the mixers themselves
-
-
-def full_sequence(model, ids):
-    """The model's own training step on the whole sequence: loss and gradients (Mamba2 casts its logits to
-    float32: in a float64 model they are taken from its head, as its forward computes them before the cast)."""
-    logits = model(input_ids=ids).logits[:, :-1]
-    if logits.dtype != model.dtype:
-        logits = model.get_output_embeddings()(model.get_decoder()(input_ids=ids).last_hidden_state)[:, :-1]
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-    loss.backward()
-    grads = grads_of(model)
-    model.zero_grad()
-    return loss.detach(), grads
 
 
 def oomb(model, ids, chunk_size: int, checkpointing: bool = False):
@@ -48,20 +41,6 @@ def oomb(model, ids, chunk_size: int, checkpointing: bool = False):
     grads = grads_of(model)
     model.zero_grad()
     return loss.detach(), grads, engine
-
-
-def errors(got: dict, want: dict) -> dict[str, float]:
-    assert set(got) == set(want), "every parameter gets a gradient"
-    return {n: ((got[n] - w).abs().max() / w.abs().max().clamp_min(1e-30)).item() for n, w in want.items()}
-
-
-def assert_exact(got_loss, got, want_loss, want, tolerance=1e-10):
-    assert abs(got_loss.item() - want_loss.item()) <= tolerance * want_loss.item()
-    err = errors(got, want)
-    assert max(e for n, e in err.items() if FLOAT32_INSIDE not in n) <= tolerance, max(
-        err.items(), key=lambda x: x[1]
-    )
-    assert max(err.values()) <= 1e-6
 
 
 def ids_for(model, seed=0, seq=SEQ):
@@ -76,9 +55,9 @@ FLOAT32_NORMS = ("nemotron_h",)
 def test_every_carried_family_is_exact_across_chunks(family):
     with float64_hybrid(build_hybrid(family)) as model:
         ids = ids_for(model)
-        want_loss, want = full_sequence(model, ids)
+        want_loss, want = hybrid_full_sequence(model, ids)
         loss, grads, engine = oomb(model, ids, 16)
-    assert_exact(loss, grads, want_loss, want)
+    assert_hybrid_exact(loss, grads, want_loss, want)
     assert engine.stats.chunks == 4
 
 
@@ -88,10 +67,10 @@ def test_every_carried_family_is_exact_across_chunks(family):
 def test_hybrid_is_exact_through_the_trainer(family, chunk_size, checkpointing):
     with float64_hybrid(build_hybrid(family)) as model:
         ids = ids_for(model, seed=1)
-        want_loss, want = full_sequence(model, ids)
+        want_loss, want = hybrid_full_sequence(model, ids)
         config = OOMBConfig(chunk_size, 8, layer_checkpointing=checkpointing)
         loss, grads = oomb_step_through_trainer(model, ids, config)
-    assert_exact(loss, grads, want_loss, want)
+    assert_hybrid_exact(loss, grads, want_loss, want)
 
 
 def test_dropping_the_states_is_wrong():
@@ -99,12 +78,12 @@ def test_dropping_the_states_is_wrong():
     gradients are far off; the test above would catch it."""
     with float64_hybrid(build_hybrid("qwen3_next")) as model:
         ids = ids_for(model)
-        _, want = full_sequence(model, ids)
+        _, want = hybrid_full_sequence(model, ids)
         adapter = HFChunkModel(model)
         adapter._mixers = []  # nothing carried
         engine = OOMBEngine(adapter, OOMBConfig(16, 8))
         engine.loss(ids).backward()
-        assert max(errors(grads_of(model), want).values()) > 1e-3
+        assert max(relative_errors(grads_of(model), want).values()) > 1e-3
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "bamba", *FLOAT32_NORMS])
@@ -113,11 +92,13 @@ def test_chunks_add_no_error_to_transformers_own_float32_rules(family):
     accurate than the model's own full-sequence step (their float32 error is the model's, not the chunking's)."""
     model = build_hybrid(family)
     ids = ids_for(model)
-    _, full = full_sequence(model, ids)
+    _, full = hybrid_full_sequence(model, ids)
     _, chunked, _ = oomb(model, ids, 16)
     with float64_hybrid(copy.deepcopy(model)) as oracle:
-        _, truth = full_sequence(oracle, ids)
-    assert max(errors(chunked, truth).values()) <= 2 * max(errors(full, truth).values()) + 1e-9
+        _, truth = hybrid_full_sequence(oracle, ids)
+    assert (
+        max(relative_errors(chunked, truth).values()) <= 2 * max(relative_errors(full, truth).values()) + 1e-9
+    )
 
 
 def test_states_are_kept_per_chunk_boundary_and_pages_only_for_attention_layers():
@@ -136,7 +117,7 @@ def test_bf16_training_runs_and_matches_in_float32_rounding(family):
     """bf16 weights (the states in the mixers' own dtypes): the chunked step is finite and near the whole one."""
     model = build_hybrid(family, dtype=torch.bfloat16)
     ids = ids_for(model)
-    want_loss, _ = full_sequence(model, ids)
+    want_loss, _ = hybrid_full_sequence(model, ids)
     loss, grads, _ = oomb(model, ids, 16)
     assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads.values())
     assert abs(loss.item() - want_loss.item()) <= 2e-2 * want_loss.item()
@@ -210,7 +191,7 @@ def test_hybrid_attention_layers_offload_and_go_sparse(options):
         build_hybrid("qwen3_5_text")
     ) as model:  # attention layer at index 2 of 4: pool layer 0
         ids = ids_for(model)
-        want_loss, want = full_sequence(model, ids)
+        want_loss, want = hybrid_full_sequence(model, ids)
         engine = OOMBEngine(HFChunkModel(model), OOMBConfig(16, 8, **options))
         loss = engine.loss(ids)
         loss.backward()
@@ -218,7 +199,7 @@ def test_hybrid_attention_layers_offload_and_go_sparse(options):
     if "offload" in options:
         assert engine.stats.extra["host_layers"] == 1 and engine.stats.extra["h2d_bytes"] > 0
         assert engine.stats.extra["carried_state_host_bytes"] > 0  # the states waited in the host buffer
-        assert_exact(loss.detach(), grads, want_loss, want)
+        assert_hybrid_exact(loss.detach(), grads, want_loss, want)
     else:  # sparse: a different (masked) function, but finite and with every gradient
         assert engine.stats.sparse is not None and torch.isfinite(loss)
         assert set(grads) == set(want)
@@ -230,15 +211,10 @@ def test_right_padding_is_exact():
         ids = ids_for(model)
         mask = torch.ones_like(ids)
         mask[1, 40:] = 0
-        labels = ids.masked_fill(mask == 0, -100)
-        logits = model(input_ids=ids).logits[:, :-1]
-        want_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
-        want_loss.backward()
-        want = grads_of(model)
-        model.zero_grad()
+        want_loss, want = hybrid_full_sequence(model, ids, ids.masked_fill(mask == 0, -100))
         loss = OOMBEngine(HFChunkModel(model), OOMBConfig(16, 8)).loss(ids, attention_mask=mask)
         loss.backward()
-        assert_exact(loss.detach(), grads_of(model), want_loss.detach(), want)
+        assert_hybrid_exact(loss.detach(), grads_of(model), want_loss, want)
 
 
 def test_no_chunk_state_outlives_its_backward_under_checkpointing():
@@ -264,12 +240,12 @@ def test_autocast_adds_no_error_with_carried_states(family):
     its own autocast step is 5.8x off.)"""
     model = build_hybrid(family, dtype=torch.float32)
     ids = ids_for(model)
-    _, truth = full_sequence(model, ids)
+    _, truth = hybrid_full_sequence(model, ids)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        _, own = full_sequence(model, ids)
+        _, own = hybrid_full_sequence(model, ids)
         _, chunked, engine = oomb(model, ids, 16)
     assert engine.stats.extra["carried_state_bytes"] > 0
-    assert max(errors(chunked, truth).values()) <= 2 * max(errors(own, truth).values())
+    assert max(relative_errors(chunked, truth).values()) <= 2 * max(relative_errors(own, truth).values())
 
 
 @pytest.mark.parametrize("family", list(HYBRIDS))
