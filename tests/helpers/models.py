@@ -189,7 +189,8 @@ _ONE_PLUS_NORMS = ("Qwen3NextRMSNorm", "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm")
 def float64_norms(model) -> None:
     """Gemma's (Gemma 4's scaling by its weight) and Qwen3-Next's RMSNorms (also the gated one of its linear attention) and Cohere's LayerNorm compute
     in float32 whatever the model's dtype (a float32 reduction over tokens in their weight gradient, which chunking
-    reorders: ~1e-7); make them compute in the model's dtype so float64 tests can ask 1e-10."""
+    reorders: ~1e-7), Llama's normalises in float32 (:func:`_is_llama_norm`); make them compute in the model's dtype
+    so float64 tests can ask 1e-10."""
     for module in model.modules():
         name = type(module).__name__
         if name == "Gemma4RMSNorm":  # scales by weight (if it has one)
@@ -200,6 +201,25 @@ def float64_norms(model) -> None:
             module.forward = lambda x, gate, m=module: _gated_norm(x, gate, m)
         elif name == "CohereLayerNorm":
             module.forward = lambda x, m=module: _cohere_norm(x, m)
+        elif name.endswith("RMSNorm") and _is_llama_norm(module):
+            module.forward = lambda x, m=module: m.weight * _rms(x, m.variance_epsilon)
+
+
+def _rms(x, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _is_llama_norm(module) -> bool:
+    """Whether ``module`` is Llama's RMSNorm — ``weight * x / rms(x)``, normalised in float32 whatever the model's
+    dtype — by its output on a probe. Its float32 island rounds each normalised value: float64 inputs that differ in
+    their last bits (the step's attention sums in another order than the oracle's) round apart once in about a
+    thousand cases, a float32 ulp (~1e-8) in that layer's gradients."""
+    weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or eps is None:
+        return False
+    probe = torch.randn(3, weight.shape[0], dtype=weight.dtype, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return torch.allclose(module(probe), weight * _rms(probe, eps), rtol=1e-5, atol=1e-6)
 
 
 def switch_balancing_loss(router_logits, num_experts: int, top_k: int, tokens=None) -> torch.Tensor:
