@@ -93,10 +93,11 @@ def batch_of(layout: str, vocab: int, gen: torch.Generator) -> dict[str, torch.T
     return batch
 
 
-def build(family: str):
-    """The family's tiny float64 model (its norms in float64: :func:`~tests.helpers.models.float64_norms`) and
-    its vocabulary size."""
-    model = build_causal_lm(family) if family in ("qwen2", "mistral", "qwen3") else build_family(family)
+def build(family: str, dtype=torch.float64):
+    """The family's tiny model (its norms in its dtype: :func:`~tests.helpers.models.float64_norms`) and its
+    vocabulary size."""
+    tiny = build_causal_lm if family in ("qwen2", "mistral", "qwen3") else build_family
+    model = tiny(family, dtype=dtype)
     float64_norms(model)
     return model, model.config.vocab_size
 
