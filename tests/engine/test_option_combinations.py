@@ -6,9 +6,9 @@ features' own tests each vary one option; this catches two that disagree.
 
 The draw is seeded (the same cases every run; ``OOMB_COMBINATIONS=N`` draws ``N`` more, e.g. for a long local
 sweep: 1,000 more agreed when this test was written, 146 s, and 200 more of the hybrids, 79 s); every value of
-every option is in the fixed draw, and 9 of its 12 sparse cases select fewer pages than the past holds. The models' norms compute in float64
-(:func:`~tests.helpers.models.float64_norms`): Llama's own normalises in float32, which let one case in about 600
-differ by a float32 ulp (3e-8) — in the model, not in the chunking."""
+every option is in the fixed draw, and 9 of its 12 sparse cases select fewer pages than the past holds. The
+models' norms compute in float64 (:func:`~tests.helpers.models.float64_norms`): Llama's own normalises in float32,
+which let one case in about 600 differ by a float32 ulp (3e-8) — in the model, not in the chunking."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ TRITON = draw(
 @pytest.mark.parametrize("case", TRITON, ids=str)
 def test_the_triton_kernels_with_options_together(case):
     """In float32 the kernels' step equals the torch reference's with the same options (5.2e-6 at most in a sweep of
-    60 cases when this test was written; 1e-4 asked, as of the kernels' other engine tests)."""
+    60 cases when this test was written; 1e-4 asked, as the kernels' other engine tests ask)."""
     model, vocab = build(case.family, torch.float32)
     batch = batch_of(case.layout, vocab, seeded(case))
     loss, got, _ = oomb_step(model, case, batch)
