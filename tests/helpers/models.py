@@ -218,6 +218,7 @@ def _is_llama_norm(module) -> bool:
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or eps is None:
         return False
     probe = torch.randn(3, weight.shape[0], dtype=weight.dtype, generator=torch.Generator().manual_seed(0))
+    probe = probe.to(weight.device)
     with torch.no_grad():
         return torch.allclose(module(probe), weight * _rms(probe, eps), rtol=1e-5, atol=1e-6)
 
