@@ -13,6 +13,8 @@ Hugging Face's conventions, so a ``DataCollatorWithFlattening`` batch or a padde
 - **Right padding**: an ``attention_mask`` that is ones then zeros per row (rows of a batch may differ in length):
   padded positions have no target (labels there are ignored) and real tokens never see them (they come after).
   Left padding and masks with holes are refused — they would need every real token to skip keys.
+- **A lone last token**: for a model whose layers carry a state, a batch one token longer than a multiple of the chunk
+  is right-padded by one token (:func:`pad_a_lone_last_token`).
 
 Everything is decided here, before any chunk runs; :class:`Layout` is what the step uses.
 """
@@ -109,6 +111,32 @@ def plan_layout(
         )
         targets = targets.masked_fill(boundary, IGNORE_INDEX)
     return Layout(position_ids, doc_start, targets, tokens, int(high) + 1)
+
+
+def pad_a_lone_last_token(
+    chunk_size: int,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
+    """For a model whose layers carry a state: a batch whose last chunk would hold a single token, with one padded
+    token after it, so that the last chunk holds two (transformers' recurrent layers take a single token with a state
+    as a decoding step: an in-place update, not differentiable). Exact: the padded token comes after every real one
+    (none sees it), has no target, and the last real token had none either. ``None`` if the batch needs no pad,
+    else ``(input_ids, labels, position_ids, attention_mask)`` padded (the caller keeps its unpadded positions'
+    span for length-dependent RoPE)."""
+    seq_len = input_ids.shape[1]
+    if seq_len <= chunk_size or seq_len % chunk_size != 1:
+        return None
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    positions = None if position_ids is None else torch.cat([position_ids, position_ids[:, -1:] + 1], 1)
+    return (
+        torch.cat([input_ids, input_ids[:, -1:]], 1),
+        torch.cat([labels, torch.full_like(labels[:, -1:], IGNORE_INDEX)], 1),
+        positions,
+        torch.cat([mask, torch.zeros_like(mask[:, -1:])], 1),
+    )
 
 
 def key_floors(doc_start: torch.Tensor | None, starts: list[int]) -> list[int]:

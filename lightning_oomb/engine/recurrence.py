@@ -28,7 +28,7 @@ from lightning_oomb.engine.attention import (
     resolve_backend,
     stored_head_dim,
 )
-from lightning_oomb.engine.batch import key_floors, plan_layout
+from lightning_oomb.engine.batch import key_floors, pad_a_lone_last_token, plan_layout
 from lightning_oomb.engine.config import OOMBConfig
 from lightning_oomb.engine.context import ContextChunk, ContextGroup, Layout, SharedSummaries, fingerprint
 from lightning_oomb.engine.errors import OOMBConfigError
@@ -327,7 +327,15 @@ class OOMBEngine:
             )
         self._check_ranges(input_ids, labels)
         backend = self.check_device(input_ids.device)
+        carried = getattr(self.model, "carries_states", False)
+        padded = carried and pad_a_lone_last_token(
+            self.config.chunk_size, input_ids, labels, position_ids, attention_mask
+        )
+        if padded:
+            input_ids, labels, position_ids, attention_mask = padded
         batch_layout = plan_layout(input_ids, labels, position_ids, attention_mask)
+        if padded:  # a full-sequence call's length-dependent RoPE reads the unpadded positions
+            batch_layout.span -= 1
         targets = batch_layout.targets
         batch, seq_len = input_ids.shape
         cfg, model = self.config, self.model
@@ -361,7 +369,7 @@ class OOMBEngine:
             )
         shared = SharedSummaries(model.num_layers, sparse.score) if sparse and layout else None
         states = None
-        if getattr(model, "carries_states", False):
+        if carried:
             check_carried_states(bounds, layout, batch_layout.doc_start)
             host = self.host_states if self.config.offloads else None
             states = CarriedStates(host=host, boundaries=len(bounds) - 1, batch=batch)
@@ -686,13 +694,12 @@ def check_carried_states(bounds: list[tuple[int, int]], layout: Layout | None, d
             "a state: the state would run across document boundaries (the model resets it only through "
             "flash-attention's varlen keywords) — pad the documents to a common length instead of packing them."
         )
-    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1:
-        length = bounds[-1][1]
+    if (
+        len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1
+    ):  # chunk_size 1 (else a lone last token is padded)
         raise OOMBConfigError(
-            f"a sequence of {length} tokens leaves one token in its last chunk; the model's recurrent layers take "
-            "a single token with a state as a decoding step (an in-place update, not differentiable) — use a "
-            f"length that is not 1 more than a multiple of chunk_size (e.g. {length - 1} or {length + 1}: drop a "
-            "token, or right-pad one with attention_mask)."
+            "chunks of one token with a model whose recurrent layers take a single token with a state as a "
+            "decoding step (an in-place update, not differentiable) — use chunk_size >= 2."
         )
 
 

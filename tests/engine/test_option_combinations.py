@@ -39,7 +39,7 @@ MORE = draw(SEED + 1, int(os.environ.get("OOMB_COMBINATIONS", "0")))
 # hybrids: states carried across chunks (packing is refused for them; their attention layers' sparse selections are
 # covered by the features' own tests)
 HYBRID_OPTIONS = {**OPTIONS, "page_budget": (None, 10_000)}
-HYBRID_LAYOUTS = ("one document", "right-padded")
+HYBRID_LAYOUTS = ("one document", "right-padded", "a lone last token")  # the last: padded by the engine
 HYBRID_FAMILIES = [f for f in HYBRIDS if f != "nemotron_h"]  # its norms compute in float32
 HYBRID = draw(SEED, 10, HYBRID_FAMILIES, HYBRID_LAYOUTS, HYBRID_OPTIONS)
 HYBRID_MORE = draw(SEED + 1, len(MORE), HYBRID_FAMILIES, HYBRID_LAYOUTS, HYBRID_OPTIONS)

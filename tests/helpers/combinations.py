@@ -75,6 +75,7 @@ def batch_of(layout: str, vocab: int, gen: torch.Generator) -> dict[str, torch.T
         "packed": [[13, 29, 9], [21, 30]],
         "right-padded": [[51], [37]],
         "packed and padded": [[13, 29], [21, 5, 9]],
+        "a lone last token": [[49], [49]],  # 1 more than a multiple of every chunk of 8 and 16
     }[layout]
     lengths = [sum(row) for row in docs]
     n = max(lengths)
