@@ -694,9 +694,8 @@ def check_carried_states(bounds: list[tuple[int, int]], layout: Layout | None, d
             "a state: the state would run across document boundaries (the model resets it only through "
             "flash-attention's varlen keywords) — pad the documents to a common length instead of packing them."
         )
-    if (
-        len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1
-    ):  # chunk_size 1 (else a lone last token is padded)
+    # a last chunk of one token after others: chunk_size 1 (a lone last token of longer chunks is padded)
+    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1:
         raise OOMBConfigError(
             "chunks of one token with a model whose recurrent layers take a single token with a state as a "
             "decoding step (an in-place update, not differentiable) — use chunk_size >= 2."
