@@ -66,9 +66,13 @@ def oomb_step(model, input_ids, checkpointing: bool = False, *, chunk: int, page
     return loss.detach(), grads_of(model), engine
 
 
+def relative_errors(got: dict, want: dict) -> dict[str, float]:
+    assert set(got) == set(want), "every parameter gets a gradient"
+    return {n: ((got[n] - w).abs().max() / w.abs().max().clamp_min(1e-30)).item() for n, w in want.items()}
+
+
 def max_relative_error(got: dict, want: dict) -> float:
-    assert got.keys() == want.keys()
-    return max(((got[n] - want[n]).abs().max() / want[n].abs().max().clamp_min(1e-30)).item() for n in want)
+    return max(relative_errors(got, want).values())
 
 
 # ---------------------------------------------------------------------------------- more families, float64 oracle
@@ -303,9 +307,8 @@ def float64_hybrid(model):
         yield model
 
 
-FLOAT32_INSIDE = (
-    "A_log"  # exp(A_log) is taken in float32 by the mixers themselves, whatever the model's dtype
-)
+# exp(A_log) is taken in float32 by the mixers themselves, whatever the model's dtype
+FLOAT32_INSIDE = "A_log"
 
 
 def hybrid_full_sequence(model, ids, labels=None):
@@ -320,11 +323,6 @@ def hybrid_full_sequence(model, ids, labels=None):
     grads = grads_of(model)
     model.zero_grad()
     return loss.detach(), grads
-
-
-def relative_errors(got: dict, want: dict) -> dict[str, float]:
-    assert set(got) == set(want), "every parameter gets a gradient"
-    return {n: ((got[n] - w).abs().max() / w.abs().max().clamp_min(1e-30)).item() for n, w in want.items()}
 
 
 def assert_hybrid_exact(got_loss, got, want_loss, want, tolerance=1e-10):
