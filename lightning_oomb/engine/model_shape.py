@@ -29,7 +29,8 @@ SHARED_WIDTHS = (
 @dataclass(frozen=True)
 class Mixer:
     """One carried token mixer of a hybrid (:func:`~lightning_oomb.engine.planner.mixer_bytes`): ``kind``
-    ``"delta"`` (gated delta-net), ``"mamba2"`` or ``"conv"`` (gated short convolution); ``channels`` and ``kernel`` of its causal convolution;
+    ``"delta"`` (gated delta-net), ``"mamba2"``, ``"mamba"`` (Mamba-1: ``heads`` its channels, ``head_dim`` 1) or
+    ``"conv"`` (gated short convolution); ``channels`` and ``kernel`` of its causal convolution;
     ``heads`` x ``head_dim``: the values its rule mixes (a delta-net's value heads, Mamba2's heads); ``state``: a
     delta-net's key head dim, Mamba2's state size; ``block``: the rule's block (a delta rule's 64, Mamba2's
     ``chunk_size``); ``gated_norm``: a gated RMSNorm on its output (else Falcon-H1's plain gate)."""
@@ -253,7 +254,10 @@ def paged_head_dim(config: Any) -> int:
 
 
 def _shape_of_config(cfg: Any) -> ModelShape:
-    if getattr(cfg, "model_type", None) == "mamba2" or getattr(cfg, "num_attention_heads", None) is None:
+    if (
+        getattr(cfg, "model_type", None) in ATTENTION_FREE
+        or getattr(cfg, "num_attention_heads", None) is None
+    ):
         return _shape_of_attention_free(cfg)
     heads = cfg.num_attention_heads
     head_dim = paged_head_dim(cfg)
@@ -283,21 +287,35 @@ def _shape_of_config(cfg: Any) -> ModelShape:
     )
 
 
+ATTENTION_FREE = ("mamba", "falcon_mamba", "mamba2")  # model types without attention layers
+
+
 def _shape_of_attention_free(cfg: Any) -> ModelShape:
-    """A config without attention (pure Mamba2): no pages and no MLP, each layer a norm and a carried Mamba2 mixer
-    (from the config's ``num_heads``, ``head_dim``, ``state_size``, ``n_groups``, ``conv_kernel``, ``chunk_size``)."""
-    heads, head_dim, state = cfg.num_heads, cfg.head_dim, cfg.state_size
-    channels = heads * head_dim + 2 * cfg.n_groups * state  # the convolution's: x, B and C
-    mixer = Mixer("mamba2", channels=channels, kernel=cfg.conv_kernel, heads=heads, head_dim=head_dim, state=state,
-                  block=cfg.chunk_size, gated_norm=True)  # fmt: skip
-    layers = cfg.num_hidden_layers
+    """A config without attention (pure Mamba2, Mamba-1): no pages and no MLP, each layer a norm and a carried mixer
+    (:func:`_attention_free_mixer`)."""
+    mixer, layers = _attention_free_mixer(cfg), cfg.num_hidden_layers
+    width = mixer.heads * mixer.head_dim
     return ModelShape(
-        num_layers=layers, hidden_size=cfg.hidden_size, intermediate_size=heads * head_dim, num_heads=1, kv_heads=1,
+        num_layers=layers, hidden_size=cfg.hidden_size, intermediate_size=width, num_heads=1, kv_heads=1,
         head_dim=16, vocab_size=cfg.vocab_size, num_embeddings=cfg.vocab_size,
         tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)), qk_norm=False, qkv_bias=False,
         family=getattr(cfg, "model_type", None) or "mamba2", kv_layers=0, mlp_layers=0, mixers=(mixer,) * layers,
-        conv_state_elements=layers * channels * cfg.conv_kernel, recurrent_state_elements=layers * heads * head_dim * state,
+        conv_state_elements=layers * mixer.channels * mixer.kernel, recurrent_state_elements=layers * width * mixer.state,
     )  # fmt: skip
+
+
+def _attention_free_mixer(cfg: Any) -> Mixer:
+    """Mamba-1's mixer (``intermediate_size`` channels of ``state_size`` each, ``conv_kernel``) or Mamba2's (its
+    ``num_heads``, ``head_dim``, ``state_size``, ``n_groups``, ``conv_kernel``, ``chunk_size``)."""
+    if getattr(cfg, "model_type", None) in ("mamba", "falcon_mamba"):
+        width = cfg.intermediate_size
+        return Mixer(
+            "mamba", channels=width, kernel=cfg.conv_kernel, heads=width, head_dim=1, state=cfg.state_size
+        )
+    heads, head_dim, state = cfg.num_heads, cfg.head_dim, cfg.state_size
+    channels = heads * head_dim + 2 * cfg.n_groups * state  # the convolution's: x, B and C
+    return Mixer("mamba2", channels=channels, kernel=cfg.conv_kernel, heads=heads, head_dim=head_dim, state=state,
+                 block=cfg.chunk_size, gated_norm=True)  # fmt: skip
 
 
 def _mlp_width(cfg: Any) -> int:

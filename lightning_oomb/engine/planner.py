@@ -480,10 +480,11 @@ def mixer_bytes(mixer: Mixer, dtypes: Dtypes, batch: int, length: int, hidden: i
     input, gate, product and the normed output) and output projection's input; per token of whole blocks the rule's
     float32 tensors: for a delta rule per value head ``12 Dk + 3 Dv`` (``8 Dk`` below float32 activations: measured)
     and five ``block``-wide rows, for Mamba2's scan ``5 N + 4 P`` and three; per block its states (Mamba2: twice,
-    and once more). The transients (the gradients in flight beyond the saved tensors, fitted from above to CPU
-    steps, ``tests/engine/test_planner_hybrids.py``): a delta rule's ``3 block + 3 Dk + Dv`` float32 per value head,
-    Mamba2's ``5 N`` per head, 2 (plain gate: 6) float32 outputs and its states again, a short convolution's three
-    gated inputs."""
+    and once more); for Mamba-1's scan ``3 N`` per channel (decays, inputs, states; with 16-bit activations the
+    states cast back too). The transients (the gradients in flight beyond the saved tensors, fitted from above to
+    CPU steps, ``tests/engine/test_planner_hybrids.py``): a delta rule's ``3 block + 3 Dk + Dv`` float32 per value
+    head, Mamba2's ``5 N`` per head, 2 (plain gate: 6) float32 outputs and its states again, Mamba-1's ``4 N`` per
+    channel, a short convolution's three gated inputs."""
     r, f = dtypes.activation.itemsize, 4
     w, heads, d, n = mixer.channels, mixer.heads, mixer.head_dim, mixer.state
     out, padded = heads * d, -(-length // mixer.block) * mixer.block
@@ -492,6 +493,11 @@ def mixer_bytes(mixer: Mixer, dtypes: Dtypes, batch: int, length: int, hidden: i
     conv = r * w * (2 * length + 3 * mixer.kernel - 1)
     if mixer.kind == "conv":
         return batch * (r * (hidden + 4 * w) * length + conv), batch * 3 * r * w * length
+    if mixer.kind == "mamba":  # Mamba-1's torch scan, token by token: per channel, state-wide float32 terms
+        own = r * hidden + 8 * r * out + 6 * f * out + 2 * (r + f) * n
+        rule = 3 * f * out * n  # per channel and state column: the decays, the inputs, the states
+        cast = (f * out + r * out * n) if r != f else 0  # 16-bit: the gate in float32, the states cast back
+        return batch * ((own + rule + cast) * length + conv), batch * f * 4 * out * n * length
     if mixer.kind == "delta":  # its projections' input, its gated norm, beta, g
         own = r * hidden + (12 + 3 * r) * out + 6 * f * heads
         keys = 12 if dtypes.activation == torch.float32 else 8

@@ -1,5 +1,5 @@
 """The memory plan of hybrids — carried gated-delta (Qwen3-Next), Mamba2 (Bamba, Falcon-H1) and short-convolution
-(LFM2) mixers beside attention, the tiny models of ``tests/integrations/test_hybrids.py`` — against a CPU step: what
+(LFM2) mixers beside attention, and Mamba-1 models (Mamba, Falcon-Mamba), the tiny models of ``tests/integrations/test_hybrids.py`` — against a CPU step: what
 autograd saves and the step's allocation peak (``tests/engine/test_planner.py``'s ``measure``)."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def broadcast_scan(family: str) -> bool:
 @pytest.mark.parametrize(
     ("family", "precision"),
     [("qwen3_next", "32-true"), ("qwen3_next", "bf16-true"), ("bamba", "32-true"), ("falcon_h1", "32-true"),
-     ("lfm2", "32-true")],
+     ("lfm2", "32-true"), ("mamba", "32-true"), ("falcon_mamba", "bf16-true")],
 )  # fmt: skip
 def test_a_hybrids_carried_mixers_are_planned(family, precision, checkpointing):
     """Each mixer's saved tensors and backward transients as transformers' torch rules compute them, the inputs its
@@ -42,30 +42,51 @@ def test_a_hybrids_carried_mixers_are_planned(family, precision, checkpointing):
     peak = backward + predicted.device["carried_states"]  # the stored states are allocated during the step
     if not (checkpointing and broadcast_scan(family)):
         assert 0.95 <= peak / measured <= 1.10, (predicted.phases, measured)
-    assert len(predicted.model.mixers) == {"falcon_h1": 4, "qwen3_next": 3}.get(family, 2)
+    assert len(predicted.model.mixers) == {
+        "falcon_h1": 4,
+        "qwen3_next": 3,
+        "mamba": 4,
+        "falcon_mamba": 4,
+    }.get(family, 2)
     if not checkpointing:  # (checkpointed layers save their inputs: tests/engine/test_planner.py)
         assert abs(predicted.device["activations"] / saved - 1) <= 0.10, (predicted.saved, saved)
 
 
-def test_a_pure_mamba2_config_is_planned_as_its_model():
-    """A config without attention (pure Mamba2, ``oomb plan --model-config``): no pages, no MLP, a carried Mamba2
-    mixer per layer — the states and the pool as the built model's adapter plans them (it crashed on the missing
-    ``num_attention_heads``). (Its step's peak is planned 4-8 % under a CPU step's at tiny sizes: the mixer rule's
-    transients were fitted on hybrids.)"""
-    import torch
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(
+            model_type="mamba2",
+            hidden_size=32,
+            num_heads=4,
+            head_dim=16,
+            state_size=8,
+            n_groups=1,
+            chunk_size=8,
+        ),
+        dict(model_type="mamba", hidden_size=32, state_size=8),
+        dict(model_type="falcon_mamba", hidden_size=32, state_size=8),
+    ],
+    ids=lambda c: c["model_type"],
+)
+def test_an_attention_free_config_is_planned_as_its_model(config):
+    """A config without attention (pure Mamba2, Mamba-1; ``oomb plan --model-config``): no pages, no MLP, a carried
+    mixer per layer — the states, the pool and the mixers' activations as the built model's adapter plans them (it
+    crashed on the missing ``num_attention_heads``). (A Mamba2 step's peak is planned 4-8 % under a CPU step's at
+    tiny sizes: the mixer rule's transients were fitted on hybrids.)"""
     import transformers as tf
 
     from lightning_oomb.engine import OOMBConfig
     from lightning_oomb.engine.planner import Machine, plan
     from lightning_oomb.integrations.hf import HFChunkModel
 
-    config = tf.Mamba2Config(hidden_size=32, num_hidden_layers=3, vocab_size=64, num_heads=4, head_dim=16,
-                             state_size=8, n_groups=1, chunk_size=8)  # fmt: skip
+    config = tf.AutoConfig.for_model(**config, num_hidden_layers=3, vocab_size=64)
     machine = Machine("cpu", 1 << 40, 1 << 40)
     with torch.device("meta"):
-        model = tf.Mamba2ForCausalLM(config)
+        model = tf.AutoModelForCausalLM.from_config(config)
     from_config, from_model = (plan(source, 256, 2, OOMBConfig(64, 16), "32-true", None, machine)
                                for source in (config, HFChunkModel(model)))  # fmt: skip
     assert from_config.pool.num_layers == from_model.pool.num_layers == 0
     assert from_config.device["carried_states"] == from_model.device["carried_states"] > 0
+    assert from_config.device["activations"] == from_model.device["activations"]
     assert from_config.model.mlps == 0 and len(from_config.model.mixers) == 3

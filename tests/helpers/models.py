@@ -205,6 +205,8 @@ def float64_norms(model) -> None:
             module.forward = lambda x, gate, m=module: _gated_norm(x, gate, m)
         elif name == "CohereLayerNorm":
             module.forward = lambda x, m=module: _cohere_norm(x, m)
+        elif name.endswith("WeightlessRMSNorm"):  # Falcon-Mamba's (its weight is an unused buffer)
+            module.forward = module._norm
         elif name.endswith("RMSNorm") and _is_llama_norm(module):
             module.forward = lambda x, m=module: m.weight * _rms(x, m.variance_epsilon)
 
@@ -262,6 +264,7 @@ _MOE = dict(
 _MAMBA2 = dict(
     mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_n_groups=1
 )
+_MAMBA1 = dict(state_size=4, conv_kernel=4, expand=2, time_step_rank=4, residual_in_fp32=False)
 HYBRIDS = {  # model_type -> the tiny config's fields (every layer kind of the family present)
     "qwen3_next": {**_DELTA_NET, **_MOE},
     "qwen3_5_text": _DELTA_NET,
@@ -280,6 +283,11 @@ HYBRIDS = {  # model_type -> the tiny config's fields (every layer kind of the f
                        moe_shared_expert_intermediate_size=16, n_group=1, topk_group=1),
     "mamba2": dict(num_heads=4, head_dim=16, state_size=8, conv_kernel=4, expand=2, n_groups=1, chunk_size=8,
                    residual_in_fp32=False),  # float64 residuals (the default keeps them in float32)
+    "mamba": _MAMBA1,  # Mamba-1: no attention layer
+    "falcon_mamba": _MAMBA1,
+    "jamba": dict(mamba_d_state=4, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4, attn_layer_period=2,
+                  attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=4,
+                  num_experts_per_tok=2, use_mamba_kernels=False),
 }  # fmt: skip
 
 
@@ -307,8 +315,9 @@ def float64_hybrid(model):
         yield model
 
 
-# exp(A_log) is taken in float32 by the mixers themselves, whatever the model's dtype
-FLOAT32_INSIDE = "A_log"
+# parameters the mixers themselves cast to float32 whatever the model's dtype: exp(A_log); Mamba-1's D and its time
+# step's bias (the gradients: float32 sums over tokens, which chunking reorders)
+FLOAT32_INSIDE = ("A_log", ".D", "dt_proj.bias")  # name endings
 
 
 def hybrid_full_sequence(model, ids, labels=None):
@@ -326,10 +335,11 @@ def hybrid_full_sequence(model, ids, labels=None):
 
 
 def assert_hybrid_exact(got_loss, got, want_loss, want, tolerance=1e-10):
-    """Loss and gradients equal to ``tolerance``; ``A_log``'s (a float32 sum inside the mixers) to 1e-6."""
+    """Loss and gradients equal to ``tolerance``; :data:`FLOAT32_INSIDE`'s (float32 sums inside the mixers) to
+    1e-6."""
     assert abs(got_loss.item() - want_loss.item()) <= tolerance * want_loss.item()
     err = relative_errors(got, want)
-    assert max(e for n, e in err.items() if FLOAT32_INSIDE not in n) <= tolerance, max(
+    assert max(e for n, e in err.items() if not n.endswith(FLOAT32_INSIDE)) <= tolerance, max(
         err.items(), key=lambda x: x[1]
     )
     assert max(err.values()) <= 1e-6

@@ -26,24 +26,16 @@ def unsupported_models():
     whose states OOMB carries are exact: tests/integrations/test_hybrids.py)."""
     yield "attention_dropout", build_causal_lm("qwen2", attention_dropout=0.1)
     yield (
-        r"JambaMambaMixer",  # a Mamba-1 mixer: its multi-token call does not continue an incoming state exactly
-        tf.JambaForCausalLM(
-            tf.JambaConfig(
+        "MiniMaxLightningAttention",  # lightning attention: a linear-attention state OOMB does not carry
+        tf.MiniMaxForCausalLM(
+            tf.MiniMaxConfig(
                 **{**TINY, "num_hidden_layers": 2},
                 num_key_value_heads=2,
-                attn_layer_period=2,
-                attn_layer_offset=1,
-                expert_layer_period=2,
-                expert_layer_offset=1,
-                num_experts=2,
-                mamba_d_state=4,
-                mamba_dt_rank=4,
-            )  # fmt: skip
-        ),
-    )
-    yield (
-        "Mamba",
-        tf.MambaForCausalLM(tf.MambaConfig(hidden_size=32, num_hidden_layers=2, vocab_size=64, state_size=4)),
+                head_dim=8,
+                num_local_experts=2,
+                layer_types=["linear_attention", "full_attention"],
+            )
+        ),  # fmt: skip
     )
     yield (
         "chunked_attention",  # Llama 4: chunked local attention

@@ -1,12 +1,13 @@
 """Hybrids — attention beside gated-delta (Qwen3-Next, Qwen3.5, OLMo-Hybrid), Mamba2 (Falcon-H1, Bamba,
-Nemotron-H, Granite 4) or short-convolution (LFM2) layers — exact across chunks: each layer's state is carried from
+Nemotron-H, Granite 4), Mamba-1 (Jamba) or short-convolution (LFM2) layers, and pure Mamba2 / Mamba-1 (Mamba,
+Falcon-Mamba) models — exact across chunks: each layer's state is carried from
 chunk to chunk with its gradient (``lightning_oomb.engine.states``). float64 against the model's own full-sequence
 training, ragged lengths, one and several chunks, with and without layer checkpointing.
 
 Parts of these models compute in float32 whatever the model's dtype: the gated delta rule and the Mamba2 scan
-(replaced by float64 oracles of the same rules, ``float64_hybrid``), ``exp(A_log)`` in the mixers' own forward,
-whose gradient is a float32 sum over tokens that chunking reorders (~1e-7: ``A_log`` is compared at 1e-6, every
-other parameter at 1e-10), and Nemotron-H's norms (compared at float32 rounding).
+(replaced by float64 oracles of the same rules, ``float64_hybrid``), ``exp(A_log)`` (and Mamba-1's ``D`` and
+time-step bias) in the mixers' own forward, whose gradients are float32 sums over tokens that chunking reorders
+(~1e-7: they are compared at 1e-6, every other parameter at 1e-10), and Nemotron-H's norms (compared at float32 rounding).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def test_every_carried_family_is_exact_across_chunks(family):
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 @pytest.mark.parametrize("chunk_size", [64, 16], ids=["1-chunk", "4-chunks"])
-@pytest.mark.parametrize("family", ["qwen3_next", "lfm2", "falcon_h1", "mamba2"])
+@pytest.mark.parametrize("family", ["qwen3_next", "lfm2", "falcon_h1", "mamba2", "jamba"])
 def test_hybrid_is_exact_through_the_trainer(family, chunk_size, checkpointing):
     with float64_hybrid(build_hybrid(family)) as model:
         ids = ids_for(model, seed=1)
@@ -86,7 +87,23 @@ def test_dropping_the_states_is_wrong():
         assert max(relative_errors(grads_of(model), want).values()) > 1e-3
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "bamba", *FLOAT32_NORMS])
+def test_a_mamba1_scan_restarted_from_zero_is_caught(monkeypatch):
+    """Negative control: transformers' own multi-token Mamba-1 scan (each chunk from a zero state, the incoming
+    state read but unused) would train silently wrong; the engine refuses the step, as no gradient reaches the
+    state it read. The continued scan is what makes Mamba, Falcon-Mamba and Jamba exact."""
+    from lightning_oomb.integrations.hf import selective_scan
+
+    monkeypatch.setattr(
+        selective_scan, "continued_scan", lambda scan, h0, *args, **kwargs: scan(*args, **kwargs)
+    )
+    model = build_hybrid("mamba")
+    with pytest.raises(
+        OOMBConfigError, match=r"read the carried state \(\d+, 'recurrent', 0\) but no gradient"
+    ):
+        oomb(model, ids_for(model), 16)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "bamba", "jamba", *FLOAT32_NORMS])
 def test_chunks_add_no_error_to_transformers_own_float32_rules(family):
     """Unpatched (the rules in float32, as users train): against float64 truth, the chunked step is no less
     accurate than the model's own full-sequence step (their float32 error is the model's, not the chunking's)."""
@@ -112,7 +129,7 @@ def test_states_are_kept_per_chunk_boundary_and_pages_only_for_attention_layers(
     assert engine.stats.extra["carried_state_bytes"] == 3 * 3 * (recurrent + conv)  # 3 boundaries, 3 layers
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "falcon_h1"])
+@pytest.mark.parametrize("family", ["qwen3_next", "falcon_h1", "falcon_mamba"])
 def test_bf16_training_runs_and_matches_in_float32_rounding(family):
     """bf16 weights (the states in the mixers' own dtypes): the chunked step is finite and near the whole one."""
     model = build_hybrid(family, dtype=torch.bfloat16)
@@ -124,8 +141,8 @@ def test_bf16_training_runs_and_matches_in_float32_rounding(family):
 
 
 @pytest.mark.parametrize(
-    "family", ["lfm2", "qwen3_next", "falcon_h1"]
-)  # convolution; gated delta rule; Mamba2
+    "family", ["lfm2", "qwen3_next", "falcon_h1", "mamba"]
+)  # convolution; gated delta rule; Mamba2; Mamba-1
 def test_a_one_token_last_chunk_is_padded_and_exact(family):
     """49 tokens in chunks of 16 leave one token to the last chunk, which the recurrent layers would take as a
     decoding step: the engine pads a token after it (no target, seen by no real token), and the step equals
@@ -156,13 +173,13 @@ def test_packed_documents_are_refused_for_carried_states():
 
 
 def test_a_recurrent_model_oomb_cannot_continue_is_refused():
-    """Mamba-1's multi-token call does not continue an incoming state (transformers' own split prefill differs from
-    one call by 1e-4 to 2: measured): refused, naming the layer."""
-    model = tf.MambaForCausalLM(
-        tf.MambaConfig(hidden_size=32, num_hidden_layers=2, vocab_size=64, state_size=4)
-    )
-    with pytest.raises(OOMBConfigError, match=r"MambaMixer.*carries the states of: .*Qwen3NextGatedDeltaNet"):
-        HFChunkModel(model)
+    """RecurrentGemma's RG-LRU layers carry a state by a rule OOMB does not continue: refused, naming the layer."""
+    config = tf.RecurrentGemmaConfig(hidden_size=32, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+                                     num_key_value_heads=1, vocab_size=64, lru_width=32, attention_window_size=16)  # fmt: skip
+    with pytest.raises(
+        OOMBConfigError, match=r"RecurrentGemma\w+.*carries the states of: .*Qwen3NextGatedDeltaNet"
+    ):
+        HFChunkModel(tf.RecurrentGemmaForCausalLM(config))
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["on-device", "offload"])

@@ -1,5 +1,6 @@
 """Float64 versions of the recurrences transformers computes in float32 whatever the model's dtype — the gated
-delta rule (Qwen3-Next, Qwen3.5, OLMo-Hybrid) and the Mamba2 scan (Falcon-H1, Bamba, Granite 4, Nemotron-H) —
+delta rule (Qwen3-Next, Qwen3.5, OLMo-Hybrid), the Mamba2 scan (Falcon-H1, Bamba, Granite 4, Nemotron-H) and
+Mamba-1's selective scan (Mamba, Falcon-Mamba, Jamba) —
 token by token in the inputs' dtype, with the same signatures. The self-check swaps them into a float64 twin, so
 that chunking the twin changes nothing but float64 rounding and a dropped or misplaced state shows (the test
 suite's oracle too)."""
@@ -56,9 +57,31 @@ def float64_ssd_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=Non
     return (y, state) if return_final_states else y
 
 
+def float64_selective_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                           return_last_state=False, **kwargs):  # fmt: skip
+    """Mamba-1's selective scan from a zero state, ``[B, I, L]`` inputs and ``B``, ``C`` ``[B, N, L]``; returns
+    the output (and the final state if asked)."""
+    dt = dt if delta_bias is None else dt + delta_bias[..., None]
+    dt = F.softplus(dt) if delta_softplus else dt
+    A = A.to(hidden_states.dtype)
+    state = hidden_states.new_zeros(*hidden_states.shape[:2], A.shape[-1])
+    ys = []
+    for t in range(hidden_states.shape[-1]):
+        state = (
+            state * torch.exp(dt[..., t, None] * A)
+            + (dt[..., t] * hidden_states[..., t])[..., None] * B[:, None, :, t]
+        )
+        ys.append((state * C[:, None, :, t]).sum(-1))
+    y = torch.stack(ys, -1)
+    y = y if D is None else y + D[:, None] * hidden_states
+    y = y if z is None else y * F.silu(z)
+    return (y, state) if return_last_state else y
+
+
 def declined_fused_scan(*args, **kwargs) -> None:
-    """Pure Mamba2's fused training shortcut (``mamba2_split_conv1d_scan_combined``) declined: the mixer then takes
-    its torch path, whose scan is :func:`float64_ssd_scan`."""
+    """A fused training shortcut declined (pure Mamba2's ``mamba2_split_conv1d_scan_combined``, Mamba-1's
+    ``mamba_inner_fn``): the mixer then takes its torch path, whose scan is :func:`float64_ssd_scan` /
+    :func:`float64_selective_scan`."""
     return None
 
 
@@ -67,6 +90,8 @@ FLOAT64_RULES = {  # transformers' module-level function -> its float64 version
     "torch_recurrent_gated_delta_rule": float64_delta_rule,
     "mamba2_chunk_scan": float64_ssd_scan,
     "mamba2_split_conv1d_scan_combined": declined_fused_scan,
+    "mamba_selective_scan": float64_selective_scan,
+    "mamba_inner_fn": declined_fused_scan,
 }
 
 

@@ -28,6 +28,7 @@ from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.model_shape import Mixer
 from lightning_oomb.engine.states import ChunkStates
 from lightning_oomb.integrations.hf.decoder import decoder_of
+from lightning_oomb.integrations.hf.selective_scan import SCANS_FROM_ZERO, continuing_scans
 
 # token mixers (class names) that continue an incoming state exactly through their cache (tests/integrations/test_hybrids.py)
 CARRIED_MIXERS = frozenset({
@@ -42,6 +43,7 @@ CARRIED_MIXERS = frozenset({
     "NemotronHMamba2Mixer",  # Nemotron-H: Mamba2
     "GraniteMoeHybridMambaLayer",  # Granite 4 hybrids: Mamba2
     "Mamba2Mixer",  # Mamba2 (pure): no attention layer
+    *SCANS_FROM_ZERO,  # Mamba-1 (Mamba, Falcon-Mamba, Jamba): their scan continued by selective_scan
 })  # fmt: skip
 
 
@@ -78,7 +80,7 @@ class StateCache:
     that updates a state in place never touches the stored one) and the report of its outgoing states.
 
     ``is_recording_past`` answers ``True`` so that a mixer never takes its single-token decoding kernel (an
-    in-place update without a backward); the engine refuses a one-token last chunk for the same reason.
+    in-place update without a backward); the engine pads a one-token last chunk for the same reason.
     """
 
     def __init__(self, states: ChunkStates) -> None:
@@ -137,13 +139,17 @@ DELTA_BLOCK = (
 
 def mixer_shape(module: torch.nn.Module) -> Mixer:
     """The :class:`~lightning_oomb.engine.model_shape.Mixer` of a carried mixer: a gated delta-net (``num_v_heads``), a
-    Mamba2 mixer (``ssm_state_size``) or a short convolution."""
+    Mamba-1 mixer (:data:`SCANS_FROM_ZERO`), a Mamba2 mixer (``ssm_state_size``) or a short convolution."""
     conv = next(m for m in module.modules() if isinstance(m, torch.nn.Conv1d))
     gated = any(type(m).__name__.endswith("RMSNormGated") for m in module.children())
     common = {"channels": conv.in_channels, "kernel": conv.kernel_size[0], "gated_norm": gated}
     if hasattr(module, "num_v_heads"):
         return Mixer("delta", heads=module.num_v_heads, head_dim=module.head_v_dim, state=module.head_k_dim,
                      block=DELTA_BLOCK, **common)  # fmt: skip
+    if type(module).__name__ in SCANS_FROM_ZERO:  # Mamba-1: a state of ssm_state_size per channel
+        return Mixer(
+            "mamba", heads=module.intermediate_size, head_dim=1, state=module.ssm_state_size, **common
+        )
     if hasattr(module, "ssm_state_size"):
         return Mixer("mamba2", heads=module.num_heads, head_dim=module.head_dim, state=module.ssm_state_size,
                      block=module.chunk_size, **common)  # fmt: skip
@@ -153,8 +159,8 @@ def mixer_shape(module: torch.nn.Module) -> Mixer:
 def state_elements(mixers: list[torch.nn.Module]) -> tuple[int, int]:
     """Elements of one batch row's carried states at one chunk boundary: ``(convolution, recurrent)`` — each
     mixer's causal convolution keeps ``channels x kernel`` inputs (in the activations' dtype), a gated delta-net
-    ``value heads x key dim x value dim``, a Mamba2 mixer ``heads x head dim x state size`` (float32, as their
-    rules compute)."""
+    ``value heads x key dim x value dim``, a Mamba2 mixer ``heads x head dim x state size``, a Mamba-1 mixer
+    ``channels x state size`` (float32, as their rules compute)."""
     shapes = [mixer_shape(m) for m in mixers]
     return sum(m.channels * m.kernel for m in shapes), sum(m.heads * m.head_dim * m.state for m in shapes)
 
@@ -190,6 +196,8 @@ def carrying_states(mixers: list[torch.nn.Module], current: Callable[[], ChunkSt
     def hook(module, args, kwargs):
         name, index = parameters[module]
         cache = StateCache(current())
+        if type(module).__name__ in SCANS_FROM_ZERO:
+            arm(module, cache.get_recurrent_state(module.layer_idx))
         if len(args) > index:
             args = (*args[:index], cache, *args[index + 1 :])
         else:
@@ -201,7 +209,8 @@ def carrying_states(mixers: list[torch.nn.Module], current: Callable[[], ChunkSt
     parameters = {m: _cache_parameter(m) for m in mixers}
     handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in mixers]
     try:
-        yield
+        with continuing_scans(mixers) as arm:
+            yield
     finally:
         for handle in handles:
             handle.remove()

@@ -43,7 +43,7 @@ from lightning_oomb.integrations.hf.states import CARRIED_MIXERS, float32_recurr
 
 SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 # a hybrid's other layer types, accepted when every stateful layer is one OOMB carries (token-wise MLP/MoE layers)
-HYBRID_LAYER_TYPES = frozenset({"linear_attention", "conv", "hybrid", "mamba", "mlp", "moe"})
+HYBRID_LAYER_TYPES = frozenset({"linear_attention", "conv", "hybrid", "mamba", "mlp", "moe", "attention"})
 # words (of CamelCase class names) that name token mixers carrying state along the sequence
 _STATEFUL_WORDS = frozenset({"mamba", "ssm", "rglru", "rwkv", "hyena", "lstm", "mlstm", "slstm", "deltanet"})
 _STATEFUL_PAIRS = frozenset({("gated", "delta"), ("delta", "net"), ("linear", "attention"), ("lightning", "attention"),
@@ -86,16 +86,20 @@ def _stateful_mixers(model: torch.nn.Module) -> tuple[list[str], list[str]]:
     carried = [name + "." for name, m in named if type(m).__name__ in CARRIED_MIXERS]
 
     def settled(name: str) -> bool:  # a carried mixer, its own convolution, or a module around it (its layer)
-        path = name + "."
+        path = name + "." if name else ""
         return any(path.startswith(c) or c.startswith(path) for c in carried)
 
     refused = set()
     for name, module in named:
         words = _words(type(module).__name__)
-        if not settled(name) and (
-            isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d))
-            or _STATEFUL_WORDS.intersection(words)
-            or _STATEFUL_PAIRS.intersection(zip(words, words[1:]))
+        if (
+            not settled(name)
+            and words[-1:] != ["norm"]
+            and (  # a norm mixes no tokens (MambaRMSNorm)
+                isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d))
+                or _STATEFUL_WORDS.intersection(words)
+                or _STATEFUL_PAIRS.intersection(zip(words, words[1:]))
+            )
         ):
             refused.add(type(module).__name__)
     mixers = {type(m).__name__ for _, m in named if type(m).__name__ in CARRIED_MIXERS}
