@@ -1,8 +1,8 @@
 """Memory and time of one training step of a hybrid (Qwen3.5-style: 3 gated delta-net layers per attention layer)
-on the CPU: OOMB next to Hugging Face, in the same run, by sequence length.
+or of a Mamba-1 model on the CPU: OOMB next to Hugging Face, in the same run, by sequence length.
 
-A randomly initialised small Qwen3.5 text model (float32, transformers' own float32 rules) takes forward + backward
-of one sequence per case:
+A randomly initialised small model (``--family``: a Qwen3.5 text model, or a Mamba; float32, transformers' own
+float32 rules) takes forward + backward of one sequence per case:
 
 - ``hf``: the model's own full-sequence step (SDPA attention), with per-layer checkpointing (the usual long-context
   baseline) and without;
@@ -18,6 +18,10 @@ sequence; OOMB's step holds one chunk's activations plus pages (attention layers
 Writes JSON (``--out``), a PNG and a Markdown table next to it; about 3 minutes on 2 cores.
 
     PYTHONPATH=$PWD python benchmarks/hybrid_memory.py --out benchmarks/results/hybrid-memory-cpu.json
+    PYTHONPATH=$PWD python benchmarks/hybrid_memory.py --family mamba
+
+transformers' torch Mamba-1 scan back-propagates through per-token slices of its whole-call tensors, in time that
+grows faster than the square of the call's tokens; in chunks it grows with the tokens (about 2 minutes).
 """
 
 from __future__ import annotations
@@ -37,16 +41,23 @@ from tests.helpers.memory import LiveBytes
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
-MODEL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=64, vocab_size=2048, linear_num_key_heads=2, linear_num_value_heads=4,
-             linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4)  # fmt: skip
+MODELS = {  # family -> (config fields, description, default contexts, default chunk)
+    "qwen3_5": (dict(model_type="qwen3_5_text", hidden_size=256, intermediate_size=512, num_hidden_layers=8,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=2048,
+                     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+                     linear_value_head_dim=64, linear_conv_kernel_dim=4),
+                "Qwen3.5-style hybrid (hidden 256, 6 gated delta-net + 2 attention layers, float32)",
+                [2048, 4096, 8192, 16384], 1024),
+    "mamba": (dict(model_type="mamba", hidden_size=256, num_hidden_layers=4, state_size=16, vocab_size=2048),
+              "Mamba (Mamba-1: hidden 256, 4 layers, state 16, float32)", [256, 512, 768], 128),
+}  # fmt: skip
 
 
-def build():
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+def build(family: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**MODEL)).float().train()
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**MODELS[family][0])).float().train()
     model.config._attn_implementation = "sdpa"
     return model
 
@@ -64,7 +75,7 @@ def hf_step(model, checkpointing: bool):
 
 
 def oomb_step(model, chunk: int):
-    engine = OOMBEngine(HFChunkModel(model, layer_checkpointing=True), OOMBConfig(chunk, 128))
+    engine = OOMBEngine(HFChunkModel(model, layer_checkpointing=True), OOMBConfig(chunk, min(chunk, 128)))
 
     def step(ids):
         engine.loss(ids).backward()
@@ -89,12 +100,12 @@ def measure(step, model, ids, repeats: int) -> tuple[int, float]:
 
 
 def run(args) -> Report:
-    report = Report(
-        args.out, model=MODEL, chunk=args.chunk, threads=torch.get_num_threads(), repeats=args.repeats
-    )
-    model = build()
+    fields = MODELS[args.family][0]
+    report = Report(args.out, family=args.family, model=fields, chunk=args.chunk, threads=torch.get_num_threads(),
+                    repeats=args.repeats)  # fmt: skip
+    model = build(args.family)
     for n in args.contexts:
-        ids = torch.randint(0, MODEL["vocab_size"], (1, n), generator=torch.Generator().manual_seed(n))
+        ids = torch.randint(0, fields["vocab_size"], (1, n), generator=torch.Generator().manual_seed(n))
         for checkpointing in (False, True):
             peak, seconds = measure(hf_step(model, checkpointing), model, ids, args.repeats)
             report.add({"method": "hf", "checkpointing": checkpointing, "tokens": n, "peak_bytes": peak,
@@ -107,7 +118,7 @@ def run(args) -> Report:
     return report
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, family: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -124,7 +135,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_xlabel("tokens")
         ax.set_ylabel(label)
         ax.legend(fontsize=8)
-    fig.suptitle("Hybrid (Qwen3.5-style, 6 gated delta-net + 2 attention layers), one step on CPU")
+    fig.suptitle(f"{MODELS[family][1]}, one step on CPU")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -133,8 +144,7 @@ def table(data: dict) -> str:
     lines = [
         f"`{data['command']}`",
         "",
-        f"Qwen3.5-style hybrid (hidden {MODEL['hidden_size']}, 6 gated delta-net + 2 attention layers, float32), one "
-        f"sequence; OOMB in chunks of {data['chunk']} with layer checkpointing; {data['threads']} CPU thread(s), "
+        f"{MODELS[data.get('family', 'qwen3_5')][1]}, one sequence; OOMB in chunks of {data['chunk']} with layer checkpointing; {data['threads']} CPU thread(s), "
         f"times the median of {data['repeats']}. Peak: live CPU bytes the step adds (weights and gradients not "
         "counted); OOMB's includes its KV pool and the carried states.",
         "",
@@ -157,16 +167,23 @@ def table(data: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
-    p.add_argument("--chunk", type=int, default=1024)
+    p.add_argument("--family", choices=sorted(MODELS), default="qwen3_5")
+    p.add_argument("--contexts", type=int, nargs="+", help="tokens per step (default: the family's)")
+    p.add_argument("--chunk", type=int, help="OOMB's chunk size (default: the family's)")
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "hybrid-memory-cpu.json")
+    p.add_argument(
+        "--out", type=Path, help="JSON path (default: benchmarks/results/hybrid-memory[-FAMILY]-cpu.json)"
+    )
     args = p.parse_args(argv)
+    _, _, contexts, chunk = MODELS[args.family]
+    args.contexts, args.chunk = args.contexts or contexts, args.chunk or chunk
+    suffix = "" if args.family == "qwen3_5" else f"-{args.family}"
+    args.out = args.out or ROOT / "benchmarks" / "results" / f"hybrid-memory{suffix}-cpu.json"
     start = time.perf_counter()
     report = run(args)
     report.data["wall_s"] = time.perf_counter() - start
     report.save()
-    plot(report.rows, args.out.with_suffix(".png"))
+    plot(report.rows, args.out.with_suffix(".png"), args.family)
     args.out.with_suffix(".md").write_text(table(report.data))
     print(table(report.data))
     return report.data

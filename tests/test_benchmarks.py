@@ -305,18 +305,19 @@ def test_cpu_step_smoke(tmp_path):
 
 
 @pytest.mark.slow
-def test_hybrid_memory_smoke(tmp_path):
+@pytest.mark.parametrize(("family", "tokens", "chunk"), [("qwen3_5", 256, 128), ("mamba", 128, 64)])
+def test_hybrid_memory_smoke(tmp_path, family, tokens, chunk):
     """The hybrid benchmark's rows at a tiny length: OOMB keeps the states of its boundaries and adds less than HF
     without checkpointing (timings are recorded, never checked)."""
     from benchmarks.hybrid_memory import main
 
     out = tmp_path / "hybrid.json"
-    main(["--contexts", "256", "--chunk", "128", "--out", str(out)])
+    main(["--family", family, "--contexts", str(tokens), "--chunk", str(chunk), "--out", str(out)])
     rows = {(r["method"], r["checkpointing"]): r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {("hf", False), ("hf", True), ("oomb", True)}
     assert rows["oomb", True]["carried_state_bytes"] > 0
     assert rows["oomb", True]["peak_bytes"] < rows["hf", False]["peak_bytes"]
-    assert "| 256 |" in out.with_suffix(".md").read_text() and out.with_suffix(".png").exists()
+    assert f"| {tokens} |" in out.with_suffix(".md").read_text() and out.with_suffix(".png").exists()
 
 
 def test_predictions_are_one_command(tmp_path):
