@@ -4,6 +4,8 @@ autograd's. (The models trained through it: ``tests/integrations/test_hybrids.py
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from transformers.models.mamba import modeling_mamba
@@ -88,3 +90,19 @@ def test_the_float64_rule_is_transformers_scan():
     theirs, their_state = modeling_mamba.mamba_selective_scan(*args, **keywords, return_last_state=True)
     assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-5)
     assert torch.allclose(our_state, their_state, rtol=1e-5, atol=1e-5)
+
+
+def test_long_chunks_on_the_torch_scan_are_warned_about():
+    """transformers' torch scan (mamba_ssm absent here) is warned about for chunks above SLOW_TORCH_SCAN_TOKENS."""
+    from lightning_oomb.integrations.hf import selective_scan
+
+    mixer = modeling_mamba.MambaMixer(modeling_mamba.MambaConfig(hidden_size=8, state_size=2), layer_idx=0)
+    tokens = selective_scan.SLOW_TORCH_SCAN_TOKENS
+    with selective_scan.continuing_scans([mixer]):
+        for length in (tokens, tokens + 1):
+            args, keywords = scan_inputs(0, batch=1, channels=2, states=2, length=length, dtype=torch.float32)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                modeling_mamba.mamba_selective_scan(*args, **keywords)
+            slow = [w for w in caught if f"chunk_size <= {tokens}" in str(w.message)]
+            assert len(slow) == (length > tokens)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
+import warnings
 from collections.abc import Callable, Iterator
 
 import torch
@@ -25,6 +27,9 @@ import torch.nn.functional as F
 
 SCANS_FROM_ZERO = frozenset({"MambaMixer", "FalconMambaMixer", "JambaMambaMixer"})
 SCAN = "mamba_selective_scan"  # the module-level function their forwards call
+# tokens per call above which transformers' torch scan (no mamba_ssm) is warned about: its backward takes time
+# growing faster than the square of a call's tokens (benchmarks/hybrid_memory.py --family mamba)
+SLOW_TORCH_SCAN_TOKENS = 512
 
 
 class IncomingShare(torch.autograd.Function):
@@ -89,6 +94,7 @@ def continuing_scans(
 
     def scan_of(module, original):
         def scan(*args, **kwargs):
+            warn_if_slow(args[0])
             h0 = armed.pop(module, None)
             return original(*args, **kwargs) if h0 is None else continued_scan(original, h0, *args, **kwargs)
 
@@ -108,3 +114,17 @@ def continuing_scans(
     finally:
         for module, original in saved.items():
             setattr(module, SCAN, original)
+
+
+def warn_if_slow(hidden_states: torch.Tensor) -> None:
+    """Warn (once) when a chunk of more than :data:`SLOW_TORCH_SCAN_TOKENS` tokens goes through transformers' torch
+    Mamba-1 scan, which it takes when mamba_ssm is not installed."""
+    if hidden_states.shape[-1] > SLOW_TORCH_SCAN_TOKENS and importlib.util.find_spec("mamba_ssm") is None:
+        warnings.warn(
+            f"Mamba-1 layers on transformers' torch selective scan (mamba_ssm is not installed) with chunks of "
+            f"{hidden_states.shape[-1]} tokens: its backward takes time growing faster than the square of a "
+            f"chunk's tokens (a 768-token step of a small Mamba: 21 s whole, 3 s in chunks of 128) — use "
+            f"chunk_size <= {SLOW_TORCH_SCAN_TOKENS}, or install mamba_ssm on a CUDA machine.",
+            UserWarning,
+            stacklevel=2,
+        )
