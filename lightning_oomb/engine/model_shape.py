@@ -253,6 +253,10 @@ def paged_head_dim(config: Any) -> int:
     return max(keys, getattr(config, "v_head_dim", None) or keys)
 
 
+MAMBA1_TYPES = ("mamba", "falcon_mamba")
+ATTENTION_FREE = (*MAMBA1_TYPES, "mamba2")  # model types without attention layers
+
+
 def _shape_of_config(cfg: Any) -> ModelShape:
     if (
         getattr(cfg, "model_type", None) in ATTENTION_FREE
@@ -287,9 +291,6 @@ def _shape_of_config(cfg: Any) -> ModelShape:
     )
 
 
-ATTENTION_FREE = ("mamba", "falcon_mamba", "mamba2")  # model types without attention layers
-
-
 def _shape_of_attention_free(cfg: Any) -> ModelShape:
     """A config without attention (pure Mamba2, Mamba-1): no pages and no MLP, each layer a norm and a carried mixer
     (:func:`_attention_free_mixer`)."""
@@ -307,7 +308,7 @@ def _shape_of_attention_free(cfg: Any) -> ModelShape:
 def _attention_free_mixer(cfg: Any) -> Mixer:
     """Mamba-1's mixer (``intermediate_size`` channels of ``state_size`` each, ``conv_kernel``) or Mamba2's (its
     ``num_heads``, ``head_dim``, ``state_size``, ``n_groups``, ``conv_kernel``, ``chunk_size``)."""
-    if getattr(cfg, "model_type", None) in ("mamba", "falcon_mamba"):
+    if getattr(cfg, "model_type", None) in MAMBA1_TYPES:
         width = cfg.intermediate_size
         return Mixer(
             "mamba", channels=width, kernel=cfg.conv_kernel, heads=width, head_dim=1, state=cfg.state_size

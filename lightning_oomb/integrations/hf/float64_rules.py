@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 from collections.abc import Iterator
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -106,11 +107,7 @@ def float64_recurrences(model: torch.nn.Module) -> Iterator[None]:
     """While the block runs, ``model``'s module computes its recurrences with :data:`FLOAT64_RULES` (every model of
     that module: use it on a twin or in a test)."""
     module = importlib.import_module(type(model).__module__)
-    saved = {name: getattr(module, name) for name in float32_rules_of(model)}
-    for name in saved:
-        setattr(module, name, FLOAT64_RULES[name])
-    try:
+    with contextlib.ExitStack() as patches:
+        for name in float32_rules_of(model):
+            patches.enter_context(mock.patch.object(module, name, FLOAT64_RULES[name]))
         yield
-    finally:
-        for name, func in saved.items():
-            setattr(module, name, func)

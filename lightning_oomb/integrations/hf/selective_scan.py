@@ -17,10 +17,12 @@ is held for the backward).
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.util
 import warnings
 from collections.abc import Callable, Iterator
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -106,20 +108,16 @@ def continuing_scans(
         if h0 is not None:
             armed[module] = h0
 
-    saved = {module: getattr(module, SCAN) for module in modules}
-    for module, original in saved.items():
-        setattr(module, SCAN, scan_of(module, original))
-    try:
+    with contextlib.ExitStack() as patches:
+        for module in modules:
+            patches.enter_context(mock.patch.object(module, SCAN, scan_of(module, getattr(module, SCAN))))
         yield arm
-    finally:
-        for module, original in saved.items():
-            setattr(module, SCAN, original)
 
 
 def warn_if_slow(hidden_states: torch.Tensor) -> None:
     """Warn (once) when a chunk of more than :data:`SLOW_TORCH_SCAN_TOKENS` tokens goes through transformers' torch
     Mamba-1 scan, which it takes when mamba_ssm is not installed."""
-    if hidden_states.shape[-1] > SLOW_TORCH_SCAN_TOKENS and importlib.util.find_spec("mamba_ssm") is None:
+    if hidden_states.shape[-1] > SLOW_TORCH_SCAN_TOKENS and not _mamba_ssm_installed():
         warnings.warn(
             f"Mamba-1 layers on transformers' torch selective scan (mamba_ssm is not installed) with chunks of "
             f"{hidden_states.shape[-1]} tokens: its backward takes time growing faster than the square of a "
@@ -128,3 +126,8 @@ def warn_if_slow(hidden_states: torch.Tensor) -> None:
             UserWarning,
             stacklevel=2,
         )
+
+
+@functools.cache
+def _mamba_ssm_installed() -> bool:
+    return importlib.util.find_spec("mamba_ssm") is not None
