@@ -168,7 +168,10 @@ class ModelShape:
 
     @property
     def calibrated(self) -> bool:
-        return self.family in CALIBRATED and not self.num_experts
+        """Whether the layers' activations are counted by a calibrated formula: a Llama-style dense family's, or
+        a model of carried mixers only (pure Mamba2, Mamba-1: their mixers' formula, fitted to CPU steps)."""
+        all_mixers = bool(self.mixers) and self.paged_layers == 0 and self.mlps == 0
+        return (self.family in CALIBRATED and not self.num_experts) or all_mixers
 
     @property
     def paged_layers(self) -> int:
