@@ -191,7 +191,8 @@ _ONE_PLUS_NORMS = ("Qwen3NextRMSNorm", "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm")
 
 
 def float64_norms(model) -> None:
-    """Gemma's (Gemma 4's scaling by its weight) and Qwen3-Next's RMSNorms (also the gated one of its linear attention) and Cohere's LayerNorm compute
+    """Gemma's (Gemma 4's scaling by its weight), Qwen3-Next's (also the gated one of its linear attention) and
+    Falcon-Mamba's weightless RMSNorms and Cohere's LayerNorm compute
     in float32 whatever the model's dtype (a float32 reduction over tokens in their weight gradient, which chunking
     reorders: ~1e-7), Llama's normalises in float32 (:func:`_is_llama_norm`); make them compute in the model's dtype
     so float64 tests can ask 1e-10."""

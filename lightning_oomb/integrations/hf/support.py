@@ -77,6 +77,17 @@ def _words(name: str) -> list[str]:
     return [w.lower() for w in re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z0-9]+", name)]
 
 
+def _mixes_with_state(module: torch.nn.Module) -> bool:
+    """Whether ``module`` may mix tokens through a state: a convolution over time, or a class named like a
+    recurrent / linear-attention mixer — but no norm, whatever its name (``MambaRMSNorm``)."""
+    words = _words(type(module).__name__)
+    return words[-1:] != ["norm"] and bool(
+        isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d))
+        or _STATEFUL_WORDS.intersection(words)
+        or _STATEFUL_PAIRS.intersection(zip(words, words[1:]))
+    )
+
+
 def _stateful_mixers(model: torch.nn.Module) -> tuple[list[str], list[str]]:
     """Class names of the decoder's modules that mix tokens with a state — convolutions over time and the known
     recurrent / linear-attention mixers (a vision tower's patch convolution is outside the decoder) — split into
@@ -89,19 +100,7 @@ def _stateful_mixers(model: torch.nn.Module) -> tuple[list[str], list[str]]:
         path = name + "." if name else ""
         return any(path.startswith(c) or c.startswith(path) for c in carried)
 
-    refused = set()
-    for name, module in named:
-        words = _words(type(module).__name__)
-        if (
-            not settled(name)
-            and words[-1:] != ["norm"]
-            and (  # a norm mixes no tokens (MambaRMSNorm)
-                isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d))
-                or _STATEFUL_WORDS.intersection(words)
-                or _STATEFUL_PAIRS.intersection(zip(words, words[1:]))
-            )
-        ):
-            refused.add(type(module).__name__)
+    refused = {type(m).__name__ for name, m in named if not settled(name) and _mixes_with_state(m)}
     mixers = {type(m).__name__ for _, m in named if type(m).__name__ in CARRIED_MIXERS}
     return sorted(mixers), sorted(refused)[:4]
 
