@@ -15,9 +15,21 @@ from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.grads import HALF_DTYPES
 from lightning_oomb.engine.user_hooks import gradient_hooks
 
-# families whose layers the activation formula was measured on (tests/engine/test_planner.py)
-CALIBRATED = ("llama", "qwen2", "qwen3", "mistral")
+# families whose activations the formula was checked on, against what autograd saves in CPU steps (within 10 %:
+# tests/engine/test_planner.py, test_planner_hybrids.py, test_planner_families.py)
+CALIBRATED = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gemma2", "gemma3", "gemma3_text", "gpt_oss",
+              "afmoe", "jamba", "lfm2_moe", "qwen3_next", "bamba", "falcon_h1", "lfm2")  # fmt: skip
 NORM_BYTES = 4  # HF's RMSNorm computes in float32 whatever the model's dtype
+# model types whose decoder layers norm the attention's and the MLP's outputs too (4 hidden-wide norms a layer)
+SANDWICH_NORMS = ("gemma2", "gemma3", "gemma3_text", "afmoe")
+# model types whose attention output is gated by the sigmoid of a projection of the layer's input
+GATED_ATTENTION = ("afmoe",)
+# config fields of the number of shared experts (each as wide as a routed one)
+SHARED_EXPERTS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
+# names of a decoder layer's MLP child (Llama's, LFM2's and Jamba's, others')
+MLP_NAMES = ("mlp", "feed_forward", "ffn")
+# config fields of the number of routed experts
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 # config fields of the width of an MoE layer's shared experts
 SHARED_WIDTHS = (
     "shared_expert_intermediate_size",
@@ -55,6 +67,11 @@ class ModelShape:
     ``half_vectors`` those of them in 1-D parameters (``None``: :meth:`vector_params`);
     ``mlp_width``: MLP width a token passes through (``experts_per_token x`` the expert width for MoE, plus
     ``shared_width``: its shared experts');
+    ``moe_layers``: the MLPs that route to experts (``None``: all, with ``num_experts``; Jamba's every other,
+    DeepSeek's after the first dense ones), the others dense, ``dense_width`` wide (0: ``intermediate_size``);
+    ``layer_norms``: hidden-wide norms per decoder layer (Gemma 2/3, AFMoE: 4, the attention's and the MLP's
+    outputs normed too); ``gated_attention``: the attention output is multiplied by a sigmoid gate (AFMoE);
+    ``clamped_experts``: the experts' GLU clamps its inputs (GPT-OSS's ``swiglu_limit``: it saves more);
     ``logit_softcap``: the head soft-caps its logits (Gemma 2/3); ``attention_softcap``: attention soft-caps its
     scores (Gemma 2); ``eager_experts``: MoE experts run in a Python loop (transformers' ``"eager"`` experts
     implementation; the default ``grouped_mm`` holds less in its backward). A hybrid (recurrent / convolution
@@ -112,6 +129,11 @@ class ModelShape:
     unsized_states: bool = False
     head_grad_hooked: bool = False
     float32_norms: bool = False
+    moe_layers: int | None = None
+    dense_width: int = 0
+    layer_norms: int = 2
+    gated_attention: bool = False
+    clamped_experts: bool = False
 
     @property
     def mlps(self) -> int:
@@ -129,38 +151,64 @@ class ModelShape:
 
     @property
     def mlp_width(self) -> int:
+        """MLP width a token passes through (in an MoE layer: its routed and shared experts')."""
         return self.intermediate_size * (self.experts_per_token or 1) + self.shared_width
 
     @property
+    def moe_mlps(self) -> int:
+        """MLPs that route to experts (0 without experts)."""
+        if not self.num_experts:
+            return 0
+        return self.mlps if self.moe_layers is None else min(self.moe_layers, self.mlps)
+
+    @property
+    def dense_mlp_width(self) -> int:
+        """Width of the dense MLPs (an MoE model's layers without experts)."""
+        return self.dense_width or self.intermediate_size
+
+    @property
+    def mean_mlp_width(self) -> float:
+        """MLP width a token passes through, averaged over the MLPs (dense and MoE)."""
+        dense = self.mlps - self.moe_mlps
+        return (self.moe_mlps * self.mlp_width + dense * self.dense_mlp_width) / max(self.mlps, 1)
+
+    @property
     def attention_params(self) -> int:
-        """Elements of one decoder layer's q, k, v and o projection weights."""
-        return 2 * self.hidden_size * (self.num_heads + self.kv_heads) * self.head_dim
+        """Elements of one decoder layer's q, k, v and o projection weights (and its output gate's)."""
+        return (2 + self.gated_attention) * self.hidden_size * self.num_heads * self.head_dim + (
+            2 * self.hidden_size * self.kv_heads * self.head_dim
+        )
 
     @property
     def mlp_params(self) -> int:
-        """Elements of one decoder layer's MLP weights (every expert's, for MoE)."""
-        return 3 * self.hidden_size * self.intermediate_size * max(self.num_experts, 1)
+        """Elements of one MLP's weights (an MoE layer's: every expert's and its shared experts')."""
+        if not self.num_experts:
+            return 3 * self.hidden_size * self.intermediate_size
+        return 3 * self.hidden_size * (self.intermediate_size * self.num_experts + self.shared_width)
 
     @property
-    def layer_linear_params(self) -> int:
-        return self.attention_params + self.mlp_params
+    def linear_params(self) -> int:
+        """Elements of the decoder's projection weights: every layer's attention, its MLPs (MoE and dense)."""
+        dense = (self.mlps - self.moe_mlps) * 3 * self.hidden_size * self.dense_mlp_width
+        experts = self.moe_mlps * self.mlp_params if self.num_experts else 0
+        return self.num_layers * self.attention_params + experts + dense
 
     def parameter_count(self) -> int:
         """Parameters of a Llama-style causal LM of this shape (exact for Llama, Qwen2/3, Mistral)."""
         if self.params is not None:
             return self.params
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.kv_heads * self.head_dim
-        layer = self.layer_linear_params + 2 * h + (q + 2 * kv if self.qkv_bias else 0)
+        layer = self.layer_norms * h + (q + 2 * kv if self.qkv_bias else 0)
         layer += 2 * self.head_dim if self.qk_norm else 0
-        layer += h * self.num_experts  # the router
+        routers = self.moe_mlps * h * self.num_experts
         head = 0 if self.tied_embeddings else self.vocab_size * h
-        return self.num_embeddings * h + self.num_layers * layer + h + head
+        return self.num_embeddings * h + self.num_layers * layer + self.linear_params + routers + h + head
 
     def vector_params(self) -> int:
         """Elements of the 1-D parameters (norm weights, biases) of a Llama-style causal LM of this shape."""
         q, kv = self.num_heads * self.head_dim, self.kv_heads * self.head_dim
         layer = (
-            2 * self.hidden_size
+            self.layer_norms * self.hidden_size
             + (q + 2 * kv if self.qkv_bias else 0)
             + (2 * self.head_dim if self.qk_norm else 0)
         )
@@ -168,10 +216,10 @@ class ModelShape:
 
     @property
     def calibrated(self) -> bool:
-        """Whether the layers' activations are counted by a calibrated formula: a Llama-style dense family's, or
-        a model of carried mixers only (pure Mamba2, Mamba-1: their mixers' formula, fitted to CPU steps)."""
+        """Whether the layers' activations are counted by a formula checked on the family (:data:`CALIBRATED`),
+        or a model of carried mixers only (pure Mamba2, Mamba-1: their mixers' formula, fitted to CPU steps)."""
         all_mixers = bool(self.mixers) and self.paged_layers == 0 and self.mlps == 0
-        return (self.family in CALIBRATED and not self.num_experts) or all_mixers
+        return self.family in CALIBRATED or all_mixers
 
     @property
     def paged_layers(self) -> int:
@@ -204,7 +252,7 @@ def model_shape(model: Any) -> ModelShape:
     config = _text_config(getattr(model, "config", None))
     model = _text_config(model)
     if isinstance(model, torch.nn.Module) and _is_config(config):
-        return _with_parameters(_shape_of_config(config), model)
+        return _with_parameters(_with_layers(_shape_of_config(config), model), model)
     inner = getattr(model, "model", None)  # e.g. the Hugging Face adapter around a PreTrainedModel
     if not isinstance(model, torch.nn.Module) and isinstance(inner, torch.nn.Module):
         return _with_adapter(model_shape(inner), model)
@@ -268,8 +316,12 @@ def _shape_of_config(cfg: Any) -> ModelShape:
         return _shape_of_attention_free(cfg)
     heads = cfg.num_attention_heads
     head_dim = paged_head_dim(cfg)
-    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or 0
+    experts = next((getattr(cfg, k) for k in EXPERT_COUNTS if getattr(cfg, k, None)), 0)
     family = getattr(cfg, "model_type", None) or "llama"
+    shared = next((getattr(cfg, k) for k in SHARED_WIDTHS if getattr(cfg, k, None)), 0)
+    shared_experts = next((getattr(cfg, k) for k in SHARED_EXPERTS if getattr(cfg, k, None)), 0)
+    if not shared and shared_experts:  # DeepSeek's, AFMoE's, ERNIE's: as wide as a routed expert each
+        shared = shared_experts * (getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
     return ModelShape(
         num_layers=cfg.num_hidden_layers,
         hidden_size=cfg.hidden_size,
@@ -281,12 +333,19 @@ def _shape_of_config(cfg: Any) -> ModelShape:
         vocab_size=cfg.vocab_size,
         num_embeddings=cfg.vocab_size,
         tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-        qk_norm=family.startswith("qwen3") or family.startswith("gemma3"),
+        qk_norm=family.startswith(("qwen3", "gemma3", "afmoe", "olmo2", "olmo3")),
         qkv_bias=bool(getattr(cfg, "attention_bias", family in ("qwen2", "qwen2_moe"))),
         family=family,
         num_experts=experts,
-        experts_per_token=(getattr(cfg, "num_experts_per_tok", None) or 0) if experts else 0,
-        shared_width=next((getattr(cfg, k) for k in SHARED_WIDTHS if getattr(cfg, k, None) and experts), 0),
+        experts_per_token=(getattr(cfg, "num_experts_per_tok", None) or getattr(cfg, "moe_k", None) or 0)
+        if experts
+        else 0,
+        shared_width=shared if experts else 0,
+        moe_layers=_moe_layers(cfg) if experts else None,
+        dense_width=_mlp_width(cfg) if experts else 0,
+        layer_norms=4 if family in SANDWICH_NORMS else 2,
+        gated_attention=family in GATED_ATTENTION,
+        clamped_experts=bool(experts) and getattr(cfg, "swiglu_limit", None) is not None,
         logit_softcap=getattr(cfg, "final_logit_softcapping", None) is not None,
         attention_softcap=getattr(cfg, "attn_logit_softcapping", None) is not None,
         eager_experts=getattr(cfg, "_experts_implementation", None) == "eager",
@@ -320,6 +379,36 @@ def _attention_free_mixer(cfg: Any) -> Mixer:
     channels = heads * head_dim + 2 * cfg.n_groups * state  # the convolution's: x, B and C
     return Mixer("mamba2", channels=channels, kernel=cfg.conv_kernel, heads=heads, head_dim=head_dim, state=state,
                  block=cfg.chunk_size, gated_norm=True)  # fmt: skip
+
+
+def _moe_layers(cfg: Any) -> int | None:
+    """How many of a config's layers route to experts where its fields make some dense (``None``: every one):
+    Jamba's ``layers_num_experts``; Qwen-MoE's ``mlp_only_layers`` and ``decoder_sparse_step``; DeepSeek's and
+    GLM's ``first_k_dense_replace``, AFMoE's and LFM2-MoE's ``num_dense_layers`` (the first layers dense); ERNIE's
+    ``moe_layer_start_index`` / ``moe_layer_end_index`` / ``moe_layer_interval``."""
+    n = cfg.num_hidden_layers
+    per_layer = getattr(cfg, "layers_num_experts", None)
+    if isinstance(per_layer, (list, tuple)):
+        return sum(e > 1 for e in per_layer)
+    dense = set(getattr(cfg, "mlp_only_layers", None) or ())
+    step = getattr(cfg, "decoder_sparse_step", None) or 1
+    first = getattr(cfg, "first_k_dense_replace", None) or getattr(cfg, "num_dense_layers", None) or 0
+    every = getattr(cfg, "moe_layer_interval", None) or 1
+    start = getattr(cfg, "moe_layer_start_index", None) or 0
+    end = getattr(cfg, "moe_layer_end_index", None)
+    end = n - 1 if end is None or end < 0 else end
+
+    def routes(i: int) -> bool:
+        return (
+            i not in dense
+            and (i + 1) % step == 0
+            and i >= first
+            and (i + 1) % every == 0
+            and start <= i <= end
+        )
+
+    count = sum(map(routes, range(n)))
+    return None if count == n else count
 
 
 def _mlp_width(cfg: Any) -> int:
@@ -426,6 +515,41 @@ def _with_adapter(shape: ModelShape, adapter: Any) -> ModelShape:
     return dataclasses.replace(shape, kv_layers=adapter.num_layers, conv_state_elements=conv,
                                recurrent_state_elements=recurrent, mixers=mixers,
                                unsized_states=not callable(elements))  # fmt: skip
+
+
+def _with_layers(shape: ModelShape, module: torch.nn.Module) -> ModelShape:
+    """What a Hugging Face model's decoder layers (``get_decoder().layers``) show beyond its config: the layers
+    whose MLP holds ``experts`` and the dense MLPs' width (the widest projection back to the hidden size in a
+    child named as :data:`MLP_NAMES` says), the hidden-wide norms a layer holds (its norm children), a ``gate_proj`` in its attention, its queries' and keys'
+    norms (``q_norm``)."""
+    decoder = module.get_decoder() if callable(getattr(module, "get_decoder", None)) else None
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
+        return shape
+    h = shape.hidden_size
+
+    def routes(layer: torch.nn.Module) -> bool:
+        return any(name.rsplit(".", 1)[-1] == "experts" for name, _ in layer.named_modules())
+
+    def norms(layer: torch.nn.Module) -> int:
+        return sum("norm" in type(c).__name__.lower() and getattr(c, "weight", None) is not None
+                   and tuple(c.weight.shape) == (h,) for c in layer.children())  # fmt: skip
+
+    dense = [layer for layer in layers if not routes(layer)]
+    widths = [m.in_features for layer in dense for name, m in layer.named_modules()
+              if isinstance(m, torch.nn.Linear) and m.out_features == h < m.in_features
+              and any(part in MLP_NAMES for part in name.split("."))]  # fmt: skip
+    attentions = [getattr(layer, "self_attn", None) for layer in layers]
+    changes: dict[str, Any] = dict(
+        layer_norms=max(map(norms, layers)) or shape.layer_norms,
+        gated_attention=any(isinstance(getattr(a, "gate_proj", None), torch.nn.Linear) for a in attentions),
+        qk_norm=shape.qk_norm or any(getattr(a, "q_norm", None) is not None for a in attentions),
+    )
+    if shape.num_experts:
+        changes.update(
+            moe_layers=len(layers) - len(dense), dense_width=max(widths, default=shape.dense_width)
+        )
+    return dataclasses.replace(shape, **changes)
 
 
 def _with_parameters(shape: ModelShape, module: torch.nn.Module) -> ModelShape:

@@ -25,7 +25,10 @@ options that would make it fit (each tried in the planner).
   the projections' input (``rH``; under autocast one cast copy per projection, ``cH`` each), attention ``2cQ``
   (the op's query and output, in the compute dtype; on a GPU at the pages' padded head dim, not counted) ``+ 4 Hq``
   (float32 LSE) ``+ rQ`` (o_proj input; ``cQ`` under autocast), the MLP
-  ``4cI`` (gate, SiLU, up, product) — ``Q = Hq x head_dim``. Under autocast every decoder weight is saved once more
+  ``4cI`` (gate, SiLU, up, product) — ``Q = Hq x head_dim``; an MoE layer per routed expert ``I`` of its width,
+  its gathered input, output and weighted output and the router's scores, its dense layers (DeepSeek's first, Jamba's
+  every other) their own MLP; norms of the attention's and the MLP's outputs (Gemma 2/3) and a sigmoid gate on the
+  attention output (AFMoE) counted as they save. Under autocast every decoder weight is saved once more
   as a ``c`` copy. With ``layer_checkpointing`` a layer saves only its input (``rH``; under offload on a GPU
   parked in host memory but two layers': :func:`parked_saves_bytes`). Plus the final norm
   (``4H + 4 + rH``; the cross-entropy saves nothing) and the step's token ids (8 B x batch x N). LoRA (peft):
@@ -369,7 +372,7 @@ def saved_bytes(
         copies = rope = 0
     else:
         tiled = mlp_tiled(shape, mlp_tile, min(chunk_size, seq_len))
-        attn, mlp = _layer_bytes_per_token(shape, dtypes, streamed=False, tiled=tiled)
+        attn, mlp, dense = _layer_bytes_per_token(shape, dtypes, streamed=False, tiled=tiled)
         # a host-tier layer saves its chunk's K and V too
         streamed = 2 * dtypes.kv.itemsize * shape.kv_heads * shape.head_dim
         # a hybrid's layers without attention: their input norm and carried mixer (mixer_bytes); a ChunkModel's
@@ -377,10 +380,11 @@ def saved_bytes(
         mixer_layers = min(shape.num_layers - shape.paged_layers, len(shape.mixers))
         mixed = mixer_layers * _mixer_norm_bytes(shape, dtypes) * tokens
         mixed += sum(_mixer_saves(shape, dtypes, batch, min(chunk_size, seq_len)))
-        per_token = shape.paged_layers * attn + shape.mlps * mlp + host_layers * streamed
+        mlps = shape.moe_mlps * mlp + (shape.mlps - shape.moe_mlps) * dense
+        per_token = shape.paged_layers * attn + mlps + host_layers * streamed
         layers = (per_token + adapter_bytes(shape, dtypes)) * tokens + mixed
         linear = shape.linear_weights
-        linear = shape.num_layers * shape.layer_linear_params if linear is None else linear
+        linear = shape.linear_params if linear is None else linear
         copies = linear * c if dtypes.mixed else 0
         rope = 2 * min(chunk_size, seq_len) * shape.head_dim * r  # cos and sin, shared by every layer
     return {
@@ -443,11 +447,14 @@ def _page_head_dim(shape: ModelShape, config: OOMBConfig, machine: Machine) -> i
 
 def _layer_bytes_per_token(
     shape: ModelShape, dtypes: Dtypes, streamed: bool, tiled: bool = False
-) -> tuple[int, int]:
-    """Bytes per token one decoder layer saves: (input norm + attention, post-attention norm + MLP); a ``tiled``
-    MLP (``mlp_tile``) saves only its input. Frozen layers (``frozen_layers``: LoRA) save no normed input for their
+) -> tuple[int, int, int]:
+    """Bytes per token one decoder layer saves: (input norm + attention, post-attention norm + MLP — an MoE
+    layer's where the model has experts — and the same for a dense MLP); a ``tiled`` MLP (``mlp_tile``) saves only
+    its input. Frozen layers (``frozen_layers``: LoRA) save no normed input for their
     norms' weights, and their projections' inputs only where LoRA adapters in the activations' dtype read them
-    (wider adapters save their own copies: :func:`adapter_bytes`)."""
+    (wider adapters save their own copies: :func:`adapter_bytes`). Norms of the attention's and the MLP's outputs
+    (``layer_norms`` 4: Gemma 2/3; Cohere's one is counted as two, from above) and a sigmoid gate on the attention
+    output count with attention."""
     r, c, f = dtypes.activation.itemsize, dtypes.compute.itemsize, NORM_BYTES
     h, heads, kv_heads = shape.hidden_size, shape.num_heads, shape.kv_heads
     q, kv = heads * shape.head_dim, kv_heads * shape.head_dim
@@ -460,16 +467,31 @@ def _layer_bytes_per_token(
     def norm(readers: int) -> int:  # float32 input, 1/rms, normed input, then what the projections save
         return f * h + f + normed + (readers * c * h if dtypes.mixed else r * h) * inputs
 
-    attn = norm(3) + 2 * c * q + lse * heads + (c if dtypes.mixed else r) * q * inputs
+    gated = shape.gated_attention
+    attn = norm(3 + gated) + 2 * c * q + lse * heads + (c if dtypes.mixed else r) * q * inputs
+    attn += (
+        2 * c * q * gated
+    )  # the gate's sigmoid, and the output it multiplies (a copy of the op's: reshaped)
+    attn += max(shape.layer_norms - 2, 0) * (
+        f * h + f + normed
+    )  # the outputs' norms: no projection reads them
     if shape.qk_norm:  # per-head norms of q and k: float32 input, 1/rms, normed (in the compute dtype)
         attn += (f + c) * (q + kv) + f * (heads + kv_heads)
     if streamed:
         attn += 2 * c * kv
-    mlp = f * h + f + normed + r * h if tiled else norm(2) + (3 + inputs) * c * shape.mlp_width
-    # MoE: per routed expert its gathered input, output and weighted output; the router's scores
-    if shape.num_experts:
-        mlp += 3 * c * h * shape.experts_per_token + 2 * f * shape.num_experts
-    return attn, mlp
+
+    def mlp(width: int, experts: bool) -> int:
+        if tiled:
+            return f * h + f + normed + r * h
+        saved = norm(2) + (3 + inputs) * c * width
+        if experts:  # per routed expert its gathered input, output and weighted output; the router's scores
+            saved += 3 * c * h * shape.experts_per_token + 2 * f * shape.num_experts
+            # a clamped GLU (GPT-OSS): both clamps' inputs beside its sigmoid's and product's
+            saved += 2 * c * width * shape.clamped_experts
+        return saved
+
+    dense = mlp(shape.dense_mlp_width, False)
+    return attn, (mlp(shape.mlp_width, True) if shape.num_experts else dense), dense
 
 
 def mixer_bytes(mixer: Mixer, dtypes: Dtypes, batch: int, length: int, hidden: int) -> tuple[int, int]:
@@ -597,7 +619,8 @@ def layer_backward_bytes(
     acc = 8 if dtypes.activation == torch.float64 else 4
     h, q, kv = shape.hidden_size, shape.num_heads * shape.head_dim, shape.kv_heads * shape.head_dim
     tiled = mlp_tiled(shape, mlp_tile, lq)
-    attn, mlp = _layer_bytes_per_token(shape, dtypes, streamed, tiled)
+    attn, mlp, dense = _layer_bytes_per_token(shape, dtypes, streamed, tiled)
+    mlp = max(mlp, dense)  # the last layer's, either kind
     attn_copies, mlp_copies = (shape.attention_params * c, shape.mlp_params * c) if dtypes.mixed else (0, 0)
     # the recomputed layer holds its saved tensors (and autocast's weight copies) again, but not its attention
     # result: the kept one (counted apart: kept_attention_bytes)
@@ -614,14 +637,15 @@ def layer_backward_bytes(
         held_mixer = held_attn
     # the product's backward makes two I-wide gradients from a third (3cI) after the down projection's backward
     # freed its saved input (cI): 2cI beyond the saved tensors (a wide MLP's step peak within 2 % on CPU)
-    mlp_flight = (2 * c * shape.mlp_width + 4 * r * h) * tokens
+    width = max(shape.mlp_width, shape.dense_mlp_width)
+    mlp_flight = (2 * c * width + 4 * r * h) * tokens
     # wider LoRA adapters on the MLP's input hand back their copies' gradients (gate's, up's) in their dtype
     mlp_flight += 2 * max((a for _, _, a, _ in shape.adapters if a > r), default=0) * h * tokens
     if shape.num_experts and shape.eager_experts:  # a loop over experts: each one's gather hands back a whole
         mlp_flight += 2 * c * h * (shape.num_experts + 2) * tokens  # [tokens, H] gradient (measured on CPU)
     # one tile's recompute (its saved tensors) and gradients, beside the chunk's dx and output gradient
     if tiled:
-        mlp_flight = 7 * c * shape.mlp_width * batch * mlp_tile + 2 * r * h * tokens
+        mlp_flight = 7 * c * width * batch * mlp_tile + 2 * r * h * tokens
     attn_flight = (2 * r * q + acc * q + 4 * r * kv + 2 * r * h) * tokens
     keys = min(chunk_size if streamed else seq_len, reach or seq_len)
     copies = acc * q * tokens if r != acc else 0  # one [tokens, Q] tensor cast to the arithmetic's dtype
@@ -1297,7 +1321,7 @@ def _notes(inputs: _Inputs, config: OOMBConfig) -> list[str]:
     shape, dtypes = inputs.shape, inputs.dtypes
     if not shape.calibrated:
         notes.append(
-            f"activations of {shape.family} estimated with the Llama-style layer formula (calibrated on "
+            f"activations of {shape.family} estimated with the layer formula (checked on CPU steps of "
             f"{', '.join(CALIBRATED)}): treat them as approximate"
         )
     if shape.unsized_states:

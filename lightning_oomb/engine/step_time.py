@@ -46,7 +46,7 @@ class ModelShape(Protocol):
     num_heads: int
     head_dim: int
     vocab_size: int
-    mlp_width: int
+    mean_mlp_width: float
     attention_params: int
     windows: tuple[int | None, ...] | None
 
@@ -84,7 +84,7 @@ def step_flops(
     ``config.layer_checkpointing`` says); ``layers``: decoder layers counted (default: the model's)."""
     layers = shape.num_layers if layers is None else layers
     h = shape.hidden_size
-    down = h * shape.mlp_width  # the MLP's down projection: a third of its weights
+    down = h * shape.mean_mlp_width  # the MLP's down projection: a third of its weights
     checkpointing = config.layer_checkpointing is True
     tiled = (
         not reference and config.mlp_tile is not None and config.mlp_tile < min(config.chunk_size, seq_len)

@@ -1,0 +1,78 @@
+"""The memory plan of layers beyond Llama's: MoE models whose first or every other layers are dense (AFMoE, Jamba,
+LFM2-MoE, DeepSeek, Qwen-MoE, ERNIE), Gemma's and AFMoE's four norms a layer, AFMoE's gated attention and QK
+norms, GPT-OSS's clamped experts — against what autograd saves in a CPU step, and a config's shape against the one
+its built model shows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_oomb.engine.model_shape import model_shape
+from tests.engine.test_planner import measure, one_thread  # noqa: F401  (one_thread: an autouse fixture)
+from tests.helpers.models import build_family, build_hybrid
+
+
+@pytest.mark.parametrize(
+    ("family", "build"),
+    [("afmoe", build_family), ("gemma2", build_family), ("gemma3", build_family), ("gpt_oss", build_family),
+     ("jamba", build_hybrid), ("lfm2_moe", build_hybrid)],
+    ids=lambda v: v if isinstance(v, str) else "",
+)  # fmt: skip
+def test_activations_of_layers_beyond_llamas(family, build):
+    """What autograd saves within 10 % (measured -9 % .. +2 %; before: AFMoE 31 % under, Gemma 2/3 23-24 %,
+    GPT-OSS 21 %, Jamba 9 % over with its dense layers counted as MoE), the step's peak at most 5 % below."""
+    predicted, saved, measured = measure(family, "32-true", False, 64, seq_len=256, vocab=64, live=True,
+                                         build=build)  # fmt: skip
+    assert abs(predicted.device["activations"] / saved - 1) <= 0.10, (predicted.saved, saved)
+    backward = max(v for k, v in predicted.phases.items() if k != "optimizer step")
+    assert backward + predicted.device["carried_states"] >= 0.95 * measured, (predicted.phases, measured)
+
+
+BASE = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+            vocab_size=64, num_hidden_layers=4)  # fmt: skip
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=16)
+CONFIGS = {  # model_type -> fields; (the layers that route to experts, dense MLP width, norms a layer)
+    "qwen2_moe": (dict(MOE, num_experts=4, shared_expert_intermediate_size=24, decoder_sparse_step=2,
+                       mlp_only_layers=[3]), 1),
+    "qwen3_moe": (dict(MOE, num_experts=4, mlp_only_layers=[0]), 3),
+    "mixtral": (dict(num_local_experts=4, num_experts_per_tok=2), 4),
+    "deepseek_v3": (dict(MOE, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+                         topk_group=1, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                         v_head_dim=8), 3),
+    "glm4_moe": (dict(MOE, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=2, n_group=1,
+                      topk_group=1), 2),
+    "ernie4_5_moe": (dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=16, moe_layer_start_index=1,
+                          moe_layer_end_index=2), 2),
+    "afmoe": (dict(MOE, num_experts=4, num_dense_layers=1, num_shared_experts=1), 3),
+    "jamba": (dict(num_experts=4, num_experts_per_tok=2, expert_layer_period=2, expert_layer_offset=1,
+                   attn_layer_period=2, attn_layer_offset=1, mamba_d_state=4, mamba_d_conv=4, mamba_expand=2,
+                   mamba_dt_rank=4), 2),
+    "gemma2": (dict(), 0),
+    "gemma3_text": (dict(), 0),
+}  # fmt: skip
+READ = ("num_experts", "experts_per_token", "shared_width", "moe_mlps", "dense_mlp_width", "mlp_width",
+        "layer_norms", "gated_attention", "qk_norm")  # fmt: skip
+# the parameter formula does not know these layers: multi-head latent attention, Mamba
+FORMULA_FAILS = ("deepseek_v3", "jamba")
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_a_configs_layers_are_read_as_its_built_model_shows_them(family):
+    """``oomb plan --model-config`` (a config alone) reads the layers that route to experts, the dense MLPs'
+    width, shared experts, norms a layer and gated attention as the built model's modules show them (before: every
+    MLP planned as MoE, DeepSeek's and ERNIE's experts not seen, Gemma's extra norms and AFMoE's gate not counted);
+    its parameter formula within 0.1 % of the built model's count."""
+    import transformers as tf
+
+    fields, routed = CONFIGS[family]
+    config = tf.AutoConfig.for_model(family, **{**BASE, **fields})
+    with torch.device("meta"):
+        model = tf.AutoModelForCausalLM.from_config(config)
+    from_config, from_model = model_shape(config), model_shape(model)
+    assert {k: getattr(from_config, k) for k in READ} == {k: getattr(from_model, k) for k in READ}
+    assert from_model.moe_mlps == routed
+    assert from_model.layer_norms == (4 if family.startswith("gemma") else 2) + (family == "afmoe") * 2
+    assert from_model.gated_attention == (family == "afmoe")
+    if family not in FORMULA_FAILS:
+        assert abs(from_config.parameter_count() / from_model.params - 1) <= 1e-3
