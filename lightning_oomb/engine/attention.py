@@ -1,6 +1,6 @@
 """The attention op: a chunk's queries against all stored pages of its layer, as an autograd Function.
 
-``paged_attention(q, k, v, chunk, layer, scale, window, softcap, sinks) -> out`` with ``q [B, Hq, Lq, D]`` and the
+``paged_attention(q, k, v, chunk, layer, scale, window, softcap, sinks, block) -> out`` with ``q [B, Hq, Lq, D]`` and the
 chunk's own post-RoPE ``k, v [B, Hkv, Lq, D]``; ``softcap`` caps the scores (``c * tanh(s / c)``), ``sinks [Hq]``
 (a parameter; it gets its gradient) adds one logit per query head to every row's softmax. In the forward sweep ``k, v`` are first written into the pool, so the kernels
 see one uniform paged sequence ``[0, chunk.start + Lq)`` with lower-right causal alignment. Backward computes dQ,
@@ -21,6 +21,7 @@ or the environment variable ``OOMB_ATTENTION_BACKEND`` (``auto`` | ``torch`` | `
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -545,6 +546,28 @@ def _selected_blocks(chunk: ChunkContext, layer: int, selection: Selection | Non
     return None if selection is None else selection.blocks(chunk.shape.block_pages)
 
 
+def _in_blocks(chunk: ChunkContext, block: int, device: torch.device) -> ChunkContext:
+    """The chunk as a chunked-attention call sees it (one context per call, sharing the chunk's state): its
+    documents cut every ``block`` tokens from their starts, as documents of their own."""
+    if block < 1:
+        raise OOMBConfigError(
+            f"paged_attention was called with block={block} — use a positive span of positions."
+        )
+    if chunk.context is not None:  # the whole chunk's tokens, every rank's slice
+        rows = sum(chunk.context.lengths)
+    else:
+        rows = min(chunk.shape.chunk_size, chunk.shape.seq_len - chunk.start)
+    index = torch.arange(chunk.start, chunk.start + rows, device=device, dtype=torch.int32)
+    docs = chunk.doc_start
+    if docs is None:
+        starts = (index // block * block).expand(chunk.shape.batch, rows).contiguous()
+        return dataclasses.replace(
+            chunk, doc_start=starts, key_floor=max(chunk.key_floor, chunk.start // block * block)
+        )
+    starts = docs + (index.to(docs.dtype) - docs) // block * block
+    return dataclasses.replace(chunk, doc_start=starts.contiguous())
+
+
 @torch.compiler.disable
 def paged_attention(
     q: torch.Tensor,
@@ -556,11 +579,16 @@ def paged_attention(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    block: int | None = None,
 ) -> torch.Tensor:
     """Attention of a chunk's ``q [B, Hq, Lq, D]`` over its layer's pages plus its own ``k, v``; ``[B, Hq, Lq, D]``.
 
     ``window``: a sliding window of keys (query ``i`` sees ``W`` keys up to itself); ``softcap``: scores
-    ``c * tanh(s / c)``; ``sinks [Hq]``: one extra logit per query head in every row's softmax. ``layer``: the
+    ``c * tanh(s / c)``; ``sinks [Hq]``: one extra logit per query head in every row's softmax; ``block``: chunked
+    attention (Llama 4's local layers) — query ``i`` sees only the keys of its own span of ``block`` positions
+    (``[block * (i // block), i]``; in packed rows ``i`` counts from its document's start: each document as if
+    trained apart), a window of ``block`` whose earlier keys are masked (the layer keeps only ``block`` keys'
+    pages, as a window layer). ``layer``: the
     call's own index in ``0..num_layers-1`` (a layer attending twice takes two). ``q``, ``k`` and ``v`` have one
     dtype and device (under autocast: cast to its dtype, as it casts torch's ``scaled_dot_product_attention``'s),
     and every call's the dtype of the step's first call (the pool's). A call that does not fit the
@@ -569,6 +597,8 @@ def paged_attention(
     every chunk and step reuses (its per-chunk state would make Dynamo recompile at each call otherwise)."""
     q, k, v = _autocast(q, k, v)
     _check_call(q, k, v, chunk, layer)
+    if block is not None:
+        chunk, window = _in_blocks(chunk, block, q.device), block if window is None else min(window, block)
     width = q.shape[-1]
     if pad := chunk.shape.head_dim - width:  # pages wider than the heads (:func:`stored_head_dim`)
         q, k, v = (F.pad(x, (0, pad)) for x in (q, k, v))

@@ -103,13 +103,15 @@ class ChunkModel(Protocol):
     not blocks: each call in a chunk's forward takes its own ``layer`` index in ``0 .. num_layers - 1`` (a block that
     attends twice takes two; only a checkpoint's recompute calls an index again). Every layer's ``k, v`` have the
     same dtype and shape, ``[B, kv_heads, L, head_dim]`` (one pool holds them all). The op is causal attention with
-    the engine's document masks (packed sequences) and, per call, a sliding ``window``, a ``softcap`` and ``sinks``;
-    there is no additive score bias (ALiBi, relative-position bias) and no custom mask.
+    the engine's document masks (packed sequences) and, per call, a sliding ``window``, a ``softcap``, ``sinks`` and
+    a ``block`` (chunked attention: each query sees its own span of ``block`` tokens); there is no additive score
+    bias (ALiBi, relative-position bias) and no custom mask.
 
     **Optional attributes.** ``layer_windows``: per layer index, the ``window`` its call passes (``None``: full
     attention); window layers then keep only the pages their window reaches, and a call passing another window is
-    refused (without it every page is kept). ``carries_states`` (the module docstring); ``new_step_loss()``
-    (:class:`StepLoss`).
+    refused (without it every page is kept); a chunked-attention layer's ``window`` is its ``block``.
+    ``carries_states`` (the module docstring); ``new_step_loss()`` (:class:`StepLoss`); ``packing_refused``: why
+    packed documents cannot train exactly (the engine refuses them before any work), or ``None``.
 
     **Memory plan** (:mod:`~lightning_oomb.engine.planner`: the strategies' setup check, ``oomb plan``). An
     ``nn.Module`` model's parameters are counted exactly, its activations with the Llama-style layer formula read

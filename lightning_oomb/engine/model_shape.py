@@ -18,12 +18,15 @@ from lightning_oomb.engine.user_hooks import gradient_hooks
 # families whose activations the formula was checked on, against what autograd saves in CPU steps (within 10 %:
 # tests/engine/test_planner.py, test_planner_hybrids.py, test_planner_families.py)
 CALIBRATED = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gemma2", "gemma3", "gemma3_text", "gpt_oss",
-              "afmoe", "jamba", "lfm2_moe", "qwen3_next", "bamba", "falcon_h1", "lfm2")  # fmt: skip
+              "afmoe", "jamba", "lfm2_moe", "llama4", "llama4_text", "qwen3_next", "kimi_linear", "bamba",
+              "falcon_h1", "lfm2")  # fmt: skip
 NORM_BYTES = 4  # HF's RMSNorm computes in float32 whatever the model's dtype
 # model types whose decoder layers norm the attention's and the MLP's outputs too (4 hidden-wide norms a layer)
 SANDWICH_NORMS = ("gemma2", "gemma3", "gemma3_text", "afmoe")
 # model types whose attention output is gated by the sigmoid of a projection of the layer's input
 GATED_ATTENTION = ("afmoe",)
+# config fields of the experts a token is routed to
+EXPERTS_PER_TOKEN = ("num_experts_per_tok", "num_experts_per_token", "moe_k")
 # config fields of the number of shared experts (each as wide as a routed one)
 SHARED_EXPERTS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
 # names of a decoder layer's MLP child (Llama's, LFM2's and Jamba's, others')
@@ -41,7 +44,7 @@ SHARED_WIDTHS = (
 @dataclass(frozen=True)
 class Mixer:
     """One carried token mixer of a hybrid (:func:`~lightning_oomb.engine.planner.mixer_bytes`): ``kind``
-    ``"delta"`` (gated delta-net), ``"mamba2"``, ``"mamba"`` (Mamba-1: ``heads`` its channels, ``head_dim`` 1) or
+    ``"delta"`` (gated delta-net), ``"kda"`` (Kimi-Linear's delta rule, its decay per key channel), ``"mamba2"``, ``"mamba"`` (Mamba-1: ``heads`` its channels, ``head_dim`` 1) or
     ``"conv"`` (gated short convolution); ``channels`` and ``kernel`` of its causal convolution;
     ``heads`` x ``head_dim``: the values its rule mixes (a delta-net's value heads, Mamba2's heads); ``state``: a
     delta-net's key head dim, Mamba2's state size; ``block``: the rule's block (a delta rule's 64, Mamba2's
@@ -72,6 +75,8 @@ class ModelShape:
     ``layer_norms``: hidden-wide norms per decoder layer (Gemma 2/3, AFMoE: 4, the attention's and the MLP's
     outputs normed too); ``gated_attention``: the attention output is multiplied by a sigmoid gate (AFMoE);
     ``clamped_experts``: the experts' GLU clamps its inputs (GPT-OSS's ``swiglu_limit``: it saves more);
+    ``dense_experts``: every token passes through every expert, weighted 0 where not routed (Llama 4's transformers
+    implementation: ``num_experts`` times a routed expert's memory and FLOPs);
     ``logit_softcap``: the head soft-caps its logits (Gemma 2/3); ``attention_softcap``: attention soft-caps its
     scores (Gemma 2); ``eager_experts``: MoE experts run in a Python loop (transformers' ``"eager"`` experts
     implementation; the default ``grouped_mm`` holds less in its backward). A hybrid (recurrent / convolution
@@ -134,6 +139,7 @@ class ModelShape:
     layer_norms: int = 2
     gated_attention: bool = False
     clamped_experts: bool = False
+    dense_experts: bool = False
 
     @property
     def mlps(self) -> int:
@@ -152,7 +158,12 @@ class ModelShape:
     @property
     def mlp_width(self) -> int:
         """MLP width a token passes through (in an MoE layer: its routed and shared experts')."""
-        return self.intermediate_size * (self.experts_per_token or 1) + self.shared_width
+        return self.intermediate_size * (self.routed_per_token or 1) + self.shared_width
+
+    @property
+    def routed_per_token(self) -> int:
+        """Experts a token passes through: ``experts_per_token``, every expert with ``dense_experts``."""
+        return self.num_experts if self.dense_experts else self.experts_per_token
 
     @property
     def moe_mlps(self) -> int:
@@ -320,6 +331,8 @@ def _shape_of_config(cfg: Any) -> ModelShape:
     family = getattr(cfg, "model_type", None) or "llama"
     shared = next((getattr(cfg, k) for k in SHARED_WIDTHS if getattr(cfg, k, None)), 0)
     shared_experts = next((getattr(cfg, k) for k in SHARED_EXPERTS if getattr(cfg, k, None)), 0)
+    if family.startswith("llama4"):  # one shared expert, as wide as a routed one
+        shared_experts = 1
     if not shared and shared_experts:  # DeepSeek's, AFMoE's, ERNIE's: as wide as a routed expert each
         shared = shared_experts * (getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
     return ModelShape(
@@ -337,15 +350,16 @@ def _shape_of_config(cfg: Any) -> ModelShape:
         qkv_bias=bool(getattr(cfg, "attention_bias", family in ("qwen2", "qwen2_moe"))),
         family=family,
         num_experts=experts,
-        experts_per_token=(getattr(cfg, "num_experts_per_tok", None) or getattr(cfg, "moe_k", None) or 0)
+        experts_per_token=next((getattr(cfg, k) for k in EXPERTS_PER_TOKEN if getattr(cfg, k, None)), 0)
         if experts
         else 0,
         shared_width=shared if experts else 0,
         moe_layers=_moe_layers(cfg) if experts else None,
-        dense_width=_mlp_width(cfg) if experts else 0,
+        dense_width=(getattr(cfg, "intermediate_size_mlp", None) or _mlp_width(cfg)) if experts else 0,
         layer_norms=4 if family in SANDWICH_NORMS else 2,
         gated_attention=family in GATED_ATTENTION,
         clamped_experts=bool(experts) and getattr(cfg, "swiglu_limit", None) is not None,
+        dense_experts=bool(experts) and family.startswith("llama4"),
         logit_softcap=getattr(cfg, "final_logit_softcapping", None) is not None,
         attention_softcap=getattr(cfg, "attn_logit_softcapping", None) is not None,
         eager_experts=getattr(cfg, "_experts_implementation", None) == "eager",
@@ -383,13 +397,19 @@ def _attention_free_mixer(cfg: Any) -> Mixer:
 
 def _moe_layers(cfg: Any) -> int | None:
     """How many of a config's layers route to experts where its fields make some dense (``None``: every one):
-    Jamba's ``layers_num_experts``; Qwen-MoE's ``mlp_only_layers`` and ``decoder_sparse_step``; DeepSeek's and
+    Jamba's ``layers_num_experts``, Llama 4's ``moe_layers``, Kimi-Linear's ``mlp_layer_types``; Qwen-MoE's ``mlp_only_layers`` and ``decoder_sparse_step``; DeepSeek's and
     GLM's ``first_k_dense_replace``, AFMoE's and LFM2-MoE's ``num_dense_layers`` (the first layers dense); ERNIE's
     ``moe_layer_start_index`` / ``moe_layer_end_index`` / ``moe_layer_interval``."""
     n = cfg.num_hidden_layers
     per_layer = getattr(cfg, "layers_num_experts", None)
     if isinstance(per_layer, (list, tuple)):
         return sum(e > 1 for e in per_layer)
+    listed = getattr(cfg, "moe_layers", None)  # Llama 4's (every interleave_moe_layer_step-th)
+    if isinstance(listed, (list, tuple)):
+        return len(listed)
+    kinds = getattr(cfg, "mlp_layer_types", None)  # Kimi-Linear's "dense" / "sparse"
+    if isinstance(kinds, (list, tuple)):
+        return sum(k == "sparse" for k in kinds)
     dense = set(getattr(cfg, "mlp_only_layers", None) or ())
     step = getattr(cfg, "decoder_sparse_step", None) or 1
     first = getattr(cfg, "first_k_dense_replace", None) or getattr(cfg, "num_dense_layers", None) or 0
@@ -424,20 +444,24 @@ def _mlp_width(cfg: Any) -> int:
     return width
 
 
+WINDOWED = ("sliding_attention", "full_attention", "chunked_attention")  # layer types of attention layers
+
+
 def _config_windows(cfg: Any) -> tuple[int | None, ...] | None:
     """Each layer's sliding window as a Hugging Face config declares it: ``sliding_window`` on the layers its
-    ``layer_types`` calls ``sliding_attention`` (on every layer without ``layer_types``: Mistral, Phi-3); ``None``
-    without a window, or with layer types other than these two (a hybrid: its adapter says,
-    :func:`_with_adapter`)."""
+    ``layer_types`` calls ``sliding_attention`` (on every layer without ``layer_types``: Mistral, Phi-3),
+    ``attention_chunk_size`` on ``chunked_attention`` layers (Llama 4: they keep a window's pages); ``None``
+    without a window, or with layer types other than these (a hybrid: its adapter says, :func:`_with_adapter`)."""
     window = getattr(cfg, "sliding_window", None)
-    if isinstance(window, bool) or not isinstance(window, int):
-        return None
+    window = window if isinstance(window, int) and not isinstance(window, bool) else None
     types = getattr(cfg, "layer_types", None)
     if types is None:
-        return (window,) * cfg.num_hidden_layers
-    if any(t not in ("sliding_attention", "full_attention") for t in types):
+        return None if window is None else (window,) * cfg.num_hidden_layers
+    if any(t not in WINDOWED for t in types):
         return None
-    return tuple(window if t == "sliding_attention" else None for t in types)
+    spans = {"sliding_attention": window, "chunked_attention": getattr(cfg, "attention_chunk_size", None)}
+    windows = tuple(spans.get(t) for t in types)
+    return windows if any(w is not None for w in windows) else None
 
 
 def _shape_of_chunk_model(model: torch.nn.Module) -> ModelShape:
@@ -543,7 +567,8 @@ def _with_layers(shape: ModelShape, module: torch.nn.Module) -> ModelShape:
     changes: dict[str, Any] = dict(
         layer_norms=max(map(norms, layers)) or shape.layer_norms,
         gated_attention=any(isinstance(getattr(a, "gate_proj", None), torch.nn.Linear) for a in attentions),
-        qk_norm=shape.qk_norm or any(getattr(a, "q_norm", None) is not None for a in attentions),
+        qk_norm=shape.qk_norm
+        or any(getattr(a, n, None) is not None for a in attentions for n in ("q_norm", "qk_norm")),
     )
     if shape.num_experts:
         changes.update(

@@ -485,7 +485,7 @@ def _layer_bytes_per_token(
             return f * h + f + normed + r * h
         saved = norm(2) + (3 + inputs) * c * width
         if experts:  # per routed expert its gathered input, output and weighted output; the router's scores
-            saved += 3 * c * h * shape.experts_per_token + 2 * f * shape.num_experts
+            saved += 3 * c * h * shape.routed_per_token + 2 * f * shape.num_experts
             # a clamped GLU (GPT-OSS): both clamps' inputs beside its sigmoid's and product's
             saved += 2 * c * width * shape.clamped_experts
         return saved
@@ -501,7 +501,8 @@ def mixer_bytes(mixer: Mixer, dtypes: Dtypes, batch: int, length: int, hidden: i
     convolution's input and output (with the kernel's earlier columns), its output gate (a gated RMSNorm: float32
     input, gate, product and the normed output) and output projection's input; per token of whole blocks the rule's
     float32 tensors: for a delta rule per value head ``12 Dk + 3 Dv`` (``8 Dk`` below float32 activations: measured)
-    and five ``block``-wide rows, for Mamba2's scan ``5 N + 4 P`` and three; per block its states (Mamba2: twice,
+    and five ``block``-wide rows (Kimi-Linear's, its decay per key channel: ``block x (3 Dk + 19)`` more, and as
+    many in flight), for Mamba2's scan ``5 N + 4 P`` and three; per block its states (Mamba2: twice,
     and once more); for Mamba-1's scan ``3 N`` per channel (decays, inputs, states; with 16-bit activations the
     states cast back too). The transients (the gradients in flight beyond the saved tensors, fitted from above to
     CPU steps, ``tests/engine/test_planner_hybrids.py``): a delta rule's ``3 block + 3 Dk + Dv`` float32 per value
@@ -520,12 +521,18 @@ def mixer_bytes(mixer: Mixer, dtypes: Dtypes, batch: int, length: int, hidden: i
         rule = 3 * f * out * n  # per channel and state column: the decays, the inputs, the states
         cast = (f * out + r * out * n) if r != f else 0  # 16-bit: the gate in float32, the states cast back
         return batch * ((own + rule + cast) * length + conv), batch * f * 4 * out * n * length
-    if mixer.kind == "delta":  # its projections' input, its gated norm, beta, g
+    if mixer.kind in ("delta", "kda"):  # its projections' input, its gated norm, beta, g
         own = r * hidden + (12 + 3 * r) * out + 6 * f * heads
         keys = 12 if dtypes.activation == torch.float32 else 8
         rule = f * heads * (keys * n + 3 * d + 5 * mixer.block + 4)
         states = f * heads * n * d * blocks
         flight = f * heads * (3 * mixer.block + 3 * n + d) * padded
+        if (
+            mixer.kind == "kda"
+        ):  # a decay per key channel: float32 [block, block, key dim] blocks per head (the
+            # decay mask and the products it scales) and more [block, block] ones (fitted to CPU steps)
+            rule += f * heads * mixer.block * (3 * n + 19)
+            flight += f * heads * mixer.block * (3 * n + 19) * padded
     else:  # Mamba2: its projection's input and output, the scan's input in float32 (a view of float32 ones), its
         # gated norm on float32 scan outputs (the gate cast too) or Falcon-H1's plain gate
         gate = (16 + f - r) * out if mixer.gated_norm else 8 * out

@@ -360,6 +360,8 @@ class OOMBEngine:
         bounds = chunk_bounds(seq_len, cfg.chunk_size)
         denominator = int((targets != IGNORE_INDEX).sum()) if num_items is None else _count(num_items)
         floors = key_floors(batch_layout.doc_start, [start for start, _ in bounds])
+        if batch_layout.doc_start is not None and (why := getattr(model, "packing_refused", None)):
+            raise OOMBConfigError(f"packed documents (position_ids that restart) with this model: {why}")
         new_step_loss = getattr(model, "new_step_loss", None)
         step_loss = new_step_loss() if new_step_loss is not None else None
         if step_loss is not None and layout is not None and not hasattr(step_loss, "reduce"):

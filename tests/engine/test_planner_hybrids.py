@@ -1,5 +1,5 @@
-"""The memory plan of hybrids — carried gated-delta (Qwen3-Next), Mamba2 (Bamba, Falcon-H1) and short-convolution
-(LFM2) mixers beside attention, and Mamba-1 models (Mamba, Falcon-Mamba), the tiny models of ``tests/integrations/test_hybrids.py`` — against a CPU step: what
+"""The memory plan of hybrids — carried gated-delta (Qwen3-Next), Kimi-Linear's delta rule, Mamba2 (Bamba,
+Falcon-H1) and short-convolution (LFM2) mixers beside attention, and Mamba-1 models (Mamba, Falcon-Mamba), the tiny models of ``tests/integrations/test_hybrids.py`` — against a CPU step: what
 autograd saves and the step's allocation peak (``tests/engine/test_planner.py``'s ``measure``)."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def broadcast_scan(family: str) -> bool:
 @pytest.mark.parametrize(
     ("family", "precision"),
     [("qwen3_next", "32-true"), ("qwen3_next", "bf16-true"), ("bamba", "32-true"), ("falcon_h1", "32-true"),
-     ("lfm2", "32-true"), ("mamba", "32-true"), ("falcon_mamba", "bf16-true")],
+     ("lfm2", "32-true"), ("mamba", "32-true"), ("falcon_mamba", "bf16-true"), ("kimi_linear", "32-true")],
 )  # fmt: skip
 def test_a_hybrids_carried_mixers_are_planned(family, precision, checkpointing):
     """Each mixer's saved tensors and backward transients as transformers' torch rules compute them, the inputs its
@@ -40,13 +40,16 @@ def test_a_hybrids_carried_mixers_are_planned(family, precision, checkpointing):
                                          build=build_hybrid)  # fmt: skip
     backward = max(v for k, v in predicted.phases.items() if k != "optimizer step")
     peak = backward + predicted.device["carried_states"]  # the stored states are allocated during the step
+    # Kimi-Linear's per-channel decay blocks: planned from above (+4 .. +30 % at key dims of 8 to 32)
+    high = 1.35 if family == "kimi_linear" else 1.10
     if not (checkpointing and broadcast_scan(family)):
-        assert 0.95 <= peak / measured <= 1.10, (predicted.phases, measured)
+        assert 0.95 <= peak / measured <= high, (predicted.phases, measured)
     assert len(predicted.model.mixers) == {
         "falcon_h1": 4,
         "qwen3_next": 3,
         "mamba": 4,
         "falcon_mamba": 4,
+        "kimi_linear": 3,
     }.get(family, 2)
     if not checkpointing:  # (checkpointed layers save their inputs: tests/engine/test_planner.py)
         assert abs(predicted.device["activations"] / saved - 1) <= 0.10, (predicted.saved, saved)

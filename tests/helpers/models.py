@@ -66,6 +66,24 @@ def oomb_step(model, input_ids, checkpointing: bool = False, *, chunk: int, page
     return loss.detach(), grads_of(model), engine
 
 
+def assert_triton_matches_torch(model, input_ids, chunk: int = 16, page: int = 16, **batch) -> None:
+    """One step of ``model`` on the Triton backend (interpreted on a CPU) gives the torch backend's loss (1e-5) and
+    gradients (1e-4); ``batch``: more ``engine.loss`` arguments (e.g. ``position_ids``)."""
+    from lightning_oomb.engine import OOMBConfig, OOMBEngine
+    from lightning_oomb.integrations.hf import HFChunkModel
+
+    results = {}
+    for backend in ("torch", "triton"):
+        model.zero_grad()
+        engine = OOMBEngine(HFChunkModel(model), OOMBConfig(chunk, page, attention_backend=backend))
+        loss = engine.loss(input_ids, **batch)
+        loss.backward()
+        results[backend] = loss.detach(), grads_of(model)
+    (loss_t, grads_t), (loss_k, grads_k) = results["torch"], results["triton"]
+    assert torch.allclose(loss_k, loss_t, rtol=1e-5, atol=0)
+    assert max_relative_error(grads_k, grads_t) <= 1e-4
+
+
 def relative_errors(got: dict, want: dict) -> dict[str, float]:
     assert set(got) == set(want), "every parameter gets a gradient"
     return {n: ((got[n] - w).abs().max() / w.abs().max().clamp_min(1e-30)).item() for n, w in want.items()}
@@ -192,7 +210,7 @@ _ONE_PLUS_NORMS = ("Qwen3NextRMSNorm", "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm")
 
 def float64_norms(model) -> None:
     """Gemma's (Gemma 4's scaling by its weight), Qwen3-Next's (also the gated one of its linear attention) and
-    Falcon-Mamba's weightless RMSNorms and Cohere's LayerNorm compute
+    Falcon-Mamba's and Llama 4's weightless RMSNorms and Cohere's LayerNorm compute
     in float32 whatever the model's dtype (a float32 reduction over tokens in their weight gradient, which chunking
     reorders: ~1e-7), Llama's normalises in float32 (:func:`_is_llama_norm`); make them compute in the model's dtype
     so float64 tests can ask 1e-10."""
@@ -206,7 +224,9 @@ def float64_norms(model) -> None:
             module.forward = lambda x, gate, m=module: _gated_norm(x, gate, m)
         elif name == "CohereLayerNorm":
             module.forward = lambda x, m=module: _cohere_norm(x, m)
-        elif name.endswith("WeightlessRMSNorm"):  # Falcon-Mamba's (its weight is an unused buffer)
+        elif name.endswith(
+            ("WeightlessRMSNorm", "L2Norm")
+        ):  # Falcon-Mamba's (an unused weight), Llama 4's QK norm
             module.forward = module._norm
         elif name.endswith("RMSNorm") and _is_llama_norm(module):
             module.forward = lambda x, m=module: m.weight * _rms(x, m.variance_epsilon)
@@ -286,6 +306,12 @@ HYBRIDS = {  # model_type -> the tiny config's fields (every layer kind of the f
                    residual_in_fp32=False),  # float64 residuals (the default keeps them in float32)
     "mamba": _MAMBA1,  # Mamba-1: no attention layer
     "falcon_mamba": _MAMBA1,
+    "kimi_linear": dict(num_key_value_heads=4, linear_num_heads=2, linear_head_dim=8, linear_conv_kernel_dim=4,
+                        kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                        num_experts=4, num_experts_per_token=2, moe_intermediate_size=16, num_shared_experts=1,
+                        mlp_layer_types=["dense", "sparse", "sparse", "sparse"], pad_token_id=0, bos_token_id=1,
+                        eos_token_id=2, layer_types=["linear_attention", "linear_attention", "full_attention",
+                        "linear_attention"]),  # multi-head latent attention beside Kimi's delta rule, MoE
     "jamba": dict(mamba_d_state=4, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4, attn_layer_period=2,
                   attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=4,
                   num_experts_per_tok=2, use_mamba_kernels=False),

@@ -64,7 +64,7 @@ def test_every_carried_family_is_exact_across_chunks(family):
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 @pytest.mark.parametrize("chunk_size", [64, 16], ids=["1-chunk", "4-chunks"])
-@pytest.mark.parametrize("family", ["qwen3_next", "lfm2", "falcon_h1", "mamba2", "jamba"])
+@pytest.mark.parametrize("family", ["qwen3_next", "lfm2", "falcon_h1", "mamba2", "jamba", "kimi_linear"])
 def test_hybrid_is_exact_through_the_trainer(family, chunk_size, checkpointing):
     with float64_hybrid(build_hybrid(family)) as model:
         ids = ids_for(model, seed=1)
@@ -103,7 +103,7 @@ def test_a_mamba1_scan_restarted_from_zero_is_caught(monkeypatch):
         oomb(model, ids_for(model), 16)
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "bamba", "jamba", *FLOAT32_NORMS])
+@pytest.mark.parametrize("family", ["qwen3_next", "bamba", "jamba", "kimi_linear", *FLOAT32_NORMS])
 def test_chunks_add_no_error_to_transformers_own_float32_rules(family):
     """Unpatched (the rules in float32, as users train): against float64 truth, the chunked step is no less
     accurate than the model's own full-sequence step (their float32 error is the model's, not the chunking's)."""
@@ -290,8 +290,8 @@ def test_the_self_check_trains_every_hybrid_in_chunks(family):
 
 
 @pytest.mark.parametrize(
-    "family", ["qwen3_next", "falcon_h1", "lfm2"]
-)  # gated delta rule, Mamba2, convolution
+    "family", ["qwen3_next", "falcon_h1", "lfm2", "kimi_linear"]
+)  # gated delta rule, Mamba2, convolution, Kimi's delta rule
 def test_the_self_check_refuses_a_hybrid_whose_states_are_dropped(family, monkeypatch):
     from lightning_oomb.integrations.hf import adapter, support
 

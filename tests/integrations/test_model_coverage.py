@@ -12,6 +12,7 @@ from lightning_oomb.engine import OOMBConfig, OOMBEngine
 from lightning_oomb.integrations.hf import HFChunkModel
 from tests.helpers.lightning import oomb_step_through_trainer
 from tests.helpers.models import (
+    assert_triton_matches_torch,
     build_family,
     exact_full_sequence_loss,
     exact_moe_loss,
@@ -120,16 +121,7 @@ def test_softcap_and_sinks_with_the_triton_kernels(family):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = build_family(family, dtype=torch.float32, head_dim=16).to(device)
     ids = torch.randint(0, 64, (2, 45), generator=torch.Generator().manual_seed(1)).to(device)
-    results = {}
-    for backend in ("torch", "triton"):
-        model.zero_grad()
-        engine = OOMBEngine(HFChunkModel(model), OOMBConfig(16, 16, attention_backend=backend))
-        loss = engine.loss(ids)
-        loss.backward()
-        results[backend] = loss.detach(), grads_of(model)
-    (loss_t, grads_t), (loss_k, grads_k) = results["torch"], results["triton"]
-    assert torch.allclose(loss_k, loss_t, rtol=1e-5, atol=0)
-    assert max_relative_error(grads_k, grads_t) <= 1e-4
+    assert_triton_matches_torch(model, ids)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])

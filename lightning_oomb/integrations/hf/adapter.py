@@ -26,12 +26,27 @@ from lightning_oomb.engine.loss import LMHead
 from lightning_oomb.engine.model import Respond, answered_by
 from lightning_oomb.engine.model_shape import Mixer, paged_head_dim
 from lightning_oomb.engine.tiles import tiled
-from lightning_oomb.integrations.hf.attention import ATTN_NAME, ENGAGED, RUNNING, register_attention
+from lightning_oomb.integrations.hf.attention import (
+    ATTN_NAME,
+    ENGAGED,
+    RUNNING,
+    TokensBefore,
+    attention_chunk,
+    counts_tokens_before,
+    register_attention,
+)
 from lightning_oomb.integrations.hf.calls import answer, read_call
 from lightning_oomb.integrations.hf.decoder import decoder_of
 from lightning_oomb.integrations.hf.moe import RouterBalanceLoss
 from lightning_oomb.integrations.hf.rope import length_dependent_rotaries, pinned_rope
-from lightning_oomb.integrations.hf.states import carried_mixers, carrying_states, mixer_shape, state_elements
+from lightning_oomb.integrations.hf.states import (
+    CARRIED_MIXERS,
+    carried_mixers,
+    carrying_states,
+    mixer_shape,
+    passing_cache,
+    state_elements,
+)
 from lightning_oomb.integrations.hf.support import check_supported, logit_transform, verify_exactness
 
 
@@ -66,7 +81,8 @@ def find_causal_lm(module: torch.nn.Module, target_module: str | None = None) ->
 def _layer_windows(model: torch.nn.Module, attention: list[torch.nn.Module] | None = None):
     """Each attention layer's sliding window as it passes it: the module's ``sliding_window`` (Qwen2/3, Gemma,
     GPT-OSS: ``None`` on full layers) or, without one, the config's (Mistral, Phi-3: every layer); ``None`` on a
-    layer the config's ``layer_types`` calls ``full_attention``. ``attention``:
+    layer the config's ``layer_types`` calls ``full_attention``; a chunked-attention layer's span (Llama 4: the
+    keys it keeps are a window's). ``attention``:
     the attention modules in pool order (default: every decoder layer's ``self_attn``, each of a ``ModuleList``'s
     in turn: LongCat-Flash's layers attend twice). ``None`` when the layers cannot be read; the engine checks every
     call against what this declares."""
@@ -86,7 +102,8 @@ def _layer_windows(model: torch.nn.Module, attention: list[torch.nn.Module] | No
         index = getattr(module, "layer_idx", None)
         # EXAONE 4 keeps the attribute on full layers too
         full = isinstance(index, int) and types[index : index + 1] == ["full_attention"]
-        windows.append(window if isinstance(window, int) and not full else None)
+        block = attention_chunk(module, config)
+        windows.append(block if block else window if isinstance(window, int) and not full else None)
     return tuple(windows)
 
 
@@ -95,9 +112,10 @@ def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     layer order: a hybrid's layers that have pages (a recurrent or convolution layer has none)."""
     found = {}
     for module in decoder_of(model).modules():
-        if type(module).__name__.endswith(("Attention", "MLA")) and isinstance(
-            getattr(module, "layer_idx", None), int
-        ):
+        name = type(module).__name__
+        # (a carried mixer named like attention, Kimi-Linear's KimiLinearDeltaAttention, has no pages)
+        routed = name.endswith(("Attention", "MLA")) and name not in CARRIED_MIXERS
+        if routed and isinstance(getattr(module, "layer_idx", None), int):
             found.setdefault(module.layer_idx, module)
     return [found[i] for i in sorted(found)]
 
@@ -195,6 +213,8 @@ class HFChunkModel:
         layers = getattr(decoder_of(model), "layers", None)  # Blenderbot's config counts its encoder's
         self.num_layers = config.num_hidden_layers if layers is None else len(layers)
         self._routed = _attention_modules(model)  # each finds the running chunk in RUNNING
+        # attention that reads the tokens before its chunk from its cache: given TokensBefore as one
+        self._counting = [m for m in self._routed if counts_tokens_before(m)]
         if self._routed:  # the pool has a layer per attention call: LongCat-Flash's layers hold two
             self.num_layers = max(self.num_layers, self._routed[-1].layer_idx + 1)
         self._mixers = carried_mixers(model)
@@ -229,6 +249,18 @@ class HFChunkModel:
     def num_embeddings(self) -> int:
         """Rows of the input embedding, read at each step."""
         return self.model.get_input_embeddings().weight.shape[0]
+
+    @property
+    def packing_refused(self) -> str | None:
+        """Why packed documents cannot train exactly (the engine refuses them, before any work), or ``None``."""
+        if not self._counting:
+            return None
+        return (
+            "its queries are scaled by a temperature of the token's index in the row (Llama 4's layers without RoPE, "
+            "attn_temperature_tuning), which the chunks pass as the tokens before them, so a packed document would "
+            "not start from 0 — pad the documents to a common length instead of packing them (or set "
+            "attn_temperature_tuning=False, a different model)."
+        )
 
     def carried_mixer_shapes(self) -> tuple[Mixer, ...]:
         """A hybrid's carried mixers as the planner reads them (:func:`~lightning_oomb.integrations.hf.states.
@@ -275,6 +307,7 @@ class HFChunkModel:
             with (
                 pinned_rope(self._rotaries, num_tokens),
                 carrying_states(self._mixers, lambda: self._states),
+                passing_cache(self._counting, lambda _: TokensBefore(self._chunk)),
                 tiled_mlps(self._mlps, self.mlp_tile),
             ):
                 yield

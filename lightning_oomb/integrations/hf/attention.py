@@ -5,7 +5,8 @@ O(N²) mask at any length). It receives post-RoPE ``query [B, Hq, L, D]``, ``key
 current chunk (GQA not expanded) and the chunk context as the extra call keyword ``oomb_chunk`` (or, where a
 decoder layer does not pass its keywords on, from :data:`RUNNING`), and takes
 ``scaling``, ``sliding_window``, ``softcap`` (Gemma 2) and ``s_aux`` (GPT-OSS sinks) from the keywords the model
-passes — exactly what the model's eager attention would use.
+passes — exactly what the model's eager attention would use — and a chunked-attention layer's span from its config
+(Llama 4: :func:`attention_chunk`).
 """
 
 from __future__ import annotations
@@ -66,9 +67,42 @@ def oomb_attention_forward(
     layer = getattr(module, "oomb_layer", module.layer_idx)  # a hybrid's attention layers: their rank
     width = value.shape[-1]
     query, key, value = _one_head_dim(query, key, value, oomb_chunk.shape.call_head_dim)
-    out = paged_attention(query, key, value, oomb_chunk, layer, scale, sliding_window, softcap, s_aux)
+    block = attention_chunk(module)
+    out = paged_attention(query, key, value, oomb_chunk, layer, scale, sliding_window, softcap, s_aux, block)
     out = out[..., :width].transpose(1, 2).contiguous()  # as sdpa's and eager's: some models .view() it
     return out, None
+
+
+def attention_chunk(module: torch.nn.Module, config=None) -> int | None:
+    """The span of positions a chunked-attention layer attends within (Llama 4's ``chunked_attention`` layers:
+    ``attention_chunk_size``; its mask, which OOMB does not build, says so), else ``None``."""
+    config = config if config is not None else getattr(module, "config", None)
+    types = getattr(config, "layer_types", None) or ()
+    index = getattr(module, "layer_idx", None)
+    if isinstance(index, int) and index < len(types) and types[index] == "chunked_attention":
+        return config.attention_chunk_size
+    return None
+
+
+def counts_tokens_before(module: torch.nn.Module) -> bool:
+    """Whether an attention module reads how many tokens come before its chunk from its cache (Llama 4's layers
+    without RoPE scale their queries by a temperature of the token index: ``attn_temperature_tuning``)."""
+    return bool(getattr(module, "attn_temperature_tuning", False)) and not getattr(module, "use_rope", True)
+
+
+class TokensBefore:
+    """The cache an attention module that :func:`counts_tokens_before` gets: as long as the tokens before its rows
+    (the chunk's start; under context parallelism, this rank's slice's), passing the chunk's own K/V through (the
+    engine's pages hold the others)."""
+
+    def __init__(self, chunk: ChunkContext) -> None:
+        self.start = chunk.start + (chunk.context.rows.start if chunk.context is not None else 0)
+
+    def get_seq_length(self, layer_idx: int | None = 0) -> int:
+        return self.start
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return key_states, value_states
 
 
 def _one_head_dim(query, key, value, head_dim: int):

@@ -1,13 +1,15 @@
 """Float64 versions of the recurrences transformers computes in float32 whatever the model's dtype — the gated
-delta rule (Qwen3-Next, Qwen3.5, OLMo-Hybrid), the Mamba2 scan (Falcon-H1, Bamba, Granite 4, Nemotron-H) and
+delta rule (Qwen3-Next, Qwen3.5, OLMo-Hybrid; Kimi-Linear's with a per-channel decay), the Mamba2 scan (Falcon-H1, Bamba, Granite 4, Nemotron-H) and
 Mamba-1's selective scan (Mamba, Falcon-Mamba, Jamba) —
-token by token in the inputs' dtype, with the same signatures. The self-check swaps them into a float64 twin, so
+token by token in the inputs' dtype, with the same signatures, and the float32 modules around Kimi-Linear's rule
+(:data:`FLOAT64_FORWARDS`). The self-check swaps them into a float64 twin, so
 that chunking the twin changes nothing but float64 rounding and a dropped or misplaced state shows (the test
 suite's oracle too)."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 from collections.abc import Iterator
 from unittest import mock
@@ -18,7 +20,8 @@ import torch.nn.functional as F
 
 def float64_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
                        use_qk_l2norm_in_kernel=False, **kwargs):  # fmt: skip
-    """The gated delta rule, ``[B, N, heads, dim]`` inputs; returns ``(output, final state or None)``."""
+    """The gated delta rule, ``[B, N, heads, dim]`` inputs, its decay ``g`` per head ``[B, N, heads]`` or per key
+    channel ``[B, N, heads, dk]`` (Kimi-Linear's); returns ``(output, final state or None)``."""
     hk, hv = key.shape[2], value.shape[2]
     if hk != hv:
         query, key = query.repeat_interleave(hv // hk, 2), key.repeat_interleave(hv // hk, 2)
@@ -31,7 +34,8 @@ def float64_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=
     )
     outs = []
     for t in range(n):
-        state = state * g[:, t].exp()[..., None, None]
+        decay = g[:, t].to(query.dtype).exp()
+        state = state * (decay[..., None, None] if decay.dim() == 2 else decay[..., None])
         delta = (value[:, t] - (state * key[:, t, ..., None]).sum(-2)) * beta[:, t][..., None]
         state = state + key[:, t, ..., None] * delta[..., None, :]
         outs.append((state * query[:, t, ..., None]).sum(-2))
@@ -89,6 +93,8 @@ def declined_fused_scan(*args, **kwargs) -> None:
 FLOAT64_RULES = {  # transformers' module-level function -> its float64 version
     "torch_chunk_gated_delta_rule": float64_delta_rule,
     "torch_recurrent_gated_delta_rule": float64_delta_rule,
+    "chunk_kimi_delta_attention": float64_delta_rule,
+    "recurrent_kimi_delta_attention": float64_delta_rule,
     "mamba2_chunk_scan": float64_ssd_scan,
     "mamba2_split_conv1d_scan_combined": declined_fused_scan,
     "mamba_selective_scan": float64_selective_scan,
@@ -96,18 +102,54 @@ FLOAT64_RULES = {  # transformers' module-level function -> its float64 version
 }
 
 
+def float64_kimi_forget_gate(self, hidden_states):
+    """Kimi-Linear's forget gate (its per-channel log decay, ``-exp(A_log) softplus(f + dt_bias)``, capped softplus
+    as transformers computes it) in the inputs' dtype: transformers computes it in float32."""
+    g = self.f_b_proj(self.f_a_proj(hidden_states)) + self.dt_bias.view(1, 1, -1)
+    g = g.view(*hidden_states.shape[:2], -1, self.head_dim)
+    return -torch.exp(self.A_log) * torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
+
+
+def in_input_dtype(forward):
+    """``forward`` (a class's own) with ``torch.float32`` read as its input's dtype: a module that casts to float32
+    by that name (Kimi-Linear's router, gated norm, delta rule's outgoing state) computes in float64 in a float64
+    twin."""
+
+    @functools.wraps(forward)
+    def run(self, hidden_states, *args, **kwargs):
+        with mock.patch.object(torch, "float32", hidden_states.dtype):
+            return forward(self, hidden_states, *args, **kwargs)
+
+    return run
+
+
+FLOAT64_FORWARDS = {  # transformers' class computing in float32 -> its forward in the inputs' dtype
+    "KimiLinearForgetGate": float64_kimi_forget_gate,
+    # made from the class's own forward: its gated norm, its delta rule's outgoing state, its router
+    "KimiLinearRMSNormGated": in_input_dtype,
+    "KimiLinearDeltaAttention": in_input_dtype,
+    "KimiLinearTopkRouter": in_input_dtype,
+}
+
+
 def float32_rules_of(model: torch.nn.Module) -> list[str]:
-    """The names of :data:`FLOAT64_RULES` that ``model``'s transformers module defines."""
+    """The names of :data:`FLOAT64_RULES` and :data:`FLOAT64_FORWARDS` that ``model``'s transformers module
+    defines."""
     module = importlib.import_module(type(model).__module__)
-    return [name for name in FLOAT64_RULES if hasattr(module, name)]
+    return [name for name in (*FLOAT64_RULES, *FLOAT64_FORWARDS) if hasattr(module, name)]
 
 
 @contextlib.contextmanager
 def float64_recurrences(model: torch.nn.Module) -> Iterator[None]:
-    """While the block runs, ``model``'s module computes its recurrences with :data:`FLOAT64_RULES` (every model of
-    that module: use it on a twin or in a test)."""
+    """While the block runs, ``model``'s module computes its recurrences with :data:`FLOAT64_RULES` and
+    :data:`FLOAT64_FORWARDS` (every model of that module: use it on a twin or in a test)."""
     module = importlib.import_module(type(model).__module__)
     with contextlib.ExitStack() as patches:
         for name in float32_rules_of(model):
-            patches.enter_context(mock.patch.object(module, name, FLOAT64_RULES[name]))
+            if name in FLOAT64_FORWARDS:
+                cls, forward = getattr(module, name), FLOAT64_FORWARDS[name]
+                forward = forward(cls.forward) if forward is in_input_dtype else forward
+                patches.enter_context(mock.patch.object(cls, "forward", forward))
+            else:
+                patches.enter_context(mock.patch.object(module, name, FLOAT64_RULES[name]))
         yield

@@ -43,6 +43,7 @@ CARRIED_MIXERS = frozenset({
     "NemotronHMamba2Mixer",  # Nemotron-H: Mamba2
     "GraniteMoeHybridMambaLayer",  # Granite 4 hybrids: Mamba2
     "Mamba2Mixer",  # Mamba2 (pure): no attention layer
+    "KimiLinearDeltaAttention",  # Kimi-Linear: delta rule with per-channel decay + short convolution
     *SCANS_FROM_ZERO,  # Mamba-1 (Mamba, Falcon-Mamba, Jamba): their scan continued by selective_scan
 })  # fmt: skip
 
@@ -138,13 +139,17 @@ DELTA_BLOCK = (
 
 
 def mixer_shape(module: torch.nn.Module) -> Mixer:
-    """The :class:`~lightning_oomb.engine.model_shape.Mixer` of a carried mixer: a gated delta-net (``num_v_heads``), a
+    """The :class:`~lightning_oomb.engine.model_shape.Mixer` of a carried mixer: a gated delta-net (``num_v_heads``;
+    Kimi-Linear's, with a ``forget_gate``), a
     Mamba-1 mixer (:data:`SCANS_FROM_ZERO`), a Mamba2 mixer (``ssm_state_size``) or a short convolution."""
     conv = next(m for m in module.modules() if isinstance(m, torch.nn.Conv1d))
     gated = any(type(m).__name__.endswith("RMSNormGated") for m in module.children())
     common = {"channels": conv.in_channels, "kernel": conv.kernel_size[0], "gated_norm": gated}
     if hasattr(module, "num_v_heads"):
         return Mixer("delta", heads=module.num_v_heads, head_dim=module.head_v_dim, state=module.head_k_dim,
+                     block=DELTA_BLOCK, **common)  # fmt: skip
+    if hasattr(module, "forget_gate"):  # Kimi-Linear's delta rule: keys and values of head_dim per head
+        return Mixer("kda", heads=module.num_heads, head_dim=module.head_dim, state=module.head_dim,
                      block=DELTA_BLOCK, **common)  # fmt: skip
     if type(module).__name__ in SCANS_FROM_ZERO:  # Mamba-1: a state of ssm_state_size per channel
         return Mixer(
@@ -176,15 +181,22 @@ def carried_mixers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in decoder_of(model).modules() if type(m).__name__ in CARRIED_MIXERS]
 
 
+CACHE_NAMES = (
+    "cache",
+    "cache_params",
+    "past_key_values",
+)  # a module's cache argument, by transformers version
+
+
 def _cache_parameter(mixer: torch.nn.Module) -> tuple[str, int]:
-    """The name and positional index (after ``self``) of the mixer's cache argument."""
+    """The name and positional index (after ``self``) of the module's cache argument."""
     names = list(inspect.signature(inspect.unwrap(type(mixer).forward)).parameters)[1:]
-    for name in ("cache", "cache_params", "past_key_values"):
+    for name in CACHE_NAMES:
         if name in names:
             return name, names.index(name)
     raise OOMBConfigError(
-        f"{type(mixer).__name__}.forward takes no cache argument, so OOMB cannot hand it the previous chunk's "
-        "state — this transformers version is not supported for this model — use transformers >= 5.17."
+        f"{type(mixer).__name__}.forward takes no cache argument, so OOMB cannot hand it what the chunks before "
+        "it left — this transformers version is not supported for this model — use transformers >= 5.17."
     )
 
 
@@ -193,24 +205,38 @@ def carrying_states(mixers: list[torch.nn.Module], current: Callable[[], ChunkSt
     """While the block runs, each mixer is called with a :class:`StateCache` over ``current()`` (the running
     chunk's states) as its cache."""
 
-    def hook(module, args, kwargs):
-        name, index = parameters[module]
+    def make(module: torch.nn.Module) -> StateCache:
         cache = StateCache(current())
         if type(module).__name__ in SCANS_FROM_ZERO:
             arm(module, cache.get_recurrent_state(module.layer_idx))
+        return cache
+
+    with continuing_scans(mixers) as arm, passing_cache(mixers, make):
+        yield
+
+
+@contextlib.contextmanager
+def passing_cache(
+    modules: list[torch.nn.Module], make: Callable[[torch.nn.Module], object]
+) -> Iterator[None]:
+    """While the block runs, each module is called with ``make(module)`` as its cache argument (whichever of
+    ``cache``, ``cache_params``, ``past_key_values`` it takes, positional or keyword)."""
+
+    def hook(module, args, kwargs):
+        name, index = parameters[module]
+        cache = make(module)
         if len(args) > index:
             args = (*args[:index], cache, *args[index + 1 :])
         else:
-            for alias in ("cache", "cache_params", "past_key_values"):
+            for alias in CACHE_NAMES:
                 kwargs.pop(alias, None)
             kwargs[name] = cache
         return args, kwargs
 
-    parameters = {m: _cache_parameter(m) for m in mixers}
-    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in mixers]
+    parameters = {m: _cache_parameter(m) for m in modules}
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in modules]
     try:
-        with continuing_scans(mixers) as arm:
-            yield
+        yield
     finally:
         for handle in handles:
             handle.remove()

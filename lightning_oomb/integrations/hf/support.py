@@ -27,6 +27,7 @@ its own weights), and a verdict cached for the architecture builds no twin.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import re
 import warnings
@@ -41,7 +42,7 @@ from lightning_oomb.integrations.hf.moe import balancing_loss_of
 from lightning_oomb.integrations.hf.rope import can_pin, length_dependent_rotaries
 from lightning_oomb.integrations.hf.states import CARRIED_MIXERS, float32_recurrences
 
-SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
 # a hybrid's other layer types, accepted when every stateful layer is one OOMB carries (token-wise MLP/MoE layers)
 HYBRID_LAYER_TYPES = frozenset({"linear_attention", "conv", "hybrid", "mamba", "mlp", "moe", "attention"})
 # words (of CamelCase class names) that name token mixers carrying state along the sequence
@@ -79,13 +80,27 @@ def _words(name: str) -> list[str]:
 
 def _mixes_with_state(module: torch.nn.Module) -> bool:
     """Whether ``module`` may mix tokens through a state: a convolution over time, or a class named like a
-    recurrent / linear-attention mixer — but no norm, whatever its name (``MambaRMSNorm``)."""
+    recurrent / linear-attention mixer — but no norm, whatever its name (``MambaRMSNorm``), and no module that
+    attends through transformers' ``AttentionInterface`` (Kimi-Linear's ``KimiLinearAttention``: OOMB routes it)."""
     words = _words(type(module).__name__)
-    return words[-1:] != ["norm"] and bool(
-        isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d))
-        or _STATEFUL_WORDS.intersection(words)
-        or _STATEFUL_PAIRS.intersection(zip(words, words[1:]))
+    return (
+        words[-1:] != ["norm"]
+        and not _attends(type(module))
+        and bool(
+            isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d))
+            or _STATEFUL_WORDS.intersection(words)
+            or _STATEFUL_PAIRS.intersection(zip(words, words[1:]))
+        )
     )
+
+
+@functools.cache
+def _attends(cls: type) -> bool:
+    """Whether ``cls.forward`` calls transformers' ``AttentionInterface`` (what OOMB routes to its attention op)."""
+    try:
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
 
 
 def _stateful_mixers(model: torch.nn.Module) -> tuple[list[str], list[str]]:
@@ -303,6 +318,8 @@ _WIDTHS = {  # config field -> tiny value (ints only; only fields the config has
     "mamba_d_state": 8,
     "linear_key_head_dim": 8,  # gated delta-net mixers
     "linear_value_head_dim": 8,
+    "linear_num_heads": 2,  # Kimi-Linear's delta rule
+    "linear_head_dim": 8,
     "q_lora_rank": 16,  # multi-head latent attention
     "kv_lora_rank": 16,
     "qk_nope_head_dim": 8,
@@ -310,6 +327,8 @@ _WIDTHS = {  # config field -> tiny value (ints only; only fields the config has
     "v_head_dim": 16,
     "vocab_size_per_layer_input": 96,  # Gemma 3n's per-layer embeddings
     "hidden_size_per_layer_input": 8,
+    "attention_chunk_size": 12,  # Llama 4's chunked attention: spans within and across the twin's chunks
+    "floor_scale": 4,  # Llama 4's query temperature: past 1 from the twin's fourth token on
 }
 _HEAD_FIELDS = ("num_attention_heads", "n_head", "num_heads", "n_heads", "decoder_attention_heads",
                 "encoder_attention_heads")  # fmt: skip
@@ -380,7 +399,11 @@ def _tiny(d: dict) -> None:
         d["qk_head_dim"] = d["qk_nope_head_dim"] + d["qk_rope_head_dim"]
         if rope_head:  # DeepSeek's head_dim names the rotated share (its RoPE's size)
             d["head_dim"] = d["qk_rope_head_dim"]
-    for top_k in ("num_experts_per_tok", "moe_topk"):  # (LongCat-Flash's name)
+    for top_k in (
+        "num_experts_per_tok",
+        "moe_topk",
+        "num_experts_per_token",
+    ):  # (LongCat-Flash's, Kimi's names)
         if isinstance(d.get(top_k), int):
             d[top_k] = min(d[top_k], 2)
     for field in ("pad_token_id", "bos_token_id", "eos_token_id"):
