@@ -74,7 +74,7 @@ class ModelShape:
     DeepSeek's after the first dense ones), the others dense, ``dense_width`` wide (0: ``intermediate_size``);
     ``layer_norms``: hidden-wide norms per decoder layer (Gemma 2/3, AFMoE: 4, the attention's and the MLP's
     outputs normed too); ``gated_attention``: the attention output is multiplied by a sigmoid gate (AFMoE);
-    ``clamped_experts``: the experts' GLU clamps its inputs (GPT-OSS's ``swiglu_limit``: it saves more);
+    ``clamped_experts``: the experts' GLU clamps its inputs (GPT-OSS's, ``swiglu_limit``: it saves more);
     ``dense_experts``: every token passes through every expert, weighted 0 where not routed (Llama 4's transformers
     implementation: ``num_experts`` times a routed expert's memory and FLOPs);
     ``logit_softcap``: the head soft-caps its logits (Gemma 2/3); ``attention_softcap``: attention soft-caps its
@@ -358,7 +358,8 @@ def _shape_of_config(cfg: Any) -> ModelShape:
         dense_width=(getattr(cfg, "intermediate_size_mlp", None) or _mlp_width(cfg)) if experts else 0,
         layer_norms=4 if family in SANDWICH_NORMS else 2,
         gated_attention=family in GATED_ATTENTION,
-        clamped_experts=bool(experts) and getattr(cfg, "swiglu_limit", None) is not None,
+        clamped_experts=bool(experts)
+        and (getattr(cfg, "swiglu_limit", None) is not None or family == "gpt_oss"),
         dense_experts=bool(experts) and family.startswith("llama4"),
         logit_softcap=getattr(cfg, "final_logit_softcapping", None) is not None,
         attention_softcap=getattr(cfg, "attn_logit_softcapping", None) is not None,

@@ -135,8 +135,19 @@ def test_packed_documents_train_as_apart():
     engine = OOMBEngine(HFChunkModel(model), OOMBConfig(16, 8))
     loss = engine.loss(ids, position_ids=positions)
     loss.backward()
-    assert abs(loss.item() - want_loss.item()) <= 1e-10 * want_loss.item()
-    assert max_relative_error(grads_of(model), want) <= 1e-10
+    tol = rope_tolerance(model)
+    assert abs(loss.item() - want_loss.item()) <= tol * want_loss.item()
+    assert max_relative_error(grads_of(model), want) <= tol
+
+
+def rope_tolerance(model) -> float:
+    """1e-10, or 1e-6 where transformers rotates Llama 4's queries and keys in complex64 (5.17: a float32 island,
+    whose rounding float64 inputs that differ in their last bits — the documents' attention sums in another order
+    — cross once in a while: measured 4e-7)."""
+    x = torch.zeros(1, 1, model.config.hidden_size, dtype=torch.float64)
+    rotation = model.model.rotary_emb(x, torch.zeros(1, 1, dtype=torch.long))
+    rotation = rotation[0] if isinstance(rotation, tuple) else rotation
+    return 1e-10 if rotation.dtype in (torch.float64, torch.complex128) else 1e-6
 
 
 def test_packed_documents_are_refused_where_queries_count_the_tokens_before():
