@@ -19,7 +19,7 @@ from lightning_oomb.engine.user_hooks import gradient_hooks
 # tests/engine/test_planner.py, test_planner_hybrids.py, test_planner_families.py)
 CALIBRATED = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gemma2", "gemma3", "gemma3_text", "gpt_oss",
               "afmoe", "jamba", "lfm2_moe", "llama4", "llama4_text", "qwen3_next", "kimi_linear", "bamba",
-              "falcon_h1", "lfm2")  # fmt: skip
+              "falcon_h1", "lfm2", "nemotron_h")  # fmt: skip
 NORM_BYTES = 4  # HF's RMSNorm computes in float32 whatever the model's dtype
 # model types whose decoder layers norm the attention's and the MLP's outputs too (4 hidden-wide norms a layer)
 SANDWICH_NORMS = ("gemma2", "gemma3", "gemma3_text", "afmoe")
@@ -365,6 +365,7 @@ def _shape_of_config(cfg: Any) -> ModelShape:
         attention_softcap=getattr(cfg, "attn_logit_softcapping", None) is not None,
         eager_experts=getattr(cfg, "_experts_implementation", None) == "eager",
         windows=_config_windows(cfg),
+        mlp_layers=None if (blocks := _mlp_blocks(cfg)) is None else len(blocks),
     )
 
 
@@ -398,7 +399,8 @@ def _attention_free_mixer(cfg: Any) -> Mixer:
 
 def _moe_layers(cfg: Any) -> int | None:
     """How many of a config's layers route to experts where its fields make some dense (``None``: every one):
-    Jamba's ``layers_num_experts``, Llama 4's ``moe_layers``, Kimi-Linear's ``mlp_layer_types``; Qwen-MoE's ``mlp_only_layers`` and ``decoder_sparse_step``; DeepSeek's and
+    Jamba's ``layers_num_experts``, Llama 4's ``moe_layers``, Kimi-Linear's ``mlp_layer_types``, Nemotron-H's
+    ``layers_block_type``; Qwen-MoE's ``mlp_only_layers`` and ``decoder_sparse_step``; DeepSeek's and
     GLM's ``first_k_dense_replace``, AFMoE's and LFM2-MoE's ``num_dense_layers`` (the first layers dense); ERNIE's
     ``moe_layer_start_index`` / ``moe_layer_end_index`` / ``moe_layer_interval``."""
     n = cfg.num_hidden_layers
@@ -411,6 +413,8 @@ def _moe_layers(cfg: Any) -> int | None:
     kinds = getattr(cfg, "mlp_layer_types", None)  # Kimi-Linear's "dense" / "sparse"
     if isinstance(kinds, (list, tuple)):
         return sum(k == "sparse" for k in kinds)
+    if (blocks := _mlp_blocks(cfg)) is not None:  # Nemotron-H's "moe" blocks
+        return blocks.count("moe")
     dense = set(getattr(cfg, "mlp_only_layers", None) or ())
     step = getattr(cfg, "decoder_sparse_step", None) or 1
     first = getattr(cfg, "first_k_dense_replace", None) or getattr(cfg, "num_dense_layers", None) or 0
@@ -430,6 +434,16 @@ def _moe_layers(cfg: Any) -> int | None:
 
     count = sum(map(routes, range(n)))
     return None if count == n else count
+
+
+def _mlp_blocks(cfg: Any) -> list[str] | None:
+    """A config whose layers are each one block — a mixer, attention, an MLP or MoE (Nemotron-H's
+    ``layers_block_type``) — its ``"mlp"`` and ``"moe"`` blocks; ``None`` for others."""
+    blocks = getattr(cfg, "layers_block_type", None)
+    if not isinstance(blocks, (list, tuple)):
+        return None
+    mlps = [b for b in blocks if b in ("mlp", "moe")]
+    return mlps or None
 
 
 def _mlp_width(cfg: Any) -> int:
