@@ -378,7 +378,7 @@ def saved_bytes(
         # a hybrid's layers without attention: their input norm and carried mixer (mixer_bytes); a ChunkModel's
         # other layers without attention are its MLP-only blocks
         mixer_layers = min(shape.num_layers - shape.paged_layers, len(shape.mixers))
-        mixed = mixer_layers * _mixer_norm_bytes(shape, dtypes) * tokens
+        mixed = mixer_layers * (_mixer_norm_bytes(shape, dtypes) + _output_norm_bytes(shape, dtypes)) * tokens
         mixed += sum(_mixer_saves(shape, dtypes, batch, min(chunk_size, seq_len)))
         mlps = shape.moe_mlps * mlp + (shape.mlps - shape.moe_mlps) * dense
         per_token = shape.paged_layers * attn + mlps + host_layers * streamed
@@ -472,9 +472,7 @@ def _layer_bytes_per_token(
     attn += (
         2 * c * q * gated
     )  # the gate's sigmoid, and the output it multiplies (a copy of the op's: reshaped)
-    attn += max(shape.layer_norms - 2, 0) * (
-        f * h + f + normed
-    )  # the outputs' norms: no projection reads them
+    attn += _output_norm_bytes(shape, dtypes)
     if shape.qk_norm:  # per-head norms of q and k: float32 input, 1/rms, normed (in the compute dtype)
         attn += (f + c) * (q + kv) + f * (heads + kv_heads)
     if streamed:
@@ -554,6 +552,13 @@ def adapter_bytes(shape: ModelShape, dtypes: Dtypes) -> int:
 def _mixer_saves(shape: ModelShape, dtypes: Dtypes, batch: int, length: int) -> list[int]:
     """Each carried mixer's saved bytes on a chunk of ``length`` tokens per row."""
     return [mixer_bytes(m, dtypes, batch, length, shape.hidden_size)[0] for m in shape.mixers]
+
+
+def _output_norm_bytes(shape: ModelShape, dtypes: Dtypes) -> int:
+    """Bytes per token a layer's norms of its mixer's (attention's) and MLP's outputs save (Gemma 2/3, AFMoE, LFM3:
+    ``layer_norms`` 4; no projection reads them)."""
+    norm = NORM_BYTES * (shape.hidden_size + 1) + shape.normed_bytes(dtypes.activation)
+    return max(shape.layer_norms - 2, 0) * norm
 
 
 def _mixer_norm_bytes(shape: ModelShape, dtypes: Dtypes) -> int:

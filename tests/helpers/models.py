@@ -209,7 +209,8 @@ _ONE_PLUS_NORMS = ("Qwen3NextRMSNorm", "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm")
 
 
 def float64_norms(model) -> None:
-    """Gemma's (Gemma 4's scaling by its weight), Qwen3-Next's (also the gated one of its linear attention) and
+    """Gemma's (Gemma 4's scaling by its weight), Qwen3-Next's and Lara-Mini's (also the gated one of their linear
+    attention) and
     Falcon-Mamba's and Llama 4's weightless RMSNorms and Cohere's LayerNorm compute
     in float32 whatever the model's dtype (a float32 reduction over tokens in their weight gradient, which chunking
     reorders: ~1e-7), Llama's normalises in float32 (:func:`_is_llama_norm`); make them compute in the model's dtype
@@ -220,7 +221,7 @@ def float64_norms(model) -> None:
             module.forward = lambda x, m=module: m._norm(x) * (m.weight if m.with_scale else 1.0)
         elif (name.startswith("Gemma") and name.endswith("RMSNorm")) or name in _ONE_PLUS_NORMS:
             module.forward = lambda x, m=module: m._norm(x) * (1.0 + m.weight)
-        elif name.endswith("RMSNormGated") and name.startswith("Qwen3"):
+        elif name.endswith("RMSNormGated") and name.startswith(("Qwen3", "LaraMini")):
             module.forward = lambda x, gate, m=module: _gated_norm(x, gate, m)
         elif name == "CohereLayerNorm":
             module.forward = lambda x, m=module: _cohere_norm(x, m)
@@ -306,6 +307,10 @@ HYBRIDS = {  # model_type -> the tiny config's fields (every layer kind of the f
                    residual_in_fp32=False),  # float64 residuals (the default keeps them in float32)
     "mamba": _MAMBA1,  # Mamba-1: no attention layer
     "falcon_mamba": _MAMBA1,
+    "lfm3": dict(layer_types=["conv", "full_attention", "conv", "sliding_attention"], conv_L_cache=3,
+                 sliding_window=7, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "lara_mini": {**_DELTA_NET, **_MOE, "sliding_window": 7,
+                  "layer_types": ["linear_attention", "sliding_attention", "linear_attention", "full_attention"]},
     "kimi_linear": dict(num_key_value_heads=4, linear_num_heads=2, linear_head_dim=8, linear_conv_kernel_dim=4,
                         kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
                         num_experts=4, num_experts_per_token=2, moe_intermediate_size=16, num_shared_experts=1,
@@ -343,8 +348,8 @@ def float64_hybrid(model):
 
 
 # parameters the mixers themselves cast to float32 whatever the model's dtype: exp(A_log); Mamba-1's D and its time
-# step's bias (the gradients: float32 sums over tokens, which chunking reorders)
-FLOAT32_INSIDE = ("A_log", ".D", "dt_proj.bias")  # name endings
+# step's bias; Lara-Mini's router (the gradients: float32 sums over tokens, which chunking reorders)
+FLOAT32_INSIDE = ("A_log", ".D", "dt_proj.bias", "mlp.gate.weight")  # name endings
 
 
 def hybrid_full_sequence(model, ids, labels=None):

@@ -38,6 +38,8 @@ CARRIED_MIXERS = frozenset({
     "OlmoHybridGatedDeltaNet",  # OLMo-Hybrid
     "Lfm2ShortConv",  # LFM2: gated short convolution
     "Lfm2MoeShortConv",  # LFM2-MoE
+    "Lfm3ShortConv",  # LFM3
+    "LaraMiniGatedDeltaNet",  # Lara-Mini: gated delta rule + short convolution
     "FalconH1Mixer",  # Falcon-H1: Mamba2 mixer beside attention in every layer
     "BambaMixer",  # Bamba: Mamba2
     "NemotronHMamba2Mixer",  # Nemotron-H: Mamba2
