@@ -1,7 +1,7 @@
 """The attention op: a chunk's queries against all stored pages of its layer, as an autograd Function.
 
-``paged_attention(q, k, v, chunk, layer, scale, window, softcap, sinks, block) -> out`` with ``q [B, Hq, Lq, D]`` and the
-chunk's own post-RoPE ``k, v [B, Hkv, Lq, D]``; ``softcap`` caps the scores (``c * tanh(s / c)``), ``sinks [Hq]``
+``paged_attention(q, k, v, chunk, layer, scale, window, softcap, sinks, block) -> out`` with ``q [B, Hq, Lq, D]``
+and the chunk's own post-RoPE ``k, v [B, Hkv, Lq, D]``; ``softcap`` caps the scores (``c * tanh(s / c)``), ``sinks [Hq]``
 (a parameter; it gets its gradient) adds one logit per query head to every row's softmax. In the forward sweep ``k, v`` are first written into the pool, so the kernels
 see one uniform paged sequence ``[0, chunk.start + Lq)`` with lower-right causal alignment. Backward computes dQ,
 **adds** dK/dV of every page read into the pool's gradient pages (the chunk's own pages included), and returns
@@ -551,7 +551,8 @@ def _in_blocks(chunk: ChunkContext, block: int, device: torch.device) -> ChunkCo
     documents cut every ``block`` tokens from their starts, as documents of their own."""
     if block < 1:
         raise OOMBConfigError(
-            f"paged_attention was called with block={block} — use a positive span of positions."
+            f"paged_attention was called with block={block} — a chunked-attention span is a positive number of "
+            "tokens — pass the layer's span (transformers' attention_chunk_size), or block=None for causal attention."
         )
     if chunk.context is not None:  # the whole chunk's tokens, every rank's slice
         rows = sum(chunk.context.lengths)

@@ -44,8 +44,8 @@ SHARED_WIDTHS = (
 @dataclass(frozen=True)
 class Mixer:
     """One carried token mixer of a hybrid (:func:`~lightning_oomb.engine.planner.mixer_bytes`): ``kind``
-    ``"delta"`` (gated delta-net), ``"kda"`` (Kimi-Linear's delta rule, its decay per key channel), ``"mamba2"``, ``"mamba"`` (Mamba-1: ``heads`` its channels, ``head_dim`` 1) or
-    ``"conv"`` (gated short convolution); ``channels`` and ``kernel`` of its causal convolution;
+    ``"delta"`` (gated delta-net), ``"kda"`` (Kimi-Linear's delta rule, its decay per key channel), ``"mamba2"``,
+    ``"mamba"`` (Mamba-1: ``heads`` its channels, ``head_dim`` 1) or ``"conv"`` (gated short convolution); ``channels`` and ``kernel`` of its causal convolution;
     ``heads`` x ``head_dim``: the values its rule mixes (a delta-net's value heads, Mamba2's heads); ``state``: a
     delta-net's key head dim, Mamba2's state size; ``block``: the rule's block (a delta rule's 64, Mamba2's
     ``chunk_size``); ``gated_norm``: a gated RMSNorm on its output (else Falcon-H1's plain gate)."""
@@ -327,10 +327,9 @@ def _shape_of_config(cfg: Any) -> ModelShape:
         return _shape_of_attention_free(cfg)
     heads = cfg.num_attention_heads
     head_dim = paged_head_dim(cfg)
-    experts = next((getattr(cfg, k) for k in EXPERT_COUNTS if getattr(cfg, k, None)), 0)
+    experts = _first_field(cfg, EXPERT_COUNTS)
     family = getattr(cfg, "model_type", None) or "llama"
-    shared = next((getattr(cfg, k) for k in SHARED_WIDTHS if getattr(cfg, k, None)), 0)
-    shared_experts = next((getattr(cfg, k) for k in SHARED_EXPERTS if getattr(cfg, k, None)), 0)
+    shared, shared_experts = _first_field(cfg, SHARED_WIDTHS), _first_field(cfg, SHARED_EXPERTS)
     if family.startswith("llama4"):  # one shared expert, as wide as a routed one
         shared_experts = 1
     if not shared and shared_experts:  # DeepSeek's, AFMoE's, ERNIE's: as wide as a routed expert each
@@ -350,9 +349,7 @@ def _shape_of_config(cfg: Any) -> ModelShape:
         qkv_bias=bool(getattr(cfg, "attention_bias", family in ("qwen2", "qwen2_moe"))),
         family=family,
         num_experts=experts,
-        experts_per_token=next((getattr(cfg, k) for k in EXPERTS_PER_TOKEN if getattr(cfg, k, None)), 0)
-        if experts
-        else 0,
+        experts_per_token=_first_field(cfg, EXPERTS_PER_TOKEN) if experts else 0,
         shared_width=shared if experts else 0,
         moe_layers=_moe_layers(cfg) if experts else None,
         dense_width=(getattr(cfg, "intermediate_size_mlp", None) or _mlp_width(cfg)) if experts else 0,
@@ -395,6 +392,11 @@ def _attention_free_mixer(cfg: Any) -> Mixer:
     channels = heads * head_dim + 2 * cfg.n_groups * state  # the convolution's: x, B and C
     return Mixer("mamba2", channels=channels, kernel=cfg.conv_kernel, heads=heads, head_dim=head_dim, state=state,
                  block=cfg.chunk_size, gated_norm=True)  # fmt: skip
+
+
+def _first_field(cfg: Any, names: tuple[str, ...]) -> int:
+    """The first of a config's fields ``names`` that is set (the name differs by family), else 0."""
+    return next((getattr(cfg, k) for k in names if getattr(cfg, k, None)), 0)
 
 
 def _moe_layers(cfg: Any) -> int | None:

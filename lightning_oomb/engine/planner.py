@@ -469,9 +469,8 @@ def _layer_bytes_per_token(
 
     gated = shape.gated_attention
     attn = norm(3 + gated) + 2 * c * q + lse * heads + (c if dtypes.mixed else r) * q * inputs
-    attn += (
-        2 * c * q * gated
-    )  # the gate's sigmoid, and the output it multiplies (a copy of the op's: reshaped)
+    # a gate's sigmoid, and the output it multiplies (a copy of the op's: reshaped)
+    attn += 2 * c * q * gated
     attn += _output_norm_bytes(shape, dtypes)
     if shape.qk_norm:  # per-head norms of q and k: float32 input, 1/rms, normed (in the compute dtype)
         attn += (f + c) * (q + kv) + f * (heads + kv_heads)
@@ -525,10 +524,9 @@ def mixer_bytes(mixer: Mixer, dtypes: Dtypes, batch: int, length: int, hidden: i
         rule = f * heads * (keys * n + 3 * d + 5 * mixer.block + 4)
         states = f * heads * n * d * blocks
         flight = f * heads * (3 * mixer.block + 3 * n + d) * padded
-        if (
-            mixer.kind == "kda"
-        ):  # a decay per key channel: float32 [block, block, key dim] blocks per head (the
-            # decay mask and the products it scales) and more [block, block] ones (fitted to CPU steps)
+        # Kimi-Linear's decay per key channel: float32 [block, block, key dim] blocks per head (the decay mask
+        # and the products it scales) and more [block, block] ones (fitted to CPU steps)
+        if mixer.kind == "kda":
             rule += f * heads * mixer.block * (3 * n + 19)
             flight += f * heads * mixer.block * (3 * n + 19) * padded
     else:  # Mamba2: its projection's input and output, the scan's input in float32 (a view of float32 ones), its
@@ -557,8 +555,7 @@ def _mixer_saves(shape: ModelShape, dtypes: Dtypes, batch: int, length: int) -> 
 def _output_norm_bytes(shape: ModelShape, dtypes: Dtypes) -> int:
     """Bytes per token a layer's norms of its mixer's (attention's) and MLP's outputs save (Gemma 2/3, AFMoE, LFM3:
     ``layer_norms`` 4; no projection reads them)."""
-    norm = NORM_BYTES * (shape.hidden_size + 1) + shape.normed_bytes(dtypes.activation)
-    return max(shape.layer_norms - 2, 0) * norm
+    return max(shape.layer_norms - 2, 0) * _mixer_norm_bytes(shape, dtypes)
 
 
 def _mixer_norm_bytes(shape: ModelShape, dtypes: Dtypes) -> int:

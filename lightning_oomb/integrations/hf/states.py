@@ -183,11 +183,8 @@ def carried_mixers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in decoder_of(model).modules() if type(m).__name__ in CARRIED_MIXERS]
 
 
-CACHE_NAMES = (
-    "cache",
-    "cache_params",
-    "past_key_values",
-)  # a module's cache argument, by transformers version
+# a module's cache argument, by transformers version
+CACHE_NAMES = ("cache", "cache_params", "past_key_values")
 
 
 def _cache_parameter(mixer: torch.nn.Module) -> tuple[str, int]:
