@@ -35,7 +35,7 @@ def build_llama4(family, dtype, vocab_size, **overrides):
     ("family", "build"),
     [("afmoe", build_family), ("gemma2", build_family), ("gemma3", build_family), ("gpt_oss", build_family),
      ("jamba", build_hybrid), ("lfm2_moe", build_hybrid), ("llama4_text", build_llama4), ("nemotron_h", build_hybrid),
-     ("lfm3", build_hybrid), ("lara_mini", build_hybrid)],
+     ("lfm3", build_hybrid), ("lara_mini", build_hybrid), ("bailing_hybrid", build_hybrid)],
     ids=lambda v: v if isinstance(v, str) else "",
 )  # fmt: skip
 def test_activations_of_layers_beyond_llamas(family, build):

@@ -317,6 +317,14 @@ HYBRIDS = {  # model_type -> the tiny config's fields (every layer kind of the f
                         mlp_layer_types=["dense", "sparse", "sparse", "sparse"], pad_token_id=0, bos_token_id=1,
                         eos_token_id=2, layer_types=["linear_attention", "linear_attention", "full_attention",
                         "linear_attention"]),  # multi-head latent attention beside Kimi's delta rule, MoE
+    "bailing_hybrid": dict(num_key_value_heads=4, linear_num_heads=2, linear_head_dim=8, linear_conv_kernel_dim=4,
+                           kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                           num_experts=4, num_experts_per_token=2, moe_intermediate_size=16, num_shared_experts=1,
+                           num_expert_group=1, topk_group=1, first_k_dense_replace=1, pad_token_id=0,
+                           bos_token_id=1, eos_token_id=2, expert_swiglu_limit_list=[0] * 4,
+                           share_expert_swiglu_limit_list=[0] * 4, mlp_layer_types=["dense", "sparse", "sparse",
+                           "sparse"], layer_types=["linear_attention", "linear_attention", "full_attention",
+                           "linear_attention"]),  # Kimi's delta rule (a safe gate) beside latent attention, MoE
     "jamba": dict(mamba_d_state=4, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4, attn_layer_period=2,
                   attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=4,
                   num_experts_per_tok=2, use_mamba_kernels=False),

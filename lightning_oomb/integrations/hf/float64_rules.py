@@ -1,8 +1,8 @@
 """Float64 versions of the recurrences transformers computes in float32 whatever the model's dtype — the gated
 delta rule (Qwen3-Next, Qwen3.5, OLMo-Hybrid; Kimi-Linear's with a per-channel decay), the Mamba2 scan (Falcon-H1, Bamba, Granite 4, Nemotron-H) and
 Mamba-1's selective scan (Mamba, Falcon-Mamba, Jamba) —
-token by token in the inputs' dtype, with the same signatures, and the float32 modules around Kimi-Linear's rule
-(:data:`FLOAT64_FORWARDS`). The self-check swaps them into a float64 twin, so
+token by token in the inputs' dtype, with the same signatures, and the float32 modules around Kimi-Linear's and the
+Bailing hybrids' rule (:data:`FLOAT64_FORWARDS`). The self-check swaps them into a float64 twin, so
 that chunking the twin changes nothing but float64 rounding and a dropped or misplaced state shows (the test
 suite's oracle too)."""
 
@@ -110,6 +110,15 @@ def float64_kimi_forget_gate(self, hidden_states):
     return -torch.exp(self.A_log) * torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
 
 
+def float64_bailing_forget_gate(self, hidden_states):
+    """The Bailing hybrids' forget gate (``lower_bound sigmoid(exp(A_log) (f + dt_bias))`` with ``kda_safe_gate``,
+    else ``-exp(A_log) softplus(f + dt_bias)``) in the inputs' dtype: transformers computes it in float32."""
+    g = self.f_proj(hidden_states).view(*hidden_states.shape[:2], self.num_heads, self.head_dim)
+    g = g + self.dt_bias.view(1, 1, self.num_heads, self.head_dim)
+    decay = self.A_log.exp().view(1, 1, self.num_heads, 1)
+    return self.lower_bound * torch.sigmoid(decay * g) if self.safe_gate else -decay * F.softplus(g)
+
+
 def in_input_dtype(forward):
     """``forward`` (a class's own) with ``torch.float32`` read as its input's dtype: a module that casts to float32
     by that name (Kimi-Linear's router, gated norm, delta rule's outgoing state) computes in float64 in a float64
@@ -129,6 +138,10 @@ FLOAT64_FORWARDS = {  # transformers' class computing in float32 -> its forward 
     "KimiLinearRMSNormGated": in_input_dtype,
     "KimiLinearDeltaAttention": in_input_dtype,
     "KimiLinearTopkRouter": in_input_dtype,
+    "BailingHybridForgetGate": float64_bailing_forget_gate,
+    "BailingHybridRMSNormGated": in_input_dtype,
+    "BailingHybridDeltaAttention": in_input_dtype,
+    "BailingHybridTopkRouter": in_input_dtype,
 }
 
 

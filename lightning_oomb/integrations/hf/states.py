@@ -46,6 +46,7 @@ CARRIED_MIXERS = frozenset({
     "GraniteMoeHybridMambaLayer",  # Granite 4 hybrids: Mamba2
     "Mamba2Mixer",  # Mamba2 (pure): no attention layer
     "KimiLinearDeltaAttention",  # Kimi-Linear: delta rule with per-channel decay + short convolution
+    "BailingHybridDeltaAttention",  # Ling/Ring hybrids (Bailing): Kimi's delta rule
     *SCANS_FROM_ZERO,  # Mamba-1 (Mamba, Falcon-Mamba, Jamba): their scan continued by selective_scan
 })  # fmt: skip
 

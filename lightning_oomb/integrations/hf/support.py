@@ -314,6 +314,7 @@ _WIDTHS = {  # config field -> tiny value (ints only; only fields the config has
     "expert_ffn_hidden_size": 16,  # LongCat-Flash's experts and its identity ("zero") experts
     "zero_expert_num": 2,
     "n_group": 1,
+    "num_expert_group": 1,  # (the Bailing hybrids' name)
     "topk_group": 1,
     "mamba_d_state": 8,
     "linear_key_head_dim": 8,  # gated delta-net mixers
