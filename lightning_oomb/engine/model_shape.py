@@ -561,8 +561,8 @@ def _with_adapter(shape: ModelShape, adapter: Any) -> ModelShape:
 def _with_layers(shape: ModelShape, module: torch.nn.Module) -> ModelShape:
     """What a Hugging Face model's decoder layers (``get_decoder().layers``) show beyond its config: the layers
     whose MLP holds ``experts`` and the dense MLPs' width (the widest projection back to the hidden size in a
-    child named as :data:`MLP_NAMES` says), the hidden-wide norms a layer holds (its norm children), a ``gate_proj`` in its attention, its queries' and keys'
-    norms (``q_norm``)."""
+    child named as :data:`MLP_NAMES` says), the hidden-wide norms a layer holds (its norm children), a
+    ``gate_proj`` in its attention, its queries' and keys' norms (``q_norm``; Llama 4's ``qk_norm``)."""
     decoder = module.get_decoder() if callable(getattr(module, "get_decoder", None)) else None
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList) or not len(layers):

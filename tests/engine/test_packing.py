@@ -11,7 +11,7 @@ from lightning_oomb.engine import OOMBConfig, OOMBConfigError, OOMBEngine
 from lightning_oomb.engine.batch import plan_layout
 from lightning_oomb.integrations.hf import HFChunkModel
 from tests.helpers.lightning import oomb_step_through_trainer
-from tests.helpers.models import build_causal_lm, grads_of, max_relative_error
+from tests.helpers.models import assert_triton_matches_torch, build_causal_lm, grads_of, max_relative_error
 
 DOCS = (
     13,
@@ -132,19 +132,7 @@ def test_packed_rows_with_the_triton_kernels():
     """The Triton backend (interpreted on CPU) gives the torch backend's loss and gradients on a packed row."""
     model = build_causal_lm("mistral", dtype=torch.float32, head_dim=16)
     _, ids, positions = packed_row(torch.Generator().manual_seed(4))
-    model16 = OOMBConfig(16, 16)
-    results = {}
-    for backend in ("torch", "triton"):
-        model.zero_grad()
-        engine = OOMBEngine(
-            HFChunkModel(model), OOMBConfig(model16.chunk_size, 16, attention_backend=backend)
-        )
-        loss = engine.loss(ids, position_ids=positions)
-        loss.backward()
-        results[backend] = loss.detach(), grads_of(model)
-    (loss_t, grads_t), (loss_k, grads_k) = results["torch"], results["triton"]
-    assert torch.allclose(loss_k, loss_t, rtol=1e-5, atol=0)
-    assert max_relative_error(grads_k, grads_t) <= 1e-4
+    assert_triton_matches_torch(model, ids, position_ids=positions)
 
 
 @pytest.mark.parametrize(

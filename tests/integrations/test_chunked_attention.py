@@ -4,6 +4,8 @@ length) and interleaved MoE layers — against transformers' own eager attention
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -100,20 +102,10 @@ def test_the_spans_matter():
         assert abs(engine.loss(ids).item() - want_loss.item()) > 1e-6 * want_loss.item()
     attention = [m for m in model.modules() if counts_tokens_before(m)]
     assert len(attention) == 2  # the full layers, without RoPE
-    with torch.no_grad(), _from_zero():
+    from_zero = mock.patch.object(TokensBefore, "get_seq_length", lambda self, layer_idx=0: 0)
+    with torch.no_grad(), from_zero:  # every chunk's attention told that no token comes before it
         engine = OOMBEngine(HFChunkModel(model, verify_exactness=False), OOMBConfig(16, 8))
         assert abs(engine.loss(ids).item() - want_loss.item()) > 1e-6 * want_loss.item()
-
-
-class _from_zero:
-    """Every chunk's attention told that no token comes before it."""
-
-    def __enter__(self):
-        self.start = TokensBefore.get_seq_length
-        TokensBefore.get_seq_length = lambda self, layer_idx=0: 0
-
-    def __exit__(self, *exc):
-        TokensBefore.get_seq_length = self.start
 
 
 def test_packed_documents_train_as_apart():
