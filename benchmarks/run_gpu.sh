@@ -5,7 +5,7 @@
 # goals-reduced.json, summary.json, summary.md, goals.png — 8 files; the goal table (summary.md) is printed last.
 # Every row is printed and written to its JSON as it is measured, so a run cut short keeps its rows.
 #   bash benchmarks/run_gpu.sh "$OUT"               # the goals: checks kernels compare reduced summary
-#   bash benchmarks/run_gpu.sh "$OUT" tests stress  # other parts by name: tests, stress, scaling
+#   bash benchmarks/run_gpu.sh "$OUT" tiles stress  # other parts by name: tiles, stress, scaling
 #   OOMB_BENCH_TINY=1 bash benchmarks/run_gpu.sh /tmp/out  # every part at tiny shapes on the CPU (a dry run of
 #                                                           # the script itself; tests/test_benchmarks.py runs it)
 #
@@ -13,17 +13,18 @@
 # attention (HF's measured 5.2 s at 32K is ~1.3x faster than that): a 7B step is ~7e10 matmul FLOPs per token
 # with OOMB's recomputation, attention 4 * d * 28 heads * N^2 / 2 per layer and pass, 5.5 passes. A 28-layer
 # step is ~8 s at 32K, ~25 s at 64K, ~5 min at 256K: longer contexts run 4 (or 2) layers and scale per layer.
-#   checks   25 s  tests/engine/test_cuda_paths.py: the side streams, events and page-locked buffers of
-#                  reuse_attention and float32-host on this GPU, each against the step without it (~10 s)
-#   kernels 125 s  2 key lengths x (our dense and sparse kernels at default tiles, then tuned; SDPA x2;
+#   checks   35 s  tests/engine/test_cuda_paths.py: the side streams, events and page-locked buffers of
+#                  reuse_attention and float32-host on this GPU, each against the step without it (25 s on
+#                  the H200, imports and the first CUDA calls included)
+#   kernels  95 s  2 key lengths x (our dense and sparse kernels at default tiles, then tuned; SDPA x2;
 #                  FlexAttention, compiled once per length: ~20 s each); tuning capped at 3 configs per kernel
-#                  and key (a compilation each, ~1-3 s); rows end by 105 s, then the accuracy check and the
-#                  kernel records (chosen config, n_regs, n_spills)
+#                  and key (a compilation each, ~1-3 s); rows end by 75 s, then the accuracy check and the
+#                  kernel records (chosen config, n_regs, n_spills); 67 s on the H200 (2026-12-04)
 #   compare 140 s  28 layers: HF 32K warm-up + 3 steps (~25 s), OOMB 32K warm-up + 3 (~35 s + compilation),
 #                  OOMB 64K 1 step (~25 s: the check of the layer scaling), model build and imports (~20 s);
 #                  then, if time is left, OOMB 32K with reuse_attention and with every layer offloaded
 #                  (warm-up + 3, ~30 s each)
-#   reduced 170 s  4 then 2 layers at 64K (the fit, ~17 s); 2 layers: 128K without and with offload (3 + 3 steps,
+#   reduced 190 s  4 then 2 layers at 64K (the fit, ~17 s); 2 layers: 128K without and with offload (3 + 3 steps,
 #                  ~42 s), 256K offloaded (~24 s), 1M sparse with one HBM and one host layer (~30 s), 256K
 #                  sparse (~6 s); if time is left, 256K offloaded with reuse_attention, with float32-host
 #                  gradient sums and with mlp_tile=1024 (~20-24 s each); ~125 s at the nominal rates without the
@@ -44,12 +45,10 @@ mkdir -p "$out"
 tiny=()
 smoke=()
 scaling_tiny=()
-tests=(tests/kernels)
 if [ "${OOMB_BENCH_TINY:-0}" != "0" ]; then
   tiny=(--tiny --device cpu)
   smoke=(--smoke)
   scaling_tiny=(--tiny --device cpu --hf-max 256 --contexts 128,256 --offload-contexts 128,256 --chunk-size 128)
-  tests=(tests/kernels/test_paged_attention.py -k tuning)
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 log="$out/run.log"  # one log for everything: the device tool brings back only a handful of files
@@ -77,22 +76,23 @@ goals() {  # goals PART LIMIT_S: a part of benchmarks/goals.py that plans its ro
 }
 for part in "${parts[@]}"; do
   case "$part" in
-    checks) run checks 25 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda_paths.py ;;
-    kernels) run kernels 125 env TRITON_PRINT_AUTOTUNING=1 python3 benchmarks/attention_kernels.py --out "$out/kernels-h200.json" \
+    checks) run checks 35 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda_paths.py ;;
+    kernels) run kernels 95 env TRITON_PRINT_AUTOTUNING=1 python3 benchmarks/attention_kernels.py --out "$out/kernels-h200.json" \
       --methods paged,sparse,sdpa-repeat,sdpa-gqa,flex --default-tiles --tune-configs 3 --warmup 2 --iters 5 \
-      --budget-s 105 ${smoke[@]+"${smoke[@]}"} ;;
+      --budget-s 75 ${smoke[@]+"${smoke[@]}"} ;;
     compare) goals compare 140 ;;
-    reduced) goals reduced 170 ;;
+    reduced) goals reduced 190 ;;
     summary) goals summary 20 ;;
-    # optional parts (not in the 8 minutes): the kernel tests on CUDA (bf16 included; the CPU suite runs them
-    # under the interpreter only) at each kernel's default tile, the offload race check, the context sweep
-    tests) run tests 240 env OOMB_TRITON_AUTOTUNE=0 python3 -m pytest -q -x -p no:cacheprovider "${tests[@]}" ;;
+    # optional parts (not in the 8 minutes): each kernel's candidate tiles (the data for SM90_DEFAULTS; ~100 s on
+    # the H200), the offload race check, the context sweep
+    tiles) run tiles 150 python3 benchmarks/tile_sweep.py --out "$out/tile-sweep-h200.json" --budget-s 130 \
+      ${smoke[@]+"${smoke[@]}"} ;;
     stress) run stress 120 python3 benchmarks/offload_stress.py --steps 5 --out "$out/offload-stress-h200.json" \
       ${tiny[@]+"${tiny[@]}"} ;;
     scaling) run scaling 300 env OOMB_TRITON_AUTOTUNE=0 python3 benchmarks/memory_scaling.py --warmup-once \
       --hf-max 32768 --contexts 8192,32768 --offload-contexts 32768,65536 --out "$out/memory-scaling-h200.json" \
       ${scaling_tiny[@]+"${scaling_tiny[@]}"} ;;
-    *) echo "!! unknown part '$part' (checks kernels compare reduced summary tests stress scaling)" | tee -a "$log"; status=1 ;;
+    *) echo "!! unknown part '$part' (checks kernels compare reduced summary tiles stress scaling)" | tee -a "$log"; status=1 ;;
   esac
 done
 exit $status

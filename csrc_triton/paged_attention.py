@@ -33,10 +33,9 @@ together (query blocks vary fastest), so their K/V tiles are mostly re-read from
 Packing pays where a call has few queries (decoding), which training chunks never are.
 
 Every key range is split into blocks that need no mask (all their keys visible to every query of the block) and
-the few on the causal diagonal / window edge / ragged last page that do (the dK/dV kernel's default masks all its
-query blocks in one loop, for registers: :data:`SM90_DEFAULTS`); blocks nobody sees are never visited.
-Tiles, warps and stages: by default each kernel runs at its shipped tile (:data:`SM90_DEFAULTS`, chosen for
-sm_90 and checked offline with ptxas: no spills, no MMA rows computed twice; ``benchmarks/kernel_compile.py``;
+the few on the causal diagonal / window edge / ragged last page that do; blocks nobody sees are never visited.
+Tiles, warps and stages: by default each kernel runs at its shipped tile (:data:`SM90_DEFAULTS`, the fastest
+measured on an H200, no MMA rows computed twice; spills checked offline with ptxas, ``benchmarks/kernel_compile.py``;
 on GPUs without wgmma :data:`MMA_SYNC_DEFAULTS`, which fit their 99 KB of shared memory), fitted to the call's
 ``HEAD_DIM``, ``PAGE`` and ``SPARSE`` (:func:`_fitted`) — the first step compiles but never tunes; a GPU whose
 shared memory still does not hold a tile gets a smaller one (:func:`smaller_configs`). ``OOMB_TRITON_AUTOTUNE=1``
@@ -109,20 +108,22 @@ def _interpreting() -> bool:
     return triton.knobs.runtime.interpret
 
 
-# The tiles used without tuning, (BLOCK_M, BLOCK_N, warps, stages), chosen for sm_90 (H100/H200) at head_dim 128,
-# page 128, bf16: every MMA has >= 16 rows per warp (no duplicated MMA work, see _fitted) and ptxas reports no
-# spills (benchmarks/results/kernel-compile-sm90.md). The forward and dQ: 128 query rows on 8 warps (two
-# warpgroups), 64 keys per step. dK/dV: 128 keys on 8 warps, 16 queries per step, the largest query step whose
-# score tiles fit beside the dK, dV accumulators (128 registers per thread) without spilling; 64 keys on 8 warps
-# (the previous default) computed Q K^T and V dO^T twice, 64 keys on 4 warps spills; 2 stages, as 3 spill with a
-# page selection or documents. The dK/dV tile sits at ptxas's 255-register limit: it walks its query blocks in one
-# masked loop (SPLIT False), because a second, unmasked copy of the loop for the fully visible blocks (SPLIT True,
-# as the forward and dQ kernels do) spills 36-160 bytes on Triton 3.6 (the GPU machine's) at every flag and 28-108
-# on 3.9 with a selection and documents or softcap; one loop spills nowhere on 3.9 and 4 bytes on 3.6 (documents
-# and softcap together). Masking every block costs a few integer ops per score; which is faster is for a GPU to
-# say: tuning (OOMB_TRITON_AUTOTUNE=1) tries both at every tile (SM90_VARIANTS).
-SM90_DEFAULTS = {"forward": (128, 64, 8, 3), "dkdv": (16, 128, 8, 2), "dq": (128, 64, 8, 3)}
-SM90_VARIANTS = {"dkdv": ({"SPLIT": False}, {"SPLIT": True})}  # constexprs per tile; the default's first
+# The tiles used without tuning, (BLOCK_M, BLOCK_N, warps, stages), for sm_90 (H100/H200) at head_dim 128, page
+# 128, bf16: the fastest of each kernel's candidates measured on an H200 (benchmarks/tile_sweep.py, Triton 3.6:
+# benchmarks/results/tile-sweep-h200.md). Forward + backward of 4096 queries after 32K keys take 15.9 ms at them
+# against 24.6 ms at the earlier tiles, chosen offline for no spills (67 against 110 ms after 128K keys; compiled
+# FlexAttention 15.8 and 66.1 ms). Every MMA has >= 16 rows per warp (no MMA row computed twice, see _fitted). The
+# forward: 128 query rows x 128 keys on 8 warps (no spills but 4 bytes at two flag sets). dK/dV: 64 keys x 32
+# queries on 4 warps, the query blocks that see the whole key block in an unmasked loop of their own (SPLIT True;
+# False masks every block in one loop): ptxas reports 0.45-1.3 KB of spills (benchmarks/results/kernel-compile-
+# sm90*.md), yet it takes 8 % less time than the next tile (32 x 128 on 8 warps, 30 bytes) and 29 % less than the
+# spill-free 16 x 128 with one loop. dQ: 64 query rows x 64 keys on 4 warps, no spills (128 x 128 was 1 % faster
+# and spills 0.2 KB). Tuning (OOMB_TRITON_AUTOTUNE=1) tries both loops at every tile (SM90_VARIANTS).
+SM90_DEFAULTS = {"forward": (128, 128, 8, 3), "dkdv": (32, 64, 4, 3), "dq": (64, 64, 4, 3)}
+SM90_VARIANTS = {"dkdv": ({"SPLIT": True}, {"SPLIT": False})}  # constexprs per tile; the default's first
+# the other tables' dK/dV tiles (wide heads, GPUs without wgmma) were compiled with one masked loop, which spills
+# less there (sm_89: 20 bytes against 76); their speed is not measured
+OTHER_VARIANTS = {"dkdv": ({"SPLIT": False}, {"SPLIT": True})}
 # Wider heads (Gemma 2/3's 256; Gemma 4's 512, DeepSeek's latent attention padded to 256) at the head-dim-128 tiles
 # spill (dK/dV 2.9 KB at 256, 7-12 KB everywhere at 512) and the dQ tile needs 262 KB of shared memory at 256 (sm_90
 # has 227 KB per block). These tiles compile for sm_90 without spills at every flag on Triton 3.9, within the shared
@@ -184,11 +185,13 @@ def _configs(kernel: str, tiles: list[tuple[int, int]], stages: tuple[int, ...])
     return [config for tile in dict.fromkeys(space) for config in _tile_configs(kernel, tile)]
 
 
-def _tile_configs(kernel: str, tile: tuple[int, int, int, int]) -> list[triton.Config]:
-    """``tile`` in every variant of :data:`SM90_VARIANTS` (the default's first)."""
+def _tile_configs(
+    kernel: str, tile: tuple[int, int, int, int], variants=SM90_VARIANTS
+) -> list[triton.Config]:
+    """``tile`` in every variant of ``variants`` (:data:`SM90_VARIANTS`; the default's first)."""
     m, n, w, st = tile
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, **variant}, num_warps=w, num_stages=st)
-            for variant in SM90_VARIANTS.get(kernel, ({},))]  # fmt: skip
+            for variant in variants.get(kernel, ({},))]  # fmt: skip
 
 
 def _autotune() -> bool:
@@ -226,7 +229,9 @@ def _pruner(mma_rows: str, factor: int, max_regs: int = 64, head: int = 1, kerne
     def space(configs: list[triton.Config], **kwargs) -> list[triton.Config]:
         own = kernel and shipped_tile(kernel, kwargs["HEAD_DIM"], kwargs.get("ARCH") or _device_arch())
         if own and own != SM90_DEFAULTS[kernel] and not _interpreting():
-            configs = _tile_configs(kernel, own) + configs[head:]  # this width's and device's default first
+            configs = (
+                _tile_configs(kernel, own, OTHER_VARIANTS) + configs[head:]
+            )  # this width's and device's first
         kept = {}
         for i, c in enumerate(configs):
             f = _fitted(c, mma_rows, kwargs["PAGE"], kwargs.get("SPARSE", False))

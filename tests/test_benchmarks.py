@@ -135,6 +135,27 @@ def test_kernel_benchmark_smoke(tmp_path):
 
 
 @pytest.mark.slow
+def test_tile_sweep_smoke(tmp_path):
+    """Each kernel at its shipped tile (first) and one more, compared with the shipped tiles' results, then the best
+    combination timed dense and sparse; the table, the chart and the line for SM90_DEFAULTS."""
+    out = tmp_path / "sweep.json"
+    text = run("benchmarks/tile_sweep.py", "--smoke", "--out", str(out), fresh=True)
+    data = json.loads(out.read_text())
+    swept = [r for r in data["rows"] if "kernel" in r]
+    assert [r["kernel"] for r in swept] == ["forward", "forward", "dkdv", "dkdv", "dq", "dq"]
+    assert all(r["agrees"] and r["ms"] > 0 for r in swept)
+    assert swept[0]["max_diff"] == 0.0  # the shipped tile against itself
+    from csrc_triton.paged_attention import SM90_DEFAULTS
+
+    assert tuple(swept[0]["tile"]) == SM90_DEFAULTS["forward"]
+    assert {(r["tiles"], r["sparse"]) for r in data["rows"] if "tiles" in r} == {
+        (t, s) for t in ("shipped", "best") for s in (False, True)
+    }
+    assert out.with_suffix(".md").exists() and out.with_suffix(".png").exists()
+    assert "SM90_DEFAULTS = {" in text
+
+
+@pytest.mark.slow
 def test_goals_smoke(tmp_path):
     """Every part of the goal run at tiny shapes on the CPU: rows, their planner column, the summary table."""
     from benchmarks import goals
@@ -143,7 +164,8 @@ def test_goals_smoke(tmp_path):
     assert goals.main(["--part", "compare", "--repeats", "1", *common]) == 0
     assert goals.main(["--part", "reduced", *common]) == 0
     assert goals.main(["--part", "summary", *common]) == 0
-    rows = json.loads((tmp_path / "goals-reduced.json").read_text())["rows"]
+    check, *rows = json.loads((tmp_path / "goals-reduced.json").read_text())["rows"]
+    assert check["role"] == "fidelity-32k" and 0 < check["oomb_error"] < 0.1 and 0 < check["hf_error"] < 0.1
     assert all("step_s" in r for r in rows), [r for r in rows if "step_s" not in r]
     assert all(r["planned_gib"] > 0 for r in rows)
     host = next(r for r in rows if r["role"] == "1m-sparse-host")
@@ -151,7 +173,7 @@ def test_goals_smoke(tmp_path):
     summary = (tmp_path / "summary.md").read_text()
     for goal in ("32K step time", "offload overhead at 128K", "sparse (chunk 4096 + 64 pages) at 256K",
                  "1M tokens in one step", "check: layer scaling of step time at 64K",
-                 "check: sparse vs dense at 64K"):  # fmt: skip
+                 "check: sparse vs dense at 64K", "check: OOMB's gradient error vs HF's"):  # fmt: skip
         assert goal in summary, goal
     data = json.loads((tmp_path / "summary.json").read_text())
     assert {p["role"] for p in data["plans"]} == {"plan-1m", "plan-longest", "plan-1m-adamw"}
@@ -188,20 +210,21 @@ def test_run_gpu_script(tmp_path, tiny):
     """``bash -n`` passes, and every command the script runs (all parts) parses with its script's own parser; with
     ``OOMB_BENCH_TINY=1`` each one runs at tiny shapes on the CPU."""
     assert subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True).returncode == 0
-    parts = ["checks", "kernels", "compare", "reduced", "summary", "tests", "stress", "scaling"]
+    parts = ["checks", "kernels", "compare", "reduced", "summary", "tiles", "stress", "scaling"]
     commands = script_commands(tmp_path, parts, **({"OOMB_BENCH_TINY": "1"} if tiny else {}))
-    from benchmarks import attention_kernels, goals, memory_scaling, offload_stress
+    from benchmarks import attention_kernels, goals, memory_scaling, offload_stress, tile_sweep
 
     parsers = {"benchmarks/goals.py": goals.parse_args, "benchmarks/attention_kernels.py": attention_kernels.parse_args,
                "benchmarks/memory_scaling.py": memory_scaling.parse_args,
-               "benchmarks/offload_stress.py": offload_stress.parse_args}  # fmt: skip
+               "benchmarks/offload_stress.py": offload_stress.parse_args,
+               "benchmarks/tile_sweep.py": tile_sweep.parse_args}  # fmt: skip
     checked = []
     for argv in commands:
         if argv[0] in parsers:
             args = parsers[argv[0]](argv[1:])
             small = (
                 args.smoke
-                if argv[0] == "benchmarks/attention_kernels.py"
+                if argv[0] in ("benchmarks/attention_kernels.py", "benchmarks/tile_sweep.py")
                 else args.tiny and args.device == "cpu"
             )
             assert small == tiny, argv

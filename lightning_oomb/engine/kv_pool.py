@@ -103,10 +103,11 @@ def device_memory_available(device: torch.device) -> tuple[int, int]:
     """``(bytes this process can still allocate, the device's total)`` on a CUDA device: the free memory plus the
     allocator's cached blocks, within the share ``torch.cuda.set_per_process_memory_fraction`` allows it (the
     allocator refuses more)."""
-    free, total = torch.cuda.mem_get_info(device)
-    reserved, allocated = torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
+    index = torch.cuda.current_device() if device.index is None else device.index  # torch <= 2.11 needs one
+    free, total = torch.cuda.mem_get_info(index)
+    reserved, allocated = torch.cuda.memory_reserved(index), torch.cuda.memory_allocated(index)
     try:
-        fraction = torch.cuda.get_per_process_memory_fraction(device)
+        fraction = torch.cuda.get_per_process_memory_fraction(index)
     except RuntimeError:  # an allocator backend without one (cudaMallocAsync): the whole device
         fraction = 1.0
     return max(0, min(free + reserved, int(fraction * total)) - allocated), total

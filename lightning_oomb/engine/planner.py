@@ -147,10 +147,13 @@ from lightning_oomb.engine.step_time import (
     step_time,
 )
 
-# measured step rates per device kind ("nvidia-h200": {"attention_flops": ..., "dense_flops": ..., "h2d_bytes": ...});
-# per device name (torch.cuda.get_device_name()): rates benchmarks/run_gpu.sh measured (its summary.json's
-# "step_rates"); empty until a GPU run is recorded
-MEASURED_STEP_RATES: Mapping[str, StepRates] = {}
+# step rates per device name (torch.cuda.get_device_name()), as benchmarks/run_gpu.sh measures them (its summary's
+# "step_rates"). The H200 (benchmarks/results/goals-summary-h200.md, 2026-12-04): matmuls 5.15e14 FLOP/s fitted on
+# 8 steps (28, 4 and 2 layers, 32K-128K), copies 55 GB/s (a pinned 1 GiB copy), float32-host adds 21 GB/s; its
+# attention's 2.56e14 FLOP/s were fitted at the kernels' earlier tiles, so the entry has that times 1.55, the
+# forward + backward speed-up measured at the shipped ones (benchmarks/results/tile-sweep-h200.md) — until
+# run_gpu.sh fits it again
+MEASURED_STEP_RATES: Mapping[str, StepRates] = {"NVIDIA H200": StepRates(5.15e14, 3.96e14, 5.54e10, 2.11e10)}
 # rates the "auto" decisions compare choices' step times at where a device has none measured (an H100/H200-class
 # GPU's bf16 matmuls and attention, PCIe 5 copies; two CPU cores)
 NOMINAL_STEP_RATES: Mapping[str, StepRates] = {

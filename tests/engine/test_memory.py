@@ -48,3 +48,29 @@ def test_pool_bytes_are_linear_and_match_the_formula():
     model.to(torch.bfloat16)
     bf16.loss(torch.randint(0, 97, (1, 64))).backward()
     assert bf16.stats.kv_bytes == bf16.stats.grad_bytes == 64 * 2 * 8 * 2 * 2
+
+
+def test_device_memory_is_asked_of_an_indexed_device(monkeypatch):
+    """``torch.device("cuda")`` (no index) is what users and the strategy pass; torch <= 2.11's
+    ``get_per_process_memory_fraction`` refuses it (the first H200 run failed there), so the current device's index
+    is passed instead."""
+    from unittest import mock
+
+    from lightning_oomb.engine.kv_pool import device_memory_available
+
+    def fraction(device):
+        if not isinstance(device, int):
+            raise ValueError("Expected a torch.device with a specified index or an integer")
+        return 0.5
+
+    with (
+        mock.patch.object(torch.cuda, "current_device", return_value=3),
+        mock.patch.object(torch.cuda, "mem_get_info", return_value=(60, 100)) as info,
+        mock.patch.object(torch.cuda, "memory_reserved", return_value=10),
+        mock.patch.object(torch.cuda, "memory_allocated", return_value=4),
+        mock.patch.object(torch.cuda, "get_per_process_memory_fraction", side_effect=fraction),
+    ):
+        assert device_memory_available(torch.device("cuda")) == (50 - 4, 100)  # min(60 + 10, 0.5 * 100) - 4
+        assert info.call_args.args == (3,)
+        assert device_memory_available(torch.device("cuda", 1)) == (46, 100)
+        assert info.call_args.args == (1,)

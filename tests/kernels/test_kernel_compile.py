@@ -1,5 +1,6 @@
-"""The shipped default tiles compiled offline (Triton's bundled ptxas, no GPU): for sm_90 no spills (on Triton 3.9
-and on the GPU machine's 3.6), no MMA rows computed twice, within sm_90's shared memory (``benchmarks/kernel_compile.py
+"""The shipped default tiles compiled offline (Triton's bundled ptxas, no GPU): for sm_90 no spills but the dK/dV
+tile's (the fastest measured on an H200 spills half a kilobyte), no MMA rows computed twice, within sm_90's shared
+memory (``benchmarks/kernel_compile.py
 --quick`` in a subprocess: the suite's process interprets the kernels); for GPUs without wgmma (sm_89, sm_120: 99 KB
 per block; sm_80) the shipped tiles are those of the recorded compiles, within their shared memory. And a GPU whose
 shared memory a tile does not fit falls back to a smaller one."""
@@ -27,9 +28,15 @@ def _ptxas() -> bool:
         return False
 
 
+# spill bytes the sm_90 defaults may have (plain and with a page selection, Triton 3.9): none, but dK/dV's 32 x 64 tile
+# on 4 warps spills 0.45-0.5 KB and still took 8 % less time on the H200 than the next tile (benchmarks/results/
+# tile-sweep-h200.md); the bound catches a change that makes it spill more
+SPILL_BOUNDS = {"_fwd_kernel": 0, "_bwd_dq_kernel": 0, "_bwd_dkdv_kernel": 640}
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not _ptxas(), reason="Triton's NVIDIA backend (ptxas) is not installed")
-def test_default_tiles_compile_for_sm90_without_spills(tmp_path):
+def test_default_tiles_compile_for_sm90_within_their_spill_bounds(tmp_path):
     out = tmp_path / "compile.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
@@ -38,7 +45,7 @@ def test_default_tiles_compile_for_sm90_without_spills(tmp_path):
     variants = json.loads(out.read_text())["variants"]
     assert {v["kernel"] for v in variants} == {"_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"}
     for v in variants:
-        assert v["spill_store_bytes"] == 0 and v["spill_load_bytes"] == 0, v
+        assert max(v["spill_store_bytes"], v["spill_load_bytes"]) <= SPILL_BOUNDS[v["kernel"]], v
         assert v["mma_rows"] <= v["tile_rows"], v
         assert v["shared_bytes"] <= 227 * 1024 == v["shared_limit"], v  # per block on H100 / H200
 
@@ -90,6 +97,28 @@ def test_gpus_without_wgmma_get_their_own_tiles():
             assert shipped_tile(kernel, 192, arch) == MMA_SYNC_DEFAULTS[256][kernel]
             assert shipped_tile(kernel, 512, arch) == MMA_SYNC_DEFAULTS[512][kernel]
     assert shipped_tile("dq", 128, 89) != SM90_DEFAULTS["dq"]
+
+
+def test_only_the_measured_dkdv_tile_splits_its_loop(monkeypatch):
+    """dK/dV's shipped sm_90 tile at head_dim 128 runs the fully visible query blocks in a loop of their own (the
+    H200 measured it faster); the wide-head and mma.sync tiles keep the one masked loop they were compiled with."""
+    from csrc_triton import paged_attention as kernels
+
+    monkeypatch.setattr(
+        kernels, "_interpreting", lambda: False
+    )  # the GPU's space (the suite's is interpreted)
+    prune = kernels._bwd_dkdv_kernel.early_config_prune
+    tuner = SimpleNamespace(configs=kernels._configs("dkdv", [(32, 128)], (2,)), early_config_prune=prune)
+    for arch, width, split in ((90, 128, True), (90, 256, False), (89, 128, False), (80, 512, False)):
+        key = {"ARCH": arch, "HEAD_DIM": width, "PAGE": 128, "SPARSE": False}
+        config = kernels.default_config(tuner, key)
+        assert config.kwargs["SPLIT"] is split, (arch, width)
+        assert (config.kwargs["BLOCK_M"], config.num_stages) == (
+            kernels.shipped_tile("dkdv", width, arch)[0],
+            kernels.shipped_tile("dkdv", width, arch)[3],
+        )
+        variants = {c.kwargs["SPLIT"] for c in kernels.tuning_space(tuner, key)[:2]}
+        assert variants == {True, False}  # tuning tries both loops at the default tile
 
 
 def test_a_tile_the_gpu_cannot_load_falls_back_to_a_smaller_one(monkeypatch):

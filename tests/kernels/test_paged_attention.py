@@ -291,14 +291,15 @@ def test_tile_shapes(monkeypatch, block_m, block_n, window):
 
 @pytest.mark.parametrize("case", ["packed-window", "sparse-packed"])
 def test_dkdv_split_loops_match(monkeypatch, case):
-    """dK/dV's tuning variant ``SPLIT`` (the fully visible query blocks in an unmasked loop of their own; the
-    default masks all in one loop) gives the same gradients, on the masks that split the blocks most."""
+    """dK/dV's tuning variant without ``SPLIT`` (every query block in one masked loop; the default runs the fully
+    visible ones in an unmasked loop of their own) gives the same gradients, on the masks that split the blocks
+    most."""
     tuner = triton_kernels._bwd_dkdv_kernel
-    config = triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "SPLIT": True}, num_warps=1, num_stages=1)
+    config = triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "SPLIT": False}, num_warps=1, num_stages=1)
     monkeypatch.setattr(tuner, "configs", [config])
     monkeypatch.setattr(tuner, "cache", {})
     check_backward("triton", CASES[case])
-    assert [c.kwargs["SPLIT"] for c in tuner.cache.values()] == [True]
+    assert [c.kwargs["SPLIT"] for c in tuner.cache.values()] == [False]
 
 
 def test_dkdv_space_has_both_loops_at_every_tile(monkeypatch):
@@ -309,7 +310,10 @@ def test_dkdv_space_has_both_loops_at_every_tile(monkeypatch):
         for c in space
     ]
     m, n, warps, stages = triton_kernels.SM90_DEFAULTS["dkdv"]
-    assert tiles[:2] == [(m, n, warps, stages, False), (m, n, warps, stages, True)]  # the default: one loop
+    assert tiles[:2] == [
+        (m, n, warps, stages, True),
+        (m, n, warps, stages, False),
+    ]  # the default: split loops
     assert sorted(tiles[2:]) == [(32, 128, w, 2, split) for w in (4, 8) for split in (False, True)]
 
 
