@@ -16,7 +16,8 @@
 #   checks   35 s  tests/engine/test_cuda_paths.py: the side streams, events and page-locked buffers of
 #                  reuse_attention and float32-host on this GPU, each against the step without it (25 s on
 #                  the H200, imports and the first CUDA calls included)
-#   kernels  95 s  2 key lengths x (our dense and sparse kernels at default tiles, then tuned; SDPA x2;
+#   kernels  95 s  2 key lengths x (our dense and sparse kernels and offload's merged key blocks at default
+#                  tiles, then dense and sparse tuned; SDPA x2;
 #                  FlexAttention, compiled once per length: ~20 s each); tuning capped at 3 configs per kernel
 #                  and key (a compilation each, ~1-3 s); rows end by 75 s, then the accuracy check and the
 #                  kernel records (chosen config, n_regs, n_spills); 67 s on the H200 (2026-12-04)
@@ -78,7 +79,7 @@ for part in "${parts[@]}"; do
   case "$part" in
     checks) run checks 35 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda_paths.py ;;
     kernels) run kernels 95 env TRITON_PRINT_AUTOTUNING=1 python3 benchmarks/attention_kernels.py --out "$out/kernels-h200.json" \
-      --methods paged,sparse,sdpa-repeat,sdpa-gqa,flex --default-tiles --tune-configs 3 --warmup 2 --iters 5 \
+      --methods paged,sparse,merged,sdpa-repeat,sdpa-gqa,flex --default-tiles --tune-configs 3 --warmup 2 --iters 5 \
       --budget-s 75 ${smoke[@]+"${smoke[@]}"} ;;
     compare) goals compare 140 ;;
     reduced) goals reduced 190 ;;
