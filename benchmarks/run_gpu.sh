@@ -5,7 +5,7 @@
 # goals-reduced.json, summary.json, summary.md, goals.png — 8 files; the goal table (summary.md) is printed last.
 # Every row is printed and written to its JSON as it is measured, so a run cut short keeps its rows.
 #   bash benchmarks/run_gpu.sh "$OUT"               # the goals: checks kernels compare reduced summary
-#   bash benchmarks/run_gpu.sh "$OUT" tiles stress  # other parts by name: tiles, stress, scaling
+#   bash benchmarks/run_gpu.sh "$OUT" tiles profile  # other parts by name: tiles, profile, stress, scaling
 #   OOMB_BENCH_TINY=1 bash benchmarks/run_gpu.sh /tmp/out  # every part at tiny shapes on the CPU (a dry run of
 #                                                           # the script itself; tests/test_benchmarks.py runs it)
 #
@@ -85,15 +85,18 @@ for part in "${parts[@]}"; do
     reduced) goals reduced 190 ;;
     summary) goals summary 20 ;;
     # optional parts (not in the 8 minutes): each kernel's candidate tiles (the data for SM90_DEFAULTS; ~100 s on
-    # the H200), the offload race check, the context sweep
+    # the H200), one step profiled (the 1M sparse step, 1.6x its planned time: where does it go?), the offload
+    # race check, the context sweep
     tiles) run tiles 150 python3 benchmarks/tile_sweep.py --out "$out/tile-sweep-h200.json" --budget-s 130 \
       ${smoke[@]+"${smoke[@]}"} ;;
+    profile) run profile 200 env OOMB_TRITON_AUTOTUNE=0 python3 benchmarks/profile_step.py --row 1m-sparse-host \
+      --out "$out/profile-h200.md" ${tiny[@]+"${tiny[@]}"} ;;
     stress) run stress 120 python3 benchmarks/offload_stress.py --steps 5 --out "$out/offload-stress-h200.json" \
       ${tiny[@]+"${tiny[@]}"} ;;
     scaling) run scaling 300 env OOMB_TRITON_AUTOTUNE=0 python3 benchmarks/memory_scaling.py --warmup-once \
       --hf-max 32768 --contexts 8192,32768 --offload-contexts 32768,65536 --out "$out/memory-scaling-h200.json" \
       ${scaling_tiny[@]+"${scaling_tiny[@]}"} ;;
-    *) echo "!! unknown part '$part' (checks kernels compare reduced summary tiles stress scaling)" | tee -a "$log"; status=1 ;;
+    *) echo "!! unknown part '$part' (checks kernels compare reduced summary tiles profile stress scaling)" | tee -a "$log"; status=1 ;;
   esac
 done
 exit $status

@@ -155,6 +155,28 @@ def test_tile_sweep_smoke(tmp_path):
     assert "SM90_DEFAULTS = {" in text
 
 
+def test_profile_step_smoke(tmp_path):
+    """A goals row's step profiled at tiny shapes: the wall times, the ops' own CPU time, the op table."""
+    out = tmp_path / "profile.md"
+    text = run("benchmarks/profile_step.py", "--row", "1m-sparse-host", "--tiny", "--device", "cpu", "--top", "5",
+               "--out", str(out))  # fmt: skip
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert data["row"] == "1m-sparse-host" and data["context"] == 512 and data["step_s"] > 0
+    assert len(data["by_self_cpu"]) == 5 and data["ops_cpu_s"] > 0 and not data["by_self_cuda"]
+    assert "PagedAttention" in {r["name"] for r in data["by_self_cpu"]} and "By self CPU time" in text
+    assert "not a goals.py row" in run_refused("benchmarks/profile_step.py", "--row", "nope", "--tiny")
+
+
+def run_refused(script: str, *args: str) -> str:
+    """``python script args`` in this process, expected to exit 2: what it printed to stderr."""
+    printed = io.StringIO()
+    with mock.patch.object(sys, "argv", [script, *args]), contextlib.redirect_stderr(printed):
+        with pytest.raises(SystemExit) as exit:
+            runpy.run_path(str(ROOT / script), run_name="__main__")
+    assert exit.value.code == 2
+    return printed.getvalue()
+
+
 @pytest.mark.slow
 def test_goals_smoke(tmp_path):
     """Every part of the goal run at tiny shapes on the CPU: rows, their planner column, the summary table."""
@@ -210,14 +232,15 @@ def test_run_gpu_script(tmp_path, tiny):
     """``bash -n`` passes, and every command the script runs (all parts) parses with its script's own parser; with
     ``OOMB_BENCH_TINY=1`` each one runs at tiny shapes on the CPU."""
     assert subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True).returncode == 0
-    parts = ["checks", "kernels", "compare", "reduced", "summary", "tiles", "stress", "scaling"]
+    parts = ["checks", "kernels", "compare", "reduced", "summary", "tiles", "profile", "stress", "scaling"]
     commands = script_commands(tmp_path, parts, **({"OOMB_BENCH_TINY": "1"} if tiny else {}))
-    from benchmarks import attention_kernels, goals, memory_scaling, offload_stress, tile_sweep
+    from benchmarks import attention_kernels, goals, memory_scaling, offload_stress, profile_step, tile_sweep
 
     parsers = {"benchmarks/goals.py": goals.parse_args, "benchmarks/attention_kernels.py": attention_kernels.parse_args,
                "benchmarks/memory_scaling.py": memory_scaling.parse_args,
                "benchmarks/offload_stress.py": offload_stress.parse_args,
-               "benchmarks/tile_sweep.py": tile_sweep.parse_args}  # fmt: skip
+               "benchmarks/tile_sweep.py": tile_sweep.parse_args,
+               "benchmarks/profile_step.py": profile_step.parse_args}  # fmt: skip
     checked = []
     for argv in commands:
         if argv[0] in parsers:
