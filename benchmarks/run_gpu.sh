@@ -5,7 +5,8 @@
 # goals-reduced.json, summary.json, summary.md, goals.png — 8 files; the goal table (summary.md) is printed last.
 # Every row is printed and written to its JSON as it is measured, so a run cut short keeps its rows.
 #   bash benchmarks/run_gpu.sh "$OUT"               # the goals: checks kernels compare reduced summary
-#   bash benchmarks/run_gpu.sh "$OUT" tiles profile  # other parts by name: tiles, profile, stress, scaling
+#   bash benchmarks/run_gpu.sh "$OUT" tiles profile  # other parts by name: tiles, profile, stress, scaling — in a
+#                                                   # call of their own: the device tool brings back 8 files a call
 #   OOMB_BENCH_TINY=1 bash benchmarks/run_gpu.sh /tmp/out  # every part at tiny shapes on the CPU (a dry run of
 #                                                           # the script itself; tests/test_benchmarks.py runs it)
 #
