@@ -415,40 +415,42 @@ def fidelity(scale: Scale, device: torch.device, report: Report, clock: Clock) -
         "layers": layers,
         "context": tokens,
     }
-    need = (
-        15.0 if device.type == "cuda" else 1.0
-    )  # three 2-layer steps at 32K and two model builds on an H200
+    need = 15.0 if device.type == "cuda" else 1.0  # on an H200: three 2-layer steps at 32K, two model builds
     if clock.left() < need:
         out["skipped"] = f"{need:.0f} s needed, {clock.left():.0f} s left of the budget"
         return report.add(out)
-    model = None
     try:
-        model = build_qwen2(device, torch.bfloat16, scale.config(layers))
-        gen = torch.Generator(device).manual_seed(tokens)
-        ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=device, generator=gen)
-        probes = {}
-        for method in (OOMB, HF):
-            config = OOMBConfig(scale.chunk, scale.page, layer_checkpointing=True) if method == OOMB else None
-            step, engine = make_step(model, method, config)
-            step(ids)
-            probes[method] = grad_probe(model)
-            if engine is not None:
-                engine.release()
-        model.zero_grad(set_to_none=True)
-        step, _ = make_step(model.float(), HF)  # the same weights, exactly, in float32
-        step(ids)
-        truth = grad_probe(model)
-        out["oomb_error"], out["hf_error"] = (
-            float((probes[m] - truth).norm() / truth.norm()) for m in (OOMB, HF)
-        )
-        out["apart"] = float((probes[OOMB] - probes[HF]).norm() / probes[HF].norm())
+        out.update(gradient_errors(scale, device, layers, tokens))
     except Exception as e:  # noqa: BLE001 - recorded, the part goes on
         traceback.print_exc()
         out["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    finally:
-        model = None
-        free_device_memory(device)
+    free_device_memory(device)
     return report.add(out)
+
+
+def gradient_errors(scale: Scale, device: torch.device, layers: int, tokens: int) -> dict:
+    """``oomb_error``, ``hf_error`` (relative, against float32) and how far apart the two are (:func:`fidelity`)."""
+    model = build_qwen2(device, torch.bfloat16, scale.config(layers))
+    gen = torch.Generator(device).manual_seed(tokens)
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=device, generator=gen)
+    probes = {}
+    for method in (OOMB, HF):
+        config = OOMBConfig(scale.chunk, scale.page, layer_checkpointing=True) if method == OOMB else None
+        step, engine = make_step(model, method, config)
+        step(ids)
+        probes[method] = grad_probe(model)
+        if engine is not None:
+            engine.release()
+    model.zero_grad(set_to_none=True)
+    step, _ = make_step(model.float(), HF)  # the same weights, exactly, in float32
+    step(ids)
+    truth = grad_probe(model)
+    oomb, hf = (float((probes[m] - truth).norm() / truth.norm()) for m in (OOMB, HF))
+    return {
+        "oomb_error": oomb,
+        "hf_error": hf,
+        "apart": float((probes[OOMB] - probes[HF]).norm() / probes[HF].norm()),
+    }
 
 
 # ------------------------------------------------------------------------------------------------ summary

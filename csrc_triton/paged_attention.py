@@ -229,9 +229,8 @@ def _pruner(mma_rows: str, factor: int, max_regs: int = 64, head: int = 1, kerne
     def space(configs: list[triton.Config], **kwargs) -> list[triton.Config]:
         own = kernel and shipped_tile(kernel, kwargs["HEAD_DIM"], kwargs.get("ARCH") or _device_arch())
         if own and own != SM90_DEFAULTS[kernel] and not _interpreting():
-            configs = (
-                _tile_configs(kernel, own, OTHER_VARIANTS) + configs[head:]
-            )  # this width's and device's first
+            # this width's and device's default first
+            configs = _tile_configs(kernel, own, OTHER_VARIANTS) + configs[head:]
         kept = {}
         for i, c in enumerate(configs):
             f = _fitted(c, mma_rows, kwargs["PAGE"], kwargs.get("SPARSE", False))

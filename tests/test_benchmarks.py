@@ -170,9 +170,9 @@ def test_profile_step_smoke(tmp_path):
 def run_refused(script: str, *args: str) -> str:
     """``python script args`` in this process, expected to exit 2: what it printed to stderr."""
     printed = io.StringIO()
-    with mock.patch.object(sys, "argv", [script, *args]), contextlib.redirect_stderr(printed):
-        with pytest.raises(SystemExit) as exit:
-            runpy.run_path(str(ROOT / script), run_name="__main__")
+    argv = mock.patch.object(sys, "argv", [script, *args])
+    with argv, contextlib.redirect_stderr(printed), pytest.raises(SystemExit) as exit:
+        runpy.run_path(str(ROOT / script), run_name="__main__")
     assert exit.value.code == 2
     return printed.getvalue()
 

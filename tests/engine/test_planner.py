@@ -642,6 +642,7 @@ def test_a_gpu_plan_takes_the_share_of_the_device_the_process_may_use(monkeypatc
     """``Machine.local`` on CUDA: free memory plus what this process's allocator holds, within the share
     ``torch.cuda.set_per_process_memory_fraction`` gives it (mocked: 80 GiB device, 10 GiB free, 20 GiB reserved
     of which 16 GiB allocated)."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 << 30, 80 << 30))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 20 << 30)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 16 << 30)
