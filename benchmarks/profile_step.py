@@ -2,8 +2,9 @@
 
 The row is named by its role (``--row``, default ``1m-sparse-host``: the 1M-token sparse step with one layer in
 host memory, which took 1.6x its planned time on the H200) and built as ``goals.py`` builds it — its layer count,
-context, options. The step is warmed up first at 32K tokens (kernels compiled, arenas grown), then one step is timed
-without the profiler and one profiled (CPU and CUDA activities, no shapes or stacks, to keep the trace small). Writes
+context, options. The step is warmed up first at 32K tokens (kernels compiled, arenas grown), then one step is
+profiled (CPU and CUDA activities, no shapes or stacks, to keep the trace small; ``--plain``: one more step timed
+without the profiler first, to see what profiling costs). Writes
 ``--out`` (``.md``: the wall times and the ops by self CUDA time and by self CPU time, ``--top`` each; ``.json``:
 the same rows, and the ops' summed own CPU time and the GPU kernels' time) and prints the tables. A step whose CPU time is near its wall time while the GPU idles is bound by
 the host (launches, Python, copies issued one by one), not by the kernels.
@@ -44,6 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/profile.md"))
     parser.add_argument("--top", type=int, default=25, help="ops listed per table")
+    parser.add_argument("--plain", action="store_true", help="also time one step without the profiler")
     parser.add_argument("--device", default="cuda")
     parser.add_argument(
         "--tiny", action="store_true", help="tiny shapes (a check of the script, e.g. on CPU)"
@@ -89,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     warm, ids = (torch.randint(0, model.config.vocab_size, (1, n), device=device, generator=gen)
                  for n in (min(tokens, scale.lengths["32k"]), tokens))  # fmt: skip
     timed(lambda: step(warm), device)
-    plain_s = timed(lambda: step(ids), device)[0]
+    plain_s = timed(lambda: step(ids), device)[0] if args.plain else None
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -109,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     free_device_memory(device)
     write_json(args.out.with_suffix(".json"), result)
     lines = [f"# Profile of `{args.row}` ({result['layers']} layers, {tokens:,} tokens)", "",
-             f"`{result['command']}`", "", f"Step {plain_s:.2f} s unprofiled, {profiled_s:.2f} s profiled; "
+             f"`{result['command']}`", "", f"Step {profiled_s:.2f} s profiled"
+             + ("" if plain_s is None else f", {plain_s:.2f} s without the profiler") + "; "
              f"{result['versions'].get('gpu', device.type)}. Ops' own CPU time {busy['self_cpu_ms']:.2f} s"
              + (f", GPU kernels {busy['self_cuda_ms']:.2f} s (the GPU idles the rest of the step)" if cuda else "")
              + ".", "", *(["## By self CUDA time", "", *table(by_cuda), ""] if cuda else []),

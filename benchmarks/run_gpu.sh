@@ -90,7 +90,7 @@ for part in "${parts[@]}"; do
     # race check, the context sweep
     tiles) run tiles 150 python3 benchmarks/tile_sweep.py --out "$out/tile-sweep-h200.json" --budget-s 130 \
       ${smoke[@]+"${smoke[@]}"} ;;
-    profile) run profile 200 env OOMB_TRITON_AUTOTUNE=0 python3 benchmarks/profile_step.py --row 1m-sparse-host \
+    profile) run profile 120 env OOMB_TRITON_AUTOTUNE=0 python3 benchmarks/profile_step.py --row 1m-sparse-host \
       --out "$out/profile-h200.md" ${tiny[@]+"${tiny[@]}"} ;;
     stress) run stress 120 python3 benchmarks/offload_stress.py --steps 5 --out "$out/offload-stress-h200.json" \
       ${tiny[@]+"${tiny[@]}"} ;;

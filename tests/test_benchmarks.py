@@ -159,7 +159,7 @@ def test_profile_step_smoke(tmp_path):
     """A goals row's step profiled at tiny shapes: the wall times, the ops' own CPU time, the op table."""
     out = tmp_path / "profile.md"
     text = run("benchmarks/profile_step.py", "--row", "1m-sparse-host", "--tiny", "--device", "cpu", "--top", "5",
-               "--out", str(out))  # fmt: skip
+               "--plain", "--out", str(out))  # fmt: skip
     data = json.loads(out.with_suffix(".json").read_text())
     assert data["row"] == "1m-sparse-host" and data["context"] == 512 and data["step_s"] > 0
     assert len(data["by_self_cpu"]) == 5 and data["ops_cpu_s"] > 0 and not data["by_self_cuda"]
