@@ -167,6 +167,24 @@ def test_profile_step_smoke(tmp_path):
     assert "not a goals.py row" in run_refused("benchmarks/profile_step.py", "--row", "nope", "--tiny")
 
 
+def test_retimed_goals_of_the_recorded_run(tmp_path):
+    """The recorded H200 run re-timed for the shipped tiles: faster steps, each a prediction from a measured row."""
+    from benchmarks import retimed
+
+    out = tmp_path / "retimed.json"
+    assert retimed.main(["--gpu", "h200", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert 1.3 < data["attention_speedup"] < 1.8
+    goals = {g["goal"]: g for g in data["goals"]}
+    for name in ("32K step vs HF, layer checkpointing", "32K step vs HF, the strategies' defaults",
+                 "dense 1M-token step"):  # fmt: skip
+        assert goals[name]["predicted"] < goals[name]["measured"]
+    offloaded = goals["dense throughput at 256K, every layer offloaded"]
+    assert offloaded["predicted"] > offloaded["measured"]
+    assert goals["dense throughput at 256K, the strategies' defaults"]["measured"] is None
+    assert "every 'predicted' value is a prediction" in out.with_suffix(".md").read_text()
+
+
 def run_refused(script: str, *args: str) -> str:
     """``python script args`` in this process, expected to exit 2: what it printed to stderr."""
     printed = io.StringIO()
