@@ -325,6 +325,10 @@ HYBRIDS = {  # model_type -> the tiny config's fields (every layer kind of the f
                            share_expert_swiglu_limit_list=[0] * 4, mlp_layer_types=["dense", "sparse", "sparse",
                            "sparse"], layer_types=["linear_attention", "linear_attention", "full_attention",
                            "linear_attention"]),  # Kimi's delta rule (a safe gate) beside latent attention, MoE
+    "zaya": dict(num_key_value_heads=2, cca_time0=3, cca_time1=2, num_experts=4, num_experts_per_tok=1,
+                 moe_intermediate_size=16, router_hidden_size=16, sliding_window=7, pad_token_id=0, bos_token_id=1,
+                 eos_token_id=2, layer_types=["hybrid", "hybrid_sliding", "hybrid", "hybrid"]),  # q/k convolved,
+    # v delayed in the attention's projection; MoE
     "jamba": dict(mamba_d_state=4, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4, attn_layer_period=2,
                   attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=4,
                   num_experts_per_tok=2, use_mamba_kernels=False),

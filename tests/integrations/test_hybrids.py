@@ -64,7 +64,9 @@ def test_every_carried_family_is_exact_across_chunks(family):
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 @pytest.mark.parametrize("chunk_size", [64, 16], ids=["1-chunk", "4-chunks"])
-@pytest.mark.parametrize("family", ["qwen3_next", "lfm2", "falcon_h1", "mamba2", "jamba", "kimi_linear"])
+@pytest.mark.parametrize(
+    "family", ["qwen3_next", "lfm2", "falcon_h1", "mamba2", "jamba", "kimi_linear", "zaya"]
+)
 def test_hybrid_is_exact_through_the_trainer(family, chunk_size, checkpointing):
     with float64_hybrid(build_hybrid(family)) as model:
         ids = ids_for(model, seed=1)
@@ -209,7 +211,8 @@ def test_the_planner_predicts_the_pool_and_the_carried_states_exactly(family, of
         assert predicted.pool.num_layers == 0 and predicted.device["kv_hbm"] == 0
         return
     assert predicted.pool.num_layers == engine.pool.shape.num_layers < model.config.num_hidden_layers or (
-        family == "falcon_h1"  # attention and Mamba2 side by side in every layer
+        family
+        in ("falcon_h1", "zaya")  # attention and Mamba2 side by side in every layer; ZAYA's in attention
     )
     assert predicted.device["kv_hbm"] == engine.pool.device_bytes
 

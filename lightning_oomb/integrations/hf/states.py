@@ -47,6 +47,7 @@ CARRIED_MIXERS = frozenset({
     "Mamba2Mixer",  # Mamba2 (pure): no attention layer
     "KimiLinearDeltaAttention",  # Kimi-Linear: delta rule with per-channel decay + short convolution
     "BailingHybridDeltaAttention",  # Ling/Ring hybrids (Bailing): Kimi's delta rule
+    "ZayaCCAProjection",  # ZAYA: a causal convolution over q/k and a one-token delay of half of v, before attention
     *SCANS_FROM_ZERO,  # Mamba-1 (Mamba, Falcon-Mamba, Jamba): their scan continued by selective_scan
 })  # fmt: skip
 
@@ -147,7 +148,9 @@ def mixer_shape(module: torch.nn.Module) -> Mixer:
     Mamba-1 mixer (:data:`SCANS_FROM_ZERO`), a Mamba2 mixer (``ssm_state_size``) or a short convolution."""
     conv = next(m for m in module.modules() if isinstance(m, torch.nn.Conv1d))
     gated = any(type(m).__name__.endswith("RMSNormGated") for m in module.children())
-    common = {"channels": conv.in_channels, "kernel": conv.kernel_size[0], "gated_norm": gated}
+    # ZAYA's two convolutions in a row keep conv_kernel_size columns between chunks
+    kernel = getattr(module, "conv_kernel_size", conv.kernel_size[0])
+    common = {"channels": conv.in_channels, "kernel": kernel, "gated_norm": gated}
     if hasattr(module, "num_v_heads"):
         return Mixer("delta", heads=module.num_v_heads, head_dim=module.head_v_dim, state=module.head_k_dim,
                      block=DELTA_BLOCK, **common)  # fmt: skip
@@ -166,11 +169,14 @@ def mixer_shape(module: torch.nn.Module) -> Mixer:
 
 def state_elements(mixers: list[torch.nn.Module]) -> tuple[int, int]:
     """Elements of one batch row's carried states at one chunk boundary: ``(convolution, recurrent)`` — each
-    mixer's causal convolution keeps ``channels x kernel`` inputs (in the activations' dtype), a gated delta-net
-    ``value heads x key dim x value dim``, a Mamba2 mixer ``heads x head dim x state size``, a Mamba-1 mixer
-    ``channels x state size`` (float32, as their rules compute)."""
+    mixer's causal convolution keeps ``channels x kernel`` inputs (in the activations' dtype; ZAYA's projection also
+    the last token's delayed half of the values), a gated delta-net ``value heads x key dim x value dim``, a Mamba2
+    mixer ``heads x head dim x state size``, a Mamba-1 mixer ``channels x state size`` (float32, as their rules
+    compute)."""
     shapes = [mixer_shape(m) for m in mixers]
-    return sum(m.channels * m.kernel for m in shapes), sum(m.heads * m.head_dim * m.state for m in shapes)
+    delayed = sum(m.v_proj_delayed.out_features for m in mixers if hasattr(m, "v_proj_delayed"))
+    conv = sum(m.channels * m.kernel for m in shapes) + delayed
+    return conv, sum(m.heads * m.head_dim * m.state for m in shapes)
 
 
 def float32_recurrences(model: torch.nn.Module) -> bool:

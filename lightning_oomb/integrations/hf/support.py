@@ -44,7 +44,9 @@ from lightning_oomb.integrations.hf.states import CARRIED_MIXERS, float32_recurr
 
 SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
 # a hybrid's other layer types, accepted when every stateful layer is one OOMB carries (token-wise MLP/MoE layers)
-HYBRID_LAYER_TYPES = frozenset({"linear_attention", "conv", "hybrid", "mamba", "mlp", "moe", "attention"})
+HYBRID_LAYER_TYPES = frozenset(
+    {"linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba", "mlp", "moe", "attention"}
+)  # ZAYA's "hybrid_sliding": attention with a window, its module's sliding_window
 # words (of CamelCase class names) that name token mixers carrying state along the sequence
 _STATEFUL_WORDS = frozenset({"mamba", "ssm", "rglru", "rwkv", "hyena", "lstm", "mlstm", "slstm", "deltanet"})
 _STATEFUL_PAIRS = frozenset({("gated", "delta"), ("delta", "net"), ("linear", "attention"), ("lightning", "attention"),
