@@ -4,10 +4,10 @@ The row is named by its role (``--row``, default ``1m-sparse-host``: the 1M-toke
 host memory, which took 1.6x its planned time on the H200) and built as ``goals.py`` builds it — its layer count,
 context, options. The step is warmed up first at 32K tokens (kernels compiled, arenas grown), then one step is
 profiled (CPU and CUDA activities, no shapes or stacks, to keep the trace small; ``--plain``: one more step timed
-without the profiler first, to see what profiling costs). Writes
-``--out`` (``.md``: the wall times and the ops by self CUDA time and by self CPU time, ``--top`` each; ``.json``:
-the same rows, and the ops' summed own CPU time and the GPU kernels' time) and prints the tables. A step whose CPU time is near its wall time while the GPU idles is bound by
-the host (launches, Python, copies issued one by one), not by the kernels.
+without the profiler first, to see what profiling costs). Writes ``--out`` (``.md``: the wall times and the ops by
+self CUDA time and by self CPU time, ``--top`` each; ``.json``: the same rows, and the ops' summed own CPU time and
+the GPU kernels' time) and prints the tables. A step whose CPU time is near its wall time while the GPU idles is
+bound by the host (launches, Python, copies issued one by one), not by the kernels.
 
     PYTHONPATH=$PWD python3 benchmarks/profile_step.py --row 1m-sparse-host --out benchmarks/results/profile.md
 """
@@ -59,8 +59,9 @@ def ops(prof, top: int | None, key: str) -> list[dict]:
     for e in prof.key_averages():
         cuda_self = getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))
         cuda = getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0.0))
-        rows.append({"name": e.key, "count": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3,
-                     "self_cuda_ms": cuda_self / 1e3, "cpu_ms": e.cpu_time_total / 1e3, "cuda_ms": cuda / 1e3})  # fmt: skip
+        cpu = e.self_cpu_time_total / 1e3
+        rows.append({"name": e.key, "count": e.count, "self_cpu_ms": cpu, "self_cuda_ms": cuda_self / 1e3,
+                     "cpu_ms": e.cpu_time_total / 1e3, "cuda_ms": cuda / 1e3})  # fmt: skip
     return sorted(rows, key=lambda r: -r[key])[:top]
 
 

@@ -12,8 +12,8 @@ dense and with a page selection (``--page-budget`` pages per query block) at eve
 defaults. Each candidate costs a compilation (1-3 s); a candidate starts only if ``--budget-s`` leaves time for it.
 
 Writes JSON after every row (``--out``) and prints each row as a JSON line; at the end a table (``.md``) and a
-chart (``.png``) next to it, and the winning tiles as the line to paste into ``SM90_DEFAULTS``. ``--smoke``: tiny shapes, two candidates per kernel, on the CPU through the Triton
-interpreter (a check of the script).
+chart (``.png``) next to it, and the winning tiles as the line to paste into ``SM90_DEFAULTS``. ``--smoke``: tiny
+shapes, two candidates per kernel, on the CPU through the Triton interpreter (a check of the script).
 
     PYTHONPATH=$PWD python3 benchmarks/tile_sweep.py --out benchmarks/results/tile-sweep-h200.json
 """
@@ -129,7 +129,8 @@ def markdown(data: dict) -> str:
              f"{shape['head_dim']}, page {shape['page']}. One kernel at a time at each tile, the others at their pick "
              "so far; forward rows time the forward, backward rows forward + backward (median ms). `max diff`: "
              "against the first tile's out, dQ, dK, dV.", "",
-             "| kernel | tile (M, N, warps, stages[, SPLIT]) | ms | max diff | note |", "|---|---|---|---|---|"]  # fmt: skip
+             "| kernel | tile (M, N, warps, stages[, SPLIT]) | ms | max diff | note |",
+             "|---|---|---|---|---|"]  # fmt: skip
     for r in data["rows"]:
         if "kernel" in r:
             ms = f"{r['ms']:.2f}" if "ms" in r else ""
