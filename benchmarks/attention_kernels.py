@@ -306,7 +306,7 @@ def reserve_s(method: str, default_tiles: bool, compiled: bool) -> float:
     three kernels, ``--tune-configs`` configs when tuned); the rest time in a few seconds."""
     if method == "flex":
         return 30.0
-    if method in ("paged", "sparse") and not compiled:
+    if method in ("paged", "sparse", "merged") and not compiled:
         configs = 1 if default_tiles else int(os.environ.get("OOMB_TRITON_TUNE_CONFIGS") or 4)
         return 5.0 + 3 * 2.0 * configs
     return 5.0
