@@ -594,9 +594,8 @@ def test_a_measured_gpu_gets_its_step_rates(monkeypatch):
             mock.patch.object(torch.cuda, "memory_allocated", return_value=0),
         ):
             machine = Machine.local("cuda")
-        assert (machine.rates is planner.MEASURED_STEP_RATES.get(name)) and (
-            machine.rates is not None
-        ) == measured
+        assert machine.rates is planner.MEASURED_STEP_RATES.get(name)
+        assert (machine.rates is not None) == measured
         seconds = plan(qwen2_5_7b_config(), 32768, machine=machine).step_time_s
         assert (seconds is not None and 3 < seconds < 15) == measured  # the 28-layer 32K steps took 6.7-7.8 s
 

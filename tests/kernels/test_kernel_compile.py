@@ -104,19 +104,16 @@ def test_only_the_measured_dkdv_tile_splits_its_loop(monkeypatch):
     H200 measured it faster); the wide-head and mma.sync tiles keep the one masked loop they were compiled with."""
     from csrc_triton import paged_attention as kernels
 
-    monkeypatch.setattr(
-        kernels, "_interpreting", lambda: False
-    )  # the GPU's space (the suite's is interpreted)
+    # the GPU's space (the suite's is interpreted)
+    monkeypatch.setattr(kernels, "_interpreting", lambda: False)
     prune = kernels._bwd_dkdv_kernel.early_config_prune
     tuner = SimpleNamespace(configs=kernels._configs("dkdv", [(32, 128)], (2,)), early_config_prune=prune)
     for arch, width, split in ((90, 128, True), (90, 256, False), (89, 128, False), (80, 512, False)):
         key = {"ARCH": arch, "HEAD_DIM": width, "PAGE": 128, "SPARSE": False}
         config = kernels.default_config(tuner, key)
         assert config.kwargs["SPLIT"] is split, (arch, width)
-        assert (config.kwargs["BLOCK_M"], config.num_stages) == (
-            kernels.shipped_tile("dkdv", width, arch)[0],
-            kernels.shipped_tile("dkdv", width, arch)[3],
-        )
+        m, _, _, stages = kernels.shipped_tile("dkdv", width, arch)
+        assert (config.kwargs["BLOCK_M"], config.num_stages) == (m, stages)
         variants = {c.kwargs["SPLIT"] for c in kernels.tuning_space(tuner, key)[:2]}
         assert variants == {True, False}  # tuning tries both loops at the default tile
 

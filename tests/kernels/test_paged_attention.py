@@ -310,10 +310,8 @@ def test_dkdv_space_has_both_loops_at_every_tile(monkeypatch):
         for c in space
     ]
     m, n, warps, stages = triton_kernels.SM90_DEFAULTS["dkdv"]
-    assert tiles[:2] == [
-        (m, n, warps, stages, True),
-        (m, n, warps, stages, False),
-    ]  # the default: split loops
+    # the default first: split loops
+    assert tiles[:2] == [(m, n, warps, stages, True), (m, n, warps, stages, False)]
     assert sorted(tiles[2:]) == [(32, 128, w, 2, split) for w in (4, 8) for split in (False, True)]
 
 
