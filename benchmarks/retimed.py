@@ -20,11 +20,11 @@ import dataclasses
 import json
 from pathlib import Path
 
-from benchmarks.common import GIB, write_json
+from benchmarks.common import write_json
+from benchmarks.predictions import MACHINE
 from lightning_oomb import plan
 from lightning_oomb.engine import OOMBConfig
 from lightning_oomb.engine.config import STRATEGY_DEFAULTS
-from lightning_oomb.engine.planner import Machine
 from lightning_oomb.engine.step_time import StepRates
 from lightning_oomb.models import qwen2_5_7b_config
 
@@ -71,9 +71,14 @@ def main(argv: list[str] | None = None) -> int:
     new = dataclasses.replace(old, attention_flops=old.attention_flops * gain)
     model = qwen2_5_7b_config()
 
+    def planned(tokens: int, config: OOMBConfig, rates: StepRates):
+        machine = dataclasses.replace(
+            MACHINE, rates=rates
+        )  # the predictions' H200: 139.8 GiB, 120 GiB of host
+        return plan(model, tokens, 1, config, "bf16-true", None, machine, suggest=False)
+
     def seconds(tokens: int, config: OOMBConfig, rates: StepRates) -> float:
-        machine = Machine("cuda", int(139.8 * GIB), 120 * GIB, rates=rates)
-        return plan(model, tokens, 1, config, "bf16-true", None, machine, suggest=False).step_time_s
+        return planned(tokens, config, rates).step_time_s
 
     def factor(tokens: int, config: OOMBConfig) -> float:
         return seconds(tokens, config, new) / seconds(tokens, config, old)
@@ -98,8 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         "256k-offload scaled to 28 layers")  # fmt: skip
     # the defaults' 256K step was not measured: its plan at the new rates, times the offloaded row's measured/planned
     ratio = (256 * K / tps) / seconds(256 * K, offloaded_256k, old)
-    decided = plan(model, 256 * K, 1, OOMBConfig(4096, 128, **STRATEGY_DEFAULTS), "bf16-true", None,
-                   Machine("cuda", int(139.8 * GIB), 120 * GIB, rates=new), suggest=False).config  # fmt: skip
+    decided = planned(256 * K, OOMBConfig(4096, 128, **STRATEGY_DEFAULTS), new).config
     add("dense throughput at 256K, the strategies' defaults", None, 256 * K / (ratio * seconds(256 * K, decided, new)),
         "tokens/s", "not measured: its plan at the new rates x 256k-offload's measured / planned")  # fmt: skip
     million = goals["dense 1M-token step (extrapolated)"]

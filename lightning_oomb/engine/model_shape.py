@@ -48,7 +48,8 @@ class Mixer:
     ``"mamba"`` (Mamba-1: ``heads`` its channels, ``head_dim`` 1) or ``"conv"`` (gated short convolution); ``channels`` and ``kernel`` of its causal convolution;
     ``heads`` x ``head_dim``: the values its rule mixes (a delta-net's value heads, Mamba2's heads); ``state``: a
     delta-net's key head dim, Mamba2's state size; ``block``: the rule's block (a delta rule's 64, Mamba2's
-    ``chunk_size``); ``gated_norm``: a gated RMSNorm on its output (else Falcon-H1's plain gate)."""
+    ``chunk_size``); ``gated_norm``: a gated RMSNorm on its output (else Falcon-H1's plain gate); ``delayed``:
+    elements of its input it hands to the next token besides the convolution's (ZAYA's delayed half values)."""
 
     kind: str
     channels: int
@@ -58,6 +59,7 @@ class Mixer:
     state: int = 0
     block: int = 1
     gated_norm: bool = False
+    delayed: int = 0
 
 
 @dataclass(frozen=True)

@@ -150,7 +150,8 @@ def mixer_shape(module: torch.nn.Module) -> Mixer:
     gated = any(type(m).__name__.endswith("RMSNormGated") for m in module.children())
     # ZAYA's two convolutions in a row keep conv_kernel_size columns between chunks
     kernel = getattr(module, "conv_kernel_size", conv.kernel_size[0])
-    common = {"channels": conv.in_channels, "kernel": kernel, "gated_norm": gated}
+    delayed = module.v_proj_delayed.out_features if hasattr(module, "v_proj_delayed") else 0  # ZAYA's values
+    common = {"channels": conv.in_channels, "kernel": kernel, "gated_norm": gated, "delayed": delayed}
     if hasattr(module, "num_v_heads"):
         return Mixer("delta", heads=module.num_v_heads, head_dim=module.head_v_dim, state=module.head_k_dim,
                      block=DELTA_BLOCK, **common)  # fmt: skip
@@ -174,8 +175,7 @@ def state_elements(mixers: list[torch.nn.Module]) -> tuple[int, int]:
     mixer ``heads x head dim x state size``, a Mamba-1 mixer ``channels x state size`` (float32, as their rules
     compute)."""
     shapes = [mixer_shape(m) for m in mixers]
-    delayed = sum(m.v_proj_delayed.out_features for m in mixers if hasattr(m, "v_proj_delayed"))
-    conv = sum(m.channels * m.kernel for m in shapes) + delayed
+    conv = sum(m.channels * m.kernel + m.delayed for m in shapes)
     return conv, sum(m.heads * m.head_dim * m.state for m in shapes)
 
 
