@@ -11,8 +11,10 @@ Measured in the same run:
    (compilation and autotuning happen there; the first call's seconds are recorded), timed with CUDA events. Also
    our kernels with a page selection (``page_select``: every query block of 128 queries sees ``--page-budget``
    random earlier pages and its chunk causally, as sparse attention runs them), at each kernel's default tile
-   (``--default-tiles``: before tuning), and over the keys in blocks of Lq keys merged by log-sum-exp, as offload
-   runs them (the compute overhead of streaming).
+   (``--default-tiles``: before tuning), and over the keys in staged blocks of Lq keys merged by log-sum-exp, as
+   offload runs them (the compute overhead of streaming): ``merged``, the default staging buffers' groups of
+   blocks per kernel call (``staging_buffers=9``: 4 blocks a call), ``merged-block`` one block per call (4 buffers
+   or fewer).
 
 FLOPs count the query-key pairs attended: forward = 4 * Hq * D * pairs (two matmuls), forward+backward = 3.5x that
 (backward = 2.5 forwards, FlashAttention's count); dense pairs are the lower-right causal ones, ``Lq * (Lk - Lq) +
@@ -50,11 +52,13 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 # method ids (--methods) -> row names
-METHODS = ("paged", "sparse", "merged", "sdpa-repeat", "sdpa-gqa", "flex")
+METHODS = ("paged", "sparse", "merged", "merged-block", "sdpa-repeat", "sdpa-gqa", "flex")
+OURS = ("paged", "sparse", "merged", "merged-block")
 NAMES = {
     "paged": "oomb triton (paged)",
     "sparse": "oomb triton (paged, sparse)",
     "merged": "oomb triton (chunk-sized key blocks, merged)",
+    "merged-block": "oomb triton (one key block per call, merged)",
     "sdpa-repeat": "sdpa lower-right (repeat_interleave)",
     "sdpa-gqa": "sdpa lower-right (enable_gqa)",
     "flex": "flex compiled (enable_gqa)",
@@ -178,9 +182,9 @@ def run_oomb(
 
 
 def run_oomb_blocks(p: Problem, block: int, backward: bool = True) -> None:
-    """The offload path: the keys in blocks of ``block`` tokens (one staged chunk each), merged by the engine's
-    ``attend`` / ``attend_backward`` (carried softmax state, accumulated dQ) — its cost over one call is the
-    compute overhead of streaming."""
+    """The offload path: the keys in parts of ``block`` tokens (a group of staged chunks each), merged by the
+    engine's ``attend`` / ``attend_backward`` (carried softmax state, accumulated dQ) — its cost over one call is
+    the compute overhead of streaming."""
     from lightning_oomb.engine.attention import attend, attend_backward
     from lightning_oomb.engine.pages import PagedKV
 
@@ -239,12 +243,17 @@ def methods(
 
         return run
 
+    from lightning_oomb.engine import OOMBConfig
+    from lightning_oomb.engine.offload.offloader import group_size
+
     group = p.q.shape[1] // p.k.shape[1]
+    per_call = group_size(OOMBConfig().staging_buffers)  # blocks a step's offload attends per kernel call
     mask = causal_lower_right(lq, lk)
     makers = {
         "paged": lambda: functools.partial(run_oomb, kernels, p),
         "sparse": lambda: functools.partial(run_oomb, kernels, p, select=p.select(budget)),
-        "merged": lambda: functools.partial(run_oomb_blocks, p, math.ceil(lq / p.page) * p.page),
+        "merged": lambda: functools.partial(run_oomb_blocks, p, per_call * math.ceil(lq / p.page) * p.page),
+        "merged-block": lambda: functools.partial(run_oomb_blocks, p, math.ceil(lq / p.page) * p.page),
         "sdpa-repeat": lambda: autograd(
             lambda q, k, v: F.scaled_dot_product_attention(
                 q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), attn_mask=mask, scale=p.scale
@@ -306,7 +315,7 @@ def reserve_s(method: str, default_tiles: bool, compiled: bool) -> float:
     three kernels, ``--tune-configs`` configs when tuned); the rest time in a few seconds."""
     if method == "flex":
         return 30.0
-    if method in ("paged", "sparse", "merged") and not compiled:
+    if method in OURS and not compiled:
         configs = 1 if default_tiles else int(os.environ.get("OOMB_TRITON_TUNE_CONFIGS") or 4)
         return 5.0 + 3 * 2.0 * configs
     return 5.0
@@ -325,10 +334,9 @@ def throughput(
     """Rows per key length and method (``save(rows)`` after each); ``--default-tiles`` first times our kernels at
     their default tiles, then tuning starts afresh."""
     chosen = args.methods.split(",")
-    ours = ("paged", "sparse", "merged")
-    passes = [(DEFAULT_TILE, [m for m in chosen if m in ours])] if args.default_tiles else []
+    passes = [(DEFAULT_TILE, [m for m in chosen if m in OURS])] if args.default_tiles else []
     # the offload path's merged key blocks: at the default tiles only, when they are measured (what a step runs)
-    passes.append(("", [m for m in chosen if not (args.default_tiles and m == "merged")]))
+    passes.append(("", [m for m in chosen if not (args.default_tiles and m.startswith("merged"))]))
     tune = os.environ.get("OOMB_TRITON_AUTOTUNE", "1") != "0"
     rows = []
     for suffix, names in passes:
@@ -487,15 +495,19 @@ def ratios(rows: list[dict]) -> dict[str, dict[int, float | None]]:
         "oomb_over_flex": {},
         "sparse_over_dense": {},
         "merged_over_dense": {},
+        "merged_block_over_dense": {},
     }
     for lk in dict.fromkeys(r["keys"] for r in rows):
-        ours, flex, sparse, merged = (tflops(lk, m) for m in ("paged", "flex", "sparse", "merged"))
+        ours, flex, sparse, merged, block = (
+            tflops(lk, m) for m in ("paged", "flex", "sparse", "merged", "merged-block")
+        )
         refs = [r["fwd_bwd_tflops"] for r in rows if r["keys"] == lk and "fwd_bwd_tflops" in r
                 and not r["method"].startswith("oomb")]  # fmt: skip
         out["oomb_over_best_reference"][lk] = ours / max(refs) if ours and refs else None
         out["oomb_over_flex"][lk] = ours / flex if ours and flex else None
         out["sparse_over_dense"][lk] = sparse / ours if ours and sparse else None
         out["merged_over_dense"][lk] = merged / ours if ours and merged else None
+        out["merged_block_over_dense"][lk] = block / ours if ours and block else None
     return out
 
 
@@ -616,7 +628,8 @@ def main(argv: list[str] | None = None) -> int:
     for label, key in (("oomb / fastest reference", "oomb_over_best_reference"),
                        ("oomb / compiled FlexAttention", "oomb_over_flex"),
                        ("sparse / dense, per attended key", "sparse_over_dense"),
-                       ("merged key blocks (offload) / one call", "merged_over_dense")):  # fmt: skip
+                       ("merged key blocks (offload) / one call", "merged_over_dense"),
+                       ("one key block a call (offload, <= 4 buffers) / one call", "merged_block_over_dense")):  # fmt: skip
         for lk, ratio in result[key].items():
             print(f"{lk:>7}  {label} (fwd+bwd): " + (f"{ratio:.2f}x" if ratio else "n/a"))
     return 0

@@ -144,7 +144,7 @@ FULL = dict(reduced=(2, 4), lengths={"32k": 32 * K, "64k": 64 * K, "128k": 128 *
             chunk=4096, page=128, budget=64, long_chunk=16 * K)  # fmt: skip
 TINY = Scale(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=256),
-             (1, 2), {"32k": 128, "64k": 192, "128k": 256, "256k": 384, "1m": 512}, 64, 16, 2, 64)  # fmt: skip
+             (1, 2), {"32k": 128, "64k": 192, "128k": 256, "256k": 384, "1m": 768}, 64, 16, 2, 64)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,9 @@
 #                  reuse_attention and float32-host on this GPU, each against the step without it (25 s on
 #                  the H200, imports and the first CUDA calls included)
 #   kernels  95 s  2 key lengths x (our dense and sparse kernels and offload's merged key blocks at default
-#                  tiles, then dense and sparse tuned; SDPA x2;
-#                  FlexAttention, compiled once per length: ~20 s each); tuning capped at 3 configs per kernel
+#                  tiles — a group of 4 key blocks per call, as steps run them, and one block per call —, then
+#                  dense and sparse tuned; SDPA x2;
+#                  FlexAttention, compiled once per length: ~20 s each); tuning capped at 2 configs per kernel
 #                  and key (a compilation each, ~1-3 s); rows end by 75 s, then the accuracy check and the
 #                  kernel records (chosen config, n_regs, n_spills); 67 s on the H200 (2026-12-04)
 #   compare 140 s  28 layers: HF 32K warm-up + 3 steps (~25 s), OOMB 32K warm-up + 3 (~35 s + compilation),
@@ -80,18 +81,18 @@ for part in "${parts[@]}"; do
   case "$part" in
     checks) run checks 35 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda_paths.py ;;
     kernels) run kernels 95 env TRITON_PRINT_AUTOTUNING=1 python3 benchmarks/attention_kernels.py --out "$out/kernels-h200.json" \
-      --methods paged,sparse,merged,sdpa-repeat,sdpa-gqa,flex --default-tiles --tune-configs 3 --warmup 2 --iters 5 \
+      --methods paged,sparse,merged,merged-block,sdpa-repeat,sdpa-gqa,flex --default-tiles --tune-configs 2 --warmup 2 --iters 5 \
       --budget-s 75 ${smoke[@]+"${smoke[@]}"} ;;
     compare) goals compare 140 ;;
     reduced) goals reduced 190 ;;
     summary) goals summary 20 ;;
     # optional parts (not in the 8 minutes): each kernel's candidate tiles (the data for SM90_DEFAULTS; ~100 s on
-    # the H200), one step profiled (the 1M sparse step, 1.6x its planned time: where does it go?), the offload
-    # race check, the context sweep
+    # the H200), steps profiled (128K without and with offload: where offload's overhead goes; the 1M sparse step,
+    # 1.6x its planned time: where does it go? ~170 s), the offload race check, the context sweep
     tiles) run tiles 150 python3 benchmarks/tile_sweep.py --out "$out/tile-sweep-h200.json" --budget-s 130 \
       ${smoke[@]+"${smoke[@]}"} ;;
-    profile) run profile 120 env OOMB_TRITON_AUTOTUNE=0 python3 benchmarks/profile_step.py --row 1m-sparse-host \
-      --out "$out/profile-h200.md" ${tiny[@]+"${tiny[@]}"} ;;
+    profile) run profile 200 env OOMB_TRITON_AUTOTUNE=0 python3 benchmarks/profile_step.py \
+      --row 128k-dense,128k-offload,1m-sparse-host --plain --out "$out/profile-h200.md" ${tiny[@]+"${tiny[@]}"} ;;
     stress) run stress 120 python3 benchmarks/offload_stress.py --steps 5 --out "$out/offload-stress-h200.json" \
       ${tiny[@]+"${tiny[@]}"} ;;
     scaling) run scaling 300 env OOMB_TRITON_AUTOTUNE=0 python3 benchmarks/memory_scaling.py --warmup-once \

@@ -73,7 +73,9 @@ class OOMBConfig:
         staging_buffers: device buffers of one block each — one chunk's K, V, dK, dV pages of one layer,
             ``2 * batch * chunk_size * kv_heads * head_dim * (kv itemsize + grad itemsize)`` bytes (24 MiB for
             Qwen2.5-7B at chunk 4096) — through which host-tier layers stream; at least 2 (the chunk's own block
-            and one prefix block); 3 overlaps copies in with compute, 4 (default) also overlaps write-backs.
+            and one prefix block); 3 overlaps copies in with compute, 4 also overlaps write-backs; one kernel call
+            attends ``(staging_buffers - 1) // 2`` staged prefix blocks, so 9 (default; 216 MiB for Qwen2.5-7B)
+            pays a call's fixed costs once per 4 blocks.
         prefetch_depth: predicted block uses staged ahead of time when offloading; ``None`` (default): as many as
             free buffers allow, ``0``: copies only on demand (a debugging aid: no overlap).
         page_budget: sparse attention: each block of ``page_size`` queries attends to its chunk's own pages and to
@@ -137,7 +139,7 @@ class OOMBConfig:
     loss_block: int = 1024
     offload: bool | str = False
     hbm_budget: int | str = "auto"
-    staging_buffers: int = 4
+    staging_buffers: int = 9
     prefetch_depth: int | None = None
     page_budget: int | None = None
     page_score: str = "bound"

@@ -15,7 +15,7 @@ to it (device memory on CUDA, ``MemAvailable`` for host memory).
 :meth:`KVPool.write` stores the chunk's post-RoPE K/V at its start (in the backward sweep the same call restages
 the recomputed, identical K/V of a host layer on the device and changes nothing else); :meth:`KVPool.parts` then
 hands out the pages of ``[0, num_tokens)`` as one :class:`~lightning_oomb.engine.pages.PagedKV` (HBM layer) or one
-per block (host layer), each with the key range it covers — with ``grads=True`` the caller adds into their
+per group of staged blocks (host layer), each with the key range it covers — with ``grads=True`` the caller adds into their
 gradient pages before taking the next part; :meth:`KVPool.read_grad` returns a chunk's accumulated gradients and,
 in the backward sweep, frees the chunk's gradient pages. A write zeroes the new pages' gradients and, for a sparse
 step, stores the new pages' summaries (:meth:`KVPool.summaries`; always on the device, counted in its bytes).
@@ -495,8 +495,8 @@ class KVPool:
         blocks: dict[int, frozenset[int]] | None = None, own: bool = True,
     ) -> Iterator[PagedKV]:  # fmt: skip
         """The pages of ``layer`` holding tokens ``[0, num_tokens)`` (the chunk ending there and everything
-        before), for the attention op: one :class:`PagedKV` for an HBM layer, one per block for a host layer
-        (the chunk's own block first; blocks wholly before ``first_key`` — outside a sliding window — and, given
+        before), for the attention op: one :class:`PagedKV` for an HBM layer, one per group of consecutive blocks
+        for a host layer (:meth:`~lightning_oomb.engine.offload.Offloader.stream`; the chunk's own block first; blocks wholly before ``first_key`` — outside a sliding window — and, given
         ``blocks`` (block -> page offsets: a sparse call's selection), earlier blocks not in it are skipped and
         only the listed pages of the others staged). ``own=False``: the chunk has no tokens here (a
         context-parallel rank without a slice of a short last chunk): every block up to ``num_tokens`` (a block
@@ -513,8 +513,8 @@ class KVPool:
             return
         arena = self._staging
         first = shape.block_of(first_key)
-        for block, table in self._offload.stream(layer, chunk, grads, first, blocks, own):
-            keys = shape.block_keys(block, num_tokens)
+        for (lo, hi), table in self._offload.stream(layer, chunk, grads, first, blocks, own):
+            keys = (shape.block_keys(lo, num_tokens)[0], shape.block_keys(hi - 1, num_tokens)[1])
             yield PagedKV(arena.k, arena.v, arena.dk, arena.dv, table[:, :pages], keys)
 
     def summaries(self, layer: int, num_pages: int) -> torch.Tensor:

@@ -16,6 +16,8 @@ import torch
 from lightning_oomb.engine import OOMBConfig, OOMBConfigError, OOMBEngine
 from lightning_oomb.engine import kv_pool as kv_pool_module
 from lightning_oomb.engine.kv_pool import KVPool, plan_tiers
+from lightning_oomb.engine.offload.offloader import _groups, group_size
+from lightning_oomb.engine.offload.schedule import Need
 from lightning_oomb.engine.pages import PoolShape, add_tokens, gather_tokens
 from lightning_oomb.integrations.hf import HFChunkModel
 from tests.helpers.models import build_causal_lm, full_sequence_loss, grads_of, max_relative_error
@@ -55,8 +57,8 @@ def run_step(model, ids, checkpointing, **offload):
 
 
 # (layers, HBM layers, staging_buffers): everything on the host through the fewest buffers; one HBM layer + 3
-# host layers; everything on the host with prefetch both ways
-PLACEMENTS = [(2, 0, 2), (4, 1, 3), (4, 0, 4)]
+# host layers; everything on the host with prefetch both ways; prefix blocks attended two per kernel call
+PLACEMENTS = [(2, 0, 2), (4, 1, 3), (4, 0, 4), (2, 0, 5)]
 
 
 @pytest.mark.parametrize(("layers", "hbm_layers", "buffers"), PLACEMENTS)
@@ -234,7 +236,6 @@ def test_offload_device_bytes_do_not_grow_with_the_sequence():
 # -------------------------------------------------------------------------------------------------- schedule
 # 4 layers, batch 2, 40 tokens: 5 pages per row, chunks (= blocks) of 2 + 2 + 1 pages
 POOL_SHAPE = pool_shape(4, 2, 40, 1, 4)
-STARTS = list(range(0, POOL_SHAPE.seq_len, CHUNK))
 
 
 def scrambled(start: int) -> list[int]:
@@ -242,13 +243,13 @@ def scrambled(start: int) -> list[int]:
     return [(i * 3 + start) % 4 for i in range(4)]
 
 
-def drive(pool: KVPool, twice: bool = False, order=None):
+def drive(pool: KVPool, twice: bool = False, order=None, shape: PoolShape = POOL_SHAPE):
     """Replay the attention op's pool calls for one step (see ``PagedAttention``) with synthetic K/V and
     gradient adds; return everything the op would have read: each call's keys (K, V) in position order and each
     chunk's gradients. ``twice``: each layer streamed again right before its backward (a model that recomputes
     its layers without the engine's kept attention results: the schedule does not predict it)."""
     gen = torch.Generator().manual_seed(0)
-    shape, layers = POOL_SHAPE, range(POOL_SHAPE.num_layers)
+    layers, starts = range(shape.num_layers), range(0, shape.seq_len, CHUNK)
     kv_of = {}
     seen = []
 
@@ -260,19 +261,25 @@ def drive(pool: KVPool, twice: bool = False, order=None):
         pool.write(layer, start, *kv_of[layer, start])
         got = {}
         add = [torch.randn(2, 1, n, 4, generator=gen, dtype=torch.float64) for _ in "kv"] if grads else None
+        ranges = []
         for kv in pool.parts(layer, n, grads):
             lo, hi = kv.keys
+            ranges.append((lo, hi))
             got[lo] = [tokens(a, kv, lo, hi) for a in (kv.k, kv.v)]
             if grads:  # what the kernel does: add into the pages of the part's keys
                 first, end = lo // PAGE, -(-hi // PAGE)
                 for arena, g in zip((kv.dk, kv.dv), add, strict=True):
                     pad = torch.nn.functional.pad(g[:, :, lo:hi], (0, 0, 0, (end - first) * PAGE - (hi - lo)))
                     add_tokens(arena, kv.page_table[:, first:end], pad)
-        assert sorted(got) == list(range(0, n, CHUNK)) or list(got) == [0]  # every key exactly once
+        ranges.sort()  # every key exactly once, in parts of whole blocks
+        assert (
+            ranges[0][0] == 0 and ranges[-1][1] == n and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        )
+        assert all(lo % CHUNK == 0 for lo, _ in ranges)
         seen.extend(torch.cat([got[lo][i] for lo in sorted(got)], dim=2) for i in (0, 1))
 
     pool.begin_sweep("forward")
-    for start in STARTS:
+    for start in starts:
         lq = min(CHUNK, shape.seq_len - start)
         for layer in layers:
             kv_of[layer, start] = [torch.randn(2, 1, lq, 4, generator=gen, dtype=torch.float64) for _ in "kv"]
@@ -282,7 +289,7 @@ def drive(pool: KVPool, twice: bool = False, order=None):
     pool.end_sweep()
 
     pool.begin_sweep("backward")
-    for start in reversed(STARTS):
+    for start in reversed(starts):
         n = min(start + CHUNK, shape.seq_len)
         for layer in layers:  # recompute
             attend(layer, start, n)
@@ -304,7 +311,7 @@ def transfers(pool, **match):
 
 
 @pytest.mark.parametrize("twice", [False, True])
-@pytest.mark.parametrize("buffers", [2, 3, 4])
+@pytest.mark.parametrize("buffers", [2, 3, 4, 5, 9])
 def test_schedule_reads_exactly_what_the_device_tier_reads(twice, buffers):
     want = drive(KVPool(), twice)
     pool = offload_pool(hbm_budget=0, staging_buffers=buffers)
@@ -314,6 +321,36 @@ def test_schedule_reads_exactly_what_the_device_tier_reads(twice, buffers):
         assert stats["demand_copies"] > 0
     elif not twice:  # the walk (climbing forward; recompute up, backward down) predicted every use
         assert stats["demand_copies"] == 0 and stats["prefetch_copies"] > 0
+
+
+@pytest.mark.parametrize("buffers", [5, 8])
+def test_prefix_blocks_are_attended_in_groups_of_consecutive_blocks(buffers):
+    """7 blocks: with 5 (8) buffers one kernel call attends up to 2 (3) prefix blocks; the keys read and the
+    gradients are those of the device tier, each group's gradient pages go back once per stream."""
+    shape = pool_shape(2, 2, 7 * CHUNK - 3, 1, 4)
+    pool = offload_pool(hbm_budget=0, staging_buffers=buffers)
+    assert same(drive(pool, shape=shape), drive(KVPool(), shape=shape))
+    group = (buffers - 1) // 2
+    calls = []
+    pool.begin_sweep("forward")
+    pool.reserve(shape, CPU)
+    for start in range(0, shape.seq_len, CHUNK):
+        k = torch.zeros(2, 1, min(CHUNK, shape.seq_len - start), 4, dtype=torch.float64)
+        pool.write(0, start, k, k)
+        calls.append([kv.keys for kv in pool.parts(0, start + k.shape[2])])
+    pool.end_sweep()
+    last = calls[-1]  # the chunk's own block, then the prefix in groups
+    assert last[0] == (6 * CHUNK, shape.seq_len)
+    assert last[1:] == [(lo * CHUNK, min(lo + group, 6) * CHUNK) for lo in range(0, 6, group)]
+
+
+def test_a_gap_in_a_sparse_streams_blocks_ends_a_group():
+    """A group's key range holds only its own blocks: selected blocks 0, 1, 2, 4, 5 in groups of up to 2."""
+    needs = [Need(0, 6, False, False)] + [Need(0, j, True, False, frozenset({0})) for j in (0, 1, 2, 4, 5)]
+    groups = [[n.block for n in g] for g in _groups(needs, True, 2)]
+    assert groups == [[6], [0, 1], [2], [4, 5]]
+    assert [[n.block for n in g] for g in _groups(needs[1:], False, 4)] == [[0, 1, 2], [4, 5]]
+    assert group_size(4) == 1 and group_size(9) == 4
 
 
 @pytest.mark.parametrize("depth", [0, 1])
@@ -379,7 +416,8 @@ def check_ordering(broken=None, buffers=3, hbm_layers=0, twice=False, order=None
 
 @pytest.mark.parametrize("twice", [False, True])
 @pytest.mark.parametrize(
-    ("buffers", "hbm_layers", "order"), [(2, 0, None), (3, 0, None), (4, 1, None), (3, 0, scrambled)]
+    ("buffers", "hbm_layers", "order"),
+    [(2, 0, None), (3, 0, None), (4, 1, None), (3, 0, scrambled), (5, 0, None), (5, 0, scrambled)],
 )
 def test_every_cross_stream_hazard_is_ordered_by_events(buffers, hbm_layers, order, twice):
     """The CUDA schedule's events, checked on CPU: no two conflicting operations on different streams (kernel
@@ -486,7 +524,7 @@ def test_stats_report_both_sweeps():
     loss.backward()
     after_backward = engine.stats.extra
     assert after_forward["host_layers"] == 2 and after_forward["host_pool_bytes"] > 0
-    assert after_forward["staging_bytes"] == 4 * engine.pool.shape.block_bytes
+    assert after_forward["staging_bytes"] == engine.config.staging_buffers * engine.pool.shape.block_bytes
     assert after_backward["d2h_bytes"] > after_forward["d2h_bytes"]  # gradient write-backs
     assert engine.stats.pool_bytes == engine.pool.allocated_bytes
 
@@ -523,7 +561,7 @@ def test_a_training_step_keeps_the_same_device_pool_at_any_length():
         assert stats["hbm_pool_bytes"] == 0
         device_bytes.append(engine.pool.device_bytes)
         host_bytes.append(stats["host_pool_bytes"])
-    assert device_bytes[0] == device_bytes[1] == 4 * engine.pool.shape.block_bytes
+    assert device_bytes[0] == device_bytes[1] == engine.config.staging_buffers * engine.pool.shape.block_bytes
     assert host_bytes[1] == 4 * host_bytes[0]
 
 
@@ -532,7 +570,9 @@ def test_evaluation_with_offload_equals_without():
     ids = torch.randint(0, 97, (2, SEQ), generator=torch.Generator().manual_seed(4))
     want = full_sequence_loss(model, ids).item()
     plain = OOMBEngine(HFChunkModel(model), OOMBConfig(CHUNK, PAGE)).evaluate(ids).item()
-    engine = OOMBEngine(HFChunkModel(model), OOMBConfig(CHUNK, PAGE, offload=True, hbm_budget=0))
+    engine = OOMBEngine(
+        HFChunkModel(model), OOMBConfig(CHUNK, PAGE, offload=True, hbm_budget=0, staging_buffers=3)
+    )
     with torch.inference_mode():  # as in Lightning's evaluation loop
         offloaded = engine.evaluate(ids).item()
     assert engine.stats.extra["host_layers"] == 2 and engine.stats.extra["h2d_bytes"] > 0

@@ -30,6 +30,7 @@ class Offloader:
         self.cache, self.shape, self.transport = cache, cache.shape, cache.transport
         depth = config.prefetch_depth
         self.prefetch_depth = len(cache.buffers) if depth is None else depth
+        self.group = group_size(len(cache.buffers))
         self._host_layers = frozenset(cache.host_layers)
         self.schedule = OffloadSchedule(self.shape.num_layers, self.shape.num_blocks, cache.host_layers)
         self._fresh: tuple[int, int] | None = None  # a block just written for the stream about to start
@@ -101,29 +102,41 @@ class Offloader:
         first: int = 0,
         blocks: Selected | None = None,
         own: bool = True,
-    ) -> Iterator[tuple[int, torch.Tensor]]:
-        """Yield ``(block, page table)`` for the blocks chunk ``chunk`` of ``layer`` attends to: its own block
-        (already written or restaged; none if not ``own``) first, then the prefix ``first .. chunk-1`` (blocks before ``first`` are
-        outside a sliding window; only ``blocks``, if given: a sparse call's selected ones, and only their selected
-        pages), each staged (with its gradient pages if ``grads``) and ordered before the
-        compute stream's next use. With ``grads`` the caller adds into the gradient pages before asking for the
-        next block; a prefix block's are then written back."""
+    ) -> Iterator[tuple[tuple[int, int], torch.Tensor]]:
+        """Yield ``((first block, end block), page table)`` for the blocks chunk ``chunk`` of ``layer`` attends to:
+        its own block (already written or restaged; none if not ``own``) alone first, then the prefix ``first ..
+        chunk-1`` (blocks before ``first`` are outside a sliding window; only ``blocks``, if given: a sparse call's
+        selected ones, and only their selected pages) in groups of up to :attr:`group` consecutive blocks, each
+        group staged together (with its gradient pages if ``grads``), ordered before the compute stream's next use
+        and attended by one kernel call over its page table. With
+        ``grads`` the caller adds into the gradient pages before asking for the next group; a prefix group's are
+        then written back."""
         self.cache.tick()
         needs = self.schedule.stream(layer, chunk, grads, first, blocks, own)
         self._fresh = None
         parts = ("kv", "grad") if grads else ("kv",)
-        for i, need in enumerate(needs):
-            self.schedule.using(needs, i)  # what prefetch predicts first: needs[i + 1:]
-            self.cache.tick()
-            buf = self.cache.stage(need, "demand", self._protected(need))
-            assert buf.kv or need.pages is not None, "the chunk's own block is written before it is streamed"
-            self.cache.use(buf, reads=parts, writes=parts[1:])
+        used = 0
+        for group in _groups(needs, own, self.group):
+            bufs = []
+            for need in group:
+                self.schedule.using(needs, used)  # what prefetch predicts first: needs[used + 1:]
+                used += 1
+                self.cache.tick()
+                buf = self.cache.stage(need, "demand", self._protected(group))
+                assert buf.kv or need.pages is not None, (
+                    "the chunk's own block is written before it is streamed"
+                )
+                bufs.append(buf)
+            for buf in bufs:
+                self.cache.use(buf, reads=parts, writes=parts[1:])
+                if grads:
+                    self.cache.added_grads(buf)
+            self._prefetch(group)
+            yield (group[0].block, group[-1].block + 1), self.cache.group_table(bufs)
             if grads:
-                self.cache.added_grads(buf)
-            self._prefetch(current=need)
-            yield need.block, self.cache.table(buf)
-            if grads and need.block != chunk:
-                self.cache.write_back(buf)
+                for need, buf in zip(group, bufs, strict=True):
+                    if need.block != chunk:
+                        self.cache.write_back(buf)
 
     def grad_table(self, layer: int, block: int) -> torch.Tensor:
         """The page table of the buffer holding ``layer``'s block with its accumulated gradient pages (after
@@ -138,18 +151,18 @@ class Offloader:
         self._prefetch()
 
     # ---------------------------------------------------------------------------------------------- prefetch
-    def _protected(self, current: Need | None = None) -> set:
-        """Blocks no staging may evict now: the block in use, the chunk's own block of the current stream (its
-        gradient pages wait for ``read_grad``) and a block just written for the stream about to start."""
+    def _protected(self, current: Sequence[Need] = ()) -> set:
+        """Blocks no staging may evict now: the group in use (``current``), the chunk's own block of the current
+        stream (its gradient pages wait for ``read_grad``) and a block just written for the stream about to
+        start."""
         keep = {self._fresh} if self._fresh is not None else set()
-        if current is not None:
-            keep.add((current.layer, current.block))
+        keep.update((need.layer, need.block) for need in current)
         at = self.schedule.at
         if at is not None:
             keep.add((at.layer, at.chunk))
         return keep
 
-    def _prefetch(self, current: Need | None = None) -> None:
+    def _prefetch(self, current: Sequence[Need] = ()) -> None:
         protect = self._protected(current)
         for ahead, need in enumerate(self.schedule.upcoming()):
             # a protected block is never evicted, but may be filled
@@ -158,3 +171,22 @@ class Offloader:
             protect.add((need.layer, need.block))
             if len(protect) >= len(self.cache.buffers):
                 break
+
+
+def group_size(buffers: int) -> int:
+    """Prefix blocks one kernel call attends to with ``buffers`` staging buffers: as many as leave room for the
+    chunk's own block and the next group's copies (``(buffers - 1) // 2``, at least 1)."""
+    return max(1, (buffers - 1) // 2)
+
+
+def _groups(needs: Sequence[Need], own: bool, size: int) -> Iterator[Sequence[Need]]:
+    """A stream's needs in the groups one kernel call each attends to: the chunk's own block (``own``: the first
+    need) alone, then runs of up to ``size`` consecutive prefix blocks (a sparse stream's skip blocks: a gap ends a
+    group, so that a group's key range holds only its own blocks)."""
+    start = 1 if own and needs else 0
+    if start:
+        yield needs[:1]
+    for end in range(start + 1, len(needs) + 1):
+        if end == len(needs) or end - start == size or needs[end].block != needs[end - 1].block + 1:
+            yield needs[start:end]
+            start = end

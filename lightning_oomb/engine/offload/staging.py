@@ -141,6 +141,17 @@ class StagingCache:
         """``buf``'s page table ``[batch, pages_per_row]`` into the staging arena, valid for any block it holds."""
         return self.tables[buf.index]
 
+    def group_table(self, bufs: Sequence[Buffer]) -> torch.Tensor:
+        """One page table for the blocks ``bufs`` hold (in block order): each block's pages map into its buffer (a
+        new table, made on the device, for more than one; the other pages' entries point into the first buffer)."""
+        if len(bufs) == 1:
+            return self.table(bufs[0])
+        table = self.table(bufs[0]).clone()
+        for buf in bufs[1:]:
+            first, end = self.shape.block_pages_range(buf.block[1])
+            table[:, first:end] = self.tables[buf.index][:, first:end]
+        return table
+
     # ------------------------------------------------------------------------------------------------ staging
     def stage(self, need: Need, cause: str, protect) -> Buffer | None:
         """The buffer holding ``need``'s block with what it needs staged; evicts the least recently used
