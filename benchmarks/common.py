@@ -162,6 +162,7 @@ def engine_stats(engine) -> dict:
         "h2d_gib": extra.get("h2d_bytes", 0) / GIB,
         "d2h_gib": extra.get("d2h_bytes", 0) / GIB,
         "copy_wait_s": extra.get("copy_wait_s", 0.0),
+        "copy_runs": extra.get("copy_runs", 0),
         "hbm_layers": extra.get("hbm_layers"),
         "host_layers": extra.get("host_layers"),
         "reused_attention_gib": extra.get("reused_attention_bytes", 0) / GIB,

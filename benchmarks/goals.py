@@ -133,18 +133,19 @@ class Scale:
         return Qwen2Config(**fields)
 
 
-def _qwen7b() -> dict:
-    from lightning_oomb.models import QWEN2_5_7B
-
-    return {k: v for k, v in QWEN2_5_7B.items() if k != "model_type"}
-
-
 K = 1024
 FULL = dict(reduced=(2, 4), lengths={"32k": 32 * K, "64k": 64 * K, "128k": 128 * K, "256k": 256 * K, "1m": K * K},
             chunk=4096, page=128, budget=64, long_chunk=16 * K)  # fmt: skip
 TINY = Scale(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=256),
              (1, 2), {"32k": 128, "64k": 192, "128k": 256, "256k": 384, "1m": 768}, 64, 16, 2, 64)  # fmt: skip
+
+
+def scale_of(tiny: bool) -> Scale:
+    """The rows' scale: Qwen2.5-7B's shape at the goals' lengths, or :data:`TINY` (a check of the scripts)."""
+    from lightning_oomb.models import QWEN2_5_7B
+
+    return TINY if tiny else Scale({k: v for k, v in QWEN2_5_7B.items() if k != "model_type"}, **FULL)
 
 
 @dataclass(frozen=True)
@@ -1055,7 +1056,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace, device: torch.device) -> int:
-    scale = TINY if args.tiny else Scale(_qwen7b(), **FULL)
+    scale = scale_of(args.tiny)
     if args.part == "summary":
         return summary(args, scale, device)
     clock = Clock(args.budget_s, device)

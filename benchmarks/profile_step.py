@@ -33,7 +33,7 @@ from benchmarks.common import (
     versions,
     write_json,
 )
-from benchmarks.goals import FULL, TINY, Scale, _qwen7b, compare_rows, dtype, oomb_config, reduced_rows
+from benchmarks.goals import Scale, compare_rows, dtype, oomb_config, reduced_rows, scale_of
 
 COLUMNS = ("count", "self_cpu_ms", "self_cuda_ms", "cpu_ms", "cuda_ms")
 
@@ -120,7 +120,7 @@ def profile_row(role: str, scale: Scale, args, device: torch.device) -> tuple[di
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
-    scale = TINY if args.tiny else Scale(_qwen7b(), **FULL)
+    scale = scale_of(args.tiny)
     known = {r.role for r in compare_rows(1) + reduced_rows(scale)}
     roles = args.row.split(",")
     unknown = [r for r in roles if r not in known]

@@ -71,7 +71,8 @@ class OOMBOffload(OOMBMonitor):
 
     Logs everything :class:`OOMBMonitor` logs, in particular per step ``oomb/h2d_bytes``, ``oomb/d2h_bytes``,
     ``oomb/copy_wait_s`` (time the compute stream waited on copies), ``oomb/prefetch_copies``,
-    ``oomb/demand_copies`` (copies a prefetch did not foresee), ``oomb/parked_bytes`` (with layer checkpointing:
+    ``oomb/demand_copies`` (copies a prefetch did not foresee), ``oomb/copy_runs`` (tensor copies issued, one per
+    run of consecutive pages), ``oomb/parked_bytes`` (with layer checkpointing:
     what the backward sweep's chunk recomputes parked in host memory, each byte copied out and back once),
     ``oomb/hbm_pool_bytes``, ``oomb/staging_bytes`` and ``oomb/host_pool_bytes``; use it instead of the monitor.
     Refuses a run whose strategy does not offload (``offload=False``; with ``"auto"`` its memory plan decides).

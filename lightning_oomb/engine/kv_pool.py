@@ -401,7 +401,9 @@ class KVPool:
     def stats(self) -> dict:
         """Placement, arena bytes and this step's traffic: ``h2d_bytes``/``d2h_bytes`` (bytes copied host to
         device / device to host), ``copy_wait_s`` (seconds the compute stream waited for copies; 0 on CPU),
-        ``prefetch_copies``/``demand_copies`` (host-to-device copies issued ahead of use / when needed)."""
+        ``prefetch_copies``/``demand_copies`` (host-to-device copies issued ahead of use / when needed),
+        ``copy_runs`` (tensor copies issued both ways: one per tensor and run of consecutive pages — a sparse step's
+        scattered pages make many, each a call with its own host-side cost)."""
         plan = self.plan
         out = {
             "offload": self.config.offloads,
@@ -416,6 +418,7 @@ class KVPool:
             "copy_wait_s": 0.0,
             "prefetch_copies": 0,
             "demand_copies": 0,
+            "copy_runs": 0,
         }
         if self._offload is not None:
             out.update(self._offload.stats())

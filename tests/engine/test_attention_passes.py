@@ -47,7 +47,7 @@ def test_checkpointing_adds_no_attention_pass(options):
     loss, grads, _, _, stats, plain = counted_step(False, **dict(options))
     got_loss, got_grads, model, ids, got_stats, checkpointed = counted_step(True, **dict(options))
     assert checkpointed == plain and plain["forward"] > 0 and plain["backward"] > 0
-    traffic = ("h2d_bytes", "d2h_bytes", "prefetch_copies", "demand_copies")
+    traffic = ("h2d_bytes", "d2h_bytes", "prefetch_copies", "demand_copies", "copy_runs")
     assert [got_stats.get(k) for k in traffic] == [stats.get(k) for k in traffic]  # offload: no page twice
     assert abs(got_loss.item() - loss.item()) <= 1e-12 * loss.item()
     assert max_relative_error(got_grads, grads) <= 1e-10

@@ -400,6 +400,7 @@ def test_write_back_schedule_and_dirty_tracking():
     assert grads_in and grads_in <= could
     # every copy in, in both sweeps, was a prefetch issued before the access that needed it
     assert {t.cause for t in transfers(pool, direction="h2d")} == {"prefetch"}
+    assert pool.stats()["copy_runs"] == 2 * len(pool.transfers)  # K and V (dK and dV) of each run of pages
 
 
 # -------------------------------------------------------------------------------- stream ordering, simulated

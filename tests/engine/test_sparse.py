@@ -29,7 +29,8 @@ SEQ, CHUNK, PAGE = 70, 16, 8  # 5 chunks, 9 pages: the last chunk has 8 past pag
 
 def oomb(model, ids, budget, backend="torch", offload=False, checkpointing=False, **batch):
     """Loss and gradients of one sparse OOMB step, and the selections it made (by layer and chunk start)."""
-    extra = {"offload": True, "hbm_budget": 0, "staging_buffers": 3} if offload else {}
+    buffers = 3 if offload is True else offload  # offload: True, or the staging buffers (5: 2 blocks a call)
+    extra = {"offload": True, "hbm_budget": 0, "staging_buffers": buffers} if offload else {}
     config = OOMBConfig(CHUNK, PAGE, attention_backend=backend, page_budget=budget, **extra)
     engine = OOMBEngine(HFChunkModel(model, layer_checkpointing=checkpointing), config)
     model.zero_grad()
@@ -83,7 +84,9 @@ def test_full_budget_equals_dense_and_full_sequence(family, offload, checkpointi
     assert_equal((loss, grads), (want.detach(), want_grads))
 
 
-@pytest.mark.parametrize(("offload", "checkpointing"), [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize(
+    ("offload", "checkpointing"), [(False, False), (True, False), (False, True), (5, False), (5, True)]
+)
 @pytest.mark.parametrize(("family", "budget"), [("qwen2", 1), ("qwen2", 3), ("mistral", 1)])
 def test_small_budget_equals_masked_full_sequence(family, budget, offload, checkpointing):
     """The loss and gradients are those of full-sequence training with each layer's stored selection applied as
@@ -331,7 +334,8 @@ def test_triton_backend_matches_torch(budget, offload, checkpointing):
     budget (2 past pages of 16 before the last chunk) both equal dense training."""
     model = build_causal_lm("qwen2", dtype=torch.float32, head_dim=16)
     ids = torch.randint(0, 97, (1, 45), generator=torch.Generator().manual_seed(9))
-    extra = {"offload": True, "hbm_budget": 0, "staging_buffers": 3} if offload else {}
+    buffers = 3 if offload is True else offload  # offload: True, or the staging buffers (5: 2 blocks a call)
+    extra = {"offload": True, "hbm_budget": 0, "staging_buffers": buffers} if offload else {}
     results = {}
     for backend in BACKENDS:
         config = OOMBConfig(16, 16, attention_backend=backend, page_budget=budget, **extra)

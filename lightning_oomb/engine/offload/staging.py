@@ -114,7 +114,13 @@ class StagingCache:
             tuple[int, int], frozenset[int] | None
         ] = {}  # pages written back (None: all)
         self.trace: deque[Transfer] = deque(maxlen=TRACE_LIMIT)
-        self.counts = {"h2d_bytes": 0, "d2h_bytes": 0, "prefetch_copies": 0, "demand_copies": 0}
+        self.counts = {
+            "h2d_bytes": 0,
+            "d2h_bytes": 0,
+            "prefetch_copies": 0,
+            "demand_copies": 0,
+            "copy_runs": 0,
+        }
 
     def begin_sweep(self, kind: str) -> None:
         """A sweep starts: the clock restarts; a forward/eval sweep is a new step, the backward sweep keeps the
@@ -271,6 +277,7 @@ class StagingCache:
         staged = self._views(buf, part, pages)
         pairs = list(zip(staged, host)) if direction == "h2d" else list(zip(host, staged))
         event = self.transport.copy(direction, pairs, after)
+        self.counts["copy_runs"] += len(pairs)
         first = self.shape.block_pages_range(block)[0]
         for a, b in self._runs(buf, pages):
             nbytes = (b - a) * self.shape.page_bytes(part)
