@@ -179,7 +179,8 @@ class OOMBConfig:
         if isinstance(buffers, bool) or not isinstance(buffers, int) or buffers < 2:
             raise OOMBConfigError(
                 f"staging_buffers={buffers!r} must be an integer >= 2 — host-tier layers stream through these "
-                "device buffers: one holds the chunk's own block, the others the blocks before it — use 9 (the default)."
+                "device buffers: one holds the chunk's own block, the others the blocks before it — use 9 (the "
+                "default)."
             )
         depth = self.prefetch_depth
         if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 0):

@@ -15,8 +15,8 @@ to it (device memory on CUDA, ``MemAvailable`` for host memory).
 :meth:`KVPool.write` stores the chunk's post-RoPE K/V at its start (in the backward sweep the same call restages
 the recomputed, identical K/V of a host layer on the device and changes nothing else); :meth:`KVPool.parts` then
 hands out the pages of ``[0, num_tokens)`` as one :class:`~lightning_oomb.engine.pages.PagedKV` (HBM layer) or one
-per group of staged blocks (host layer), each with the key range it covers — with ``grads=True`` the caller adds into their
-gradient pages before taking the next part; :meth:`KVPool.read_grad` returns a chunk's accumulated gradients and,
+per group of staged blocks (host layer), each with the key range it covers — with ``grads=True`` the caller adds
+into their gradient pages before taking the next part; :meth:`KVPool.read_grad` returns a chunk's accumulated gradients and,
 in the backward sweep, frees the chunk's gradient pages. A write zeroes the new pages' gradients and, for a sparse
 step, stores the new pages' summaries (:meth:`KVPool.summaries`; always on the device, counted in its bytes).
 :meth:`KVPool.begin_sweep` / :meth:`KVPool.end_sweep` bracket each sweep. The pool is sized per step from the
@@ -499,9 +499,10 @@ class KVPool:
     ) -> Iterator[PagedKV]:  # fmt: skip
         """The pages of ``layer`` holding tokens ``[0, num_tokens)`` (the chunk ending there and everything
         before), for the attention op: one :class:`PagedKV` for an HBM layer, one per group of consecutive blocks
-        for a host layer (:meth:`~lightning_oomb.engine.offload.Offloader.stream`; the chunk's own block first; blocks wholly before ``first_key`` — outside a sliding window — and, given
-        ``blocks`` (block -> page offsets: a sparse call's selection), earlier blocks not in it are skipped and
-        only the listed pages of the others staged). ``own=False``: the chunk has no tokens here (a
+        for a host layer (:meth:`~lightning_oomb.engine.offload.Offloader.stream`; the chunk's own block first;
+        blocks wholly before ``first_key`` — outside a sliding window — and, given ``blocks`` (block -> page
+        offsets: a sparse call's selection), earlier blocks not in it are skipped and only the listed pages of the
+        others staged). ``own=False``: the chunk has no tokens here (a
         context-parallel rank without a slice of a short last chunk): every block up to ``num_tokens`` (a block
         boundary) is an earlier one. ``grads=True``: the caller adds into each part's ``dk``/``dv`` before it takes
         the next part."""

@@ -108,9 +108,8 @@ class Offloader:
         chunk-1`` (blocks before ``first`` are outside a sliding window; only ``blocks``, if given: a sparse call's
         selected ones, and only their selected pages) in groups of up to :attr:`group` consecutive blocks, each
         group staged together (with its gradient pages if ``grads``), ordered before the compute stream's next use
-        and attended by one kernel call over its page table. With
-        ``grads`` the caller adds into the gradient pages before asking for the next group; a prefix group's are
-        then written back."""
+        and attended by one kernel call over its page table. With ``grads`` the caller adds into the gradient pages
+        before asking for the next group; a prefix group's are then written back."""
         self.cache.tick()
         needs = self.schedule.stream(layer, chunk, grads, first, blocks, own)
         self._fresh = None
@@ -123,9 +122,7 @@ class Offloader:
                 used += 1
                 self.cache.tick()
                 buf = self.cache.stage(need, "demand", self._protected(group))
-                assert buf.kv or need.pages is not None, (
-                    "the chunk's own block is written before it is streamed"
-                )
+                assert buf.kv or need.pages is not None, "the own block is written before it is streamed"
                 bufs.append(buf)
             for buf in bufs:
                 self.cache.use(buf, reads=parts, writes=parts[1:])
