@@ -14,6 +14,7 @@ import statistics
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -243,3 +244,14 @@ def write_json(path: Path, data) -> None:
     """Write ``data`` as indented JSON (parents created); called after every row so a cut-short run keeps rows."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1, default=float))
+
+
+def old_module(commit: str, path: str) -> types.ModuleType:
+    """The module at ``path`` (from the repository root) as it was at ``commit``, imported under a private name
+    (a benchmark's "before", measured in the same run as the "after")."""
+    source = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=Path(__file__).resolve().parents[1],
+                            capture_output=True, text=True, check=True).stdout  # fmt: skip
+    module = types.ModuleType(f"_old_{Path(path).stem}")
+    sys.modules[module.__name__] = module  # dataclasses look their module up
+    exec(compile(source, f"{commit}:{path}", "exec"), module.__dict__)
+    return module

@@ -20,16 +20,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import time
-import types
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import write_json
+from benchmarks.common import old_module, write_json
 from lightning_oomb.engine import planner
 from lightning_oomb.engine.loss import LMHead, linear_cross_entropy
 from lightning_oomb.models import qwen2_5_7b_config
@@ -43,16 +41,6 @@ PRECISIONS = {  # weight dtype, autocast dtype
     "bf16-true": (torch.bfloat16, None),
     "bf16-mixed": (torch.float32, torch.bfloat16),
 }
-
-
-def old_module(path: str) -> types.ModuleType:
-    """``path`` as it was at ``OLD_COMMIT``, imported under a private name."""
-    source = subprocess.run(["git", "show", f"{OLD_COMMIT}:{path}"], cwd=ROOT, capture_output=True, text=True,
-                            check=True).stdout  # fmt: skip
-    module = types.ModuleType(f"_old_{Path(path).stem}")
-    sys.modules[module.__name__] = module  # dataclasses look their module up
-    exec(compile(source, f"{OLD_COMMIT}:{path}", "exec"), module.__dict__)
-    return module
 
 
 def plain(hidden, head, targets, block):
@@ -118,7 +106,7 @@ def errors(fn, precision, vocab, hidden, tokens, block) -> dict[str, float]:
 
 
 def measure(args, methods) -> list[dict]:
-    old_planner = old_module("lightning_oomb/engine/planner.py") if "unfused" in methods else None
+    old_planner = old_module(OLD_COMMIT, "lightning_oomb/engine/planner.py") if "unfused" in methods else None
     rows = []
     for precision in ("32-true", "bf16-true", "bf16-mixed"):
         dtype, autocast = PRECISIONS[precision]
@@ -148,7 +136,7 @@ def measure(args, methods) -> list[dict]:
 def at_7b(methods) -> list[dict]:
     if "unfused" not in methods:
         return []
-    old_planner = old_module("lightning_oomb/engine/planner.py")
+    old_planner = old_module(OLD_COMMIT, "lightning_oomb/engine/planner.py")
     cfg = qwen2_5_7b_config()
     return [
         {"precision": p, **formulas(old_planner, p, cfg.vocab_size, cfg.hidden_size, 4096, 1024)}
@@ -236,7 +224,10 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     methods = {"fused": linear_cross_entropy, "plain": plain}
     if not args.no_old:
-        methods = {"unfused": old_module("lightning_oomb/engine/loss.py").linear_cross_entropy, **methods}
+        methods = {
+            "unfused": old_module(OLD_COMMIT, "lightning_oomb/engine/loss.py").linear_cross_entropy,
+            **methods,
+        }
     start = time.perf_counter()
     report = {
         "command": "PYTHONPATH=$PWD python benchmarks/loss_memory.py " + " ".join(argv or sys.argv[1:]),

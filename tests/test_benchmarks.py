@@ -413,3 +413,22 @@ def test_model_coverage_smoke(tmp_path):
     rows = {r["family"]: r["status"] for r in json.loads(out.read_text())["rows"]}
     assert rows == {"gpt2": "exact with attention dropout 0", "qwen2": "exact"}
     assert out.with_suffix(".md").exists() and "1 exact, 1 exact with attention dropout 0" in text
+
+
+def test_staging_host_time_smoke(tmp_path):
+    """The staging cache's host time per call, sparse and dense, next to the copy engine's time for its bytes."""
+    from benchmarks import staging_host_time
+
+    out = tmp_path / "staging.json"
+    history = subprocess.run(
+        ["git", "cat-file", "-e", f"{staging_host_time.OLD_COMMIT}^{{commit}}"], cwd=ROOT, capture_output=True
+    )
+    old = [] if history.returncode == 0 else ["--no-old"]
+    run("benchmarks/staging_host_time.py", "--blocks", "8", "--selected", "40", "--reps", "1", "--out", str(out),
+        *old)  # fmt: skip
+    rows = {(r["case"], r["sweep"]): r for r in json.loads(out.read_text())["rows"]}
+    assert rows["dense", "forward"]["copy_calls"] == 2 * 8  # K and V of each whole block
+    sparse = rows["sparse", "forward"]
+    assert 2 * 8 < sparse["copy_calls"] <= 2 * 40  # scattered pages: more calls than whole blocks, fewer bytes
+    assert rows["sparse", "backward"]["copy_calls"] > sparse["copy_calls"] and sparse["host_ms"] > 0
+    assert (sparse["host_ms_old"] is None) == bool(old) and out.with_suffix(".png").exists()

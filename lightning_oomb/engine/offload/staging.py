@@ -264,26 +264,36 @@ class StagingCache:
     def _views(self, buf: Buffer, part: Part, pages: frozenset[int] | None = None) -> list[torch.Tensor]:
         """``buf``'s pages (``None``: all, or those offsets) of its block: K and V, or dK and dV — a view per run."""
         slots = self.shape.buffer_block_slots(buf.index, buf.block[1])
-        return [t[slots][a * self.shape.batch : b * self.shape.batch] for a, b in self._runs(buf, pages)
-                for t in self._staging.pages(part)]  # fmt: skip
+        return self._run_views(self._staging.pages(part), slots, self._runs(buf, pages))
+
+    def _run_views(self, tensors, slots: slice, runs: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """Views of each tensor's ``slots`` (one block, all rows), one per run of pages: a single ``tensor_split``
+        per tensor, however many runs (a sparse block's scattered pages make hundreds)."""
+        cuts = [page * self.shape.batch for run in runs for page in run]
+        return [view for t in tensors for view in t[slots].tensor_split(cuts)[1::2]]
 
     def _move(self, direction: str, buf: Buffer, part: Part, cause: str, after, pages=None) -> object:
         """Copy ``part`` of ``buf``'s block (``None``: all its pages, or those offsets) between its buffer and its host
         pages; return the copy's event."""
         layer, block = buf.block
-        hosted = self.shape.layer_block_slots(self._rank[layer], block)
-        host = [t[hosted][a * self.shape.batch : b * self.shape.batch] for a, b in self._runs(buf, pages)
-                for t in self._host.pages(part)]  # fmt: skip
-        staged = self._views(buf, part, pages)
+        runs = self._runs(buf, pages)
+        host = self._run_views(
+            self._host.pages(part), self.shape.layer_block_slots(self._rank[layer], block), runs
+        )
+        staged = self._run_views(
+            self._staging.pages(part), self.shape.buffer_block_slots(buf.index, block), runs
+        )
         pairs = list(zip(staged, host)) if direction == "h2d" else list(zip(host, staged))
         event = self.transport.copy(direction, pairs, after)
         self.counts["copy_runs"] += len(pairs)
         first = self.shape.block_pages_range(block)[0]
-        for a, b in self._runs(buf, pages):
-            nbytes = (b - a) * self.shape.page_bytes(part)
-            self.counts[f"{direction}_bytes"] += nbytes
+        page_bytes = self.shape.page_bytes(part)
+        for a, b in runs:
+            self.counts[f"{direction}_bytes"] += (b - a) * page_bytes
             self.trace.append(
-                Transfer(self.sweep, direction, layer, part, first + a, first + b, nbytes, cause)
+                Transfer(
+                    self.sweep, direction, layer, part, first + a, first + b, (b - a) * page_bytes, cause
+                )
             )
         if cause in ("prefetch", "demand"):
             self.counts[f"{cause}_copies"] += 1

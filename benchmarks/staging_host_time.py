@@ -1,0 +1,181 @@
+"""Host time of offload's staging per attention call against the copies it issues, on the CPU.
+
+A host-tier layer's call stages its prefix blocks through the staging cache (``engine/offload/staging.py``): per
+block the runs of consecutive pages to copy, a view of each run on both sides and a copy call per view. A dense
+call copies whole blocks (one run each); a sparse call only its selected pages, which for the 1M-token sparse step
+of ``benchmarks/goals.py`` (Qwen2.5-7B's shape: pages of 128 tokens, 32 pages a block, 8,192 pages; 32 query blocks
+per chunk each selecting 64 pages) are up to 2,048 scattered pages — thousands of runs. If the host needs longer to
+issue them than the copy engine needs to move their bytes, the step is bound by the host (the 1M sparse step ran
+1.6x its planned time on the H200).
+
+Measured here, per call: the cache's bookkeeping with copies that do nothing (``--reps`` passes, median) — what the
+host spends before the copies' own calls (``copy_`` then costs each a few microseconds more under CUDA) —, for the
+forward (K/V in) and the backward (K/V and gradient pages in, gradient pages back out), sparse (random selection
+of ``--selected`` pages) and dense, next to the time the copy engine needs for the same bytes at the H200's measured
+55 GB/s each way (the reference, computed from the bytes at Qwen2.5-7B's page size) — and the same bookkeeping of
+the staging cache as of ``OLD_COMMIT`` (a view per run and tensor), read from git. The arenas here are tiny (views
+cost the same at any page size). Writes JSON (``--out``), a PNG and a Markdown table next to it; ~20 s.
+
+    PYTHONPATH=$PWD python benchmarks/staging_host_time.py --out benchmarks/results/staging-host-time-cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import command, old_module, versions, write_json
+from lightning_oomb.engine.offload.schedule import Need
+from lightning_oomb.engine.offload.staging import StagingCache
+from lightning_oomb.engine.offload.transport import SyncTransport
+from lightning_oomb.engine.pages import Arena, PoolShape
+
+ROOT = Path(__file__).resolve().parents[1]
+OLD_COMMIT = "4663842"  # the staging cache before runs were viewed with one tensor_split per tensor
+COPY_BYTES_PER_S = 55.4e9  # the H200's measured pinned copy rate, each way (planner.MEASURED_STEP_RATES)
+QWEN_PAGE_BYTES = {
+    "kv": 128 * 4 * 128 * 2,
+    "grad": 128 * 4 * 128 * 4,
+}  # one K (dK) page: bf16 K/V, fp32 grads
+
+
+class CountingTransport(SyncTransport):
+    """Copies and zero-fills that do nothing but count (the host-side cost of the cache alone)."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"))
+        self.copies = 0
+
+    def copy(self, stream, pairs, after):
+        self.copies += len(pairs)
+
+    def zero(self, tensors, after):
+        self.copies += len(tensors)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--blocks", type=int, default=256, help="prefix blocks of the call (1M tokens / 4096)"
+    )
+    parser.add_argument("--block-pages", type=int, default=32, help="pages per block (chunk 4096 / page 128)")
+    parser.add_argument(
+        "--selected", type=int, default=2048, help="selected pages of a sparse call (32 x 64)"
+    )
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument(
+        "--no-old", action="store_true", help="skip the old cache (a copy without git history)"
+    )
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/staging-host-time-cpu.json")
+    return parser.parse_args(argv)
+
+
+def one_call(
+    cache_class, shape: PoolShape, selection: dict[int, frozenset[int]] | None, backward: bool, reps: int
+):
+    """Median seconds of the cache's work for one call's prefix (fresh buffers each pass), and its copy calls."""
+    host = Arena(shape.layer_slots, shape, torch.device("cpu"))
+    staging = Arena(9 * shape.block_slots, shape, torch.device("cpu"))
+    transport = CountingTransport()
+    cache = cache_class(shape, [0], host, staging, 9, transport)
+    blocks = range(shape.num_blocks) if selection is None else sorted(selection)
+    needs = [Need(0, b, True, backward, None if selection is None else selection[b]) for b in blocks]
+    times = []
+    for _ in range(reps):
+        cache.begin_sweep("backward" if backward else "forward")
+        transport.copies = 0
+        start = time.perf_counter()
+        for need in needs:
+            cache.tick()
+            buf = cache.stage(need, "demand", set())
+            if backward:
+                cache.added_grads(buf)
+                cache.write_back(buf)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), transport.copies
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    page, chunk = 4, 4 * args.block_pages
+    shape = PoolShape(1, 1, chunk * args.blocks, 1, 4, page, chunk, "float32", torch.bfloat16)
+    rng = random.Random(0)
+    chosen: dict[int, set[int]] = {}
+    for p in rng.sample(range(args.blocks * args.block_pages), args.selected):
+        chosen.setdefault(p // args.block_pages, set()).add(p % args.block_pages)
+    sparse = {b: frozenset(pages) for b, pages in chosen.items()}
+    old = (
+        None
+        if args.no_old
+        else old_module(OLD_COMMIT, "lightning_oomb/engine/offload/staging.py").StagingCache
+    )
+    rows = []
+    for case, selection in (("sparse", sparse), ("dense", None)):
+        pages = args.blocks * args.block_pages if selection is None else args.selected
+        for sweep, backward in (("forward", False), ("backward", True)):
+            # bytes of the call at Qwen2.5-7B's page size: K/V in; backward also dK/dV in and out
+            moved = 2 * pages * QWEN_PAGE_BYTES["kv"] + (
+                4 * pages * QWEN_PAGE_BYTES["grad"] if backward else 0
+            )
+            # the copy engine's time: each direction runs on its own engine, the longer one bounds
+            one_way = 2 * pages * (QWEN_PAGE_BYTES["kv"] + (QWEN_PAGE_BYTES["grad"] if backward else 0))
+            new_s, copies = one_call(StagingCache, shape, selection, backward, args.reps)
+            old_s = None if old is None else one_call(old, shape, selection, backward, args.reps)[0]
+            rows.append({"case": case, "sweep": sweep, "pages": pages, "copy_calls": copies,
+                         "host_ms": new_s * 1e3, "host_ms_old": None if old_s is None else old_s * 1e3, "bytes": moved,
+                         "copy_engine_ms": one_way / COPY_BYTES_PER_S * 1e3,
+                         "host_us_per_copy": new_s / copies * 1e6})  # fmt: skip
+            print(rows[-1], flush=True)
+    result = {"command": command(), "versions": versions(), "old_commit": OLD_COMMIT, "blocks": args.blocks,
+              "block_pages": args.block_pages, "selected": args.selected, "rows": rows}  # fmt: skip
+    write_json(args.out, result)
+    lines = ["# Offload staging: host time per attention call vs the copy engine's", "", f"`{result['command']}`", "",
+             f"One host-tier layer's call over {args.blocks} prefix blocks of {args.block_pages} pages (1M tokens "
+             f"at Qwen2.5-7B's shape); sparse: {args.selected} random pages. Host: the staging cache's bookkeeping "
+             "with copies that do nothing (one CPU thread; under CUDA each copy call costs a few us more); copy "
+             "engine: the call's bytes at 55 GB/s each way (the longer direction). Old: the cache as of "
+             f"`{OLD_COMMIT}`.", "",
+             "| call | copy calls | host ms | host ms (old) | copy engine ms | host us / copy |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        before = "—" if r["host_ms_old"] is None else f"{r['host_ms_old']:.1f}"
+        lines.append(f"| {r['case']} {r['sweep']} | {r['copy_calls']:,} | {r['host_ms']:.1f} | {before}"
+                     f" | {r['copy_engine_ms']:.1f} | {r['host_us_per_copy']:.1f} |")  # fmt: skip
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    plot(rows, args.out.with_suffix(".png"))
+    print("\n".join(lines))
+    return 0
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['case']}\n{r['sweep']}" for r in rows]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for offset, key, name in ((-0.27, "host_ms_old", "host (old)"), (0.0, "host_ms", "host"),
+                              (0.27, "copy_engine_ms", "copy engine (55 GB/s)")):  # fmt: skip
+        ax.bar([i + offset for i in x], [r[key] or 0.0 for r in rows], width=0.27, label=name)
+    ax.set_xticks(list(x), labels)
+    ax.set_ylabel("ms per attention call")
+    ax.set_title("Offload staging at 1M tokens: host time vs copy time")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
