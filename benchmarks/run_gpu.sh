@@ -27,11 +27,12 @@
 #                  OOMB 64K 1 step (~25 s: the check of the layer scaling), model build and imports (~20 s);
 #                  then, if time is left, OOMB 32K with reuse_attention and with every layer offloaded
 #                  (warm-up + 3, ~30 s each)
-#   reduced 190 s  4 then 2 layers at 64K (the fit, ~17 s); 2 layers: 128K without and with offload (3 + 3 steps,
-#                  ~42 s), 256K offloaded (~24 s), 1M sparse with one HBM and one host layer (~30 s), 256K
-#                  sparse (~6 s); if time is left, 256K offloaded with reuse_attention, with float32-host
-#                  gradient sums and with mlp_tile=1024 (~20-24 s each); ~125 s at the nominal rates without the
-#                  last three, the rest for model builds and pinning
+#   reduced 190 s  the gradient check (2 layers at 32K against float32), 4 then 2 layers at 64K (the fit, ~17 s);
+#                  2 layers: 128K without and with offload (3 + 3 steps, ~42 s), 256K offloaded (~24 s), 256K
+#                  sparse (~6 s), 256K with the strategies' defaults (~19 s), 1M sparse with one HBM and one host
+#                  layer (49 s on the H200); if time is left, 256K offloaded with reuse_attention, with
+#                  float32-host gradient sums and with mlp_tile=1024 (~20-24 s each); the rest for model builds
+#                  and pinning
 #   summary  20 s  the planner (1M tokens, the longest step), this GPU's step rates (fitted on the rows; a 1 GiB
 #                  pinned copy timed), the goal table
 # Each Python part starts a row only if its predicted time is left of its budget (limit - 20 s; the prediction is
