@@ -429,6 +429,8 @@ def test_staging_host_time_smoke(tmp_path):
     rows = {(r["case"], r["sweep"]): r for r in json.loads(out.read_text())["rows"]}
     assert rows["dense", "forward"]["copy_calls"] == 2 * 8  # K and V of each whole block
     sparse = rows["sparse", "forward"]
-    assert 2 * 8 < sparse["copy_calls"] <= 2 * 40  # scattered pages: more calls than whole blocks, fewer bytes
+    assert (
+        2 * 8 < sparse["copy_calls"] <= 2 * 40
+    )  # scattered pages: more calls than whole blocks, fewer bytes
     assert rows["sparse", "backward"]["copy_calls"] > sparse["copy_calls"] and sparse["host_ms"] > 0
     assert (sparse["host_ms_old"] is None) == bool(old) and out.with_suffix(".png").exists()
