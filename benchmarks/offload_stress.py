@@ -38,6 +38,9 @@ CONFIGS = {
     "mixed_3buf": dict(offload=True, hbm_budget="mixed", staging_buffers=3),
     "host_all_4buf": dict(offload=True, hbm_budget=0, staging_buffers=4),
     "host_all_4buf_ckpt": dict(offload=True, hbm_budget=0, staging_buffers=4, layer_checkpointing=True),
+    "host_all_9buf_ckpt": dict(
+        offload=True, hbm_budget=0, staging_buffers=9, layer_checkpointing=True
+    ),  # 4 a call
 }
 
 

@@ -60,9 +60,12 @@ def test_host_sums_through_the_staging_slabs_or_the_mirror(mirror):
     assert max_relative_error(got, want) <= 1e-3  # bf16 ulp is 4e-3: equal up to the chunks' own rounding
 
 
-@pytest.mark.parametrize(("seed", "checkpointing"), [(0, False), (1, True)])
-def test_offloaded_pages_with_delayed_copies_equal_pages_on_the_device(monkeypatch, seed, checkpointing):
-    """Every layer's pages in page-locked host memory, streamed on the side streams through 3 staging buffers,
+@pytest.mark.parametrize(("seed", "checkpointing", "buffers"), [(0, False, 3), (1, True, 3), (2, True, 9)])
+def test_offloaded_pages_with_delayed_copies_equal_pages_on_the_device(
+    monkeypatch, seed, checkpointing, buffers
+):
+    """Every layer's pages in page-locked host memory, streamed on the side streams through 3 staging buffers (one
+    block a kernel call) or 9 (the default: 4 blocks a call),
     each copy and each compute wait delayed by up to 200K GPU cycles (a missing event wait shows as wrong numbers);
     with layer checkpointing the recompute's attention results and saved activations (every size) are parked in
     host memory on their side stream too, each copy delayed likewise: the step equals the one whose pages stay on
@@ -79,7 +82,9 @@ def test_offloaded_pages_with_delayed_copies_equal_pages_on_the_device(monkeypat
     ckpt = {"layer_checkpointing": checkpointing}
     want_loss, want, _ = step(torch.float32, **ckpt)
     transport = functools.partial(delaying_transport, seed=seed)
-    loss, got, engine = step(torch.float32, transport, offload=True, hbm_budget=0, staging_buffers=3, **ckpt)
+    loss, got, engine = step(
+        torch.float32, transport, offload=True, hbm_budget=0, staging_buffers=buffers, **ckpt
+    )
     assert engine.pool.stats()["host_layers"] > 0
     assert abs(loss - want_loss) <= 1e-6 * abs(want_loss)
     assert max_relative_error(got, want) <= 1e-5
