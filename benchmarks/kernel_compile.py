@@ -43,13 +43,13 @@ UNIT_STRIDES = {"stride_qd", "stride_kd"}
 # (kernel, MMA M dim, specialisations to compile besides the tuning key's)
 KERNELS = {
     "_fwd_kernel": ("BLOCK_M", [{"CARRY": False}, {"CARRY": True}]),
-    "_bwd_dkdv_kernel": ("BLOCK_N", [{}]),
+    "_bwd_dkdv_kernel": ("BLOCK_N", [{"FUSED_DQ": False}, {"FUSED_DQ": True}]),
     "_bwd_dq_kernel": ("BLOCK_M", [{"ACCUMULATE": False}, {"ACCUMULATE": True}]),
 }
 TERMS = [(False, False), (True, False), (False, True), (True, True)]  # (ROWS, SOFTCAP)
 SHARED_LIMITS = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 120: 101376}  # bytes per block (opt-in)
 BASE = {"HEAD_DIM": 128, "PAGE": 128, "PRECISION": "tf32", "SOFTCAP": False, "ROWS": False, "COUNT": False,
-        "K_P2": 64}  # fmt: skip
+        "K_P2": 64, "FUSED_DQ": False}  # fmt: skip
 
 
 def parse_args(argv=None):
@@ -81,7 +81,9 @@ def signature(jit, constexprs: dict, flags: dict) -> tuple[dict, dict, dict]:
             sig[name] = "constexpr"
             consts.setdefault(name, 1)
             continue
-        fp32_out = (name == "OUT" and flags.get("CARRY")) or (name == "DQ" and flags.get("ACCUMULATE"))
+        fp32_out = (name == "OUT" and flags.get("CARRY")) or (
+            name == "DQ" and (flags.get("ACCUMULATE") or flags.get("FUSED_DQ"))
+        )
         if name.isupper():
             kind = "i32" if name in INT_POINTERS else "fp32" if name in FP32_POINTERS or fp32_out else "bf16"
             sig[name] = f"*{kind}"

@@ -87,8 +87,8 @@ for part in "${parts[@]}"; do
     compare) goals compare 140 ;;
     reduced) goals reduced 190 ;;
     summary) goals summary 20 ;;
-    # optional parts (not in the 8 minutes): each kernel's candidate tiles (the data for SM90_DEFAULTS; ~100 s on
-    # the H200), steps profiled (128K without and with offload: where offload's overhead goes; the 1M sparse step,
+    # optional parts (not in the 8 minutes): each kernel's candidate tiles (the data for SM90_DEFAULTS) and the
+    # dK/dV kernel computing dQ too (OOMB_TRITON_FUSED_DQ; ~100 s on the H200), steps profiled (128K without and with offload: where offload's overhead goes; the 1M sparse step,
     # 1.6x its planned time: where does it go? ~170 s), the offload race check, the context sweep
     tiles) run tiles 150 python3 benchmarks/tile_sweep.py --out "$out/tile-sweep-h200.json" --budget-s 130 \
       ${smoke[@]+"${smoke[@]}"} ;;

@@ -9,7 +9,10 @@ candidate's out, dQ, dK and dV are compared with the shipped defaults' (``max_di
 difference, bf16 rounding apart they agree; ``agrees`` within ``TOLERANCE`` of the largest value). Kernels are swept
 in order, each keeping the fastest agreeing tile found, so the last rows are the best combination; it is then timed
 dense and with a page selection (``--page-budget`` pages per query block) at every ``--keys``, next to the shipped
-defaults. Each candidate costs a compilation (1-3 s); a candidate starts only if ``--budget-s`` leaves time for it.
+defaults. Last, the dK/dV kernel computing dQ too (``OOMB_TRITON_FUSED_DQ=1``: no dQ kernel, dQ added atomically;
+off by default until measured) at its candidate tiles — the kernel ``dkdv+dq`` — and, if one agrees, the best
+combination with it (``best, fused dQ``). Each candidate costs a compilation (1-3 s); a candidate starts only if
+``--budget-s`` leaves time for it.
 
 Writes JSON after every row (``--out``) and prints each row as a JSON line; at the end a table (``.md``) and a
 chart (``.png``) next to it, and the winning tiles as the line to paste into ``SM90_DEFAULTS``. ``--smoke``: tiny
@@ -21,6 +24,7 @@ shapes, two candidates per kernel, on the CPU through the Triton interpreter (a 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -32,17 +36,38 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 0.02  # bf16 kernels at different tiles sum in different orders: within 2 % of the largest value
 # (BLOCK_M, BLOCK_N, warps, stages, dK/dV's SPLIT) per kernel: tiles that fit sm_90's 227 KB of shared memory at
-# head_dim 128 without duplicated MMA rows; the shipped default (shipped()) is swept first
+# head_dim 128 without duplicated MMA rows; the shipped default (shipped()) is swept first. The H200 sweep of
+# 2026-12-04 (results/tile-sweep-h200.md) measured 23 tiles; those 10 % or more slower than the best are dropped
 CANDIDATES = {
-    "forward": [(128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4), (128, 64, 8, 2), (64, 64, 4, 3)],
-    "dkdv": [(16, 128, 8, 2, False), (16, 128, 8, 2, True), (32, 128, 8, 3, True), (32, 128, 8, 3, False),
-             (32, 128, 8, 2, True), (32, 128, 8, 2, False), (16, 128, 8, 3, False), (16, 128, 8, 3, True),
-             (32, 64, 4, 3, True), (32, 64, 4, 3, False), (32, 64, 4, 2, True), (32, 64, 4, 4, True),
-             (16, 64, 4, 3, True), (64, 64, 4, 2, True)],
-    "dq": [(128, 64, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4), (64, 64, 4, 2), (128, 64, 8, 2),
-           (128, 128, 8, 3), (64, 32, 4, 3)],
+    "forward": [(128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3)],
+    "dkdv": [(32, 64, 4, 3, True), (32, 64, 4, 3, False), (32, 128, 8, 3, True), (32, 64, 4, 2, True),
+             (32, 64, 4, 4, True), (16, 64, 4, 3, True), (64, 64, 4, 2, True)],
+    "dq": [(64, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4), (64, 64, 4, 2), (64, 32, 4, 3)],
 }  # fmt: skip
-TUNERS = {"forward": "_fwd_kernel", "dkdv": "_bwd_dkdv_kernel", "dq": "_bwd_dq_kernel"}
+# the dK/dV kernel computing dQ too: swept last, at tiles that spill little with it (offline sm_90 compile)
+FUSED = "dkdv+dq"
+CANDIDATES[FUSED] = [(32, 64, 4, 3, True), (32, 128, 8, 2, False), (16, 128, 8, 2, False), (64, 64, 8, 2, False),
+                     (32, 64, 4, 2, False), (16, 64, 4, 2, True)]  # fmt: skip
+TUNERS = {
+    "forward": "_fwd_kernel",
+    "dkdv": "_bwd_dkdv_kernel",
+    "dq": "_bwd_dq_kernel",
+    FUSED: "_bwd_dkdv_kernel",
+}
+
+
+@contextlib.contextmanager
+def fused_dq(on: bool):
+    """``OOMB_TRITON_FUSED_DQ`` set to ``on`` inside (read at each backward call), restored after."""
+    before = os.environ.get("OOMB_TRITON_FUSED_DQ")
+    os.environ["OOMB_TRITON_FUSED_DQ"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("OOMB_TRITON_FUSED_DQ")
+        else:
+            os.environ["OOMB_TRITON_FUSED_DQ"] = before
 
 
 def shipped(kernels, kernel: str) -> tuple:
@@ -143,7 +168,8 @@ def markdown(data: dict) -> str:
             lines.append(
                 f"| {r['tiles']} | {r['keys']} | {r['sparse']} | {r['fwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} |"
             )
-    lines += ["", f"best: {data.get('best')}; shipped before: {data.get('shipped')}", ""]
+    lines += ["", f"best: {data.get('best')}; shipped before: {data.get('shipped')}; the dK/dV kernel computing dQ "
+              f"too, at its best: {data.get('best_fused_dq')}", ""]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -184,7 +210,8 @@ def sweep(kernels, tiles: Tiles, candidates: dict, p, args, device, report, left
     """Each kernel's candidates in turn (the others at their pick so far), each checked against the first tiles'
     results, then timed; returns the fastest agreeing tile per kernel (``left()``: seconds of the budget left)."""
     for kernel, found in candidates.items():
-        tiles.set(kernel, found[0])
+        if kernel != FUSED:
+            tiles.set(kernel, found[0])
     want = outputs(kernels, p)  # the shipped defaults' results
     best: dict[str, tuple] = {}
     spent = 0.0  # the longest candidate so far: a candidate starts only if that much is left
@@ -198,10 +225,11 @@ def sweep(kernels, tiles: Tiles, candidates: dict, p, args, device, report, left
             t0 = time.monotonic()
             tiles.set(kernel, tile)
             try:
-                row["max_diff"], row["agrees"] = max_diff(outputs(kernels, p), want)
-                # what ran: a tile the GPU's shared memory does not hold falls back to a smaller one (_launch)
-                row["ran"] = sorted({str(c) for c in tiles.tuners[kernel].cache.values()})
-                measured = timings(kernels, p, args, device)
+                with fused_dq(kernel == FUSED):
+                    row["max_diff"], row["agrees"] = max_diff(outputs(kernels, p), want)
+                    # what ran: a tile the GPU's shared memory does not hold falls back to a smaller one (_launch)
+                    row["ran"] = sorted({str(c) for c in tiles.tuners[kernel].cache.values()})
+                    measured = timings(kernels, p, args, device)
                 row["ms"] = measured["fwd_ms" if kernel == "forward" else "fwd_bwd_ms"]
                 if row["agrees"]:
                     agreeing[tile] = row["ms"]
@@ -209,6 +237,11 @@ def sweep(kernels, tiles: Tiles, candidates: dict, p, args, device, report, left
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             spent = max(spent, time.monotonic() - t0)
             report.add({**row, "seconds": time.monotonic() - t0})
+        if kernel == FUSED:  # dK/dV back at its pick; the fused kernel's best only if one agreed
+            tiles.set("dkdv", best["dkdv"])
+            if agreeing:
+                best[FUSED] = min(agreeing, key=agreeing.get)
+            continue
         best[kernel] = min(agreeing, key=agreeing.get) if agreeing else found[0]
         tiles.set(kernel, best[kernel])
     return best
@@ -241,13 +274,18 @@ def main(argv: list[str] | None = None) -> int:
     tiles = Tiles(kernels)
     candidates = {}
     for kernel, listed in CANDIDATES.items():
-        first = shipped(kernels, kernel)
+        first = listed[0] if kernel == FUSED else shipped(kernels, kernel)
         candidates[kernel] = [first, *(t for t in listed if t != first)][: 2 if args.smoke else None]
     p = Problem(args, args.queries, args.keys[0], dtype, device)
     best = sweep(kernels, tiles, candidates, p, args, device, report, left)
+    fused = best.pop(FUSED, None)
     report.data["best"] = {k: list(v) for k, v in best.items()}
-    report.data["shipped"] = {k: list(v[0]) for k, v in candidates.items()}
-    for label, chosen in (("shipped", report.data["shipped"]), ("best", report.data["best"])):
+    report.data["best_fused_dq"] = None if fused is None else list(fused)
+    report.data["shipped"] = {k: list(v[0]) for k, v in candidates.items() if k != FUSED}
+    combinations = [("shipped", report.data["shipped"]), ("best", report.data["best"])]
+    if fused is not None:
+        combinations.append(("best, fused dQ", {**report.data["best"], "dkdv": list(fused)}))
+    for label, chosen in combinations:
         for kernel, tile in chosen.items():
             tiles.set(kernel, tuple(tile))
         for lk in args.keys:
@@ -257,12 +295,9 @@ def main(argv: list[str] | None = None) -> int:
                 if left() < 3.0:
                     report.add({**row, "skipped": "budget"})
                     continue
-                report.add(
-                    {
-                        **row,
-                        **timings(kernels, q, args, device, q.select(args.page_budget) if sparse else None),
-                    }
-                )
+                with fused_dq(label == "best, fused dQ"):
+                    select = q.select(args.page_budget) if sparse else None
+                    report.add({**row, **timings(kernels, q, args, device, select)})
     tiles.restore()
     args.out.with_suffix(".md").write_text(markdown(report.data))
     plot(report.data, args.out.with_suffix(".png"))

@@ -303,6 +303,14 @@ def _launch(tuner, grid, *args, **kwargs) -> None:
     raise refused
 
 
+def fused_dq() -> bool:
+    """Whether the dK/dV kernel computes dQ too (``OOMB_TRITON_FUSED_DQ=1``; off by default until a GPU has
+    measured it, ``benchmarks/tile_sweep.py``): each tile's dS, made for dK, times K, added atomically into an fp32
+    dQ — the dQ kernel, which recomputes P and dP, is not launched (5 matmuls per query-key tile instead of 7, as
+    FlashAttention-2's backward). Exact up to rounding, but the adds' order varies from run to run."""
+    return os.environ.get("OOMB_TRITON_FUSED_DQ", "0") != "0"
+
+
 def _tune_cap() -> int | None:
     """``OOMB_TRITON_TUNE_CONFIGS`` as a positive int (``None``: unset, every config; read when tuning)."""
     value = os.environ.get("OOMB_TRITON_TUNE_CONFIGS", "")
@@ -357,7 +365,12 @@ def _range_slots(nargs: dict) -> torch.Tensor:
 
 
 # the gradient pages of the call's key range — never a whole arena; the forward state; the dQ accumulator
-_restore_grad_pages = _Restore(lambda a: [(a["DK"], _range_slots(a)), (a["DV"], _range_slots(a))])
+_restore_grad_pages = _Restore(
+    lambda a: (
+        [(a["DK"], _range_slots(a)), (a["DV"], _range_slots(a))]
+        + ([(a["DQ"], None)] if a["FUSED_DQ"] else [])
+    )
+)
 _restore_state = _Restore(lambda a: [(a[n], None) for n in ("OUT", "LSE", "L")] if a["CARRY"] else [])
 _restore_dq = _Restore(lambda a: [(a["DQ"], None)] if a["ACCUMULATE"] else [])
 
@@ -681,15 +694,16 @@ def _bwd_preprocess(OUT, DOUT, DELTA, num_rows, HEAD_DIM: tl.constexpr, BLOCK_M:
 
 @triton.jit
 def _bwd_dkdv_inner(
-    dk, dv, k, v, Q, DO, LSE, DELTA, FIRST,
+    dk, dv, k, v, Q, DO, LSE, DELTA, FIRST, DQ,
     stride_qm, stride_qd,
-    k_pos, lo, hi, q_start, q_len, window, qk_scale, cap,
+    k_pos, lo, hi, q_start, q_len, window, qk_scale, cap, scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr,
-    SOFTCAP: tl.constexpr, ROWS: tl.constexpr,
+    SOFTCAP: tl.constexpr, ROWS: tl.constexpr, FUSED_DQ: tl.constexpr,
 ):  # fmt: skip
     """Add the contributions of query blocks ``[lo, hi)`` of one query head to this key block's ``dk``, ``dv``
-    ``[BLOCK_N, HEAD_DIM]``; scores are kept transposed (keys x queries). ``Q``/``DO``/``LSE``/``DELTA`` point
-    at that head's rows."""
+    ``[BLOCK_N, HEAD_DIM]``; scores are kept transposed (keys x queries). ``Q``/``DO``/``LSE``/``DELTA`` (and
+    ``DQ``) point at that head's rows. ``FUSED_DQ``: also add the key block's share of dQ into fp32 ``DQ``
+    (atomically: every key block of the rows adds into them)."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     for start_m in range(lo, hi, BLOCK_M):
@@ -723,33 +737,45 @@ def _bwd_dkdv_inner(
         if SOFTCAP:
             dst = dst * (1.0 - tt * tt)
         dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=PRECISION)
+        if FUSED_DQ:  # dQ += dS K (the dQ kernel's recomputation of P and dP saved)
+            dq = tl.dot(tl.trans(dst.to(qt.dtype)), k, input_precision=PRECISION) * scale
+            dq_ptrs = DQ + rows[:, None] * HEAD_DIM + offs_d[None, :]
+            if MASK:
+                tl.atomic_add(dq_ptrs, dq, mask=ok[:, None], sem="relaxed")
+            else:
+                tl.atomic_add(dq_ptrs, dq, sem="relaxed")
     return dk, dv
 
 
 @triton.jit
 def _bwd_dkdv_walk(
-    dk, dv, k, v, Q, DO, LSE, DELTA, FIRST,
+    dk, dv, k, v, Q, DO, LSE, DELTA, FIRST, DQ,
     b, h, num_heads, stride_qb, stride_qh, stride_qm, stride_qd,
-    k_pos, lo, full_lo, full_hi, hi, q_start, q_len, window, qk_scale, cap,
+    k_pos, lo, full_lo, full_hi, hi, q_start, q_len, window, qk_scale, cap, scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
-    ROWS: tl.constexpr, SPLIT: tl.constexpr,
+    ROWS: tl.constexpr, SPLIT: tl.constexpr, FUSED_DQ: tl.constexpr,
 ):  # fmt: skip
     """Add the query blocks ``[lo, hi)`` of query head ``h`` (of batch row ``b``) to ``dk``, ``dv``: with
     ``SPLIT`` ``[lo, full_lo)`` and ``[full_hi, hi)`` masked, ``[full_lo, full_hi)`` not; else all masked."""
     q_head = Q + b * stride_qb + h * stride_qh
     row0 = (b * num_heads + h) * q_len
     do_head = DO + row0 * HEAD_DIM
+    dq_head = DQ
+    if FUSED_DQ:
+        dq_head += row0 * HEAD_DIM
     if SPLIT:
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_head, do_head, LSE + row0, DELTA + row0, FIRST + b * q_len,
-                                 stride_qm, stride_qd, k_pos, lo, full_lo, q_start, q_len, window, qk_scale, cap,
-                                 HEAD_DIM, BLOCK_M, True, PRECISION, SOFTCAP, ROWS)  # fmt: skip
+                                 dq_head, stride_qm, stride_qd, k_pos, lo, full_lo, q_start, q_len, window,
+                                 qk_scale, cap, scale, HEAD_DIM, BLOCK_M, True, PRECISION, SOFTCAP, ROWS,
+                                 FUSED_DQ)  # fmt: skip
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_head, do_head, LSE + row0, DELTA + row0, FIRST + b * q_len,
-                                 stride_qm, stride_qd, k_pos, full_lo, full_hi, q_start, q_len, window, qk_scale,
-                                 cap, HEAD_DIM, BLOCK_M, False, PRECISION, SOFTCAP, ROWS)  # fmt: skip
+                                 dq_head, stride_qm, stride_qd, k_pos, full_lo, full_hi, q_start, q_len, window,
+                                 qk_scale, cap, scale, HEAD_DIM, BLOCK_M, False, PRECISION, SOFTCAP, ROWS,
+                                 FUSED_DQ)  # fmt: skip
         lo = full_hi
-    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_head, do_head, LSE + row0, DELTA + row0, FIRST + b * q_len,
-                             stride_qm, stride_qd, k_pos, lo, hi, q_start, q_len, window, qk_scale, cap, HEAD_DIM,
-                             BLOCK_M, True, PRECISION, SOFTCAP, ROWS)  # fmt: skip
+    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_head, do_head, LSE + row0, DELTA + row0, FIRST + b * q_len, dq_head,
+                             stride_qm, stride_qd, k_pos, lo, hi, q_start, q_len, window, qk_scale, cap, scale,
+                             HEAD_DIM, BLOCK_M, True, PRECISION, SOFTCAP, ROWS, FUSED_DQ)  # fmt: skip
     return dk, dv
 
 
@@ -763,16 +789,17 @@ def _bwd_dkdv_walk(
 )
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, TABLE, DK, DV, FIRST, SEEING, VISITS, INV_PTR, INV_IDX,
+    Q, K, V, DO, LSE, DELTA, TABLE, DK, DV, FIRST, SEEING, VISITS, INV_PTR, INV_IDX, DQ,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_ks, stride_kh, stride_kp, stride_kd,
     stride_tb,
     num_heads, kv_heads, group, q_len, q_start, first_key, key_hi, window, scale, qk_scale, cap, past_pages,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
     ROWS: tl.constexpr, COUNT: tl.constexpr, SPARSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr = False,
+    SPLIT: tl.constexpr = False, FUSED_DQ: tl.constexpr = False,
 ):  # fmt: skip
-    """Key blocks from the one holding ``first_key`` up to ``key_hi`` (keys >= ``key_hi`` are never read). With
+    """Key blocks from the one holding ``first_key`` up to ``key_hi`` (keys >= ``key_hi`` are never read);
+    ``FUSED_DQ``: dQ too, added into fp32 ``DQ`` (see :func:`fused_dq`). With
     ``SPARSE`` a past key block (before ``q_start``) is seen by the query blocks whose lists hold its page:
     ``INV_IDX[INV_PTR[p] : INV_PTR[p + 1]]`` for ``p = b * past_pages + page`` (ascending; :func:`_inverse_lists`);
     one nobody lists reads and writes nothing. ``SPLIT``: the query blocks that see the whole key block run in a
@@ -820,17 +847,19 @@ def _bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     for g in range(group):  # every query head that reads this KV head
         h = kv_head * group + g
-        dk, dv = _bwd_dkdv_walk(dk, dv, k, v, Q, DO, LSE, DELTA, FIRST, b, h, num_heads, stride_qb, stride_qh,
-                                stride_qm, stride_qd, k_pos, lo, full_lo, full_hi, hi, q_start, q_len, window,
-                                qk_scale, cap, HEAD_DIM, BLOCK_M, PRECISION, SOFTCAP, ROWS, SPLIT)  # fmt: skip
+        dk, dv = _bwd_dkdv_walk(dk, dv, k, v, Q, DO, LSE, DELTA, FIRST, DQ, b, h, num_heads, stride_qb,
+                                stride_qh, stride_qm, stride_qd, k_pos, lo, full_lo, full_hi, hi, q_start, q_len,
+                                window, qk_scale, cap, scale, HEAD_DIM, BLOCK_M, PRECISION, SOFTCAP, ROWS, SPLIT,
+                                FUSED_DQ)  # fmt: skip
         if SPARSE:
             for j in range(j_lo, j_hi):  # (empty for the chunk's own key blocks)
                 r0 = tl.load(INV_IDX + j) * PAGE
                 end = _clamp(listed_hi, r0, r0 + PAGE)
-                dk, dv = _bwd_dkdv_walk(dk, dv, k, v, Q, DO, LSE, DELTA, FIRST, b, h, num_heads, stride_qb,
+                dk, dv = _bwd_dkdv_walk(dk, dv, k, v, Q, DO, LSE, DELTA, FIRST, DQ, b, h, num_heads, stride_qb,
                                         stride_qh, stride_qm, stride_qd, k_pos, r0, r0,
                                         _clamp(listed_full, r0, r0 + PAGE), end, q_start, q_len, window, qk_scale,
-                                        cap, HEAD_DIM, BLOCK_M, PRECISION, SOFTCAP, ROWS, SPLIT)  # fmt: skip
+                                        cap, scale, HEAD_DIM, BLOCK_M, PRECISION, SOFTCAP, ROWS, SPLIT,
+                                        FUSED_DQ)  # fmt: skip
                 listed += (end - r0) // BLOCK_M
 
     # this program is the only writer of these gradient-page rows: a plain read-modify-write, no atomics (and none
@@ -1174,13 +1203,15 @@ def paged_attention_backward(
             f"dK/dV arenas must be contiguous {_GRAD_DTYPES} tensors shaped like the K/V arenas "
             f"{tuple(k_pages.shape)}; got {[(tuple(g.shape), g.dtype) for g in grads]}."
         )
-    accumulate = dq is not None
+    accumulate, fused = dq is not None, fused_dq()
     if accumulate:
         check_buffer("dq", dq, (b, hq, lq, d), torch.float32, q.device)
+    elif fused:  # the dK/dV kernel adds into it
+        dq = torch.zeros((b, hq, lq, d), dtype=torch.float32, device=q.device)
     else:
         dq = torch.empty((b, hq, lq, d), dtype=q.dtype, device=q.device)
     if dq.numel() == 0:
-        return dq
+        return dq if accumulate else dq.to(q.dtype)
     dout, lse = dout.contiguous(), lse.contiguous()
     window = _window(window, q_start, lq)
     if delta is None:
@@ -1198,11 +1229,13 @@ def paged_attention_backward(
             _bwd_dkdv_kernel, _key_grid(first_key, key_hi, b * hkv),
             q, k_pages, v_pages, dout, lse, delta, page_table, dk_pages, dv_pages,
             page_table if first is None else first, seeing, lse if visits is None else visits, inv_ptr, inv_idx,
-            *q.stride(), *k_pages.stride(), page_table.stride(0),
+            dq if fused else lse, *q.stride(), *k_pages.stride(), page_table.stride(0),
             hq, hkv, hq // hkv, lq, q_start, first_key, key_hi, window, scale, qk_scale, cap, past_pages,
             HEAD_DIM=d, PAGE=page, PRECISION=precision, SOFTCAP=softcap is not None, ROWS=first is not None,
-            COUNT=visits is not None, SPARSE=select is not None,
+            COUNT=visits is not None, SPARSE=select is not None, FUSED_DQ=fused,
         )  # fmt: skip
+    if fused:
+        return dq if accumulate else dq.to(q.dtype)
     sel, n_sel, k_p2 = _selection_args(select, page_table)
     _launch(
         _bwd_dq_kernel, _query_grid(lq, b * hq),

@@ -302,6 +302,55 @@ def test_dkdv_split_loops_match(monkeypatch, case):
     assert [c.kwargs["SPLIT"] for c in tuner.cache.values()] == [False]
 
 
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_fused_dq_matches_dense(monkeypatch, case: Case):
+    """``OOMB_TRITON_FUSED_DQ=1``: the dK/dV kernel adds dQ too (atomically, into float32); no dQ kernel runs. The
+    same gradients on every case (masks, windows, documents, selections, softcap, GQA, 16-bit)."""
+    skip_unsupported("triton", case)
+    monkeypatch.setenv("OOMB_TRITON_FUSED_DQ", "1")
+    monkeypatch.setattr(triton_kernels._bwd_dq_kernel, "cache", {})
+    check_backward("triton", case)
+    assert triton_kernels._bwd_dq_kernel.cache == {}
+
+
+@pytest.mark.parametrize("case", ["gqa7-ragged", "sparse-packed"])
+def test_fused_dq_adds_into_an_accumulator_over_key_ranges(monkeypatch, case: str):
+    """Offload's path with the fused dQ: the keys in two ranges, each call adding its dQ into one float32
+    accumulator — equal to one call over every key with the dQ kernel."""
+    case = CASES[case]
+    q, dout, kv = make_inputs(case)
+    scale, terms = case.d**-0.5, score_terms(case)
+    out, lse = triton_kernels.paged_attention_forward(q, kv.k, kv.v, kv.page_table, case.q_start, scale,
+                                                      case.window, **terms)  # fmt: skip
+    g = copy_grads(kv)
+    want = triton_kernels.paged_attention_backward(q, out, lse, dout, g.k, g.v, g.dk, g.dv, kv.page_table,
+                                                   case.q_start, scale, case.window, **terms)  # fmt: skip
+    monkeypatch.setenv("OOMB_TRITON_FUSED_DQ", "1")
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    g, cut, end = copy_grads(kv), case.q_start // case.page // 2 * case.page, case.q_start + case.lq
+    for key_range in ((0, cut), (cut, end)):
+        got = triton_kernels.paged_attention_backward(q, out, lse, dout, g.k, g.v, g.dk, g.dv, kv.page_table,
+                                                      case.q_start, scale, case.window, key_range=key_range, dq=dq,
+                                                      **terms)  # fmt: skip
+        assert got is dq
+    assert_close(dq.to(q.dtype), want, TOLERANCE[case.dtype], "dq")
+
+
+def test_fused_dq_autotuning_adds_once(monkeypatch):
+    """Tuning runs the fused kernel once per config and repeat; its hooks restore dQ as well as dK/dV."""
+    monkeypatch.setenv("OOMB_TRITON_AUTOTUNE", "1")
+    monkeypatch.setenv("OOMB_TRITON_FUSED_DQ", "1")
+    tuner = triton_kernels._bwd_dkdv_kernel
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": 16}, num_warps=4, num_stages=1) for m in (16, 32)]
+    monkeypatch.setattr(tuner, "configs", configs)
+    monkeypatch.setattr(tuner, "cache", {})
+    monkeypatch.setitem(
+        tuner.__dict__, "do_bench", lambda run, quantiles: [min(run() or 1.0 for _ in range(2))] * 3
+    )
+    check_backward("triton", Case(b=1, hq=2, hkv=1, q_start=16, lq=20))
+    assert len(tuner.cache) == 1
+
+
 def test_dkdv_space_has_both_loops_at_every_tile(monkeypatch):
     monkeypatch.setattr(triton_kernels, "_interpreting", lambda: False)  # the GPU's space
     space = triton_kernels._configs("dkdv", [(32, 128)], (2,))
