@@ -194,7 +194,11 @@ def table(records: list[dict]) -> str:
     lines = [head, "|" + "---|" * 9]
     for r in records:
         flags = (
-            ", ".join(k for k in ("SPARSE", "CARRY", "ACCUMULATE", "ROWS", "SOFTCAP", "SPLIT") if r.get(k))
+            ", ".join(
+                k
+                for k in ("SPARSE", "CARRY", "ACCUMULATE", "ROWS", "SOFTCAP", "SPLIT", "FUSED_DQ")
+                if r.get(k)
+            )
             or "-"
         )
         lines.append(

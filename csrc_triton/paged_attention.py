@@ -368,7 +368,7 @@ def _range_slots(nargs: dict) -> torch.Tensor:
 _restore_grad_pages = _Restore(
     lambda a: (
         [(a["DK"], _range_slots(a)), (a["DV"], _range_slots(a))]
-        + ([(a["DQ"], None)] if a["FUSED_DQ"] else [])
+        + ([(a["DQ"], None)] if a.get("FUSED_DQ") else [])
     )
 )
 _restore_state = _Restore(lambda a: [(a[n], None) for n in ("OUT", "LSE", "L")] if a["CARRY"] else [])
