@@ -336,21 +336,6 @@ def test_fused_dq_adds_into_an_accumulator_over_key_ranges(monkeypatch, case: st
     assert_close(dq.to(q.dtype), want, TOLERANCE[case.dtype], "dq")
 
 
-def test_fused_dq_autotuning_adds_once(monkeypatch):
-    """Tuning runs the fused kernel once per config and repeat; its hooks restore dQ as well as dK/dV."""
-    monkeypatch.setenv("OOMB_TRITON_AUTOTUNE", "1")
-    monkeypatch.setenv("OOMB_TRITON_FUSED_DQ", "1")
-    tuner = triton_kernels._bwd_dkdv_kernel
-    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": 16}, num_warps=4, num_stages=1) for m in (16, 32)]
-    monkeypatch.setattr(tuner, "configs", configs)
-    monkeypatch.setattr(tuner, "cache", {})
-    monkeypatch.setitem(
-        tuner.__dict__, "do_bench", lambda run, quantiles: [min(run() or 1.0 for _ in range(2))] * 3
-    )
-    check_backward("triton", Case(b=1, hq=2, hkv=1, q_start=16, lq=20))
-    assert len(tuner.cache) == 1
-
-
 def test_dkdv_space_has_both_loops_at_every_tile(monkeypatch):
     monkeypatch.setattr(triton_kernels, "_interpreting", lambda: False)  # the GPU's space
     space = triton_kernels._configs("dkdv", [(32, 128)], (2,))
@@ -364,9 +349,12 @@ def test_dkdv_space_has_both_loops_at_every_tile(monkeypatch):
     assert sorted(tiles[2:]) == [(32, 128, w, 2, split) for w in (4, 8) for split in (False, True)]
 
 
-def test_dkdv_autotuning_adds_once(monkeypatch):
-    """Tuning runs the in-place dK/dV kernel once per config and repeat; its hooks must undo all but the last."""
+@pytest.mark.parametrize("fused", ["0", "1"], ids=["dkdv", "fused-dq"])
+def test_dkdv_autotuning_adds_once(monkeypatch, fused: str):
+    """Tuning runs the in-place dK/dV kernel once per config and repeat; its hooks must undo all but the last (of
+    dQ too, where the kernel adds into it: ``OOMB_TRITON_FUSED_DQ=1``)."""
     monkeypatch.setenv("OOMB_TRITON_AUTOTUNE", "1")
+    monkeypatch.setenv("OOMB_TRITON_FUSED_DQ", fused)
     tuner = triton_kernels._bwd_dkdv_kernel
     configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": 16}, num_warps=4, num_stages=1) for m in (16, 32)]
     monkeypatch.setattr(tuner, "configs", configs)
