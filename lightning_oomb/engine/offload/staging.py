@@ -236,10 +236,13 @@ class StagingCache:
             buf.kv_pages |= kv
         if grads:
             hosted = grads & self._grads_on_host.get(key, frozenset())
-            if hosted:
-                event, after = self._move("h2d", buf, "grad", cause, after, hosted), []
             if grads - hosted:  # never written back in this sweep: still zero
-                event = self.transport.zero(self._views(buf, "grad", grads - hosted), after)
+                # a buffer without a valid gradient page zeroes its whole block, one fill per tensor however
+                # scattered the pages (device memory: cheap), before the hosted pages come in over it
+                zeroed = None if not buf.grad_pages else grads - hosted
+                event, after = self.transport.zero(self._views(buf, "grad", zeroed), after), []
+            if hosted:
+                event = self._move("h2d", buf, "grad", cause, after, hosted)
             buf.grad_pages |= grads
         buf.ready = self._host_read[key] = event
 
