@@ -57,7 +57,7 @@ TUNERS = {
 
 
 @contextlib.contextmanager
-def fused_dq(on: bool):
+def fused_dq_env(on: bool):
     """``OOMB_TRITON_FUSED_DQ`` set to ``on`` inside (read at each backward call), restored after."""
     before = os.environ.get("OOMB_TRITON_FUSED_DQ")
     os.environ["OOMB_TRITON_FUSED_DQ"] = "1" if on else "0"
@@ -225,7 +225,7 @@ def sweep(kernels, tiles: Tiles, candidates: dict, p, args, device, report, left
             t0 = time.monotonic()
             tiles.set(kernel, tile)
             try:
-                with fused_dq(kernel == FUSED):
+                with fused_dq_env(kernel == FUSED):
                     row["max_diff"], row["agrees"] = max_diff(outputs(kernels, p), want)
                     # what ran: a tile the GPU's shared memory does not hold falls back to a smaller one (_launch)
                     row["ran"] = sorted({str(c) for c in tiles.tuners[kernel].cache.values()})
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                 if left() < 3.0:
                     report.add({**row, "skipped": "budget"})
                     continue
-                with fused_dq(label == "best, fused dQ"):
+                with fused_dq_env(label == "best, fused dQ"):
                     select = q.select(args.page_budget) if sparse else None
                     report.add({**row, **timings(kernels, q, args, device, select)})
     tiles.restore()

@@ -759,10 +759,7 @@ def _bwd_dkdv_walk(
     ``SPLIT`` ``[lo, full_lo)`` and ``[full_hi, hi)`` masked, ``[full_lo, full_hi)`` not; else all masked."""
     q_head = Q + b * stride_qb + h * stride_qh
     row0 = (b * num_heads + h) * q_len
-    do_head = DO + row0 * HEAD_DIM
-    dq_head = DQ
-    if FUSED_DQ:
-        dq_head += row0 * HEAD_DIM
+    do_head, dq_head = DO + row0 * HEAD_DIM, DQ + row0 * HEAD_DIM
     if SPLIT:
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_head, do_head, LSE + row0, DELTA + row0, FIRST + b * q_len,
                                  dq_head, stride_qm, stride_qd, k_pos, lo, full_lo, q_start, q_len, window,
