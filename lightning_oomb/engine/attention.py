@@ -422,7 +422,9 @@ def _attend_call(q, chunk: ChunkContext, layer: int, scale, window, softcap, sin
         probe = (
             None
             if selection is None
-            else chunk.sparse.probe_rows(selection, chunk.shape.page_size, q.shape[2], chunk.sweep)
+            else chunk.sparse.probe_rows(
+                selection, chunk.shape.page_size, q.shape[2], chunk.sweep, pool.streams(layer)
+            )
         )
         blocks = _selected_blocks(chunk, layer, selection)
         parts = pool.parts(

@@ -340,7 +340,7 @@ def attend_forward(ops, cp: ContextChunk, pool, layer, q, k, q_start, scale, win
     if sparse is not None:
         selection = select_across_group(cp, sparse, layer, queries, k, q_start, window, docs, sweep, backend)
         selected = selection.pages
-        probe = sparse.probe_rows(selection, cp.layout.page, queries.shape[2], sweep)
+        probe = sparse.probe_rows(selection, cp.layout.page, queries.shape[2], sweep, pool.streams(layer))
     num_keys = q_start + queries.shape[2]
     state = init_state(queries)
     dense = None if probe is None else init_state(queries[:, :, probe.lo : probe.hi])

@@ -196,7 +196,9 @@ class SparseStats:
     """What the sparse attention of a step did: ``attended_fraction`` = pages attended / pages visible, summed over
     layers, chunks, rows and query blocks (1.0 when dense); ``selection_recall`` = the mean, over the probed query
     blocks' rows and heads, of the share of their dense attention mass on the keys they attend (1.0 when probing a
-    step whose every call attended all its visible pages; ``None`` when not probing)."""
+    step whose every call attended all its visible pages; ``None`` when not probing, or when every sparse call was
+    of a layer in host memory: under offload only the layers whose pages are on the device are probed — a host
+    layer's call stages only its selected pages, so its dense mass is not there to measure)."""
 
     page_budget: int | None
     attended_fraction: float
@@ -220,6 +222,7 @@ class SparseStep:
     _attended: list[torch.Tensor] = field(default_factory=list)
     _visible: list[torch.Tensor] = field(default_factory=list)
     _recall: list[torch.Tensor] = field(default_factory=list)
+    _unprobed: int = 0  # sparse calls of host-tier layers, which cannot be probed
 
     def __post_init__(self) -> None:
         self._draw = random.Random(self.seed)
@@ -246,12 +249,19 @@ class SparseStep:
 
         return selected
 
-    def probe_rows(self, selection: Selection, page: int, lq: int, sweep: str) -> Probe | None:
+    def probe_rows(
+        self, selection: Selection, page: int, lq: int, sweep: str, streamed: bool = False
+    ) -> Probe | None:
         """The query block (of ``page`` of the call's ``lq`` rows) whose recall a sparse call of the forward or
-        eval sweep measures, with probing on (else ``None``)."""
+        eval sweep measures, with probing on (else ``None``). ``streamed``: the call's layer is in host memory, where
+        only the selected pages are staged — not probed (its block is drawn all the same, so the other layers' draws
+        do not depend on the placement)."""
         if not self.probe or sweep == "backward" or selection.pages is None:
             return None
         block = self._draw.randrange(selection.pages.shape[1])
+        if streamed:
+            self._unprobed += 1
+            return None
         return Probe(block * page, min((block + 1) * page, lq))
 
     def add_recall(self, sparse_lse: torch.Tensor, dense_lse: torch.Tensor) -> None:
@@ -263,6 +273,6 @@ class SparseStep:
         attended = float(torch.stack(self._attended).sum()) if self._attended else 0.0
         visible = float(torch.stack(self._visible).sum()) if self._visible else 0.0
         recall = float(torch.stack(self._recall).mean()) if self._recall else None
-        if recall is None and self.probe:  # no call selected (the budget covered every page): all mass kept
-            recall = 1.0
+        if recall is None and self.probe and not self._unprobed:  # no call selected (the budget covered every
+            recall = 1.0  # page): all mass kept
         return SparseStats(self.budget, attended / visible if visible else 1.0, recall)

@@ -306,6 +306,37 @@ def test_recall_is_measured_when_probing():
     assert engine.stats.sparse.selection_recall == 1.0  # it was None: read as "not measured"
 
 
+def test_under_offload_the_recall_is_measured_on_the_device_layers():
+    """A host layer's call stages only its selected pages, so its dense attention mass is not there to measure: its
+    calls are not probed (their blocks drawn all the same). One HBM and one host layer: the recall is the HBM
+    layer's, as the step without offload measures it; every layer on the host: not measured (``None``, which
+    ``OOMBSparseBudget`` does not log) — it read the selected pages as all of them before."""
+
+    def probed(**offload):
+        engine = OOMBEngine(HFChunkModel(model), OOMBConfig(CHUNK, PAGE, page_budget=1, **offload))
+        engine.probe_recall = True
+        loss = engine.loss(ids)
+        step = loss.grad_fn.step.sparse  # (the step lets go of it in the backward)
+        loss.backward()
+        return torch.stack(step._recall) if step._recall else None, engine
+
+    model = build_causal_lm("qwen2")  # 2 layers
+    ids = torch.randint(0, 97, (2, SEQ), generator=torch.Generator().manual_seed(8))
+    every, engine = probed()
+    assert (
+        len(every) % 2 == 0 and engine.stats.sparse.selection_recall < 1.0
+    )  # layers 0, 1 of each sparse chunk
+    _, hosted = probed(offload=True, hbm_budget=0, staging_buffers=3)
+    assert hosted.stats.sparse.selection_recall is None
+    shape = hosted.pool.shape
+    one, engine = probed(
+        offload=True, hbm_budget=shape.layer_bytes + 3 * shape.block_bytes, staging_buffers=3
+    )
+    assert engine.pool.plan.hbm_layers == (0,) and engine.pool.plan.host_layers == (1,)
+    torch.testing.assert_close(one, every[0::2], rtol=1e-12, atol=0)
+    assert engine.stats.sparse.selection_recall == pytest.approx(one.mean().item(), rel=1e-12)
+
+
 def test_recall_is_none_only_when_not_probing():
     assert SparseStep(2).stats().selection_recall is None
     assert SparseStep(2, probe=True).stats().selection_recall == 1.0  # probing, every call dense
