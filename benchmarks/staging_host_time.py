@@ -8,15 +8,16 @@ per chunk each selecting 64 pages) are up to 2,048 scattered pages — thousands
 issue them than the copy engine needs to move their bytes, the step is bound by the host (the 1M sparse step ran
 1.6x its planned time on the H200).
 
-Measured here, per call: the cache's bookkeeping with copies that do nothing (``--reps`` passes, median) — what the
-host spends before the copies' own calls (``copy_`` then costs each a few microseconds more under CUDA) —, for the
-forward (K/V in) and the backward (K/V and gradient pages in, gradient pages back out), sparse (random selection
-of ``--selected`` pages) and dense, next to the time the copy engine needs for the same bytes at the H200's measured
-55 GB/s each way (the reference, computed from the bytes at Qwen2.5-7B's page size) — and the same bookkeeping of
-the staging cache as of ``OLD_COMMIT`` (a view per run and tensor), read from git. The arenas here are tiny (views
+Measured here, per call: the cache's bookkeeping with copies that do nothing (``--reps`` passes, median; the old
+cache's passes alternate with the new's) — what the host spends before the copies' own calls (``copy_`` then
+costs each a few microseconds more under CUDA) —, for the forward (K/V in) and the backward (K/V and gradient
+pages in, gradient pages back out), sparse (random selection of ``--selected`` pages) and dense, next to the time
+the copy engine needs for the same bytes at the H200's measured 55 GB/s each way (the reference, computed from the
+bytes at Qwen2.5-7B's page size) — and the same bookkeeping of the staging cache as of ``OLD_COMMIT`` (a view per
+run and tensor, a zero-fill per run), read from git. The arenas here are tiny (views
 cost the same at any page size). Writes JSON (``--out``), a PNG and a Markdown table next to it; ~20 s.
 
-    PYTHONPATH=$PWD python benchmarks/staging_host_time.py --out benchmarks/results/staging-host-time-cpu.json
+    PYTHONPATH=$PWD python benchmarks/staging_host_time.py --reps 21
 """
 
 from __future__ import annotations
@@ -78,18 +79,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def one_call(
-    cache_class, shape: PoolShape, selection: dict[int, frozenset[int]] | None, backward: bool, reps: int
-):
-    """Median seconds of the cache's work for one call's prefix (fresh buffers each pass), and its copy calls."""
+def call_pass(cache_class, shape: PoolShape, selection: dict[int, frozenset[int]] | None, backward: bool):
+    """A function running the cache's work for one call's prefix (fresh buffers each time), returning its seconds
+    and copy calls."""
     host = Arena(shape.layer_slots, shape, torch.device("cpu"))
     staging = Arena(9 * shape.block_slots, shape, torch.device("cpu"))
     transport = CountingTransport()
     cache = cache_class(shape, [0], host, staging, 9, transport)
     blocks = range(shape.num_blocks) if selection is None else sorted(selection)
     needs = [Need(0, b, True, backward, None if selection is None else selection[b]) for b in blocks]
-    times = []
-    for _ in range(reps):
+
+    def run() -> tuple[float, int]:
         cache.begin_sweep("backward" if backward else "forward")
         transport.copies = 0
         start = time.perf_counter()
@@ -99,8 +99,9 @@ def one_call(
             if backward:
                 cache.added_grads(buf)
                 cache.write_back(buf)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), transport.copies
+        return time.perf_counter() - start, transport.copies
+
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,12 +129,23 @@ def main(argv: list[str] | None = None) -> int:
             )
             # the copy engine's time: each direction runs on its own engine, the longer one bounds
             one_way = 2 * pages * (QWEN_PAGE_BYTES["kv"] + (QWEN_PAGE_BYTES["grad"] if backward else 0))
-            new_s, copies = one_call(StagingCache, shape, selection, backward, args.reps)
-            old_s = None if old is None else one_call(old, shape, selection, backward, args.reps)[0]
-            rows.append({"case": case, "sweep": sweep, "pages": pages, "copy_calls": copies,
+            # the two caches alternate pass by pass, so that a slower spell of the machine hits both alike
+            runs = {"new": call_pass(StagingCache, shape, selection, backward)}
+            if old is not None:
+                runs["old"] = call_pass(old, shape, selection, backward)
+            times = {name: [] for name in runs}
+            for _ in range(args.reps):
+                for name, run in runs.items():
+                    seconds, copies = run()
+                    times[name].append(seconds)
+                    if name == "new":
+                        calls = copies
+            new_s = statistics.median(times["new"])
+            old_s = statistics.median(times["old"]) if "old" in times else None
+            rows.append({"case": case, "sweep": sweep, "pages": pages, "copy_calls": calls,
                          "host_ms": new_s * 1e3, "host_ms_old": None if old_s is None else old_s * 1e3, "bytes": moved,
                          "copy_engine_ms": one_way / COPY_BYTES_PER_S * 1e3,
-                         "host_us_per_copy": new_s / copies * 1e6})  # fmt: skip
+                         "host_us_per_copy": new_s / calls * 1e6})  # fmt: skip
             print(rows[-1], flush=True)
     result = {"command": command(), "versions": versions(), "old_commit": OLD_COMMIT, "blocks": args.blocks,
               "block_pages": args.block_pages, "selected": args.selected, "rows": rows}  # fmt: skip

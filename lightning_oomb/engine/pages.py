@@ -99,7 +99,7 @@ class PoolShape:
         return resolve_grad_dtype(self.kv_grad_dtype, self.dtype)
 
     # ------------------------------------------------------------------------------------------ counts
-    @property
+    @functools.cached_property
     def pages_per_row(self) -> int:
         return math.ceil(self.seq_len / self.page_size)
 
@@ -189,7 +189,7 @@ class PoolShape:
         return self.layer_bytes // self.pages_per_row * self.layer_pages(layer)
 
     # ------------------------------------------------------------------------------------------ blocks
-    @property
+    @functools.cached_property  # (read per staged page run: a sparse step's offload asks thousands of times)
     def block_pages(self) -> int:
         """Pages per row of one offload block (one chunk)."""
         return min(math.ceil((self.chunk_size or self.seq_len) / self.page_size), self.pages_per_row)

@@ -272,7 +272,11 @@ class StagingCache:
     def _run_views(self, tensors, slots: slice, runs: list[tuple[int, int]]) -> list[torch.Tensor]:
         """Views of each tensor's ``slots`` (one block, all rows), one per run of pages: a single ``tensor_split``
         per tensor, however many runs (a sparse block's scattered pages make hundreds)."""
-        cuts = [page * self.shape.batch for run in runs for page in run]
+        batch = self.shape.batch
+        if len(runs) == 1:  # a whole block (dense), or one run: a slice is cheaper than a split
+            ((a, b),) = runs
+            return [t[slots.start + a * batch : slots.start + b * batch] for t in tensors]
+        cuts = [page * batch for run in runs for page in run]
         return [view for t in tensors for view in t[slots].tensor_split(cuts)[1::2]]
 
     def _move(self, direction: str, buf: Buffer, part: Part, cause: str, after, pages=None) -> object:
