@@ -178,8 +178,8 @@ def group_size(buffers: int) -> int:
 
 def _groups(needs: Sequence[Need], own: bool, size: int) -> Iterator[Sequence[Need]]:
     """A stream's needs in the groups one kernel call each attends to: the chunk's own block (``own``: the first
-    need) alone, then runs of up to ``size`` consecutive prefix blocks (a sparse stream's skip blocks: a gap ends a
-    group, so that a group's key range holds only its own blocks)."""
+    need) alone, then runs of up to ``size`` consecutive prefix blocks (a sparse stream leaves out the blocks
+    without a selected page: such a gap ends a group, so that a group's key range holds only its own blocks)."""
     start = 1 if own and needs else 0
     if start:
         yield needs[:1]
