@@ -247,7 +247,10 @@ def methods(
     from lightning_oomb.engine.offload.offloader import group_size
 
     group = p.q.shape[1] // p.k.shape[1]
-    per_call = group_size(OOMBConfig().staging_buffers)  # blocks a step's offload attends per kernel call
+    # blocks a step's offload attends per kernel call (its blocks: a chunk's K, V and float32 dK, dV pages)
+    per_call = group_size(
+        OOMBConfig().staging_count(2 * lq * p.k.shape[1] * p.k.shape[3] * (p.k.element_size() + 4))
+    )
     mask = causal_lower_right(lq, lk)
     makers = {
         "paged": lambda: functools.partial(run_oomb, kernels, p),

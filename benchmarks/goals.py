@@ -235,7 +235,8 @@ def oomb_config(row: Row, scale: Scale, model, tokens: int) -> OOMBConfig:
         return config
     budget = 0
     if row.device_layers:
-        budget = hbm_budget_for(row.device_layers, pool_shape(model, config, tokens), config.staging_buffers)
+        shape = pool_shape(model, config, tokens)
+        budget = hbm_budget_for(row.device_layers, shape, config.staging_count(shape.block_bytes))
     return dataclasses.replace(config, offload=True, hbm_budget=budget)
 
 

@@ -299,7 +299,7 @@ class OOMBStrategy(_OOMBStrategyMixin, SingleDeviceStrategy):
         loss_block: int = 1024,
         offload: bool | str = "auto",
         hbm_budget: int | str = "auto",
-        staging_buffers: int = 9,
+        staging_buffers: int | str = "auto",
         prefetch_depth: int | None = None,
         page_budget: int | None = None,
         page_score: str = "bound",

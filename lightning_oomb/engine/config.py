@@ -15,6 +15,7 @@ from lightning_oomb.engine.sparse import check_budget, check_page_score
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
 GRAD_ACCUMULATIONS = ("auto", "float32", "float32-host", "native")
+STAGING_AUTO_BYTES = 256 * 2**20  # staging_buffers="auto": 9 buffers (4 blocks a call) where they fit in this
 # the strategies' defaults where they differ from the engine's: decided by their memory plan at setup
 STRATEGY_DEFAULTS = {
     "kv_grad_dtype": "auto",
@@ -74,8 +75,9 @@ class OOMBConfig:
             ``2 * batch * chunk_size * kv_heads * head_dim * (kv itemsize + grad itemsize)`` bytes (24 MiB for
             Qwen2.5-7B at chunk 4096) — through which host-tier layers stream; at least 2 (the chunk's own block
             and one prefix block); 3 overlaps copies in with compute, 4 also overlaps write-backs; one kernel call
-            attends ``(staging_buffers - 1) // 2`` staged prefix blocks, so 9 (default; 216 MiB for Qwen2.5-7B)
-            pays a call's fixed costs once per 4 blocks.
+            attends ``(staging_buffers - 1) // 2`` staged prefix blocks, so 9 pays a call's fixed costs once per 4
+            blocks. ``"auto"`` (default, :meth:`staging_count`): 9 where they take at most 256 MiB (216 MiB for
+            Qwen2.5-7B at chunk 4096), else 4 — large blocks make large calls already.
         prefetch_depth: predicted block uses staged ahead of time when offloading; ``None`` (default): as many as
             free buffers allow, ``0``: copies only on demand (a debugging aid: no overlap).
         page_budget: sparse attention: each block of ``page_size`` queries attends to its chunk's own pages and to
@@ -139,7 +141,7 @@ class OOMBConfig:
     loss_block: int = 1024
     offload: bool | str = False
     hbm_budget: int | str = "auto"
-    staging_buffers: int = 9
+    staging_buffers: int | str = "auto"
     prefetch_depth: int | None = None
     page_budget: int | None = None
     page_score: str = "bound"
@@ -176,11 +178,11 @@ class OOMBConfig:
                 "when offload is on — pass a non-negative int of bytes (e.g. 40 * 2**30) or 'auto'."
             )
         buffers = self.staging_buffers
-        if isinstance(buffers, bool) or not isinstance(buffers, int) or buffers < 2:
+        if buffers != "auto" and (isinstance(buffers, bool) or not isinstance(buffers, int) or buffers < 2):
             raise OOMBConfigError(
-                f"staging_buffers={buffers!r} must be an integer >= 2 — host-tier layers stream through these "
-                "device buffers: one holds the chunk's own block, the others the blocks before it — use 9 (the "
-                "default)."
+                f"staging_buffers={buffers!r} must be an integer >= 2 or 'auto' — host-tier layers stream through "
+                "these device buffers: one holds the chunk's own block, the others the blocks before it — use "
+                "'auto' (the default)."
             )
         depth = self.prefetch_depth
         if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 0):
@@ -223,6 +225,13 @@ class OOMBConfig:
         yet decided: none)."""
         reuse = self.reuse_attention
         return chunks if reuse is True else 0 if reuse == "auto" else min(int(reuse), chunks)
+
+    def staging_count(self, block_bytes: int) -> int:
+        """The staging buffers for blocks of ``block_bytes``: ``staging_buffers``, or for ``"auto"`` 9 (4 blocks
+        a kernel call) where they take at most :data:`STAGING_AUTO_BYTES`, else 4 (a block a call)."""
+        if self.staging_buffers != "auto":
+            return self.staging_buffers
+        return 9 if 9 * block_bytes <= STAGING_AUTO_BYTES else 4
 
     @property
     def offloads(self) -> bool:

@@ -172,7 +172,7 @@ class KVPool:
         self._warn_no_effect(shape, device)
         self._synchronize()  # copies in flight may still use arenas that get replaced below
         cfg = self.config
-        plan, slots = place_layers(shape, self._budget(device), cfg.staging_buffers)
+        plan, slots = place_layers(shape, self._budget(device), cfg.staging_count(shape.block_bytes))
         host_device = torch.device("cpu")
         self._check_memory(shape, plan, slots, device)
         self._hbm = self._grow(self._hbm, slots["hbm"], shape, device)
@@ -194,7 +194,7 @@ class KVPool:
                 plan.host_layers,
                 self._host,
                 self._staging,
-                cfg.staging_buffers,
+                plan.staging_buffers,
                 self.transport(device),
             )
             self._offload = Offloader(cache, cfg, self._sweep)

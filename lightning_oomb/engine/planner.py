@@ -1130,7 +1130,9 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
                      windows=shape.windows,
                      page_score=sparse if devices == 1 else None)  # fmt: skip
     summaries = dataclasses.replace(pool, seq_len=seq_len, page_score=sparse).summary_bytes
-    tiers, slots = place_layers(pool, _budget(config, machine, weights), config.staging_buffers)
+    tiers, slots = place_layers(
+        pool, _budget(config, machine, weights), config.staging_count(pool.block_bytes)
+    )
     hbm = arena_bytes(slots["hbm"], pool)
     staging = arena_bytes(slots["staging"], pool) if tiers.host_layers else 0
     host = {"pool": arena_bytes(slots["host"], pool)}  # the pinned host memory's terms
@@ -1485,7 +1487,8 @@ def _candidates(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int) -
                          config.kv_grad_dtype, inputs.dtypes.kv,
                          windows=shape.windows)  # fmt: skip
         # window layers keeping only their tails stay on the device; then k full layers, most first
-        fixed = sum(map(pool.bytes_of, pool.recycling)) + config.staging_buffers * pool.block_bytes
+        staging = config.staging_count(pool.block_bytes) * pool.block_bytes
+        fixed = sum(map(pool.bytes_of, pool.recycling)) + staging
         offload += [{"offload": True, "hbm_budget": fixed + k * pool.layer_bytes}
                     for k in range(pool.num_layers - len(pool.recycling) - 1, -1, -1)]  # fmt: skip
         groups.append(offload)

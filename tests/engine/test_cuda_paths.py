@@ -65,7 +65,7 @@ def test_offloaded_pages_with_delayed_copies_equal_pages_on_the_device(
     monkeypatch, seed, checkpointing, buffers
 ):
     """Every layer's pages in page-locked host memory, streamed on the side streams through 3 staging buffers (one
-    block a kernel call) or 9 (the default: 4 blocks a call), each copy and each compute wait delayed by up to 200K
+    block a kernel call) or 9 (4 blocks a call, what "auto" takes for small blocks), each copy and each compute wait delayed by up to 200K
     GPU cycles (a missing event wait shows as wrong numbers); with layer checkpointing the recompute's attention
     results and saved activations (every size) are parked in host memory on their side stream too, each copy
     delayed likewise: the step equals the one whose pages stay on the device."""

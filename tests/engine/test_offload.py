@@ -441,11 +441,25 @@ def test_the_ordering_check_catches_a_stream_that_ignores_its_waits(broken):
         {"hbm_budget": 2.5},
         {"staging_buffers": 0},
         {"staging_buffers": 1},
+        {"staging_buffers": "many"},
     ],
 )
 def test_bad_offload_options_are_rejected(options):
     with pytest.raises(OOMBConfigError, match="must be|byte count"):
         OOMBConfig(**options)
+
+
+def test_auto_staging_groups_small_blocks_only():
+    """``staging_buffers="auto"``: 9 buffers (4 blocks a kernel call) where they take at most 256 MiB — Qwen2.5-7B's
+    24 MiB blocks at chunk 4096 —, else 4; a number is taken as it is; the pool stages through what it says."""
+    mib = 2**20
+    auto = OOMBConfig()
+    assert auto.staging_buffers == "auto"
+    assert auto.staging_count(24 * mib) == 9 and auto.staging_count(29 * mib) == 4
+    assert OOMBConfig(staging_buffers=5).staging_count(1 << 40) == 5
+    pool = offload_pool(hbm_budget=0)
+    pool.reserve(POOL_SHAPE, CPU)
+    assert pool.plan.staging_buffers == 9 and pool.stats()["staging_bytes"] == 9 * POOL_SHAPE.block_bytes
 
 
 def test_host_memory_is_checked_before_allocating(monkeypatch):
@@ -525,7 +539,7 @@ def test_stats_report_both_sweeps():
     loss.backward()
     after_backward = engine.stats.extra
     assert after_forward["host_layers"] == 2 and after_forward["host_pool_bytes"] > 0
-    assert after_forward["staging_bytes"] == engine.config.staging_buffers * engine.pool.shape.block_bytes
+    assert after_forward["staging_bytes"] == engine.pool.plan.staging_buffers * engine.pool.shape.block_bytes
     assert after_backward["d2h_bytes"] > after_forward["d2h_bytes"]  # gradient write-backs
     assert engine.stats.pool_bytes == engine.pool.allocated_bytes
 
@@ -562,7 +576,9 @@ def test_a_training_step_keeps_the_same_device_pool_at_any_length():
         assert stats["hbm_pool_bytes"] == 0
         device_bytes.append(engine.pool.device_bytes)
         host_bytes.append(stats["host_pool_bytes"])
-    assert device_bytes[0] == device_bytes[1] == engine.config.staging_buffers * engine.pool.shape.block_bytes
+    assert (
+        device_bytes[0] == device_bytes[1] == engine.pool.plan.staging_buffers * engine.pool.shape.block_bytes
+    )
     assert host_bytes[1] == 4 * host_bytes[0]
 
 

@@ -5,7 +5,8 @@ is cut into **blocks** of one chunk each (block ``j`` = the pages of chunk ``j``
 ``staging_buffers`` device buffers that each hold one block (K, V, dK, dV). The attention op attends a group of
 staged blocks per kernel call and merges the parts by log-sum-exp, so the device memory of offload is
 ``staging_buffers * block_bytes``, fixed by the chunk size, whatever the sequence length: the Qwen2.5-7B shape (4 KV
-heads, head dim 128, bf16 K/V, fp32 gradients) at C = 4096 needs 24 MiB per buffer, 216 MiB for the default 9.
+heads, head dim 128, bf16 K/V, fp32 gradients) at C = 4096 needs 24 MiB per buffer, 216 MiB for the 9 that
+``staging_buffers="auto"`` takes for it (:meth:`~lightning_oomb.engine.config.OOMBConfig.staging_count`).
 
 **A layer's stream** (one attention call, chunk ``s``): the chunk's own block ``s`` first — its K/V are written by
 the compute stream, never copied in — then the prefix blocks ``0 .. s-1`` from the host, in groups of up to
@@ -28,7 +29,7 @@ Three parts, one job each:
 
 joined by :class:`~.offloader.Offloader`, the object the pool calls. Two buffers work (the chunk's block and one
 prefix block, copied on demand); three overlap copies in with compute; four also overlap write-backs (one block
-per call); nine (the default) attend four blocks per call.
+per call); nine attend four blocks per call (``"auto"``: nine where they take at most 256 MiB, else four).
 """
 
 from lightning_oomb.engine.offload.offloader import Offloader
