@@ -70,8 +70,9 @@ which makes the listed pages' blocks flat index ranges — before the key range 
 (skipped), needing the window / document mask, visible to every row — walked by the dense loops themselves
 (:func:`_block_start` maps an index to its page through the list), then the chunk's own keys as without a
 selection. The dK/dV program of a past key block visits only the query blocks listing its page, from inverse lists
-(CSR) the launcher builds on the device without a host sync; one nobody lists reads and writes nothing. Without a
-selection the compiled kernels are the dense ones, unchanged.
+(CSR) the launcher builds on the device without a host sync, and only listed pages get programs (their list is
+built there too; the grid is sized by the selection's entries, not by the past keys). Without a selection the
+compiled kernels are the dense ones, unchanged.
 """
 
 from __future__ import annotations
@@ -786,11 +787,11 @@ def _bwd_dkdv_walk(
 )
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, TABLE, DK, DV, FIRST, SEEING, VISITS, INV_PTR, INV_IDX, DQ,
+    Q, K, V, DO, LSE, DELTA, TABLE, DK, DV, FIRST, SEEING, VISITS, INV_PTR, INV_IDX, WORK, DQ,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_ks, stride_kh, stride_kp, stride_kd,
     stride_tb,
-    num_heads, kv_heads, group, q_len, q_start, first_key, key_hi, window, scale, qk_scale, cap, past_pages,
+    num_heads, kv_heads, group, q_len, q_start, first_key, key_hi, window, scale, qk_scale, cap, past_pages, n_work,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
     ROWS: tl.constexpr, COUNT: tl.constexpr, SPARSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr = False, FUSED_DQ: tl.constexpr = False,
@@ -798,26 +799,37 @@ def _bwd_dkdv_kernel(
     """Key blocks from the one holding ``first_key`` up to ``key_hi`` (keys >= ``key_hi`` are never read);
     ``FUSED_DQ``: dQ too, added into fp32 ``DQ`` (see :func:`fused_dq`). With
     ``SPARSE`` a past key block (before ``q_start``) is seen by the query blocks whose lists hold its page:
-    ``INV_IDX[INV_PTR[p] : INV_PTR[p + 1]]`` for ``p = b * past_pages + page`` (ascending; :func:`_inverse_lists`);
-    one nobody lists reads and writes nothing. ``SPLIT``: the query blocks that see the whole key block run in a
-    loop of their own, without the mask (see :data:`SM90_DEFAULTS`)."""
+    ``INV_IDX[INV_PTR[p] : INV_PTR[p + 1]]`` for ``p = b * past_pages + page`` (ascending; :func:`_inverse_lists`),
+    and only the listed pages get programs: the first ``n_work * PAGE // BLOCK_N`` walk the pages of
+    ``WORK[b * n_work :][:n_work]`` (ascending, ``-1``-padded: a padding program reads and writes nothing), the
+    rest the chunk's own key blocks from ``max(first_key, q_start)``. ``SPLIT``: the query blocks that see the whole
+    key block run in a loop of their own, without the mask (see :data:`SM90_DEFAULTS`)."""
     if SPARSE:
         tl.static_assert(PAGE % BLOCK_M == 0, "sparse query tiles must divide the page (see _pruner)")
-    start_n = (first_key // BLOCK_N + tl.program_id(0)) * BLOCK_N
     bh = tl.program_id(1)
     b = bh // kv_heads
     kv_head = bh % kv_heads
+    # with SPARSE: a listed page's key block (a padding entry: the range's first page, as if unlisted), or an own one
+    if SPARSE:
+        pid, per_page = tl.program_id(0), PAGE // BLOCK_N
+        past = pid < n_work * per_page
+        page = tl.load(WORK + b * n_work + pid // per_page, mask=past, other=-1)
+        own_start = (tl.maximum(first_key, q_start) // BLOCK_N + pid - n_work * per_page) * BLOCK_N
+        start_n = tl.where(
+            past, tl.maximum(page, first_key // PAGE) * PAGE + pid % per_page * BLOCK_N, own_start
+        )
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        inv = INV_PTR + b * past_pages + start_n // PAGE
+        j_lo = tl.load(inv, mask=past & (page >= 0), other=0)
+        j_hi = tl.load(inv + 1, mask=past & (page >= 0), other=0)
+        if past & (j_hi == j_lo):  # padding: nothing to read or write (only listed pages are read)
+            return
+    else:
+        start_n = (first_key // BLOCK_N + tl.program_id(0)) * BLOCK_N
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     k_pos = start_n + offs_n
     key_ok = k_pos < key_hi
-    if SPARSE:
-        past = start_n < q_start
-        inv = INV_PTR + b * past_pages + start_n // PAGE
-        j_lo = tl.load(inv, mask=past, other=0)
-        j_hi = tl.load(inv + 1, mask=past, other=0)
-        # only listed pages are read (the interpreter mishandles `vector & scalar` masks: a bound instead)
-        key_ok = k_pos < tl.where((start_n >= q_start) | (j_hi > j_lo), key_hi, start_n)
     # gradient pages have the K/V pages' layout: one offset serves K, V, dK and dV
     tokens = (start_n % PAGE + offs_n)[:, None]
     kv_offs = _page_offset(TABLE + b * stride_tb, start_n, stride_ks, PAGE) + kv_head * stride_kh
@@ -1060,6 +1072,20 @@ def _inverse_lists(select: torch.Tensor, past_pages: int) -> tuple[torch.Tensor,
     return offsets, owners.flatten()[order].contiguous()
 
 
+def _listed_pages(
+    offsets: torch.Tensor, batch: int, past_pages: int, lo: int, hi: int, slots: int
+) -> torch.Tensor:
+    """The dK/dV grid's past pages: per row, the pages of ``[lo, hi)`` some query block lists (``offsets`` of
+    :func:`_inverse_lists`), ascending, then ``-1`` — int32 ``[B, slots]``, ``slots`` at least their number. On the
+    device, no host sync: an unlisted page's program would only find it has nothing to do (at 1M tokens, 8,192
+    pages of which a chunk lists a few hundred)."""
+    listed = (offsets[1:] > offsets[:-1])[: batch * past_pages].view(batch, past_pages)[:, lo:hi]
+    slot = torch.where(listed, torch.cumsum(listed, 1, dtype=torch.int32) - 1, slots)  # unlisted: a spare one
+    pages = torch.arange(lo, hi, dtype=torch.int32, device=offsets.device).expand_as(listed)
+    work = torch.full((batch, slots + 1), -1, dtype=torch.int32, device=offsets.device)
+    return work.scatter_(1, slot.long(), pages)[:, : max(slots, 1)].contiguous()  # (never empty: a pointer)
+
+
 def _selection_args(select: torch.Tensor | None, fallback: torch.Tensor) -> tuple:
     """``(SEL, n_sel, K_P2)`` of the forward and dQ kernels: the list, its width and that rounded up to a power of
     two (the vector load's size); without a selection a dummy pointer and sizes the kernels never use."""
@@ -1084,9 +1110,19 @@ def _query_grid(q_len: int, heads: int):
     return lambda meta: (triton.cdiv(q_len, meta["BLOCK_M"]), heads)
 
 
-def _key_grid(first_key: int, key_hi: int, heads: int):
-    """One program per (key block from the one holding ``first_key`` to the one holding ``key_hi - 1``, head)."""
-    return lambda meta: (triton.cdiv(key_hi, meta["BLOCK_N"]) - first_key // meta["BLOCK_N"], heads)
+def _key_grid(first_key: int, key_hi: int, heads: int, listed: tuple[int, int, int] | None = None):
+    """One program per (key block from the one holding ``first_key`` to the one holding ``key_hi - 1``, head);
+    ``listed=(slots, page, q_start)`` (a selection): per (key block of ``slots`` listed pages, head), then per (key
+    block from ``max(first_key, q_start)``, head)."""
+    if listed is None:
+        return lambda meta: (triton.cdiv(key_hi, meta["BLOCK_N"]) - first_key // meta["BLOCK_N"], heads)
+    slots, page, q_start = listed
+    own = max(first_key, q_start)
+    return lambda meta: (
+        slots * (page // meta["BLOCK_N"])
+        + max(0, triton.cdiv(key_hi, meta["BLOCK_N"]) - own // meta["BLOCK_N"]),
+        heads,
+    )
 
 
 def attention_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
@@ -1221,13 +1257,19 @@ def paged_attention_backward(
     if first_key < key_hi:
         seeing = page_table if first is None else _rows_seeing(first, key_hi, page)
         past_pages = q_start // page
-        inv_ptr, inv_idx = (page_table, page_table) if select is None else _inverse_lists(select, past_pages)
+        inv_ptr, inv_idx, work, listed = page_table, page_table, page_table, None
+        if select is not None:
+            inv_ptr, inv_idx = _inverse_lists(select, past_pages)
+            lo, hi = first_key // page, max(first_key // page, triton.cdiv(min(key_hi, q_start), page))
+            slots = min(hi - lo, select.shape[1] * select.shape[2])  # the range's pages; entries per row
+            work, listed = _listed_pages(inv_ptr, b, past_pages, lo, hi, slots), (slots, page, q_start)
         _launch(
-            _bwd_dkdv_kernel, _key_grid(first_key, key_hi, b * hkv),
+            _bwd_dkdv_kernel, _key_grid(first_key, key_hi, b * hkv, listed),
             q, k_pages, v_pages, dout, lse, delta, page_table, dk_pages, dv_pages,
             page_table if first is None else first, seeing, lse if visits is None else visits, inv_ptr, inv_idx,
-            dq if fused else lse, *q.stride(), *k_pages.stride(), page_table.stride(0),
+            work, dq if fused else lse, *q.stride(), *k_pages.stride(), page_table.stride(0),
             hq, hkv, hq // hkv, lq, q_start, first_key, key_hi, window, scale, qk_scale, cap, past_pages,
+            0 if listed is None else listed[0],
             HEAD_DIM=d, PAGE=page, PRECISION=precision, SOFTCAP=softcap is not None, ROWS=first is not None,
             COUNT=visits is not None, SPARSE=select is not None, FUSED_DQ=fused,
         )  # fmt: skip

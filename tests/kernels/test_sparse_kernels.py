@@ -126,6 +126,24 @@ def test_inverse_lists():
     assert offsets[-1] == 8  # the valid entries, all before the padding
 
 
+def test_listed_pages_make_the_dkdv_grid():
+    """The dK/dV grid's past pages: the range's listed ones per row, ascending, ``-1``-padded to the slots; the grid
+    has one program per key block of those slots, then the chunk's own key blocks — none for an unlisted page."""
+    select = selection(
+        [[[0, 5], [5, 7], [-1, -1]], [[6, -1], [2, 6], [-1, -1]]]
+    )  # [B=2, R=3, K=2], 8 past pages
+    offsets, _ = triton_kernels._inverse_lists(select, 8)
+    work = triton_kernels._listed_pages(offsets, 2, 8, 1, 7, 6)  # pages [1, 7): page 0 and 7 out of range
+    assert work.dtype == torch.int32 and work.tolist() == [[5, -1, -1, -1, -1, -1], [2, 6, -1, -1, -1, -1]]
+    assert triton_kernels._listed_pages(offsets, 2, 8, 3, 3, 0).tolist() == [[-1], [-1]]  # nothing in range
+    grid = triton_kernels._key_grid(first_key=16, key_hi=8 * 16 + 40, heads=3, listed=(6, 16, 8 * 16))
+    assert grid({"BLOCK_N": 8}) == (6 * 2 + 5, 3)  # 2 key blocks per listed page; 40 own keys
+    assert triton_kernels._key_grid(16, 100, 3, (4, 16, 128))({"BLOCK_N": 16}) == (
+        4,
+        3,
+    )  # no own keys in range
+
+
 def test_sparse_tiles_fit_a_page(monkeypatch):
     """With SPARSE no tile's query rows exceed a page (a tile lies in one selection block, and divides it); the
     dense space keeps its tall tiles, and the tuning keys tell the two apart (a dense tile is never reused)."""
