@@ -5,7 +5,7 @@
 # goals-reduced.json, summary.json, summary.md, goals.png — 8 files; the goal table (summary.md) is printed last.
 # Every row is printed and written to its JSON as it is measured, so a run cut short keeps its rows.
 #   bash benchmarks/run_gpu.sh "$OUT"               # the goals: checks kernels compare reduced summary
-#   bash benchmarks/run_gpu.sh "$OUT" tiles profile  # other parts by name: tiles, profile, stress, scaling — in a
+#   bash benchmarks/run_gpu.sh "$OUT" tiles profile  # other parts by name: tiles, profile, gather, stress, scaling — in a
 #                                                   # call of their own: the device tool brings back 8 files a call
 #   OOMB_BENCH_TINY=1 bash benchmarks/run_gpu.sh /tmp/out  # every part at tiny shapes on the CPU (a dry run of
 #                                                           # the script itself; tests/test_benchmarks.py runs it)
@@ -14,9 +14,10 @@
 # attention (HF's measured 5.2 s at 32K is ~1.3x faster than that): a 7B step is ~7e10 matmul FLOPs per token
 # with OOMB's recomputation, attention 4 * d * 28 heads * N^2 / 2 per layer and pass, 5.5 passes. A 28-layer
 # step is ~8 s at 32K, ~25 s at 64K, ~5 min at 256K: longer contexts run 4 (or 2) layers and scale per layer.
-#   checks   35 s  tests/engine/test_cuda_paths.py: the side streams, events and page-locked buffers of
-#                  reuse_attention and float32-host on this GPU, each against the step without it (25 s on
-#                  the H200, imports and the first CUDA calls included)
+#   checks   45 s  tests/engine/test_cuda_paths.py: the side streams, events and page-locked buffers of
+#                  reuse_attention, float32-host and offload (also OOMB_OFFLOAD_GATHER's page-copy kernel on
+#                  mapped host memory) on this GPU, each against the step without it (25 s on the H200 before
+#                  the gather checks, imports and the first CUDA calls included)
 #   kernels  95 s  2 key lengths x (our dense and sparse kernels and offload's merged key blocks at default
 #                  tiles — a group of 4 key blocks per call, as steps run them, and one block per call —, then
 #                  dense and sparse tuned; SDPA x2;
@@ -27,7 +28,7 @@
 #                  OOMB 64K 1 step (~25 s: the check of the layer scaling), model build and imports (~20 s);
 #                  then, if time is left, OOMB 32K with reuse_attention and with every layer offloaded
 #                  (warm-up + 3, ~30 s each)
-#   reduced 190 s  the gradient check (2 layers at 32K against float32), 4 then 2 layers at 64K (the fit, ~17 s);
+#   reduced 180 s  the gradient check (2 layers at 32K against float32), 4 then 2 layers at 64K (the fit, ~17 s);
 #                  2 layers: 128K without and with offload (3 + 3 steps, ~42 s), 256K offloaded (~24 s), 256K
 #                  sparse (~6 s), 256K with the strategies' defaults (~19 s), 1M sparse with one HBM and one host
 #                  layer (49 s on the H200); if time is left, 256K offloaded with reuse_attention, with
@@ -80,26 +81,31 @@ goals() {  # goals PART LIMIT_S: a part of benchmarks/goals.py that plans its ro
 }
 for part in "${parts[@]}"; do
   case "$part" in
-    checks) run checks 35 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda_paths.py ;;
+    checks) run checks 45 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda_paths.py \
+      tests/kernels/test_page_copy.py ;;
     kernels) run kernels 95 env TRITON_PRINT_AUTOTUNING=1 python3 benchmarks/attention_kernels.py --out "$out/kernels-h200.json" \
       --methods paged,sparse,merged,merged-block,sdpa-repeat,sdpa-gqa,flex --default-tiles --tune-configs 2 --warmup 2 --iters 5 \
       --budget-s 75 ${smoke[@]+"${smoke[@]}"} ;;
     compare) goals compare 140 ;;
-    reduced) goals reduced 190 ;;
+    reduced) goals reduced 180 ;;
     summary) goals summary 20 ;;
     # optional parts (not in the 8 minutes): each kernel's candidate tiles (the data for SM90_DEFAULTS) and the
     # dK/dV kernel computing dQ too (OOMB_TRITON_FUSED_DQ; ~100 s on the H200), steps profiled (128K without and with offload: where offload's overhead goes; the 1M sparse step,
-    # 1.6x its planned time: where does it go? ~170 s), the offload race check, the context sweep
+    # 1.6x its planned time: where does it go? ~170 s), that 1M step with OOMB_OFFLOAD_GATHER=1 (its scattered
+    # pages by the page-copy kernel: compare its wall time with the profile's 1m-sparse-host), the offload race
+    # check, the context sweep
     tiles) run tiles 150 python3 benchmarks/tile_sweep.py --out "$out/tile-sweep-h200.json" --budget-s 130 \
       ${smoke[@]+"${smoke[@]}"} ;;
     profile) run profile 200 env OOMB_TRITON_AUTOTUNE=0 python3 benchmarks/profile_step.py \
       --row 128k-dense,128k-offload,1m-sparse-host --plain --out "$out/profile-h200.md" ${tiny[@]+"${tiny[@]}"} ;;
+    gather) run gather 150 env OOMB_TRITON_AUTOTUNE=0 OOMB_OFFLOAD_GATHER=1 python3 benchmarks/profile_step.py \
+      --row 1m-sparse-host --plain --out "$out/profile-gather-h200.md" ${tiny[@]+"${tiny[@]}"} ;;
     stress) run stress 120 python3 benchmarks/offload_stress.py --steps 5 --out "$out/offload-stress-h200.json" \
       ${tiny[@]+"${tiny[@]}"} ;;
     scaling) run scaling 300 env OOMB_TRITON_AUTOTUNE=0 python3 benchmarks/memory_scaling.py --warmup-once \
       --hf-max 32768 --contexts 8192,32768 --offload-contexts 32768,65536 --out "$out/memory-scaling-h200.json" \
       ${scaling_tiny[@]+"${scaling_tiny[@]}"} ;;
-    *) echo "!! unknown part '$part' (checks kernels compare reduced summary tiles profile stress scaling)" | tee -a "$log"; status=1 ;;
+    *) echo "!! unknown part '$part' (checks kernels compare reduced summary tiles profile gather stress scaling)" | tee -a "$log"; status=1 ;;
   esac
 done
 exit $status

@@ -47,14 +47,17 @@ QWEN_PAGE_BYTES = {
 
 
 class CountingTransport(SyncTransport):
-    """Copies and zero-fills that do nothing but count (the host-side cost of the cache alone)."""
+    """Copies, gathers and zero-fills that do nothing but count (the host-side cost of the cache alone)."""
 
-    def __init__(self) -> None:
-        super().__init__(torch.device("cpu"))
+    def __init__(self, gathers: bool = False) -> None:
+        super().__init__(torch.device("cpu"), gathers)
         self.copies = 0
 
     def copy(self, stream, pairs, after):
         self.copies += len(pairs)
+
+    def gather(self, stream, pairs, rows, after):
+        self.copies += 1
 
     def zero(self, tensors, after):
         self.copies += len(tensors)
@@ -79,12 +82,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def call_pass(cache_class, shape: PoolShape, selection: dict[int, frozenset[int]] | None, backward: bool):
+def call_pass(
+    cache_class,
+    shape: PoolShape,
+    selection: dict[int, frozenset[int]] | None,
+    backward: bool,
+    gathers: bool = False,
+):
     """A function running the cache's work for one call's prefix (fresh buffers each time), returning its seconds
-    and copy calls."""
+    and copy calls (``gathers``: scattered pages by one gather call per block and part)."""
     host = Arena(shape.layer_slots, shape, torch.device("cpu"))
     staging = Arena(9 * shape.block_slots, shape, torch.device("cpu"))
-    transport = CountingTransport()
+    transport = CountingTransport(gathers)
     cache = cache_class(shape, [0], host, staging, 9, transport)
     blocks = range(shape.num_blocks) if selection is None else sorted(selection)
     needs = [Need(0, b, True, backward, None if selection is None else selection[b]) for b in blocks]
@@ -131,21 +140,21 @@ def main(argv: list[str] | None = None) -> int:
             one_way = 2 * pages * (QWEN_PAGE_BYTES["kv"] + (QWEN_PAGE_BYTES["grad"] if backward else 0))
             # the two caches alternate pass by pass, so that a slower spell of the machine hits both alike
             runs = {"new": call_pass(StagingCache, shape, selection, backward)}
+            if selection is not None:
+                runs["gather"] = call_pass(StagingCache, shape, selection, backward, gathers=True)
             if old is not None:
                 runs["old"] = call_pass(old, shape, selection, backward)
-            times = {name: [] for name in runs}
+            times, calls = {name: [] for name in runs}, {}
             for _ in range(args.reps):
                 for name, run in runs.items():
-                    seconds, copies = run()
+                    seconds, calls[name] = run()
                     times[name].append(seconds)
-                    if name == "new":
-                        calls = copies
-            new_s = statistics.median(times["new"])
-            old_s = statistics.median(times["old"]) if "old" in times else None
-            rows.append({"case": case, "sweep": sweep, "pages": pages, "copy_calls": calls,
-                         "host_ms": new_s * 1e3, "host_ms_old": None if old_s is None else old_s * 1e3, "bytes": moved,
+            ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+            rows.append({"case": case, "sweep": sweep, "pages": pages, "copy_calls": calls["new"],
+                         "host_ms": ms["new"], "host_ms_old": ms.get("old"), "bytes": moved,
                          "copy_engine_ms": one_way / COPY_BYTES_PER_S * 1e3,
-                         "host_us_per_copy": new_s / calls * 1e6})  # fmt: skip
+                         "host_us_per_copy": ms["new"] / calls["new"] * 1e3,
+                         "gather_calls": calls.get("gather"), "host_ms_gather": ms.get("gather")})  # fmt: skip
             print(rows[-1], flush=True)
     result = {"command": command(), "versions": versions(), "old_commit": OLD_COMMIT, "blocks": args.blocks,
               "block_pages": args.block_pages, "selected": args.selected, "rows": rows}  # fmt: skip
@@ -155,13 +164,21 @@ def main(argv: list[str] | None = None) -> int:
              f"at Qwen2.5-7B's shape); sparse: {args.selected} random pages. Host: the staging cache's bookkeeping "
              "with copies that do nothing (one CPU thread; under CUDA each copy call costs a few us more); copy "
              "engine: the call's bytes at 55 GB/s each way (the longer direction). Old: the cache as of "
-             f"`{OLD_COMMIT}`.", "",
-             "| call | copy calls | host ms | host ms (old) | copy engine ms | host us / copy |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+             f"`{OLD_COMMIT}`. Gathered (`OOMB_OFFLOAD_GATHER=1`): scattered pages by one page-copy kernel per "
+             "block and part — the host builds the rows here; under CUDA each gather also pins and sends them and "
+             "launches the kernel (tens of us), and the bytes cross PCIe on the SMs.", "",
+             "| call | copy calls | host ms | host ms (old) | copy engine ms | host us / copy "
+             "| gathered: calls | gathered: host ms |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         before = "—" if r["host_ms_old"] is None else f"{r['host_ms_old']:.1f}"
+        gathered = (
+            ("—", "—")
+            if r["gather_calls"] is None
+            else (f"{r['gather_calls']:,}", f"{r['host_ms_gather']:.1f}")
+        )
         lines.append(f"| {r['case']} {r['sweep']} | {r['copy_calls']:,} | {r['host_ms']:.1f} | {before}"
-                     f" | {r['copy_engine_ms']:.1f} | {r['host_us_per_copy']:.1f} |")  # fmt: skip
+                     f" | {r['copy_engine_ms']:.1f} | {r['host_us_per_copy']:.1f} | {gathered[0]} | {gathered[1]} |")  # fmt: skip
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     plot(rows, args.out.with_suffix(".png"))
     print("\n".join(lines))
@@ -177,9 +194,10 @@ def plot(rows: list[dict], path: Path) -> None:
     labels = [f"{r['case']}\n{r['sweep']}" for r in rows]
     x = range(len(rows))
     fig, ax = plt.subplots(figsize=(7, 4))
-    for offset, key, name in ((-0.27, "host_ms_old", "host (old)"), (0.0, "host_ms", "host"),
-                              (0.27, "copy_engine_ms", "copy engine (55 GB/s)")):  # fmt: skip
-        ax.bar([i + offset for i in x], [r[key] or 0.0 for r in rows], width=0.27, label=name)
+    for offset, key, name in ((-0.3, "host_ms_old", "host (old)"), (-0.1, "host_ms", "host"),
+                              (0.1, "host_ms_gather", "host, gathered"),
+                              (0.3, "copy_engine_ms", "copy engine (55 GB/s)")):  # fmt: skip
+        ax.bar([i + offset for i in x], [r[key] or 0.0 for r in rows], width=0.2, label=name)
     ax.set_xticks(list(x), labels)
     ax.set_ylabel("ms per attention call")
     ax.set_title("Offload staging at 1M tokens: host time vs copy time")

@@ -263,7 +263,18 @@ def test_run_gpu_script(tmp_path, tiny):
     """``bash -n`` passes, and every command the script runs (all parts) parses with its script's own parser; with
     ``OOMB_BENCH_TINY=1`` each one runs at tiny shapes on the CPU."""
     assert subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True).returncode == 0
-    parts = ["checks", "kernels", "compare", "reduced", "summary", "tiles", "profile", "stress", "scaling"]
+    parts = [
+        "checks",
+        "kernels",
+        "compare",
+        "reduced",
+        "summary",
+        "tiles",
+        "profile",
+        "gather",
+        "stress",
+        "scaling",
+    ]
     commands = script_commands(tmp_path, parts, **({"OOMB_BENCH_TINY": "1"} if tiny else {}))
     from benchmarks import attention_kernels, goals, memory_scaling, offload_stress, profile_step, tile_sweep
 
@@ -290,7 +301,7 @@ def test_run_gpu_script(tmp_path, tiny):
     if not tiny:  # the 8-minute default: checks kernels compare reduced summary, in that order
         default = script_commands(tmp_path, [])
         assert (
-            default[0][-1] == "tests/engine/test_cuda_paths.py"
+            default[0][-2:] == ["tests/engine/test_cuda_paths.py", "tests/kernels/test_page_copy.py"]
             and default[1][0] == "benchmarks/attention_kernels.py"
         )
         assert [c[2] for c in default if c[0] == "benchmarks/goals.py"] == ["compare", "reduced", "summary"]
@@ -445,3 +456,5 @@ def test_staging_host_time_smoke(tmp_path):
     )  # scattered pages: more calls than whole blocks, fewer bytes
     assert rows["sparse", "backward"]["copy_calls"] > sparse["copy_calls"] and sparse["host_ms"] > 0
     assert (sparse["host_ms_old"] is None) == bool(old) and out.with_suffix(".png").exists()
+    # gathered: one call per block and part where its pages make several runs, a copy per tensor where one
+    assert sparse["gather_calls"] < sparse["copy_calls"] and rows["dense", "forward"]["gather_calls"] is None

@@ -34,7 +34,14 @@ import torch
 from lightning_oomb.engine.config import OOMBConfig
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.memory import HOST_RESERVE_BYTES, host_memory_available
-from lightning_oomb.engine.offload import Offloader, StagingCache, Transfer, Transport, default_transport
+from lightning_oomb.engine.offload import (
+    Offloader,
+    StagingCache,
+    Transfer,
+    Transport,
+    default_transport,
+    offload_gather,
+)
 from lightning_oomb.engine.pages import Arena, PagedKV, PoolShape, arena_bytes, gather_tokens, write_tokens
 from lightning_oomb.engine.sparse import summarize
 
@@ -177,7 +184,9 @@ class KVPool:
         self._check_memory(shape, plan, slots, device)
         self._hbm = self._grow(self._hbm, slots["hbm"], shape, device)
         self._staging = self._grow(self._staging, slots["staging"], shape, device)
-        self._host = self._grow(self._host, slots["host"], shape, host_device, host=True)
+        self._host = self._grow(
+            self._host, slots["host"], shape, host_device, host=True, mapped=offload_gather()
+        )
         if self._summaries_short(shape, device):
             self._summaries = None
             self._summaries = torch.zeros(shape.summary_shape, dtype=shape.dtype, device=device)
@@ -319,12 +328,15 @@ class KVPool:
         )
 
     @staticmethod
-    def _grow(arena: Arena | None, slots: int, shape: PoolShape, device, host: bool = False) -> Arena | None:
-        if slots == 0 or (arena is not None and arena.fits(slots, shape, device)):
+    def _grow(
+        arena: Arena | None, slots: int, shape: PoolShape, device, host: bool = False, mapped: bool = False
+    ) -> Arena | None:
+        mapped = mapped and torch.cuda.is_available()  # (host memory is page-locked only then)
+        if slots == 0 or (arena is not None and arena.fits(slots, shape, device) and arena.mapped == mapped):
             return arena  # an arena this step does not need is kept: arenas only grow
         if arena is not None:
             arena.free()
-        return Arena(slots, shape, device, host)
+        return Arena(slots, shape, device, host, mapped)
 
     def _synchronize(self) -> None:
         if self._offload is not None:

@@ -299,10 +299,13 @@ class Arena:
     Device arenas start zeroed (a masked key of a ragged page is never NaN). The ``host`` arena lives in CPU
     memory, uninitialised (its pages are always written before they are read) and, when CUDA is available,
     page-locked with ``cudaHostRegister`` — not ``pin_memory=True``, whose caching allocator rounds sizes up to a
-    power of two (a 70 GiB tier would lock 128 GiB).
+    power of two (a 70 GiB tier would lock 128 GiB); ``mapped``: also mapped into the devices' address space, for
+    kernels that copy pages to and from it (``OOMB_OFFLOAD_GATHER``; ``self.mapped``: whether it is).
     """
 
-    def __init__(self, slots: int, shape: PoolShape, device: torch.device, host: bool = False):
+    def __init__(
+        self, slots: int, shape: PoolShape, device: torch.device, host: bool = False, mapped: bool = False
+    ):
         page = (shape.kv_heads, shape.page_size, shape.head_dim)
         kv, grad = (arena_part_bytes(slots, shape, part) for part in ("kv", "grad"))
         sizes = (kv, kv, grad, grad)
@@ -312,7 +315,7 @@ class Arena:
         total = offsets[-1] + sizes[-1]
         self._unpin = None
         if host:
-            storage, self._unpin = page_locked_bytes(total, self, device)
+            storage, self._unpin = page_locked_bytes(total, self, device, mapped)
         else:
             storage = torch.zeros(total, dtype=torch.uint8, device=device)
         dtypes = (shape.dtype, shape.dtype, shape.grad_dtype, shape.grad_dtype)
@@ -321,7 +324,7 @@ class Arena:
             for o, n, t in zip(offsets, sizes, dtypes, strict=True)
         )
         self.slots, self.nbytes, self.device = slots, total, storage.device
-        self.storage = storage
+        self.storage, self.mapped = storage, self._unpin is not None and mapped
 
     def pages(self, part: Part) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k, v)`` for ``"kv"``, ``(dk, dv)`` for ``"grad"``."""
@@ -358,17 +361,17 @@ def arena_bytes(slots: int, shape: PoolShape) -> int:
 
 
 def page_locked_bytes(
-    total: int, owner: object, device: torch.device | None = None
+    total: int, owner: object, device: torch.device | None = None, mapped: bool = False
 ) -> tuple[torch.Tensor, weakref.finalize | None]:
-    """``total`` uninitialised CPU bytes, page-locked with ``cudaHostRegister`` (for every device) when CUDA is
-    available, and the finalizer that unregisters them once ``device`` (the CUDA device whose copies use them;
+    """``total`` uninitialised CPU bytes, page-locked with ``cudaHostRegister`` (for every device; ``mapped``: also
+    mapped into their address space, so kernels may read and write them) when CUDA is available, and the finalizer that unregisters them once ``device`` (the CUDA device whose copies use them;
     ``None``: the current one) has finished its work (called by the owner's ``free``, or when ``owner`` is
     collected; ``None`` without CUDA)."""
     storage = torch.empty(total, dtype=torch.uint8)
     if not torch.cuda.is_available():
         return storage, None
-    portable = 1  # cudaHostRegisterPortable: page-locked for every device, not only the current one
-    _check_cuda(torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), total, portable), "cudaHostRegister")
+    flags = 1 | (2 if mapped else 0)  # cudaHostRegisterPortable: for every device; cudaHostRegisterMapped
+    _check_cuda(torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), total, flags), "cudaHostRegister")
     # unregister before the bytes go back to malloc, even if the owner is dropped without free()
     device = device if device is not None and device.type == "cuda" else None
     unpin = weakref.finalize(owner, _unregister, storage.data_ptr(), device)

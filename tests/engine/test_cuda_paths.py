@@ -19,14 +19,14 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only
 SEQ = 300  # 10 chunks of 32 tokens, the last ragged
 
 
-def step(dtype, transport=None, mirror=None, **options):
+def step(dtype, transport=None, mirror=None, page=16, **options):
     """Loss and gradients of one OOMB step of a tiny Qwen2 on the GPU (torch reference attention: deterministic;
-    ``mirror``: float32-host's staging, see ``HostGradSums``)."""
+    ``mirror``: float32-host's staging, see ``HostGradSums``; chunks of 32 tokens in pages of ``page``)."""
     model = build_causal_lm("qwen2", dtype=dtype, tie_word_embeddings=False).cuda()
     ids = torch.randint(0, 97, (2, SEQ), generator=torch.Generator().manual_seed(0)).cuda()
     extra = {} if transport is None else {"transport": transport}
     engine = OOMBEngine(HFChunkModel(model, layer_checkpointing=options.get("layer_checkpointing", False)),
-                        OOMBConfig(32, 16, attention_backend="torch", **options), **extra)  # fmt: skip
+                        OOMBConfig(32, page, attention_backend="torch", **options), **extra)  # fmt: skip
     if options.get("grad_accumulation") == "float32-host":
         engine.host_grads.every, engine.host_grads.slab = 1, 1000  # a flush per chunk, many slabs per matrix
         engine.host_grads.mirror = mirror
@@ -87,3 +87,24 @@ def test_offloaded_pages_with_delayed_copies_equal_pages_on_the_device(
     assert engine.pool.stats()["host_layers"] > 0
     assert abs(loss - want_loss) <= 1e-6 * abs(want_loss)
     assert max_relative_error(got, want) <= 1e-5
+
+
+@pytest.mark.parametrize("delayed", [False, True], ids=["plain", "delayed"])
+def test_gathered_sparse_copies_equal_a_copy_per_run(monkeypatch, delayed):
+    """``OOMB_OFFLOAD_GATHER=1``: a sparse step's scattered pages move by the page-copy kernel to and from the host
+    tier mapped into the GPU (each gather delayed by up to 200K cycles with ``delayed``): the same loss and
+    gradients, bit for bit, as the copy per run of pages, in fewer copy calls."""
+    options = {
+        "offload": True,
+        "hbm_budget": 0,
+        "page_budget": 2,
+        "staging_buffers": 3,
+        "page": 4,
+    }  # 8 a block
+    runs = step(torch.float32, **options)
+    monkeypatch.setenv("OOMB_OFFLOAD_GATHER", "1")
+    transport = functools.partial(delaying_transport, seed=5) if delayed else None
+    gathered = step(torch.float32, transport, **options)
+    assert gathered[2].pool._host.mapped
+    assert gathered[0] == runs[0] and all(torch.equal(gathered[1][n], runs[1][n]) for n in runs[1])
+    assert gathered[2].stats.extra["copy_runs"] < runs[2].stats.extra["copy_runs"]

@@ -417,18 +417,22 @@ def test_offloaded_sparse_steps_stream_only_selected_pages():
     assert pool.stats()["h2d_bytes"] < dense.pool.stats()["h2d_bytes"]
 
 
-def test_page_copies_of_a_sparse_step_are_ordered_by_events():
-    """The CUDA schedule's events, checked on CPU for a sparse step (copies of single pages, partial buffers): no two
-    conflicting operations on different streams are left unordered."""
+@pytest.mark.parametrize("gathers", [False, True], ids=["runs", "gathered"])
+def test_page_copies_of_a_sparse_step_are_ordered_by_events(gathers):
+    """The CUDA schedule's events, checked on CPU for a sparse step (copies of single pages, partial buffers; or
+    ``OOMB_OFFLOAD_GATHER``'s one gather of a block's scattered pages): no two conflicting operations on different
+    streams are left unordered."""
     from tests.helpers.streams import RecordingTransport
 
-    sim = RecordingTransport()
+    sim = RecordingTransport(gathers=gathers)
     model = build_causal_lm("qwen2")
     ids = torch.randint(0, 97, (2, SEQ), generator=torch.Generator().manual_seed(11))
-    config = OOMBConfig(CHUNK, PAGE, page_budget=1, offload=True, hbm_budget=0, staging_buffers=3)
+    config = OOMBConfig(
+        CHUNK, 4, page_budget=2, offload=True, hbm_budget=0, staging_buffers=3
+    )  # 4 pages a block
     engine = OOMBEngine(HFChunkModel(model), config, transport=lambda device: sim)
     engine.loss(ids).backward()
-    assert {op[0] for op in sim.ops} == {"compute", "h2d", "d2h"}
+    assert {op[0] for op in sim.ops} == {"compute", "h2d", "d2h"} and (sim.gathered > 0) == gathers
     assert sim.hazards() == []
 
 

@@ -27,10 +27,10 @@ def _region(t: torch.Tensor) -> tuple[int, int]:
 class RecordingTransport:
     """See the module docstring. ``ignore_waits_on``: a stream whose waits are dropped (a negative control)."""
 
-    def __init__(self, device=None, ignore_waits_on: str | None = None) -> None:
+    def __init__(self, device=None, ignore_waits_on: str | None = None, gathers: bool = False) -> None:
         self.clocks: dict[str, dict[str, int]] = {stream: {} for stream in STREAMS}
         self.ops: list[tuple[str, int, dict, list, list]] = []
-        self.ignore = ignore_waits_on
+        self.ignore, self.gathers, self.gathered = ignore_waits_on, gathers, 0
 
     def _wait(self, stream: str, events) -> None:
         if stream == self.ignore:
@@ -59,6 +59,17 @@ class RecordingTransport:
         for dst, src in pairs:
             dst.copy_(src)
         self._op(stream, reads=[src for _, src in pairs], writes=[dst for dst, _ in pairs])
+        return self._record(stream)
+
+    def gather(self, stream: str, pairs, rows, after) -> _Event:
+        self._wait(stream, after)
+        self.gathered += 1
+        for dst, src in pairs:
+            dst[rows[0]] = src[rows[1]]
+        dst_rows = [dst[r : r + 1] for dst, _ in pairs for r in rows[0].tolist()]
+        self._op(
+            stream, reads=[src[r : r + 1] for _, src in pairs for r in rows[1].tolist()], writes=dst_rows
+        )
         return self._record(stream)
 
     def zero(self, tensors, after) -> _Event:

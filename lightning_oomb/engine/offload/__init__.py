@@ -30,6 +30,11 @@ Three parts, one job each:
 joined by :class:`~.offloader.Offloader`, the object the pool calls. Two buffers work (the chunk's block and one
 prefix block, copied on demand); three overlap copies in with compute; four also overlap write-backs (one block
 per call); nine attend four blocks per call (``"auto"``: nine where they take at most 256 MiB, else four).
+
+A sparse call stages only its selected pages: runs of consecutive pages, a copy call each — hundreds per block,
+which can cost the host more time than the copy engine needs for the bytes. ``OOMB_OFFLOAD_GATHER=1``
+(experimental, :func:`.transport.offload_gather`) moves such scattered pages with one kernel per block and part
+instead, reading and writing the host tier mapped into the GPU's address space.
 """
 
 from lightning_oomb.engine.offload.offloader import Offloader
@@ -40,6 +45,7 @@ from lightning_oomb.engine.offload.transport import (
     Transport,
     default_transport,
     delaying_transport,
+    offload_gather,
 )
 
 __all__ = [
@@ -52,4 +58,5 @@ __all__ = [
     "Transport",
     "default_transport",
     "delaying_transport",
+    "offload_gather",
 ]

@@ -94,6 +94,9 @@ class StagingCache:
         transport: Transport,
     ) -> None:
         self.shape, self.transport, self.host_layers = shape, transport, tuple(host_layers)
+        self._gathers = getattr(
+            transport, "gathers", False
+        )  # (a transport written before gathers existed: no)
         self._rank = {layer: i for i, layer in enumerate(host_layers)}
         self._host, self._staging = host, staging
         self.tables = shape.page_tables(buffers, staging.device, blocks=True)
@@ -281,18 +284,30 @@ class StagingCache:
 
     def _move(self, direction: str, buf: Buffer, part: Part, cause: str, after, pages=None) -> object:
         """Copy ``part`` of ``buf``'s block (``None``: all its pages, or those offsets) between its buffer and its host
-        pages; return the copy's event."""
+        pages — a copy per tensor and run of consecutive pages, or one gather of them all (a transport that
+        ``gathers``, more than one run); return the copy's event."""
         layer, block = buf.block
         runs = self._runs(buf, pages)
-        host = self._run_views(
-            self._host.pages(part), self.shape.layer_block_slots(self._rank[layer], block), runs
-        )
-        staged = self._run_views(
-            self._staging.pages(part), self.shape.buffer_block_slots(buf.index, block), runs
-        )
-        pairs = list(zip(staged, host)) if direction == "h2d" else list(zip(host, staged))
-        event = self.transport.copy(direction, pairs, after)
-        self.counts["copy_runs"] += len(pairs)
+        host_slots = self.shape.layer_block_slots(self._rank[layer], block)
+        staged_slots = self.shape.buffer_block_slots(buf.index, block)
+        if self._gathers and len(runs) > 1:
+            batch = self.shape.batch  # slots of (page, row), page-major; built in Python: one tensor made
+            offsets = [p * batch + r for p in sorted(pages) for r in range(batch)]
+            rows = torch.tensor(
+                [[staged_slots.start + o for o in offsets], [host_slots.start + o for o in offsets]]
+            )
+            ends = zip(self._staging.pages(part), self._host.pages(part))
+            pairs = list(ends) if direction == "h2d" else [(host, staged) for staged, host in ends]
+            event = self.transport.gather(
+                direction, pairs, rows if direction == "h2d" else rows.flip(0), after
+            )
+            self.counts["copy_runs"] += 1
+        else:
+            host = self._run_views(self._host.pages(part), host_slots, runs)
+            staged = self._run_views(self._staging.pages(part), staged_slots, runs)
+            pairs = list(zip(staged, host)) if direction == "h2d" else list(zip(host, staged))
+            event = self.transport.copy(direction, pairs, after)
+            self.counts["copy_runs"] += len(pairs)
         first = self.shape.block_pages_range(block)[0]
         page_bytes = self.shape.page_bytes(part)
         for a, b in runs:

@@ -3,8 +3,8 @@
 A transport moves pages between the host tier and the device staging buffers on two copy *streams*, ``"h2d"`` and
 ``"d2h"``, and orders them against the *compute* stream with opaque *events*:
 
-- :meth:`Transport.copy` / :meth:`Transport.zero` enqueue work on a copy stream after the given events and return an
-  event that completes with it;
+- :meth:`Transport.copy` / :meth:`Transport.gather` / :meth:`Transport.zero` enqueue work on a copy stream after the
+  given events and return an event that completes with it;
 - :meth:`Transport.mark` returns an event at the compute stream's current position (copies that wait for it run
   after everything the compute stream was given so far);
 - :meth:`Transport.acquire` makes the compute stream wait for events before it reads or writes the given tensors.
@@ -17,18 +17,32 @@ themselves are such factories); :func:`default_transport` is the default.
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Iterable, Sequence
 from typing import Literal, Protocol
 
 import torch
 
+from csrc_triton.page_copy import copy_rows, copy_rows_reference
+
 Stream = Literal["h2d", "d2h"]
 Pairs = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (destination, source)
 
 
+def offload_gather() -> bool:
+    """``OOMB_OFFLOAD_GATHER=1`` (experimental, off by default until a GPU has measured it): on CUDA, scattered pages
+    (a sparse call's selection) move with one kernel per block and part (:func:`csrc_triton.page_copy.copy_rows`)
+    that reads and writes the host tier mapped into the GPU's address space, instead of a copy call per run of
+    consecutive pages — fewer host calls, but the bytes cross PCIe on the SMs, beside the attention kernels."""
+    return os.environ.get("OOMB_OFFLOAD_GATHER", "0") not in ("", "0")
+
+
 class Transport(Protocol):
-    """What the staging cache needs from streams and events (see the module docstring)."""
+    """What the staging cache needs from streams and events (see the module docstring). ``gathers``: whether the
+    cache should move scattered pages with :meth:`gather` (one call) rather than :meth:`copy` (a pair per run)."""
+
+    gathers: bool
 
     def adopt(self, tensor: torch.Tensor) -> None:
         """``tensor`` (the staging arena) is used by copy streams: keep its memory from being reused while a copy
@@ -37,6 +51,10 @@ class Transport(Protocol):
     def copy(self, stream: Stream, pairs: Pairs, after: Iterable) -> object:
         """Enqueue ``dst.copy_(src)`` for every pair on ``stream`` once the events ``after`` (``None`` entries
         allowed) are done; return an event completing with the copies."""
+
+    def gather(self, stream: Stream, pairs: Pairs, rows: torch.Tensor, after: Iterable) -> object:
+        """Like :meth:`copy` for ``dst[rows[0]] = src[rows[1]]`` (rows of dim 0; ``rows`` int64 ``[2, n]`` on the
+        CPU) of every pair, one or two pairs of one dtype and row size."""
 
     def zero(self, tensors: Sequence[torch.Tensor], after: Iterable) -> object:
         """Enqueue zero-filling ``tensors`` on the ``"h2d"`` stream after ``after``; return its event."""
@@ -57,10 +75,11 @@ class Transport(Protocol):
 
 
 class SyncTransport:
-    """Copies run at once on the calling thread, in program order (CPU tensors); events are ``None``."""
+    """Copies run at once on the calling thread, in program order (CPU tensors); events are ``None``. ``gathers``:
+    whether the staging cache uses :meth:`gather` (index copies; off: the copy per run, as on CUDA by default)."""
 
-    def __init__(self, device: torch.device | None = None) -> None:
-        self.device = device
+    def __init__(self, device: torch.device | None = None, gathers: bool = False) -> None:
+        self.device, self.gathers = device, gathers
 
     def adopt(self, tensor: torch.Tensor) -> None:
         pass
@@ -68,6 +87,9 @@ class SyncTransport:
     def copy(self, stream: Stream, pairs: Pairs, after: Iterable) -> None:
         for dst, src in pairs:
             dst.copy_(src)
+
+    def gather(self, stream: Stream, pairs: Pairs, rows: torch.Tensor, after: Iterable) -> None:
+        copy_rows_reference(pairs, rows)
 
     def zero(self, tensors: Sequence[torch.Tensor], after: Iterable) -> None:
         for t in tensors:
@@ -95,7 +117,7 @@ class CudaTransport:
     """
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device
+        self.device, self.gathers = device, offload_gather()
         self.streams = {name: torch.cuda.Stream(device) for name in ("h2d", "d2h")}
         self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
@@ -128,6 +150,16 @@ class CudaTransport:
             self.delay(side)
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
+            return self._record(side)
+
+    def gather(self, stream: Stream, pairs: Pairs, rows: torch.Tensor, after: Iterable) -> torch.cuda.Event:
+        side = self.streams[stream]
+        with torch.cuda.device(self.device), torch.cuda.stream(side):
+            self._wait(side, after)
+            self.delay(side)
+            # (the page-locked copy of the rows is kept by torch until this copy is done; the device copy is
+            # allocated on the side stream, so its memory is reused only by later work there)
+            copy_rows(pairs, rows.pin_memory().to(self.device, non_blocking=True))
             return self._record(side)
 
     def zero(self, tensors: Sequence[torch.Tensor], after: Iterable) -> torch.cuda.Event:
@@ -183,8 +215,8 @@ class _DeferredCopies(SyncTransport):
     """CPU copy streams that run late: each operation waits in its stream's queue and runs at a random later call,
     but before anything waits for its event and after the events it waits for — any order CUDA could choose."""
 
-    def __init__(self, device: torch.device | None, seed: int, chance: float) -> None:
-        super().__init__(device)
+    def __init__(self, device: torch.device | None, seed: int, chance: float, gathers: bool = False) -> None:
+        super().__init__(device, gathers)
         self.rng, self.chance = random.Random(seed), chance
         self.queues: dict[str, list[_Pending]] = {"h2d": [], "d2h": []}
         self.done = {"h2d": 0, "d2h": 0}  # operations run so far, per stream
@@ -217,6 +249,12 @@ class _DeferredCopies(SyncTransport):
         pairs = list(pairs)
         return self._enqueue(stream, lambda: super(_DeferredCopies, self).copy(stream, pairs, ()), after)
 
+    def gather(self, stream: Stream, pairs: Pairs, rows: torch.Tensor, after: Iterable) -> _Pending:
+        pairs = list(pairs)
+        return self._enqueue(
+            stream, lambda: super(_DeferredCopies, self).gather(stream, pairs, rows, ()), after
+        )
+
     def zero(self, tensors: Sequence[torch.Tensor], after: Iterable) -> _Pending:
         tensors = list(tensors)
         return self._enqueue("h2d", lambda: super(_DeferredCopies, self).zero(tensors, ()), after)
@@ -243,7 +281,7 @@ class _SleepyCuda(CudaTransport):
 
 
 def delaying_transport(
-    device: torch.device, seed: int = 0, max_cycles: int = 200_000, chance: float = 0.3
+    device: torch.device, seed: int = 0, max_cycles: int = 200_000, chance: float = 0.3, gathers: bool = False
 ) -> Transport:
     """A transport that delays every copy by a random amount, so that a missing event wait shows as wrong numbers
     (race checks: ``benchmarks/offload_stress.py``, the offload tests).
@@ -251,8 +289,9 @@ def delaying_transport(
     On CUDA each copy, and the compute stream after each of its waits, sleep up to ``max_cycles`` GPU cycles. On
     CPU, where copies are otherwise synchronous, each copy runs at a random later call (each stream advances with
     probability ``chance`` per call) but no later than the first wait for it: any order the events allow.
-    Use it as ``KVPool(config, transport=functools.partial(delaying_transport, seed=s))``.
+    Use it as ``KVPool(config, transport=functools.partial(delaying_transport, seed=s))``. ``gathers`` (CPU; on
+    CUDA :func:`offload_gather` decides): scattered pages move by :meth:`Transport.gather`.
     """
     if device.type == "cuda":
         return _SleepyCuda(device, seed, max_cycles)
-    return _DeferredCopies(device, seed, chance)
+    return _DeferredCopies(device, seed, chance, gathers)
