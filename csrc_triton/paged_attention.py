@@ -80,6 +80,8 @@ from __future__ import annotations
 import functools
 import math
 import os
+import weakref
+from typing import NamedTuple
 
 import torch
 import triton
@@ -787,11 +789,12 @@ def _bwd_dkdv_walk(
 )
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, TABLE, DK, DV, FIRST, SEEING, VISITS, INV_PTR, INV_IDX, WORK, DQ,
+    Q, K, V, DO, LSE, DELTA, TABLE, DK, DV, FIRST, SEEING, VISITS, INV_PTR, INV_IDX, WORK, BEFORE, DQ,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_ks, stride_kh, stride_kp, stride_kd,
     stride_tb,
     num_heads, kv_heads, group, q_len, q_start, first_key, key_hi, window, scale, qk_scale, cap, past_pages, n_work,
+    page_lo, page_hi,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
     ROWS: tl.constexpr, COUNT: tl.constexpr, SPARSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr = False, FUSED_DQ: tl.constexpr = False,
@@ -800,20 +803,25 @@ def _bwd_dkdv_kernel(
     ``FUSED_DQ``: dQ too, added into fp32 ``DQ`` (see :func:`fused_dq`). With
     ``SPARSE`` a past key block (before ``q_start``) is seen by the query blocks whose lists hold its page:
     ``INV_IDX[INV_PTR[p] : INV_PTR[p + 1]]`` for ``p = b * past_pages + page`` (ascending; :func:`_inverse_lists`),
-    and only the listed pages get programs: the first ``n_work * PAGE // BLOCK_N`` walk the pages of
-    ``WORK[b * n_work :][:n_work]`` (ascending, ``-1``-padded: a padding program reads and writes nothing), the
-    rest the chunk's own key blocks from ``max(first_key, q_start)``. ``SPLIT``: the query blocks that see the whole
+    and only the listed pages get programs: the first ``n_work * PAGE // BLOCK_N`` walk the listed pages of
+    ``[page_lo, page_hi)`` (``WORK``, ``BEFORE``: :class:`SelectionLists`; a program past them reads and writes
+    nothing), the rest the chunk's own key blocks from ``max(first_key, q_start)``. ``SPLIT``: the query blocks that see the whole
     key block run in a loop of their own, without the mask (see :data:`SM90_DEFAULTS`)."""
     if SPARSE:
         tl.static_assert(PAGE % BLOCK_M == 0, "sparse query tiles must divide the page (see _pruner)")
     bh = tl.program_id(1)
     b = bh // kv_heads
     kv_head = bh % kv_heads
-    # with SPARSE: a listed page's key block (a padding entry: the range's first page, as if unlisted), or an own one
+    # with SPARSE: a listed page's key block (past the listed ones: the range's first page, as if unlisted), or an
+    # own one
     if SPARSE:
         pid, per_page = tl.program_id(0), PAGE // BLOCK_N
+        row = b * (past_pages + 1)
+        w = (
+            tl.load(BEFORE + row + page_lo) + pid // per_page
+        )  # the range's listed pages: [BEFORE[lo], BEFORE[hi])
         past = pid < n_work * per_page
-        page = tl.load(WORK + b * n_work + pid // per_page, mask=past, other=-1)
+        page = tl.load(WORK + row + w, mask=past & (w < tl.load(BEFORE + row + page_hi)), other=-1)
         own_start = (tl.maximum(first_key, q_start) // BLOCK_N + pid - n_work * per_page) * BLOCK_N
         start_n = tl.where(
             past, tl.maximum(page, first_key // PAGE) * PAGE + pid % per_page * BLOCK_N, own_start
@@ -1072,18 +1080,40 @@ def _inverse_lists(select: torch.Tensor, past_pages: int) -> tuple[torch.Tensor,
     return offsets, owners.flatten()[order].contiguous()
 
 
-def _listed_pages(
-    offsets: torch.Tensor, batch: int, past_pages: int, lo: int, hi: int, slots: int
-) -> torch.Tensor:
-    """The dK/dV grid's past pages: per row, the pages of ``[lo, hi)`` some query block lists (``offsets`` of
-    :func:`_inverse_lists`), ascending, then ``-1`` — int32 ``[B, slots]``, ``slots`` at least their number. On the
-    device, no host sync: an unlisted page's program would only find it has nothing to do (at 1M tokens, 8,192
-    pages of which a chunk lists a few hundred)."""
-    listed = (offsets[1:] > offsets[:-1])[: batch * past_pages].view(batch, past_pages)[:, lo:hi]
-    slot = torch.where(listed, torch.cumsum(listed, 1, dtype=torch.int32) - 1, slots)  # unlisted: a spare one
-    pages = torch.arange(lo, hi, dtype=torch.int32, device=offsets.device).expand_as(listed)
-    work = torch.full((batch, slots + 1), -1, dtype=torch.int32, device=offsets.device)
-    return work.scatter_(1, slot.long(), pages)[:, : max(slots, 1)].contiguous()  # (never empty: a pointer)
+class SelectionLists(NamedTuple):
+    """What the dK/dV kernel reads of a selection (all int32, built on the device without a host sync): the
+    inverse lists (:func:`_inverse_lists`), and per row the listed pages ascending then ``-1`` (``work``; its last
+    column is scratch) and how many lie before each page (``before``; both ``[B, past_pages + 1]``)."""
+
+    offsets: torch.Tensor
+    blocks: torch.Tensor
+    work: torch.Tensor
+    before: torch.Tensor
+
+
+_last_lists: list = [None]  # (key, weak reference to the selection, its SelectionLists)
+
+
+def _selection_lists(select: torch.Tensor, past_pages: int) -> SelectionLists:
+    """:class:`SelectionLists` of ``select``, kept for the last selection seen: offload's calls over the key parts
+    of one chunk share it (up to 64 at 1M tokens), and would otherwise build the same lists each time."""
+    key = (select.data_ptr(), select._version, tuple(select.shape), select.device, past_pages)
+    last = _last_lists[0]
+    if last is not None and last[0] == key and last[1]() is select:
+        return last[2]
+    batch = select.shape[0]
+    offsets, blocks = _inverse_lists(select, past_pages)
+    listed = (offsets[1:] > offsets[:-1])[: batch * past_pages].view(batch, past_pages)
+    before = torch.zeros((batch, past_pages + 1), dtype=torch.int32, device=select.device)
+    torch.cumsum(listed, 1, dtype=torch.int32, out=before[:, 1:])
+    slot = torch.where(listed, before[:, 1:] - 1, past_pages).long()  # unlisted: the spare last column
+    pages = torch.arange(past_pages, dtype=torch.int32, device=select.device).expand_as(listed)
+    work = torch.full((batch, past_pages + 1), -1, dtype=torch.int32, device=select.device).scatter_(
+        1, slot, pages
+    )
+    lists = SelectionLists(offsets, blocks, work, before)
+    _last_lists[0] = (key, weakref.ref(select), lists)
+    return lists
 
 
 def _selection_args(select: torch.Tensor | None, fallback: torch.Tensor) -> tuple:
@@ -1257,19 +1287,20 @@ def paged_attention_backward(
     if first_key < key_hi:
         seeing = page_table if first is None else _rows_seeing(first, key_hi, page)
         past_pages = q_start // page
-        inv_ptr, inv_idx, work, listed = page_table, page_table, page_table, None
+        lists, listed, page_lo, page_hi = SelectionLists(*[page_table] * 4), None, 0, 0
         if select is not None:
-            inv_ptr, inv_idx = _inverse_lists(select, past_pages)
-            lo, hi = first_key // page, max(first_key // page, triton.cdiv(min(key_hi, q_start), page))
-            slots = min(hi - lo, select.shape[1] * select.shape[2])  # the range's pages; entries per row
-            work, listed = _listed_pages(inv_ptr, b, past_pages, lo, hi, slots), (slots, page, q_start)
+            lists = _selection_lists(select, past_pages)
+            page_lo = min(first_key // page, past_pages)  # the key range's past pages
+            page_hi = max(page_lo, triton.cdiv(min(key_hi, q_start), page))
+            slots = min(page_hi - page_lo, select.shape[1] * select.shape[2])  # at most one per list entry
+            listed = (slots, page, q_start)
         _launch(
             _bwd_dkdv_kernel, _key_grid(first_key, key_hi, b * hkv, listed),
             q, k_pages, v_pages, dout, lse, delta, page_table, dk_pages, dv_pages,
-            page_table if first is None else first, seeing, lse if visits is None else visits, inv_ptr, inv_idx,
-            work, dq if fused else lse, *q.stride(), *k_pages.stride(), page_table.stride(0),
+            page_table if first is None else first, seeing, lse if visits is None else visits, *lists,
+            dq if fused else lse, *q.stride(), *k_pages.stride(), page_table.stride(0),
             hq, hkv, hq // hkv, lq, q_start, first_key, key_hi, window, scale, qk_scale, cap, past_pages,
-            0 if listed is None else listed[0],
+            0 if listed is None else listed[0], page_lo, page_hi,
             HEAD_DIM=d, PAGE=page, PRECISION=precision, SOFTCAP=softcap is not None, ROWS=first is not None,
             COUNT=visits is not None, SPARSE=select is not None, FUSED_DQ=fused,
         )  # fmt: skip

@@ -126,16 +126,21 @@ def test_inverse_lists():
     assert offsets[-1] == 8  # the valid entries, all before the padding
 
 
-def test_listed_pages_make_the_dkdv_grid():
-    """The dK/dV grid's past pages: the range's listed ones per row, ascending, ``-1``-padded to the slots; the grid
-    has one program per key block of those slots, then the chunk's own key blocks — none for an unlisted page."""
+def test_selection_lists_make_the_dkdv_grid():
+    """The dK/dV grid's past pages: per row the listed ones ascending, ``-1`` after, and how many lie before each
+    page (a key range's listed pages are ``work[before[lo] : before[hi]]``); built once for the last selection seen
+    (a step's key parts share it), again for a new one or after an in-place change. The grid has one program per
+    key block of at most as many pages as the selection has entries, then the chunk's own key blocks."""
     select = selection(
         [[[0, 5], [5, 7], [-1, -1]], [[6, -1], [2, 6], [-1, -1]]]
     )  # [B=2, R=3, K=2], 8 past pages
-    offsets, _ = triton_kernels._inverse_lists(select, 8)
-    work = triton_kernels._listed_pages(offsets, 2, 8, 1, 7, 6)  # pages [1, 7): page 0 and 7 out of range
-    assert work.dtype == torch.int32 and work.tolist() == [[5, -1, -1, -1, -1, -1], [2, 6, -1, -1, -1, -1]]
-    assert triton_kernels._listed_pages(offsets, 2, 8, 3, 3, 0).tolist() == [[-1], [-1]]  # nothing in range
+    lists = triton_kernels._selection_lists(select, 8)
+    assert lists.work.dtype == lists.before.dtype == torch.int32
+    assert lists.work[:, :4].tolist() == [[0, 5, 7, -1], [2, 6, -1, -1]] and (lists.work[:, 4:8] == -1).all()
+    assert lists.before.tolist() == [[0, 1, 1, 1, 1, 1, 2, 2, 3], [0, 0, 0, 1, 1, 1, 1, 2, 2]]
+    assert triton_kernels._selection_lists(select, 8) is lists  # the same selection: kept
+    select[0, 2, 0] = 3
+    assert triton_kernels._selection_lists(select, 8).work[0, :4].tolist() == [0, 3, 5, 7]  # changed: rebuilt
     grid = triton_kernels._key_grid(first_key=16, key_hi=8 * 16 + 40, heads=3, listed=(6, 16, 8 * 16))
     assert grid({"BLOCK_N": 8}) == (6 * 2 + 5, 3)  # 2 key blocks per listed page; 40 own keys
     assert triton_kernels._key_grid(16, 100, 3, (4, 16, 128))({"BLOCK_N": 16}) == (
