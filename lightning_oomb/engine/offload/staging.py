@@ -94,9 +94,8 @@ class StagingCache:
         transport: Transport,
     ) -> None:
         self.shape, self.transport, self.host_layers = shape, transport, tuple(host_layers)
-        self._gathers = getattr(
-            transport, "gathers", False
-        )  # (a transport written before gathers existed: no)
+        # a transport written before gathers existed has no such attribute: copies per run for it
+        self._gathers = getattr(transport, "gathers", False)
         self._rank = {layer: i for i, layer in enumerate(host_layers)}
         self._host, self._staging = host, staging
         self.tables = shape.page_tables(buffers, staging.device, blocks=True)
