@@ -803,29 +803,27 @@ def _bwd_dkdv_kernel(
     ``FUSED_DQ``: dQ too, added into fp32 ``DQ`` (see :func:`fused_dq`). With
     ``SPARSE`` a past key block (before ``q_start``) is seen by the query blocks whose lists hold its page:
     ``INV_IDX[INV_PTR[p] : INV_PTR[p + 1]]`` for ``p = b * past_pages + page`` (ascending; :func:`_inverse_lists`),
-    and only the listed pages get programs: the first ``n_work * PAGE // BLOCK_N`` walk the listed pages of
-    ``[page_lo, page_hi)`` (``WORK``, ``BEFORE``: :class:`SelectionLists`; a program past them reads and writes
-    nothing), the rest the chunk's own key blocks from ``max(first_key, q_start)``. ``SPLIT``: the query blocks that see the whole
+    and only the listed pages get programs: the chunk's own key blocks from ``max(first_key, q_start)`` first, then
+    ``n_work * PAGE // BLOCK_N`` walking the listed pages of ``[page_lo, page_hi)`` (``WORK``, ``BEFORE``:
+    :class:`SelectionLists`; a program past them reads and writes nothing). ``SPLIT``: the query blocks that see the whole
     key block run in a loop of their own, without the mask (see :data:`SM90_DEFAULTS`)."""
     if SPARSE:
         tl.static_assert(PAGE % BLOCK_M == 0, "sparse query tiles must divide the page (see _pruner)")
     bh = tl.program_id(1)
     b = bh // kv_heads
     kv_head = bh % kv_heads
-    # with SPARSE: a listed page's key block (past the listed ones: the range's first page, as if unlisted), or an
-    # own one
+    # with SPARSE: first the chunk's own key blocks (the longest programs: most query blocks see them, so they start
+    # first and do not trail the step), then a listed page's (past the listed ones: the range's first page, unlisted)
     if SPARSE:
         pid, per_page = tl.program_id(0), PAGE // BLOCK_N
+        own_first = tl.maximum(first_key, q_start) // BLOCK_N
+        own = tl.maximum(tl.cdiv(key_hi, BLOCK_N) - own_first, 0)
+        past = pid >= own
         row = b * (past_pages + 1)
-        w = (
-            tl.load(BEFORE + row + page_lo) + pid // per_page
-        )  # the range's listed pages: [BEFORE[lo], BEFORE[hi])
-        past = pid < n_work * per_page
+        w = tl.load(BEFORE + row + page_lo) + (pid - own) // per_page  # the range's: [BEFORE[lo], BEFORE[hi])
         page = tl.load(WORK + row + w, mask=past & (w < tl.load(BEFORE + row + page_hi)), other=-1)
-        own_start = (tl.maximum(first_key, q_start) // BLOCK_N + pid - n_work * per_page) * BLOCK_N
-        start_n = tl.where(
-            past, tl.maximum(page, first_key // PAGE) * PAGE + pid % per_page * BLOCK_N, own_start
-        )
+        past_start = tl.maximum(page, first_key // PAGE) * PAGE + (pid - own) % per_page * BLOCK_N
+        start_n = tl.where(past, past_start, (own_first + pid) * BLOCK_N)
         start_n = tl.multiple_of(start_n, BLOCK_N)
         inv = INV_PTR + b * past_pages + start_n // PAGE
         j_lo = tl.load(inv, mask=past & (page >= 0), other=0)
@@ -1142,8 +1140,8 @@ def _query_grid(q_len: int, heads: int):
 
 def _key_grid(first_key: int, key_hi: int, heads: int, listed: tuple[int, int, int] | None = None):
     """One program per (key block from the one holding ``first_key`` to the one holding ``key_hi - 1``, head);
-    ``listed=(slots, page, q_start)`` (a selection): per (key block of ``slots`` listed pages, head), then per (key
-    block from ``max(first_key, q_start)``, head)."""
+    ``listed=(slots, page, q_start)`` (a selection): per (key block from ``max(first_key, q_start)``, head), then
+    per (key block of ``slots`` listed pages, head)."""
     if listed is None:
         return lambda meta: (triton.cdiv(key_hi, meta["BLOCK_N"]) - first_key // meta["BLOCK_N"], heads)
     slots, page, q_start = listed
