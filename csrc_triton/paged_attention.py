@@ -809,13 +809,16 @@ def _bwd_dkdv_kernel(
     key block run in a loop of their own, without the mask (see :data:`SM90_DEFAULTS`)."""
     if SPARSE:
         tl.static_assert(PAGE % BLOCK_M == 0, "sparse query tiles must divide the page (see _pruner)")
-    bh = tl.program_id(1)
+    bh, pid = tl.program_id(1), tl.program_id(0)
+    if SPARSE:  # launched in order of key block, each for every (row, KV head): the own ones all start first
+        flat = bh * tl.num_programs(0) + pid
+        bh, pid = flat % tl.num_programs(1), flat // tl.num_programs(1)
     b = bh // kv_heads
     kv_head = bh % kv_heads
     # with SPARSE: first the chunk's own key blocks (the longest programs: most query blocks see them, so they start
     # first and do not trail the step), then a listed page's (past the listed ones: the range's first page, unlisted)
     if SPARSE:
-        pid, per_page = tl.program_id(0), PAGE // BLOCK_N
+        per_page = PAGE // BLOCK_N
         own_first = tl.maximum(first_key, q_start) // BLOCK_N
         own = tl.maximum(tl.cdiv(key_hi, BLOCK_N) - own_first, 0)
         past = pid >= own
