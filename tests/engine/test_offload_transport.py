@@ -8,6 +8,7 @@ import functools
 import pytest
 import torch
 
+from csrc_triton.page_copy import copy_rows
 from lightning_oomb.engine import OOMBConfig, OOMBEngine
 from lightning_oomb.engine.offload import SyncTransport, delaying_transport
 from lightning_oomb.engine.offload.transport import _DeferredCopies
@@ -103,19 +104,26 @@ def sparse_step(model, ids, transport, buffers: int = 3):
     return loss.detach(), grads_of(model), engine.stats.extra
 
 
-@pytest.mark.parametrize("delayed", [False, True], ids=["sync", "delayed"])
-def test_gathered_page_copies_equal_a_copy_per_run_bitwise(delayed):
+class _KernelGathers(SyncTransport):
+    """Gathers by the page-copy kernel itself (the Triton interpreter on CPU), as ``CudaTransport`` runs them."""
+
+    def gather(self, stream, pairs, rows, after) -> None:
+        copy_rows(pairs, rows)
+
+
+@pytest.mark.parametrize("how", ["sync", "delayed", "kernel"])
+def test_gathered_page_copies_equal_a_copy_per_run_bitwise(how):
     """A transport that ``gathers`` (``OOMB_OFFLOAD_GATHER``'s path: one call per block and part for scattered
     pages) gives the step the same bytes, schedule and results as a copy per run, in far fewer copy calls — also
-    when its gathers run late."""
+    when its gathers run late, and through the page-copy kernel."""
     model = build_causal_lm("qwen2", num_hidden_layers=2)
     ids = torch.randint(0, 97, (2, 130), generator=torch.Generator().manual_seed(3))
     want_loss, want, want_stats = sparse_step(model, ids, SyncTransport)
-    gathering = (
-        functools.partial(delaying_transport, seed=4, chance=0.3, gathers=True)
-        if delayed
-        else functools.partial(SyncTransport, gathers=True)
-    )
+    gathering = {
+        "sync": functools.partial(SyncTransport, gathers=True),
+        "delayed": functools.partial(delaying_transport, seed=4, chance=0.3, gathers=True),
+        "kernel": functools.partial(_KernelGathers, gathers=True),
+    }[how]
     loss, got, stats = sparse_step(model, ids, gathering)
     assert torch.equal(loss, want_loss)
     assert all(torch.equal(got[n], want[n]) for n in want)
