@@ -37,7 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FP32_POINTERS = {"LSE", "L", "DELTA", "DK", "DV"}
-INT_POINTERS = {"TABLE", "FIRST", "SEL", "SEEING", "VISITS", "INV_PTR", "INV_IDX", "WORK", "BEFORE"}
+INT_POINTERS = {"TABLE", "FIRST", "SEL", "SEEING", "VISITS", "INV_PTR", "INV_IDX", "WORK"}
 FLOATS = {"scale", "qk_scale", "cap"}
 UNIT_STRIDES = {"stride_qd", "stride_kd"}
 # (kernel, MMA M dim, specialisations to compile besides the tuning key's)

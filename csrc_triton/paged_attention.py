@@ -789,12 +789,12 @@ def _bwd_dkdv_walk(
 )
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, TABLE, DK, DV, FIRST, SEEING, VISITS, INV_PTR, INV_IDX, WORK, BEFORE, DQ,
+    Q, K, V, DO, LSE, DELTA, TABLE, DK, DV, FIRST, SEEING, VISITS, INV_PTR, INV_IDX, WORK, DQ,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_ks, stride_kh, stride_kp, stride_kd,
     stride_tb,
     num_heads, kv_heads, group, q_len, q_start, first_key, key_hi, window, scale, qk_scale, cap, past_pages, n_work,
-    page_lo, page_hi,
+    page_lo, ordered,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
     ROWS: tl.constexpr, COUNT: tl.constexpr, SPARSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr = False, FUSED_DQ: tl.constexpr = False,
@@ -803,10 +803,11 @@ def _bwd_dkdv_kernel(
     ``FUSED_DQ``: dQ too, added into fp32 ``DQ`` (see :func:`fused_dq`). With
     ``SPARSE`` a past key block (before ``q_start``) is seen by the query blocks whose lists hold its page:
     ``INV_IDX[INV_PTR[p] : INV_PTR[p + 1]]`` for ``p = b * past_pages + page`` (ascending; :func:`_inverse_lists`),
-    and only the listed pages get programs: the chunk's own key blocks from ``max(first_key, q_start)`` first, then
-    ``n_work * PAGE // BLOCK_N`` walking the listed pages of ``[page_lo, page_hi)`` (``WORK``, ``BEFORE``:
-    :class:`SelectionLists`; a program past them reads and writes nothing). ``SPLIT``: the query blocks that see the whole
-    key block run in a loop of their own, without the mask (see :data:`SM90_DEFAULTS`)."""
+    and only listed pages do work: programs go to the chunk's own key blocks from ``max(first_key, q_start)`` first
+    (the longest), then ``n_work * PAGE // BLOCK_N`` to past key blocks — with ``ordered`` (a call over every past
+    page) those of ``WORK[b]``'s first ``n_work`` pages, the most listed first (:class:`SelectionLists`), else
+    those of the pages from ``page_lo``; an unlisted page's program reads and writes nothing. ``SPLIT``: the query
+    blocks that see the whole key block run in a loop of their own, without the mask (see :data:`SM90_DEFAULTS`)."""
     if SPARSE:
         tl.static_assert(PAGE % BLOCK_M == 0, "sparse query tiles must divide the page (see _pruner)")
     bh, pid = tl.program_id(1), tl.program_id(0)
@@ -816,22 +817,21 @@ def _bwd_dkdv_kernel(
     b = bh // kv_heads
     kv_head = bh % kv_heads
     # with SPARSE: first the chunk's own key blocks (the longest programs: most query blocks see them, so they start
-    # first and do not trail the step), then a listed page's (past the listed ones: the range's first page, unlisted)
+    # first and do not trail the step), then the past pages' (the most listed first, where the call has them all)
     if SPARSE:
         per_page = PAGE // BLOCK_N
         own_first = tl.maximum(first_key, q_start) // BLOCK_N
         own = tl.maximum(tl.cdiv(key_hi, BLOCK_N) - own_first, 0)
         past = pid >= own
-        row = b * (past_pages + 1)
-        w = tl.load(BEFORE + row + page_lo) + (pid - own) // per_page  # the range's: [BEFORE[lo], BEFORE[hi])
-        page = tl.load(WORK + row + w, mask=past & (w < tl.load(BEFORE + row + page_hi)), other=-1)
-        past_start = tl.maximum(page, first_key // PAGE) * PAGE + (pid - own) % per_page * BLOCK_N
-        start_n = tl.where(past, past_start, (own_first + pid) * BLOCK_N)
+        i = (pid - own) // per_page  # the i-th past page: of WORK (every past page), or of [page_lo, ...)
+        page = tl.where(ordered != 0, tl.load(WORK + b * past_pages + i, mask=past & (ordered != 0), other=0),
+                        page_lo + i)  # fmt: skip
+        start_n = tl.where(past, page * PAGE + (pid - own) % per_page * BLOCK_N, (own_first + pid) * BLOCK_N)
         start_n = tl.multiple_of(start_n, BLOCK_N)
         inv = INV_PTR + b * past_pages + start_n // PAGE
-        j_lo = tl.load(inv, mask=past & (page >= 0), other=0)
-        j_hi = tl.load(inv + 1, mask=past & (page >= 0), other=0)
-        if past & (j_hi == j_lo):  # padding: nothing to read or write (only listed pages are read)
+        j_lo = tl.load(inv, mask=past, other=0)
+        j_hi = tl.load(inv + 1, mask=past, other=0)
+        if past & (j_hi == j_lo):  # an unlisted page: nothing to read or write (only listed pages are read)
             return
     else:
         start_n = (first_key // BLOCK_N + tl.program_id(0)) * BLOCK_N
@@ -1082,14 +1082,13 @@ def _inverse_lists(select: torch.Tensor, past_pages: int) -> tuple[torch.Tensor,
 
 
 class SelectionLists(NamedTuple):
-    """What the dK/dV kernel reads of a selection (all int32, built on the device without a host sync): the
-    inverse lists (:func:`_inverse_lists`), and per row the listed pages ascending then ``-1`` (``work``; its last
-    column is scratch) and how many lie before each page (``before``; both ``[B, past_pages + 1]``)."""
+    """What the dK/dV kernel reads of a selection (int32, built on the device without a host sync): the inverse
+    lists (:func:`_inverse_lists`) and per row every past page, those listed by the most query blocks first
+    (``work [B, past_pages]``; ties and the unlisted in page order) — the longest programs start first."""
 
     offsets: torch.Tensor
     blocks: torch.Tensor
     work: torch.Tensor
-    before: torch.Tensor
 
 
 _last_lists: list = [None]  # (key, weak reference to the selection, its SelectionLists)
@@ -1102,17 +1101,10 @@ def _selection_lists(select: torch.Tensor, past_pages: int) -> SelectionLists:
     last = _last_lists[0]
     if last is not None and last[0] == key and last[1]() is select:
         return last[2]
-    batch = select.shape[0]
     offsets, blocks = _inverse_lists(select, past_pages)
-    listed = (offsets[1:] > offsets[:-1])[: batch * past_pages].view(batch, past_pages)
-    before = torch.zeros((batch, past_pages + 1), dtype=torch.int32, device=select.device)
-    torch.cumsum(listed, 1, dtype=torch.int32, out=before[:, 1:])
-    slot = torch.where(listed, before[:, 1:] - 1, past_pages).long()  # unlisted: the spare last column
-    pages = torch.arange(past_pages, dtype=torch.int32, device=select.device).expand_as(listed)
-    work = torch.full((batch, past_pages + 1), -1, dtype=torch.int32, device=select.device).scatter_(
-        1, slot, pages
-    )
-    lists = SelectionLists(offsets, blocks, work, before)
+    listings = (offsets[1:] - offsets[:-1])[: select.shape[0] * past_pages].view(-1, past_pages)
+    work = torch.argsort(-listings, dim=1, stable=True).to(torch.int32)
+    lists = SelectionLists(offsets, blocks, work)
     _last_lists[0] = (key, weakref.ref(select), lists)
     return lists
 
@@ -1288,12 +1280,14 @@ def paged_attention_backward(
     if first_key < key_hi:
         seeing = page_table if first is None else _rows_seeing(first, key_hi, page)
         past_pages = q_start // page
-        lists, listed, page_lo, page_hi = SelectionLists(*[page_table] * 4), None, 0, 0
+        lists, listed, page_lo, ordered = SelectionLists(*[page_table] * 3), None, 0, 0
         if select is not None:
             lists = _selection_lists(select, past_pages)
             page_lo = min(first_key // page, past_pages)  # the key range's past pages
             page_hi = max(page_lo, triton.cdiv(min(key_hi, q_start), page))
-            slots = min(page_hi - page_lo, select.shape[1] * select.shape[2])  # at most one per list entry
+            ordered = int(page_lo == 0 and page_hi == past_pages)  # all of them: the most listed first
+            # every past page: as many as some list names, at most one per entry; else each page of the range
+            slots = min(past_pages, select.shape[1] * select.shape[2]) if ordered else page_hi - page_lo
             listed = (slots, page, q_start)
         _launch(
             _bwd_dkdv_kernel, _key_grid(first_key, key_hi, b * hkv, listed),
@@ -1301,7 +1295,7 @@ def paged_attention_backward(
             page_table if first is None else first, seeing, lse if visits is None else visits, *lists,
             dq if fused else lse, *q.stride(), *k_pages.stride(), page_table.stride(0),
             hq, hkv, hq // hkv, lq, q_start, first_key, key_hi, window, scale, qk_scale, cap, past_pages,
-            0 if listed is None else listed[0], page_lo, page_hi,
+            0 if listed is None else listed[0], page_lo, ordered,
             HEAD_DIM=d, PAGE=page, PRECISION=precision, SOFTCAP=softcap is not None, ROWS=first is not None,
             COUNT=visits is not None, SPARSE=select is not None, FUSED_DQ=fused,
         )  # fmt: skip
