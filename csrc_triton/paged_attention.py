@@ -70,9 +70,10 @@ which makes the listed pages' blocks flat index ranges — before the key range 
 (skipped), needing the window / document mask, visible to every row — walked by the dense loops themselves
 (:func:`_block_start` maps an index to its page through the list), then the chunk's own keys as without a
 selection. The dK/dV program of a past key block visits only the query blocks listing its page, from inverse lists
-(CSR) the launcher builds on the device without a host sync, and only listed pages get programs (their list is
-built there too; the grid is sized by the selection's entries, not by the past keys). Without a selection the
-compiled kernels are the dense ones, unchanged.
+(CSR) the launcher builds on the device without a host sync; its grid follows the selection, not the context: the
+chunk's own key blocks first, then a call over every past page has programs for as many pages as the lists hold
+entries, the most listed first (the longest programs start first), a call over a key range one per page of it; an
+unlisted page's program returns at once. Without a selection the compiled kernels are the dense ones, unchanged.
 """
 
 from __future__ import annotations
@@ -1102,7 +1103,7 @@ def _selection_lists(select: torch.Tensor, past_pages: int) -> SelectionLists:
     if last is not None and last[0] == key and last[1]() is select:
         return last[2]
     offsets, blocks = _inverse_lists(select, past_pages)
-    listings = (offsets[1:] - offsets[:-1])[: select.shape[0] * past_pages].view(-1, past_pages)
+    listings = (offsets[1:] - offsets[:-1])[: select.shape[0] * past_pages].view(select.shape[0], past_pages)
     work = torch.argsort(-listings, dim=1, stable=True).to(torch.int32)
     lists = SelectionLists(offsets, blocks, work)
     _last_lists[0] = (key, weakref.ref(select), lists)
