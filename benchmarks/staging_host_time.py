@@ -14,7 +14,8 @@ costs each a few microseconds more under CUDA) —, for the forward (K/V in) and
 pages in, gradient pages back out), sparse (random selection of ``--selected`` pages) and dense, next to the time
 the copy engine needs for the same bytes at the H200's measured 55 GB/s each way (the reference, computed from the
 bytes at Qwen2.5-7B's page size) — and the same bookkeeping of the staging cache as of ``OLD_COMMIT`` (a view per
-run and tensor, a zero-fill per run), read from git. The arenas here are tiny (views
+run and tensor, a zero-fill per run), read from git; for the sparse calls also the cache with a gathering transport
+(``OOMB_OFFLOAD_GATHER=1``'s path: a block's scattered pages in one call per part). The arenas here are tiny (views
 cost the same at any page size). Writes JSON (``--out``), a PNG and a Markdown table next to it; ~20 s.
 
     PYTHONPATH=$PWD python benchmarks/staging_host_time.py --reps 21

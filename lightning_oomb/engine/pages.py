@@ -364,14 +364,17 @@ def page_locked_bytes(
     total: int, owner: object, device: torch.device | None = None, mapped: bool = False
 ) -> tuple[torch.Tensor, weakref.finalize | None]:
     """``total`` uninitialised CPU bytes, page-locked with ``cudaHostRegister`` (for every device; ``mapped``: also
-    mapped into their address space, so kernels may read and write them) when CUDA is available, and the finalizer that unregisters them once ``device`` (the CUDA device whose copies use them;
-    ``None``: the current one) has finished its work (called by the owner's ``free``, or when ``owner`` is
-    collected; ``None`` without CUDA)."""
+    mapped into their address space, so kernels may read and write them) when CUDA is available, and the finalizer
+    that unregisters them once ``device`` (the CUDA device whose copies use them; ``None``: the current one) has
+    finished its work (called by the owner's ``free``, or when ``owner`` is collected; ``None`` without CUDA)."""
     storage = torch.empty(total, dtype=torch.uint8)
     if not torch.cuda.is_available():
         return storage, None
     flags = 1 | (2 if mapped else 0)  # cudaHostRegisterPortable: for every device; cudaHostRegisterMapped
-    _check_cuda(torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), total, flags), "cudaHostRegister")
+    what = "cudaHostRegister" + (
+        " (mapped, for OOMB_OFFLOAD_GATHER=1: unset it to page-lock only)" if mapped else ""
+    )
+    _check_cuda(torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), total, flags), what)
     # unregister before the bytes go back to malloc, even if the owner is dropped without free()
     device = device if device is not None and device.type == "cuda" else None
     unpin = weakref.finalize(owner, _unregister, storage.data_ptr(), device)

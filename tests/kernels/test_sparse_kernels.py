@@ -131,7 +131,9 @@ def test_selection_lists_make_the_dkdv_grid():
     query blocks first (then by page); built once for the last selection seen (a step's key parts share it), again
     for a new one or after an in-place change. The grid has the chunk's own key blocks, then one program per key
     block of as many pages as the selection has entries (or as the call's range has pages)."""
-    select = selection([[[0, 5], [5, 7], [-1, -1]], [[6, -1], [2, 6], [-1, -1]]])  # [B=2, R=3, K=2], 8 past pages
+    select = selection(
+        [[[0, 5], [5, 7], [-1, -1]], [[6, -1], [2, 6], [-1, -1]]]
+    )  # [B=2, R=3, K=2], 8 past pages
     lists = triton_kernels._selection_lists(select, 8)
     assert lists.work.dtype == torch.int32
     assert lists.work.tolist() == [[5, 0, 7, 1, 2, 3, 4, 6], [6, 2, 0, 1, 3, 4, 5, 7]]
@@ -140,7 +142,10 @@ def test_selection_lists_make_the_dkdv_grid():
     assert triton_kernels._selection_lists(select, 8).work[0, :4].tolist() == [5, 7, 0, 1]  # changed: rebuilt
     grid = triton_kernels._key_grid(first_key=16, key_hi=8 * 16 + 40, heads=3, listed=(6, 16, 8 * 16))
     assert grid({"BLOCK_N": 8}) == (6 * 2 + 5, 3)  # 2 key blocks per listed page; 40 own keys
-    assert triton_kernels._key_grid(16, 100, 3, (4, 16, 128))({"BLOCK_N": 16}) == (4, 3)  # no own keys in range
+    assert triton_kernels._key_grid(16, 100, 3, (4, 16, 128))({"BLOCK_N": 16}) == (
+        4,
+        3,
+    )  # no own keys in range
 
 
 def test_sparse_tiles_fit_a_page(monkeypatch):
