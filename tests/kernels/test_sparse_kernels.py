@@ -148,6 +148,32 @@ def test_selection_lists_make_the_dkdv_grid():
     )  # no own keys in range
 
 
+def test_key_parts_share_one_build_of_the_selection_lists(monkeypatch):
+    """Offload's calls over a chunk's key parts (same selection) build the inverse lists once, and their dK/dV and dQ
+    add up to the whole call's."""
+    case = Case(b=2, hq=4, hkv=2, q_start=64, lq=32)
+    select = selection([[[0, 2, -1], [1, 2, 3]], [[3, -1, -1], [0, 3, -1]]])
+    q, dout, kv = make_inputs(case)
+    scale = case.d**-0.5
+    out, lse = triton_kernels.paged_attention_forward(q, kv.k, kv.v, kv.page_table, case.q_start, scale,
+                                                      page_select=select)  # fmt: skip
+    whole = copy_grads(kv)
+    want_dq = triton_kernels.paged_attention_backward(q, out, lse, dout, whole.k, whole.v, whole.dk, whole.dv,
+                                                      whole.page_table, case.q_start, scale, page_select=select)  # fmt: skip
+    builds = []
+    inverse_lists = triton_kernels._inverse_lists
+    monkeypatch.setattr(triton_kernels, "_inverse_lists", lambda *a: builds.append(a) or inverse_lists(*a))
+    monkeypatch.setattr(triton_kernels, "_last_lists", [None])  # (the whole call kept this selection's)
+    parts, dq = copy_grads(kv), torch.zeros(q.shape, dtype=torch.float32, device=DEVICE)
+    for key_range in ((0, 32), (32, 64), (64, 96)):
+        triton_kernels.paged_attention_backward(q, out, lse, dout, parts.k, parts.v, parts.dk, parts.dv,
+                                                parts.page_table, case.q_start, scale, key_range=key_range, dq=dq,
+                                                page_select=select)  # fmt: skip
+    assert len(builds) == 1
+    for name, got, want in (("dq", dq, want_dq), ("dk", parts.dk, whole.dk), ("dv", parts.dv, whole.dv)):
+        assert_close(got.to(want.dtype), want, TOLERANCE[case.dtype], name)
+
+
 def test_sparse_tiles_fit_a_page(monkeypatch):
     """With SPARSE no tile's query rows exceed a page (a tile lies in one selection block, and divides it); the
     dense space keeps its tall tiles, and the tuning keys tell the two apart (a dense tile is never reused)."""
