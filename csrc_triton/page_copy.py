@@ -41,9 +41,9 @@ def _checked(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], rows: torch.Ten
     if not 1 <= len(pairs) <= 2:
         raise ValueError(f"copy_rows takes one or two (dst, src) pairs; got {len(pairs)}.")
     tensors = [t for pair in pairs for t in pair]
-    row = tensors[0][0].numel() if tensors[0].shape[0] else 0
+    row = tensors[0].stride(0) if tensors[0].dim() else 0  # (contiguous: the elements of one index of dim 0)
     for t in tensors:
-        if not t.is_contiguous() or t.dtype != tensors[0].dtype or t.dim() == 0 or t[:1].numel() != row:
+        if not t.is_contiguous() or t.dtype != tensors[0].dtype or t.dim() == 0 or t.stride(0) != row:
             raise ValueError(
                 "copy_rows needs contiguous tensors of one dtype and one row size (elements per index of dim 0); "
                 f"got {[(tuple(t.shape), t.dtype, t.is_contiguous()) for t in tensors]}."
