@@ -10,7 +10,7 @@ architecture's limit per block (:data:`SHARED_LIMITS`: Triton refuses to load a 
 that are not 1 divisible by 16, unit strides constant 1, the tuning key's constexprs as a real launch sets them
 (bf16 inputs, float32 gradient pages, ``HEAD_DIM=128``, ``PAGE=128``).
 
-Per variant the record also has the MMA layouts of the TTGIR (version, ``warpsPerCTA``, ``instrShape``) and
+Per variant the record also has ``loop_sync_loads`` (:func:`loop_sync_loads`), the MMA layouts of the TTGIR (version, ``warpsPerCTA``, ``instrShape``) and
 ``mma_rows`` (rows one MMA layout covers: ``16 * warpsPerCTA[0]``) beside ``tile_rows`` (the MMA's M: the query
 tile in the forward and dQ kernels, the key tile in dK/dV): ``mma_rows > tile_rows`` means the warps beyond
 ``tile_rows / 16`` compute copies of the same rows (duplicated MMA work).
@@ -136,6 +136,21 @@ def mma_layouts(ttgir: str) -> list[dict]:
     return found
 
 
+def loop_sync_loads(ttgir: str) -> int:
+    """Loads inside the TTGIR's loops that stayed synchronous (``tt.load``: the pipeliner made the others
+    asynchronous copies into shared memory) — a load whose address depends on another load of the same iteration
+    stalls the loop on memory latency."""
+    loops, depth, count = [], 0, 0
+    for line in ttgir.splitlines():
+        count += bool(loops) and re.search(r"\btt\.load\b", line) is not None
+        if "scf.for" in line and line.rstrip().endswith("{"):
+            loops.append(depth)
+        depth += line.count("{") - line.count("}")
+        while loops and depth <= loops[-1]:
+            loops.pop()
+    return count
+
+
 def compile_one(
     kernels, name: str, config, flags: dict, head_dim: int, page: int, ptxas: str, arch: int = 90
 ) -> dict:
@@ -171,6 +186,7 @@ def compile_one(
         "mma": layouts,
         "tile_rows": config.kwargs[rows_name],
         "mma_rows": covered,
+        "loop_sync_loads": loop_sync_loads(compiled.asm["ttgir"]),
         "compile_s": round(time.perf_counter() - started, 1),
     }
 

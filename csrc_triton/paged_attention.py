@@ -66,14 +66,15 @@ Sparse attention — ``page_select [B, R, K]`` (``SPARSE``): query block ``r`` (
 sees, of the keys before ``q_start``, only the pages listed in its row; the chunk's own keys as without it. A
 forward or dQ program's tile lies inside one selection block (the pruner clamps ``BLOCK_M`` to the page): it loads
 the block's list once as a vector and counts (``tl.sum``) how many listed key blocks lie below each of its bounds,
-which makes the listed pages' blocks flat index ranges — before the key range or the first visible block
-(skipped), needing the window / document mask, visible to every row — walked by the dense loops themselves
-(:func:`_block_start` maps an index to its page through the list), then the chunk's own keys as without a
-selection. The dK/dV program of a past key block visits only the query blocks listing its page, from inverse lists
-(CSR) the launcher builds on the device without a host sync; its grid follows the selection, not the context: the
-chunk's own key blocks first, then a call over every past page has programs for as many pages as the lists hold
-entries, the most listed first (the longest programs start first), a call over a key range one per page of it; an
-unlisted page's program returns at once. Without a selection the compiled kernels are the dense ones, unchanged.
+which makes the listed pages' blocks flat index ranges — before the key range or the first visible block (skipped),
+needing the window / document mask, visible to every row — walked by the dense loops themselves (:func:`_key_block`
+maps an index to its slot through the list, which holds each page next to its slot: one load per block as in a dense
+walk, not a page-then-slot chain), then the chunk's own keys as without a selection. The dK/dV program of a past key
+block visits only the query blocks listing its page, from inverse lists (CSR) the launcher builds on the device
+without a host sync; its grid follows the selection, not the context: the chunk's own key blocks first, then a call
+over every past page has programs for as many pages as the lists hold entries, the most listed first (the longest
+programs start first), a call over a key range one per page of it; an unlisted page's program returns at once.
+Without a selection the compiled kernels are the dense ones, unchanged.
 """
 
 from __future__ import annotations
@@ -421,12 +422,12 @@ def _query_blocks(
 def _listed_blocks(
     SEL, n_sel, x_lo, x_mid, x_hi, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, K_P2: tl.constexpr
 ):
-    """A query block's selected pages ``SEL[:n_sel]`` (ascending, ``-1``-padded) enumerate their key blocks page by
-    page, ``PAGE // BLOCK_N`` each (:func:`_block_start`): the flat indices of the first listed blocks at or after
-    key positions ``x_lo <= x_mid <= x_hi`` (multiples of ``BLOCK_N``), so that ``[x_lo, x_mid)`` and
+    """A query block's selected pages ``SEL[0 : 2 * n_sel : 2]`` (ascending, ``-1``-padded) enumerate their key
+    blocks page by page, ``PAGE // BLOCK_N`` each (:func:`_key_block`): the flat indices of the first listed blocks
+    at or after key positions ``x_lo <= x_mid <= x_hi`` (multiples of ``BLOCK_N``), so that ``[x_lo, x_mid)`` and
     ``[x_mid, x_hi)`` become index ranges. One vector load of the list, no search."""
     offs = tl.arange(0, K_P2)
-    pages = tl.load(SEL + offs, mask=offs < n_sel, other=-1)
+    pages = tl.load(SEL + 2 * offs, mask=offs < n_sel, other=-1)
     listed, starts = pages >= 0, pages * PAGE
     t_lo = tl.sum(tl.where(listed, _clamp(x_lo - starts, 0, PAGE), 0), 0) // BLOCK_N
     t_mid = tl.sum(tl.where(listed, _clamp(x_mid - starts, 0, PAGE), 0), 0) // BLOCK_N
@@ -435,14 +436,24 @@ def _listed_blocks(
 
 
 @triton.jit
-def _block_start(SEL, it, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, LISTED: tl.constexpr):
-    """The key block of loop index ``it``: the one starting there (a contiguous walk in ``BLOCK_N`` steps), or with
-    ``LISTED`` the ``it``-th key block of the selected pages ``SEL`` (a walk in steps of 1, :func:`_listed_blocks`)."""
+def _key_block(
+    TABLE, SEL, it, stride_ks, stride_kp, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, LISTED: tl.constexpr
+):
+    """The key block of loop index ``it`` — the one starting there (a contiguous walk in ``BLOCK_N`` steps), or with
+    ``LISTED`` the ``it``-th key block of the selected pages (a walk in steps of 1, :func:`_listed_blocks`) — as its
+    first key position and its first key's element offset in the K/V arenas (less the head part). ``SEL`` holds each
+    listed page next to its slot (:func:`_selection_args`): the slot is read at an address that follows ``it``, as
+    the page table's in a contiguous walk, so the loop pipelines as the dense one does (no page-then-slot chain of
+    dependent loads); the page only where a mask needs the position."""
     if LISTED:
-        start_n = tl.load(SEL + it // (PAGE // BLOCK_N)) * PAGE + it % (PAGE // BLOCK_N) * BLOCK_N
+        j = it // (PAGE // BLOCK_N)
+        in_page = it % (PAGE // BLOCK_N) * BLOCK_N
+        start_n = tl.load(SEL + 2 * j) * PAGE + in_page
+        base = tl.load(SEL + 2 * j + 1).to(tl.int64) * stride_ks + in_page * stride_kp
     else:
         start_n = it
-    return tl.multiple_of(start_n, BLOCK_N)
+        base = _page_offset(TABLE, start_n, stride_ks, PAGE) + (start_n % PAGE) * stride_kp
+    return tl.multiple_of(start_n, BLOCK_N), base
 
 
 @triton.jit
@@ -490,15 +501,15 @@ def _firsts(FIRST, rows, q_pos, window, ROWS: tl.constexpr):
 
 @triton.jit
 def _load_keys(
-    K, V, TABLE, start_n, key_hi, stride_ks, stride_kp, stride_kd,
-    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, V_T: tl.constexpr,
+    K, V, base, start_n, key_hi, stride_kp, stride_kd,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, V_T: tl.constexpr,
 ):  # fmt: skip
     """Key positions, ``K^T [HEAD_DIM, BLOCK_N]`` and ``V [BLOCK_N, HEAD_DIM]`` (``V^T`` with ``V_T``) of the key
-    block at ``start_n`` through the page table; ``K``/``V`` point at the program's KV head. With ``MASK`` keys
-    ``>= key_hi`` (ragged last page, end of the key range) are never read."""
+    block at ``start_n`` whose first key is ``base`` elements into the arenas (:func:`_key_block`); ``K``/``V``
+    point at the program's KV head. With ``MASK`` keys ``>= key_hi`` (ragged last page, end of the key range) are
+    never read."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    base = _page_offset(TABLE, start_n, stride_ks, PAGE) + (start_n % PAGE) * stride_kp
     kt_ptrs = K + base + offs_n[None, :] * stride_kp + offs_d[:, None] * stride_kd
     if V_T:
         v_ptrs = V + base + offs_n[None, :] * stride_kp + offs_d[:, None] * stride_kd
@@ -557,7 +568,7 @@ def _query_block(
     if SPARSE:
         past_lo, past_full, past_hi, _ = _key_blocks(q_start + start_m, q_last, first_min, first_max, key_lo,
                                                      tl.minimum(key_hi, q_start), BLOCK_N)  # fmt: skip
-        SEL += (b * tl.cdiv(q_len, PAGE) + start_m // PAGE) * n_sel
+        SEL += (b * tl.cdiv(q_len, PAGE) + start_m // PAGE) * 2 * n_sel  # (page, slot) pairs
         t_lo, t_full, t_hi = _listed_blocks(SEL, n_sel, past_lo, past_full, past_hi, PAGE, BLOCK_N, K_P2)
         key_lo = tl.maximum(key_lo, q_start)
     else:
@@ -579,11 +590,12 @@ def _fwd_inner(
     SOFTCAP: tl.constexpr, LISTED: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over key blocks ``[lo, hi)`` (``LISTED``: the selected pages' blocks ``lo..hi - 1``,
-    :func:`_block_start`); ``K``/``V`` already point at this program's KV head."""
+    :func:`_key_block`); ``K``/``V`` already point at this program's KV head."""
     for it in range(lo, hi, 1 if LISTED else BLOCK_N):
-        start_n = _block_start(SEL, it, PAGE, BLOCK_N, LISTED)
-        k_pos, kt, v = _load_keys(K, V, TABLE, start_n, key_hi, stride_ks, stride_kp, stride_kd,
-                                  HEAD_DIM, PAGE, BLOCK_N, MASK, False)  # fmt: skip
+        start_n, base = _key_block(TABLE, SEL, it, stride_ks, stride_kp, PAGE, BLOCK_N, LISTED)
+        k_pos, kt, v = _load_keys(
+            K, V, base, start_n, key_hi, stride_kp, stride_kd, HEAD_DIM, BLOCK_N, MASK, False
+        )
         # s_ij = q_i . k_j * scale * log2(e)  (soft-capped: c * tanh(q_i . k_j * scale / c) * log2(e))
         s, _ = _scores(tl.dot(q, kt, input_precision=PRECISION), qk_scale, cap, SOFTCAP)
         if MASK:
@@ -609,16 +621,18 @@ def _fwd_walk(
     SOFTCAP: tl.constexpr, LISTED: tl.constexpr,
 ):  # fmt: skip
     """The window edge (or document starts), then the blocks every query sees, then the causal diagonal and the
-    ragged last page: ``[lo, full_lo)`` and ``[full_hi, hi)`` masked, ``[full_lo, full_hi)`` not."""
+    ragged last page: ``[lo, full_lo)`` and ``[full_hi, hi)`` masked, ``[full_lo, full_hi)`` not; ``LISTED`` (past
+    pages) the first two only."""
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, TABLE, SEL, stride_ks, stride_kp, stride_kd, q_pos, first, lo,
                                full_lo, key_hi, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, True, PRECISION, SOFTCAP,
                                LISTED)  # fmt: skip
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, TABLE, SEL, stride_ks, stride_kp, stride_kd, q_pos, first,
                                full_lo, full_hi, key_hi, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, False, PRECISION,
                                SOFTCAP, LISTED)  # fmt: skip
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, TABLE, SEL, stride_ks, stride_kp, stride_kd, q_pos, first,
-                               full_hi, hi, key_hi, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, True, PRECISION, SOFTCAP,
-                               LISTED)  # fmt: skip
+    if not LISTED:  # (past pages are never on the diagonal)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, TABLE, SEL, stride_ks, stride_kp, stride_kd, q_pos, first,
+                                   full_hi, hi, key_hi, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, True, PRECISION,
+                                   SOFTCAP, LISTED)  # fmt: skip
     return acc, l_i, m_i
 
 
@@ -644,7 +658,7 @@ def _fwd_kernel(
 ):  # fmt: skip
     """Keys ``[key_lo, key_hi)``. Without ``CARRY``: writes ``OUT``, ``LSE``. With ``CARRY``: ``OUT``, ``LSE``, ``L``
     are a carried state's ``acc``, ``m`` (natural log), ``l`` (fp32), updated in place. With ``SPARSE`` the keys
-    before ``q_start`` are those of the block's selected pages ``SEL [B, R, n_sel]``."""
+    before ``q_start`` are those of the block's selected pages (``SEL [B, R, n_sel, 2]``: each with its slot)."""
     q, K, V, TABLE, SEL, rows, row_offs, row_ok, q_pos, first, lo, full_lo, full_hi, hi, t_lo, t_full, t_hi = (
         _query_block(Q, K, V, TABLE, FIRST, SEL, stride_qb, stride_qh, stride_qm, stride_qd, stride_kh, stride_tb,
                      num_heads, group, q_len, q_start, key_lo, key_hi, window, n_sel, HEAD_DIM, PAGE, BLOCK_M,
@@ -904,9 +918,10 @@ def _bwd_dq_inner(
     """Add key blocks ``[lo, hi)`` (``LISTED``: the selected pages' blocks ``lo..hi - 1``) to ``dq`` (unscaled);
     ``K``/``V`` already point at this program's KV head."""
     for it in range(lo, hi, 1 if LISTED else BLOCK_N):
-        start_n = _block_start(SEL, it, PAGE, BLOCK_N, LISTED)
-        k_pos, kt, vt = _load_keys(K, V, TABLE, start_n, key_hi, stride_ks, stride_kp, stride_kd,
-                                   HEAD_DIM, PAGE, BLOCK_N, MASK, True)  # fmt: skip
+        start_n, base = _key_block(TABLE, SEL, it, stride_ks, stride_kp, PAGE, BLOCK_N, LISTED)
+        k_pos, kt, vt = _load_keys(
+            K, V, base, start_n, key_hi, stride_kp, stride_kd, HEAD_DIM, BLOCK_N, MASK, True
+        )
         # p_ij = exp(s_ij - lse_i)
         s, t = _scores(tl.dot(q, kt, input_precision=PRECISION), qk_scale, cap, SOFTCAP)
         p = tl.math.exp2(s - lse[:, None])
@@ -928,16 +943,17 @@ def _bwd_dq_walk(
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr, LISTED: tl.constexpr,
 ):  # fmt: skip
-    """:func:`_fwd_walk`'s three ranges for dQ."""
+    """:func:`_fwd_walk`'s ranges for dQ."""
     dq = _bwd_dq_inner(dq, q, do, lse, delta, K, V, TABLE, SEL, stride_ks, stride_kp, stride_kd, q_pos, first, lo,
                        full_lo, key_hi, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, True, PRECISION, SOFTCAP,
                        LISTED)  # fmt: skip
     dq = _bwd_dq_inner(dq, q, do, lse, delta, K, V, TABLE, SEL, stride_ks, stride_kp, stride_kd, q_pos, first,
                        full_lo, full_hi, key_hi, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, False, PRECISION, SOFTCAP,
                        LISTED)  # fmt: skip
-    dq = _bwd_dq_inner(dq, q, do, lse, delta, K, V, TABLE, SEL, stride_ks, stride_kp, stride_kd, q_pos, first,
-                       full_hi, hi, key_hi, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, True, PRECISION, SOFTCAP,
-                       LISTED)  # fmt: skip
+    if not LISTED:
+        dq = _bwd_dq_inner(dq, q, do, lse, delta, K, V, TABLE, SEL, stride_ks, stride_kp, stride_kd, q_pos, first,
+                           full_hi, hi, key_hi, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, True, PRECISION, SOFTCAP,
+                           LISTED)  # fmt: skip
     return dq
 
 
@@ -1110,12 +1126,18 @@ def _selection_lists(select: torch.Tensor, past_pages: int) -> SelectionLists:
     return lists
 
 
-def _selection_args(select: torch.Tensor | None, fallback: torch.Tensor) -> tuple:
-    """``(SEL, n_sel, K_P2)`` of the forward and dQ kernels: the list, its width and that rounded up to a power of
-    two (the vector load's size); without a selection a dummy pointer and sizes the kernels never use."""
+def _selection_args(select: torch.Tensor | None, page_table: torch.Tensor) -> tuple:
+    """``(SEL, n_sel, K_P2)`` of the forward and dQ kernels: each selected page next to its slot (int32 ``[B, R, K,
+    2]``: ``select`` and ``page_table[b, select[b, r, k]]``; ``-1`` padding gets page 0's slot, which no kernel
+    reads), the list's width and that rounded up to a power of two (the vector load's size); without a selection a
+    dummy pointer and sizes the kernels never use. Built per call: offload rewrites the page table between its calls
+    over one selection."""
     if select is None:
-        return fallback, 0, 1
-    return select, select.shape[2], triton.next_power_of_2(max(select.shape[2], 1))
+        return page_table, 0, 1
+    slots = page_table.gather(1, select.flatten(1).clamp(0, page_table.shape[1] - 1).long()).view(
+        select.shape
+    )
+    return torch.stack((select, slots), -1), select.shape[2], triton.next_power_of_2(max(select.shape[2], 1))
 
 
 def _score_scales(scale: float, softcap: float | None) -> tuple[float, float]:
