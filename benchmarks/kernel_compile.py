@@ -49,7 +49,7 @@ KERNELS = {
 TERMS = [(False, False), (True, False), (False, True), (True, True)]  # (ROWS, SOFTCAP)
 SHARED_LIMITS = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 120: 101376}  # bytes per block (opt-in)
 BASE = {"HEAD_DIM": 128, "PAGE": 128, "PRECISION": "tf32", "SOFTCAP": False, "ROWS": False, "COUNT": False,
-        "K_P2": 64, "FUSED_DQ": False}  # fmt: skip
+        "K_P2": 64, "R_P2": 32, "FUSED_DQ": False}  # fmt: skip
 
 
 def parse_args(argv=None):

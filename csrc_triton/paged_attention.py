@@ -71,10 +71,11 @@ needing the window / document mask, visible to every row — walked by the dense
 maps an index to its slot through the list, which holds each page next to its slot: one load per block as in a dense
 walk, not a page-then-slot chain), then the chunk's own keys as without a selection. The dK/dV program of a past key
 block visits only the query blocks listing its page, from inverse lists (CSR) the launcher builds on the device
-without a host sync; its grid follows the selection, not the context: the chunk's own key blocks first, then a call
-over every past page has programs for as many pages as the lists hold entries, the most listed first (the longest
-programs start first), a call over a key range one per page of it; an unlisted page's program returns at once.
-Without a selection the compiled kernels are the dense ones, unchanged.
+without a host sync, the tiles of those that see the whole page in one loop across them (a page's listing blocks are
+few: a loop per block would refill its pipeline every few tiles); its grid follows the selection, not the context:
+the chunk's own key blocks first, then a call over every past page has programs for as many pages as the lists hold
+entries, the most listed first (the longest programs start first), a call over a key range one per page of it; an
+unlisted page's program returns at once. Without a selection the compiled kernels are the dense ones, unchanged.
 """
 
 from __future__ import annotations
@@ -712,19 +713,24 @@ def _bwd_preprocess(OUT, DOUT, DELTA, num_rows, HEAD_DIM: tl.constexpr, BLOCK_M:
 
 @triton.jit
 def _bwd_dkdv_inner(
-    dk, dv, k, v, Q, DO, LSE, DELTA, FIRST, DQ,
+    dk, dv, k, v, Q, DO, LSE, DELTA, FIRST, DQ, INV,
     stride_qm, stride_qd,
     k_pos, lo, hi, q_start, q_len, window, qk_scale, cap, scale,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr,
-    SOFTCAP: tl.constexpr, ROWS: tl.constexpr, FUSED_DQ: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, ROWS: tl.constexpr, FUSED_DQ: tl.constexpr, LISTED: tl.constexpr,
 ):  # fmt: skip
     """Add the contributions of query blocks ``[lo, hi)`` of one query head to this key block's ``dk``, ``dv``
     ``[BLOCK_N, HEAD_DIM]``; scores are kept transposed (keys x queries). ``Q``/``DO``/``LSE``/``DELTA`` (and
-    ``DQ``) point at that head's rows. ``FUSED_DQ``: also add the key block's share of dQ into fp32 ``DQ``
-    (atomically: every key block of the rows adds into them)."""
+    ``DQ``) point at that head's rows. ``LISTED``: ``[lo, hi)`` are tiles of the listing query blocks ``INV[0],
+    INV[1], ...`` (``PAGE // BLOCK_M`` tiles each), walked as one loop. ``FUSED_DQ``: also add the key block's share
+    of dQ into fp32 ``DQ`` (atomically: every key block of the rows adds into them)."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    for start_m in range(lo, hi, BLOCK_M):
+    for it in range(lo, hi, 1 if LISTED else BLOCK_M):
+        if LISTED:
+            start_m = tl.load(INV + it // (PAGE // BLOCK_M)) * PAGE + it % (PAGE // BLOCK_M) * BLOCK_M
+        else:
+            start_m = it
         start_m = tl.multiple_of(start_m, BLOCK_M)
         rows = start_m + offs_m
         qt_ptrs = Q + rows[None, :] * stride_qm + offs_d[:, None] * stride_qd
@@ -767,31 +773,45 @@ def _bwd_dkdv_inner(
 
 @triton.jit
 def _bwd_dkdv_walk(
-    dk, dv, k, v, Q, DO, LSE, DELTA, FIRST, DQ,
+    dk, dv, k, v, Q, DO, LSE, DELTA, FIRST, DQ, INV,
     b, h, num_heads, stride_qb, stride_qh, stride_qm, stride_qd,
     k_pos, lo, full_lo, full_hi, hi, q_start, q_len, window, qk_scale, cap, scale,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
-    ROWS: tl.constexpr, SPLIT: tl.constexpr, FUSED_DQ: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr, FUSED_DQ: tl.constexpr, LISTED: tl.constexpr,
 ):  # fmt: skip
     """Add the query blocks ``[lo, hi)`` of query head ``h`` (of batch row ``b``) to ``dk``, ``dv``: with
-    ``SPLIT`` ``[lo, full_lo)`` and ``[full_hi, hi)`` masked, ``[full_lo, full_hi)`` not; else all masked."""
+    ``SPLIT`` ``[lo, full_lo)`` and ``[full_hi, hi)`` masked, ``[full_lo, full_hi)`` not; else all masked.
+    ``LISTED``: tiles of the listing query blocks ``INV`` (:func:`_bwd_dkdv_inner`), every one seeing the whole key
+    block (with ``SPLIT`` only the unmasked loop is compiled)."""
     q_head = Q + b * stride_qb + h * stride_qh
     row0 = (b * num_heads + h) * q_len
     do_head, dq_head = DO + row0 * HEAD_DIM, DQ + row0 * HEAD_DIM
     if SPLIT:
+        if not LISTED:
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_head, do_head, LSE + row0, DELTA + row0, FIRST + b * q_len,
+                                     dq_head, INV, stride_qm, stride_qd, k_pos, lo, full_lo, q_start, q_len, window,
+                                     qk_scale, cap, scale, HEAD_DIM, PAGE, BLOCK_M, True, PRECISION, SOFTCAP, ROWS,
+                                     FUSED_DQ, LISTED)  # fmt: skip
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_head, do_head, LSE + row0, DELTA + row0, FIRST + b * q_len,
-                                 dq_head, stride_qm, stride_qd, k_pos, lo, full_lo, q_start, q_len, window,
-                                 qk_scale, cap, scale, HEAD_DIM, BLOCK_M, True, PRECISION, SOFTCAP, ROWS,
-                                 FUSED_DQ)  # fmt: skip
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_head, do_head, LSE + row0, DELTA + row0, FIRST + b * q_len,
-                                 dq_head, stride_qm, stride_qd, k_pos, full_lo, full_hi, q_start, q_len, window,
-                                 qk_scale, cap, scale, HEAD_DIM, BLOCK_M, False, PRECISION, SOFTCAP, ROWS,
-                                 FUSED_DQ)  # fmt: skip
+                                 dq_head, INV, stride_qm, stride_qd, k_pos, full_lo, full_hi, q_start, q_len, window,
+                                 qk_scale, cap, scale, HEAD_DIM, PAGE, BLOCK_M, False, PRECISION, SOFTCAP, ROWS,
+                                 FUSED_DQ, LISTED)  # fmt: skip
         lo = full_hi
-    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_head, do_head, LSE + row0, DELTA + row0, FIRST + b * q_len, dq_head,
-                             stride_qm, stride_qd, k_pos, lo, hi, q_start, q_len, window, qk_scale, cap, scale,
-                             HEAD_DIM, BLOCK_M, True, PRECISION, SOFTCAP, ROWS, FUSED_DQ)  # fmt: skip
+    if not (SPLIT and LISTED):
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_head, do_head, LSE + row0, DELTA + row0, FIRST + b * q_len,
+                                 dq_head, INV, stride_qm, stride_qd, k_pos, lo, hi, q_start, q_len, window, qk_scale,
+                                 cap, scale, HEAD_DIM, PAGE, BLOCK_M, True, PRECISION, SOFTCAP, ROWS, FUSED_DQ,
+                                 LISTED)  # fmt: skip
     return dk, dv
+
+
+@triton.jit
+def _full_listings(INV, n, rows_full, PAGE: tl.constexpr, R_P2: tl.constexpr):
+    """How many of a page's listing query blocks ``INV[:n]`` (ascending) lie wholly below row ``rows_full`` — a
+    prefix of the list: one vector load of it, no search."""
+    offs = tl.arange(0, R_P2)
+    listing = tl.load(INV + offs, mask=offs < n, other=0)
+    return tl.sum(((offs < n) & (listing * PAGE + PAGE <= rows_full)).to(tl.int32), 0)
 
 
 @triton.autotune(
@@ -811,8 +831,8 @@ def _bwd_dkdv_kernel(
     num_heads, kv_heads, group, q_len, q_start, first_key, key_hi, window, scale, qk_scale, cap, past_pages, n_work,
     page_lo, ordered,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
-    ROWS: tl.constexpr, COUNT: tl.constexpr, SPARSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr = False, FUSED_DQ: tl.constexpr = False,
+    ROWS: tl.constexpr, COUNT: tl.constexpr, SPARSE: tl.constexpr, R_P2: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr = False, FUSED_DQ: tl.constexpr = False,
 ):  # fmt: skip
     """Key blocks from the one holding ``first_key`` up to ``key_hi`` (keys >= ``key_hi`` are never read);
     ``FUSED_DQ``: dQ too, added into fp32 ``DQ`` (see :func:`fused_dq`). With
@@ -821,8 +841,10 @@ def _bwd_dkdv_kernel(
     and only listed pages do work: programs go to the chunk's own key blocks from ``max(first_key, q_start)`` first
     (the longest), then ``n_work * PAGE // BLOCK_N`` to past key blocks — with ``ordered`` (a call over every past
     page) those of ``WORK[b]``'s first ``n_work`` pages, the most listed first (:class:`SelectionLists`), else
-    those of the pages from ``page_lo``; an unlisted page's program reads and writes nothing. ``SPLIT``: the query
-    blocks that see the whole key block run in a loop of their own, without the mask (see :data:`SM90_DEFAULTS`)."""
+    those of the pages from ``page_lo``; an unlisted page's program reads and writes nothing; the listing blocks
+    that see the whole page are walked as one loop over their tiles (``R_P2``: the query blocks rounded up to a
+    power of two, the size of the list's vector load), the others one by one. ``SPLIT``: the query blocks that see
+    the whole key block run in a loop of their own, without the mask (see :data:`SM90_DEFAULTS`)."""
     if SPARSE:
         tl.static_assert(PAGE % BLOCK_M == 0, "sparse query tiles must divide the page (see _pruner)")
     bh, pid = tl.program_id(1), tl.program_id(0)
@@ -873,26 +895,34 @@ def _bwd_dkdv_kernel(
         listed_full, listed_hi = full_hi, hi
         full_hi = tl.where(past, 0, full_hi)  # (lo = full_lo = 0 for a past block)
         hi = tl.where(past, 0, hi)
-        listed = tl.zeros([], dtype=tl.int32)  # tiles of the listing blocks computed
+        n_full = _full_listings(INV_IDX + j_lo, j_hi - j_lo, listed_full, PAGE, R_P2)
+        full_tiles = n_full * (PAGE // BLOCK_M)
+        listed = full_tiles * group  # tiles of the listing blocks computed (every query head's)
     if COUNT:
         tl.atomic_add(VISITS, tl.maximum(hi - lo, 0) // BLOCK_M * group)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     for g in range(group):  # every query head that reads this KV head
         h = kv_head * group + g
-        dk, dv = _bwd_dkdv_walk(dk, dv, k, v, Q, DO, LSE, DELTA, FIRST, DQ, b, h, num_heads, stride_qb,
+        dk, dv = _bwd_dkdv_walk(dk, dv, k, v, Q, DO, LSE, DELTA, FIRST, DQ, INV_IDX, b, h, num_heads, stride_qb,
                                 stride_qh, stride_qm, stride_qd, k_pos, lo, full_lo, full_hi, hi, q_start, q_len,
-                                window, qk_scale, cap, scale, HEAD_DIM, BLOCK_M, PRECISION, SOFTCAP, ROWS, SPLIT,
-                                FUSED_DQ)  # fmt: skip
-        if SPARSE:
-            for j in range(j_lo, j_hi):  # (empty for the chunk's own key blocks)
+                                window, qk_scale, cap, scale, HEAD_DIM, PAGE, BLOCK_M, PRECISION, SOFTCAP, ROWS,
+                                SPLIT, FUSED_DQ, False)  # fmt: skip
+        if SPARSE:  # (both empty for the chunk's own key blocks)
+            # the listing blocks that see the whole page: their tiles in one loop (pipelined across the blocks)
+            dk, dv = _bwd_dkdv_walk(dk, dv, k, v, Q, DO, LSE, DELTA, FIRST, DQ, INV_IDX + j_lo, b, h, num_heads,
+                                    stride_qb, stride_qh, stride_qm, stride_qd, k_pos, 0, 0, full_tiles, full_tiles,
+                                    q_start, q_len, window, qk_scale, cap, scale, HEAD_DIM, PAGE, BLOCK_M,
+                                    PRECISION, SOFTCAP, ROWS, SPLIT, FUSED_DQ, True)  # fmt: skip
+            # the others (a window edge, documents, the ragged end), one by one
+            for j in range(j_lo + n_full, j_hi):
                 r0 = tl.load(INV_IDX + j) * PAGE
                 end = _clamp(listed_hi, r0, r0 + PAGE)
-                dk, dv = _bwd_dkdv_walk(dk, dv, k, v, Q, DO, LSE, DELTA, FIRST, DQ, b, h, num_heads, stride_qb,
-                                        stride_qh, stride_qm, stride_qd, k_pos, r0, r0,
+                dk, dv = _bwd_dkdv_walk(dk, dv, k, v, Q, DO, LSE, DELTA, FIRST, DQ, INV_IDX, b, h, num_heads,
+                                        stride_qb, stride_qh, stride_qm, stride_qd, k_pos, r0, r0,
                                         _clamp(listed_full, r0, r0 + PAGE), end, q_start, q_len, window, qk_scale,
-                                        cap, scale, HEAD_DIM, BLOCK_M, PRECISION, SOFTCAP, ROWS, SPLIT,
-                                        FUSED_DQ)  # fmt: skip
+                                        cap, scale, HEAD_DIM, PAGE, BLOCK_M, PRECISION, SOFTCAP, ROWS, SPLIT,
+                                        FUSED_DQ, False)  # fmt: skip
                 listed += (end - r0) // BLOCK_M
 
     # this program is the only writer of these gradient-page rows: a plain read-modify-write, no atomics (and none
@@ -1321,6 +1351,7 @@ def paged_attention_backward(
             0 if listed is None else listed[0], page_lo, ordered,
             HEAD_DIM=d, PAGE=page, PRECISION=precision, SOFTCAP=softcap is not None, ROWS=first is not None,
             COUNT=visits is not None, SPARSE=select is not None, FUSED_DQ=fused,
+            R_P2=1 if select is None else triton.next_power_of_2(select.shape[1]),
         )  # fmt: skip
     if fused:
         return dq if accumulate else dq.to(q.dtype)

@@ -68,6 +68,9 @@ CASES = {
     "sparse-window": Case(hq=4, hkv=2, q_start=96, lq=40, window=50, select=4),
     "sparse-packed": Case(hq=4, hkv=2, q_start=80, lq=45, docs=(21, 40, 60, 77, 100), select=3),
     "sparse-softcap-fp16": Case(hq=4, hkv=1, q_start=64, lq=33, softcap=3.0, dtype=torch.float16, select=2),
+    # pages of several key and query tiles: listed walks map a tile index to (listed page, tile in page)
+    "sparse-subpage-blocks": Case(hq=4, hkv=2, d=32, page=32, q_start=160, lq=70, select=3),
+    "sparse-subpage-window": Case(b=1, hq=2, hkv=1, d=32, page=32, q_start=192, lq=66, window=120, select=4),
 }
 
 
