@@ -1138,21 +1138,33 @@ class SelectionLists(NamedTuple):
     work: torch.Tensor
 
 
-_last_lists: list = [None]  # (key, weak reference to the selection, its SelectionLists)
+_last_selection: list = [None]  # (key, weak reference to the selection, what the launchers built from it)
+
+
+def _built_from(select: torch.Tensor) -> dict:
+    """What the launchers built from ``select`` (its :class:`SelectionLists`, its page-slot pairs per page table),
+    kept for the last selection seen: offload's calls over the key parts of one chunk share it (up to 64 at 1M
+    tokens), and would otherwise build the same each time (several small device ops, each a launch from the host).
+    An in-place change of the selection (its version) starts afresh."""
+    key = (select.data_ptr(), select._version, tuple(select.shape), select.device)
+    last = _last_selection[0]
+    if last is None or last[0] != key or last[1]() is not select:
+        last = (key, weakref.ref(select), {})
+        _last_selection[0] = last
+    return last[2]
 
 
 def _selection_lists(select: torch.Tensor, past_pages: int) -> SelectionLists:
-    """:class:`SelectionLists` of ``select``, kept for the last selection seen: offload's calls over the key parts
-    of one chunk share it (up to 64 at 1M tokens), and would otherwise build the same lists each time."""
-    key = (select.data_ptr(), select._version, tuple(select.shape), select.device, past_pages)
-    last = _last_lists[0]
-    if last is not None and last[0] == key and last[1]() is select:
-        return last[2]
-    offsets, blocks = _inverse_lists(select, past_pages)
-    listings = (offsets[1:] - offsets[:-1])[: select.shape[0] * past_pages].view(select.shape[0], past_pages)
-    work = torch.argsort(-listings, dim=1, stable=True).to(torch.int32)
-    lists = SelectionLists(offsets, blocks, work)
-    _last_lists[0] = (key, weakref.ref(select), lists)
+    """:class:`SelectionLists` of ``select`` (kept: :func:`_built_from`)."""
+    built = _built_from(select)
+    lists = built.get(past_pages)
+    if lists is None:
+        offsets, blocks = _inverse_lists(select, past_pages)
+        listings = (offsets[1:] - offsets[:-1])[: select.shape[0] * past_pages].view(
+            select.shape[0], past_pages
+        )
+        work = torch.argsort(-listings, dim=1, stable=True).to(torch.int32)
+        lists = built[past_pages] = SelectionLists(offsets, blocks, work)
     return lists
 
 
@@ -1160,14 +1172,18 @@ def _selection_args(select: torch.Tensor | None, page_table: torch.Tensor) -> tu
     """``(SEL, n_sel, K_P2)`` of the forward and dQ kernels: each selected page next to its slot (int32 ``[B, R, K,
     2]``: ``select`` and ``page_table[b, select[b, r, k]]``; ``-1`` padding gets page 0's slot, which no kernel
     reads), the list's width and that rounded up to a power of two (the vector load's size); without a selection a
-    dummy pointer and sizes the kernels never use. Built per call: offload rewrites the page table between its calls
-    over one selection."""
+    dummy pointer and sizes the kernels never use. The pairs are kept per page table (:func:`_built_from`; offload's
+    staging buffers have a table each), which the entry holds so that its memory is not reused under the key."""
     if select is None:
         return page_table, 0, 1
-    slots = page_table.gather(1, select.flatten(1).clamp(0, page_table.shape[1] - 1).long()).view(
-        select.shape
-    )
-    return torch.stack((select, slots), -1), select.shape[2], triton.next_power_of_2(max(select.shape[2], 1))
+    built = _built_from(select)
+    key = (page_table.data_ptr(), page_table._version, tuple(page_table.shape), page_table.stride())
+    pairs = built.get(key, (None, None))[1]
+    if pairs is None:
+        pages = select.flatten(1).clamp(0, page_table.shape[1] - 1).long()
+        pairs = torch.stack((select, page_table.gather(1, pages).view(select.shape)), -1)
+        built[key] = (page_table, pairs)
+    return pairs, select.shape[2], triton.next_power_of_2(max(select.shape[2], 1))
 
 
 def _score_scales(scale: float, softcap: float | None) -> tuple[float, float]:

@@ -36,7 +36,7 @@ def _ptxas() -> bool:
 SPILL_BOUNDS = {"_fwd_kernel": 8, "_bwd_dq_kernel": 0, "_bwd_dkdv_kernel": 640}
 # loads left synchronous in the kernels' loops (kernel_compile.loop_sync_loads): none in a dense walk (the page
 # table's entry is copied ahead with the K/V tiles); with a page selection one, in the loops that need the listed
-# page's position (the forward's and dQ's masked listed walk, dK/dV's walk over a page's listing query blocks)
+# page's position (the forward's and dQ's masked listed walk, dK/dV's walk over the listing blocks that need a mask)
 LOOP_SYNC_LOADS = {False: 0, True: 1}
 
 

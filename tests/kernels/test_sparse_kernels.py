@@ -163,7 +163,7 @@ def test_key_parts_share_one_build_of_the_selection_lists(monkeypatch):
     builds = []
     inverse_lists = triton_kernels._inverse_lists
     monkeypatch.setattr(triton_kernels, "_inverse_lists", lambda *a: builds.append(a) or inverse_lists(*a))
-    monkeypatch.setattr(triton_kernels, "_last_lists", [None])  # (the whole call kept this selection's)
+    monkeypatch.setattr(triton_kernels, "_last_selection", [None])  # (the whole call kept this selection's)
     parts, dq = copy_grads(kv), torch.zeros(q.shape, dtype=torch.float32, device=DEVICE)
     for key_range in ((0, 32), (32, 64), (64, 96)):
         triton_kernels.paged_attention_backward(q, out, lse, dout, parts.k, parts.v, parts.dk, parts.dv,
@@ -172,6 +172,25 @@ def test_key_parts_share_one_build_of_the_selection_lists(monkeypatch):
     assert len(builds) == 1
     for name, got, want in (("dq", dq, want_dq), ("dk", parts.dk, whole.dk), ("dv", parts.dv, whole.dv)):
         assert_close(got.to(want.dtype), want, TOLERANCE[case.dtype], name)
+
+
+def test_page_slot_pairs_are_built_once_per_selection_and_page_table():
+    """The forward and dQ kernels read each listed page next to its slot: built from the selection and the call's
+    page table, kept for the last selection per table (offload's key parts, each staging buffer's table), built
+    again for another table, after an in-place change of either, and for a new selection."""
+    select = selection([[[0, 2, -1], [1, 2, 3]]])  # [B=1, R=2, K=3]
+    table = torch.tensor([[7, 4, 9, 5, 8]], dtype=torch.int32, device=DEVICE)
+    pairs, width, width_p2 = triton_kernels._selection_args(select, table)
+    assert (width, width_p2) == (3, 4)
+    assert pairs.tolist() == [[[[0, 7], [2, 9], [-1, 7]], [[1, 4], [2, 9], [3, 5]]]]  # padding: page 0's slot
+    assert triton_kernels._selection_args(select, table)[0] is pairs
+    other = table.flip(1)
+    assert triton_kernels._selection_args(select, other)[0][0, 1, 2].tolist() == [3, 4]
+    assert triton_kernels._selection_args(select, table)[0] is pairs  # both tables' kept
+    table[0, 3] = 6
+    assert triton_kernels._selection_args(select, table)[0][0, 1, 2].tolist() == [3, 6]
+    select[0, 0, 1] = 3
+    assert triton_kernels._selection_args(select, table)[0][0, 0, 1].tolist() == [3, 6]
 
 
 def test_sparse_tiles_fit_a_page(monkeypatch):
