@@ -6,14 +6,16 @@ one sequence per case; every method runs once to warm up, then ``--repeats`` tim
 - ``hf``: transformers with SDPA attention (no checkpointing);
 - ``oomb``: the OOMB engine at ``chunk_size``, per ``--backends`` value of ``attention_backend`` (``auto``: the fused
   CPU path; ``auto+reuse``: the same with ``reuse_attention=True``, the backward sweep taking the forward sweep's
-  attention results; ``torch``: the plain reference, the oracle, measured only up to ``--torch-up-to`` tokens: it
-  is slow).
+  attention results; ``auto+sparse``: sparse attention, ``page_budget=SPARSE_BUDGET`` pages of 128 before each
+  chunk; ``torch``: the plain reference, the oracle, measured only up to ``--torch-up-to`` tokens: it is slow).
 
 Writes the rows ``{"method", "context", "chunk", "backend", "step_s", "vs_hf"}`` as JSON (``--out``) and a Markdown
 table next to it, and prints the table last.
 
     PYTHONPATH=$PWD python benchmarks/cpu_step.py --out benchmarks/results/cpu-step.json
     PYTHONPATH=$PWD python benchmarks/cpu_step.py --threads 1 --out benchmarks/results/cpu-step-1thread.json
+    PYTHONPATH=$PWD python benchmarks/cpu_step.py --cases 8192:1024 --backends auto auto+sparse \
+        --out benchmarks/results/cpu-step-sparse.json
     PYTHONPATH=$PWD python benchmarks/cpu_step.py --cases 256:256 --repeats 1 --out /tmp/cpu-step.json  # smoke
 """
 
@@ -33,6 +35,7 @@ from lightning_oomb.integrations.hf import HFChunkModel
 LLAMA = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
              head_dim=32, vocab_size=1024, max_position_embeddings=16384)  # fmt: skip
 CASES = ("2048:2048", "8192:8192", "8192:1024")  # context:chunk
+SPARSE_BUDGET = 8  # auto+sparse: pages before each chunk (of 128 tokens)
 
 
 def build_llama() -> torch.nn.Module:
@@ -57,9 +60,11 @@ def hf_step(model, ids):
 
 
 def oomb_step(model, ids, chunk: int, backend: str):
-    """``backend``: an ``attention_backend``, ``+reuse`` appended for ``reuse_attention=True``."""
-    name, _, reuse = backend.partition("+")
-    config = OOMBConfig(chunk_size=chunk, attention_backend=name, reuse_attention=reuse == "reuse")
+    """``backend``: an ``attention_backend``, ``+reuse`` appended for ``reuse_attention=True``, ``+sparse`` for
+    ``page_budget=SPARSE_BUDGET``."""
+    name, _, extra = backend.partition("+")
+    config = OOMBConfig(chunk_size=chunk, attention_backend=name, reuse_attention=extra == "reuse",
+                        page_budget=SPARSE_BUDGET if extra == "sparse" else None)  # fmt: skip
     engine = OOMBEngine(HFChunkModel(model), config)
 
     def step():
@@ -105,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--cases", nargs="+", default=list(CASES), help="context:chunk pairs")
     parser.add_argument("--backends", nargs="+", default=["auto", "auto+reuse", "torch"],
-                        help="attention_backend values (+reuse: with reuse_attention)")  # fmt: skip
+                        help="attention_backend values (+reuse: reuse_attention; +sparse: page_budget)")  # fmt: skip
     parser.add_argument("--torch-up-to", type=int, default=2048, help="longest context the reference runs at")
     parser.add_argument("--threads", type=int, help="torch's intra-op threads (default: torch's choice)")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per case after one warm-up step")

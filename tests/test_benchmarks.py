@@ -385,11 +385,12 @@ def test_cpu_step_smoke(tmp_path):
     from benchmarks.cpu_step import main
 
     out = tmp_path / "cpu-step.json"
-    main(["--cases", "128:128", "--repeats", "1", "--torch-up-to", "128", "--out", str(out)])
+    main(["--cases", "256:128", "--repeats", "1", "--torch-up-to", "256", "--out", str(out),
+          "--backends", "auto", "auto+reuse", "auto+sparse", "torch"])  # fmt: skip
     rows = json.loads(out.read_text())["rows"]
     methods = [(r["method"], r["backend"]) for r in rows]
-    assert methods == [("hf", "sdpa"), ("oomb", "auto"), ("oomb", "auto+reuse"), ("oomb", "torch")]
-    assert "| oomb | 128 | 128 | auto |" in out.with_suffix(".md").read_text()
+    assert methods == [("hf", "sdpa")] + [("oomb", b) for b in ("auto", "auto+reuse", "auto+sparse", "torch")]
+    assert "| oomb | 256 | 128 | auto |" in out.with_suffix(".md").read_text()
 
 
 @pytest.mark.slow

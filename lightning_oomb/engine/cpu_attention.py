@@ -8,8 +8,10 @@ queries see causally (one call with ``is_causal``, K/V repeated per query head).
 state by log-sum-exp (:mod:`lightning_oomb.engine.lse`), as the kernels fold key blocks. Arithmetic in float32
 (float64 for float64 inputs), as the reference.
 
-:func:`fast_path` says which calls go this way: CPU tensors without softcap, documents, page selection or tile
-counter, and without a window or with one no key falls out of. Every other call is the plain reference's
+:func:`fast_path` says which calls go this way: CPU tensors without softcap, documents or tile counter, and without
+a window or with one no key falls out of. With a page selection (sparse attention) the keys before ``q_start`` are
+each query block's selected pages instead: one non-causal call per batch row and query block over its pages,
+gathered (:func:`_selected_pieces`). Every other call is the plain reference's
 (:mod:`lightning_oomb.engine.reference`, the oracle the tests compare this backend with).
 """
 
@@ -39,7 +41,7 @@ PAST_BLOCK = 16384  # keys per call before q_start: bounds the gathered copy of 
 def fast_path(q: torch.Tensor, q_start: int, window, softcap, doc_start, page_select, visits) -> bool:
     """Whether a call runs on the fused CPU kernels (else on the reference)."""
     no_window = window is None or window >= q_start + q.shape[2]
-    plain = softcap is None and doc_start is None and page_select is None and visits is None
+    plain = softcap is None and doc_start is None and visits is None
     return q.device.type == "cpu" and no_window and plain
 
 
@@ -66,6 +68,22 @@ def _pieces(q_start: int, lo: int, hi: int):
     own = max(lo, q_start)
     if own < hi:
         yield own - q_start, own, hi, True
+
+
+def _selected_pieces(page_select: torch.Tensor, page_table: torch.Tensor, page: int, q_start: int, lq: int, lo: int,
+                     hi: int):  # fmt: skip
+    """``(b, rows, slots [1, n])`` per batch row ``b`` and query block (``rows``: its slice of the chunk) with
+    selected pages among the keys ``[lo, hi)`` before ``q_start``: the slots of those pages (every row of the block
+    sees all of their keys: without a window or documents, a past key is visible). Blocks without one are skipped."""
+    first, end = lo // page, min(hi, q_start) // page
+    if first >= end:
+        return
+    for b in range(page_select.shape[0]):
+        for block in range(page_select.shape[1]):
+            pages = page_select[b, block].long()
+            pages = pages[(pages >= first) & (pages < end)]
+            if pages.numel():
+                yield b, slice(block * page, min((block + 1) * page, lq)), page_table[b, pages][None]
 
 
 def _keys(pages: torch.Tensor, page_table: torch.Tensor, first: int, end: int, dtype: torch.dtype):
@@ -140,11 +158,19 @@ def paged_attention_forward(
             check_buffer(f"state {name}", x, shape, dtype, q.device)
     qc = q.to(dtype)
     pieces = list(_pieces(q_start, lo, hi))
+    if page_select is not None:  # the keys before q_start: each query block's selected pages
+        for b, rows, slots in _selected_pieces(page_select, page_table, page, q_start, lq, lo, hi):
+            k, v = (gather_tokens(x, slots).to(dtype) for x in (k_pages, v_pages))
+            add_part(
+                tuple(x[b : b + 1, :, rows] for x in state),
+                *_attend(qc[b : b + 1, :, rows], k, v, False, scale),
+            )
+        pieces = [piece for piece in pieces if piece[3]]  # the chunk's own keys
     for row, first, end, causal in pieces:
         k = _keys(k_pages, page_table, first, end, dtype)[0]
         v = _keys(v_pages, page_table, first, end, dtype)[0]
         out, lse = _attend(qc[:, :, row:], k, v, causal, scale)
-        if own and len(pieces) == 1 and row == 0:
+        if own and len(pieces) == 1 and row == 0 and page_select is None:
             return out.to(q.dtype), lse
         add_part(state, out, lse, row)
     return finish_state(state, q.dtype) if own else None
@@ -194,7 +220,19 @@ def paged_attention_backward(
         qc, doc = _with_column(qc, 0.0), _with_column(doc, 1.0)
         outc = torch.cat([torch.zeros_like(outc), delta[..., None]], -1)
     d = q.shape[3]
-    for row, first, end, causal in _pieces(q_start, lo, hi):
+    pieces = list(_pieces(q_start, lo, hi))
+    if page_select is not None:  # the keys before q_start: each query block's selected pages
+        for b, rows, slots in _selected_pieces(page_select, page_table, page, q_start, lq, lo, hi):
+            k, v = (gather_tokens(x, slots).to(dtype) for x in (k_pages, v_pages))
+            if delta is not None:
+                k, v = _with_column(k, 0.0), _with_column(v, 0.0)
+            part = [x[b : b + 1, :, rows] for x in (doc, qc, outc, lsec)]
+            gq, gk, gv = _attend_backward(*part, k, v, False, scale)
+            dq[b : b + 1, :, rows] += gq[..., :d]
+            add_tokens(dk_pages, slots, gk[..., :d])
+            add_tokens(dv_pages, slots, gv[..., :d])
+        pieces = [piece for piece in pieces if piece[3]]  # the chunk's own keys
+    for row, first, end, causal in pieces:
         k, slots, start = _keys(k_pages, page_table, first, end, dtype)
         v = _keys(v_pages, page_table, first, end, dtype)[0]
         if delta is not None:

@@ -97,6 +97,62 @@ def test_key_ranges_state_and_accumulators_match_the_reference(monkeypatch, shap
         close(got - before, want - before, 1e-12, name)
 
 
+def random_selection(q, q_start, page, width, seed):
+    """Each query block's pages before ``q_start``: up to ``width`` distinct ones, ascending, ``-1``-padded (some
+    blocks none)."""
+    gen = torch.Generator().manual_seed(seed)
+    b, blocks, past = q.shape[0], -(-q.shape[2] // page), q_start // page
+    select = torch.full((b, blocks, width), -1, dtype=torch.int32)
+    for row in range(b):
+        for block in range(blocks):
+            count = int(torch.randint(0, min(width, past) + 1, (1,), generator=gen))
+            select[row, block, :count] = torch.randperm(past, generator=gen)[:count].sort().values
+    return select
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("shape", ["gqa4-deep", "unaligned-start"])
+def test_page_selections_match_the_reference(shape, dtype):
+    """Sparse calls (each query block's selected pages, then the chunk's own keys): one call over every key, and
+    calls over page-aligned key ranges folded into one state and one dQ accumulator with a given delta."""
+    b, hq, hkv, lq, q_start, page, d = SHAPES[shape]
+    q_start = q_start // page * page + 3 * page  # (a selection needs q_start on a page boundary)
+    q, dout, kv, q_start = inputs((b, hq, hkv, lq, q_start, page, d), dtype, seed=2)
+    select = random_selection(q, q_start, page, 3, seed=3)
+    scale = 0.3
+    assert cpu_attention.fast_path(q, q_start, None, None, None, select, None)
+    out, lse = cpu_attention.paged_attention_forward(q, kv.k, kv.v, kv.page_table, q_start, scale,
+                                                     page_select=select)  # fmt: skip
+    want_out, want_lse = reference.paged_attention_forward(q, kv.k, kv.v, kv.page_table, q_start, scale,
+                                                           page_select=select)  # fmt: skip
+    close(out, want_out, TOL[dtype], "out")
+    close(lse, want_lse, TOL[dtype], "lse")
+    got, want = both_backward(q, want_out, want_lse, dout, kv, q_start, scale, page_select=select)
+    for name, x, y in zip(("dq", "dk", "dv"), got, want):
+        close(x, y, TOL[dtype], name)
+    n = q_start + lq
+    edges = [0, *range(page, n, 2 * page), n]
+    ranges = list(zip(edges[:-1], edges[1:]))[::-1]
+    states = init_state(q), init_state(q)
+    for key_range in ranges:
+        for ops, state in zip((cpu_attention, reference), states):
+            ops.paged_attention_forward(q, kv.k, kv.v, kv.page_table, q_start, scale, key_range=key_range,
+                                        state=state, page_select=select)  # fmt: skip
+    (out, lse), (want_out, want_lse) = (finish_state(s, q.dtype) for s in states)
+    close(out, want_out, TOL[dtype], "out (key ranges)")
+    delta = attention_delta(want_out, dout)
+    dqs = torch.zeros(q.shape, dtype=q.dtype), torch.zeros(q.shape, dtype=q.dtype)
+    grads = [[kv.dk.clone(), kv.dv.clone()] for _ in "ab"]
+    for key_range in ranges:
+        for ops, dq, (dk, dv) in zip((cpu_attention, reference), dqs, grads):
+            ops.paged_attention_backward(q, want_out, want_lse, dout, kv.k, kv.v, dk, dv, kv.page_table, q_start,
+                                         scale, key_range=key_range, delta=delta, dq=dq,
+                                         page_select=select)  # fmt: skip
+    close(dqs[0], dqs[1], TOL[dtype], "dq (key ranges)")
+    for name, got, want, before in zip(("dk", "dv"), *grads, (kv.dk, kv.dv)):
+        close(got - before, want - before, TOL[dtype], f"{name} (key ranges)")
+
+
 def test_bf16_inputs_compute_in_float32():
     q, dout, kv, q_start = inputs(SHAPES["gqa4-deep"], torch.bfloat16)
     out, lse = cpu_attention.paged_attention_forward(q, kv.k, kv.v, kv.page_table, q_start, 0.25)
@@ -110,7 +166,6 @@ TERMS = {
     "short window": dict(window=10),
     "softcap": dict(softcap=5.0),
     "documents": dict(doc_start=True),
-    "page selection": dict(page_select=True),
     "tile counter": dict(visits=True),
 }
 
@@ -119,17 +174,15 @@ TERMS = {
 def test_other_calls_fall_back_to_the_reference(monkeypatch, term):
     """A call with a term the fused kernels do not take is the reference's call, with every argument."""
     q, dout, kv, q_start = inputs(SHAPES["gqa4-deep"], torch.float64)
-    b, lq, page = q.shape[0], q.shape[2], kv.k.shape[2]
+    b, lq = q.shape[0], q.shape[2]
     kw = dict(term)
     if "doc_start" in kw:
         kw["doc_start"] = torch.full((b, lq), 5)
-    if "page_select" in kw:
-        kw["page_select"] = torch.tensor([0, 2], dtype=torch.int32).expand(b, -(-lq // page), 2).contiguous()
     if "visits" in kw:
         kw["visits"] = torch.zeros(1, dtype=torch.int32)
     window = kw.pop("window", None)
-    assert not cpu_attention.fast_path(q, q_start, window, kw.get("softcap"), kw.get("doc_start"),
-                                       kw.get("page_select"), kw.get("visits"))  # fmt: skip
+    assert not cpu_attention.fast_path(q, q_start, window, kw.get("softcap"), kw.get("doc_start"), None,
+                                       kw.get("visits"))  # fmt: skip
     calls = []
     for name in ("paged_attention_forward", "paged_attention_backward"):
         original = getattr(reference, name)
@@ -147,10 +200,14 @@ def test_fused_calls_never_reach_the_reference(monkeypatch):
     monkeypatch.setattr(reference, "paged_attention_forward", refuse)
     monkeypatch.setattr(reference, "paged_attention_backward", refuse)
     q, dout, kv, q_start = inputs(SHAPES["gqa4-deep"], torch.float32)
-    out, lse = cpu_attention.paged_attention_forward(q, kv.k, kv.v, kv.page_table, q_start, 0.3)
-    cpu_attention.paged_attention_backward(
-        q, out, lse, dout, kv.k, kv.v, kv.dk, kv.dv, kv.page_table, q_start, 0.3
-    )
+    for select in (
+        None,
+        random_selection(q, q_start, kv.k.shape[2], 2, seed=4),
+    ):  # (q_start: a page boundary)
+        out, lse = cpu_attention.paged_attention_forward(q, kv.k, kv.v, kv.page_table, q_start, 0.3,
+                                                         page_select=select)  # fmt: skip
+        cpu_attention.paged_attention_backward(q, out, lse, dout, kv.k, kv.v, kv.dk, kv.dv, kv.page_table,
+                                               q_start, 0.3, page_select=select)  # fmt: skip
 
 
 def test_backend_selection(monkeypatch):

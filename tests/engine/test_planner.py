@@ -199,14 +199,15 @@ def test_a_steps_peak_is_what_the_cpu_allocates(precision, checkpointing, vocab)
 )
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
 def test_a_step_whose_calls_take_the_reference_attention_is_planned_so(family, page_budget, checkpointing):
-    """On a CPU, calls with a window shorter than the keys or a page budget take the plain reference attention,
-    whose score blocks cover the keys a query block sees (the window's, the budget's): the plan counts those (it
-    counted the fused path's: 32-36 % under for Mistral). A window: measured within 2 %; a page budget: from above
-    (the reference attends each query block to its own pages only: 27-36 % less here)."""
+    """On a CPU, calls with a window shorter than the keys take the plain reference attention, whose score blocks
+    cover the keys a query block sees (the window's): the plan counts those (it counted the fused path's: 32-36 %
+    under for Mistral); measured within 2 %. Sparse calls (a page budget) take the fused path, each query block
+    over its gathered pages, and are planned as such: within 2 % without checkpointing, 15 % above with it — as the
+    same step without a budget, whose peak at this size is the MLP backward's."""
     predicted, _, measured = measure(family, "32-true", checkpointing, 64, seq_len=512, live=True,
                                      page_budget=page_budget)  # fmt: skip
     backward = max(v for k, v in predicted.phases.items() if k != "optimizer step")
-    low, high = (0.9, 1.1) if page_budget is None else (1.0, 1.4)
+    low, high = (0.9, 1.1) if page_budget is None or not checkpointing else (1.0, 1.2)
     assert low <= backward / measured <= high, (predicted.phases, measured)
 
 
