@@ -7,15 +7,17 @@ one sequence per case; every method runs once to warm up, then ``--repeats`` tim
 - ``oomb``: the OOMB engine at ``chunk_size``, per ``--backends`` value of ``attention_backend`` (``auto``: the fused
   CPU path; ``auto+reuse``: the same with ``reuse_attention=True``, the backward sweep taking the forward sweep's
   attention results; ``auto+sparse``: sparse attention, ``page_budget=SPARSE_BUDGET`` pages of 128 before each
-  chunk; ``torch``: the plain reference, the oracle, measured only up to ``--torch-up-to`` tokens: it is slow).
+  chunk; ``auto+packed``: the sequence packed from documents of ``PACKED_DOCUMENT`` tokens (``position_ids`` that
+  restart; HF's row stays the unpacked step); ``torch``: the plain reference, the oracle, measured only up to
+  ``--torch-up-to`` tokens: it is slow).
 
 Writes the rows ``{"method", "context", "chunk", "backend", "step_s", "vs_hf"}`` as JSON (``--out``) and a Markdown
 table next to it, and prints the table last.
 
     PYTHONPATH=$PWD python benchmarks/cpu_step.py --out benchmarks/results/cpu-step.json
     PYTHONPATH=$PWD python benchmarks/cpu_step.py --threads 1 --out benchmarks/results/cpu-step-1thread.json
-    PYTHONPATH=$PWD python benchmarks/cpu_step.py --cases 8192:1024 --backends auto auto+sparse \
-        --out benchmarks/results/cpu-step-sparse.json
+    PYTHONPATH=$PWD python benchmarks/cpu_step.py --cases 8192:1024 --backends auto auto+sparse auto+packed \
+        --out benchmarks/results/cpu-step-terms.json
     PYTHONPATH=$PWD python benchmarks/cpu_step.py --cases 256:256 --repeats 1 --out /tmp/cpu-step.json  # smoke
 """
 
@@ -36,6 +38,7 @@ LLAMA = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_at
              head_dim=32, vocab_size=1024, max_position_embeddings=16384)  # fmt: skip
 CASES = ("2048:2048", "8192:8192", "8192:1024")  # context:chunk
 SPARSE_BUDGET = 8  # auto+sparse: pages before each chunk (of 128 tokens)
+PACKED_DOCUMENT = 512  # auto+packed: tokens per document
 
 
 def build_llama() -> torch.nn.Module:
@@ -61,15 +64,16 @@ def hf_step(model, ids):
 
 def oomb_step(model, ids, chunk: int, backend: str):
     """``backend``: an ``attention_backend``, ``+reuse`` appended for ``reuse_attention=True``, ``+sparse`` for
-    ``page_budget=SPARSE_BUDGET``."""
+    ``page_budget=SPARSE_BUDGET``, ``+packed`` for documents of ``PACKED_DOCUMENT`` tokens."""
     name, _, extra = backend.partition("+")
     config = OOMBConfig(chunk_size=chunk, attention_backend=name, reuse_attention=extra == "reuse",
                         page_budget=SPARSE_BUDGET if extra == "sparse" else None)  # fmt: skip
     engine = OOMBEngine(HFChunkModel(model), config)
+    packed = {"position_ids": torch.arange(ids.shape[1])[None] % PACKED_DOCUMENT} if extra == "packed" else {}
 
     def step():
         model.zero_grad(set_to_none=False)
-        engine.loss(ids).backward()
+        engine.loss(ids, **packed).backward()
 
     return step
 
@@ -110,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--cases", nargs="+", default=list(CASES), help="context:chunk pairs")
     parser.add_argument("--backends", nargs="+", default=["auto", "auto+reuse", "torch"],
-                        help="attention_backend values (+reuse: reuse_attention; +sparse: page_budget)")  # fmt: skip
+                        help="attention_backend values (+reuse, +sparse, +packed: see above)")  # fmt: skip
     parser.add_argument("--torch-up-to", type=int, default=2048, help="longest context the reference runs at")
     parser.add_argument("--threads", type=int, help="torch's intra-op threads (default: torch's choice)")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per case after one warm-up step")

@@ -386,10 +386,11 @@ def test_cpu_step_smoke(tmp_path):
 
     out = tmp_path / "cpu-step.json"
     main(["--cases", "256:128", "--repeats", "1", "--torch-up-to", "256", "--out", str(out),
-          "--backends", "auto", "auto+reuse", "auto+sparse", "torch"])  # fmt: skip
+          "--backends", "auto", "auto+reuse", "auto+sparse", "auto+packed", "torch"])  # fmt: skip
     rows = json.loads(out.read_text())["rows"]
     methods = [(r["method"], r["backend"]) for r in rows]
-    assert methods == [("hf", "sdpa")] + [("oomb", b) for b in ("auto", "auto+reuse", "auto+sparse", "torch")]
+    backends = ("auto", "auto+reuse", "auto+sparse", "auto+packed", "torch")
+    assert methods == [("hf", "sdpa")] + [("oomb", b) for b in backends]
     assert "| oomb | 256 | 128 | auto |" in out.with_suffix(".md").read_text()
 
 

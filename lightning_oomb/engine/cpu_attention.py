@@ -8,14 +8,18 @@ queries see causally (one call with ``is_causal``, K/V repeated per query head).
 state by log-sum-exp (:mod:`lightning_oomb.engine.lse`), as the kernels fold key blocks. Arithmetic in float32
 (float64 for float64 inputs), as the reference.
 
-:func:`fast_path` says which calls go this way: CPU tensors without softcap, documents or tile counter, and without
-a window or with one no key falls out of. With a page selection (sparse attention) the keys before ``q_start`` are
-each query block's selected pages instead: one non-causal call per batch row and query block over its pages,
-gathered (:func:`_selected_pieces`). Every other call is the plain reference's
+:func:`fast_path` says which calls go this way: CPU tensors without softcap or tile counter, without a window or with
+one no key falls out of, and without documents and a page selection together. With a page selection (sparse
+attention) the keys before ``q_start`` are each query block's selected pages instead: one non-causal call per batch
+row and query block over its pages, gathered. With documents (packed rows) each batch row's run of rows in one
+document is a query of its own: the keys of its document before its first row (non-causal), then its own rows'
+(causal) — a call or two per document (:func:`_pieces`). Every other call is the plain reference's
 (:mod:`lightning_oomb.engine.reference`, the oracle the tests compare this backend with).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -41,7 +45,7 @@ PAST_BLOCK = 16384  # keys per call before q_start: bounds the gathered copy of 
 def fast_path(q: torch.Tensor, q_start: int, window, softcap, doc_start, page_select, visits) -> bool:
     """Whether a call runs on the fused CPU kernels (else on the reference)."""
     no_window = window is None or window >= q_start + q.shape[2]
-    plain = softcap is None and doc_start is None and visits is None
+    plain = softcap is None and visits is None and (doc_start is None or page_select is None)
     return q.device.type == "cpu" and no_window and plain
 
 
@@ -59,39 +63,70 @@ def _flash_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     return _flash_backward_op(*map(_unit_last_stride, (dout, q, k, v, out, lse)), 0.0, causal, scale=scale)
 
 
-def _pieces(q_start: int, lo: int, hi: int):
-    """``(first_row, first_key, end_key, causal)`` covering the keys ``[lo, hi)``: blocks of the keys before
-    ``q_start`` (every row, non-causal), then the rest, causal for the rows from its first key on (top-left
-    aligned: row ``first_row + i`` sees keys up to ``first_key + i``)."""
-    for first in range(lo, min(hi, q_start), PAST_BLOCK):
-        yield 0, first, min(first + PAST_BLOCK, hi, q_start), False
-    own = max(lo, q_start)
-    if own < hi:
-        yield own - q_start, own, hi, True
+class _Piece(NamedTuple):
+    """One call: query ``rows`` of the batch rows ``batch`` attend to ``length`` keys starting ``start`` tokens into
+    the pages ``slots [len(batch), n]`` (causal: top-left aligned, row ``rows.start + i`` sees the first ``i + 1``
+    keys; else every row sees every key)."""
+
+    batch: slice
+    rows: slice
+    causal: bool
+    slots: torch.Tensor
+    start: int
+    length: int
 
 
-def _selected_pieces(page_select: torch.Tensor, page_table: torch.Tensor, page: int, q_start: int, lq: int, lo: int,
-                     hi: int):  # fmt: skip
-    """``(b, rows, slots [1, n])`` per batch row ``b`` and query block (``rows``: its slice of the chunk) with
-    selected pages among the keys ``[lo, hi)`` before ``q_start``: the slots of those pages (every row of the block
-    sees all of their keys: without a window or documents, a past key is visible). Blocks without one are skipped."""
-    first, end = lo // page, min(hi, q_start) // page
-    if first >= end:
+def _range(
+    page_table: torch.Tensor, page: int, batch: slice, rows: slice, first: int, end: int, causal: bool
+):
+    """The piece of the keys ``[first, end)``."""
+    slots = page_table[batch, first // page : -(-end // page)]
+    return _Piece(batch, rows, causal, slots, first - first // page * page, end - first)
+
+
+def _row_pieces(page_table, page: int, batch: slice, r0: int, r1: int, q_start: int, first_key: int, lo: int,
+                hi: int):  # fmt: skip
+    """The pieces of rows ``[r0, r1)`` whose keys are ``[first_key, q_start + i]`` (row ``i``), inside the key range
+    ``[lo, hi)``: those before the rows' own keys, which every row sees (in blocks of ``PAST_BLOCK``), then the
+    rows' own keys, causally."""
+    before = min(q_start + r0, hi)
+    for first in range(max(first_key, lo), before, PAST_BLOCK):
+        yield _range(page_table, page, batch, slice(r0, r1), first, min(first + PAST_BLOCK, before), False)
+    own, end = max(q_start + r0, lo), min(q_start + r1, hi)
+    if own < end:
+        yield _range(page_table, page, batch, slice(own - q_start, r1), own, end, True)
+
+
+def _pieces(page_table, page: int, q_start: int, lq: int, lo: int, hi: int, doc_start, page_select):
+    """The calls of an attention call over the keys ``[lo, hi)``: the whole batch's rows at once; per batch row and
+    document with ``doc_start``; with ``page_select`` per batch row and query block its selected pages before
+    ``q_start`` (every row of the block sees all of their keys), then the chunk's own keys."""
+    whole = slice(None)
+    if doc_start is not None:
+        for b in range(doc_start.shape[0]):
+            starts = doc_start[b]
+            edges = [0, *(torch.nonzero(starts[1:] != starts[:-1]).flatten() + 1).tolist(), lq]
+            for r0, r1 in zip(edges[:-1], edges[1:]):
+                first = int(starts[r0])
+                yield from _row_pieces(page_table, page, slice(b, b + 1), r0, r1, q_start, first, lo, hi)
         return
-    for b in range(page_select.shape[0]):
-        for block in range(page_select.shape[1]):
-            pages = page_select[b, block].long()
-            pages = pages[(pages >= first) & (pages < end)]
-            if pages.numel():
-                yield b, slice(block * page, min((block + 1) * page, lq)), page_table[b, pages][None]
+    if page_select is not None:
+        first, end = lo // page, min(hi, q_start) // page
+        for b in range(page_select.shape[0]) if first < end else ():
+            for block in range(page_select.shape[1]):
+                pages = page_select[b, block].long()
+                pages = pages[(pages >= first) & (pages < end)]
+                if pages.numel():
+                    rows = slice(block * page, min((block + 1) * page, lq))
+                    slots = page_table[b, pages][None]
+                    yield _Piece(slice(b, b + 1), rows, False, slots, 0, slots.shape[1] * page)
+    yield from _row_pieces(page_table, page, whole, 0, lq, q_start, q_start if page_select is not None else 0, lo,
+                           hi)  # fmt: skip
 
 
-def _keys(pages: torch.Tensor, page_table: torch.Tensor, first: int, end: int, dtype: torch.dtype):
-    """Tokens ``[first, end)`` of the pages as ``[B, Hkv, end - first, D]`` in ``dtype``, and the slots read."""
-    page = pages.shape[2]
-    slots = page_table[:, first // page : -(-end // page)]
-    start = first - first // page * page
-    return gather_tokens(pages, slots).to(dtype)[:, :, start : start + end - first], slots, start
+def _keys(pages: torch.Tensor, piece: _Piece, dtype: torch.dtype) -> torch.Tensor:
+    """The piece's keys (or values) as ``[B, Hkv, length, D]`` in ``dtype``."""
+    return gather_tokens(pages, piece.slots).to(dtype)[:, :, piece.start : piece.start + piece.length]
 
 
 def _stacked(x: torch.Tensor, hkv: int) -> torch.Tensor:
@@ -157,22 +192,13 @@ def paged_attention_forward(
         for name, x, shape in zip(("acc", "m", "l"), state, (q.shape, q.shape[:-1], q.shape[:-1])):
             check_buffer(f"state {name}", x, shape, dtype, q.device)
     qc = q.to(dtype)
-    pieces = list(_pieces(q_start, lo, hi))
-    if page_select is not None:  # the keys before q_start: each query block's selected pages
-        for b, rows, slots in _selected_pieces(page_select, page_table, page, q_start, lq, lo, hi):
-            k, v = (gather_tokens(x, slots).to(dtype) for x in (k_pages, v_pages))
-            add_part(
-                tuple(x[b : b + 1, :, rows] for x in state),
-                *_attend(qc[b : b + 1, :, rows], k, v, False, scale),
-            )
-        pieces = [piece for piece in pieces if piece[3]]  # the chunk's own keys
-    for row, first, end, causal in pieces:
-        k = _keys(k_pages, page_table, first, end, dtype)[0]
-        v = _keys(v_pages, page_table, first, end, dtype)[0]
-        out, lse = _attend(qc[:, :, row:], k, v, causal, scale)
-        if own and len(pieces) == 1 and row == 0 and page_select is None:
+    pieces = list(_pieces(page_table, page, q_start, lq, lo, hi, doc_start, page_select))
+    for piece in pieces:
+        k, v = _keys(k_pages, piece, dtype), _keys(v_pages, piece, dtype)
+        out, lse = _attend(qc[piece.batch, :, piece.rows], k, v, piece.causal, scale)
+        if own and len(pieces) == 1 and piece.batch == slice(None) and piece.rows == slice(0, lq):
             return out.to(q.dtype), lse
-        add_part(state, out, lse, row)
+        add_part(tuple(x[piece.batch, :, piece.rows] for x in state), out, lse)
     return finish_state(state, q.dtype) if own else None
 
 
@@ -220,35 +246,22 @@ def paged_attention_backward(
         qc, doc = _with_column(qc, 0.0), _with_column(doc, 1.0)
         outc = torch.cat([torch.zeros_like(outc), delta[..., None]], -1)
     d = q.shape[3]
-    pieces = list(_pieces(q_start, lo, hi))
-    if page_select is not None:  # the keys before q_start: each query block's selected pages
-        for b, rows, slots in _selected_pieces(page_select, page_table, page, q_start, lq, lo, hi):
-            k, v = (gather_tokens(x, slots).to(dtype) for x in (k_pages, v_pages))
-            if delta is not None:
-                k, v = _with_column(k, 0.0), _with_column(v, 0.0)
-            part = [x[b : b + 1, :, rows] for x in (doc, qc, outc, lsec)]
-            gq, gk, gv = _attend_backward(*part, k, v, False, scale)
-            dq[b : b + 1, :, rows] += gq[..., :d]
-            add_tokens(dk_pages, slots, gk[..., :d])
-            add_tokens(dv_pages, slots, gv[..., :d])
-        pieces = [piece for piece in pieces if piece[3]]  # the chunk's own keys
-    for row, first, end, causal in pieces:
-        k, slots, start = _keys(k_pages, page_table, first, end, dtype)
-        v = _keys(v_pages, page_table, first, end, dtype)[0]
+    for piece in _pieces(page_table, page, q_start, lq, lo, hi, doc_start, page_select):
+        k, v = _keys(k_pages, piece, dtype), _keys(v_pages, piece, dtype)
         if delta is not None:
             k, v = _with_column(k, 0.0), _with_column(v, 0.0)
-        rows = [x[:, :, row:] for x in (doc, qc, outc, lsec)]
-        gq, gk, gv = _attend_backward(*rows, k, v, causal, scale)
-        dq[:, :, row:] += gq[..., :d]
-        _add(dk_pages, slots, start, gk[..., :d])
-        _add(dv_pages, slots, start, gv[..., :d])
+        rows = [x[piece.batch, :, piece.rows] for x in (doc, qc, outc, lsec)]
+        gq, gk, gv = _attend_backward(*rows, k, v, piece.causal, scale)
+        dq[piece.batch, :, piece.rows] += gq[..., :d]
+        _add(dk_pages, piece, gk[..., :d])
+        _add(dv_pages, piece, gv[..., :d])
     return dq.to(q.dtype) if own else dq
 
 
-def _add(pages: torch.Tensor, slots: torch.Tensor, start: int, tokens: torch.Tensor) -> None:
-    """Add ``tokens [B, Hkv, n, D]`` (from offset ``start`` of the first page) into the pages ``slots``."""
-    after = slots.shape[1] * pages.shape[2] - start - tokens.shape[2]
-    add_tokens(pages, slots, torch.nn.functional.pad(tokens, (0, 0, start, after)))
+def _add(pages: torch.Tensor, piece: _Piece, tokens: torch.Tensor) -> None:
+    """Add the piece's key gradients ``tokens [B, Hkv, length, D]`` into its pages."""
+    after = piece.slots.shape[1] * pages.shape[2] - piece.start - tokens.shape[2]
+    add_tokens(pages, piece.slots, torch.nn.functional.pad(tokens, (0, 0, piece.start, after)))
 
 
 def _with_column(x: torch.Tensor, value: float) -> torch.Tensor:

@@ -110,47 +110,76 @@ def random_selection(q, q_start, page, width, seed):
     return select
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("shape", ["gqa4-deep", "unaligned-start"])
-def test_page_selections_match_the_reference(shape, dtype):
-    """Sparse calls (each query block's selected pages, then the chunk's own keys): one call over every key, and
-    calls over page-aligned key ranges folded into one state and one dQ accumulator with a given delta."""
-    b, hq, hkv, lq, q_start, page, d = SHAPES[shape]
-    q_start = q_start // page * page + 3 * page  # (a selection needs q_start on a page boundary)
-    q, dout, kv, q_start = inputs((b, hq, hkv, lq, q_start, page, d), dtype, seed=2)
-    select = random_selection(q, q_start, page, 3, seed=3)
-    scale = 0.3
-    assert cpu_attention.fast_path(q, q_start, None, None, None, select, None)
-    out, lse = cpu_attention.paged_attention_forward(q, kv.k, kv.v, kv.page_table, q_start, scale,
-                                                     page_select=select)  # fmt: skip
-    want_out, want_lse = reference.paged_attention_forward(q, kv.k, kv.v, kv.page_table, q_start, scale,
-                                                           page_select=select)  # fmt: skip
-    close(out, want_out, TOL[dtype], "out")
-    close(lse, want_lse, TOL[dtype], "lse")
-    got, want = both_backward(q, want_out, want_lse, dout, kv, q_start, scale, page_select=select)
+def matches_the_reference(q, dout, kv, q_start, tol, **terms):
+    """One call over every key, then calls over page-aligned key ranges folded into one state and one dQ
+    accumulator with a given delta: the same results from both backends."""
+    page, n, scale = kv.k.shape[2], q_start + q.shape[2], 0.3
+    assert cpu_attention.fast_path(
+        q, q_start, None, None, terms.get("doc_start"), terms.get("page_select"), None
+    )
+    out, lse = cpu_attention.paged_attention_forward(q, kv.k, kv.v, kv.page_table, q_start, scale, **terms)
+    want_out, want_lse = reference.paged_attention_forward(
+        q, kv.k, kv.v, kv.page_table, q_start, scale, **terms
+    )
+    close(out, want_out, tol, "out")
+    close(lse, want_lse, tol, "lse")
+    got, want = both_backward(q, want_out, want_lse, dout, kv, q_start, scale, **terms)
     for name, x, y in zip(("dq", "dk", "dv"), got, want):
-        close(x, y, TOL[dtype], name)
-    n = q_start + lq
+        close(x, y, tol, name)
     edges = [0, *range(page, n, 2 * page), n]
     ranges = list(zip(edges[:-1], edges[1:]))[::-1]
     states = init_state(q), init_state(q)
     for key_range in ranges:
         for ops, state in zip((cpu_attention, reference), states):
             ops.paged_attention_forward(q, kv.k, kv.v, kv.page_table, q_start, scale, key_range=key_range,
-                                        state=state, page_select=select)  # fmt: skip
-    (out, lse), (want_out, want_lse) = (finish_state(s, q.dtype) for s in states)
-    close(out, want_out, TOL[dtype], "out (key ranges)")
+                                        state=state, **terms)  # fmt: skip
+    (out, _), (want_out, _) = (finish_state(s, q.dtype) for s in states)
+    close(out, want_out, tol, "out (key ranges)")
     delta = attention_delta(want_out, dout)
     dqs = torch.zeros(q.shape, dtype=q.dtype), torch.zeros(q.shape, dtype=q.dtype)
     grads = [[kv.dk.clone(), kv.dv.clone()] for _ in "ab"]
     for key_range in ranges:
         for ops, dq, (dk, dv) in zip((cpu_attention, reference), dqs, grads):
             ops.paged_attention_backward(q, want_out, want_lse, dout, kv.k, kv.v, dk, dv, kv.page_table, q_start,
-                                         scale, key_range=key_range, delta=delta, dq=dq,
-                                         page_select=select)  # fmt: skip
-    close(dqs[0], dqs[1], TOL[dtype], "dq (key ranges)")
+                                         scale, key_range=key_range, delta=delta, dq=dq, **terms)  # fmt: skip
+    close(dqs[0], dqs[1], tol, "dq (key ranges)")
     for name, got, want, before in zip(("dk", "dv"), *grads, (kv.dk, kv.dv)):
-        close(got - before, want - before, TOL[dtype], f"{name} (key ranges)")
+        close(got - before, want - before, tol, f"{name} (key ranges)")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("shape", ["gqa4-deep", "unaligned-start"])
+def test_page_selections_match_the_reference(shape, dtype):
+    """Sparse calls: each query block's selected pages, then the chunk's own keys."""
+    b, hq, hkv, lq, q_start, page, d = SHAPES[shape]
+    q_start = q_start // page * page + 3 * page  # (a selection needs q_start on a page boundary)
+    q, dout, kv, q_start = inputs((b, hq, hkv, lq, q_start, page, d), dtype, seed=2)
+    matches_the_reference(
+        q, dout, kv, q_start, TOL[dtype], page_select=random_selection(q, q_start, page, 3, 3)
+    )
+
+
+def document_starts(q, q_start, seed):
+    """Each query's document start: documents that start before the chunk, at its first row, inside it, one of
+    a single token; different per batch row."""
+    gen = torch.Generator().manual_seed(seed)
+    b, lq = q.shape[0], q.shape[2]
+    rows = []
+    for _ in range(b):
+        cuts = torch.randperm(lq - 1, generator=gen)[: max(1, lq // 6)] + 1
+        starts = torch.tensor(sorted({0, *cuts.tolist(), lq - 1}))  # (the last row: a document of one token)
+        first = int(torch.randint(0, q_start + 1, (1,), generator=gen))  # the chunk's first document's start
+        at = starts[torch.searchsorted(starts, torch.arange(lq), right=True) - 1]
+        rows.append(torch.where(at == 0, first, q_start + at))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("shape", ["gqa4-deep", "unaligned-start", "first-chunk"])
+def test_documents_match_the_reference(shape, dtype):
+    """Packed rows: each batch row's documents, one starting before the chunk."""
+    q, dout, kv, q_start = inputs(SHAPES[shape], dtype, seed=6)
+    matches_the_reference(q, dout, kv, q_start, TOL[dtype], doc_start=document_starts(q, q_start, seed=7))
 
 
 def test_bf16_inputs_compute_in_float32():
@@ -165,7 +194,7 @@ def test_bf16_inputs_compute_in_float32():
 TERMS = {
     "short window": dict(window=10),
     "softcap": dict(softcap=5.0),
-    "documents": dict(doc_start=True),
+    "documents and a page selection": dict(doc_start=True, page_select=True),
     "tile counter": dict(visits=True),
 }
 
@@ -178,11 +207,13 @@ def test_other_calls_fall_back_to_the_reference(monkeypatch, term):
     kw = dict(term)
     if "doc_start" in kw:
         kw["doc_start"] = torch.full((b, lq), 5)
+    if "page_select" in kw:
+        kw["page_select"] = random_selection(q, q_start, kv.k.shape[2], 2, seed=5)
     if "visits" in kw:
         kw["visits"] = torch.zeros(1, dtype=torch.int32)
     window = kw.pop("window", None)
-    assert not cpu_attention.fast_path(q, q_start, window, kw.get("softcap"), kw.get("doc_start"), None,
-                                       kw.get("visits"))  # fmt: skip
+    assert not cpu_attention.fast_path(q, q_start, window, kw.get("softcap"), kw.get("doc_start"),
+                                       kw.get("page_select"), kw.get("visits"))  # fmt: skip
     calls = []
     for name in ("paged_attention_forward", "paged_attention_backward"):
         original = getattr(reference, name)
