@@ -8,12 +8,14 @@ queries see causally (one call with ``is_causal``, K/V repeated per query head).
 state by log-sum-exp (:mod:`lightning_oomb.engine.lse`), as the kernels fold key blocks. Arithmetic in float32
 (float64 for float64 inputs), as the reference.
 
-:func:`fast_path` says which calls go this way: CPU tensors without softcap or tile counter, without a window or with
-one no key falls out of, and without documents and a page selection together. With a page selection (sparse
-attention) the keys before ``q_start`` are each query block's selected pages instead: one non-causal call per batch
-row and query block over its pages, gathered. With documents (packed rows) each batch row's run of rows in one
-document is a query of its own: the keys of its document before its first row (non-causal), then its own rows'
-(causal) — a call or two per document (:func:`_pieces`). Every other call is the plain reference's
+:func:`fast_path` says which calls go this way: CPU tensors without softcap or tile counter, and at most one of a
+window that drops keys, documents and a page selection. With a page selection (sparse attention) the keys before
+``q_start`` are each query block's selected pages instead: one non-causal call per batch row and query block over
+its pages, gathered. With documents (packed rows) each batch row's run of rows in one document is a query of its
+own: the keys of its document before its first row (non-causal), then its own rows' (causal) — a call or two per
+document. With a sliding window of ``W`` keys the rows go in blocks of at most ``W``: per block the keys only its
+first rows see (the window's lower edge: a causal call on the rows and keys reversed), those every row sees, then
+its own keys (causal) (:func:`_pieces`). Every other call is the plain reference's
 (:mod:`lightning_oomb.engine.reference`, the oracle the tests compare this backend with).
 """
 
@@ -44,9 +46,9 @@ PAST_BLOCK = 16384  # keys per call before q_start: bounds the gathered copy of 
 
 def fast_path(q: torch.Tensor, q_start: int, window, softcap, doc_start, page_select, visits) -> bool:
     """Whether a call runs on the fused CPU kernels (else on the reference)."""
-    no_window = window is None or window >= q_start + q.shape[2]
-    plain = softcap is None and visits is None and (doc_start is None or page_select is None)
-    return q.device.type == "cpu" and no_window and plain
+    windowed = window is not None and window < q_start + q.shape[2]
+    terms = windowed + (doc_start is not None) + (page_select is not None)
+    return q.device.type == "cpu" and softcap is None and visits is None and terms <= 1
 
 
 def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
@@ -66,7 +68,8 @@ def _flash_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
 class _Piece(NamedTuple):
     """One call: query ``rows`` of the batch rows ``batch`` attend to ``length`` keys starting ``start`` tokens into
     the pages ``slots [len(batch), n]`` (causal: top-left aligned, row ``rows.start + i`` sees the first ``i + 1``
-    keys; else every row sees every key)."""
+    keys; else every row sees every key). ``flipped``: causal with the rows and the keys both reversed — the last
+    row sees the last key, the row before it the last two, ... (a window's lower edge)."""
 
     batch: slice
     rows: slice
@@ -74,14 +77,32 @@ class _Piece(NamedTuple):
     slots: torch.Tensor
     start: int
     length: int
+    flipped: bool = False
 
 
 def _range(
-    page_table: torch.Tensor, page: int, batch: slice, rows: slice, first: int, end: int, causal: bool
-):
+    page_table: torch.Tensor, page: int, batch: slice, rows: slice, first: int, end: int, causal: bool,
+    flipped: bool = False,
+):  # fmt: skip
     """The piece of the keys ``[first, end)``."""
     slots = page_table[batch, first // page : -(-end // page)]
-    return _Piece(batch, rows, causal, slots, first - first // page * page, end - first)
+    return _Piece(batch, rows, causal, slots, first - first // page * page, end - first, flipped)
+
+
+def _window_pieces(page_table, page: int, q_start: int, lq: int, window: int, lo: int, hi: int):
+    """The pieces of a sliding window (row at position ``p`` sees keys ``(p - window, p]``), rows in blocks of at
+    most ``window``, in ``[lo, hi)``: per block ``[p0, p1)`` its lower edge, the keys from ``p0 - window + 1`` to
+    ``p1 - window`` before ``p0`` (row ``p`` sees those from ``p - window + 1`` on: flipped causal, for the rows that
+    see one), the keys every row sees ``[p1 - window + 1, p0)``, and its own keys, causally."""
+    whole = slice(None)
+    for r0 in range(0, lq, window):
+        r1 = min(r0 + window, lq)
+        p0, p1 = q_start + r0, q_start + r1
+        first, end = max(p0 - window + 1, lo, 0), min(p1 - window + 1, p0, hi)  # (never its own keys)
+        if first < end:  # rows from p0 to the last that sees key end - 1
+            rows = slice(r0, min(r1, end + window - 1 - q_start))
+            yield _range(page_table, page, whole, rows, first, end, True, flipped=True)
+        yield from _row_pieces(page_table, page, whole, r0, r1, q_start, max(p1 - window + 1, 0), lo, hi)
 
 
 def _row_pieces(page_table, page: int, batch: slice, r0: int, r1: int, q_start: int, first_key: int, lo: int,
@@ -97,11 +118,15 @@ def _row_pieces(page_table, page: int, batch: slice, r0: int, r1: int, q_start: 
         yield _range(page_table, page, batch, slice(own - q_start, r1), own, end, True)
 
 
-def _pieces(page_table, page: int, q_start: int, lq: int, lo: int, hi: int, doc_start, page_select):
-    """The calls of an attention call over the keys ``[lo, hi)``: the whole batch's rows at once; per batch row and
-    document with ``doc_start``; with ``page_select`` per batch row and query block its selected pages before
-    ``q_start`` (every row of the block sees all of their keys), then the chunk's own keys."""
+def _pieces(page_table, page: int, q_start: int, lq: int, lo: int, hi: int, window, doc_start, page_select):
+    """The calls of an attention call over the keys ``[lo, hi)``: the whole batch's rows at once; a window's in
+    blocks of rows (:func:`_window_pieces`); per batch row and document with ``doc_start``; with ``page_select``
+    per batch row and query block its selected pages before ``q_start`` (every row of the block sees all of their
+    keys), then the chunk's own keys."""
     whole = slice(None)
+    if window is not None and window < q_start + lq:
+        yield from _window_pieces(page_table, page, q_start, lq, window, lo, hi)
+        return
     if doc_start is not None:
         for b in range(doc_start.shape[0]):
             starts = doc_start[b]
@@ -122,6 +147,11 @@ def _pieces(page_table, page: int, q_start: int, lq: int, lo: int, hi: int, doc_
                     yield _Piece(slice(b, b + 1), rows, False, slots, 0, slots.shape[1] * page)
     yield from _row_pieces(page_table, page, whole, 0, lq, q_start, q_start if page_select is not None else 0, lo,
                            hi)  # fmt: skip
+
+
+def _reversed(piece: _Piece, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``xs`` (rows or keys along dim 2) reversed for a flipped piece (:class:`_Piece`), else as they are."""
+    return tuple(x.flip(2) for x in xs) if piece.flipped else xs
 
 
 def _keys(pages: torch.Tensor, piece: _Piece, dtype: torch.dtype) -> torch.Tensor:
@@ -192,10 +222,11 @@ def paged_attention_forward(
         for name, x, shape in zip(("acc", "m", "l"), state, (q.shape, q.shape[:-1], q.shape[:-1])):
             check_buffer(f"state {name}", x, shape, dtype, q.device)
     qc = q.to(dtype)
-    pieces = list(_pieces(page_table, page, q_start, lq, lo, hi, doc_start, page_select))
+    pieces = list(_pieces(page_table, page, q_start, lq, lo, hi, window, doc_start, page_select))
     for piece in pieces:
-        k, v = _keys(k_pages, piece, dtype), _keys(v_pages, piece, dtype)
-        out, lse = _attend(qc[piece.batch, :, piece.rows], k, v, piece.causal, scale)
+        qr, k, v = _reversed(piece, qc[piece.batch, :, piece.rows], _keys(k_pages, piece, dtype),
+                             _keys(v_pages, piece, dtype))  # fmt: skip
+        out, lse = _reversed(piece, *_attend(qr, k, v, piece.causal, scale))
         if own and len(pieces) == 1 and piece.batch == slice(None) and piece.rows == slice(0, lq):
             return out.to(q.dtype), lse
         add_part(tuple(x[piece.batch, :, piece.rows] for x in state), out, lse)
@@ -246,12 +277,12 @@ def paged_attention_backward(
         qc, doc = _with_column(qc, 0.0), _with_column(doc, 1.0)
         outc = torch.cat([torch.zeros_like(outc), delta[..., None]], -1)
     d = q.shape[3]
-    for piece in _pieces(page_table, page, q_start, lq, lo, hi, doc_start, page_select):
+    for piece in _pieces(page_table, page, q_start, lq, lo, hi, window, doc_start, page_select):
         k, v = _keys(k_pages, piece, dtype), _keys(v_pages, piece, dtype)
         if delta is not None:
             k, v = _with_column(k, 0.0), _with_column(v, 0.0)
-        rows = [x[piece.batch, :, piece.rows] for x in (doc, qc, outc, lsec)]
-        gq, gk, gv = _attend_backward(*rows, k, v, piece.causal, scale)
+        rows = _reversed(piece, *(x[piece.batch, :, piece.rows] for x in (doc, qc, outc, lsec)), k, v)
+        gq, gk, gv = _reversed(piece, *_attend_backward(*rows, piece.causal, scale))
         dq[piece.batch, :, piece.rows] += gq[..., :d]
         _add(dk_pages, piece, gk[..., :d])
         _add(dv_pages, piece, gv[..., :d])

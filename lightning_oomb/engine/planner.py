@@ -1317,14 +1317,15 @@ def _budget(config: OOMBConfig, machine: Machine, weights: int) -> int | None:
 
 def _backend(config: OOMBConfig, machine: Machine, shape: ModelShape | None = None, seq_len: int = 0) -> str:
     """The attention backend whose transients the plan counts: on a CPU the fused path's, unless the step's calls
-    take the plain reference (``engine/cpu_attention.py``'s ``fast_path``: a sliding window shorter than the keys,
-    an attention softcap): then ``torch``'s, the reference's score blocks."""
+    take the plain reference (``engine/cpu_attention.py``'s ``fast_path``: an attention softcap, or a window
+    shorter than the keys together with a page budget): then ``torch``'s, the reference's score blocks."""
     if config.attention_backend != "auto":
         backend = config.attention_backend
     else:
         backend = {"cuda": "triton", "cpu": "cpu"}.get(machine.device_type, "torch")
+    windowed = shape is not None and any(w is not None and w < seq_len for w in shape.windows or ())
     referenced = shape is not None and (
-        any(w is not None and w < seq_len for w in shape.windows or ()) or shape.attention_softcap
+        shape.attention_softcap or (windowed and config.page_budget is not None)
     )
     return "torch" if backend == "cpu" and referenced else backend
 

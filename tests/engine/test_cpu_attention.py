@@ -114,9 +114,8 @@ def matches_the_reference(q, dout, kv, q_start, tol, **terms):
     """One call over every key, then calls over page-aligned key ranges folded into one state and one dQ
     accumulator with a given delta: the same results from both backends."""
     page, n, scale = kv.k.shape[2], q_start + q.shape[2], 0.3
-    assert cpu_attention.fast_path(
-        q, q_start, None, None, terms.get("doc_start"), terms.get("page_select"), None
-    )
+    window, docs, select = (terms.get(k) for k in ("window", "doc_start", "page_select"))
+    assert cpu_attention.fast_path(q, q_start, window, None, docs, select, None)
     out, lse = cpu_attention.paged_attention_forward(q, kv.k, kv.v, kv.page_table, q_start, scale, **terms)
     want_out, want_lse = reference.paged_attention_forward(
         q, kv.k, kv.v, kv.page_table, q_start, scale, **terms
@@ -182,6 +181,19 @@ def test_documents_match_the_reference(shape, dtype):
     matches_the_reference(q, dout, kv, q_start, TOL[dtype], doc_start=document_starts(q, q_start, seed=7))
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(
+    ("shape", "window"),
+    [("gqa4-deep", 2), ("gqa4-deep", 10), ("gqa4-deep", 16), ("gqa4-deep", 40), ("unaligned-start", 3),
+     ("first-chunk", 7)],
+)  # fmt: skip
+def test_sliding_windows_match_the_reference(shape, window, dtype):
+    """A window shorter than the keys: rows in blocks of at most the window, each block's lower edge, the keys all
+    its rows see, its own keys."""
+    q, dout, kv, q_start = inputs(SHAPES[shape], dtype, seed=8)
+    matches_the_reference(q, dout, kv, q_start, TOL[dtype], window=window)
+
+
 def test_bf16_inputs_compute_in_float32():
     q, dout, kv, q_start = inputs(SHAPES["gqa4-deep"], torch.bfloat16)
     out, lse = cpu_attention.paged_attention_forward(q, kv.k, kv.v, kv.page_table, q_start, 0.25)
@@ -192,7 +204,7 @@ def test_bf16_inputs_compute_in_float32():
 
 
 TERMS = {
-    "short window": dict(window=10),
+    "short window and documents": dict(window=10, doc_start=True),
     "softcap": dict(softcap=5.0),
     "documents and a page selection": dict(doc_start=True, page_select=True),
     "tile counter": dict(visits=True),
