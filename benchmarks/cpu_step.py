@@ -18,6 +18,8 @@ table next to it, and prints the table last.
     PYTHONPATH=$PWD python benchmarks/cpu_step.py --threads 1 --out benchmarks/results/cpu-step-1thread.json
     PYTHONPATH=$PWD python benchmarks/cpu_step.py --cases 8192:1024 --backends auto auto+sparse auto+packed \
         --out benchmarks/results/cpu-step-terms.json
+    PYTHONPATH=$PWD python benchmarks/cpu_step.py --window 512 --cases 8192:1024 --backends auto \
+        --out benchmarks/results/cpu-step-window.json
     PYTHONPATH=$PWD python benchmarks/cpu_step.py --cases 256:256 --repeats 1 --out /tmp/cpu-step.json  # smoke
 """
 
@@ -41,10 +43,15 @@ SPARSE_BUDGET = 8  # auto+sparse: pages before each chunk (of 128 tokens)
 PACKED_DOCUMENT = 512  # auto+packed: tokens per document
 
 
-def build_llama() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def build_llama(window: int | None = None) -> torch.nn.Module:
+    """The benchmark's Llama; with ``window`` its Mistral twin (the same shapes, a sliding window of that many
+    keys in every layer, HF's SDPA masked to it)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
+    if window is not None:
+        config = MistralConfig(**LLAMA, sliding_window=window, attn_implementation="sdpa")
+        return MistralForCausalLM(config).train()
     return LlamaForCausalLM(LlamaConfig(**LLAMA, attn_implementation="sdpa")).train()
 
 
@@ -78,8 +85,14 @@ def oomb_step(model, ids, chunk: int, backend: str):
     return step
 
 
-def run(cases: list[tuple[int, int]], backends: list[str], repeats: int, torch_up_to: int) -> list[dict]:
-    model, rows, hf = build_llama(), [], {}
+def run(
+    cases: list[tuple[int, int]],
+    backends: list[str],
+    repeats: int,
+    torch_up_to: int,
+    window: int | None = None,
+) -> list[dict]:
+    model, rows, hf = build_llama(window), [], {}
     for context, chunk in cases:
         ids = torch.randint(
             0, LLAMA["vocab_size"], (1, context), generator=torch.Generator().manual_seed(context)
@@ -120,12 +133,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per case after one warm-up step")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu-step.json"))
     parser.add_argument("--note", default="", help="a line for the table (e.g. what else loaded the machine)")
+    parser.add_argument(
+        "--window", type=int, help="the model's Mistral twin with a sliding window of this many keys"
+    )
     args = parser.parse_args(argv)
     cases = [tuple(int(x) for x in case.split(":")) for case in args.cases]
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = run(cases, args.backends, args.repeats, args.torch_up_to)
-    meta = {"threads": torch.get_num_threads(), "torch": torch.__version__, "model": LLAMA, "note": args.note}
+    rows = run(cases, args.backends, args.repeats, args.torch_up_to, args.window)
+    meta = {"threads": torch.get_num_threads(), "torch": torch.__version__, "model": LLAMA, "note": args.note,
+            "window": args.window}  # fmt: skip
     write_json(args.out, {"meta": meta, "rows": rows})
     print(write_table(args.out.with_suffix(".md"), meta, rows))
 
@@ -134,6 +151,8 @@ def write_table(path: Path, meta: dict, rows: list[dict]) -> str:
     """The Markdown table of ``rows`` under a line saying how they were measured; returns the table."""
     text = table(rows)
     note = f" {meta['note']}" if meta.get("note") else ""
+    if meta.get("window"):
+        note = f" The model's Mistral twin, a sliding window of {meta['window']} keys in every layer.{note}"
     path.write_text(
         f"One step (forward + backward), float32, {meta['threads']} CPU threads, torch {meta['torch']}; "
         f"`{Path(__file__).name}`.{note}\n\n{text}"

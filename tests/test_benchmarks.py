@@ -396,6 +396,8 @@ def test_cpu_step_smoke(tmp_path):
     backends = ("auto", "auto+reuse", "auto+sparse", "auto+packed", "torch")
     assert methods == [("hf", "sdpa")] + [("oomb", b) for b in backends]
     assert "| oomb | 256 | 128 | auto |" in out.with_suffix(".md").read_text()
+    main(["--cases", "256:128", "--repeats", "1", "--window", "64", "--backends", "auto", "--out", str(out)])
+    assert "sliding window of 64 keys" in out.with_suffix(".md").read_text()
 
 
 @pytest.mark.slow
