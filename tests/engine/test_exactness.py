@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import zlib
 
 import pytest
 import torch
@@ -29,7 +30,11 @@ def oomb_loss_and_grads(model, ids, labels, chunk_size, checkpointing):
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_dense_oomb_equals_full_sequence(family, chunk_size, num_chunks, batch, checkpointing):
     model = build_causal_lm(family)
-    gen = torch.Generator().manual_seed(hash((family, chunk_size, batch)) % 2**31)
+    # a seed stable across runs (``hash`` of a str is salted per process): Hugging Face's RMSNorms compute in
+    # float32 even in a float64 model, so now and then (once in thousands of random inputs here) a last-bit
+    # difference between the two computations rounds to another float32 and a gradient differs by ~1e-8 — the
+    # oracle's model, not the engine (with the norms in float64 the same input gives 2e-15)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{family}-{chunk_size}-{batch}".encode()))
     ids = torch.randint(0, 97, (batch, SEQ), generator=gen)
     labels = ids.clone()
     labels[:, [3, 31, 32]] = -100  # ignored targets, one at a chunk boundary
