@@ -20,6 +20,8 @@ table next to it, and prints the table last.
         --out benchmarks/results/cpu-step-terms.json
     PYTHONPATH=$PWD python benchmarks/cpu_step.py --window 512 --cases 8192:1024 --backends auto \
         --out benchmarks/results/cpu-step-window.json
+    PYTHONPATH=$PWD python benchmarks/cpu_step.py --window 256 --cases 8192:1024 --backends auto+packed \
+        --out benchmarks/results/cpu-step-window-packed.json
     PYTHONPATH=$PWD python benchmarks/cpu_step.py --cases 256:256 --repeats 1 --out /tmp/cpu-step.json  # smoke
 """
 

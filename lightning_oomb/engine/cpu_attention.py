@@ -8,15 +8,15 @@ queries see causally (one call with ``is_causal``, K/V repeated per query head).
 state by log-sum-exp (:mod:`lightning_oomb.engine.lse`), as the kernels fold key blocks. Arithmetic in float32
 (float64 for float64 inputs), as the reference.
 
-:func:`fast_path` says which calls go this way: CPU tensors without softcap or tile counter, and at most one of a
-window that drops keys, documents and a page selection. With a page selection (sparse attention) the keys before
+:func:`fast_path` says which calls go this way: CPU tensors without softcap or tile counter, and a page selection
+only without a window that drops keys or documents. With a page selection (sparse attention) the keys before
 ``q_start`` are each query block's selected pages instead: one non-causal call per batch row and query block over
 its pages, gathered. With documents (packed rows) each batch row's run of rows in one document is a query of its
 own: the keys of its document before its first row (non-causal), then its own rows' (causal) — a call or two per
-document. With a sliding window of ``W`` keys the rows go in blocks of at most ``W``: per block the keys only its
-first rows see (the window's lower edge: a causal call on the rows and keys reversed), those every row sees, then
-its own keys (causal) (:func:`_pieces`). Every other call is the plain reference's
-(:mod:`lightning_oomb.engine.reference`, the oracle the tests compare this backend with).
+document. With a sliding window of ``W`` keys the rows (a document's rows, with documents) go in blocks of at most
+``W``: per block the keys only its first rows see (the window's lower edge: a causal call on the rows and keys
+reversed), those every row sees, then its own keys (causal) (:func:`_pieces`). Every other call is the plain
+reference's (:mod:`lightning_oomb.engine.reference`, the oracle the tests compare this backend with).
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ PAST_BLOCK = 16384  # keys per call before q_start: bounds the gathered copy of 
 def fast_path(q: torch.Tensor, q_start: int, window, softcap, doc_start, page_select, visits) -> bool:
     """Whether a call runs on the fused CPU kernels (else on the reference)."""
     windowed = window is not None and window < q_start + q.shape[2]
-    terms = windowed + (doc_start is not None) + (page_select is not None)
-    return q.device.type == "cpu" and softcap is None and visits is None and terms <= 1
+    alone = page_select is None or not (windowed or doc_start is not None)
+    return q.device.type == "cpu" and softcap is None and visits is None and alone
 
 
 def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
@@ -89,20 +89,21 @@ def _range(
     return _Piece(batch, rows, causal, slots, first - first // page * page, end - first, flipped)
 
 
-def _window_pieces(page_table, page: int, q_start: int, lq: int, window: int, lo: int, hi: int):
-    """The pieces of a sliding window (row at position ``p`` sees keys ``(p - window, p]``), rows in blocks of at
-    most ``window``, in ``[lo, hi)``: per block ``[p0, p1)`` its lower edge, the keys from ``p0 - window + 1`` to
-    ``p1 - window`` before ``p0`` (row ``p`` sees those from ``p - window + 1`` on: flipped causal, for the rows that
-    see one), the keys every row sees ``[p1 - window + 1, p0)``, and its own keys, causally."""
-    whole = slice(None)
-    for r0 in range(0, lq, window):
-        r1 = min(r0 + window, lq)
-        p0, p1 = q_start + r0, q_start + r1
+def _window_pieces(page_table, page: int, batch: slice, r0: int, r1: int, q_start: int, window: int, lo: int,
+                   hi: int):  # fmt: skip
+    """The pieces of a sliding window (row at position ``p`` sees keys ``(p - window, p]``) for the rows
+    ``[r0, r1)``, in blocks of at most ``window``, in ``[lo, hi)``: per block ``[p0, p1)`` its lower edge, the keys
+    from ``p0 - window + 1`` to ``p1 - window`` before ``p0`` (row ``p`` sees those from ``p - window + 1`` on:
+    flipped causal, for the rows that see one; a row whose window starts below ``lo`` sees them all), the keys every
+    row sees ``[p1 - window + 1, p0)``, and its own keys, causally."""
+    for b0 in range(r0, r1, window):
+        b1 = min(b0 + window, r1)
+        p0, p1 = q_start + b0, q_start + b1
         first, end = max(p0 - window + 1, lo, 0), min(p1 - window + 1, p0, hi)  # (never its own keys)
         if first < end:  # rows from p0 to the last that sees key end - 1
-            rows = slice(r0, min(r1, end + window - 1 - q_start))
-            yield _range(page_table, page, whole, rows, first, end, True, flipped=True)
-        yield from _row_pieces(page_table, page, whole, r0, r1, q_start, max(p1 - window + 1, 0), lo, hi)
+            rows = slice(b0, min(b1, end + window - 1 - q_start))
+            yield _range(page_table, page, batch, rows, first, end, True, flipped=True)
+        yield from _row_pieces(page_table, page, batch, b0, b1, q_start, max(p1 - window + 1, 0), lo, hi)
 
 
 def _row_pieces(page_table, page: int, batch: slice, r0: int, r1: int, q_start: int, first_key: int, lo: int,
@@ -120,20 +121,28 @@ def _row_pieces(page_table, page: int, batch: slice, r0: int, r1: int, q_start: 
 
 def _pieces(page_table, page: int, q_start: int, lq: int, lo: int, hi: int, window, doc_start, page_select):
     """The calls of an attention call over the keys ``[lo, hi)``: the whole batch's rows at once; a window's in
-    blocks of rows (:func:`_window_pieces`); per batch row and document with ``doc_start``; with ``page_select``
-    per batch row and query block its selected pages before ``q_start`` (every row of the block sees all of their
-    keys), then the chunk's own keys."""
+    blocks of rows (:func:`_window_pieces`); per batch row and document with ``doc_start`` (a window's blocks inside
+    each document's rows, its keys from the document's start on); with ``page_select`` per batch row and query
+    block its selected pages before ``q_start`` (every row of the block sees all of their keys), then the chunk's
+    own keys."""
     whole = slice(None)
-    if window is not None and window < q_start + lq:
-        yield from _window_pieces(page_table, page, q_start, lq, window, lo, hi)
-        return
+    if window is not None and window >= q_start + lq:
+        window = None  # drops no key
     if doc_start is not None:
         for b in range(doc_start.shape[0]):
             starts = doc_start[b]
             edges = [0, *(torch.nonzero(starts[1:] != starts[:-1]).flatten() + 1).tolist(), lq]
             for r0, r1 in zip(edges[:-1], edges[1:]):
-                first = int(starts[r0])
-                yield from _row_pieces(page_table, page, slice(b, b + 1), r0, r1, q_start, first, lo, hi)
+                first, row = int(starts[r0]), slice(b, b + 1)
+                if window is None:
+                    yield from _row_pieces(page_table, page, row, r0, r1, q_start, first, lo, hi)
+                else:
+                    yield from _window_pieces(
+                        page_table, page, row, r0, r1, q_start, window, max(lo, first), hi
+                    )
+        return
+    if window is not None:
+        yield from _window_pieces(page_table, page, whole, 0, lq, q_start, window, lo, hi)
         return
     if page_select is not None:
         first, end = lo // page, min(hi, q_start) // page

@@ -194,6 +194,18 @@ def test_sliding_windows_match_the_reference(shape, window, dtype):
     matches_the_reference(q, dout, kv, q_start, TOL[dtype], window=window)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(
+    ("shape", "window"), [("gqa4-deep", 3), ("gqa4-deep", 16), ("unaligned-start", 5), ("first-chunk", 4)]
+)
+def test_windows_inside_documents_match_the_reference(shape, window, dtype):
+    """Packed rows with a sliding window (a packed Mistral): each document's rows in blocks of at most the window,
+    no key before the document's start."""
+    q, dout, kv, q_start = inputs(SHAPES[shape], dtype, seed=9)
+    docs = document_starts(q, q_start, seed=10)
+    matches_the_reference(q, dout, kv, q_start, TOL[dtype], window=window, doc_start=docs)
+
+
 def test_bf16_inputs_compute_in_float32():
     q, dout, kv, q_start = inputs(SHAPES["gqa4-deep"], torch.bfloat16)
     out, lse = cpu_attention.paged_attention_forward(q, kv.k, kv.v, kv.page_table, q_start, 0.25)
@@ -204,7 +216,7 @@ def test_bf16_inputs_compute_in_float32():
 
 
 TERMS = {
-    "short window and documents": dict(window=10, doc_start=True),
+    "short window and a page selection": dict(window=10, page_select=True),
     "softcap": dict(softcap=5.0),
     "documents and a page selection": dict(doc_start=True, page_select=True),
     "tile counter": dict(visits=True),
