@@ -8,15 +8,15 @@ queries see causally (one call with ``is_causal``, K/V repeated per query head).
 state by log-sum-exp (:mod:`lightning_oomb.engine.lse`), as the kernels fold key blocks. Arithmetic in float32
 (float64 for float64 inputs), as the reference.
 
-:func:`fast_path` says which calls go this way: CPU tensors without softcap or tile counter, and a page selection
-only without a window that drops keys or documents. With a page selection (sparse attention) the keys before
-``q_start`` are each query block's selected pages instead: one non-causal call per batch row and query block over
-its pages, gathered. With documents (packed rows) each batch row's run of rows in one document is a query of its
-own: the keys of its document before its first row (non-causal), then its own rows' (causal) — a call or two per
-document. With a sliding window of ``W`` keys the rows (a document's rows, with documents) go in blocks of at most
-``W``: per block the keys only its first rows see (the window's lower edge: a causal call on the rows and keys
-reversed), those every row sees, then its own keys (causal) (:func:`_pieces`). Every other call is the plain
-reference's (:mod:`lightning_oomb.engine.reference`, the oracle the tests compare this backend with).
+:func:`fast_path` says which calls go this way: CPU tensors without softcap or tile counter. With a page selection
+(sparse attention) the keys before ``q_start`` are each query block's selected pages instead: one non-causal call per
+batch row and query block over its pages, gathered (masked to what each row's window and document leave). With documents
+(packed rows) each batch row's run of rows in one document is a query of its own: the keys of its document before its
+first row (non-causal), then its own rows' (causal) — a call or two per document. With a sliding window of ``W`` keys
+the rows (a document's rows, with documents) go in blocks of at most ``W``: per block the keys only its first rows see
+(the window's lower edge: a causal call on the rows and keys reversed), those every row sees, then its own keys (causal)
+(:func:`_pieces`). Every other call is the plain reference's (:mod:`lightning_oomb.engine.reference`, the oracle the
+tests compare this backend with).
 """
 
 from __future__ import annotations
@@ -44,11 +44,10 @@ _flash_backward_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_
 PAST_BLOCK = 16384  # keys per call before q_start: bounds the gathered copy of K/V, not the work
 
 
-def fast_path(q: torch.Tensor, q_start: int, window, softcap, doc_start, page_select, visits) -> bool:
-    """Whether a call runs on the fused CPU kernels (else on the reference)."""
-    windowed = window is not None and window < q_start + q.shape[2]
-    alone = page_select is None or not (windowed or doc_start is not None)
-    return q.device.type == "cpu" and softcap is None and visits is None and alone
+def fast_path(q: torch.Tensor, softcap, visits) -> bool:
+    """Whether a call runs on the fused CPU kernels (else on the reference): CPU tensors, no softcap (the kernels'
+    scores are plain dot products), no tile counter (a Triton kernel's measure)."""
+    return q.device.type == "cpu" and softcap is None and visits is None
 
 
 def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
@@ -57,19 +56,21 @@ def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _flash(q, k, v, causal: bool, scale: float):
-    return _flash_op(*map(_unit_last_stride, (q, k, v)), 0.0, causal, scale=scale)
+def _flash(q, k, v, causal: bool, scale: float, mask=None):
+    return _flash_op(*map(_unit_last_stride, (q, k, v)), 0.0, causal, attn_mask=mask, scale=scale)
 
 
-def _flash_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
-    return _flash_backward_op(*map(_unit_last_stride, (dout, q, k, v, out, lse)), 0.0, causal, scale=scale)
+def _flash_backward(dout, q, k, v, out, lse, causal: bool, scale: float, mask=None):
+    args = map(_unit_last_stride, (dout, q, k, v, out, lse))
+    return _flash_backward_op(*args, 0.0, causal, attn_mask=mask, scale=scale)
 
 
 class _Piece(NamedTuple):
     """One call: query ``rows`` of the batch rows ``batch`` attend to ``length`` keys starting ``start`` tokens into
     the pages ``slots [len(batch), n]`` (causal: top-left aligned, row ``rows.start + i`` sees the first ``i + 1``
-    keys; else every row sees every key). ``flipped``: causal with the rows and the keys both reversed — the last
-    row sees the last key, the row before it the last two, ... (a window's lower edge)."""
+    keys; else every row sees every key, or those ``visible [rows, length]`` marks). ``flipped``: causal with the rows
+    and the keys both reversed — the last row sees the last key, the row before it the last two, ... (a window's
+    lower edge)."""
 
     batch: slice
     rows: slice
@@ -78,6 +79,7 @@ class _Piece(NamedTuple):
     start: int
     length: int
     flipped: bool = False
+    visible: torch.Tensor | None = None
 
 
 def _range(
@@ -123,11 +125,12 @@ def _pieces(page_table, page: int, q_start: int, lq: int, lo: int, hi: int, wind
     """The calls of an attention call over the keys ``[lo, hi)``: the whole batch's rows at once; a window's in
     blocks of rows (:func:`_window_pieces`); per batch row and document with ``doc_start`` (a window's blocks inside
     each document's rows, its keys from the document's start on); with ``page_select`` per batch row and query
-    block its selected pages before ``q_start`` (every row of the block sees all of their keys), then the chunk's
-    own keys."""
-    whole = slice(None)
+    block its selected pages before ``q_start`` (:func:`_selected_pieces`), then the chunk's own keys as above."""
     if window is not None and window >= q_start + lq:
         window = None  # drops no key
+    if page_select is not None:
+        yield from _selected_pieces(page_table, page, q_start, lq, lo, hi, window, doc_start, page_select)
+        lo = max(lo, q_start)
     if doc_start is not None:
         for b in range(doc_start.shape[0]):
             starts = doc_start[b]
@@ -140,22 +143,52 @@ def _pieces(page_table, page: int, q_start: int, lq: int, lo: int, hi: int, wind
                     yield from _window_pieces(
                         page_table, page, row, r0, r1, q_start, window, max(lo, first), hi
                     )
-        return
-    if window is not None:
-        yield from _window_pieces(page_table, page, whole, 0, lq, q_start, window, lo, hi)
-        return
-    if page_select is not None:
-        first, end = lo // page, min(hi, q_start) // page
-        for b in range(page_select.shape[0]) if first < end else ():
-            for block in range(page_select.shape[1]):
-                pages = page_select[b, block].long()
-                pages = pages[(pages >= first) & (pages < end)]
-                if pages.numel():
-                    rows = slice(block * page, min((block + 1) * page, lq))
-                    slots = page_table[b, pages][None]
-                    yield _Piece(slice(b, b + 1), rows, False, slots, 0, slots.shape[1] * page)
-    yield from _row_pieces(page_table, page, whole, 0, lq, q_start, q_start if page_select is not None else 0, lo,
-                           hi)  # fmt: skip
+    elif window is not None:
+        yield from _window_pieces(page_table, page, slice(None), 0, lq, q_start, window, lo, hi)
+    else:
+        yield from _row_pieces(page_table, page, slice(None), 0, lq, q_start, 0, lo, hi)
+
+
+def _selected_pieces(
+    page_table, page: int, q_start: int, lq: int, lo: int, hi: int, window, doc_start, page_select
+):
+    """Per batch row and query block, its selected pages in ``[lo, min(hi, q_start))``, gathered: every row of the
+    block sees all of their keys, or — with a window or documents — the rows that see any (a first run of the
+    block's: the later a row, the fewer of the keys before the chunk it sees) those their window and document
+    leave (``visible``)."""
+    first, end = lo // page, min(hi, q_start) // page
+    for b in range(page_select.shape[0]) if first < end else ():
+        for block in range(page_select.shape[1]):
+            pages = page_select[b, block].long()
+            pages = pages[(pages >= first) & (pages < end)]
+            if not pages.numel():
+                continue
+            rows, visible = slice(block * page, min((block + 1) * page, lq)), None
+            if window is not None or doc_start is not None:
+                keys = (pages[:, None] * page + torch.arange(page)).flatten()
+                at = torch.arange(q_start + rows.start, q_start + rows.stop)[:, None]
+                floor = (
+                    at - window + 1 if window is not None else torch.zeros_like(at)
+                )  # each row's first key
+                if doc_start is not None:
+                    floor = torch.maximum(floor, doc_start[b, rows, None])
+                visible = keys >= floor  # [rows, keys]
+                seen = int(visible.any(1).sum())
+                if not seen:
+                    continue
+                rows, visible = slice(rows.start, rows.start + seen), visible[:seen]
+                visible = None if bool(visible.all()) else visible
+            slots = page_table[b, pages][None]
+            yield _Piece(slice(b, b + 1), rows, False, slots, 0, slots.shape[1] * page, visible=visible)
+
+
+def _mask(piece: _Piece, groups: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """The piece's ``visible`` as the fused kernels take it: additive (0 or -inf) in ``dtype``, for the query heads
+    of a KV head stacked as rows (``groups`` of them); ``None`` without."""
+    if piece.visible is None:
+        return None
+    mask = torch.zeros(piece.visible.shape, dtype=dtype).masked_fill_(~piece.visible, float("-inf"))
+    return mask.repeat(groups, 1)[None, None]
 
 
 def _reversed(piece: _Piece, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -177,16 +210,17 @@ def _per_query_head(x: torch.Tensor, hq: int) -> torch.Tensor:
     return x.repeat_interleave(hq // x.shape[1], 1)
 
 
-def _attend(q, k, v, causal: bool, scale: float):
-    """``(out, lse)`` ``[B, Hq, L, D]``, ``[B, Hq, L]`` of one piece (``k, v`` per KV head)."""
+def _attend(q, k, v, causal: bool, scale: float, mask=None):
+    """``(out, lse)`` ``[B, Hq, L, D]``, ``[B, Hq, L]`` of one piece (``k, v`` per KV head; ``mask``: as
+    :func:`_mask` makes it)."""
     b, hq, lq, d = q.shape
     if causal:
         return _flash(q, _per_query_head(k, hq), _per_query_head(v, hq), True, scale)
-    out, lse = _flash(_stacked(q, k.shape[1]), k, v, False, scale)
+    out, lse = _flash(_stacked(q, k.shape[1]), k, v, False, scale, mask)
     return out.reshape(b, hq, lq, d), lse.reshape(b, hq, lq)
 
 
-def _attend_backward(dout, q, out, lse, k, v, causal: bool, scale: float):
+def _attend_backward(dout, q, out, lse, k, v, causal: bool, scale: float, mask=None):
     """``(dq [B, Hq, L, D], dk, dv [B, Hkv, Lk, D])`` of one piece, as :func:`_attend` splits it."""
     hq, hkv = q.shape[1], k.shape[1]
     if causal:
@@ -195,7 +229,7 @@ def _attend_backward(dout, q, out, lse, k, v, causal: bool, scale: float):
         )
         return dq, _grouped_sum(dk, hkv), _grouped_sum(dv, hkv)
     dout, qs, out, lse = (_stacked(x, hkv) for x in (dout, q, out, lse))
-    dq, dk, dv = _flash_backward(dout, qs, k, v, out, lse, False, scale)
+    dq, dk, dv = _flash_backward(dout, qs, k, v, out, lse, False, scale, mask)
     return dq.reshape(q.shape), dk, dv
 
 
@@ -218,7 +252,7 @@ def paged_attention_forward(
     """As :func:`lightning_oomb.engine.reference.paged_attention_forward`."""
     args = (q, k_pages, v_pages, page_table, q_start, scale, window)
     terms = {"softcap": softcap, "doc_start": doc_start, "page_select": page_select, "visits": visits}
-    if not fast_path(q, q_start, window, softcap, doc_start, page_select, visits):
+    if not fast_path(q, softcap, visits):
         return reference.paged_attention_forward(*args, key_range=key_range, state=state, **terms)
     lq, page = q.shape[2], k_pages.shape[2]
     check_terms(q, page, q_start, window, softcap, doc_start, page_select)
@@ -235,7 +269,8 @@ def paged_attention_forward(
     for piece in pieces:
         qr, k, v = _reversed(piece, qc[piece.batch, :, piece.rows], _keys(k_pages, piece, dtype),
                              _keys(v_pages, piece, dtype))  # fmt: skip
-        out, lse = _reversed(piece, *_attend(qr, k, v, piece.causal, scale))
+        mask = _mask(piece, q.shape[1] // k.shape[1], dtype)
+        out, lse = _reversed(piece, *_attend(qr, k, v, piece.causal, scale, mask))
         if own and len(pieces) == 1 and piece.batch == slice(None) and piece.rows == slice(0, lq):
             return out.to(q.dtype), lse
         add_part(tuple(x[piece.batch, :, piece.rows] for x in state), out, lse)
@@ -268,7 +303,7 @@ def paged_attention_backward(
     (``out`` is then not read): it rides in one extra head-dim column, where ``out`` is zero."""
     args = (q, out, lse, dout, k_pages, v_pages, dk_pages, dv_pages, page_table, q_start, scale, window)
     terms = {"softcap": softcap, "doc_start": doc_start, "page_select": page_select, "visits": visits}
-    if not fast_path(q, q_start, window, softcap, doc_start, page_select, visits):
+    if not fast_path(q, softcap, visits):
         return reference.paged_attention_backward(*args, key_range=key_range, delta=delta, dq=dq, **terms)
     lq, page = q.shape[2], k_pages.shape[2]
     check_terms(q, page, q_start, window, softcap, doc_start, page_select)
@@ -291,7 +326,8 @@ def paged_attention_backward(
         if delta is not None:
             k, v = _with_column(k, 0.0), _with_column(v, 0.0)
         rows = _reversed(piece, *(x[piece.batch, :, piece.rows] for x in (doc, qc, outc, lsec)), k, v)
-        gq, gk, gv = _reversed(piece, *_attend_backward(*rows, piece.causal, scale))
+        mask = _mask(piece, q.shape[1] // k.shape[1], dtype)
+        gq, gk, gv = _reversed(piece, *_attend_backward(*rows, piece.causal, scale, mask))
         dq[piece.batch, :, piece.rows] += gq[..., :d]
         _add(dk_pages, piece, gk[..., :d])
         _add(dv_pages, piece, gv[..., :d])

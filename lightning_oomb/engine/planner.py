@@ -1137,7 +1137,7 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     staging = arena_bytes(slots["staging"], pool) if tiers.host_layers else 0
     host = {"pool": arena_bytes(slots["host"], pool)}  # the pinned host memory's terms
 
-    backend = _backend(config, machine, shape, seq_len)
+    backend = _backend(config, machine, shape)
     ckpt = config.layer_checkpointing
     saved = saved_bytes(
         shape, dtypes, batch, seq_len, config.chunk_size, ckpt, len(tiers.host_layers), config.mlp_tile
@@ -1315,18 +1315,15 @@ def _budget(config: OOMBConfig, machine: Machine, weights: int) -> int | None:
     return hbm_budget(config, machine.device_type, lambda: (machine.device_bytes - weights, machine.total))
 
 
-def _backend(config: OOMBConfig, machine: Machine, shape: ModelShape | None = None, seq_len: int = 0) -> str:
+def _backend(config: OOMBConfig, machine: Machine, shape: ModelShape | None = None) -> str:
     """The attention backend whose transients the plan counts: on a CPU the fused path's, unless the step's calls
-    take the plain reference (``engine/cpu_attention.py``'s ``fast_path``: an attention softcap, or a window
-    shorter than the keys together with a page budget): then ``torch``'s, the reference's score blocks."""
+    take the plain reference (``engine/cpu_attention.py``'s ``fast_path``: an attention softcap): then ``torch``'s,
+    the reference's score blocks."""
     if config.attention_backend != "auto":
         backend = config.attention_backend
     else:
         backend = {"cuda": "triton", "cpu": "cpu"}.get(machine.device_type, "torch")
-    windowed = shape is not None and any(w is not None and w < seq_len for w in shape.windows or ())
-    referenced = shape is not None and (
-        shape.attention_softcap or (windowed and config.page_budget is not None)
-    )
+    referenced = shape is not None and shape.attention_softcap
     return "torch" if backend == "cpu" and referenced else backend
 
 

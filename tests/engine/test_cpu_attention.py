@@ -53,7 +53,7 @@ def both_backward(q, out, lse, dout, kv, q_start, scale, window=None, **kw):
 def test_one_call_matches_the_reference(shape, dtype):
     q, dout, kv, q_start = inputs(shape, dtype)
     scale, window = q.shape[-1] ** -0.5, q_start + q.shape[2]  # a window no key falls out of: fused too
-    assert cpu_attention.fast_path(q, q_start, window, None, None, None, None)
+    assert cpu_attention.fast_path(q, None, None)
     out, lse = cpu_attention.paged_attention_forward(q, kv.k, kv.v, kv.page_table, q_start, scale, window)
     want_out, want_lse = reference.paged_attention_forward(
         q, kv.k, kv.v, kv.page_table, q_start, scale, window
@@ -114,8 +114,7 @@ def matches_the_reference(q, dout, kv, q_start, tol, **terms):
     """One call over every key, then calls over page-aligned key ranges folded into one state and one dQ
     accumulator with a given delta: the same results from both backends."""
     page, n, scale = kv.k.shape[2], q_start + q.shape[2], 0.3
-    window, docs, select = (terms.get(k) for k in ("window", "doc_start", "page_select"))
-    assert cpu_attention.fast_path(q, q_start, window, None, docs, select, None)
+    assert cpu_attention.fast_path(q, None, None)
     out, lse = cpu_attention.paged_attention_forward(q, kv.k, kv.v, kv.page_table, q_start, scale, **terms)
     want_out, want_lse = reference.paged_attention_forward(
         q, kv.k, kv.v, kv.page_table, q_start, scale, **terms
@@ -206,6 +205,26 @@ def test_windows_inside_documents_match_the_reference(shape, window, dtype):
     matches_the_reference(q, dout, kv, q_start, TOL[dtype], window=window, doc_start=docs)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(
+    ("shape", "terms"),
+    [("gqa4-deep", dict(window=20)), ("gqa4-deep", dict(window=40)), ("gqa4-deep", dict(documents=True)),
+     ("gqa4-deep", dict(window=24, documents=True)), ("unaligned-start", dict(window=9)),
+     ("unaligned-start", dict(window=12, documents=True))],
+)  # fmt: skip
+def test_page_selections_with_windows_or_documents_match_the_reference(shape, terms, dtype):
+    """Sparse calls with a window or documents: each query block's selected pages masked to what its rows see (the
+    rows that see none of them left out), then the chunk's own keys as without a selection."""
+    b, hq, hkv, lq, q_start, page, d = SHAPES[shape]
+    q_start = q_start // page * page + 3 * page
+    q, dout, kv, q_start = inputs((b, hq, hkv, lq, q_start, page, d), dtype, seed=11)
+    extra = {"window": terms["window"]} if "window" in terms else {}
+    if terms.get("documents"):
+        extra["doc_start"] = document_starts(q, q_start, seed=12)
+    select = random_selection(q, q_start, page, 4, seed=13)
+    matches_the_reference(q, dout, kv, q_start, TOL[dtype], page_select=select, **extra)
+
+
 def test_bf16_inputs_compute_in_float32():
     q, dout, kv, q_start = inputs(SHAPES["gqa4-deep"], torch.bfloat16)
     out, lse = cpu_attention.paged_attention_forward(q, kv.k, kv.v, kv.page_table, q_start, 0.25)
@@ -216,9 +235,8 @@ def test_bf16_inputs_compute_in_float32():
 
 
 TERMS = {
-    "short window and a page selection": dict(window=10, page_select=True),
     "softcap": dict(softcap=5.0),
-    "documents and a page selection": dict(doc_start=True, page_select=True),
+    "softcap, a window, documents and a page selection": dict(softcap=5.0, doc_start=True, page_select=True),
     "tile counter": dict(visits=True),
 }
 
@@ -235,9 +253,8 @@ def test_other_calls_fall_back_to_the_reference(monkeypatch, term):
         kw["page_select"] = random_selection(q, q_start, kv.k.shape[2], 2, seed=5)
     if "visits" in kw:
         kw["visits"] = torch.zeros(1, dtype=torch.int32)
-    window = kw.pop("window", None)
-    assert not cpu_attention.fast_path(q, q_start, window, kw.get("softcap"), kw.get("doc_start"),
-                                       kw.get("page_select"), kw.get("visits"))  # fmt: skip
+    window = 10 if "doc_start" in kw else None  # every other term too
+    assert not cpu_attention.fast_path(q, kw.get("softcap"), kw.get("visits"))
     calls = []
     for name in ("paged_attention_forward", "paged_attention_backward"):
         original = getattr(reference, name)
@@ -255,14 +272,14 @@ def test_fused_calls_never_reach_the_reference(monkeypatch):
     monkeypatch.setattr(reference, "paged_attention_forward", refuse)
     monkeypatch.setattr(reference, "paged_attention_backward", refuse)
     q, dout, kv, q_start = inputs(SHAPES["gqa4-deep"], torch.float32)
-    for select in (
-        None,
-        random_selection(q, q_start, kv.k.shape[2], 2, seed=4),
-    ):  # (q_start: a page boundary)
-        out, lse = cpu_attention.paged_attention_forward(q, kv.k, kv.v, kv.page_table, q_start, 0.3,
-                                                         page_select=select)  # fmt: skip
+    select = random_selection(q, q_start, kv.k.shape[2], 2, seed=4)  # (q_start: a page boundary)
+    docs = document_starts(q, q_start, seed=4)
+    for window, terms in ((None, {}), (None, dict(page_select=select)),
+                          (10, dict(doc_start=docs, page_select=select))):  # fmt: skip
+        out, lse = cpu_attention.paged_attention_forward(q, kv.k, kv.v, kv.page_table, q_start, 0.3, window,
+                                                         **terms)  # fmt: skip
         cpu_attention.paged_attention_backward(q, out, lse, dout, kv.k, kv.v, kv.dk, kv.dv, kv.page_table,
-                                               q_start, 0.3, page_select=select)  # fmt: skip
+                                               q_start, 0.3, window, **terms)  # fmt: skip
 
 
 def test_backend_selection(monkeypatch):

@@ -195,12 +195,14 @@ def test_a_steps_peak_is_what_the_cpu_allocates(precision, checkpointing, vocab)
 
 
 @pytest.mark.parametrize(
-    ("family", "page_budget"), [("mistral", None), ("qwen2", 2)], ids=["window", "sparse"]
+    ("family", "page_budget"),
+    [("mistral", None), ("qwen2", 2), ("mistral", 2)],
+    ids=["window", "sparse", "window-sparse"],
 )
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
 def test_window_and_sparse_steps_are_planned_on_the_fused_cpu_path(family, page_budget, checkpointing):
-    """On a CPU, calls with a window shorter than the keys (Mistral) or a page budget take the fused path in pieces
-    (a window's blocks of rows, each query block's gathered pages), and are planned as such: within 2 % without
+    """On a CPU, calls with a window shorter than the keys (Mistral), a page budget or both take the fused path in
+    pieces (a window's blocks of rows, each query block's gathered pages), and are planned as such: within 2 % without
     checkpointing, 15 % above with it — as the same steps without a window or budget, whose peak at this size is
     the MLP backward's. (While they took the plain reference, the plan counted its score blocks.)"""
     predicted, _, measured = measure(family, "32-true", checkpointing, 64, seq_len=512, live=True,
