@@ -7,8 +7,8 @@ backward attention runs at the tiles shipped since (``tile-sweep-<gpu>.json``: t
 step time at the new rates (attention FLOP/s times that speed-up) over its step time at the fitted ones — the same
 Qwen2.5-7B configuration as the measured row (28 layers, the row's options) — so whatever the step model misses
 stays in the measured factor. A goal without a measured row of its configuration (256K with the strategies'
-defaults) borrows the factor of the nearest measured one (256K, every layer offloaded). Every number here is a
-prediction.
+defaults, and 1M with them) borrows the factor of the nearest measured one (256K, every layer offloaded; the 1M step
+extrapolated from the offloaded rows). Every number here is a prediction.
 
     PYTHONPATH=$PWD python benchmarks/retimed.py --gpu h200
 """
@@ -109,6 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     million = goals["dense 1M-token step (extrapolated)"]
     add("dense 1M-token step", million, million * factor(K * K, offloaded_256k), "s",
         "extrapolated from 128K and 256K, offloaded")  # fmt: skip
+    # with the defaults' options (some layers' pages on the GPU, the last chunks' attention results kept): its plan
+    # at the new rates, times the extrapolation's measured / planned
+    decided = planned(K * K, OOMBConfig(4096, 128, **STRATEGY_DEFAULTS), new).config
+    add("dense 1M-token step, the strategies' defaults", None,
+        million * seconds(K * K, decided, new) / seconds(K * K, offloaded_256k, old), "s",
+        "not measured: its plan at the new rates x the extrapolated 1M step's measured / planned")  # fmt: skip
 
     path = args.out or args.results / f"retimed-{args.gpu}.json"
     write_json(path, {"command": "benchmarks/retimed.py --gpu " + args.gpu, "attention_speedup": gain,

@@ -199,6 +199,8 @@ def test_retimed_goals_of_the_recorded_run(tmp_path):
     offloaded = goals["dense throughput at 256K, every layer offloaded"]
     assert offloaded["predicted"] > offloaded["measured"]
     assert goals["dense throughput at 256K, the strategies' defaults"]["measured"] is None
+    defaults = goals["dense 1M-token step, the strategies' defaults"]
+    assert defaults["measured"] is None and defaults["predicted"] <= goals["dense 1M-token step"]["predicted"]
     assert "every 'predicted' value is a prediction" in out.with_suffix(".md").read_text()
 
 
