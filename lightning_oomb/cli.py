@@ -88,12 +88,15 @@ def main() -> None:
     """The ``oomb`` console script: ``oomb plan ...`` prints a memory plan, every other subcommand is LightningCLI's."""
     if sys.argv[1:2] in (["-h"], ["--help"]):
         print(
-            "oomb plan --config <fit config> [--device-memory 141GB]: the step's memory plan (oomb plan --help)\n"
+            "oomb plan --config <fit config> [--device-memory 141GB]: the step's memory plan, exit status 1 when "
+            "it does not fit (oomb plan --help)\n"
         )
     try:
         if sys.argv[1:2] == ["plan"]:
             args, sys.argv = sys.argv[2:], sys.argv[:1]  # LightningCLI must not read sys.argv as well
-            plan_command(args)
+            result = plan_command(args)
+            if result is not None and not result.fits:
+                sys.exit(1)  # scripts can test it: the step does not fit
             return
         build_cli()
     except OOMBConfigError as err:  # its message names the cause and the fix: no trace
@@ -335,5 +338,7 @@ def print_plan(result: MemoryPlan) -> None:
     console.print(result.summary())
     for option in result.options:
         console.print(f"  would fit: {option.text} (peak {gib(option.peak_device)})")
+    if not result.fits and not result.options:
+        console.print(f"  {result.fix()}")
     for note in result.notes:
         console.print(f"  note: {note}")

@@ -790,15 +790,22 @@ class MemoryPlan:
                 f"the step ({tokens}) needs {gib(self.host_tier)} of host memory ({parts}) but only "
                 f"{gib(self.host_capacity)} is available"
             )
+        return f"{what} — it would run out of memory — {self.fix()}."
+
+    def fix(self) -> str:
+        """What would make a step that does not fit fit: the options found (``use ...``), else why none does."""
         if self.options:
-            fix = "use " + ", or ".join(o.text for o in self.options)
-        else:
+            return "use " + ", or ".join(o.text for o in self.options)
+        if not self.device_fits:
             static = sum(self.device[k] for k in ("weights", "gradients", "optimizer_states"))
-            fix = (
+            return (
                 f"no OOMB option makes it fit: weights, gradients and optimizer states alone need {gib(static)} — "
                 "train fewer parameters (e.g. LoRA adapters), use an optimizer with less state, or a larger device"
             )
-        return f"{what} — it would run out of memory — {fix}."
+        return (
+            "no OOMB option makes it fit in host memory — shorten the step (seq_len, batch), free host memory, or "
+            "use a machine with more"
+        )
 
     def format(self) -> str:
         """A plain-text table of every term, the verdict and the options."""
@@ -811,6 +818,8 @@ class MemoryPlan:
             "moments: " + ", ".join(f"{k} {gib(self.persistent + v)}" for k, v in self.phases.items())
         )
         lines += [f"  would fit: {o.text}" for o in self.options]
+        if not self.fits and not self.options:
+            lines.append(f"  {self.fix()}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 

@@ -175,6 +175,19 @@ def test_oomb_console_script_plans_the_cpu_demo(monkeypatch, capsys):
     assert "16384 tokens" in text and "host memory" in text and "fits" in text
 
 
+def test_oomb_plan_of_a_step_that_cannot_fit_says_why_and_exits_1(monkeypatch, capsys):
+    """No option fits Qwen2.5-7B's full fine-tune on 24 GB (its weights, gradients and AdamW states alone need more):
+    the plan says so, not only "does NOT fit", and the console script's exit status is 1."""
+    config = EXAMPLES / "configs" / "qwen2.5-7b-128k.yaml"
+    argv = ["oomb", "plan", "--config", str(config), "--device-memory", "24GB", "--host-memory", "64GiB"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exit:
+        main()
+    text = capsys.readouterr().out
+    assert exit.value.code == 1
+    assert "does NOT fit" in text and "no OOMB option makes it fit" in text and "would fit" not in text
+
+
 def test_oomb_plan_checks_the_data_warm_up_steps_too():
     """The demo's warm-up (here 16 sequences of 8192 per step) takes 13x the memory of its main 16384-token steps:
     planned under the main steps' decisions, it is the plan shown when it does not fit."""
