@@ -167,9 +167,7 @@ def _selected_pieces(
             if window is not None or doc_start is not None:
                 keys = (pages[:, None] * page + torch.arange(page)).flatten()
                 at = torch.arange(q_start + rows.start, q_start + rows.stop)[:, None]
-                floor = (
-                    at - window + 1 if window is not None else torch.zeros_like(at)
-                )  # each row's first key
+                floor = torch.zeros_like(at) if window is None else at - window + 1  # each row's first key
                 if doc_start is not None:
                     floor = torch.maximum(floor, doc_start[b, rows, None])
                 visible = keys >= floor  # [rows, keys]
