@@ -35,7 +35,7 @@ import torch
 from benchmarks.common import command, old_module, versions, write_json
 from lightning_oomb.engine.offload.schedule import Need
 from lightning_oomb.engine.offload.staging import StagingCache
-from lightning_oomb.engine.offload.transport import SyncTransport
+from lightning_oomb.engine.offload.transport import SyncTransport, copy_pairs
 from lightning_oomb.engine.pages import Arena, PoolShape
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,6 +62,50 @@ class CountingTransport(SyncTransport):
 
     def zero(self, tensors, after):
         self.copies += len(tensors)
+
+
+class RecordingTransport(CountingTransport):
+    """Copies kept (their views), not made: the pairs a call issues, for :func:`issue_pass`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pairs: list = []
+
+    def copy(self, stream, pairs, after):
+        self.pairs += pairs
+
+
+def issue_pass(shape: PoolShape, selection, backward: bool):
+    """A function issuing the copies of one call (as :func:`call_pass` stages it) for real on CPU tensors, by a
+    Python loop of ``copy_`` (how the transports issued them) or one :func:`copy_pairs` call (how they do), returning
+    its seconds per copy: what issuing costs the host beyond the cache's bookkeeping."""
+    transport = RecordingTransport()
+    host = Arena(shape.layer_slots, shape, torch.device("cpu"))
+    cache = StagingCache(
+        shape, [0], host, Arena(9 * shape.block_slots, shape, torch.device("cpu")), 9, transport
+    )
+    blocks = range(shape.num_blocks) if selection is None else sorted(selection)
+    cache.begin_sweep("backward" if backward else "forward")
+    for b in blocks:
+        cache.tick()
+        buf = cache.stage(
+            Need(0, b, True, backward, None if selection is None else selection[b]), "demand", set()
+        )
+        if backward:
+            cache.added_grads(buf)
+            cache.write_back(buf)
+    pairs = transport.pairs
+
+    def run(loop: bool) -> float:
+        start = time.perf_counter()
+        if loop:
+            for dst, src in pairs:
+                dst.copy_(src)
+        else:
+            copy_pairs(pairs)
+        return (time.perf_counter() - start) / len(pairs)
+
+    return run
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -151,11 +195,17 @@ def main(argv: list[str] | None = None) -> int:
                     seconds, calls[name] = run()
                     times[name].append(seconds)
             ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+            issue, issued = issue_pass(shape, selection, backward), {True: [], False: []}
+            for _ in range(args.reps):
+                for loop in (True, False):
+                    issued[loop].append(issue(loop))
             rows.append({"case": case, "sweep": sweep, "pages": pages, "copy_calls": calls["new"],
                          "host_ms": ms["new"], "host_ms_old": ms.get("old"), "bytes": moved,
                          "copy_engine_ms": one_way / COPY_BYTES_PER_S * 1e3,
                          "host_us_per_copy": ms["new"] / calls["new"] * 1e3,
-                         "gather_calls": calls.get("gather"), "host_ms_gather": ms.get("gather")})  # fmt: skip
+                         "gather_calls": calls.get("gather"), "host_ms_gather": ms.get("gather"),
+                         "issue_us_loop": statistics.median(issued[True]) * 1e6,
+                         "issue_us_foreach": statistics.median(issued[False]) * 1e6})  # fmt: skip
             print(rows[-1], flush=True)
     result = {"command": command(), "versions": versions(), "old_commit": OLD_COMMIT, "blocks": args.blocks,
               "block_pages": args.block_pages, "selected": args.selected, "rows": rows}  # fmt: skip
@@ -167,10 +217,12 @@ def main(argv: list[str] | None = None) -> int:
              "engine: the call's bytes at 55 GB/s each way (the longer direction). Old: the cache as of "
              f"`{OLD_COMMIT}`. Gathered (`OOMB_OFFLOAD_GATHER=1`): scattered pages by one page-copy kernel per "
              "block and part — the host builds the rows here; under CUDA each gather also pins and sends them and "
-             "launches the kernel (tens of us), and the bytes cross PCIe on the SMs.", "",
+             "launches the kernel (tens of us), and the bytes cross PCIe on the SMs. Issue: the call's copies made "
+             "for real on CPU tensors, per copy, by a Python loop of `copy_` (before) and one `torch._foreach_copy_` "
+             "(the transports' `copy_pairs`) — the host's share of issuing them, beside the driver's under CUDA.", "",
              "| call | copy calls | host ms | host ms (old) | copy engine ms | host us / copy "
-             "| gathered: calls | gathered: host ms |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| gathered: calls | gathered: host ms | issue us / copy: loop | foreach |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         before = "—" if r["host_ms_old"] is None else f"{r['host_ms_old']:.1f}"
         gathered = (
@@ -179,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
             else (f"{r['gather_calls']:,}", f"{r['host_ms_gather']:.1f}")
         )
         lines.append(f"| {r['case']} {r['sweep']} | {r['copy_calls']:,} | {r['host_ms']:.1f} | {before}"
-                     f" | {r['copy_engine_ms']:.1f} | {r['host_us_per_copy']:.1f} | {gathered[0]} | {gathered[1]} |")  # fmt: skip
+                     f" | {r['copy_engine_ms']:.1f} | {r['host_us_per_copy']:.1f} | {gathered[0]} | {gathered[1]}"
+                     f" | {r['issue_us_loop']:.2f} | {r['issue_us_foreach']:.2f} |")  # fmt: skip
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     plot(rows, args.out.with_suffix(".png"))
     print("\n".join(lines))

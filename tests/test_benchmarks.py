@@ -468,3 +468,4 @@ def test_staging_host_time_smoke(tmp_path):
     assert (sparse["host_ms_old"] is None) == bool(old) and out.with_suffix(".png").exists()
     # gathered: one call per block and part where its pages make several runs, a copy per tensor where one
     assert sparse["gather_calls"] < sparse["copy_calls"] and rows["dense", "forward"]["gather_calls"] is None
+    assert sparse["issue_us_loop"] > 0 and sparse["issue_us_foreach"] > 0  # the copies issued both ways

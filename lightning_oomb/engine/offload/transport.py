@@ -38,6 +38,21 @@ def offload_gather() -> bool:
     return os.environ.get("OOMB_OFFLOAD_GATHER", "0") not in ("", "0")
 
 
+def copy_pairs(pairs: Pairs, non_blocking: bool = False) -> None:
+    """``dst.copy_(src)`` for every ``(dst, src)`` pair in one call (``torch._foreach_copy_``: a loop in C++, not
+    Python — a sparse call's scattered pages are thousands of pairs; between devices each pair is still its own
+    copy)."""
+    if pairs:
+        dsts, srcs = zip(*pairs)
+        torch._foreach_copy_(list(dsts), list(srcs), non_blocking=non_blocking)
+
+
+def zero_all(tensors: Sequence[torch.Tensor]) -> None:
+    """Zero-fill ``tensors`` in one call (``torch._foreach_zero_``)."""
+    if tensors:
+        torch._foreach_zero_(list(tensors))
+
+
 class Transport(Protocol):
     """What the staging cache needs from streams and events (see the module docstring). ``gathers``: whether the
     cache should move scattered pages with :meth:`gather` (one call) rather than :meth:`copy` (a pair per run)."""
@@ -85,15 +100,13 @@ class SyncTransport:
         pass
 
     def copy(self, stream: Stream, pairs: Pairs, after: Iterable) -> None:
-        for dst, src in pairs:
-            dst.copy_(src)
+        copy_pairs(pairs)
 
     def gather(self, stream: Stream, pairs: Pairs, rows: torch.Tensor, after: Iterable) -> None:
         copy_rows_reference(pairs, rows)
 
     def zero(self, tensors: Sequence[torch.Tensor], after: Iterable) -> None:
-        for t in tensors:
-            t.zero_()
+        zero_all(tensors)
 
     def mark(self) -> None:
         return None
@@ -148,8 +161,7 @@ class CudaTransport:
         with torch.cuda.stream(side):
             self._wait(side, after)
             self.delay(side)
-            for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
+            copy_pairs(pairs, non_blocking=True)
             return self._record(side)
 
     def gather(self, stream: Stream, pairs: Pairs, rows: torch.Tensor, after: Iterable) -> torch.cuda.Event:
@@ -166,8 +178,7 @@ class CudaTransport:
         side = self.streams["h2d"]
         with torch.cuda.stream(side):
             self._wait(side, after)
-            for t in tensors:
-                t.zero_()
+            zero_all(tensors)
             return self._record(side)
 
     def mark(self) -> torch.cuda.Event:
