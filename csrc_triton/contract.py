@@ -94,7 +94,8 @@ def check_buffer(name: str, x: torch.Tensor, shape: tuple[int, ...], dtype: torc
 
 def check_page_select(page_select, shape: tuple[int, int], page: int, q_start: int, device):
     """``page_select`` (or ``None``) as an int32 ``[B, ceil(Lq / P), K]`` tensor on ``device`` with ``q_start`` page
-    aligned (the values are the caller's: sorted page indices before ``q_start``, ``-1`` padding)."""
+    aligned (the values are the caller's: ascending page indices before ``q_start``, then ``-1`` padding — valid
+    entries first: the kernels read a block's first ``n`` entries as its pages)."""
     if page_select is None:
         return None
     batch, lq = shape

@@ -1145,7 +1145,10 @@ def _built_from(select: torch.Tensor) -> dict:
     """What the launchers built from ``select`` (its :class:`SelectionLists`, its page-slot pairs per page table),
     kept for the last selection seen: offload's calls over the key parts of one chunk share it (up to 64 at 1M
     tokens), and would otherwise build the same each time (several small device ops, each a launch from the host).
-    An in-place change of the selection (its version) starts afresh."""
+    An in-place change of the selection (its version) starts afresh; an inference tensor (no version counter) keeps
+    nothing."""
+    if select.is_inference():
+        return {}
     key = (select.data_ptr(), select._version, tuple(select.shape), select.device)
     last = _last_selection[0]
     if last is None or last[0] != key or last[1]() is not select:
@@ -1173,11 +1176,18 @@ def _selection_args(select: torch.Tensor | None, page_table: torch.Tensor) -> tu
     2]``: ``select`` and ``page_table[b, select[b, r, k]]``; ``-1`` padding gets page 0's slot, which no kernel
     reads), the list's width and that rounded up to a power of two (the vector load's size); without a selection a
     dummy pointer and sizes the kernels never use. The pairs are kept per page table (:func:`_built_from`; offload's
-    staging buffers have a table each), which the entry holds so that its memory is not reused under the key."""
+    staging buffers have a table each), which the entry holds so that its memory is not reused under the key — a
+    table changed in place without torch's version counter knowing (a kernel's or a ``.data`` write) must not be
+    reused with the same selection; an inference-mode table is not kept."""
     if select is None:
         return page_table, 0, 1
-    built = _built_from(select)
-    key = (page_table.data_ptr(), page_table._version, tuple(page_table.shape), page_table.stride())
+    inference = page_table.is_inference()
+    built = {} if inference else _built_from(select)
+    key = (
+        None
+        if inference
+        else (page_table.data_ptr(), page_table._version, page_table.shape, page_table.stride())
+    )
     pairs = built.get(key, (None, None))[1]
     if pairs is None:
         pages = select.flatten(1).clamp(0, page_table.shape[1] - 1).long()

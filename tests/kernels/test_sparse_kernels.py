@@ -193,6 +193,22 @@ def test_page_slot_pairs_are_built_once_per_selection_and_page_table():
     assert triton_kernels._selection_args(select, table)[0][0, 0, 1].tolist() == [3, 6]
 
 
+def test_a_sparse_forward_runs_under_inference_mode():
+    """Inference tensors have no version counter, which the kept page-slot pairs are keyed on: a selection and a page
+    table made under ``torch.inference_mode`` are built afresh per call, with the same result."""
+    case = Case(b=1, hq=4, hkv=2, q_start=64, lq=32)
+    q, _, kv = make_inputs(case)
+    rows = [[[0, 2, -1], [1, 2, 3]]]
+    want = triton_kernels.paged_attention_forward(q, kv.k, kv.v, kv.page_table, case.q_start, 0.3,
+                                                  page_select=selection(rows))  # fmt: skip
+    with torch.inference_mode():
+        table = kv.page_table.clone()
+        got = triton_kernels.paged_attention_forward(q, kv.k, kv.v, table, case.q_start, 0.3,
+                                                     page_select=selection(rows))  # fmt: skip
+    for name, x, y in zip(("out", "lse"), got, want):
+        assert_close(x, y, 0.0, name)
+
+
 def test_sparse_tiles_fit_a_page(monkeypatch):
     """With SPARSE no tile's query rows exceed a page (a tile lies in one selection block, and divides it); the
     dense space keeps its tall tiles, and the tuning keys tell the two apart (a dense tile is never reused)."""
