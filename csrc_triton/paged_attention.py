@@ -1060,6 +1060,11 @@ def _check(
         )
     if not (k_pages.is_contiguous() and v_pages.is_contiguous()):
         raise ValueError("K/V arenas must be contiguous [slots, Hkv, P, D] tensors.")
+    if q.numel() >= 2**31:  # the kernels' row offsets into q, out, dO, dQ are 32-bit
+        raise ValueError(
+            f"q {tuple(q.shape)} holds {q.numel():,} elements, over the kernels' 2**31 — attend fewer queries per "
+            "call (a smaller chunk_size)."
+        )
     if q.device.type != "cuda" and not _interpreting():
         raise ValueError(
             f"the Triton kernels run on CUDA tensors, got {q.device} — use the torch reference backend, "

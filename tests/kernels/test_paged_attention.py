@@ -438,6 +438,9 @@ def test_rejects_unsupported_inputs():
         )
     with pytest.raises(ValueError, match="must cover keys"):
         triton_kernels.paged_attention_forward(q, kv.k, kv.v, kv.page_table, 64, 1.0, None)
+    huge = q[:, :, :1].expand(1, q.shape[1], 2**31 // (q.shape[1] * q.shape[3]) + 1, q.shape[3])  # no memory
+    with pytest.raises(ValueError, match="fewer queries per call"):
+        triton_kernels.paged_attention_forward(huge, kv.k, kv.v, kv.page_table, 0, 1.0, None)
 
 
 @pytest.mark.slow
