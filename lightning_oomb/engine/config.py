@@ -54,7 +54,7 @@ class OOMBConfig:
         attention_backend: ``"auto"`` (Triton on CUDA, ``"cpu"`` on CPU, the torch reference elsewhere; the
             environment variable ``OOMB_ATTENTION_BACKEND`` overrides ``auto``), ``"torch"`` (the plain-torch
             reference, the oracle: any device, slow), ``"cpu"`` (CPU only: torch's fused CPU flash attention where
-            a call allows it — no attention softcap — and the reference for the rest) or ``"triton"`` (CUDA only).
+            a call allows it — no attention softcap, no tile counter — and the reference for the rest) or ``"triton"`` (CUDA only).
         loss_block: tokens per block of LM-head logits in the cross-entropy (the logits of at most this many
             tokens exist at once).
         offload: keep the K/V and gradient pages of layers beyond ``hbm_budget`` in pinned host memory, streamed
