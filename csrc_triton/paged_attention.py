@@ -1186,13 +1186,11 @@ def _selection_args(select: torch.Tensor | None, page_table: torch.Tensor) -> tu
     reused with the same selection; an inference-mode table is not kept."""
     if select is None:
         return page_table, 0, 1
-    inference = page_table.is_inference()
-    built = {} if inference else _built_from(select)
-    key = (
-        None
-        if inference
-        else (page_table.data_ptr(), page_table._version, page_table.shape, page_table.stride())
-    )
+    if page_table.is_inference():  # no version counter to key on: built for this call only
+        built, key = {}, None
+    else:
+        built = _built_from(select)
+        key = (page_table.data_ptr(), page_table._version, page_table.shape, page_table.stride())
     pairs = built.get(key, (None, None))[1]
     if pairs is None:
         pages = select.flatten(1).clamp(0, page_table.shape[1] - 1).long()
