@@ -76,24 +76,11 @@ class RecordingTransport(CountingTransport):
 
 
 def issue_pass(shape: PoolShape, selection, backward: bool):
-    """A function issuing the copies of one call (as :func:`call_pass` stages it) for real on CPU tensors, by a
-    Python loop of ``copy_`` (how the transports issued them) or one :func:`copy_pairs` call (how they do), returning
-    its seconds per copy: what issuing costs the host beyond the cache's bookkeeping."""
+    """A function issuing the copies of one call (staged by :func:`call_pass`) for real on CPU tensors, by a Python
+    loop of ``copy_`` (how the transports issued them) or one :func:`copy_pairs` call (how they do), returning its
+    seconds per copy: what issuing costs the host beyond the cache's bookkeeping."""
     transport = RecordingTransport()
-    host = Arena(shape.layer_slots, shape, torch.device("cpu"))
-    cache = StagingCache(
-        shape, [0], host, Arena(9 * shape.block_slots, shape, torch.device("cpu")), 9, transport
-    )
-    blocks = range(shape.num_blocks) if selection is None else sorted(selection)
-    cache.begin_sweep("backward" if backward else "forward")
-    for b in blocks:
-        cache.tick()
-        buf = cache.stage(
-            Need(0, b, True, backward, None if selection is None else selection[b]), "demand", set()
-        )
-        if backward:
-            cache.added_grads(buf)
-            cache.write_back(buf)
+    call_pass(StagingCache, shape, selection, backward, transport=transport)()
     pairs = transport.pairs
 
     def run(loop: bool) -> float:
@@ -133,12 +120,14 @@ def call_pass(
     selection: dict[int, frozenset[int]] | None,
     backward: bool,
     gathers: bool = False,
+    transport: CountingTransport | None = None,
 ):
     """A function running the cache's work for one call's prefix (fresh buffers each time), returning its seconds
-    and copy calls (``gathers``: scattered pages by one gather call per block and part)."""
+    and copy calls (``gathers``: scattered pages by one gather call per block and part; ``transport``: one of the
+    caller's, e.g. a :class:`RecordingTransport`)."""
     host = Arena(shape.layer_slots, shape, torch.device("cpu"))
     staging = Arena(9 * shape.block_slots, shape, torch.device("cpu"))
-    transport = CountingTransport(gathers)
+    transport = transport or CountingTransport(gathers)
     cache = cache_class(shape, [0], host, staging, 9, transport)
     blocks = range(shape.num_blocks) if selection is None else sorted(selection)
     needs = [Need(0, b, True, backward, None if selection is None else selection[b]) for b in blocks]
