@@ -166,6 +166,22 @@ class OOMBSparseBudget(Callback):
         engine.probe_recall = bool(self.recall_every) and step % self.recall_every == 0
 
     @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._evaluate_at_trained_budget(trainer)
+
+    @override
+    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._evaluate_at_trained_budget(trainer)
+
+    def _evaluate_at_trained_budget(self, trainer: Trainer) -> None:
+        """Validation and test attend with the budget of the last step trained (step 0's before any), inside
+        ``fit`` as in a later ``trainer.validate`` / ``test`` (whose engine starts at the strategy's budget); no
+        recall probe."""
+        engine = trainer.strategy.engine
+        engine.page_budget = self.budget_at(max(trainer.global_step - 1, 0))
+        engine.probe_recall = False
+
+    @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, *_: Any) -> None:
         if outputs is None:  # a skipped batch (training_step returned None): the stats are the last step's
             return

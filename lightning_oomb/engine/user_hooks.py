@@ -3,8 +3,11 @@
 The engine runs the model a chunk at a time: a module's forward and forward-pre hooks run once per chunk in the
 forward sweep and again when the backward sweep recomputes the chunk, each seeing that chunk; its backward hooks
 and a parameter's tensor hooks (``p.register_hook``) run once per chunk, with the chunk's share of the gradient
-(the sum over chunks is the step's gradient, so a hook linear in it, a mask or a scale, is exact). A hook on the LM
-head module never runs (the fused cross-entropy reads its weight); a tensor hook on the head's weight (the
+(the sum over chunks is the step's gradient, so a hook linear in it, a mask or a scale, is exact). The LM head
+module is never called (the fused cross-entropy reads its weight): the forward-pre hooks that recompute its
+parameters from their parts — torch's pruning masks and ``torch.nn.utils.weight_norm``, pure functions of
+parameters and buffers — are run before every read (:func:`refresh_parameters`), as its forward would run them; its
+other hooks never run (warned about, whatever package set them); a tensor hook on the head's weight (the
 embedding's when tied) sees the head's gradient: the cross-entropy then hands it to autograd
 (:func:`gradient_hooks`) instead of adding it in place.
 
@@ -24,6 +27,8 @@ import warnings
 from collections.abc import Iterable
 
 import torch
+from torch.nn.utils.prune import BasePruningMethod
+from torch.nn.utils.weight_norm import WeightNorm
 
 from lightning_oomb.engine.errors import OOMBConfigError
 
@@ -52,6 +57,27 @@ def engine_hook(fn):
 def gradient_hooks(t: torch.Tensor) -> list:
     """The tensor hooks (``register_hook``) on ``t`` other than the engine's."""
     return [fn for fn in (t._backward_hooks or {}).values() if not getattr(fn, _MARK, False)]
+
+
+def _recomputes_parameters(fn) -> bool:
+    """Whether forward-pre hook ``fn`` only recomputes its module's parameters from their parts (torch's pruning:
+    ``weight = weight_orig * weight_mask``; ``torch.nn.utils.weight_norm``: ``weight = g * v / |v|``)."""
+    return isinstance(fn, (BasePruningMethod, WeightNorm))
+
+
+def _not_run(fn) -> bool:
+    """Whether hook ``fn`` on the LM head never runs (it is not the engine's, nor run by :func:`refresh_parameters`)."""
+    return not (getattr(fn, _MARK, False) or _recomputes_parameters(fn))
+
+
+def refresh_parameters(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` with its parameters recomputed by their forward-pre hooks (:func:`_recomputes_parameters`), as its
+    forward would first do: for a module whose parameters are read without calling it (the LM head). Without such
+    hooks nothing runs."""
+    for fn in list(module._forward_pre_hooks.values()):
+        if _recomputes_parameters(fn):
+            fn(module, ())
+    return module
 
 
 def _post_accumulate_hooks(t: torch.Tensor) -> list:
@@ -143,19 +169,21 @@ class UserHooks:
             and any(not _of_stack(fn) for fn in getattr(torch.nn.modules.module, "_global" + attr).values())
         ]
         hooked = []
+        head = getattr(root, "get_output_embeddings", lambda: None)()
         for name, module in root.named_modules():
             if training and module.training:
                 _refuse_neftune(name or type(module).__name__, module)
             # (the root is called once per model call, with the step's answer)
             if warn and module is not root and any(getattr(module, attr) for attr in _MODULE_HOOKS):
+                # the head's hooks never run, whoever set them, but those the engine runs itself
+                warned = _not_run if module is head else (lambda fn: not _of_stack(fn))
                 kinds = [
                     kind
                     for attr, kind in _MODULE_HOOKS.items()
-                    if any(not _of_stack(fn) for fn in getattr(module, attr).values())
+                    if any(warned(fn) for fn in getattr(module, attr).values())
                 ]
                 hooked += [(name, module, kinds)] if kinds else []
         if hooked:
-            head = getattr(root, "get_output_embeddings", lambda: None)()
             found += [f"{n} ({'/'.join(k)}{'; never runs' if m is head else ''})" for n, m, k in hooked]
         if found:
             self._warn(

@@ -188,6 +188,48 @@ def test_user_hooks_are_warned_about_once_each():
         handle.remove()
 
 
+@pytest.mark.parametrize("how", ["prune", "weight_norm"])
+def test_a_head_weight_recomputed_by_its_hooks_is_exact(how):
+    """torch's pruning and ``weight_norm`` on the LM head recompute its weight in a forward-pre hook, which never ran
+    (the fused loss reads the weight without calling the head): the loss used the weight of the head's last call,
+    and the second step's backward failed through that call's freed graph. Run before every read now: float64,
+    3 SGD steps of 3 chunks each equal to full-sequence training, and not warned about."""
+
+    def recompute(model):
+        if how == "prune":
+            torch.nn.utils.prune.l1_unstructured(model.lm_head, "weight", amount=0.3)
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # (the parametrizations version is not a hook)
+                torch.nn.utils.weight_norm(model.lm_head)
+        return model
+
+    base = build_causal_lm("qwen2")
+    ours, full = recompute(copy.deepcopy(base)), recompute(copy.deepcopy(base))
+    engine = OOMBEngine(HFChunkModel(ours), OOMBConfig(16, 8))
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ours, full)]
+    ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(3))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            for optimizer in optimizers:
+                optimizer.zero_grad()
+            engine.loss(ids).backward()
+            full_sequence_loss(full, ids).backward()
+            assert max_relative_error(grads_of(ours), grads_of(full)) <= 1e-10
+            for optimizer in optimizers:
+                optimizer.step()
+    assert not oomb_warnings(record)
+
+
+def test_the_heads_other_hooks_are_warned_about_whoever_set_them():
+    """``spectral_norm`` (torch's) on the LM head: its power iteration never runs (it is no pure recomputation)."""
+    model = build_causal_lm("qwen2")
+    torch.nn.utils.spectral_norm(model.lm_head)
+    with pytest.warns(UserWarning, match=r"lm_head \(forward-pre; never runs\)"):
+        OOMBEngine(HFChunkModel(model), OOMBConfig(16, 8)).evaluate(torch.randint(0, 97, (1, 40)))
+
+
 def test_the_stacks_own_hooks_are_not_warned_about():
     """A plain HF model, one with HF's gradient checkpointing and ``enable_input_require_grads`` (a forward hook on
     the embedding), a peft LoRA model, and a forward hook on the top-level model (called once per model call)."""

@@ -7,7 +7,7 @@ import pytest
 from lightning_oomb import OOMBConfig, OOMBConfigError, OOMBStrategy
 from lightning_oomb.callbacks import OOMBSparseBudget
 from lightning_oomb.engine.config import STRATEGY_DEFAULTS
-from tests.helpers.lightning import batches, oomb
+from tests.helpers.lightning import TinyLM, batches, oomb
 from tests.helpers.lightning import fit as fit_tiny
 from tests.lightning.test_callbacks import Recorder
 
@@ -51,6 +51,21 @@ def test_schedule_switches_budgets_and_logs_by_hand():
     assert set(recalls) == {0, 2} and recalls[0] == 1.0
     assert 0.0 < recalls[2] <= 1.0
     assert trainer.strategy.engine.page_budget == 3
+
+
+def test_validation_and_test_attend_with_the_last_trained_budget():
+    """Inside fit and in a later ``trainer.validate`` / ``test`` (which rebuild the engine at the strategy's budget:
+    they ran dense after a sparse schedule): the budget of the last step trained, here step 1's."""
+
+    class Tested(TinyLM):
+        test_step = TinyLM.validation_step
+
+    callback = OOMBSparseBudget({0: None, 1: 1, 2: None}, recall_every=1)
+    module, trainer = fit_tiny(oomb(), Tested(), steps=2, callbacks=[callback])
+    for run in (trainer.validate, trainer.test):
+        run(module, batches(n=2), verbose=False)
+        engine = trainer.strategy.engine
+        assert engine.page_budget == 1 and engine.stats.sparse.page_budget == 1 and not engine.probe_recall
 
 
 def test_recall_is_logged_only_on_the_steps_it_measures():

@@ -26,6 +26,7 @@ from lightning_oomb.engine.loss import LMHead
 from lightning_oomb.engine.model import Respond, answered_by
 from lightning_oomb.engine.model_shape import Mixer, paged_head_dim
 from lightning_oomb.engine.tiles import tiled
+from lightning_oomb.engine.user_hooks import refresh_parameters
 from lightning_oomb.integrations.hf.attention import (
     ATTN_NAME,
     ENGAGED,
@@ -346,7 +347,7 @@ class HFChunkModel:
         if (inputs := _support_inputs(self.model)) != self._supported:
             check_supported(self.model)
             self._supported = inputs
-        head = self.model.get_output_embeddings()
+        head = refresh_parameters(self.model.get_output_embeddings())  # e.g. a pruning mask applied
         return LMHead(head.weight, head.bias, self.logit_scale, self.logit_softcap)
 
     @contextlib.contextmanager
