@@ -257,7 +257,13 @@ def plan_command(args: list[str], print_table: bool = True) -> MemoryPlan | None
             "set trainer.strategy: oomb (or lightning_oomb.OOMBStrategy)."
         )
     *warm_up, (data_seq_len, data_batch) = step_sizes_of(cli.datamodule)
-    seq_len, batch = opts.seq_len or data_seq_len, opts.batch_size or data_batch
+    for name, value in (("--seq-len", opts.seq_len), ("--batch-size", opts.batch_size)):
+        if value is not None and value < 1:
+            raise OOMBConfigError(
+                f"{name} {value} is not a positive integer — pass tokens per row / rows per step."
+            )
+    seq_len = data_seq_len if opts.seq_len is None else opts.seq_len
+    batch = data_batch if opts.batch_size is None else opts.batch_size
     if seq_len is None:
         raise OOMBConfigError(
             f"{type(cli.datamodule).__name__} declares no seq_len — the plan is per step length — pass --seq-len."
@@ -271,6 +277,9 @@ def plan_command(args: list[str], print_table: bool = True) -> MemoryPlan | None
     param_dtype = getattr(torch, dtype) if dtype not in (None, "auto") else None
     optimizer = opts.optimizer or _module_optimizer(cli.model, device, cli.trainer)
     model = planned_model(model_config(cli.model, opts.model_config), cli.trainer.precision, param_dtype)
+
+    if hasattr(strategy, "check_groups"):  # (a mesh the fit would refuse at launch)
+        strategy.check_groups(cli.world)
 
     def plan_step(seq_len: int, batch: int, config) -> MemoryPlan:
         return plan(
@@ -291,7 +300,9 @@ def plan_command(args: list[str], print_table: bool = True) -> MemoryPlan | None
         )
 
     result = plan_step(seq_len, batch, strategy.oomb_config)
-    if not (opts.seq_len or opts.batch_size):  # the data's warm-up steps, under the main steps' decisions
+    if (
+        opts.seq_len is None and opts.batch_size is None
+    ):  # the data's warm-up steps, under the main steps' decisions
         warm = (plan_step(n, b, result.config) for n, b in warm_up)
         result = next((p for p in warm if not p.fits), result)
     if print_table:
@@ -342,3 +353,7 @@ def print_plan(result: MemoryPlan) -> None:
         console.print(f"  {result.fix()}")
     for note in result.notes:
         console.print(f"  note: {note}")
+
+
+if __name__ == "__main__":  # python -m lightning_oomb.cli ... (as the oomb script)
+    main()

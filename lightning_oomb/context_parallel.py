@@ -127,8 +127,10 @@ class OOMBContextParallelStrategy(_OOMBStrategyMixin, DDPStrategy):
             self._check_mesh()
         super()._configure_launcher()
 
-    def _check_mesh(self) -> None:
-        size, world = self.context_parallel_size, self.world_size
+    def check_groups(self, world: int) -> None:
+        """Refuse a job of ``world`` devices whose context groups this strategy cannot form (``oomb plan`` asks
+        before launch; setup checks the job's own)."""
+        size = self.context_size_on(world)
         if world % size:
             raise OOMBConfigError(
                 f"{world} devices do not divide into context groups of context_parallel_size={size} — each data "
@@ -136,6 +138,9 @@ class OOMBContextParallelStrategy(_OOMBStrategyMixin, DDPStrategy):
                 "context_parallel_size)."
             )
         check_context(self.oomb_config, size)
+
+    def _check_mesh(self) -> None:
+        self.check_groups(self.world_size)
         backend = self._get_process_group_backend()
         device = self.root_device.type
         if (backend == "nccl") != (device == "cuda"):

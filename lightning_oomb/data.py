@@ -549,6 +549,16 @@ def _records_of(path: Path, text: str, text_field: str) -> list[str]:
 BYTE_TOKENIZER = "bytes"
 
 
+def check_local_dir(path: str | None, name: str, holds: str) -> None:
+    """Refuse a local path (``/``, ``.`` or ``~`` first) that is no directory, before transformers reads it as a hub
+    id ('Repo id must be in the form ...')."""
+    if path is not None and str(path).startswith(("/", ".", "~")) and not Path(path).expanduser().is_dir():
+        raise OOMBConfigError(
+            f"{name}={path!r} is not a directory (a local path: it should hold {holds}) — give an existing "
+            "directory, or a hub id such as 'Qwen/Qwen2.5-7B'."
+        )
+
+
 def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     """``AutoTokenizer.from_pretrained(name)``; ``"bytes"`` is a byte-level tokenizer that needs no files (ByT5's:
     ids 0, 1, 2 are pad, EOS, unk and byte ``b`` of the UTF-8 text is id ``b + 3``, 259 ids in all)."""
@@ -556,6 +566,7 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
         from transformers import ByT5Tokenizer
 
         return ByT5Tokenizer(extra_ids=0)
+    check_local_dir(name, "tokenizer", "the tokenizer's files")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(name)

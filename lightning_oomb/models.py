@@ -7,13 +7,13 @@ the same module trains under ``strategy="oomb"`` or any other strategy.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
 from torchmetrics.aggregation import MeanMetric
 
+from lightning_oomb.data import check_local_dir
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.loss import IGNORE_INDEX
 
@@ -37,6 +37,7 @@ QWEN2_5_7B: dict[str, Any] = {
 def build_config(spec: dict[str, Any]):
     """A transformers config from ``{"model_type": ..., **kwargs}`` (``AutoConfig.for_model``)."""
     from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     kwargs = dict(spec)
     model_type = kwargs.pop("model_type", None)
@@ -44,6 +45,11 @@ def build_config(spec: dict[str, Any]):
         raise OOMBConfigError(
             f"model config {spec} has no 'model_type' — transformers needs it to pick the architecture — add "
             "e.g. model_type: qwen2 (or llama, mistral, qwen3)."
+        )
+    if model_type not in CONFIG_MAPPING:  # (transformers' error lists every known one)
+        raise OOMBConfigError(
+            f"model_type {model_type!r} is not an architecture of this transformers — check its spelling (e.g. "
+            "qwen2, llama, mistral, qwen3), or pass a local model directory holding its config.json."
         )
     return AutoConfig.for_model(model_type, **kwargs)
 
@@ -120,16 +126,9 @@ class CausalLMModule(LightningModule):
         """Refuse a local model path that does not exist before the data module tokenizes anything (Lightning
         builds the model after the data module's ``setup``); transformers would say 'Repo id must be in the form
         ...'. (Not in ``__init__``: ``oomb plan`` plans a config whose path is another machine's.)"""
-        path = self.hparams.model_name_or_path
-        if (
-            path is not None
-            and str(path).startswith(("/", ".", "~"))
-            and not Path(path).expanduser().is_dir()
-        ):
-            raise OOMBConfigError(
-                f"model_name_or_path={path!r} is not a directory (a local path: it should hold the model's "
-                "config.json and weights) — give an existing directory, or a hub id such as 'Qwen/Qwen2.5-7B'."
-            )
+        check_local_dir(
+            self.hparams.model_name_or_path, "model_name_or_path", "the model's config.json and weights"
+        )
 
     def configure_model(self) -> None:
         if self.model is not None:

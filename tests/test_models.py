@@ -243,6 +243,11 @@ def test_a_local_model_path_that_does_not_exist_is_refused_before_the_data_is_re
     with pytest.raises(OOMBConfigError, match="is not a directory"):
         CausalLMModule(model_name_or_path=str(tmp_path / "missing")).prepare_data()
     CausalLMModule(model_name_or_path="Qwen/Qwen2.5-7B").prepare_data()  # a hub id: loaded (or refused) later
+    # the data modules' tokenizer likewise (it had no check)
+    from lightning_oomb.data import load_tokenizer
+
+    with pytest.raises(OOMBConfigError, match="tokenizer='./no_such_tok' is not a directory"):
+        load_tokenizer("./no_such_tok")
 
 
 def test_trainer_test_reports_the_held_out_loss_as_test_metrics():

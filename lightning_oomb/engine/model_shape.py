@@ -286,7 +286,7 @@ class _AttrDict(dict):
         try:
             return self[name]
         except KeyError as err:
-            raise AttributeError(name) from err
+            raise AttributeError(name, name=name) from err
 
 
 def _text_config(obj: Any) -> Any:
@@ -322,11 +322,25 @@ ATTENTION_FREE = (*MAMBA1_TYPES, "mamba2")  # model types without attention laye
 
 
 def _shape_of_config(cfg: Any) -> ModelShape:
-    if (
+    """The shape a transformers config (or an :class:`_AttrDict` of its fields) describes; a missing field is
+    refused by name."""
+    free = (
         getattr(cfg, "model_type", None) in ATTENTION_FREE
         or getattr(cfg, "num_attention_heads", None) is None
-    ):
-        return _shape_of_attention_free(cfg)
+    )
+    try:
+        return _shape_of_attention_free(cfg) if free else _shape_of_attention_config(cfg)
+    except AttributeError as err:
+        field = getattr(err, "name", None) or str(err)
+        read = " (read as an attention-free Mamba config: it has no num_attention_heads)" if free else ""
+        raise OOMBConfigError(
+            f"the model config has no {field!r}{read} — the planner reads the layers, widths, heads and vocabulary "
+            "of a complete transformers config — pass one (e.g. AutoConfig.from_pretrained on a local model "
+            "directory, or a dict with model_type and that config's fields)."
+        ) from err
+
+
+def _shape_of_attention_config(cfg: Any) -> ModelShape:
     heads = cfg.num_attention_heads
     head_dim = paged_head_dim(cfg)
     experts = _first_field(cfg, EXPERT_COUNTS)

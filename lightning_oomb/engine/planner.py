@@ -118,6 +118,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -135,6 +136,7 @@ from lightning_oomb.engine.kv_pool import device_memory_available, hbm_budget, p
 from lightning_oomb.engine.memory import HOST_RESERVE_BYTES, host_memory_available
 from lightning_oomb.engine.model_shape import CALIBRATED, NORM_BYTES, Mixer, ModelShape, model_shape
 from lightning_oomb.engine.pages import GRAD_DTYPES, PoolShape, arena_bytes
+from lightning_oomb.engine.recurrence import check_context
 from lightning_oomb.engine.reference import KEY_BLOCK
 from lightning_oomb.engine.results import result_slot_bytes
 from lightning_oomb.engine.states import BOUNDARY_ALIGN
@@ -922,6 +924,13 @@ def plan(
                 f"{name}={value!r} is not a positive integer — a step has rows of tokens — pass seq_len (tokens "
                 "per row) and batch (rows per step) as positive ints."
             )
+    if isinstance(context_parallel, bool) or not isinstance(context_parallel, int) or context_parallel < 1:
+        raise OOMBConfigError(
+            f"context_parallel={context_parallel!r} is not a positive integer — pass the ranks sharing each sequence "
+            "(1: no context parallelism)."
+        )
+    if context_parallel > 1:
+        check_context(config, context_parallel, seq_len)  # as the strategy refuses it at setup
     machine = _machine(machine, device_memory, host_memory).shared_by(processes_per_node)
     module = model if isinstance(model, torch.nn.Module) else getattr(model, "model", None)
     if param_dtype is None and isinstance(module, torch.nn.Module):
@@ -1079,6 +1088,14 @@ class _Inputs:
 def _machine(machine: Machine | str | None, device_memory: int | None, host_memory: int | None) -> Machine:
     if isinstance(machine, Machine):
         return machine
+    for name, value in (("device_memory", device_memory), ("host_memory", host_memory)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, numbers.Real) or value < 1
+        ):
+            raise OOMBConfigError(
+                f"{name}={value!r} is not a positive number of bytes — pass one (e.g. 80 * 2**30), or None to read "
+                "this machine's."
+            )
     kind = machine or ("cuda" if device_memory is not None or torch.cuda.is_available() else "cpu")
     if kind not in ("cuda", "cpu"):
         raise OOMBConfigError(f"machine={machine!r} is not a device type — use 'cuda', 'cpu' or a Machine.")

@@ -610,9 +610,22 @@ def test_a_measured_gpu_gets_its_step_rates(monkeypatch):
         ({"seq_len": 0}, "positive integer"),
         ({"model": object()}, "cannot read a model shape"),
         ({"machine": "tpu"}, "not a device type"),
+        ({"machine": "cpu", "device_memory": -1}, r"device_memory=-1 is not a positive number of bytes"),
+        ({"context_parallel": 0}, "context_parallel=0 is not a positive integer"),
+        (
+            {"context_parallel": 3},
+            "do not split into 3 equal slices",
+        ),  # 32 pages a chunk (the strategy's check)
+        (
+            {"model": {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 2}},
+            "no 'num_hidden_layers'",
+        ),
+        ({"model": {"hidden_size": 64, "num_hidden_layers": 2}}, "no 'num_heads' .*attention-free"),
     ],
+    ids=lambda v: "" if isinstance(v, str) else "-".join(map(str, v)),
 )
 def test_bad_input_is_refused_with_the_fix(kwargs, match):
+    """(A dict missing fields and -1 bytes were an AttributeError / a plan with negative memory.)"""
     args = {"model": qwen2_5_7b_config(), "seq_len": 4096, "machine": H200, **kwargs}
     with pytest.raises(OOMBConfigError, match=match):
         plan(**args)

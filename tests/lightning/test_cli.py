@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import subprocess
 import sys
 
 import pytest
@@ -219,6 +220,32 @@ def test_oomb_plan_reads_a_model_config_override(tmp_path, capsys):
                       *H200_ARGS])  # fmt: skip
     with pytest.raises(OOMBConfigError, match="not a memory size"):
         plan_command(["--config", str(config), "--device-memory", "lots"])
+
+
+def test_oomb_plan_refuses_what_fit_refuses():
+    """Sizes of 0 (they were replaced by the data's), a context-parallel mesh the fit would refuse at launch (the
+    plan said "fits"), an unknown model_type (transformers' traceback)."""
+    config = ["--config", str(EXAMPLES / "configs" / "qwen2.5-7b-1m-cp8.yaml"), *H200_ARGS]
+    for option in ("--seq-len", "--batch-size"):
+        with pytest.raises(OOMBConfigError, match=f"{option} 0 is not a positive integer"):
+            plan_command([*config, option, "0"], print_table=False)
+    with pytest.raises(OOMBConfigError, match="6 devices do not divide into context groups"):
+        plan_command(
+            [*config, "--trainer.devices", "6", "--trainer.strategy.init_args.context_parallel_size", "4"]
+        )
+    with pytest.raises(OOMBConfigError, match="do not split into 3 equal slices"):
+        plan_command(
+            [*config, "--trainer.devices", "3", "--trainer.strategy.init_args.context_parallel_size", "3"]
+        )
+    with pytest.raises(OOMBConfigError, match="model_type 'nosuch' is not an architecture"):
+        plan_command([*config, "--model-config", '{"model_type": "nosuch", "hidden_size": 64}'])
+
+
+def test_python_dash_m_runs_the_console_script():
+    """``python -m lightning_oomb`` is ``oomb`` (``-m lightning_oomb.cli`` too: it did nothing and exited 0)."""
+    done = subprocess.run([sys.executable, "-m", "lightning_oomb", "plan", "--seq-len", "0", "--config",
+                           str(DEMO_CONFIG)], capture_output=True, text=True, cwd=EXAMPLES.parent)  # fmt: skip
+    assert done.returncode == 1 and "oomb: error: --seq-len 0" in done.stderr, done.stderr
 
 
 def test_oomb_plan_counts_the_parameters_of_the_model_the_config_builds():
