@@ -13,8 +13,8 @@ cache's passes alternate with the new's) — what the host spends before the cop
 costs each a few microseconds more under CUDA) —, for the forward (K/V in) and the backward (K/V and gradient
 pages in, gradient pages back out), sparse (random selection of ``--selected`` pages) and dense, next to the time
 the copy engine needs for the same bytes at the H200's measured 55 GB/s each way (the reference, computed from the
-bytes at Qwen2.5-7B's page size) — and the same bookkeeping of the staging cache as of ``OLD_COMMIT`` (a view per
-run and tensor, a zero-fill per run), read from git; for the sparse calls also the cache with a gathering transport
+bytes at Qwen2.5-7B's page size) — and the same bookkeeping of the staging cache as of ``OLD_COMMIT`` (its runs
+viewed by ``tensor_split``), read from git; for the sparse calls also the cache with a gathering transport
 (``OOMB_OFFLOAD_GATHER=1``'s path: a block's scattered pages in one call per part). The arenas here are tiny (views
 cost the same at any page size). Writes JSON (``--out``), a PNG and a Markdown table next to it; ~20 s.
 
@@ -39,7 +39,7 @@ from lightning_oomb.engine.offload.transport import SyncTransport, copy_pairs
 from lightning_oomb.engine.pages import Arena, PoolShape
 
 ROOT = Path(__file__).resolve().parents[1]
-OLD_COMMIT = "4663842"  # the staging cache before runs were viewed with one tensor_split per tensor
+OLD_COMMIT = "8886920"  # the staging cache before its runs were viewed by split_with_sizes (was tensor_split)
 COPY_BYTES_PER_S = 55.4e9  # the H200's measured pinned copy rate, each way (planner.MEASURED_STEP_RATES)
 QWEN_PAGE_BYTES = {
     "kv": 128 * 4 * 128 * 2,

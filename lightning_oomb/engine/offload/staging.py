@@ -272,14 +272,17 @@ class StagingCache:
         return self._run_views(self._staging.pages(part), slots, self._runs(buf, pages))
 
     def _run_views(self, tensors, slots: slice, runs: list[tuple[int, int]]) -> list[torch.Tensor]:
-        """Views of each tensor's ``slots`` (one block, all rows), one per run of pages: a single ``tensor_split``
-        per tensor, however many runs (a sparse block's scattered pages make hundreds)."""
+        """Views of each tensor's ``slots`` (one block, all rows), one per run of pages: a single split per tensor,
+        however many runs (a sparse block's scattered pages make hundreds; ``split_with_sizes`` makes its views in
+        ~0.6 of ``tensor_split``'s time)."""
         batch = self.shape.batch
         if len(runs) == 1:  # a whole block (dense), or one run: a slice is cheaper than a split
             ((a, b),) = runs
             return [t[slots.start + a * batch : slots.start + b * batch] for t in tensors]
-        cuts = [page * batch for run in runs for page in run]
-        return [view for t in tensors for view in t[slots].tensor_split(cuts)[1::2]]
+        # the tensor cut at each run's ends: pieces alternate gap, run, gap, ..., run, rest
+        edges = [0, *(slots.start + page * batch for run in runs for page in run)]
+        sizes = [b - a for a, b in zip(edges, edges[1:])]
+        return [view for t in tensors for view in t.split_with_sizes([*sizes, t.shape[0] - edges[-1]])[1::2]]
 
     def _move(self, direction: str, buf: Buffer, part: Part, cause: str, after, pages=None) -> object:
         """Copy ``part`` of ``buf``'s block (``None``: all its pages, or those offsets) between its buffer and its host
@@ -309,13 +312,12 @@ class StagingCache:
             self.counts["copy_runs"] += len(pairs)
         first = self.shape.block_pages_range(block)[0]
         page_bytes = self.shape.page_bytes(part)
-        for a, b in runs:
-            self.counts[f"{direction}_bytes"] += (b - a) * page_bytes
-            self.trace.append(
-                Transfer(
-                    self.sweep, direction, layer, part, first + a, first + b, (b - a) * page_bytes, cause
-                )
-            )
+        self.counts[f"{direction}_bytes"] += sum(b - a for a, b in runs) * page_bytes
+        sweep = self.sweep
+        self.trace.extend(
+            Transfer(sweep, direction, layer, part, first + a, first + b, (b - a) * page_bytes, cause)
+            for a, b in runs
+        )
         if cause in ("prefetch", "demand"):
             self.counts[f"{cause}_copies"] += 1
         return event
