@@ -107,7 +107,7 @@ def _classify(name: str, seconds: int, no_dropout: bool = False) -> dict:
             meta = AutoModelForCausalLM.from_config(tiny)
             size = sum(p.numel() for p in meta.parameters())
         row["class"] = type(meta).__name__
-        HFChunkModel(meta)
+        HFChunkModel(meta, verify_exactness=False)
         if size > 50_000_000:  # a config whose width the shrinking does not reach stays big
             row.update(status="not built", why=f"{size / 1e6:.0f}M parameters after shrinking")
             return row
@@ -126,7 +126,7 @@ def _classify(name: str, seconds: int, no_dropout: bool = False) -> dict:
         signal.alarm(0)
     signal.alarm(seconds)
     try:
-        HFChunkModel(model)  # the static rules
+        HFChunkModel(model, verify_exactness=False)  # the static rules
         row["status"] = "exact" if verify_exactness_of(model) else "accepted (unchecked)"
     except _Timeout:
         row.update(status="not built", why="timeout")

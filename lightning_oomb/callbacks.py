@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_oomb.engine.errors import OOMBConfigError
@@ -75,8 +76,11 @@ class OOMBOffload(OOMBMonitor):
     run of consecutive pages), ``oomb/parked_bytes`` (with layer checkpointing:
     what the backward sweep's chunk recomputes parked in host memory, each byte copied out and back once),
     ``oomb/hbm_pool_bytes``, ``oomb/staging_bytes`` and ``oomb/host_pool_bytes``; use it instead of the monitor.
-    Refuses a run whose strategy does not offload (``offload=False``; with ``"auto"`` its memory plan decides).
+    Refuses a run whose strategy does not offload (``offload=False``); with ``"auto"`` its memory plan decides, and
+    a plan that keeps every page on the device (they fit) is warned about once (the offload counters stay 0).
     """
+
+    _warned = False
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -91,6 +95,18 @@ class OOMBOffload(OOMBMonitor):
         if any(type(c) is OOMBMonitor for c in trainer.callbacks):
             raise OOMBConfigError(
                 "OOMBOffload already logs everything OOMBMonitor logs — keep only OOMBOffload in callbacks."
+            )
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, *_: Any) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, *_)
+        if (
+            not self._warned and trainer.strategy.engine.config.offload is False
+        ):  # "auto", decided by the plan
+            self._warned = True
+            rank_zero_warn(
+                "OOMBOffload: the memory plan keeps every page on the device (offload='auto': the pages fit), so "
+                "nothing is offloaded and its offload counters stay 0 — set offload=True to offload anyway."
             )
 
 
@@ -140,10 +156,16 @@ class OOMBSparseBudget(Callback):
     def budget_at(self, step: int) -> int | None:
         """The budget of global step ``step``."""
         if callable(self.schedule):
-            budget = self.schedule(step)
+            given = budget = self.schedule(step)
             if isinstance(budget, numbers.Real) and not isinstance(budget, bool):
                 budget = round(budget)  # a ramp's float (or a NumPy integer): the nearest page count
-            check_budget(budget)
+            try:
+                check_budget(budget)
+            except OOMBConfigError as err:
+                raise OOMBConfigError(
+                    f"OOMBSparseBudget's schedule gave {given!r} at global step {step} — {err} A ramp: keep it at "
+                    "1 or more, e.g. lambda step: max(1, ...)."
+                ) from err
             return budget
         started = [s for s in self.schedule if s <= step]
         return self.schedule[max(started)] if started else self._initial

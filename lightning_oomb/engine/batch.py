@@ -44,10 +44,13 @@ class Layout:
     span: int = 0
 
 
-def _documents(position_ids: torch.Tensor) -> torch.Tensor | None:
-    """int32 ``[B, N]`` document starts, or ``None`` if no row has a boundary after its first token."""
+def _documents(position_ids: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor | None:
+    """int32 ``[B, N]`` document starts, or ``None`` if no row has a boundary after its first token. ``tokens``
+    (``None``: all real): restarts in a row's padding are none (transformers fills padded positions with 1s)."""
     starts = torch.ones_like(position_ids, dtype=torch.bool)
     starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    if tokens is not None:
+        starts[:, 1:] &= tokens[:, 1:]
     if not bool(starts[:, 1:].any()):
         return None
     index = torch.arange(position_ids.shape[1], device=position_ids.device).expand_as(position_ids)
@@ -63,10 +66,12 @@ def plan_layout(
     """Validate ``position_ids`` / ``attention_mask`` of ``input_ids [B, N]`` and lay the batch out.
 
     ``labels`` (``input_ids`` when the caller has none): the target of position ``t`` is ``labels[t + 1]``. Across
-    a document boundary (``t`` a document's last token) it is dropped when it equals ``input_ids[t + 1]`` (labels
-    copied or defaulted from ``input_ids``: the next document's first token, which documents trained apart never
-    see) and kept when it differs (an explicit target, e.g. ``DataCollatorWithFlattening(separator_id=EOS)``'s
-    separator: the document learns to end, as transformers trains it); ``-100`` there is ignored either way."""
+    a document boundary (``t`` a document's last token) the targets are dropped when every boundary's label in the
+    batch equals ``input_ids[t + 1]`` (labels copied or defaulted from ``input_ids``: the next document's first
+    token, which documents trained apart never see) and kept when one differs (explicit targets, e.g.
+    ``DataCollatorWithFlattening(separator_id=EOS)``'s separator: each document learns to end, as transformers
+    trains it — also where the next document happens to start with the separator's id); ``-100`` there is ignored
+    either way."""
     batch, seq_len = input_ids.shape
     labels = labels.clone()
     tokens = None
@@ -99,17 +104,18 @@ def plan_layout(
             "position_ids must be non-negative integers — they are RoPE positions, restarting at 0 per document."
         )
     positions = position_ids.expand(batch, -1)
-    doc_start = _documents(positions)
+    doc_start = _documents(positions, tokens)
     targets = shift_labels(labels)
     if doc_start is not None:
-        # a document's last token predicts the next document's first label only if that label is an explicit target
-        # (a collator's separator); a label that is the input id there (labels copied or defaulted from input_ids)
-        # would train it on another document's first token: dropped
+        # a document's last token predicts the next document's first label only if the labels are explicit targets
+        # there (a collator's separator: one boundary label differs from its input id, the batch's labels are no
+        # copy); labels copied or defaulted from input_ids would train it on another document's first token: dropped
         boundary = torch.zeros_like(targets, dtype=torch.bool)
-        boundary[:, :-1] = (doc_start[:, 1:] == torch.arange(1, seq_len, device=doc_start.device)) & (
-            labels[:, 1:] == input_ids[:, 1:]
-        )
-        targets = targets.masked_fill(boundary, IGNORE_INDEX)
+        boundary[:, :-1] = doc_start[:, 1:] == torch.arange(1, seq_len, device=doc_start.device)
+        copied = labels[:, 1:] == input_ids[:, 1:]
+        explicit = boundary[:, :-1] & ~copied & (labels[:, 1:] != IGNORE_INDEX)
+        if not bool(explicit.any()):
+            targets = targets.masked_fill(boundary, IGNORE_INDEX)
     return Layout(position_ids, doc_start, targets, tokens, int(high) + 1)
 
 

@@ -465,7 +465,16 @@ class KVPool:
                 "model: its config's num_key_value_heads and head_dim), the page pool's shape — correct the config "
                 "(e.g. drop a num_key_value_heads the architecture ignores), or train this model with another strategy."
             )
-        if shape.windows is not None and shape.windows[layer] != window:
+        declared = None if shape.windows is None else shape.windows[layer]
+        if declared is not None and window is None:  # (a mask-only window: Qwen2-MoE, PhiMoE)
+            raise OOMBConfigError(
+                f"layer {layer}'s attention call passes no sliding_window, but the model declares "
+                f"{declared}: this architecture applies its window through the attention mask alone, "
+                "which OOMB does not read (it lays out its own causal attention), so it cannot train it with the "
+                "window — train it with another strategy, or without a window (e.g. config sliding_window=None or "
+                "use_sliding_window=False) if your sequences are no longer than it or the model trains without it."
+            )
+        if shape.windows is not None and declared != window:
             raise OOMBConfigError(
                 f"layer {layer} attends with sliding_window={window} but the model declared {shape.windows[layer]} — "
                 "window layers keep only the pages their window reaches, so this would read missing keys — make "

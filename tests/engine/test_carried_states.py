@@ -104,6 +104,19 @@ def test_states_and_their_gradients_cross_chunk_boundaries_exactly(chunk_size, c
     assert engine.evaluate(ids).item() == pytest.approx(want_loss.item(), rel=1e-12)
 
 
+def test_right_padding_with_transformers_padded_positions_is_no_packing():
+    """Positions as transformers makes them for a padded row (``mask.cumsum(-1) - 1``, the padding filled with 1s)
+    restart inside the padding: they were read as packed documents, which a model carrying states refuses. A
+    restart in a row's padding is none: the same loss as the mask alone."""
+    model, ids = model_and_ids(32)
+    mask = torch.ones_like(ids)
+    mask[1, 20:] = 0
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    engine = OOMBEngine(model, OOMBConfig(16, 8, attention_backend="torch"))
+    want = engine.evaluate(ids, attention_mask=mask).item()
+    assert engine.evaluate(ids, position_ids=positions, attention_mask=mask).item() == want
+
+
 def test_a_boundary_that_does_not_fit_the_host_layout_stays_on_the_device():
     """The host buffer is laid out from the first boundary's states; a later boundary reporting others (a model
     whose states change shape) keeps them on the device, and both come back as they went."""

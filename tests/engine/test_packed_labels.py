@@ -189,5 +189,16 @@ def test_layout_keeps_explicit_targets_across_a_boundary_and_drops_copied_ones()
     ignored = ids.masked_fill(positions == 0, -100)  # its default separator_id=-100: nothing to train
     assert plan_layout(ids, ignored, positions).targets.tolist() == copied.targets.tolist()
     mixed = ids.clone()
-    mixed[0, 5] = EOS  # one explicit target, one copied label
-    assert plan_layout(ids, mixed, positions).targets.tolist() == [[11, 12, -100, 14, EOS, 16, 17, 18, -100]]
+    mixed[0, 5] = (
+        EOS  # one explicit target: the labels are the caller's, every boundary's trained as given (as HF)
+    )
+    assert plan_layout(ids, mixed, positions).targets.tolist() == [[11, 12, 13, 14, EOS, 16, 17, 18, -100]]
+    # a separator equal to the next document's first token (EOS also starting documents): kept, as any separator —
+    # it was dropped as a copied label (a batch of only such boundaries cannot tell them from a copy: dropped)
+    starts = ids.clone()
+    starts[0, 3] = EOS
+    separated = starts.clone()
+    separated[0, 5] = EOS
+    assert plan_layout(starts, separated, positions).targets.tolist() == [
+        [11, 12, EOS, 14, EOS, 16, 17, 18, -100]
+    ]

@@ -64,6 +64,20 @@ def test_a_window_the_model_did_not_declare_is_refused():
         OOMBEngine(adapter, OOMBConfig(CHUNK, PAGE)).loss(torch.randint(0, 97, (1, SEQ)))
 
 
+def test_a_window_applied_by_the_mask_alone_is_refused_naming_it():
+    """Qwen2-MoE with ``use_sliding_window`` declares a window its attention calls never pass (transformers applies
+    it through the mask, which OOMB does not read): refused by the self-check, saying so (it said "correct the
+    config, or train a model whose layers ignore it")."""
+    import transformers as tf
+
+    config = tf.Qwen2MoeConfig(vocab_size=97, hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
+                               shared_expert_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, use_sliding_window=True,
+                               sliding_window=40, max_window_layers=2)  # fmt: skip
+    with pytest.raises(OOMBConfigError, match="passes no sliding_window.*through the attention mask alone"):
+        HFChunkModel(tf.Qwen2MoeForCausalLM(config))
+
+
 def test_gpt_oss_20b_pool_bytes_per_token():
     """gpt-oss-20b's shape (24 layers alternating window 128 / full, 8 KV heads of 64, bf16 K/V, fp32 gradient
     pages) at 128K tokens in chunks of 4096: window layers keep 1 page in 32 plus one chunk, so the pool needs

@@ -60,7 +60,8 @@ def test_unsupported_models_are_refused_with_the_reason(reason, model):
 )
 def test_the_self_check_refuses_what_the_reading_misses(family, match):
     """Architectures that pass every static rule but would train wrongly: the float64 twin finds it and names the
-    measured error; without the check they are accepted."""
+    measured error — by default, as the strategies do (the engine's adapter skipped it: the README's engine-only
+    snippet trained them silently wrong); without the check they are accepted."""
     overrides = (
         {"is_decoder": True, "attention_probs_dropout_prob": 0.0}
         if family == "bert"
@@ -68,9 +69,9 @@ def test_the_self_check_refuses_what_the_reading_misses(family, match):
     )
     config = tf.AutoConfig.for_model(family, **TINY, **overrides)
     model = tf.AutoModelForCausalLM.from_config(config)
-    HFChunkModel(model)  # the static rules see nothing wrong
+    HFChunkModel(model, verify_exactness=False)  # the static rules see nothing wrong
     with pytest.raises(OOMBConfigError, match="self-check.*" + match):
-        HFChunkModel(model, verify_exactness=True)
+        HFChunkModel(model)
 
 
 def test_the_self_check_accepts_the_exact_families():
@@ -422,6 +423,6 @@ def test_a_decoder_with_more_layers_than_its_config_counts_is_checked_whole():
     """Blenderbot's config counts its encoder's 2 layers, its causal LM runs the decoder's 24: every decoder
     layer gets pages, and the self-check refuses what chunks change (its positions come from a cache length)."""
     model = _published_shape("blenderbot")
-    assert HFChunkModel(model).num_layers == len(model.get_decoder().layers) == 24
+    assert HFChunkModel(model, verify_exactness=False).num_layers == len(model.get_decoder().layers) == 24
     with pytest.raises(OOMBConfigError, match=r"self-check.*relative error"):
-        HFChunkModel(model, verify_exactness=True)
+        HFChunkModel(model)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import lightning as L
 import pytest
 
@@ -86,6 +88,17 @@ def test_offload_callback_logs_the_traffic_of_the_strategys_streams():
     )
     # 3 buffers of one 16-token chunk: 2 rows x 1 KV head x head_dim 8 x (K, V, dK, dV) x fp32
     assert last["oomb/staging_bytes"] == 3 * 2 * 16 * 8 * 4 * 4
+
+
+def test_offload_callback_warns_once_when_the_plan_keeps_every_page_on_the_device():
+    """``offload="auto"`` (the default) decided off by the plan (on a CPU: always): its counters stay 0 — said once
+    (it logged zeros without a word); a strategy that offloads is not warned about."""
+    with pytest.warns(UserWarning, match="keeps every page on the device") as record:
+        fit(oomb(), [OOMBOffload()], steps=2)
+    assert sum("keeps every page" in str(w.message) for w in record) == 1
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*keeps every page.*")
+        fit(offloading(), [OOMBOffload()], steps=1)
 
 
 @pytest.mark.parametrize(

@@ -123,6 +123,9 @@ def test_a_callables_numbers_are_rounded_to_page_counts():
 def test_callable_returning_a_bad_budget_is_refused():
     with pytest.raises(OOMBConfigError, match="page_budget=-3"):
         fit(oomb(), [OOMBSparseBudget(lambda step: -3)], steps=1)
+    # a ramp rounding to 0 at step 1: the schedule and the step named (the message named neither)
+    with pytest.raises(OOMBConfigError, match=r"schedule gave 0.25 at global step 1 .*page_budget=0.*max\(1"):
+        fit(oomb(), [OOMBSparseBudget(lambda step: 1.25 - step)], steps=2)
 
 
 def test_refuses_other_strategies():

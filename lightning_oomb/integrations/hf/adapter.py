@@ -198,11 +198,13 @@ class HFChunkModel:
         layer_checkpointing: turn on HF's per-layer checkpointing while the engine runs the model (if the model
             does not have it on already); restored afterwards.
         verify_exactness: also run the self-check (a float64 twin of the architecture trained in chunks against
-            full-sequence training; one to a few seconds on the CPU, once per architecture) and refuse a mismatch.
+            full-sequence training; well under a second to a few seconds on the CPU, once per architecture) and
+            refuse a mismatch — on by default, as in the strategies (it was off here: the engine trained a model
+            the strategies refuse, e.g. one whose LM head is more than a linear layer, silently wrong).
     """
 
     def __init__(
-        self, model: torch.nn.Module, layer_checkpointing: bool = False, verify_exactness: bool = False
+        self, model: torch.nn.Module, layer_checkpointing: bool = False, verify_exactness: bool = True
     ):
         check_supported(model)
         self._supported = _support_inputs(model)
