@@ -102,7 +102,9 @@ def make_step(model, method: str, config=None) -> tuple[Callable[[torch.Tensor],
             return loss.detach()
 
         return step, None
-    engine = OOMBEngine(HFChunkModel(model, layer_checkpointing=config.layer_checkpointing), config)
+    # (Qwen2's shape, which the tests check exact: no self-check twin in the GPU session's time)
+    adapter = HFChunkModel(model, layer_checkpointing=config.layer_checkpointing, verify_exactness=False)
+    engine = OOMBEngine(adapter, config)
 
     def step(ids: torch.Tensor) -> torch.Tensor:
         model.zero_grad(set_to_none=True)

@@ -107,7 +107,9 @@ def main() -> None:
         options = dict(options)
         if options.get("hbm_budget") == "mixed":  # half the layers on the device
             options["hbm_budget"] = hbm_budget_for(layers // 2, pool_shape, options["staging_buffers"])
-        adapter = HFChunkModel(model, layer_checkpointing=options.get("layer_checkpointing", False))
+        adapter = HFChunkModel(
+            model, layer_checkpointing=options.get("layer_checkpointing", False), verify_exactness=False
+        )  # (as benchmarks/common.py)
         return OOMBEngine(adapter, OOMBConfig(chunk, page, **options), transport)
 
     engines = {name: make_engine(options) for name, options in CONFIGS.items()}
