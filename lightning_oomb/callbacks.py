@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
@@ -179,6 +180,11 @@ class OOMBSparseBudget(Callback):
                 f"{type(trainer.strategy).__name__} — use Trainer(strategy='oomb') or drop the callback."
             )
         self._initial = config.page_budget
+        self._loaded_step: int | None = None  # the global step of a checkpoint this run loads
+
+    @override
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        self._loaded_step = checkpoint.get("global_step")
 
     @override
     def on_train_batch_start(self, trainer: Trainer, *_: Any) -> None:
@@ -197,10 +203,13 @@ class OOMBSparseBudget(Callback):
 
     def _evaluate_at_trained_budget(self, trainer: Trainer) -> None:
         """Validation and test attend with the budget of the last step trained (step 0's before any), inside
-        ``fit`` as in a later ``trainer.validate`` / ``test`` (whose engine starts at the strategy's budget); no
-        recall probe."""
+        ``fit`` as in a later ``trainer.validate`` / ``test`` (whose engine starts at the strategy's budget) — of
+        the checkpoint's steps when they load one (``ckpt_path``: Lightning restores the trainer's step only to fit);
+        no recall probe."""
         engine = trainer.strategy.engine
-        engine.page_budget = self.budget_at(max(trainer.global_step - 1, 0))
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        steps = trainer.global_step if fitting or self._loaded_step is None else self._loaded_step
+        engine.page_budget = self.budget_at(max(steps - 1, 0))
         engine.probe_recall = False
 
     @override

@@ -314,6 +314,31 @@ def test_layer_checkpointing_is_on_only_while_the_engine_runs(checkpointing_befo
     assert model.config._attn_implementation == "sdpa"
 
 
+@pytest.mark.parametrize("input_grads_before", [False, True])
+def test_layer_checkpointing_leaves_the_input_embeddings_hooks_as_they_were(input_grads_before):
+    """transformers' checkpointing switch adds ``enable_input_require_grads``' hook on the embedding every time it
+    turns on and takes it off only for peft models: two more per step piled up (8, 24, 48 after 4, 8, 12 steps)
+    and the model no longer pickled. The user's own hook (``enable_input_require_grads`` before) stays."""
+    import pickle
+
+    model = build_causal_lm("qwen2")
+    if input_grads_before:
+        model.enable_input_require_grads()
+    embedding, handles = model.get_input_embeddings(), dict(model.__dict__)
+    hooks = dict(embedding._forward_hooks)
+    engine = OOMBEngine(
+        HFChunkModel(model, layer_checkpointing=True), OOMBConfig(16, 8, layer_checkpointing=True)
+    )
+    for _ in range(3):
+        engine.loss(torch.randint(0, 97, (1, 40))).backward()
+    assert dict(embedding._forward_hooks) == hooks
+    assert {a: model.__dict__.get(a) for a in ("_require_grads_hooks", "_require_grads_hook")} == {
+        a: handles.get(a) for a in ("_require_grads_hooks", "_require_grads_hook")
+    }
+    if not input_grads_before:  # (transformers' hook is a local function: a model holding it does not pickle)
+        pickle.dumps(model)
+
+
 def test_generation_inside_a_managed_call_says_where_it_belongs():
     adapter = HFChunkModel(build_causal_lm("qwen2", dtype=torch.float32))
     answering = adapter.answer_calls(lambda ids, labels: ids.sum().float())

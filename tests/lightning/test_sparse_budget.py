@@ -7,7 +7,7 @@ import pytest
 from lightning_oomb import OOMBConfig, OOMBConfigError, OOMBStrategy
 from lightning_oomb.callbacks import OOMBSparseBudget
 from lightning_oomb.engine.config import STRATEGY_DEFAULTS
-from tests.helpers.lightning import TinyLM, batches, oomb
+from tests.helpers.lightning import TinyLM, batches, make_trainer, oomb
 from tests.helpers.lightning import fit as fit_tiny
 from tests.lightning.test_callbacks import Recorder
 
@@ -53,9 +53,9 @@ def test_schedule_switches_budgets_and_logs_by_hand():
     assert trainer.strategy.engine.page_budget == 3
 
 
-def test_validation_and_test_attend_with_the_last_trained_budget():
-    """Inside fit and in a later ``trainer.validate`` / ``test`` (which rebuild the engine at the strategy's budget:
-    they ran dense after a sparse schedule): the budget of the last step trained, here step 1's."""
+def test_validation_and_test_attend_with_the_last_trained_budget(tmp_path):
+    """Inside fit, in a later ``trainer.validate`` / ``test`` (which rebuild the engine at the strategy's budget:
+    they ran dense after a sparse schedule) and from a checkpoint: the budget of the last step trained, step 1's."""
 
     class Tested(TinyLM):
         test_step = TinyLM.validation_step
@@ -66,6 +66,12 @@ def test_validation_and_test_attend_with_the_last_trained_budget():
         run(module, batches(n=2), verbose=False)
         engine = trainer.strategy.engine
         assert engine.page_budget == 1 and engine.stats.sparse.page_budget == 1 and not engine.probe_recall
+    # a new Trainer validating a checkpoint (its step is not restored outside fit: it attended at step 0's budget)
+    path = tmp_path / "two_steps.ckpt"
+    trainer.save_checkpoint(path)
+    fresh = make_trainer(oomb(), callbacks=[OOMBSparseBudget({0: None, 1: 1, 2: None})])
+    fresh.validate(Tested(), batches(n=2), ckpt_path=path, verbose=False)
+    assert fresh.global_step == 0 and fresh.strategy.engine.page_budget == 1
 
 
 def test_recall_is_logged_only_on_the_steps_it_measures():

@@ -189,6 +189,43 @@ def set_layer_checkpointing(model: torch.nn.Module, enabled: bool) -> None:
         disable()
 
 
+_GRAD_HOOK_ATTRS = ("_require_grads_hooks", "_require_grads_hook")  # transformers' enable_input_require_grads
+
+
+def _input_grad_hooks(model: torch.nn.Module) -> list:
+    """The handles of the hooks ``enable_input_require_grads`` put on the input embeddings (a list since transformers
+    5.2x, one handle before)."""
+    hooks = model.__dict__.get("_require_grads_hooks")
+    if hooks is None:
+        one = model.__dict__.get("_require_grads_hook")
+        hooks = [] if one is None else [one]
+    return list(hooks)
+
+
+@contextlib.contextmanager
+def checkpointed_layers(model: torch.nn.Module) -> Iterator[None]:
+    """HF per-layer checkpointing on for the block, then off with the input embeddings' hooks as they were:
+    transformers' enable adds ``enable_input_require_grads``' hook at every call and its disable removes it only from
+    a peft model (two more hooks a step piled up, and a model holding them does not pickle)."""
+    before, kept = (
+        _input_grad_hooks(model),
+        {a: model.__dict__[a] for a in _GRAD_HOOK_ATTRS if a in model.__dict__},
+    )
+    set_layer_checkpointing(model, True)
+    added = [h for h in _input_grad_hooks(model) if all(h is not b for b in before)]
+    try:
+        yield
+    finally:
+        set_layer_checkpointing(model, False)
+        for hook in added:
+            hook.remove()
+        for attr in _GRAD_HOOK_ATTRS:
+            if attr in kept:
+                setattr(model, attr, kept[attr])
+            else:
+                model.__dict__.pop(attr, None)
+
+
 class HFChunkModel:
     """Adapter from a transformers ``*ForCausalLM`` to the engine's :class:`~lightning_oomb.engine.model.ManagedModel`.
 
@@ -301,13 +338,12 @@ class HFChunkModel:
         checkpointing = self.layer_checkpointing and not _checkpointing_on(self.model)
         config._attn_implementation = ATTN_NAME
         ENGAGED.add(id(self.model))
-        if checkpointing:
-            set_layer_checkpointing(self.model, True)
         for rank, module in enumerate(self._attention):
             module.oomb_layer = rank
         RUNNING.update((id(module), self._running_chunk) for module in self._routed)
         try:
             with (
+                checkpointed_layers(self.model) if checkpointing else contextlib.nullcontext(),
                 pinned_rope(self._rotaries, num_tokens),
                 carrying_states(self._mixers, lambda: self._states),
                 passing_cache(self._counting, lambda _: TokensBefore(self._chunk)),
@@ -317,8 +353,6 @@ class HFChunkModel:
         finally:
             config._attn_implementation = previous
             ENGAGED.discard(id(self.model))
-            if checkpointing:
-                set_layer_checkpointing(self.model, False)
             for module in self._attention:
                 del module.oomb_layer
             for module in self._routed:
