@@ -183,7 +183,9 @@ class OOMBSparseBudget(Callback):
         self._loaded_step: int | None = None  # the global step of a checkpoint this run loads
 
     @override
-    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+    def on_load_checkpoint(
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         self._loaded_step = checkpoint.get("global_step")
 
     @override

@@ -254,7 +254,12 @@ class OOMBContextParallelStrategy(_OOMBStrategyMixin, DDPStrategy):
         """Sum every gradient over its context group and average over the data replicas (one all-reduce per dtype,
         over flattened buckets). A parameter no rank gave a gradient keeps ``grad=None``, as under DDP (so the
         optimizer leaves it alone: a zero gradient would still decay it and move it by its momentum); one that only
-        some ranks did gets zeros on the others."""
+        some ranks did gets zeros on the others. A rank of another data replica that failed is named (it would
+        end these collectives with a bare "connection closed")."""
+        with self.engine.reporting():
+            self._reduce_gradients()
+
+    def _reduce_gradients(self) -> None:
         params = [p for p in self.lightning_module.parameters() if p.requires_grad]
         has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=self.root_device)
         dist.all_reduce(has, op=dist.ReduceOp.MAX)

@@ -221,7 +221,7 @@ class OOMBEngine:
             )
         self._check_nothing_pending("engine.loss")
         self.user_hooks.check(self.model, self._parameters(), training=True)
-        with self._reporting():
+        with self.reporting():
             step = self._plan(
                 input_ids, labels, position_ids, attention_mask, num_items_in_batch, training=True
             )
@@ -249,7 +249,7 @@ class OOMBEngine:
         """
         self._check_nothing_pending("engine.evaluate")
         self.user_hooks.check(self.model, (), training=False)
-        with self._reporting():
+        with self.reporting():
             step = self._plan(input_ids, labels, position_ids, attention_mask, num_items_in_batch)
             with torch.inference_mode(False), torch.no_grad():  # leaving inference mode re-enables grad
                 loss, _ = self.forward_sweep(step, sweep="eval")
@@ -272,8 +272,9 @@ class OOMBEngine:
         self.pool.release()
         self.results.free()
 
-    def _reporting(self):
-        """Context parallelism: a failure names the rank it started on (:meth:`ContextGroup.reporting`)."""
+    def reporting(self):
+        """Context parallelism: a failure names the rank it started on (:meth:`ContextGroup.reporting`; the
+        strategy's own collectives, e.g. the gradients' all-reduce across data replicas, run under it too)."""
         return self.context.reporting() if self.context is not None else contextlib.nullcontext()
 
     @contextlib.contextmanager
@@ -532,7 +533,7 @@ class OOMBEngine:
         engaged = self.model.engaged(step.position_span)
         parked = parking.parked_bytes(device)
         with (
-            self._reporting(),
+            self.reporting(),
             fork,
             sums or contextlib.nullcontext(),
             self._sweep("backward", step),

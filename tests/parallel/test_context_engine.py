@@ -166,6 +166,34 @@ def test_a_failing_rank_ends_the_others_naming_it(tmp_path):
     assert "RankFailure" in errors[0] and "rank 1: RuntimeError: rank 1 ran out of something" in errors[0]
 
 
+def _failing_replica(rank, world):
+    """Two data replicas of one rank each: rank 1's step fails; rank 0 reduces its gradients as the strategy does."""
+    from types import SimpleNamespace
+
+    from lightning_oomb.context_parallel import OOMBContextParallelStrategy
+
+    groups = [dist.new_group([r]) for r in range(world)]
+    model = build_causal_lm("qwen2")
+    if rank == 1:
+        model.model.layers[0].register_forward_pre_hook(
+            lambda m, a: (_ for _ in ()).throw(RuntimeError("rank 1 broke"))
+        )
+    engine = OOMBEngine(HFChunkModel(model), OOMBConfig(16, 8), context=ContextGroup.of(groups[rank]))
+    engine.loss(torch.randint(0, 97, (1, 45))).backward()
+    strategy = SimpleNamespace(engine=engine, lightning_module=model, root_device=torch.device("cpu"),
+                               data_parallel_size=world)  # fmt: skip
+    strategy._reduce_gradients = lambda: OOMBContextParallelStrategy._reduce_gradients(strategy)
+    OOMBContextParallelStrategy.reduce_gradients(strategy)
+
+
+def test_a_rank_failing_in_another_data_replica_is_named_by_the_gradient_reduction(tmp_path):
+    """2 replicas x 1-rank groups: the other replica's rank waits in the gradients' all-reduce, which ended with
+    gloo's bare "connection closed by peer" (an audit's 2 x 2 mesh: a batch refused on one replica only)."""
+    errors = failing_ranks(_failing_replica, 2, tmp_path)
+    assert "rank 1 broke" in errors[1]
+    assert "RankFailure" in errors[0] and "rank 1: RuntimeError: rank 1 broke" in errors[0], errors[0]
+
+
 def _sparse_step(rank, world, family, checkpointing, budget):
     model = build_causal_lm(family)
     ids = torch.randint(0, 97, (2, 61), generator=torch.Generator().manual_seed(7))
