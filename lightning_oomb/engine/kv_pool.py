@@ -476,7 +476,7 @@ class KVPool:
             )
         if shape.windows is not None and declared != window:
             raise OOMBConfigError(
-                f"layer {layer} attends with sliding_window={window} but the model declared {shape.windows[layer]} — "
+                f"layer {layer} attends with sliding_window={window} but the model declared {declared} — "
                 "window layers keep only the pages their window reaches, so this would read missing keys — make "
                 "the model's `layer_windows` match its attention calls (or drop it: every page is then kept); a "
                 "Hugging Face model declares its config's sliding_window / layer_types: correct the config, or train "

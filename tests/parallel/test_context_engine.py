@@ -179,6 +179,8 @@ def _failing_replica(rank, world):
             lambda m, a: (_ for _ in ()).throw(RuntimeError("rank 1 broke"))
         )
     engine = OOMBEngine(HFChunkModel(model), OOMBConfig(16, 8), context=ContextGroup.of(groups[rank]))
+    if rank == 1:
+        time.sleep(3)  # rank 0 is in the all-reduce by then (a rank gone first would only have it killed)
     engine.loss(torch.randint(0, 97, (1, 45))).backward()
     strategy = SimpleNamespace(engine=engine, lightning_module=model, root_device=torch.device("cpu"),
                                data_parallel_size=world)  # fmt: skip

@@ -207,10 +207,8 @@ def checkpointed_layers(model: torch.nn.Module) -> Iterator[None]:
     """HF per-layer checkpointing on for the block, then off with the input embeddings' hooks as they were:
     transformers' enable adds ``enable_input_require_grads``' hook at every call and its disable removes it only from
     a peft model (two more hooks a step piled up, and a model holding them does not pickle)."""
-    before, kept = (
-        _input_grad_hooks(model),
-        {a: model.__dict__[a] for a in _GRAD_HOOK_ATTRS if a in model.__dict__},
-    )
+    kept = {a: model.__dict__[a] for a in _GRAD_HOOK_ATTRS if a in model.__dict__}
+    before = _input_grad_hooks(model)
     set_layer_checkpointing(model, True)
     added = [h for h in _input_grad_hooks(model) if all(h is not b for b in before)]
     try:
