@@ -101,9 +101,8 @@ class OOMBOffload(OOMBMonitor):
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, *_: Any) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, *_)
-        if (
-            not self._warned and trainer.strategy.engine.config.offload is False
-        ):  # "auto", decided by the plan
+        # offload="auto", decided off by the plan
+        if not self._warned and trainer.strategy.engine.config.offload is False:
             self._warned = True
             rank_zero_warn(
                 "OOMBOffload: the memory plan keeps every page on the device (offload='auto': the pages fit), so "

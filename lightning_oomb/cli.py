@@ -300,9 +300,8 @@ def plan_command(args: list[str], print_table: bool = True) -> MemoryPlan | None
         )
 
     result = plan_step(seq_len, batch, strategy.oomb_config)
-    if (
-        opts.seq_len is None and opts.batch_size is None
-    ):  # the data's warm-up steps, under the main steps' decisions
+    # the data's warm-up steps, under the main steps' decisions
+    if opts.seq_len is None and opts.batch_size is None:
         warm = (plan_step(n, b, result.config) for n, b in warm_up)
         result = next((p for p in warm if not p.fits), result)
     if print_table:
