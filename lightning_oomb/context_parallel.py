@@ -30,9 +30,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_oomb.engine import OOMBConfigError
-from lightning_oomb.engine.context import ContextGroup
+from lightning_oomb.engine.context import ContextGroup, check_context
 from lightning_oomb.engine.planner import Machine, step_sizes_of
-from lightning_oomb.engine.recurrence import check_context
 from lightning_oomb.strategy import _OOMBStrategyMixin, config_from_arguments, strategy_doc
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from lightning_oomb.engine.config import OOMBConfig
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.lse import State, add_sinks, finish_state, init_state
 from lightning_oomb.engine.pages import PagedKV
@@ -43,6 +44,27 @@ FAILED_KEY = "lightning_oomb/failed_rank"
 
 class RankFailure(RuntimeError):
     """Another rank of the job failed; this one stopped waiting for it."""
+
+
+def check_context(config: OOMBConfig, size: int, seq_len: int | None = None) -> None:
+    """Refuse options (and a sequence length) context parallelism cannot honour, before any work."""
+    page = config.page_size
+    pages = config.chunk_size // page
+    if pages % size:
+        raise OOMBConfigError(
+            f"chunk_size={config.chunk_size} is {pages} pages of {page}, which do not split into "
+            f"{size} equal slices of whole pages (one per rank of the context group) — use a chunk_size that is a "
+            f"multiple of {size * page} (e.g. {max(1, pages // size) * size * page})."
+        )
+    first = (
+        None if seq_len is None else -(-min(seq_len, config.chunk_size) // page)
+    )  # its first chunk's pages
+    if first is not None and first < size:
+        raise OOMBConfigError(
+            f"a sequence of {seq_len} tokens has {first} pages of {page} in its first chunk, fewer than the "
+            f"{size} ranks of the context group — every rank needs a page of it — use longer sequences, "
+            "a smaller page_size or a smaller context_parallel_size."
+        )
 
 
 @dataclass

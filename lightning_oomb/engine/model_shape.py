@@ -286,7 +286,12 @@ class _AttrDict(dict):
         try:
             return self[name]
         except KeyError as err:
-            raise AttributeError(name, name=name) from err
+            raise AttributeError(name, name=name, obj=self) from err
+
+
+def _is_config_field_error(err: AttributeError) -> bool:
+    """Whether ``err`` is a config (or a dict of its fields) lacking a field, not some other object's attribute."""
+    return isinstance(err.obj, _AttrDict) or hasattr(err.obj, "to_dict")
 
 
 def _text_config(obj: Any) -> Any:
@@ -331,6 +336,8 @@ def _shape_of_config(cfg: Any) -> ModelShape:
     try:
         return _shape_of_attention_free(cfg) if free else _shape_of_attention_config(cfg)
     except AttributeError as err:
+        if not _is_config_field_error(err):  # a planner bug, not a missing field: its own traceback
+            raise
         field = getattr(err, "name", None) or str(err)
         read = " (read as an attention-free Mamba config: it has no num_attention_heads)" if free else ""
         raise OOMBConfigError(

@@ -129,6 +129,7 @@ import torch
 from lightning_oomb.engine import parking
 from lightning_oomb.engine.attention import stored_head_dim
 from lightning_oomb.engine.config import OOMBConfig
+from lightning_oomb.engine.context import check_context
 from lightning_oomb.engine.cpu_attention import PAST_BLOCK
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.grads import HALF_DTYPES, one_window, staging_elements
@@ -136,7 +137,6 @@ from lightning_oomb.engine.kv_pool import device_memory_available, hbm_budget, p
 from lightning_oomb.engine.memory import HOST_RESERVE_BYTES, host_memory_available
 from lightning_oomb.engine.model_shape import CALIBRATED, NORM_BYTES, Mixer, ModelShape, model_shape
 from lightning_oomb.engine.pages import GRAD_DTYPES, PoolShape, arena_bytes
-from lightning_oomb.engine.recurrence import check_context
 from lightning_oomb.engine.reference import KEY_BLOCK
 from lightning_oomb.engine.results import result_slot_bytes
 from lightning_oomb.engine.states import BOUNDARY_ALIGN

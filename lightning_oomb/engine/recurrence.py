@@ -30,7 +30,14 @@ from lightning_oomb.engine.attention import (
 )
 from lightning_oomb.engine.batch import key_floors, pad_a_lone_last_token, plan_layout
 from lightning_oomb.engine.config import OOMBConfig
-from lightning_oomb.engine.context import ContextChunk, ContextGroup, Layout, SharedSummaries, fingerprint
+from lightning_oomb.engine.context import (
+    ContextChunk,
+    ContextGroup,
+    Layout,
+    SharedSummaries,
+    check_context,
+    fingerprint,
+)
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.grads import (
     Float32GradSums,
@@ -655,27 +662,6 @@ class OOMBEngine:
 def chunk_bounds(seq_len: int, chunk_size: int) -> list[tuple[int, int]]:
     """The step's chunks: ``[start, end)`` token ranges of ``chunk_size`` (the last one ragged)."""
     return [(a, min(a + chunk_size, seq_len)) for a in range(0, seq_len, chunk_size)]
-
-
-def check_context(config: OOMBConfig, size: int, seq_len: int | None = None) -> None:
-    """Refuse options (and a sequence length) context parallelism cannot honour, before any work."""
-    page = config.page_size
-    pages = config.chunk_size // page
-    if pages % size:
-        raise OOMBConfigError(
-            f"chunk_size={config.chunk_size} is {pages} pages of {page}, which do not split into "
-            f"{size} equal slices of whole pages (one per rank of the context group) — use a chunk_size that is a "
-            f"multiple of {size * page} (e.g. {max(1, pages // size) * size * page})."
-        )
-    first = (
-        None if seq_len is None else -(-min(seq_len, config.chunk_size) // page)
-    )  # its first chunk's pages
-    if first is not None and first < size:
-        raise OOMBConfigError(
-            f"a sequence of {seq_len} tokens has {first} pages of {page} in its first chunk, fewer than the "
-            f"{size} ranks of the context group — every rank needs a page of it — use longer sequences, "
-            "a smaller page_size or a smaller context_parallel_size."
-        )
 
 
 def refuse_split_states() -> None:

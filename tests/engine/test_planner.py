@@ -16,6 +16,7 @@ import torch
 
 import lightning_oomb
 from lightning_oomb.engine import KVPool, OOMBConfig, OOMBConfigError, OOMBEngine, PoolShape, planner
+from lightning_oomb.engine import model_shape as model_shape_module
 from lightning_oomb.engine.config import STRATEGY_DEFAULTS
 from lightning_oomb.engine.memory import SavedTensorMeter
 from lightning_oomb.engine.model_shape import ModelShape, model_shape
@@ -629,6 +630,15 @@ def test_bad_input_is_refused_with_the_fix(kwargs, match):
     args = {"model": qwen2_5_7b_config(), "seq_len": 4096, "machine": H200, **kwargs}
     with pytest.raises(OOMBConfigError, match=match):
         plan(**args)
+
+
+def test_a_planner_bug_is_not_reported_as_a_missing_config_field(monkeypatch):
+    """Only a config (or a dict of its fields) lacking a field is a config error; an AttributeError inside the
+    planner keeps its own traceback (it read "the model config has no 'foo'")."""
+    monkeypatch.setattr(model_shape_module, "_mlp_width", lambda cfg: cfg.hidden_size.foo)
+    with pytest.raises(AttributeError, match="'foo'") as caught:
+        plan(qwen2_5_7b_config(), 4096, machine=H200)
+    assert not isinstance(caught.value, OOMBConfigError)
 
 
 def test_the_public_entry_point():

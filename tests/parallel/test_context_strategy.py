@@ -253,7 +253,7 @@ class ShortRows(Rows):
 def test_sequences_too_short_for_the_group_are_refused_at_setup():
     """Every rank needs a page of the first chunk: known from the datamodule's ``seq_len``, refused before the
     optimizer and the sanity validation (was: at the first step)."""
-    from lightning_oomb.engine.recurrence import check_context
+    from lightning_oomb.engine.context import check_context
 
     with pytest.raises(
         OOMBConfigError, match="8 tokens has 1 pages of 8 in its first chunk, fewer than the 2 ranks"
