@@ -534,7 +534,7 @@ def _selection(chunk: ChunkContext, layer: int, q: torch.Tensor, window) -> Sele
         with torch.no_grad():
             summaries = chunk.pool.summaries(layer, chunk.start // page)
             return select_pages(q, summaries, chunk.start, page, sparse.budget, window, chunk.doc_start,
-                                chunk.backend)  # fmt: skip
+                                chunk.backend, chunk.tokens)  # fmt: skip
 
     return sparse.select(layer, chunk.start, chunk.sweep, make)
 
@@ -578,7 +578,7 @@ def paged_attention(
     v: torch.Tensor,
     chunk: ChunkContext,
     layer: int,
-    scale: float,
+    scale: float | None,
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
@@ -586,6 +586,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of a chunk's ``q [B, Hq, Lq, D]`` over its layer's pages plus its own ``k, v``; ``[B, Hq, Lq, D]``.
 
+    ``scale``: the scores' factor (``None``: ``1 / sqrt(D)``, as torch's ``scaled_dot_product_attention``);
     ``window``: a sliding window of keys (query ``i`` sees ``W`` keys up to itself); ``softcap``: scores
     ``c * tanh(s / c)``; ``sinks [Hq]``: one extra logit per query head in every row's softmax; ``block``: chunked
     attention (Llama 4's local layers) — query ``i`` sees only the keys of its own span of ``block`` positions
@@ -603,6 +604,7 @@ def paged_attention(
     if block is not None:
         chunk, window = _in_blocks(chunk, block, q.device), block if window is None else min(window, block)
     width = q.shape[-1]
+    scale = width**-0.5 if scale is None else scale
     if pad := chunk.shape.head_dim - width:  # pages wider than the heads (:func:`stored_head_dim`)
         q, k, v = (F.pad(x, (0, pad)) for x in (q, k, v))
         return PagedAttention.apply(q, k, v, chunk, layer, scale, window, softcap, sinks)[..., :width]

@@ -3,8 +3,10 @@
 Hugging Face's conventions, so a ``DataCollatorWithFlattening`` batch or a padded one works unchanged:
 
 - **Packed documents**: ``position_ids [B, N]`` restart at each document (a new document starts wherever a position
-  is not the previous one plus one, as ``transformers.masking_utils.find_packed_sequence_indices`` reads them).
-  Attention never crosses a document boundary (``doc_start``: each token's document start) and RoPE uses the given
+  does not exceed the previous one: ``DataCollatorWithFlattening``'s restarts at 0). A position that jumps *forward*
+  continues its document (PoSE-style skipped positions, positions with a stride: RoPE takes them as given), as
+  Hugging Face's training call reads them with its cache on (``transformers.masking_utils`` splits there only
+  without a cache and mask; it read a stride of 2 as one-token documents, whose targets were all dropped). Attention never crosses a document boundary (``doc_start``: each token's document start) and RoPE uses the given
   positions. A document's last token predicts the next document's first *label* only where that label is an
   explicit target: one that differs from the input id there (``DataCollatorWithFlattening(separator_id=EOS)``
   puts the separator there, so each document's last token learns to predict it, as transformers trains it). A
@@ -21,6 +23,7 @@ Everything is decided here, before any chunk runs; :class:`Layout` is what the s
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +51,9 @@ def _documents(position_ids: torch.Tensor, tokens: torch.Tensor | None) -> torch
     """int32 ``[B, N]`` document starts, or ``None`` if no row has a boundary after its first token. ``tokens``
     (``None``: all real): restarts in a row's padding are none (transformers fills padded positions with 1s)."""
     starts = torch.ones_like(position_ids, dtype=torch.bool)
-    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    starts[:, 1:] = (
+        position_ids[:, 1:] <= position_ids[:, :-1]
+    )  # a restart; a forward jump continues the document
     if tokens is not None:
         starts[:, 1:] &= tokens[:, 1:]
     if not bool(starts[:, 1:].any()):
@@ -115,7 +120,16 @@ def plan_layout(
         copied = labels[:, 1:] == input_ids[:, 1:]
         explicit = boundary[:, :-1] & ~copied & (labels[:, 1:] != IGNORE_INDEX)
         if not bool(explicit.any()):
-            targets = targets.masked_fill(boundary, IGNORE_INDEX)
+            kept = targets.masked_fill(boundary, IGNORE_INDEX)
+            if bool((kept == IGNORE_INDEX).all()) and not bool((targets == IGNORE_INDEX).all()):
+                warnings.warn(
+                    "position_ids restart at every token the labels train: each document is one token, so no "
+                    "token has a target in its own document and the loss is 0 — pass positions counting up within "
+                    "each document (0, 1, 2, ...), restarting at 0 where a packed document starts.",
+                    UserWarning,
+                    stacklevel=2,
+                )
+            targets = kept
     return Layout(position_ids, doc_start, targets, tokens, int(high) + 1)
 
 

@@ -266,12 +266,14 @@ def fingerprint(*tensors: torch.Tensor | None) -> torch.Tensor:
 @dataclass
 class ContextChunk:
     """What the attention op needs to attend one chunk across the group: the group, the step's layout and the
-    chunk's index (travels in :class:`~lightning_oomb.engine.attention.ChunkContext`)."""
+    chunk's index (travels in :class:`~lightning_oomb.engine.attention.ChunkContext`); ``tokens``: right padding,
+    the whole chunk's real tokens ``[B, L]`` (``None``: all)."""
 
     group: ContextGroup
     layout: Layout
     index: int
     summaries: SharedSummaries | None = None
+    tokens: torch.Tensor | None = None
 
     @property
     def lengths(self) -> list[int]:
@@ -492,6 +494,6 @@ def select_across_group(
             cp.summaries.add(cp, layer, k)
             page = cp.layout.page
             past = cp.summaries.pages[layer, :, : q_start // page]
-            return select_pages(queries, past, q_start, page, sparse.budget, window, docs, backend)
+            return select_pages(queries, past, q_start, page, sparse.budget, window, docs, backend, cp.tokens)
 
     return sparse.select(layer, q_start, sweep, make)

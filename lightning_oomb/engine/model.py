@@ -178,7 +178,8 @@ class ManagedModelMixin:
     their layer index when a chunk context is given) and ``lm_head``, and what :class:`ChunkModel` says of attention
     calls, optional attributes and the memory plan applies. This mixin adds: ``engaged`` (nothing to
     switch), ``answer_calls`` (inside the strategy's steps, ``model(input_ids, labels=None, position_ids=None,
-    attention_mask=None)`` returns the engine's loss tensor — override it if your ``forward`` differs), and ``layer_checkpointing``, which
+    attention_mask=None)`` returns the engine's loss tensor — ``forward(input_ids, labels)`` must return that same mean
+    next-token loss, labels unshifted, as the setup check verifies; override ``answer_calls`` if it differs), and ``layer_checkpointing``, which
     the strategy sets from its option, as an engine does whose config says ``True`` (checkpoint your blocks in
     ``hidden_states`` when it is on).
     """
@@ -190,7 +191,13 @@ class ManagedModelMixin:
 
     @contextlib.contextmanager
     def answer_calls(self, respond: Respond):
-        def forward(input_ids, labels=None, position_ids=None, attention_mask=None):
+        def forward(input_ids, labels=None, position_ids=None, attention_mask=None, **others):
+            if others:
+                raise OOMBConfigError(
+                    f"{type(self).__name__} was called with {sorted(others)} — inside the OOMB strategy's steps "
+                    "ManagedModelMixin answers model(input_ids, labels=None, position_ids=None, "
+                    "attention_mask=None) with the engine's loss — call it so, or override answer_calls."
+                )
             return respond(input_ids, labels, position_ids=position_ids, attention_mask=attention_mask)
 
         with answered_by(self, forward):

@@ -178,6 +178,11 @@ PRECISIONS: dict[str, tuple[torch.dtype, torch.dtype | None]] = {
     "16-mixed": (torch.float32, torch.float16),
 }
 _ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed"}
+_CONVERTING = (
+    "64-true",
+    "bf16-true",
+    "16-true",
+)  # Lightning converts the model's weights to these flags' dtype
 
 
 # ------------------------------------------------------------------------------------------------------ inputs
@@ -202,8 +207,9 @@ class Dtypes:
 
 
 def precision_dtypes(precision: str | int, param_dtype: torch.dtype | None = None) -> Dtypes:
-    """The dtypes a Lightning ``precision`` flag gives (``param_dtype``: the model's own, when it is known and not
-    converted by the flag, e.g. a bf16 checkpoint under ``32-true``)."""
+    """The dtypes a Lightning ``precision`` flag gives (``param_dtype``: the model's own, when it is known; the
+    flags that convert the weights — ``*-true`` but ``32-true`` — take theirs, e.g. a float32 module planned for
+    ``bf16-true``; the others keep it, e.g. a bf16 checkpoint under ``32-true``)."""
     flag = _ALIASES.get(str(precision), str(precision))
     if flag not in PRECISIONS:
         raise OOMBConfigError(
@@ -211,7 +217,7 @@ def precision_dtypes(precision: str | int, param_dtype: torch.dtype | None = Non
             f"weights and compute — use one of {sorted(PRECISIONS)}."
         )
     param, autocast = PRECISIONS[flag]
-    param = param_dtype or param
+    param = param if flag in _CONVERTING or param_dtype is None else param_dtype
     return Dtypes(param, param, autocast or param)
 
 
@@ -937,6 +943,8 @@ def plan(
         param_dtype = _dominant_dtype(module)
     shape = model_shape(model)
     dtypes = precision_dtypes(precision, param_dtype)
+    if param_dtype not in (None, dtypes.param):  # a module the flag converts: its bytes as they will be
+        shape = _converted(shape)
     spec = optimizer_spec(optimizer)
     inputs = _Inputs(shape, dtypes, spec, machine, str(precision), accumulate_grad_batches)
     asked, config = config, decide_auto(inputs, config, batch, seq_len, context_parallel)
@@ -1116,6 +1124,14 @@ def _machine(machine: Machine | str | None, device_memory: int | None, host_memo
         return Machine("cpu", size, size)
     size = int(device_memory) if device_memory is not None else local.device_bytes
     return Machine("cuda", size, host, size if device_memory is not None else local.total)
+
+
+def _converted(shape: ModelShape) -> ModelShape:
+    """``shape`` without the bytes read off a module's parameters: counted in the dtype a precision flag converts
+    every parameter to."""
+    return dataclasses.replace(
+        shape, weight_bytes=None, grad_bytes=None, half_trainable=None, half_vectors=None
+    )
 
 
 def _dominant_dtype(module: torch.nn.Module) -> torch.dtype | None:
@@ -1423,9 +1439,7 @@ def _options(
         flag = "bf16-true" if dtypes.compute == torch.bfloat16 else "16-true"
         half = dataclasses.replace(
             inputs,
-            shape=dataclasses.replace(
-                inputs.shape, weight_bytes=None, grad_bytes=None, half_trainable=None, half_vectors=None
-            ),
+            shape=_converted(inputs.shape),
             dtypes=precision_dtypes(flag),
             optimizer=dataclasses.replace(spec, state_bytes=None),
             precision=flag,

@@ -452,7 +452,8 @@ class OOMBEngine:
         targets = step.targets[:, lo:hi]
         # this rank's slice; a rank without one runs a stand-in token with no target
         if step.layout is not None:
-            chunk.context = ContextChunk(self.context, step.layout, index, step.summaries)
+            whole = None if step.tokens is None else step.tokens[:, start:end]
+            chunk.context = ContextChunk(self.context, step.layout, index, step.summaries, whole)
             lo, hi = step.layout.mine(index)
             targets = (
                 step.targets[:, lo:hi] if hi > lo else torch.full_like(step.targets[:, :1], IGNORE_INDEX)

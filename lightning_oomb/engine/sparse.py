@@ -15,7 +15,10 @@ window or before its document's start). A page's score is ``sum over KV heads an
 ``softmax over the candidates visible to the query`` of the score above, with ``g`` the sum of the query heads of
 the KV head's group (no ``1 / sqrt(d)``). The block keeps its top ``page_budget`` candidates, ascending,
 ``-1``-padded — or all of them when it has at most ``page_budget``; a layer call where every block keeps all is
-dense (no selection). The chunk's own pages are always attended, causally. On the needle-retrieval benchmark
+dense (no selection). The chunk's own pages are always attended, causally. Padded rows (right padding) score no
+page: padding never steers the real rows' selection. The selection is per block: a query's pages are chosen with
+its block's later queries (up to ``page_size - 1`` tokens ahead), so decoding token by token, which has no later
+rows, can select differently than training did. On the needle-retrieval benchmark
 (``benchmarks/sparse_quality.py``) the mean rule picks recent filler pages and loses the answer at every budget up to
 8 pages where the bound keeps it at 1 page; hence the default.
 
@@ -140,11 +143,13 @@ def select_pages(
     window: int | None = None,
     doc_start: torch.Tensor | None = None,
     backend: str = "torch",
+    real: torch.Tensor | None = None,
 ) -> Selection:
     """The rule of the module docstring for ``q [B, Hq, Lq, D]`` at ``q_start`` (page aligned) over the
-    ``summaries [B, q_start / page, vectors, Hkv, D]`` of the pages before it (:func:`summarize`). ``backend``:
-    ``"triton"`` scores the pages with the kernel of ``csrc_triton.page_scores`` (float32; the torch scores
-    here are its oracle, float64 for float64 queries)."""
+    ``summaries [B, q_start / page, vectors, Hkv, D]`` of the pages before it (:func:`summarize`). ``real [B, Lq]``
+    (right padding; ``None``: all real): padded rows add nothing to their block's scores, so padding never steers
+    the real rows' selection. ``backend``: ``"triton"`` scores the pages with the kernel of
+    ``csrc_triton.page_scores`` (float32; the torch scores here are its oracle, float64 for float64 queries)."""
     b, hq, lq, d = q.shape
     past, hkv = summaries.shape[1], summaries.shape[3]
     blocks = math.ceil(lq / page)
@@ -159,6 +164,9 @@ def select_pages(
     counts = candidate.sum(-1)
     if past == 0 or int(counts.max()) <= budget:
         return Selection(None, counts, counts, local)
+    if real is not None:  # a padded row sees no page before the chunk: it scores none
+        first = torch.where(real, first, q_start)
+        visible = page_last[None, None] >= first[..., None]
     dtype = torch.float64 if q.dtype == torch.float64 and backend != "triton" else torch.float32
     grouped = q.to(dtype).view(b, hkv, hq // hkv, lq, d).sum(2)  # [B, Hkv, Lq, D]
     keys = summaries.to(dtype).permute(0, 3, 2, 4, 1)  # [B, Hkv, vectors, D, past]

@@ -151,8 +151,9 @@ def test_masks_other_than_right_padding_are_refused_before_any_work(mask, match)
 
 
 def test_layout_of_packed_positions():
-    """Document starts from positions that restart (HF's convention: wherever a position is not the previous one
-    plus one), and no target across a boundary."""
+    """Document starts from positions that restart (wherever a position does not exceed the previous one), and no
+    target across a boundary; forward jumps (PoSE, a stride) continue the document (a stride of 2 read as one-token
+    documents dropped every target: loss 0), a restart at every token warns that nothing is left to train."""
     positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
     ids = torch.arange(9)[None]
     layout = plan_layout(ids, ids, positions)
@@ -161,5 +162,9 @@ def test_layout_of_packed_positions():
     assert (
         plan_layout(ids, ids, torch.arange(9)[None] + 4).doc_start is None
     )  # one document, offset positions
+    for skipped in ([0, 1, 2, 3, 10, 11, 12, 13, 14], [0, 2, 4, 6, 8, 10, 12, 14, 16]):
+        assert plan_layout(ids, ids, torch.tensor([skipped])).doc_start is None
+    with pytest.warns(UserWarning, match="each document is one token"):
+        assert (plan_layout(ids, ids, torch.zeros(1, 9, dtype=torch.long)).targets == -100).all()
     with pytest.raises(OOMBConfigError, match="position_ids"):
         plan_layout(ids, ids, torch.arange(8)[None])

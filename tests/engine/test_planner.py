@@ -641,6 +641,23 @@ def test_a_planner_bug_is_not_reported_as_a_missing_config_field(monkeypatch):
     assert not isinstance(caught.value, OOMBConfigError)
 
 
+def test_a_module_is_planned_in_the_dtype_its_precision_flag_converts_it_to():
+    """A float32 module planned for ``bf16-true`` / ``64-true`` (Lightning converts it) counts its weights in that
+    dtype (it counted float32 for both); under ``32-true`` / ``*-mixed`` (no conversion) its own dtype."""
+    model = build_causal_lm("qwen2", dtype=torch.float32)
+    params = sum(p.numel() for p in model.parameters())
+    weights = {
+        flag: plan(model, 64, precision=flag, machine=H200).device["weights"]
+        for flag in ("bf16-true", "64-true", "32-true", "bf16-mixed")
+    }
+    assert weights == {
+        "bf16-true": 2 * params,
+        "64-true": 8 * params,
+        "32-true": 4 * params,
+        "bf16-mixed": 4 * params,
+    }
+
+
 def test_the_public_entry_point():
     assert lightning_oomb.plan is plan
     result = lightning_oomb.plan(qwen2_5_7b_config(), 131072, precision="bf16-true", device_memory=141 * 10**9,

@@ -118,6 +118,43 @@ def test_small_budget_with_packed_documents():
     assert_equal((loss, grads), reference(model, ids, masks, labels=labels, position_ids=positions))
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_padding_does_not_steer_the_real_rows_selection(backend):
+    """Padded rows add nothing to their query block's page scores: the pad ids change neither the selection, nor
+    the loss, nor a gradient (they moved the loss by 1e-3: the padded rows' queries steered the block's pages)."""
+    model = build_causal_lm("qwen2")
+    ids = torch.randint(0, 97, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, 52:] = (
+        0  # row 1's last block of 8 rows is 4 real rows and 4 pads (the chunk at 48 has 6 past pages)
+    )
+    runs = []
+    for pad in (0, 7, 91):
+        padded = torch.where(mask.bool(), ids, pad)
+        loss, grads, selections, _ = oomb(model, padded, 1, backend, attention_mask=mask)
+        runs.append((loss, grads, {key: s.pages for key, s in selections.items()}))
+    assert any(p is not None for p in runs[0][2].values())
+    for loss, grads, pages in runs[1:]:
+        assert_equal((loss, grads), runs[0][:2])
+        assert all(torch.equal(p, runs[0][2][key]) for key, p in pages.items() if p is not None)
+
+
+def test_padded_rows_score_no_page_with_either_scorer():
+    """The selection with padded rows equals the selection of the real rows alone (the pads' queries zeroed and
+    seeing nothing), with the torch scores and the Triton kernel's (interpreted)."""
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 4, 32, 16, generator=gen)
+    summaries = summarize(torch.randn(2, 2, 96, 16, generator=gen), 16, "bound")
+    real = torch.ones(2, 32, dtype=torch.bool)
+    real[1, 20:] = False
+    noise = torch.where(real[:, None, :, None], q, 50 * torch.randn(q.shape, generator=gen))
+    for backend in ("torch", "triton"):
+        want = select_pages(q, summaries, 96, 16, 2, backend=backend, real=real)
+        got = select_pages(noise, summaries, 96, 16, 2, backend=backend, real=real)
+        assert torch.equal(got.pages, want.pages)
+        assert not torch.equal(select_pages(noise, summaries, 96, 16, 2, backend=backend).pages, want.pages)
+
+
 def test_backward_reuses_the_forward_selection(monkeypatch):
     """The backward sweep never selects again: with the page summaries scrambled after the forward sweep (a
     re-selection would pick other pages) the gradients still equal the forward selection's oracle."""

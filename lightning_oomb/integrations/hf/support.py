@@ -34,6 +34,7 @@ import warnings
 
 import torch
 
+from lightning_oomb.engine.check import relative_errors
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.model import runs_class_forward
 from lightning_oomb.integrations.hf.decoder import decoder_of
@@ -479,15 +480,9 @@ def _difference(got, want, tolerance: float, what: str) -> str | None:
     (got_loss, got_grads), (want_loss, want_grads) = got, want
     if missing := sorted(set(want_grads) - set(got_grads)):
         return f"parameters that get no gradient through OOMB ({', '.join(missing[:3])})"
-    # relative to each gradient's size, floored by the largest one: a gradient that is zero in exact arithmetic
-    # (e.g. a key bias: softmax ignores a constant per row) is rounding noise on both sides
-    floor = 1e-6 * max(g.abs().max().item() for g in want_grads.values())
-    errors = {
-        n: ((got_grads[n] - g).abs().max() / max(g.abs().max().item(), floor, 1e-30)).item()
-        for n, g in want_grads.items()
-    }
+    errors = relative_errors({"loss": got_loss, **got_grads}, {"loss": want_loss, **want_grads})
+    loss_error = errors.pop("loss")
     worst, grad_error = max(errors.items(), key=lambda kv: kv[1])
-    loss_error = _relative(got_loss, want_loss)
     if loss_error > tolerance or grad_error > tolerance:
         return f"a relative error of {loss_error:.1e} in the loss and {grad_error:.1e} in {worst}'s gradient {what}"
     return None
