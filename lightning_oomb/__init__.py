@@ -7,7 +7,7 @@ and ``"oomb_cp"`` (context parallelism across devices).
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_oomb.context_parallel import OOMBContextParallelStrategy
-from lightning_oomb.engine import OOMBConfig, OOMBConfigError, OOMBEngine
+from lightning_oomb.engine import OOMBConfig, OOMBConfigError, OOMBEngine, OOMBOutOfMemoryError
 from lightning_oomb.engine.planner import plan  # lightning_oomb.plan(...): a step's memory, before allocating
 from lightning_oomb.strategy import OOMBStrategy
 
@@ -19,6 +19,7 @@ OOMBContextParallelStrategy.register_strategies(StrategyRegistry)
 __all__ = [
     "OOMBConfig",
     "OOMBConfigError",
+    "OOMBOutOfMemoryError",
     "OOMBContextParallelStrategy",
     "OOMBEngine",
     "OOMBStrategy",

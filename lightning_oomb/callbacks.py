@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 import time
 from typing import Any
@@ -136,13 +137,14 @@ class OOMBSparseBudget(Callback):
 
     def __init__(self, schedule, recall_every: int = 50) -> None:
         if isinstance(schedule, dict):
-            for step, budget in schedule.items():
-                if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            for step in schedule:
+                if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
                     raise OOMBConfigError(
                         f"OOMBSparseBudget schedule key {step!r} is not a global step — use non-negative ints, "
                         "e.g. {0: None, 1000: 64}."
                     )
-                check_budget(budget)
+            schedule = {int(step): _page_count(budget, "schedule maps step " + str(step) + " to {}") for step, budget in
+                        schedule.items()}  # fmt: skip
         elif not callable(schedule):
             raise OOMBConfigError(
                 f"OOMBSparseBudget schedule {schedule!r} must be a dict {{step: budget}} or a callable step -> "
@@ -156,17 +158,7 @@ class OOMBSparseBudget(Callback):
     def budget_at(self, step: int) -> int | None:
         """The budget of global step ``step``."""
         if callable(self.schedule):
-            given = budget = self.schedule(step)
-            if isinstance(budget, numbers.Real) and not isinstance(budget, bool):
-                budget = round(budget)  # a ramp's float (or a NumPy integer): the nearest page count
-            try:
-                check_budget(budget)
-            except OOMBConfigError as err:
-                raise OOMBConfigError(
-                    f"OOMBSparseBudget's schedule gave {given!r} at global step {step} — {err} A ramp: keep it at "
-                    "1 or more, e.g. lambda step: max(1, ...)."
-                ) from err
-            return budget
+            return _page_count(self.schedule(step), "schedule gave {} at global step " + str(step))
         started = [s for s in self.schedule if s <= step]
         return self.schedule[max(started)] if started else self._initial
 
@@ -236,3 +228,20 @@ class OOMBSparseBudget(Callback):
         step = trainer.fit_loop.epoch_loop._batches_that_stepped  # the row self.log writes this step to
         for logger in trainer.loggers:
             logger.log_metrics({"oomb/selection_recall": float(recall)}, step=step)
+
+
+def _page_count(budget, where: str) -> int | None:
+    """A schedule's budget as a page count: ``None`` (dense), or a number rounded to the nearest page count (a
+    ramp's float, a NumPy integer) that must be 1 or more; anything else is refused, saying ``where`` (its ``{}``:
+    the value) it came from."""
+    given = budget
+    if isinstance(budget, numbers.Real) and not isinstance(budget, bool):
+        budget = round(budget) if math.isfinite(budget) else budget
+    try:
+        check_budget(budget)
+    except OOMBConfigError as err:
+        raise OOMBConfigError(
+            f"OOMBSparseBudget's {where.format(repr(given))} — {err} A ramp: keep it finite and at 1 or more, e.g. "
+            "lambda step: max(1, ...)."
+        ) from None
+    return budget

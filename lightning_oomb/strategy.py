@@ -26,7 +26,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
-from lightning_oomb.engine import OOMBConfig, OOMBConfigError, OOMBEngine
+from lightning_oomb.engine import OOMBConfig, OOMBConfigError, OOMBEngine, OOMBOutOfMemoryError
 from lightning_oomb.engine.config import STRATEGY_DEFAULTS
 from lightning_oomb.engine.model import ManagedModel
 from lightning_oomb.engine.planner import Machine, plan, step_sizes_of
@@ -198,11 +198,18 @@ class _OOMBStrategyMixin:
         # float32-host's mirror as planned, in this process's share of the host memory (a node's ranks would each
         # see the whole node's free memory when they first flush)
         self.engine.host_grads.mirror = result.grad_mirror
-        self._planned_sizes = sizes
-        if self._plan_memory and not result.fits:
-            raise OOMBConfigError(
-                f"{result.refusal()[:-1]} (OOMBStrategy(plan_memory=False) skips this check)."
+        if (
+            self._plan_memory and not result.fits
+        ):  # sizes not recorded: a smaller batch after it is planned anew
+            cuda = (
+                "CUDA out of memory (predicted by OOMB's memory plan): "
+                if result.machine.device_type == "cuda"
+                else ""
             )
+            raise OOMBOutOfMemoryError(
+                f"{cuda}{result.refusal()[:-1]} (OOMBStrategy(plan_memory=False) skips this check)."
+            )
+        self._planned_sizes = sizes
 
     def _planning_machine(self, resident_bytes: int) -> Machine:
         """The machine the memory plan is made for: this one now (:meth:`Machine.local`)."""

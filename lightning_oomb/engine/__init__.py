@@ -3,7 +3,7 @@
 from lightning_oomb.engine.attention import ChunkContext, paged_attention
 from lightning_oomb.engine.check import check_chunking
 from lightning_oomb.engine.config import OOMBConfig
-from lightning_oomb.engine.errors import OOMBConfigError
+from lightning_oomb.engine.errors import OOMBConfigError, OOMBOutOfMemoryError
 from lightning_oomb.engine.kv_pool import KVPool
 from lightning_oomb.engine.loss import LMHead
 from lightning_oomb.engine.model import ChunkModel, ManagedModel, ManagedModelMixin, StepLoss
@@ -21,6 +21,7 @@ __all__ = [
     "ManagedModelMixin",
     "OOMBConfig",
     "OOMBConfigError",
+    "OOMBOutOfMemoryError",
     "OOMBEngine",
     "PagedKV",
     "PoolShape",

@@ -52,6 +52,10 @@ def test_return_dict_false_gives_hfs_tuple():
             no_labels[:, -1]
         with pytest.raises(LogitsUnavailable, match=r"compute metrics from `output.loss`"):
             model(ids).logits.float()
+        logits = model(ids).logits
+        for use in (lambda: logits / 0.7, lambda: 1.0 - logits, lambda: -logits, lambda: logits == 1.0):
+            with pytest.raises(LogitsUnavailable):  # (a bare TypeError, or False for ==)
+                use()
         model.config.return_dict = False
         assert isinstance(model(ids, labels=ids), tuple)
 

@@ -124,6 +124,17 @@ def test_a_callables_numbers_are_rounded_to_page_counts():
     ramp = OOMBSparseBudget(lambda step: max(2, 8 - 2.5 * step))
     assert [ramp.budget_at(s) for s in range(4)] == [8, 6, 3, 2]  # 8.0, 5.5 (to even: 6), 3.0, 2
     assert OOMBSparseBudget(lambda step: np.int64(4)).budget_at(0) == 4
+    # a dict takes what a callable takes (it refused 2.0 and NumPy integers as "not a positive number")
+    assert OOMBSparseBudget({np.int64(0): 2.0, 3: np.int64(4)}).schedule == {0: 2, 3: 4}
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_schedule_giving_no_finite_number_is_refused_naming_it(value):
+    """(A bare "cannot convert float NaN to integer" / OverflowError.)"""
+    with pytest.raises(OOMBConfigError, match=f"schedule gave {value} at global step 2 .*finite"):
+        OOMBSparseBudget(lambda step: value).budget_at(2)
+    with pytest.raises(OOMBConfigError, match=f"schedule maps step 5 to {value} .*finite"):
+        OOMBSparseBudget({5: value})
 
 
 def test_callable_returning_a_bad_budget_is_refused():

@@ -10,9 +10,12 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.tuner import Tuner
+from torch.utils.data import DataLoader
 
 import lightning_oomb
-from lightning_oomb import OOMBConfigError, OOMBContextParallelStrategy, OOMBStrategy
+from lightning_oomb import OOMBConfigError, OOMBContextParallelStrategy, OOMBOutOfMemoryError, OOMBStrategy
+from lightning_oomb.engine.planner import Machine
 from tests.helpers.lightning import TinyLM, batches, fit, make_trainer, oomb
 
 
@@ -310,3 +313,26 @@ def test_generate_inside_validation_step_says_where_to_generate():
     trainer = make_trainer(oomb(), 1)
     with pytest.raises(OOMBConfigError, match="generate in predict_step"):
         trainer.validate(GeneratingLM(), batches(2))
+
+
+def test_the_batch_size_finder_backs_off_from_a_batch_the_plan_refuses():
+    """On a GPU a refused step raises ``OOMBOutOfMemoryError``, whose message Lightning reads as CUDA's out-of-memory
+    error: ``Tuner.scale_batch_size`` keeps the last batch that fit (the refusal, a plain ``ValueError``, ended the
+    search). The GPU: 2 MiB as the plan sees it (planned on this CPU)."""
+
+    class SmallGPU(OOMBStrategy):
+        def _planning_machine(self, resident_bytes):
+            return Machine("cuda", 2 << 20, super()._planning_machine(resident_bytes).host_bytes)
+
+    class Module(TinyLM):
+        batch_size = 2
+        validation_step = None
+
+        def train_dataloader(self):
+            return DataLoader(batches(32, seq=256).dataset, batch_size=self.batch_size)
+
+    trainer = make_trainer(SmallGPU(chunk_size=16, page_size=8), steps=1)
+    assert Tuner(trainer).scale_batch_size(Module(), mode="power", max_trials=5, steps_per_trial=1) == 8
+    assert issubclass(OOMBOutOfMemoryError, OOMBConfigError) and issubclass(
+        OOMBOutOfMemoryError, RuntimeError
+    )

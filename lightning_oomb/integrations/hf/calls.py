@@ -185,6 +185,15 @@ class NoLogits:
         )
 
     __getattr__ = __getitem__ = __iter__ = __len__ = __bool__ = __array__ = _refuse
+    # arithmetic and comparisons with Python numbers (tensors' go through __torch_function__)
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _refuse
+    __floordiv__ = __rfloordiv__ = __mod__ = __rmod__ = __pow__ = __rpow__ = __matmul__ = __rmatmul__ = (
+        _refuse
+    )
+    __neg__ = __pos__ = __abs__ = __float__ = __int__ = __lt__ = __le__ = __gt__ = __ge__ = __eq__ = (
+        __ne__
+    ) = _refuse
+    __hash__ = object.__hash__
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
