@@ -2,16 +2,17 @@
 
 Hugging Face's conventions, so a ``DataCollatorWithFlattening`` batch or a padded one works unchanged:
 
-- **Packed documents**: ``position_ids [B, N]`` restart at each document (a new document starts wherever a position
-  does not exceed the previous one: ``DataCollatorWithFlattening``'s restarts at 0). A position that jumps *forward*
-  continues its document (PoSE-style skipped positions, positions with a stride: RoPE takes them as given), as
-  Hugging Face's training call reads them with its cache on (``transformers.masking_utils`` splits there only
-  without a cache and mask; it read a stride of 2 as one-token documents, whose targets were all dropped). Attention never crosses a document boundary (``doc_start``: each token's document start) and RoPE uses the given
-  positions. A document's last token predicts the next document's first *label* only where that label is an
-  explicit target: one that differs from the input id there (``DataCollatorWithFlattening(separator_id=EOS)``
-  puts the separator there, so each document's last token learns to predict it, as transformers trains it). A
-  label equal to the input id there (labels copied from ``input_ids``, or defaulted to them: the usual packed
-  recipe) is the next document's first token, and no token is trained to predict it: documents stay apart.
+- **Packed documents**: ``position_ids [B, N]`` restart at each document (a new document starts wherever a position does
+  not exceed the previous one: ``DataCollatorWithFlattening``'s restarts at 0). A position that jumps *forward*
+  continues its document (PoSE-style skipped positions, positions with a stride: RoPE takes them as given), as Hugging
+  Face's training call reads them with its cache on (``transformers.masking_utils`` splits there only without a cache
+  and mask; it read a stride of 2 as one-token documents, whose targets were all dropped). Attention never crosses a
+  document boundary (``doc_start``: each token's document start) and RoPE uses the given positions. A document's last
+  token predicts the next document's first *label* only where that label is an explicit target: one that differs from
+  the input id there (``DataCollatorWithFlattening(separator_id=EOS)`` puts the separator there, so each document's last
+  token learns to predict it, as transformers trains it). A label equal to the input id there (labels copied from
+  ``input_ids``, or defaulted to them: the usual packed recipe) is the next document's first token, and no token is
+  trained to predict it: documents stay apart.
 - **Right padding**: an ``attention_mask`` that is ones then zeros per row (rows of a batch may differ in length):
   padded positions have no target (labels there are ignored) and real tokens never see them (they come after).
   Left padding and masks with holes are refused — they would need every real token to skip keys.

@@ -60,44 +60,34 @@ def check_chunking(
             f"pass longer input_ids (at least {2 * page_size + 1} tokens) or a smaller chunk_size."
         )
     name = type(model).__name__
-    twin = (
-        copy.deepcopy(model).to("cpu", torch.float64).eval()
-    )  # no dropout: masks would follow each run's draws
+    # eval: no dropout, whose masks would follow each run's draws
+    twin = copy.deepcopy(model).to("cpu", torch.float64).eval()
     input_ids = input_ids.cpu()
     whole = _step(twin, input_ids, page_size * -(-seq_len // page_size), page_size, layer_checkpointing)
     own = _own_step(twin, input_ids) if own_forward else None
-    own_error = 0.0
-    if own is not None:
-        worst, own_error = _worst(relative_errors(whole, own), tolerance)
-        if own_error > tolerance:
-            raise OOMBConfigError(
-                f"{name} trains differently through OOMB (one chunk) than by its own forward(input_ids, labels): "
-                f"{_what(worst, own_error, tolerance)} — what the engine is told differs from what forward computes: "
-                "hidden_states must return the final normed hidden states forward feeds to its head, lm_head() "
-                "must declare the head's bias, scale and softcap (LMHead), and labels are taken unshifted (the "
-                "engine shifts them, as Hugging Face models do; a forward taking targets already shifted needs its "
-                "own answer_calls)."
-            )
+    own_error = 0.0 if own is None else _compare(
+        name, whole, own, tolerance, "through OOMB (one chunk) than by its own forward(input_ids, labels)",
+        "what the engine is told differs from what forward computes: hidden_states must return the final normed "
+        "hidden states forward feeds to its head, lm_head() must declare the head's bias, scale and softcap (LMHead), "
+        "and labels are taken unshifted (the engine shifts them, as Hugging Face models do; a forward taking targets "
+        "already shifted needs its own answer_calls)",
+    )  # fmt: skip
     chunked = _step(twin, input_ids, chunk_size, page_size, layer_checkpointing)
-    worst, error = _worst(relative_errors(chunked, whole), tolerance)
-    if error > tolerance:
-        raise OOMBConfigError(
-            f"{name} trains differently in chunks of {chunk_size} tokens than in one chunk: "
-            f"{_what(worst, error, tolerance)} — its chunk protocol is wrong (an attention not going through "
-            "paged_attention, a carried state reported before the chunk's last token or not declared, a layer "
-            "reading past its chunk, positions that restart per chunk) — see the ChunkModel rules in "
-            "lightning_oomb/engine/model.py."
-        )
+    error = _compare(
+        name, chunked, whole, tolerance, f"in chunks of {chunk_size} tokens than in one chunk",
+        "its chunk protocol is wrong (an attention not going through paged_attention, a carried state reported "
+        "before the chunk's last token or not declared, a layer reading past its chunk, positions that restart per "
+        "chunk) — see the ChunkModel rules in lightning_oomb/engine/model.py",
+    )  # fmt: skip
     return max(error, own_error)
 
 
 def verify_chunk_model(model: torch.nn.Module) -> bool:
     """The strategies' setup check of a custom model (``verify_exactness``): :func:`check_chunking` on a float64
     copy at a few tokens (3.3 chunks of 16), to 1e-5 (a model may norm or softmax in float32 even then; a protocol
-    error is orders of magnitude larger). Returns whether it ran: a model of more than
-    :data:`CHECK_MAX_PARAMETERS` parameters is not copied, with a warning. It runs at every setup (milliseconds for
-    small models; nothing is cached: one class may compute differently per instance); the random state is left as
-    it was."""
+    error is orders of magnitude larger). Returns whether it ran: a model of more than :data:`CHECK_MAX_PARAMETERS`
+    parameters is not copied, with a warning. It runs at every setup (a fraction of a second for small models;
+    nothing is cached: one class may compute differently per instance); the random state is left as it was."""
     params = sum(p.numel() for p in model.parameters())
     if params > CHECK_MAX_PARAMETERS:
         warnings.warn(
@@ -144,15 +134,18 @@ def relative_errors(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Te
     }
 
 
-def _worst(errors: dict[str, float], tolerance: float = 0.0) -> tuple[str, float]:
-    """The entry with the largest error — the loss where it is beyond ``tolerance`` (it names the cause best)."""
+def _compare(name: str, got, want, tolerance: float, differs: str, cause: str) -> float:
+    """The largest relative error of ``got`` against ``want``; beyond ``tolerance`` refused, naming the entry (the
+    loss where it is beyond: it names the cause best), how the two steps ``differs`` and the likely ``cause``."""
+    errors = relative_errors(got, want)
     worst = "loss" if errors.get("loss", 0.0) > tolerance else max(errors, key=errors.get)
-    return worst, errors[worst]
-
-
-def _what(worst: str, error: float, tolerance: float) -> str:
-    where = "the loss" if worst == "loss" else f"{worst}'s gradient"
-    return f"a relative error of {error:.1e} in {where} (float64, tolerance {tolerance:.0e})"
+    if errors[worst] > tolerance:
+        where = "the loss" if worst == "loss" else f"{worst}'s gradient"
+        raise OOMBConfigError(
+            f"{name} trains differently {differs}: a relative error of {errors[worst]:.1e} in {where} (float64, "
+            f"tolerance {tolerance:.0e}) — {cause}."
+        )
+    return max(errors.values())
 
 
 def _step(

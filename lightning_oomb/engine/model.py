@@ -174,13 +174,13 @@ class ManagedModelMixin:
     """Defaults for a plain ``nn.Module`` that is its own :class:`ManagedModel`.
 
     The model still defines ``num_layers``, ``kv_heads``, ``head_dim``, ``vocab_size``, ``num_embeddings``,
-    ``hidden_states`` (its attention modules call :func:`~lightning_oomb.engine.attention.paged_attention` with
-    their layer index when a chunk context is given) and ``lm_head``, and what :class:`ChunkModel` says of attention
-    calls, optional attributes and the memory plan applies. This mixin adds: ``engaged`` (nothing to
-    switch), ``answer_calls`` (inside the strategy's steps, ``model(input_ids, labels=None, position_ids=None,
-    attention_mask=None)`` returns the engine's loss tensor — ``forward(input_ids, labels)`` must return that same mean
-    next-token loss, labels unshifted, as the setup check verifies; override ``answer_calls`` if it differs), and ``layer_checkpointing``, which
-    the strategy sets from its option, as an engine does whose config says ``True`` (checkpoint your blocks in
+    ``hidden_states`` (its attention modules call :func:`~lightning_oomb.engine.attention.paged_attention` with their
+    layer index when a chunk context is given) and ``lm_head``, and what :class:`ChunkModel` says of attention calls,
+    optional attributes and the memory plan applies. This mixin adds: ``engaged`` (nothing to switch), ``answer_calls``
+    (inside the strategy's steps, ``model(input_ids, labels=None, position_ids=None, attention_mask=None)`` returns the
+    engine's loss tensor — ``forward(input_ids, labels)`` must return that same mean next-token loss, labels unshifted,
+    as the setup check verifies; override ``answer_calls`` if it differs), and ``layer_checkpointing``, which the
+    strategy sets from its option, as an engine does whose config says ``True`` (checkpoint your blocks in
     ``hidden_states`` when it is on).
     """
 

@@ -18,11 +18,12 @@ def managed_model(
     verify_exactness: bool = True,
 ) -> ManagedModel:
     """The model inside ``module`` (a LightningModule) that the OOMB strategies train, as a
-    :class:`~lightning_oomb.engine.model.ManagedModel`: a submodule that implements the protocol itself (the
-    outermost one; e.g. a plain torch model with :class:`~lightning_oomb.engine.model.ManagedModelMixin`), else the
-    Hugging Face causal LM it holds; either checked for exactness unless ``verify_exactness=False``
+    :class:`~lightning_oomb.engine.model.ManagedModel`: a submodule that implements the protocol itself (the outermost
+    one; e.g. a plain torch model with :class:`~lightning_oomb.engine.model.ManagedModelMixin`), else the Hugging Face
+    causal LM it holds; either checked for exactness unless ``verify_exactness=False``
     (:func:`~lightning_oomb.engine.check.verify_chunk_model` on a float64 copy of the model,
-    :func:`lightning_oomb.integrations.hf.verify_exactness` on a tiny twin of its config). ``target_module``: the attribute path of the model when there are several."""
+    :func:`lightning_oomb.integrations.hf.verify_exactness` on a tiny twin of its config). ``target_module``: the
+    attribute path of the model when there are several."""
     from lightning_oomb.integrations.hf import HFChunkModel, find_causal_lm
 
     own = _own_managed_model(module, target_module)
