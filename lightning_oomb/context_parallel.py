@@ -51,6 +51,11 @@ class OOMBContextParallelStrategy(_OOMBStrategyMixin, DDPStrategy):
         """,
     )
 
+    _manual_optimization_refused = (
+        "the gradients are reduced over the group once per optimizer step, as the automatic loop accumulates them "
+        "(a manual accumulation would sum a reduced gradient again)"
+    )
+
     strategy_name = "oomb_cp"
 
     def __init__(

@@ -71,11 +71,15 @@ class _OOMBStrategyMixin:
     def precision_plugin(self, plugin: Precision | None) -> None:
         self._precision_plugin = checked_precision(plugin)
 
+    # why this strategy refuses manual optimization (``None``: it runs it: ``self.manual_backward(loss)`` of the
+    # model call's loss runs the backward sweep, as the automatic loop's backward does)
+    _manual_optimization_refused: str | None = None
+
     def _build_engine(self, module: LightningModule) -> None:
-        if not module.automatic_optimization:
+        if not module.automatic_optimization and self._manual_optimization_refused:
             raise OOMBConfigError(
-                "manual optimization is not supported by the OOMB strategy — the backward sweep runs inside the "
-                "loop's own backward — set self.automatic_optimization = True."
+                f"manual optimization is not supported by this strategy — {self._manual_optimization_refused} — "
+                "set self.automatic_optimization = True (or train with strategy='oomb')."
             )
         if type(module).backward is not LightningModule.backward:
             rank_zero_warn(
@@ -163,7 +167,7 @@ class _OOMBStrategyMixin:
         """Plan the steps of ``sizes`` (``(seq_len, batch)``; the last one decides the ``"auto"`` options, the
         others must fit under its decisions), reconfigure the engine and the model, refuse what cannot fit."""
         config = self.oomb_config
-        optimizer = self.optimizers[0] if self.optimizers else None
+        optimizers = [o for o in self.optimizers if isinstance(o, torch.optim.Optimizer)]  # several: manual
 
         def plan_step(seq_len: int, batch: int, config: OOMBConfig):
             return plan(
@@ -172,7 +176,7 @@ class _OOMBStrategyMixin:
                 batch,
                 config,
                 self.precision_plugin.precision,
-                optimizer if isinstance(optimizer, torch.optim.Optimizer) else None,
+                optimizers or None,
                 self._machine,
                 context_parallel=self.engine.context.size if self.engine.context is not None else 1,
                 accumulate_grad_batches=most_micro_batches(trainer),

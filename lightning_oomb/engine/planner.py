@@ -249,9 +249,27 @@ def optimizer_spec(optimizer: Any) -> OptimizerSpec:
     ``"adamw"``, ``"adam"`` (torch's default implementation: ``foreach`` on CUDA), ``"adamw-fused"``,
     ``"adam-fused"`` (``fused=True``), ..., an :class:`OptimizerSpec`, or a ``torch.optim.Optimizer`` (its type,
     options and parameter groups are read; an unknown type is assumed to keep two states per parameter, like
-    Adam)."""
+    Adam), or a list of torch optimizers (manual optimization's: their states summed)."""
     if isinstance(optimizer, OptimizerSpec):
         return optimizer
+    if isinstance(optimizer, (list, tuple)):
+        specs = [optimizer_spec(o) for o in optimizer]
+        if len(specs) == 1:
+            return specs[0]
+        if not all(isinstance(o, torch.optim.Optimizer) for o in optimizer) or not specs:
+            raise OOMBConfigError(
+                f"optimizer={optimizer!r}: a list is read as the torch optimizers one step uses (their parameters "
+                "and states are summed) — pass the torch.optim.Optimizer instances, or one name or OptimizerSpec."
+            )
+        copies = [s for s in specs if s.sqrt_copy and not s.fused]
+        return OptimizerSpec(
+            " + ".join(s.name for s in specs),
+            max(s.states for s in specs),
+            sqrt_copy=bool(copies),
+            params=sum(s.params for s in specs),
+            state_bytes=sum(s.state_bytes for s in specs),
+            largest_group=max((s.largest_group for s in copies), default=0),
+        )
     if optimizer is None:
         return OptimizerSpec("none", 0)
     if isinstance(optimizer, str):

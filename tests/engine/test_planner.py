@@ -658,6 +658,25 @@ def test_a_module_is_planned_in_the_dtype_its_precision_flag_converts_it_to():
     }
 
 
+def test_several_optimizers_count_their_states_together():
+    """Manual optimization's optimizers (the strategy passes them all; it counted the first one only)."""
+    model = build_causal_lm("qwen2", dtype=torch.float32)
+    attention = [p for n, p in model.named_parameters() if "self_attn" in n]
+    rest = [p for n, p in model.named_parameters() if "self_attn" not in n]
+    sgd, adamw = torch.optim.SGD(attention, lr=1, momentum=0.9), torch.optim.AdamW(rest)
+    states = {
+        name: plan(model, 64, optimizer=optimizer, machine=H200).device["optimizer_states"]
+        for name, optimizer in (("sgd", sgd), ("adamw", adamw), ("both", [sgd, adamw]))
+    }
+    assert (
+        states["both"]
+        == states["sgd"] + states["adamw"]
+        == 4 * (sum(p.numel() for p in attention) + 2 * sum(p.numel() for p in rest))
+    )
+    with pytest.raises(OOMBConfigError, match="torch.optim.Optimizer instances"):
+        plan(model, 64, optimizer=["sgd", "adamw"], machine=H200)
+
+
 def test_the_public_entry_point():
     assert lightning_oomb.plan is plan
     result = lightning_oomb.plan(qwen2_5_7b_config(), 131072, precision="bf16-true", device_memory=141 * 10**9,
