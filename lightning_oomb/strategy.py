@@ -362,7 +362,19 @@ class OOMBStrategy(_OOMBStrategyMixin, SingleDeviceStrategy):
                 f"strategy='oomb' runs on one device but the Trainer asked for {len(self._parallel_devices)} — "
                 "use strategy='oomb_cp' (context parallelism: each sequence shared by the devices), or devices=1."
             )
+        if self._parallel_devices and self._explicit_device is None:
+            self._root_device = self._parallel_devices[
+                0
+            ]  # kept for this Trainer's later runs (teardown below)
         super().setup_environment()
+
+    @override
+    def teardown(self) -> None:
+        """Also forget the Trainer's devices (the device stays this Trainer's root): a second Trainer given this
+        instance chooses them anew (Lightning refused it: "CPU parallel_devices set through OOMBStrategy class, but
+        accelerator set to <CPUAccelerator>"), as a stock ``SingleDeviceStrategy`` can be reused."""
+        super().teardown()
+        self._parallel_devices = None
 
     @override
     def setup(self, trainer) -> None:

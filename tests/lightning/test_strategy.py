@@ -227,6 +227,19 @@ def test_bad_use_is_refused_with_the_fix(module, match):
         fit(oomb(), module=module(), steps=1)
 
 
+def test_a_strategy_instance_serves_a_second_trainer():
+    """(The second Trainer raised "CPU parallel_devices set through OOMBStrategy class, but accelerator set"; with
+    an explicit ``accelerator=`` Lightning refuses a used instance of its own strategies too.)"""
+    strategy = oomb()
+    for _ in range(2):
+        trainer = L.Trainer(strategy=strategy, max_steps=1, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+        module = TinyLM()
+        trainer.fit(module, batches())
+        trainer.validate(module, batches(2), verbose=False)  # the same Trainer again: its device kept
+    assert strategy.root_device == torch.device("cpu")
+
+
 def test_manual_optimization_equals_auto_strategy():
     """(It was refused; ``manual_backward`` of the model call's loss runs the backward sweep.)"""
     want, _ = fit("auto", module=ManualLM(), steps=8, precision="64-true")
