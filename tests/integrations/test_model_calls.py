@@ -9,7 +9,13 @@ import transformers as tf
 from lightning_oomb.engine import OOMBConfig, OOMBConfigError, OOMBEngine
 from lightning_oomb.integrations.hf import HFChunkModel
 from lightning_oomb.integrations.hf.calls import LogitsUnavailable, read_call
-from tests.helpers.models import build_causal_lm, full_sequence_loss, grads_of, max_relative_error
+from tests.helpers.models import (
+    build_causal_lm,
+    build_family,
+    full_sequence_loss,
+    grads_of,
+    max_relative_error,
+)
 
 
 def recorded_calls(model):
@@ -58,6 +64,26 @@ def test_return_dict_false_gives_hfs_tuple():
                 use()
         model.config.return_dict = False
         assert isinstance(model(ids, labels=ids), tuple)
+
+
+def test_a_model_training_its_router_loss_answers_as_hfs_moe_models():
+    """With ``output_router_logits``, HF answers ``MoeCausalLMOutputWithPast`` (``aux_loss``, ``router_logits``) or
+    ``(loss, aux_loss, logits, router_logits)``: reading them raised a bare AttributeError, and ``out[1]`` was the
+    logits' stand-in; now they are stand-ins that say the balancing loss is in ``loss`` already."""
+    model = build_family("qwen3_moe", output_router_logits=True)
+    ids = torch.randint(0, 97, (1, 12))
+    answering, _ = recorded_calls(model)
+    with answering:
+        out = model(ids, labels=ids)
+        assert out.loss == ids.sum()
+        with pytest.raises(LogitsUnavailable, match="load-balancing loss is already in the loss"):
+            out.aux_loss * 0.01
+        with pytest.raises(LogitsUnavailable, match="router logits of the whole sequence are never kept"):
+            out.router_logits[0]
+        loss, aux, _, _ = model(ids, labels=ids, return_dict=False)
+        assert loss == ids.sum()
+        with pytest.raises(LogitsUnavailable, match="load-balancing loss"):
+            torch.add(aux, 1)
 
 
 @pytest.mark.parametrize(

@@ -36,6 +36,7 @@ class Call:
     attention_mask: torch.Tensor | None
     num_items_in_batch: int | float | torch.Tensor | None
     tuple_reply: bool
+    balances_experts: bool = False
 
 
 def read_call(model: torch.nn.Module, args: tuple, kwargs: dict, balances_experts: bool) -> Call:
@@ -66,7 +67,9 @@ def read_call(model: torch.nn.Module, args: tuple, kwargs: dict, balances_expert
     _check_rest(given, take["input_ids"], take["position_ids"], balances_experts)
     if return_dict is None:
         return_dict = getattr(model.config, "return_dict", True)
-    return Call(**take, num_items_in_batch=num_items, tuple_reply=not return_dict)
+    return Call(
+        **take, num_items_in_batch=num_items, tuple_reply=not return_dict, balances_experts=balances_experts
+    )
 
 
 def _check_rest(given: dict, input_ids: torch.Tensor, position_ids, balances_experts: bool) -> None:
@@ -129,7 +132,7 @@ def _check_flattening(keys: dict, input_ids: torch.Tensor, position_ids) -> None
         )
     flat = position_ids.expand(input_ids.shape[0], -1).reshape(-1)
     starts = torch.ones_like(flat, dtype=torch.bool)
-    starts[1:] = flat[1:] != flat[:-1] + 1
+    starts[1:] = flat[1:] <= flat[:-1]  # a restart (engine.batch's rule: a forward jump continues a document)
     starts.view(input_ids.shape)[:, 0] = True
     index = torch.nonzero(starts).flatten().cpu()
     bounds = torch.cat([index, torch.tensor([flat.numel()])])
@@ -153,12 +156,29 @@ def _check_flattening(keys: dict, input_ids: torch.Tensor, position_ids) -> None
 
 def answer(call: Call, loss: torch.Tensor):
     """The reply HF would give the call: ``CausalLMOutputWithPast(loss, logits stand-in)``, or with
-    ``return_dict=False`` its tuple — ``(loss, logits)`` with labels, ``(logits,)`` without, as HF's."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+    ``return_dict=False`` its tuple — ``(loss, logits)`` with labels, ``(logits,)`` without, as HF's. A model
+    training its router's balancing loss answers as HF's MoE models: ``MoeCausalLMOutputWithPast`` with stand-ins
+    for ``aux_loss`` and ``router_logits`` too (tuple ``(loss, aux_loss, logits, router_logits)``): the balancing
+    loss is in ``loss`` already, as HF's, and is never computed on its own."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
+    tuple_reply = call.tuple_reply and call.labels is None
+    logits = NoLogits(tuple_reply)
+    if call.balances_experts:
+        aux, router = NoLogits(tuple_reply, _NO_AUX_LOSS), NoLogits(tuple_reply, _NO_ROUTER_LOGITS)
+        if not call.tuple_reply:
+            return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux, logits=logits, router_logits=router)
+        return (loss, aux, logits, router) if call.labels is not None else (aux, logits, router)
     if not call.tuple_reply:
-        return CausalLMOutputWithPast(loss=loss, logits=NoLogits())
-    return (loss, NoLogits()) if call.labels is not None else (NoLogits(tuple_reply=True),)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+    return (loss, logits) if call.labels is not None else (logits,)
+
+
+_NO_AUX_LOSS = (
+    "the router's load-balancing loss is already in the loss (router_aux_loss_coef x aux_loss, as Hugging Face "
+    "adds it), summed chunk by chunk, and never computed on its own"
+)
+_NO_ROUTER_LOGITS = "the router logits of the whole sequence are never kept (chunk by chunk)"
 
 
 class LogitsUnavailable(OOMBConfigError, AttributeError):
@@ -167,10 +187,14 @@ class LogitsUnavailable(OOMBConfigError, AttributeError):
 
 class NoLogits:
     """Stands in for the logits of a model call the engine answers: ``[B, N, vocab]`` logits of a long sequence
-    (80 GB at 128K tokens for Qwen2.5-7B in fp32) are exactly what OOMB never materialises. Any use raises."""
+    (80 GB at 128K tokens for Qwen2.5-7B in fp32) are exactly what OOMB never materialises. Any use raises — the
+    attribute access, indexing, arithmetic, comparisons and torch functions of a tensor. ``what``: why the value is
+    not there (default: the logits'; an MoE model's ``aux_loss`` and ``router_logits`` have their own)."""
 
-    def __init__(self, tuple_reply: bool = False):
+    def __init__(self, tuple_reply: bool = False, what: str | None = None):
         object.__setattr__(self, "_tuple_reply", tuple_reply)
+        object.__setattr__(self, "_what", what or "the logits of the whole sequence are never materialised "
+                                                  "(they would not fit)")  # fmt: skip
 
     def _refuse(self, *args: Any, **kwargs: Any):
         loss = (
@@ -179,22 +203,23 @@ class NoLogits:
             else "compute metrics from `output.loss`"
         )
         raise LogitsUnavailable(
-            "the OOMB strategy answers the model call with the loss only — the logits of the whole sequence are "
-            f"never materialised (they would not fit) — {loss}, or call the model outside training_step/"
-            "validation_step/test_step (e.g. in predict_step) on a short input."
+            f"the OOMB strategy answers the model call with the loss only — {object.__getattribute__(self, '_what')} "
+            f"— {loss}, or call the model outside training_step/validation_step/test_step (e.g. in predict_step) "
+            "on a short input."
         )
 
-    __getattr__ = __getitem__ = __iter__ = __len__ = __bool__ = __array__ = _refuse
-    # arithmetic and comparisons with Python numbers (tensors' go through __torch_function__)
-    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _refuse
-    __floordiv__ = __rfloordiv__ = __mod__ = __rmod__ = __pow__ = __rpow__ = __matmul__ = __rmatmul__ = (
-        _refuse
-    )
-    __neg__ = __pos__ = __abs__ = __float__ = __int__ = __lt__ = __le__ = __gt__ = __ge__ = __eq__ = (
-        __ne__
-    ) = _refuse
     __hash__ = object.__hash__
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        cls._refuse(cls())
+        stand_in = next((a for a in (*args, *(kwargs or {}).values()) if isinstance(a, NoLogits)), cls())
+        stand_in._refuse()
+
+
+# every use a tensor allows: attributes, indexing, iteration, arithmetic and comparisons with Python numbers
+for _use in ("__getattr__", "__getitem__", "__iter__", "__len__", "__bool__", "__array__", "__add__", "__radd__",
+             "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__", "__floordiv__",
+             "__rfloordiv__", "__mod__", "__rmod__", "__pow__", "__rpow__", "__matmul__", "__rmatmul__", "__neg__",
+             "__pos__", "__abs__", "__float__", "__int__", "__lt__", "__le__", "__gt__", "__ge__", "__eq__",
+             "__ne__"):  # fmt: skip
+    setattr(NoLogits, _use, NoLogits._refuse)
