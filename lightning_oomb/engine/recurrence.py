@@ -323,15 +323,20 @@ class OOMBEngine:
             self.context.check_same(fingerprint(input_ids, labels, position_ids, attention_mask), "batch")
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64) or 0 in input_ids.shape:
             raise OOMBConfigError(
-                f"input_ids must be a non-empty integer tensor [batch, tokens], got {tuple(input_ids.shape)} "
-                f"{input_ids.dtype} — pass token ids, batched."
+                f"input_ids must be a non-empty int64 (or int32) tensor [batch, tokens], got "
+                f"{tuple(input_ids.shape)} {input_ids.dtype} — pass token ids, batched (convert others with .long())."
             )
         if labels is None:
             labels = input_ids
-        elif labels.shape != input_ids.shape or labels.dtype not in (torch.int32, torch.int64):
+        elif labels.shape != input_ids.shape:
             raise OOMBConfigError(
-                f"labels {tuple(labels.shape)} {labels.dtype} do not match input_ids {tuple(input_ids.shape)} — "
-                "give one integer label per input token (use -100 to ignore a position)."
+                f"labels {tuple(labels.shape)} do not match input_ids {tuple(input_ids.shape)} — give one label per "
+                "input token, unshifted (use -100 to ignore a position)."
+            )
+        elif labels.dtype not in (torch.int32, torch.int64):
+            raise OOMBConfigError(
+                f"labels are {labels.dtype} — the engine takes token ids as labels — pass int64 (or int32) labels "
+                "(convert with .long(); use -100 to ignore a position)."
             )
         self._check_ranges(input_ids, labels)
         backend = self.check_device(input_ids.device)

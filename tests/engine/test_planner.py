@@ -916,7 +916,7 @@ def test_a_plain_dataloader_is_planned_at_its_first_batch_and_again_at_a_larger_
         lightning_oomb.OOMBStrategy(verify_exactness=False, **fixed), steps=1, limit_val_batches=0
     )
     with pytest.raises(
-        OOMBConfigError, match=r"input_ids must be a non-empty integer tensor \[batch, tokens\]"
+        OOMBConfigError, match=r"input_ids must be a non-empty int64 \(or int32\) tensor \[batch, tokens\]"
     ):
         trainer.fit(
             TinyLM(), train_dataloaders=torch.utils.data.DataLoader([{"input_ids": ids}], batch_size=None)

@@ -282,14 +282,17 @@ def test_token_ids_outside_the_embedding_are_refused_before_any_work():
 
 @pytest.mark.parametrize(
     ("ids", "labels", "match"),
-    [((1, 0), None, "non-empty integer tensor"), ((40,), None, "non-empty integer tensor"),
-     ("float", None, "integer tensor"), ((1, 40), "float", r"do not match input_ids.*integer label"),
-     ((1, 40), (1, 30), "one integer label per input token")],
+    [((1, 0), None, r"non-empty int64 \(or int32\) tensor"), ((40,), None, "non-empty int64"),
+     ("float", None, r"int64 \(or int32\) tensor.*\.long\(\)"), ("int16", None, r"got \(1, 40\) torch.int16"),
+     ((1, 40), "float", r"labels are torch.float32 .*int64 \(or int32\) labels"),
+     ((1, 40), (1, 30), r"labels \(1, 30\) do not match input_ids \(1, 40\).*one label per input token")],
 )  # fmt: skip
 def test_malformed_batches_are_refused_before_any_work(ids, labels, match):
-    """Float, empty or unbatched ids, float or misshapen labels: named errors, not one from deep inside."""
+    """Float, int16, empty or unbatched ids, float or misshapen labels: named errors, not one from deep inside
+    (float labels read "do not match input_ids", int16 ids "must be an integer tensor")."""
     engine = OOMBEngine(HFChunkModel(build_causal_lm("qwen2")), OOMBConfig(16, 8))
-    tokens = torch.randn(1, 8) if ids == "float" else torch.randint(0, 97, ids)
+    tokens = {"float": torch.randn(1, 8), "int16": torch.randint(0, 97, (1, 40), dtype=torch.int16)}.get(ids)
+    tokens = torch.randint(0, 97, ids) if tokens is None else tokens
     if labels == "float":
         labels = tokens.float()
     elif labels is not None:
