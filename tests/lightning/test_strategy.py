@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from unittest import mock
 
 import lightning as L
@@ -238,6 +239,23 @@ def test_a_strategy_instance_serves_a_second_trainer():
         trainer.fit(module, batches())
         trainer.validate(module, batches(2), verbose=False)  # the same Trainer again: its device kept
     assert strategy.root_device == torch.device("cpu")
+
+
+class BaseModelBesideLM(TinyLM):
+    def training_step(self, batch):
+        extra = self.model.model(input_ids=batch["input_ids"]).last_hidden_state.pow(2).mean()
+        return self.model(**batch).loss + 1e-3 * extra
+
+
+def test_a_base_model_call_inside_the_step_warns_before_it_runs():
+    """(It ran the whole sequence unchunked without a word; only a step with no managed call was refused, after.)"""
+    with pytest.warns(
+        UserWarning, match=r"base model \(Qwen2Model\) was called directly inside a managed step"
+    ):
+        fit(oomb(), module=BaseModelBesideLM(), steps=1)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*called directly inside a managed step")
+        fit(oomb(), steps=1)
 
 
 def test_manual_optimization_equals_auto_strategy():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -391,7 +392,8 @@ class HFChunkModel:
         (``respond``) and a logits stand-in that refuses every use (the whole sequence's logits are never
         materialised). ``position_ids`` that restart mark packed documents, an ``attention_mask`` right padding
         (:mod:`lightning_oomb.engine.batch`). A forward set on the model instance is kept, or refused if it does
-        more than run the model (:func:`~lightning_oomb.engine.model.answered_by`)."""
+        more than run the model (:func:`~lightning_oomb.engine.model.answered_by`). A call of the base model
+        itself (``model.model(...)``: not answered) warns before it runs: it runs the whole sequence at once."""
 
         def forward(*args, **kwargs):
             call = read_call(self.model, args, kwargs, self._balances_experts)
@@ -406,5 +408,23 @@ class HFChunkModel:
             )
             return answer(call, loss)
 
-        with answered_by(self.model, forward):
-            yield
+        decoder = decoder_of(self.model)
+
+        def base_model_called(
+            module, args
+        ):  # a global hook: nothing is left on the modules (or their copies)
+            if module is decoder and self._chunk is None:  # not the engine's call of a chunk
+                warnings.warn(
+                    f"the base model ({type(module).__name__}) was called directly inside a managed step — it runs "
+                    "the whole sequence at once, outside OOMB's chunks (its activations grow with the sequence) — "
+                    "call the causal LM itself (`self.model(**batch)`), whose call the engine answers.",
+                    UserWarning,
+                    stacklevel=2,
+                )
+
+        guard = torch.nn.modules.module.register_module_forward_pre_hook(base_model_called)
+        try:
+            with answered_by(self.model, forward):
+                yield
+        finally:
+            guard.remove()
