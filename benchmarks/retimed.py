@@ -8,7 +8,8 @@ step time at the new rates (attention FLOP/s times that speed-up) over its step 
 Qwen2.5-7B configuration as the measured row (28 layers, the row's options) — so whatever the step model misses
 stays in the measured factor. A goal without a measured row of its configuration (256K with the strategies'
 defaults, and 1M with them) borrows the factor of the nearest measured one (256K, every layer offloaded; the 1M step
-extrapolated from the offloaded rows). Every number here is a prediction.
+extrapolated from the offloaded rows). Last, what the strategies decide on that GPU at the new rates for a full
+fine-tune (bf16-true, AdamW: its states counted), the README's "auto" paragraph. Every number here is a prediction.
 
     PYTHONPATH=$PWD python benchmarks/retimed.py --gpu h200
 """
@@ -71,11 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     new = dataclasses.replace(old, attention_flops=old.attention_flops * gain)
     model = qwen2_5_7b_config()
 
-    def planned(tokens: int, config: OOMBConfig, rates: StepRates):
+    def planned(tokens: int, config: OOMBConfig, rates: StepRates, optimizer: str | None = None):
         machine = dataclasses.replace(
             MACHINE, rates=rates
         )  # the predictions' H200: 139.8 GiB, 120 GiB of host
-        return plan(model, tokens, 1, config, "bf16-true", None, machine, suggest=False)
+        return plan(model, tokens, 1, config, "bf16-true", optimizer, machine, suggest=False)
 
     def seconds(tokens: int, config: OOMBConfig, rates: StepRates) -> float:
         return planned(tokens, config, rates).step_time_s
@@ -116,9 +117,17 @@ def main(argv: list[str] | None = None) -> int:
         million * seconds(K * K, decided, new) / seconds(K * K, offloaded_256k, old), "s",
         "not measured: its plan at the new rates x the extrapolated 1M step's measured / planned")  # fmt: skip
 
+    decisions = []
+    for tokens in (32 * K, 128 * K, 256 * K, K * K, 1536 * K):
+        p = planned(tokens, OOMBConfig(4096, 128, **STRATEGY_DEFAULTS), new, "adamw")
+        c = p.config
+        decisions.append({"tokens": tokens, "layer_checkpointing": c.layer_checkpointing, "kv_grad_dtype":
+                          c.kv_grad_dtype, "grad_accumulation": c.grad_accumulation, "reuse_attention":
+                          c.reuse_attention, "gpu_layers": p.hbm_layers, "step_s": p.step_time_s})  # fmt: skip
+
     path = args.out or args.results / f"retimed-{args.gpu}.json"
     write_json(path, {"command": "benchmarks/retimed.py --gpu " + args.gpu, "attention_speedup": gain,
-                      "fitted_rates": fitted, "goals": out})  # fmt: skip
+                      "fitted_rates": fitted, "goals": out, "decisions": decisions})  # fmt: skip
     lines = [f"# Time goals re-timed for the shipped tiles ({args.gpu})", "",
              f"`PYTHONPATH=$PWD python benchmarks/retimed.py --gpu {args.gpu}`", "",
              f"Attention {gain:.2f}x faster (tile sweep); every 'predicted' value is a prediction.", "",
@@ -126,6 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     for g in out:
         measured = "—" if g["measured"] is None else f"{g['measured']:,.2f}"
         lines.append(f"| {g['goal']} | {measured} | {g['predicted']:,.2f} | {g['unit']} | {g['how']} |")
+    lines += ["", "The strategies' decisions at the new rates (Qwen2.5-7B, bf16-true, AdamW, one row; chunks of 4096):", "",
+              "| tokens | layer checkpointing | gradient pages | gradient sums | chunks kept | layers' pages on the GPU | "
+              "step s |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for d in decisions:
+        lines.append(f"| {d['tokens']:,} | {d['layer_checkpointing']} | {d['kv_grad_dtype']} | "
+                     f"{d['grad_accumulation']} | {d['reuse_attention']} of {-(-d['tokens'] // 4096)} | "
+                     f"{d['gpu_layers']} of 28 | {d['step_s']:,.1f} |")  # fmt: skip
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
