@@ -29,6 +29,7 @@ for a wider target) — what :func:`~lightning_oomb.engine.planner.loss_backward
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -179,7 +180,7 @@ def _block(h, t, w, b, scale, softcap, grads: _Grads | None, rows: slice) -> tor
     target = t.clamp_min(0)[:, None]
     picked = z.gather(1, target).squeeze(1)
     top = z.amax(1, keepdim=True)
-    top.masked_fill_(top.isinf(), 0)  # as torch.logsumexp
+    top.masked_fill_(top == -math.inf, 0)  # a row with a +inf logit: NaN, as F.cross_entropy's log_softmax
     z.sub_(top).exp_()
     sums = z.sum(1, keepdim=True)
     loss = ((sums.log().add_(top).squeeze(1) - picked) * valid).sum()

@@ -176,4 +176,8 @@ def test_num_items_in_batch_divides_the_summed_loss_as_transformers_does():
     assert abs(loss.item() / want_loss.item() - 1) <= 1e-10
     assert max_relative_error(grads_of(model), want) <= 1e-10
     with pytest.raises(OOMBConfigError, match="num_items_in_batch=0 is not a positive count"):
-        engine.evaluate(ids, labels, num_items_in_batch=0)
+        engine.evaluate(ids, labels, num_items_in_batch=0)  # targets to divide
+    # a window without targets: transformers counts 0 (it then gets 0/0 = NaN); loss 0 as without the count (it
+    # was refused, ending the fit)
+    none = torch.full_like(labels, -100)
+    assert engine.evaluate(ids, none, num_items_in_batch=torch.tensor(0)).item() == 0.0
