@@ -202,9 +202,8 @@ class _OOMBStrategyMixin:
         # float32-host's mirror as planned, in this process's share of the host memory (a node's ranks would each
         # see the whole node's free memory when they first flush)
         self.engine.host_grads.mirror = result.grad_mirror
-        if (
-            self._plan_memory and not result.fits
-        ):  # sizes not recorded: a smaller batch after it is planned anew
+        # a refused shape is not recorded as planned: a smaller batch after it is planned anew
+        if self._plan_memory and not result.fits:
             cuda = (
                 "CUDA out of memory (predicted by OOMB's memory plan): "
                 if result.machine.device_type == "cuda"
