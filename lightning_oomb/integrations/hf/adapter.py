@@ -409,22 +409,30 @@ class HFChunkModel:
             return answer(call, loss)
 
         decoder = decoder_of(self.model)
-
-        def base_model_called(
-            module, args
-        ):  # a global hook: nothing is left on the modules (or their copies)
-            if module is decoder and self._chunk is None:  # not the engine's call of a chunk
-                warnings.warn(
-                    f"the base model ({type(module).__name__}) was called directly inside a managed step — it runs "
-                    "the whole sequence at once, outside OOMB's chunks (its activations grow with the sequence) — "
-                    "call the causal LM itself (`self.model(**batch)`), whose call the engine answers.",
-                    UserWarning,
-                    stacklevel=2,
-                )
-
-        guard = torch.nn.modules.module.register_module_forward_pre_hook(base_model_called)
+        _GUARDED[id(decoder)] = self
+        guard = decoder.register_forward_pre_hook(_warn_a_direct_call)
         try:
             with answered_by(self.model, forward):
                 yield
         finally:
             guard.remove()
+            _GUARDED.pop(id(decoder), None)
+
+
+# base models (by id) whose adapter answers calls now: a direct call of one warns (:func:`_warn_a_direct_call`)
+_GUARDED: dict[int, HFChunkModel] = {}
+
+
+def _warn_a_direct_call(module: torch.nn.Module, args) -> None:
+    """Forward pre-hook of a guarded base model: a call outside the engine's chunks (the user's ``model.model(...)``
+    inside a managed step) runs the whole sequence at once — warn before it runs. Module-level, so a copy made during
+    the step (which copies the hook) stays picklable; on a copy (another id) it does nothing."""
+    adapter = _GUARDED.get(id(module))
+    if adapter is not None and adapter._chunk is None:  # not the engine's call of a chunk
+        warnings.warn(
+            f"the base model ({type(module).__name__}) was called directly inside a managed step — it runs the whole "
+            "sequence at once, outside OOMB's chunks (its activations grow with the sequence) — call the causal LM "
+            "itself (`self.model(**batch)`), whose call the engine answers.",
+            UserWarning,
+            stacklevel=2,
+        )
