@@ -52,9 +52,8 @@ def _documents(position_ids: torch.Tensor, tokens: torch.Tensor | None) -> torch
     """int32 ``[B, N]`` document starts, or ``None`` if no row has a boundary after its first token. ``tokens``
     (``None``: all real): restarts in a row's padding are none (transformers fills padded positions with 1s)."""
     starts = torch.ones_like(position_ids, dtype=torch.bool)
-    starts[:, 1:] = (
-        position_ids[:, 1:] <= position_ids[:, :-1]
-    )  # a restart; a forward jump continues the document
+    # a restart starts a document; a forward jump continues it
+    starts[:, 1:] = position_ids[:, 1:] <= position_ids[:, :-1]
     if tokens is not None:
         starts[:, 1:] &= tokens[:, 1:]
     if not bool(starts[:, 1:].any()):

@@ -178,11 +178,8 @@ PRECISIONS: dict[str, tuple[torch.dtype, torch.dtype | None]] = {
     "16-mixed": (torch.float32, torch.float16),
 }
 _ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed"}
-_CONVERTING = (
-    "64-true",
-    "bf16-true",
-    "16-true",
-)  # Lightning converts the model's weights to these flags' dtype
+# Lightning converts the model's weights to these flags' dtype
+_CONVERTING = ("64-true", "bf16-true", "16-true")
 
 
 # ------------------------------------------------------------------------------------------------------ inputs

@@ -371,8 +371,9 @@ class OOMBEngine:
             model_head_dim=model.head_dim,
         )
         bounds = chunk_bounds(seq_len, cfg.chunk_size)
-        counted = int((targets != IGNORE_INDEX).sum())
-        denominator = counted if num_items is None else _count(num_items, counted)
+        denominator = (
+            int((targets != IGNORE_INDEX).sum()) if num_items is None else _count(num_items, targets)
+        )
         floors = key_floors(batch_layout.doc_start, [start for start, _ in bounds])
         if batch_layout.doc_start is not None and (why := getattr(model, "packing_refused", None)):
             raise OOMBConfigError(f"packed documents (position_ids that restart) with this model: {why}")
@@ -698,12 +699,13 @@ def check_carried_states(bounds: list[tuple[int, int]], layout: Layout | None, d
         )
 
 
-def _count(num_items, targets: int) -> int | float:
-    """``num_items_in_batch`` as a positive number (a tensor is read once) — or 0 for a batch without ``targets``
-    (transformers' count for a window with none: its loss is 0 here, as without the count)."""
+def _count(num_items, targets: torch.Tensor) -> int | float:
+    """``num_items_in_batch`` as a positive number (a tensor is read once) — or 0 for a batch whose ``targets`` are
+    all ignored (transformers' count for a window with none: its loss is 0 here, as without the count)."""
     value = num_items.item() if isinstance(num_items, torch.Tensor) and num_items.numel() == 1 else num_items
     number = not isinstance(value, bool) and isinstance(value, int | float)
-    if not number or not (0 < value < float("inf") or (value == 0 and targets == 0)):
+    none = number and value == 0 and not bool((targets != IGNORE_INDEX).any())  # read only for a count of 0
+    if not number or not (0 < value < float("inf") or none):
         raise OOMBConfigError(
             f"num_items_in_batch={num_items!r} is not a positive count — it divides the summed token losses "
             "(transformers' convention) — pass the number of target tokens the loss is averaged over, or None for "
