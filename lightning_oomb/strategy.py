@@ -362,9 +362,8 @@ class OOMBStrategy(_OOMBStrategyMixin, SingleDeviceStrategy):
                 "use strategy='oomb_cp' (context parallelism: each sequence shared by the devices), or devices=1."
             )
         if self._parallel_devices and self._explicit_device is None:
-            self._root_device = self._parallel_devices[
-                0
-            ]  # kept for this Trainer's later runs (teardown below)
+            # kept for this Trainer's later runs (teardown below)
+            self._root_device = self._parallel_devices[0]
         super().setup_environment()
 
     @override
