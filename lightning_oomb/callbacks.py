@@ -23,7 +23,8 @@ PROGRESS_BAR = ("oomb/tokens_per_s", "oomb/pool_bytes")
 class OOMBMonitor(Callback):
     """Log what each OOMB step did: tokens/s, KV-pool bytes and the engine's offload counters.
 
-    Logged per optimizer step under ``oomb/``: ``tokens_per_s``, ``pool_bytes`` (arenas held), ``kv_bytes`` and
+    Logged per optimizer step under ``oomb/``: ``tokens_per_s`` (every position of the batch, right padding
+    included, as HF Trainer's ``num_input_tokens_seen`` by default), ``pool_bytes`` (arenas held), ``kv_bytes`` and
     ``grad_bytes`` (what the step needed), every numeric entry of ``engine.stats.extra`` (offload: bytes moved each
     way, time the compute stream waited on copies, HBM/host pool bytes), and on CUDA ``peak_device_bytes``.
     ``tokens_per_s`` and ``pool_bytes`` are shown in the progress bar too. Under ``oomb_cp`` the byte counts are
