@@ -58,27 +58,27 @@ def host_flushes(chunks: int, accumulating: bool, every: int = HOST_FLUSH_CHUNKS
     return flushed + 1 if flushed else 0
 
 
-def earlier_sums(params: list[torch.Tensor]) -> tuple[bool, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Whether a ``.grad`` of ``params`` holds an earlier micro-batch's sum, and the ``(parameter, zeros)`` whose
-    all-zero ``.grad`` (``zero_grad(set_to_none=False)``) holds none and was set to ``None`` (adding it changes
-    nothing; :func:`restore_zeros` puts it back where the sweep made no gradient). One read of the gradients, one
-    device synchronisation."""
+def earlier_sums(params: list[torch.Tensor]) -> tuple[bool, list[torch.Tensor]]:
+    """Whether a ``.grad`` of ``params`` holds an earlier micro-batch's sum, and the parameters whose all-zero
+    ``.grad`` (``zero_grad(set_to_none=False)``) holds none and was set to ``None``: adding it changes nothing, and
+    dropping it frees its memory while the sweep makes the new gradients (:func:`restore_zeros` gives zeros back
+    where the sweep made none). One read of the gradients, one device synchronisation."""
     held = [p for p in params if p.grad is not None]
     if not held:
         return False, []
     nonzero = torch.stack([p.grad.any() for p in held]).tolist()
-    cleared = [(p, p.grad) for p, keep in zip(held, nonzero, strict=True) if not keep]
-    for p, _ in cleared:
+    cleared = [p for p, keep in zip(held, nonzero, strict=True) if not keep]
+    for p in cleared:
         p.grad = None
     return any(nonzero), cleared
 
 
-def restore_zeros(cleared: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Give the parameters :func:`earlier_sums` cleared that got no gradient their zero ``.grad`` back, as autograd
+def restore_zeros(cleared: list[torch.Tensor]) -> None:
+    """Give the parameters :func:`earlier_sums` cleared that got no gradient a zero ``.grad`` back, as autograd
     leaves it (an optimizer skips a parameter whose ``.grad`` is ``None``: no weight decay, no momentum step)."""
-    for p, zeros in cleared:
+    for p in cleared:
         if p.grad is None:
-            p.grad = zeros
+            p.grad = torch.zeros_like(p)
 
 
 def half_trainable(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:

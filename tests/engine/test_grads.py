@@ -12,6 +12,7 @@ import torch
 from lightning_oomb.engine import OOMBConfig, OOMBConfigError, OOMBEngine, grads
 from lightning_oomb.engine.grads import Float32GradSums, HostGradSums, host_flushes
 from lightning_oomb.integrations.hf import HFChunkModel
+from tests.helpers.memory import LiveBytes
 from tests.helpers.models import build_causal_lm, full_sequence_loss, grads_of
 
 
@@ -381,3 +382,20 @@ def test_host_flush_pipeline_waits_for_each_copy(monkeypatch, mirror):
     assert queue and done[0] == len(queue)
     for i, m in enumerate(matrices):
         assert torch.equal(m.grad, windowed(None, [c[i] for c in chunks], 1)), shapes[i]
+
+
+def test_zero_grads_are_not_held_while_the_sweep_makes_the_new_ones():
+    """``zero_grad(set_to_none=False)`` leaves zeros in every ``.grad``: the backward sweep drops them before it makes
+    the new gradients (it held them to the end of the sweep: a bf16-true step held its gradients twice)."""
+    ids = torch.randint(0, 97, (1, 64), generator=torch.Generator().manual_seed(7))
+    peaks = {}
+    for earlier in (None, "zeros"):
+        model = build_causal_lm("qwen2", dtype=torch.bfloat16)
+        engine = OOMBEngine(HFChunkModel(model), OOMBConfig(16, 8, grad_accumulation="native"))
+        with LiveBytes(list(model.parameters())) as live:
+            for p in model.parameters():
+                p.grad = None if earlier is None else torch.zeros_like(p)
+            engine.loss(ids).backward()
+        peaks[earlier] = live.peak
+    gradients = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert peaks["zeros"] - peaks[None] < gradients / 4, (peaks, gradients)
