@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, DistributedSampler, Sampler
 
 from lightning_oomb.engine.errors import OOMBConfigError
@@ -305,22 +306,29 @@ def pack(tokens: torch.Tensor, seq_len: int) -> torch.Tensor:
     return tokens[: len(tokens) // seq_len * seq_len].view(-1, seq_len)
 
 
-def pack_documents(docs: Sequence[torch.Tensor], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Documents (1-D token tensors) concatenated in order and cut into rows: ``tokens [R, seq_len]`` (the dtype of
-    ``docs``) and ``starts [R, seq_len]`` (bool, True at each document's first token); the tail is dropped."""
+def concatenate(docs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Documents (1-D token tensors) as one stream: ``tokens [T]`` (the dtype of ``docs``) and ``starts [T]`` (bool,
+    True at each document's first token)."""
     if not docs:
-        return torch.zeros(0, seq_len, dtype=torch.int32), torch.zeros(0, seq_len, dtype=torch.bool)
+        return torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.bool)
     tokens = torch.cat(list(docs))
     lengths = torch.tensor([len(d) for d in docs])
     starts = torch.zeros(len(tokens), dtype=torch.bool)
     starts[lengths.cumsum(0)[:-1]] = True
     starts[0] = True
+    return tokens, starts
+
+
+def pack_documents(docs: Sequence[torch.Tensor], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Documents concatenated in order (:func:`concatenate`) and cut into rows: ``tokens [R, seq_len]`` and
+    ``starts [R, seq_len]``; the tail is dropped."""
+    tokens, starts = concatenate(docs)
     return pack(tokens, seq_len), pack(starts, seq_len)
 
 
 def split_at_starts(rows: torch.Tensor, starts: torch.Tensor) -> list[torch.Tensor]:
-    """The inverse of :func:`pack_documents`: rows ``[R, N]`` back into 1-D pieces, cut before every start (the
-    first row's first token is taken as a start)."""
+    """The inverse of :func:`pack_documents`: rows ``[R, N]`` (or a stream ``[T]``) back into 1-D pieces, cut before
+    every start (the first token is taken as a start)."""
     cuts = starts.flatten().nonzero().flatten()
     return list(torch.tensor_split(rows.flatten(), cuts[cuts > 0]))
 
@@ -650,12 +658,14 @@ class TextFileDataModule(LightningDataModule):
     With ``pack=False`` documents form one plain stream, batches are ``{"input_ids", "labels"}`` with labels equal
     to input ids (a BOS is a target too, after the previous document's EOS), and attention crosses document ends.
 
-    Splits: the documents in source order (files sorted by path, lines and records in order) are cut into rows;
-    the last ``val_rows`` rows are the validation set, the same whatever ``seed``, ``shuffle`` and ``pack``; the
-    tokens before them are the training set; the tail that fills no row is dropped. With ``pack=True`` the
-    training documents (a document cut by the validation boundary keeps its training part) are shuffled by
-    ``seed`` (if ``shuffle``) and packed once, so training rows come in the same order every epoch; with
-    ``pack=False`` the training rows are shuffled each epoch by ``(seed, epoch)`` (if ``shuffle``).
+    Splits: the documents in source order (files sorted by path, lines and records in order) form one stream; its
+    last ``val_rows * seq_len`` tokens are the validation rows, the same whatever ``seed``, ``shuffle`` and
+    ``pack``; the tokens before them are the training set. With ``pack=True`` the training documents (a document
+    cut by the validation boundary keeps its training part) are shuffled by ``seed`` (if ``shuffle``) and packed
+    once, so training rows come in the same order every epoch; with ``pack=False`` the training rows are shuffled
+    each epoch by ``(seed, epoch)`` (if ``shuffle``). The training tokens that fill no row (fewer than ``seq_len``:
+    the end of the shuffled documents, or of the training text in source order) are not trained, and ``setup`` says
+    how many; the seed decides which documents they end.
 
     Data parallelism: each replica trains on its share of every epoch's rows; when they do not divide evenly, the
     order wraps around to its first rows (``DistributedSampler``'s default), so every row is trained on and up to
@@ -811,22 +821,43 @@ class TextFileDataModule(LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
-        rows, starts = pack_documents(self.documents(), self.seq_len)
-        if len(rows) <= self.val_rows:
+        tokens, starts = concatenate(self.documents())
+        held = (
+            self.val_rows * self.seq_len
+        )  # the validation rows: the stream's last tokens, whatever the seed
+        split = len(tokens) - held
+        if split < self.seq_len:
             raise OOMBConfigError(
-                f"the corpus holds {len(rows)} row(s) of seq_len={self.seq_len} tokens, not enough for "
-                f"{self.val_rows} validation row(s) plus training — add text, lower seq_len or val_rows."
+                f"the corpus holds {len(tokens):,} tokens, not enough for {self.val_rows} validation row(s) plus a "
+                f"training row of seq_len={self.seq_len} — add text, lower seq_len or val_rows."
             )
-        split = len(rows) - self.val_rows
         # the validation rows get storage of their own: a view would keep the whole corpus alive
+        val_rows, val_starts = (
+            pack(tokens[split:], self.seq_len).clone(),
+            pack(starts[split:], self.seq_len).clone(),
+        )
         if not self.pack:
-            self.train_set, self.val_set = PackedRows(rows[:split]), PackedRows(rows[split:].clone())
-            return
-        pieces = split_at_starts(rows[:split], starts[:split])
-        if self.shuffle:
-            pieces = [pieces[i] for i in np.random.default_rng(self.seed).permutation(len(pieces))]
-        self.train_set = PackedRows(*pack_documents(pieces, self.seq_len))
-        self.val_set = PackedRows(rows[split:].clone(), starts[split:].clone())
+            self.train_set, self.val_set = (
+                PackedRows(pack(tokens[:split], self.seq_len)),
+                PackedRows(val_rows),
+            )
+        else:
+            pieces = split_at_starts(tokens[:split], starts[:split])
+            if self.shuffle:
+                pieces = [pieces[i] for i in np.random.default_rng(self.seed).permutation(len(pieces))]
+            self.train_set = PackedRows(*pack_documents(pieces, self.seq_len))
+            self.val_set = PackedRows(val_rows, val_starts)
+        left = split % self.seq_len
+        if left:
+            rank_zero_info(
+                f"TextFileDataModule: {left:,} of the {split:,} training tokens fill no row of seq_len={self.seq_len} "
+                "and are not trained: the end of the "
+                + (
+                    "documents shuffled by seed"
+                    if self.pack and self.shuffle
+                    else "training text in source order"
+                )
+            )
 
     def train_dataloader(self) -> ResumableLoader:
         shuffle_rows = self.shuffle and not self.pack  # packed rows keep the order of the shuffled documents

@@ -21,6 +21,7 @@ from lightning_oomb.data import (
     ResumableLoader,
     RowSampler,
     TextFileDataModule,
+    concatenate,
     expand_paths,
     split_at_starts,
 )
@@ -172,7 +173,7 @@ def test_needle_data_module_rejects_empty_batches():
 
 
 # ------------------------------------------------------------------------------------------------ text files
-def test_text_files_are_tokenized_and_concatenated_without_packing(text_corpus):
+def test_text_files_are_tokenized_and_concatenated_without_packing(text_corpus, caplog):
     files, tok_dir = text_corpus
     dm = TextFileDataModule(
         [str(files[0].parent / "**" / "*.txt")], str(tok_dir), seq_len=16, val_rows=1, pack=False
@@ -184,8 +185,11 @@ def test_text_files_are_tokenized_and_concatenated_without_packing(text_corpus):
         expected += tok(f.read_text(), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     rows = [b["input_ids"] for b in dm.train_dataloader()] + [b["input_ids"] for b in dm.val_dataloader()]
     assert all(r.shape == (1, 16) for r in rows)
-    # shuffled training rows + the held-out last row = every full row of the stream, nothing else
-    full_rows = torch.tensor(expected[: len(expected) // 16 * 16]).view(-1, 16)
+    # the held-out row is the stream's last 16 tokens; the shuffled training rows every full row before it
+    training = expected[:-16]
+    left = len(training) % 16
+    assert left and f"{left} of the {len(training)} training tokens fill no row" in caplog.text
+    full_rows = torch.tensor(training[: len(training) - left] + expected[-16:]).view(-1, 16)
     assert torch.equal(rows[-1][0], full_rows[-1])
     assert sorted(map(tuple, torch.cat(rows).tolist())) == sorted(map(tuple, full_rows.tolist()))
     batch = next(iter(dm.train_dataloader()))
@@ -424,10 +428,13 @@ def test_special_token_text_inside_a_document_is_text():
 
 def test_packed_rows_are_hf_flattened_documents():
     """Every row (training and validation, in source order) is what ``DataCollatorWithFlattening`` makes of the
-    document pieces that fall into it; a document split across rows restarts at position 0 in the next row."""
+    document pieces that fall into it; a document split across rows restarts at position 0 in the next row. The
+    validation row is the stream's last 24 tokens; the training tokens before it that fill no row are not trained."""
     from transformers import DataCollatorWithFlattening
 
-    texts = texts_of_lengths(5, 30, 2, 9, 14, 1, 40, 7)  # +1 EOS each: 116 tokens = 4 rows of 24 (+ a tail)
+    texts = texts_of_lengths(
+        5, 30, 2, 9, 14, 1, 40, 7
+    )  # +1 EOS each: 116 tokens: 3 training rows of 24, 20 left, 1 held out
     dm = TextFileDataModule(
         records=[{"text": t} for t in texts],
         tokenizer="bytes",
@@ -445,7 +452,8 @@ def test_packed_rows_are_hf_flattened_documents():
     assert len(samples) == len(stream) // 24 == 4 and len(dm.val_set) == 1
     collate = DataCollatorWithFlattening(return_tensors="pt")
     for r, sample in enumerate(samples):
-        lo, hi = r * 24, (r + 1) * 24
+        lo = r * 24 if r < 3 else len(stream) - 24
+        hi = lo + 24
         pieces = [stream[max(a, lo) : min(b, hi)] for a, b in spans if a < hi and b > lo]
         want = collate([{"input_ids": p, "labels": p} for p in pieces])
         for key in ("input_ids", "labels", "position_ids"):
@@ -507,9 +515,23 @@ def test_packing_shuffles_documents_by_seed_and_keeps_validation_fixed():
 
     (a, val_a), (b, _), (c, val_c), (plain, val_plain) = split(), split(), split(seed=1), split(shuffle=False)
     assert torch.equal(a.rows, b.rows) and not torch.equal(a.rows, c.rows)
-    assert a.rows.shape == plain.rows.shape  # shuffling drops nothing: the training tokens fill their rows
-    # the same training documents (the one cut by the validation boundary keeps its head), reordered
-    assert sorted(pieces(a)) == sorted(pieces(c)) == sorted(pieces(plain)) and pieces(a) != pieces(plain)
+    assert a.rows.shape == c.rows.shape == plain.rows.shape
+    # the training documents (the one cut by the validation boundary keeps its head) in the seed's order, but for
+    # the tail that fills no row (fewer than 32 tokens): the seed decides which documents it ends
+    dm = TextFileDataModule(records=records, tokenizer="bytes", seq_len=32, val_rows=3)
+    tokens, starts = concatenate(dm.documents())
+    docs = [tuple(d.tolist()) for d in split_at_starts(tokens[: -3 * 32], starts[: -3 * 32])]
+    left_out = []
+    for rows in (a, c, plain, split(seed=2)[0]):
+        got = pieces(rows)
+        rest = list(docs)
+        for piece in got[:-1]:
+            rest.remove(piece)
+        last = next(d for d in rest if d[: len(got[-1])] == got[-1])  # the last row ends inside a document
+        rest.remove(last)
+        assert 0 < sum(map(len, rest)) + len(last) - len(got[-1]) < 32
+        left_out.append((got[-1], sorted(rest)))
+    assert len({cut for cut, _ in left_out}) > 1 and pieces(a) != pieces(plain)
     # validation: the last rows of the source-order stream whatever the seed, shuffle or pack
     _, val_unpacked = split(pack=False)
     for val in (val_c, val_plain, val_unpacked):
@@ -662,6 +684,12 @@ def test_example_packed_config_builds_its_data(monkeypatch, one_thread):  # the 
     assert dm.pack and cli.model.hparams.config["vocab_size"] == dm.vocab_size == 259
     assert len(dm.train_set) >= 8 and len(dm.val_set) == 2
     assert dm.train_set[0]["position_ids"].shape == (dm.seq_len,)
+    # every document of proverbs.jsonl trains (they were held out or fell in the corpus's dropped tail), but for at
+    # most the one the tail that fills no row cuts
+    stream = bytes((dm.train_set.rows.flatten() - 3).clamp(min=0).tolist())
+    lines = (REPO / "examples" / "data" / "proverbs.jsonl").read_text().splitlines()
+    trained = [json.loads(line)["text"].encode() in stream for line in lines]
+    assert sum(trained) >= len(lines) - 1, trained
 
 
 def test_rows_are_shared_out_over_data_replicas_and_resume_per_replica():
