@@ -5,8 +5,10 @@
 
 ``model`` and ``data`` are picked in the config by ``class_path`` (any LightningModule / LightningDataModule,
 e.g. ``lightning_oomb.models.CausalLMModule`` and ``lightning_oomb.data.TextFileDataModule``); the strategy is
-``trainer.strategy: oomb`` or ``{class_path: lightning_oomb.OOMBStrategy, init_args: {chunk_size: 4096, ...}}``.
-One extra top-level option, ``num_threads``, sets ``torch.set_num_threads`` before anything is built (CPU runs).
+``trainer.strategy: oomb`` (its defaults) or ``{class_path: lightning_oomb.OOMBStrategy, init_args: {chunk_size:
+4096, ...}}``; on the command line options follow a class name, not a registered name: ``--trainer.strategy
+OOMBStrategy --trainer.strategy.chunk_size 4096``. One extra top-level option, ``num_threads`` (a positive count),
+sets ``torch.set_num_threads`` before anything is built (CPU runs).
 
 ``oomb plan --config x.yaml [--device-memory 141GB] [--host-memory 128GiB]`` prints the step's memory plan
 (:func:`lightning_oomb.plan`) for the run that ``oomb fit --config x.yaml`` would start: the same parser reads the
@@ -58,6 +60,10 @@ class OOMBCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         threads = self._get(self.config, "num_threads")
+        if threads is not None and threads < 1:
+            raise OOMBConfigError(
+                f"num_threads={threads}: torch needs at least one thread — pass a positive count."
+            )
         if threads:
             torch.set_num_threads(threads)
         trainer = self._get(self.config, "trainer")  # (`oomb plan` builds without running: it may plan a GPU)

@@ -9,6 +9,7 @@ Face packing convention: positions restart at every document), so a LightningMod
 from __future__ import annotations
 
 import abc
+import contextlib
 import functools
 import glob
 import hashlib
@@ -170,6 +171,11 @@ class NeedleRetrievalDataModule(LightningDataModule):
     @property
     def vocab_size(self) -> int:
         return self.val_set.vocab_size
+
+    @property
+    def largest_token_id(self) -> int:
+        """The largest token id of the batches: a model's embedding must hold it."""
+        return self.vocab_size - 1
 
     @property
     def baseline_loss(self) -> float:
@@ -577,7 +583,22 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     check_local_dir(name, "tokenizer", "the tokenizer's files")
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(name)
+    with hub_errors_named(name, "tokenizer"):
+        return AutoTokenizer.from_pretrained(name)
+
+
+@contextlib.contextmanager
+def hub_errors_named(name: str, what: str) -> Iterator[None]:
+    """Turn transformers' ``OSError`` for a hub id it cannot fetch (no network, a wrong id, a gated model) into an
+    :class:`OOMBConfigError` that names the id and the fix."""
+    try:
+        yield
+    except OSError as error:
+        raise OOMBConfigError(
+            f"{what} {name!r} could not be loaded ({type(error).__name__}: {str(error).splitlines()[0]}) — no "
+            "network, a wrong id or a gated model — pass a local directory (save_pretrained) or, with the files in "
+            "the Hugging Face cache, set HF_HUB_OFFLINE=1."
+        ) from error
 
 
 def tokenize_documents(
@@ -762,6 +783,14 @@ class TextFileDataModule(LightningDataModule):
     def vocab_size(self) -> int:
         """Token ids the tokenizer can produce (added tokens included): the embedding rows a model needs."""
         return len(self.tokenizer)
+
+    @property
+    def largest_token_id(self) -> int | None:
+        """The largest token id of the rows (``None`` before ``setup``): a model's embedding must hold it (a
+        tokenizer's added tokens the text never uses need no row)."""
+        if self.train_set is None:
+            return None
+        return max(int(rows.rows.max()) for rows in (self.train_set, self.val_set) if rows.rows.numel())
 
     def documents(self) -> list[torch.Tensor]:
         """Every document's token ids (``IntTensor``: sequence-start tokens first, EOS last) in source order; bad

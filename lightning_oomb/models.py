@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch import LightningModule
 from torchmetrics.aggregation import MeanMetric
 
-from lightning_oomb.data import check_local_dir
+from lightning_oomb.data import check_local_dir, hub_errors_named
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.loss import IGNORE_INDEX
 
@@ -142,15 +142,34 @@ class CausalLMModule(LightningModule):
         if hp.config is not None:  # "auto" reads a checkpoint's dtype: a random model has none, the default
             dtype = torch.get_default_dtype() if dtype == "auto" else dtype
             config = build_config(hp.config)
+            self._check_vocabulary(config)
             self.model = AutoModelForCausalLM.from_config(
                 config, attn_implementation=hp.attn_implementation, dtype=dtype
             )
             return
-        # from_pretrained returns the model in eval mode, and Lightning leaves submodules' modes as they are:
-        # fine-tuning would run without the model's dropout
-        self.model = AutoModelForCausalLM.from_pretrained(
-            hp.model_name_or_path, attn_implementation=hp.attn_implementation, dtype=dtype
-        ).train()
+        from transformers import AutoConfig
+
+        with hub_errors_named(hp.model_name_or_path, "model"):
+            config = AutoConfig.from_pretrained(hp.model_name_or_path)
+            self._check_vocabulary(config)
+            # from_pretrained returns the model in eval mode, and Lightning leaves submodules' modes as they are:
+            # fine-tuning would run without the model's dropout
+            self.model = AutoModelForCausalLM.from_pretrained(
+                hp.model_name_or_path, attn_implementation=hp.attn_implementation, dtype=dtype
+            ).train()
+
+    def _check_vocabulary(self, config) -> None:
+        """Refuse, before the model is built, a data module whose token ids its embedding lacks (the tokenizer of
+        another model): the engine would find them only at the first step, after the weights loaded."""
+        data = self._trainer.datamodule if self._trainer is not None else None
+        largest = getattr(data, "largest_token_id", None)
+        rows = getattr(config.get_text_config(), "vocab_size", None)
+        if largest is not None and rows is not None and largest >= rows:
+            raise OOMBConfigError(
+                f"the data's token ids reach {largest} but the model's vocabulary (config.vocab_size) is {rows} — "
+                "the tokenizer is not the model's — use the model's own tokenizer (data.tokenizer), or for a model "
+                f"built from a config set its vocab_size to at least {largest + 1}."
+            )
 
     def training_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         loss = self.model(**with_targets(batch), use_cache=False).loss
@@ -181,8 +200,9 @@ class CausalLMModule(LightningModule):
     def _log_held_out(self, split: str) -> None:
         loss = self.val_token_loss.compute()  # synchronised across processes
         self.val_token_loss.reset()
-        self.log(f"{split}_loss", loss, prog_bar=split == "val")
-        self.log(f"{split}_ppl", loss.exp())
+        # already the same on every process; sync_dist (a mean of equal values) only stops Lightning's warning
+        self.log(f"{split}_loss", loss, prog_bar=split == "val", sync_dist=True)
+        self.log(f"{split}_ppl", loss.exp(), sync_dist=True)
 
     def configure_optimizers(self):
         hp = self.hparams

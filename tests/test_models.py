@@ -265,3 +265,56 @@ def test_trainer_test_reports_the_held_out_loss_as_test_metrics():
     assert test["test_loss"] == pytest.approx(val["val_loss"]) and test["test_ppl"] == pytest.approx(
         val["val_ppl"]
     )
+
+
+def test_a_tokenizer_whose_ids_the_model_lacks_is_refused_before_the_model_is_built(tmp_path):
+    """The bytes tokenizer's ids reach 258; a model of 100 embedding rows is refused in ``configure_model`` (before
+    ``from_pretrained`` loads weights), not at the first step; added tokens the text never uses need no row."""
+    from lightning_oomb.data import TextFileDataModule
+
+    (tmp_path / "a.txt").write_text("the quick brown fox jumps over the lazy dog " * 8)
+    data = TextFileDataModule(str(tmp_path / "a.txt"), tokenizer="bytes", seq_len=32, val_rows=1)
+    data.setup("fit")
+    largest = data.largest_token_id
+    assert (
+        largest == max(b + 3 for b in b"the quick brown fox jumps over the lazy dog ") < data.vocab_size - 1
+    )
+    source = CausalLMModule(config={**TINY, "vocab_size": largest})
+    source.configure_model()
+    source.model.save_pretrained(tmp_path / "model")
+    for module in (CausalLMModule(config={**TINY, "vocab_size": largest}),
+                   CausalLMModule(model_name_or_path=str(tmp_path / "model"))):  # fmt: skip
+        trainer = make_trainer(OOMBStrategy(chunk_size=16, page_size=8), 1, limit_val_batches=0)
+        with pytest.raises(
+            OOMBConfigError, match=f"token ids reach {largest} but .* is {largest} — the tokenizer"
+        ):
+            trainer.fit(module, datamodule=data)
+        assert module.model is None
+    module = CausalLMModule(config={**TINY, "vocab_size": largest + 1})
+    make_trainer(OOMBStrategy(chunk_size=16, page_size=8), 1, limit_val_batches=0).fit(
+        module, datamodule=data
+    )
+
+
+def test_a_hub_id_that_cannot_be_fetched_is_named_with_the_fix(monkeypatch):
+    """Without network (or with a wrong id) transformers raises a long ``OSError``; the module and the data module
+    name the id and the fix in an ``OOMBConfigError`` (which ``oomb`` prints as one line)."""
+    import transformers
+
+    from lightning_oomb.data import load_tokenizer
+
+    def unreachable(name, *args, **kwargs):
+        raise OSError(
+            f"We couldn't connect to 'https://huggingface.co' to load the files of {name}.\nCheck ..."
+        )
+
+    for auto in (transformers.AutoConfig, transformers.AutoTokenizer):
+        monkeypatch.setattr(auto, "from_pretrained", unreachable)
+    with pytest.raises(
+        OOMBConfigError, match=r"model 'no-such-org/no-such-model' could not be loaded \(OSError"
+    ):
+        CausalLMModule(model_name_or_path="no-such-org/no-such-model").configure_model()
+    with pytest.raises(
+        OOMBConfigError, match="tokenizer 'no-such-org/no-such-model' could not be loaded.*HF_HUB"
+    ):
+        load_tokenizer("no-such-org/no-such-model")

@@ -314,6 +314,13 @@ def test_a_gpu_accelerator_without_a_gpu_is_refused_naming_the_fix(monkeypatch):
         main()
 
 
+def test_num_threads_below_one_is_refused(monkeypatch):
+    """``--num_threads 0`` was silently ignored (torch's default thread count ran)."""
+    monkeypatch.setattr(sys, "argv", ["oomb", "fit", "--config", str(DEMO_CONFIG), "--num_threads", "0"])
+    with pytest.raises(SystemExit, match=r"^oomb: error: num_threads=0: .* pass a positive count"):
+        main()
+
+
 def test_oomb_plan_takes_fits_model_option_as_fit_does(capsys):
     """``--model`` is ``oomb fit``'s (the LightningModule), not an abbreviation of ``oomb plan``'s
     ``--model-config``; and ``--help`` of ``oomb`` names ``oomb plan``."""
