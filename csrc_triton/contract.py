@@ -59,6 +59,39 @@ def checked_key_range(key_range: tuple[int, int] | None, num_keys: int, page: in
     return lo, hi
 
 
+def check_call(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    q_start: int,
+    key_range,
+) -> tuple[int, int]:
+    """Check what every backend reads of a call: ``q [B, Hq, Lq, D]`` against the arenas ``[slots, Hkv, P, D]``
+    (equal head_dim, Hq divisible by Hkv), a page table ``[B, n_pages]`` covering the keys up to the chunk's (or
+    key range's) end; return the key range ``(lo, hi)``."""
+    if q.dim() != 4 or k_pages.dim() != 4:
+        raise ValueError(
+            f"q must be [B, Hq, Lq, D] and arenas [slots, Hkv, P, D]; got {tuple(q.shape)}, {tuple(k_pages.shape)}"
+        )
+    b, hq, lq, d = q.shape
+    hkv, page = k_pages.shape[1], k_pages.shape[2]
+    if k_pages.shape[3] != d or v_pages.shape != k_pages.shape or hq % hkv:
+        raise ValueError(
+            f"q {tuple(q.shape)} does not match K/V pages {tuple(k_pages.shape)}/{tuple(v_pages.shape)}: "
+            "need equal head_dim and Hq divisible by Hkv."
+        )
+    if page_table.dim() != 2 or page_table.shape[0] != b:
+        raise ValueError(f"page_table must be [B={b}, n_pages]; got {tuple(page_table.shape)}.")
+    lo, hi = checked_key_range(key_range, q_start + lq, page)
+    if q_start < 0 or page_table.shape[1] * page < hi:
+        raise ValueError(
+            f"q_start={q_start}, Lq={lq}: the page table's {page_table.shape[1]} pages of {page} must cover keys "
+            f"[0, {hi}) — pass the pages of every key up to the chunk's (or key range's) end."
+        )
+    return lo, hi
+
+
 def check_window(window: int | None) -> None:
     if window is not None and window < 1:
         raise ValueError(f"window={window} must be a positive number of keys (or None).")

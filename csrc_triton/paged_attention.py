@@ -93,11 +93,11 @@ from triton.runtime.errors import OutOfResources
 
 from csrc_triton.contract import (
     check_buffer,
+    check_call,
     check_doc_start,
     check_page_select,
     check_softcap,
     check_window,
-    checked_key_range,
 )
 
 LOG2E = math.log2(math.e)
@@ -1039,10 +1039,12 @@ def _check(
     key_range: tuple[int, int] | None,
 ):
     """Validate shapes/dtypes (cheap, before any launch); return ``(B, Hq, Lq, D, Hkv, P, key_lo, key_hi)``."""
-    if q.dim() != 4 or k_pages.dim() != 4:
+    if q.numel() >= 2**31:  # the kernels' row offsets into q, out, dO, dQ are 32-bit
         raise ValueError(
-            f"q must be [B, Hq, Lq, D] and arenas [slots, Hkv, P, D]; got {q.shape}, {k_pages.shape}"
+            f"q {tuple(q.shape)} holds {q.numel():,} elements, over the kernels' 2**31 — attend fewer queries per "
+            "call (a smaller chunk_size)."
         )
+    key_lo, key_hi = check_call(q, k_pages, v_pages, page_table, q_start, key_range)
     b, hq, lq, d = q.shape
     hkv, page = k_pages.shape[1], k_pages.shape[2]
     if q.dtype not in _SUPPORTED or k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
@@ -1053,32 +1055,17 @@ def _check(
     for name, size in (("head_dim", d), ("page size", page)):
         if size < 16 or size & (size - 1):
             raise ValueError(f"{name}={size} is not supported — the kernels need a power of two >= 16.")
-    if k_pages.shape[3] != d or v_pages.shape != k_pages.shape or hq % hkv:
-        raise ValueError(
-            f"q {tuple(q.shape)} does not match K/V pages {tuple(k_pages.shape)}/{tuple(v_pages.shape)}: "
-            "need equal head_dim and Hq divisible by Hkv."
-        )
     if not (k_pages.is_contiguous() and v_pages.is_contiguous()):
         raise ValueError("K/V arenas must be contiguous [slots, Hkv, P, D] tensors.")
-    if q.numel() >= 2**31:  # the kernels' row offsets into q, out, dO, dQ are 32-bit
-        raise ValueError(
-            f"q {tuple(q.shape)} holds {q.numel():,} elements, over the kernels' 2**31 — attend fewer queries per "
-            "call (a smaller chunk_size)."
-        )
     if q.device.type != "cuda" and not _interpreting():
         raise ValueError(
             f"the Triton kernels run on CUDA tensors, got {q.device} — use the torch reference backend, "
             "or set TRITON_INTERPRET=1 before importing csrc_triton (slow; for tests)."
         )
-    if page_table.dtype != torch.int32 or page_table.shape[0] != b or page_table.stride(1) != 1:
+    if page_table.dtype != torch.int32 or page_table.stride(1) != 1:
         raise ValueError(
-            f"page_table must be int32 [B={b}, n_pages] with unit last stride; got {page_table.shape}."
-        )
-    key_lo, key_hi = checked_key_range(key_range, q_start + lq, page)
-    if q_start < 0 or page_table.shape[1] * page < key_hi:
-        raise ValueError(
-            f"q_start={q_start}, Lq={lq}: the page table's {page_table.shape[1]} pages of {page} must cover keys "
-            f"[0, {key_hi}) — pass the pages of every key up to the chunk's (or key range's) end."
+            f"page_table must be int32 [B={b}, n_pages] with unit last stride; got {page_table.dtype} "
+            f"{tuple(page_table.shape)}."
         )
     return b, hq, lq, d, hkv, page, key_lo, key_hi
 

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from csrc_triton.contract import check_buffer, check_terms, checked_key_range
+from csrc_triton.contract import check_buffer, check_call, check_terms
 from lightning_oomb.engine import reference
 from lightning_oomb.engine.lse import (
     State,
@@ -253,8 +253,8 @@ def paged_attention_forward(
     if not fast_path(q, softcap, visits):
         return reference.paged_attention_forward(*args, key_range=key_range, state=state, **terms)
     lq, page = q.shape[2], k_pages.shape[2]
+    lo, hi = check_call(q, k_pages, v_pages, page_table, q_start, key_range)
     check_terms(q, page, q_start, window, softcap, doc_start, page_select)
-    lo, hi = checked_key_range(key_range, q_start + lq, page)
     dtype = compute_dtype(q)
     own = state is None
     if own:
@@ -304,8 +304,8 @@ def paged_attention_backward(
     if not fast_path(q, softcap, visits):
         return reference.paged_attention_backward(*args, key_range=key_range, delta=delta, dq=dq, **terms)
     lq, page = q.shape[2], k_pages.shape[2]
+    lo, hi = check_call(q, k_pages, v_pages, page_table, q_start, key_range)
     check_terms(q, page, q_start, window, softcap, doc_start, page_select)
-    lo, hi = checked_key_range(key_range, q_start + lq, page)
     dtype = compute_dtype(q)
     if delta is not None:
         check_buffer("delta", delta, q.shape[:-1], dtype, q.device)

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from csrc_triton.contract import check_buffer, check_terms, checked_key_range
+from csrc_triton.contract import check_buffer, check_call, check_terms, checked_key_range
 from lightning_oomb.engine.lse import State, attention_delta, compute_dtype, finish_state, init_state
 from lightning_oomb.engine.pages import add_tokens, gather_tokens
 
@@ -132,6 +132,7 @@ def paged_attention_forward(
     ``page_select`` ``[B, R, K]``: each query block's pages before ``q_start`` (sparse attention). ``visits``: an
     int32 ``[1]`` counter the number of key blocks visited is added to."""
     lq, hkv, page = q.shape[2], k_pages.shape[1], k_pages.shape[2]
+    check_call(q, k_pages, v_pages, page_table, q_start, key_range)
     select = check_terms(q, page, q_start, window, softcap, doc_start, page_select)
     dtype = compute_dtype(q)
     own = state is None
@@ -190,6 +191,7 @@ def paged_attention_backward(
     ``[B, Hq, Lq, D]`` accumulator the contribution is added into (and which is returned). ``softcap``,
     ``doc_start``, ``page_select``, ``visits``: as in the forward."""
     lq, hkv, page = q.shape[2], k_pages.shape[1], k_pages.shape[2]
+    check_call(q, k_pages, v_pages, page_table, q_start, key_range)
     select = check_terms(q, page, q_start, window, softcap, doc_start, page_select)
     dtype = compute_dtype(q)
     if delta is None:

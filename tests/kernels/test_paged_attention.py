@@ -443,6 +443,30 @@ def test_rejects_unsupported_inputs():
         triton_kernels.paged_attention_forward(huge, kv.k, kv.v, kv.page_table, 0, 1.0, None)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_backend_refuses_a_call_outside_the_contract_alike(backend):
+    """A page table short of the chunk's keys, mismatched head dims, Hq not divisible by Hkv: every backend names
+    the cause as the Triton launchers do (the CPU path killed the process with SIGFPE on the short table, the
+    reference attended to fewer keys silently), forward and backward."""
+    module = kernels(backend)
+    q, _, kv = make_inputs(Case(b=1, hq=4, hkv=2, lq=4, q_start=0))
+    dk, dv = torch.zeros_like(kv.k), torch.zeros_like(kv.v)
+    out, lse = torch.zeros_like(q), torch.zeros(q.shape[:-1])
+    calls = {
+        "must cover keys": (q, kv.k, kv.v, kv.page_table, 64),
+        "need equal head_dim": (q[..., :8], kv.k, kv.v, kv.page_table, 0),
+        "Hq divisible by Hkv": (q[:, :3], kv.k, kv.v, kv.page_table, 0),
+    }
+    for match, (q_, k, v, table, start) in calls.items():
+        with pytest.raises(ValueError, match=match):
+            module.paged_attention_forward(q_, k, v, table, start, 1.0, None)
+        with pytest.raises(ValueError, match=match):
+            o = out[..., : q_.shape[-1]][:, : q_.shape[1]]
+            module.paged_attention_backward(
+                q_, o, lse[:, : q_.shape[1]], o, k, v, dk, dv, table, start, 1.0, None
+            )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("family", "head_dim"),
