@@ -121,10 +121,12 @@ def _interpreting() -> bool:
 # FlexAttention 15.8 and 66.1 ms). Every MMA has >= 16 rows per warp (no MMA row computed twice, see _fitted). The
 # forward: 128 query rows x 128 keys on 8 warps (no spills but 4 bytes at two flag sets). dK/dV: 64 keys x 32
 # queries on 4 warps, the query blocks that see the whole key block in an unmasked loop of their own (SPLIT True;
-# False masks every block in one loop): ptxas reports 0.45-1.3 KB of spills (benchmarks/results/kernel-compile-
-# sm90*.md), yet it takes 8 % less time than the next tile (32 x 128 on 8 warps, 30 bytes) and 29 % less than the
-# spill-free 16 x 128 with one loop. dQ: 64 query rows x 64 keys on 4 warps, no spills (128 x 128 was 1 % faster
-# and spills 0.2 KB). Tuning (OOMB_TRITON_AUTOTUNE=1) tries both loops at every tile (SM90_VARIANTS).
+# False masks every block in one loop): 8 % less time than the next tile (32 x 128 on 8 warps) and 29 % less than
+# 16 x 128 with one loop, measured when it spilled 0.45-1.3 KB (its walk looped over the query heads outside its
+# key-range loops, whose hoisted offsets stayed live); each range now walks every head of the group in one loop:
+# no spills (benchmarks/results/kernel-compile-sm90.md), speed not yet measured. dQ: 64 query rows x 64 keys on 4
+# warps, no spills (128 x 128 was 1 % faster and spills 0.2 KB). Tuning (OOMB_TRITON_AUTOTUNE=1) tries both loops at
+# every tile (SM90_VARIANTS).
 SM90_DEFAULTS = {"forward": (128, 128, 8, 3), "dkdv": (32, 64, 4, 3), "dq": (64, 64, 4, 3)}
 SM90_VARIANTS = {"dkdv": ({"SPLIT": True}, {"SPLIT": False})}  # constexprs per tile; the default's first
 # the other tables' dK/dV tiles (wide heads, GPUs without wgmma) were compiled with one masked loop, which spills
@@ -714,38 +716,50 @@ def _bwd_preprocess(OUT, DOUT, DELTA, num_rows, HEAD_DIM: tl.constexpr, BLOCK_M:
 @triton.jit
 def _bwd_dkdv_inner(
     dk, dv, k, v, Q, DO, LSE, DELTA, FIRST, DQ, INV,
-    stride_qm, stride_qd,
-    k_pos, lo, hi, q_start, q_len, window, qk_scale, cap, scale,
+    stride_qh, stride_qm, stride_qd,
+    k_pos, lo, hi, heads, q_start, q_len, window, qk_scale, cap, scale,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr, ROWS: tl.constexpr, FUSED_DQ: tl.constexpr, LISTED: tl.constexpr,
 ):  # fmt: skip
-    """Add the contributions of query blocks ``[lo, hi)`` of one query head to this key block's ``dk``, ``dv``
-    ``[BLOCK_N, HEAD_DIM]``; scores are kept transposed (keys x queries). ``Q``/``DO``/``LSE``/``DELTA`` (and
-    ``DQ``) point at that head's rows. ``LISTED``: ``[lo, hi)`` are tiles of the listing query blocks ``INV[0],
-    INV[1], ...`` (``PAGE // BLOCK_M`` tiles each), walked as one loop. ``FUSED_DQ``: also add the key block's share
-    of dQ into fp32 ``DQ`` (atomically: every key block of the rows adds into them)."""
+    """Add the contributions of query blocks ``[lo, hi)`` of ``heads`` consecutive query heads to this key block's
+    ``dk``, ``dv`` ``[BLOCK_N, HEAD_DIM]``; scores are kept transposed (keys x queries). ``Q``/``DO``/``LSE``/
+    ``DELTA`` (and ``DQ``) point at the first head's rows, the next head's are ``stride_qh`` (``Q``) or ``q_len``
+    rows further. The heads' tiles are one loop, head after head: one pipeline across the heads, and no loop over
+    heads around it whose invariants (the first tiles' addresses and masks) the compiler would keep in registers.
+    ``LISTED``: ``[lo, hi)`` are tiles of the listing query blocks ``INV[0], INV[1], ...`` (``PAGE // BLOCK_M``
+    tiles each). ``FUSED_DQ``: also add the key block's share of dQ into fp32 ``DQ`` (atomically: every key block
+    of the rows adds into them)."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    for it in range(lo, hi, 1 if LISTED else BLOCK_M):
+    # a tile's addresses: a scalar base (its first row) plus offsets that are the same for every tile
+    qt_offs = offs_m[None, :] * stride_qm + offs_d[:, None] * stride_qd
+    do_offs = offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+    step: tl.constexpr = 1 if LISTED else BLOCK_M
+    per_head = tl.maximum(hi - lo, 0) // step
+    end = lo + per_head * step
+    g = tl.full([], 0, tl.int32)  # the head, and the tile in it
+    it = lo
+    for _ in range(0, per_head * heads):
         if LISTED:
             start_m = tl.load(INV + it // (PAGE // BLOCK_M)) * PAGE + it % (PAGE // BLOCK_M) * BLOCK_M
         else:
             start_m = it
         start_m = tl.multiple_of(start_m, BLOCK_M)
         rows = start_m + offs_m
-        qt_ptrs = Q + rows[None, :] * stride_qm + offs_d[:, None] * stride_qd
-        do_ptrs = DO + rows[:, None] * HEAD_DIM + offs_d[None, :]
+        row = g * q_len + start_m  # the tile's first row in DO, LSE, DELTA, DQ
+        qt_ptrs = (Q + g * stride_qh + start_m * stride_qm) + qt_offs
+        do_ptrs = (DO + row * HEAD_DIM) + do_offs
         if MASK:
-            ok = rows < q_len
+            ok = offs_m < q_len - start_m
             qt = tl.load(qt_ptrs, mask=ok[None, :], other=0.0)
             do = tl.load(do_ptrs, mask=ok[:, None], other=0.0)
-            lse = tl.load(LSE + rows, mask=ok, other=0.0)
-            delta = tl.load(DELTA + rows, mask=ok, other=0.0)
+            lse = tl.load(LSE + row + offs_m, mask=ok, other=0.0)
+            delta = tl.load(DELTA + row + offs_m, mask=ok, other=0.0)
         else:
             qt = tl.load(qt_ptrs)
             do = tl.load(do_ptrs)
-            lse = tl.load(LSE + rows)
-            delta = tl.load(DELTA + rows)
+            lse = tl.load(LSE + row + offs_m)
+            delta = tl.load(DELTA + row + offs_m)
         # p^T_ji = exp(s_ij - lse_i), computed as exp2(s * log2(e) - lse * log2(e))
         st, tt = _scores(tl.dot(k, qt, input_precision=PRECISION), qk_scale, cap, SOFTCAP)
         pt = tl.math.exp2(st - lse[None, :] * _LOG2E)
@@ -763,23 +777,27 @@ def _bwd_dkdv_inner(
         dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=PRECISION)
         if FUSED_DQ:  # dQ += dS K (the dQ kernel's recomputation of P and dP saved)
             dq = tl.dot(tl.trans(dst.to(qt.dtype)), k, input_precision=PRECISION) * scale
-            dq_ptrs = DQ + rows[:, None] * HEAD_DIM + offs_d[None, :]
+            dq_ptrs = (DQ + row * HEAD_DIM) + do_offs
             if MASK:
                 tl.atomic_add(dq_ptrs, dq, mask=ok[:, None], sem="relaxed")
             else:
                 tl.atomic_add(dq_ptrs, dq, sem="relaxed")
+        it += step
+        g = tl.where(it == end, g + 1, g)
+        it = tl.where(it == end, lo, it)
     return dk, dv
 
 
 @triton.jit
 def _bwd_dkdv_walk(
     dk, dv, k, v, Q, DO, LSE, DELTA, FIRST, DQ, INV,
-    b, h, num_heads, stride_qb, stride_qh, stride_qm, stride_qd,
+    b, h, heads, num_heads, stride_qb, stride_qh, stride_qm, stride_qd,
     k_pos, lo, full_lo, full_hi, hi, q_start, q_len, window, qk_scale, cap, scale,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr, FUSED_DQ: tl.constexpr, LISTED: tl.constexpr,
 ):  # fmt: skip
-    """Add the query blocks ``[lo, hi)`` of query head ``h`` (of batch row ``b``) to ``dk``, ``dv``: with
+    """Add the query blocks ``[lo, hi)`` of query heads ``h .. h + heads - 1`` (of batch row ``b``) to ``dk``,
+    ``dv``, each range walked for all of them in one loop (:func:`_bwd_dkdv_inner`): with
     ``SPLIT`` ``[lo, full_lo)`` and ``[full_hi, hi)`` masked, ``[full_lo, full_hi)`` not; else all masked.
     ``LISTED``: tiles of the listing query blocks ``INV`` (:func:`_bwd_dkdv_inner`), every one seeing the whole key
     block (with ``SPLIT`` only the unmasked loop is compiled)."""
@@ -789,19 +807,19 @@ def _bwd_dkdv_walk(
     if SPLIT:
         if not LISTED:
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_head, do_head, LSE + row0, DELTA + row0, FIRST + b * q_len,
-                                     dq_head, INV, stride_qm, stride_qd, k_pos, lo, full_lo, q_start, q_len, window,
-                                     qk_scale, cap, scale, HEAD_DIM, PAGE, BLOCK_M, True, PRECISION, SOFTCAP, ROWS,
-                                     FUSED_DQ, LISTED)  # fmt: skip
+                                     dq_head, INV, stride_qh, stride_qm, stride_qd, k_pos, lo, full_lo, heads,
+                                     q_start, q_len, window, qk_scale, cap, scale, HEAD_DIM, PAGE, BLOCK_M, True,
+                                     PRECISION, SOFTCAP, ROWS, FUSED_DQ, LISTED)  # fmt: skip
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_head, do_head, LSE + row0, DELTA + row0, FIRST + b * q_len,
-                                 dq_head, INV, stride_qm, stride_qd, k_pos, full_lo, full_hi, q_start, q_len, window,
-                                 qk_scale, cap, scale, HEAD_DIM, PAGE, BLOCK_M, False, PRECISION, SOFTCAP, ROWS,
-                                 FUSED_DQ, LISTED)  # fmt: skip
+                                 dq_head, INV, stride_qh, stride_qm, stride_qd, k_pos, full_lo, full_hi, heads,
+                                 q_start, q_len, window, qk_scale, cap, scale, HEAD_DIM, PAGE, BLOCK_M, False,
+                                 PRECISION, SOFTCAP, ROWS, FUSED_DQ, LISTED)  # fmt: skip
         lo = full_hi
     if not (SPLIT and LISTED):
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_head, do_head, LSE + row0, DELTA + row0, FIRST + b * q_len,
-                                 dq_head, INV, stride_qm, stride_qd, k_pos, lo, hi, q_start, q_len, window, qk_scale,
-                                 cap, scale, HEAD_DIM, PAGE, BLOCK_M, True, PRECISION, SOFTCAP, ROWS, FUSED_DQ,
-                                 LISTED)  # fmt: skip
+                                 dq_head, INV, stride_qh, stride_qm, stride_qd, k_pos, lo, hi, heads, q_start, q_len,
+                                 window, qk_scale, cap, scale, HEAD_DIM, PAGE, BLOCK_M, True, PRECISION, SOFTCAP,
+                                 ROWS, FUSED_DQ, LISTED)  # fmt: skip
     return dk, dv
 
 
@@ -878,10 +896,11 @@ def _bwd_dkdv_kernel(
     key_ok = k_pos < key_hi
     # gradient pages have the K/V pages' layout: one offset serves K, V, dK and dV
     tokens = (start_n % PAGE + offs_n)[:, None]
-    kv_offs = _page_offset(TABLE + b * stride_tb, start_n, stride_ks, PAGE) + kv_head * stride_kh
-    kv_offs += tokens * stride_kp + offs_d[None, :] * stride_kd
-    k = tl.load(K + kv_offs, mask=key_ok[:, None], other=0.0)
-    v = tl.load(V + kv_offs, mask=key_ok[:, None], other=0.0)
+    kv_base = _page_offset(TABLE + b * stride_tb, start_n, stride_ks, PAGE) + kv_head * stride_kh
+    kv_offs = tokens * stride_kp + offs_d[None, :] * stride_kd
+    k = tl.load(K + kv_base + kv_offs, mask=key_ok[:, None], other=0.0)
+    v = tl.load(V + kv_base + kv_offs, mask=key_ok[:, None], other=0.0)
+    tile_base = kv_base + (start_n % PAGE) * stride_kp  # the block's first token (the gradient pages' add)
 
     if ROWS:  # per page: rows whose first visible key is at or before the page's last / first key
         seeing = SEEING + (b * tl.cdiv(key_hi, PAGE) + start_n // PAGE) * 2
@@ -902,39 +921,50 @@ def _bwd_dkdv_kernel(
         tl.atomic_add(VISITS, tl.maximum(hi - lo, 0) // BLOCK_M * group)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    for g in range(group):  # every query head that reads this KV head
-        h = kv_head * group + g
-        dk, dv = _bwd_dkdv_walk(dk, dv, k, v, Q, DO, LSE, DELTA, FIRST, DQ, INV_IDX, b, h, num_heads, stride_qb,
-                                stride_qh, stride_qm, stride_qd, k_pos, lo, full_lo, full_hi, hi, q_start, q_len,
-                                window, qk_scale, cap, scale, HEAD_DIM, PAGE, BLOCK_M, PRECISION, SOFTCAP, ROWS,
-                                SPLIT, FUSED_DQ, False)  # fmt: skip
-        if SPARSE:  # (both empty for the chunk's own key blocks)
+    # every query head that reads this KV head: heads h0 .. h0 + group - 1, walked in the loops of each range
+    h0 = kv_head * group
+    # this program is the only writer of these gradient-page rows: a plain read-modify-write at the end, no atomics
+    # (and none at all for a key block no query sees: e.g. one before every document of the chunk, or an unlisted
+    # page)
+    work = hi > lo
+    if SPARSE:
+        if past:  # the query blocks listing the page (the dense ranges are empty: not walked)
             # the listing blocks that see the whole page: their tiles in one loop (pipelined across the blocks)
-            dk, dv = _bwd_dkdv_walk(dk, dv, k, v, Q, DO, LSE, DELTA, FIRST, DQ, INV_IDX + j_lo, b, h, num_heads,
-                                    stride_qb, stride_qh, stride_qm, stride_qd, k_pos, 0, 0, full_tiles, full_tiles,
-                                    q_start, q_len, window, qk_scale, cap, scale, HEAD_DIM, PAGE, BLOCK_M,
-                                    PRECISION, SOFTCAP, ROWS, SPLIT, FUSED_DQ, True)  # fmt: skip
+            dk, dv = _bwd_dkdv_walk(dk, dv, k, v, Q, DO, LSE, DELTA, FIRST, DQ, INV_IDX + j_lo, b, h0, group,
+                                    num_heads, stride_qb, stride_qh, stride_qm, stride_qd, k_pos, 0, 0, full_tiles,
+                                    full_tiles, q_start, q_len, window, qk_scale, cap, scale, HEAD_DIM, PAGE,
+                                    BLOCK_M, PRECISION, SOFTCAP, ROWS, SPLIT, FUSED_DQ, True)  # fmt: skip
             # the others (a window edge, documents, the ragged end), one by one
             for j in range(j_lo + n_full, j_hi):
                 r0 = tl.load(INV_IDX + j) * PAGE
                 end = _clamp(listed_hi, r0, r0 + PAGE)
-                dk, dv = _bwd_dkdv_walk(dk, dv, k, v, Q, DO, LSE, DELTA, FIRST, DQ, INV_IDX, b, h, num_heads,
-                                        stride_qb, stride_qh, stride_qm, stride_qd, k_pos, r0, r0,
+                dk, dv = _bwd_dkdv_walk(dk, dv, k, v, Q, DO, LSE, DELTA, FIRST, DQ, INV_IDX, b, h0, group,
+                                        num_heads, stride_qb, stride_qh, stride_qm, stride_qd, k_pos, r0, r0,
                                         _clamp(listed_full, r0, r0 + PAGE), end, q_start, q_len, window, qk_scale,
                                         cap, scale, HEAD_DIM, PAGE, BLOCK_M, PRECISION, SOFTCAP, ROWS, SPLIT,
                                         FUSED_DQ, False)  # fmt: skip
-                listed += (end - r0) // BLOCK_M
+                listed += (end - r0) // BLOCK_M * group
+            work = listed > 0
+        else:  # the chunk's own key block (no list: the listed walks are empty)
+            dk, dv = _bwd_dkdv_walk(dk, dv, k, v, Q, DO, LSE, DELTA, FIRST, DQ, INV_IDX, b, h0, group, num_heads,
+                                    stride_qb, stride_qh, stride_qm, stride_qd, k_pos, lo, full_lo, full_hi, hi,
+                                    q_start, q_len, window, qk_scale, cap, scale, HEAD_DIM, PAGE, BLOCK_M, PRECISION,
+                                    SOFTCAP, ROWS, SPLIT, FUSED_DQ, False)  # fmt: skip
+    else:
+        dk, dv = _bwd_dkdv_walk(dk, dv, k, v, Q, DO, LSE, DELTA, FIRST, DQ, INV_IDX, b, h0, group, num_heads,
+                                stride_qb, stride_qh, stride_qm, stride_qd, k_pos, lo, full_lo, full_hi, hi, q_start,
+                                q_len, window, qk_scale, cap, scale, HEAD_DIM, PAGE, BLOCK_M, PRECISION, SOFTCAP,
+                                ROWS, SPLIT, FUSED_DQ, False)  # fmt: skip
 
-    # this program is the only writer of these gradient-page rows: a plain read-modify-write, no atomics (and none
-    # at all for a key block no query sees: e.g. one before every document of the chunk, or an unlisted page)
-    work = hi > lo
-    if SPARSE:
-        work = work | (listed > 0)
-        if COUNT:
-            tl.atomic_add(VISITS, listed)
+    if SPARSE and COUNT:
+        tl.atomic_add(VISITS, listed)
     if work:
-        tl.store(DK + kv_offs, (tl.load(DK + kv_offs) + dk * scale).to(DK.dtype.element_ty))
-        tl.store(DV + kv_offs, (tl.load(DV + kv_offs) + dv).to(DV.dtype.element_ty))
+        # the block's offsets again, from its first token: not the K/V loads' offsets, kept through the loops
+        tile_offs = offs_n[:, None] * stride_kp + offs_d[None, :] * stride_kd
+        dk_ptrs = (DK + tile_base) + tile_offs
+        tl.store(dk_ptrs, (tl.load(dk_ptrs) + dk * scale).to(DK.dtype.element_ty))
+        dv_ptrs = (DV + tile_base) + tile_offs
+        tl.store(dv_ptrs, (tl.load(dv_ptrs) + dv).to(DV.dtype.element_ty))
 
 
 @triton.jit

@@ -29,11 +29,11 @@ def _ptxas() -> bool:
         return False
 
 
-# spill bytes the sm_90 defaults may have (plain and with a page selection, Triton 3.9): none, but dK/dV's 32 x 64 tile
-# on 4 warps spills 0.45-0.5 KB and still took 8 % less time on the H200 than the next tile (benchmarks/results/
-# tile-sweep-h200.md), and the sparse forward, at 255 registers, one register from its start to its end (SASS: the
-# store in the prologue, the load in the epilogue; none on Triton 3.6); the bound catches a change that spills more
-SPILL_BOUNDS = {"_fwd_kernel": 8, "_bwd_dq_kernel": 0, "_bwd_dkdv_kernel": 640}
+# spill bytes the sm_90 defaults may have (plain and with a page selection, Triton 3.9): none (dK/dV's 32 x 64 tile
+# on 4 warps spilled 0.45-0.5 KB while its walk looped over the query heads outside its three key-range loops), but
+# the sparse forward, at 255 registers, one register from its start to its end (SASS: the store in the prologue, the
+# load in the epilogue; none on Triton 3.6); the bound catches a change that spills more
+SPILL_BOUNDS = {"_fwd_kernel": 8, "_bwd_dq_kernel": 0, "_bwd_dkdv_kernel": 0}
 # loads left synchronous in the kernels' loops (kernel_compile.loop_sync_loads): none in a dense walk (the page
 # table's entry is copied ahead with the K/V tiles); with a page selection one, in the loops that need the listed
 # page's position (the forward's and dQ's masked listed walk, dK/dV's walk over the listing blocks that need a mask)
@@ -64,8 +64,9 @@ KERNEL_NAMES = {"_fwd_kernel": "forward", "_bwd_dkdv_kernel": "dkdv", "_bwd_dq_k
 def test_the_mma_sync_tiles_are_those_compiled_within_shared_memory(arch):
     """The tiles GPUs without wgmma get are those the recorded offline compile (``benchmarks/kernel_compile.py --arch
     89|120|80 --head-dim 128 256 512``, Triton 3.9) fitted into their shared memory (99 KB per block on sm_89 and
-    sm_120, where the sm_90 dQ tile needs 100 KB; 163 KB on sm_80) at every flag, with spills of at most 64 / 188 /
-    104 bytes: a changed table needs that compile again."""
+    sm_120, where the sm_90 dQ tile needs 100 KB; 163 KB on sm_80) at every flag, with spills of at most 72 / 280 /
+    128 bytes (dK/dV none; its experimental ``FUSED_DQ`` variant up to 0.3 KB): a changed table needs that compile
+    again."""
     from csrc_triton.paged_attention import MMA_SYNC_DEFAULTS
 
     variants = json.loads((ROOT / "benchmarks" / "results" / f"kernel-compile-sm{arch}.json").read_text())[
@@ -78,11 +79,12 @@ def test_the_mma_sync_tiles_are_those_compiled_within_shared_memory(arch):
     }
     assert compiled == shipped
     assert all(v["shared_bytes"] <= v["shared_limit"] == SHARED_LIMITS[arch] for v in variants)
-    assert (
-        max(max(v["spill_store_bytes"], v["spill_load_bytes"]) for v in variants)
-        <= {89: 64, 120: 188, 80: 104}[arch]
-    )
-    assert len(variants) == 120  # 3 widths x 3 kernels x their flags
+    spills = {v["kernel"]: 0 for v in variants}
+    for v in variants:
+        if not v.get("FUSED_DQ"):
+            spills[v["kernel"]] = max(spills[v["kernel"]], v["spill_store_bytes"], v["spill_load_bytes"])
+    assert spills["_bwd_dkdv_kernel"] == 0 and max(spills.values()) <= {89: 72, 120: 280, 80: 128}[arch], spills
+    assert len(variants) == 144  # 3 widths x 3 kernels x their flags (dK/dV with and without FUSED_DQ)
 
 
 SHARED_LIMITS = {
