@@ -1218,12 +1218,14 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
         per_boundary = shape.carried_state_bytes(dtypes.compute) * batch
         host["carried_states"] = math.ceil(per_boundary / BOUNDARY_ALIGN) * BOUNDARY_ALIGN * boundaries
         carried = per_boundary * min(boundaries, 2)
-    lq = min(config.chunk_size, seq_len)  # the keys the last layer's chunk sees: a window's, a page budget's
+    lq = min(config.chunk_size, seq_len)  # the keys a layer's chunk sees: a window's, a page budget's
     # states in flight while a chunk is recomputed and back-propagated: its incoming states' copies, its outgoing
     # states and their gradients (three boundaries' worth)
     handed = 3 * shape.carried_state_bytes(dtypes.compute) * batch
     own = handed if ckpt else 0
-    window = shape.windows[-1] if shape.windows else None
+    # the widest reach of any layer: a full-attention layer below a windowed last one sees every key
+    windows = shape.windows or (None,)
+    window = None if None in windows else max(windows)
     reach = min(seq_len, math.inf if window is None else window - 1 + lq,
                 math.inf if config.page_budget is None else config.page_budget * config.page_size + lq)  # fmt: skip
     mlp_bwd, attn_bwd, mixer_bwd = layer_backward_bytes(
