@@ -28,8 +28,9 @@ options that would make it fit (each tried in the planner).
   ``4cI`` (gate, SiLU, up, product) — ``Q = Hq x head_dim``; an MoE layer per routed expert ``I`` of its width,
   its gathered input, output and weighted output and the router's scores, its dense layers (DeepSeek's first, Jamba's
   every other) their own MLP; norms of the attention's and the MLP's outputs (Gemma 2/3) and a sigmoid gate on the
-  attention output (AFMoE) counted as they save. Under autocast every decoder weight is saved once more
-  as a ``c`` copy. With ``layer_checkpointing`` a layer saves only its input (``rH``; under offload on a GPU
+  attention output (AFMoE) counted as they save; a layer whose pages the backward rewrites (host tier, a window
+  layer keeping only its tails) its chunk's K and V (``2c Hkv D``). Under autocast every decoder weight is saved once
+  more as a ``c`` copy. With ``layer_checkpointing`` a layer saves only its input (``rH``; under offload on a GPU
   parked in host memory but two layers': :func:`parked_saves_bytes`). Plus the final norm
   (``4H + 4 + rH``; the cross-entropy saves nothing) and the step's token ids (8 B x batch x N). LoRA (peft):
   frozen layers save no normed inputs and their projections' inputs only where adapters in the activations' dtype
@@ -384,13 +385,14 @@ def saved_bytes(
     seq_len: int,
     chunk_size: int,
     layer_checkpointing: bool,
-    host_layers: int = 0,
+    restaged_layers: int = 0,
     mlp_tile: int | None = None,
 ) -> dict[str, int]:
     """Bytes autograd holds at the end of one full chunk's recompute, by part: ``layers`` (decoder layers),
     ``weight_copies`` (autocast's cast weights), ``head`` (final norm, the loss's hidden states, targets) and
     ``other`` (the step's token ids, RoPE cos/sin) — what :class:`~lightning_oomb.engine.memory.SavedTensorMeter`
-    measures as its peak."""
+    measures as its peak. ``restaged_layers``: layers whose op saves its chunk's K and V for the backward's rewrite
+    (host-tier layers and window layers keeping only their tails: ``KVPool.restages``)."""
     tokens = batch * min(chunk_size, seq_len)
     r, c = dtypes.activation.itemsize, dtypes.compute.itemsize
     if layer_checkpointing:  # a checkpointed layer saves its input only
@@ -399,15 +401,15 @@ def saved_bytes(
     else:
         tiled = mlp_tiled(shape, mlp_tile, min(chunk_size, seq_len))
         attn, mlp, dense = _layer_bytes_per_token(shape, dtypes, streamed=False, tiled=tiled)
-        # a host-tier layer saves its chunk's K and V too
-        streamed = 2 * dtypes.kv.itemsize * shape.kv_heads * shape.head_dim
+        # a host-tier or tail-keeping window layer saves its chunk's K and V too
+        restaged = 2 * dtypes.kv.itemsize * shape.kv_heads * shape.head_dim
         # a hybrid's layers without attention: their input norm and carried mixer (mixer_bytes); a ChunkModel's
         # other layers without attention are its MLP-only blocks
         mixer_layers = min(shape.num_layers - shape.paged_layers, len(shape.mixers))
         mixed = mixer_layers * (_mixer_norm_bytes(shape, dtypes) + _output_norm_bytes(shape, dtypes)) * tokens
         mixed += sum(_mixer_saves(shape, dtypes, batch, min(chunk_size, seq_len)))
         mlps = shape.moe_mlps * mlp + (shape.mlps - shape.moe_mlps) * dense
-        per_token = shape.paged_layers * attn + mlps + host_layers * streamed
+        per_token = shape.paged_layers * attn + mlps + restaged_layers * restaged
         layers = (per_token + adapter_bytes(shape, dtypes)) * tokens + mixed
         linear = shape.linear_weights
         linear = shape.linear_params if linear is None else linear
@@ -638,6 +640,7 @@ def layer_backward_bytes(
     streamed: bool = False,
     mlp_tile: int | None = None,
     reach: int | None = None,
+    restaged: bool = False,
 ) -> tuple[int, int, int]:
     """Bytes beyond the saved activations while the last decoder layer back-propagates: (its MLP, its attention,
     a hybrid's largest carried mixer: :func:`mixer_bytes`; 0 without) — with ``checkpointing`` its recompute (what
@@ -647,14 +650,15 @@ def layer_backward_bytes(
     four float32 score blocks ``[batch x heads x Lq, keys]`` of ``min(KEY_BLOCK, keys)`` keys (keys: the sequence,
     or one chunk's block for a ``streamed`` host-tier layer; at most ``reach``: the keys a query block of the layer
     sees, under a sliding window or a page budget) and float32 copies of q and dO; on the fused CPU path
-    its copies of K/V per query head, of their gradients and of ``min(PAST_BLOCK, keys)`` earlier keys."""
+    its copies of K/V per query head, of their gradients and of ``min(PAST_BLOCK, keys)`` earlier keys. A
+    ``restaged`` layer (a ``streamed`` one, or a window layer keeping only its tails) saves its chunk's K and V."""
     lq = min(chunk_size, seq_len)
     tokens = batch * lq
     r, c = dtypes.activation.itemsize, dtypes.compute.itemsize
     acc = 8 if dtypes.activation == torch.float64 else 4
     h, q, kv = shape.hidden_size, shape.num_heads * shape.head_dim, shape.kv_heads * shape.head_dim
     tiled = mlp_tiled(shape, mlp_tile, lq)
-    attn, mlp, dense = _layer_bytes_per_token(shape, dtypes, streamed, tiled)
+    attn, mlp, dense = _layer_bytes_per_token(shape, dtypes, streamed or restaged, tiled)
     mlp = max(mlp, dense)  # the last layer's, either kind
     attn_copies, mlp_copies = (shape.attention_params * c, shape.mlp_params * c) if dtypes.mixed else (0, 0)
     # the recomputed layer holds its saved tensors (and autocast's weight copies) again, but not its attention
@@ -1196,8 +1200,9 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
 
     backend = _backend(config, machine, shape)
     ckpt = config.layer_checkpointing
+    restaging = set(tiers.host_layers) | set(pool.recycling)  # KVPool.restages: the op saves their K and V
     saved = saved_bytes(
-        shape, dtypes, batch, seq_len, config.chunk_size, ckpt, len(tiers.host_layers), config.mlp_tile
+        shape, dtypes, batch, seq_len, config.chunk_size, ckpt, len(restaging), config.mlp_tile
     )
     tokens = batch * min(config.chunk_size, seq_len)
     parks = ckpt and config.offloads and machine.device_type in parking.DEVICE_TYPES
@@ -1229,7 +1234,17 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     reach = min(seq_len, math.inf if window is None else window - 1 + lq,
                 math.inf if config.page_budget is None else config.page_budget * config.page_size + lq)  # fmt: skip
     mlp_bwd, attn_bwd, mixer_bwd = layer_backward_bytes(
-        shape, dtypes, batch, seq_len, config.chunk_size, ckpt, backend, streamed, config.mlp_tile, int(reach)
+        shape,
+        dtypes,
+        batch,
+        seq_len,
+        config.chunk_size,
+        ckpt,
+        backend,
+        streamed,
+        config.mlp_tile,
+        int(reach),
+        pool.num_layers - 1 in restaging,
     )
     below_head = activations - saved["head"]
     embed = shape.num_embeddings * shape.hidden_size * dtypes.activation.itemsize * shape.embedding_trainable
