@@ -23,6 +23,10 @@ CALIBRATED = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gemma2", "gemm
 NORM_BYTES = 4  # HF's RMSNorm computes in float32 whatever the model's dtype
 # model types whose decoder layers norm the attention's and the MLP's outputs too (4 hidden-wide norms a layer)
 SANDWICH_NORMS = ("gemma2", "gemma3", "gemma3_text", "afmoe", "lfm3")
+# model types (prefixes) whose RMSNorms keep their normed input in float32 (multiplied by the weight before the
+# cast back), as transformers' modules show it (:func:`float32_norms`): Gemma's ``x * (1 + w)`` and the like
+FLOAT32_NORM_TYPES = ("gemma", "vaultgemma", "recurrent_gemma", "qwen3_next", "qwen3_5", "gpt_oss", "afmoe", "olmo2",
+                      "olmo3", "flex_olmo", "helium", "nemotron_h", "lara_mini")  # fmt: skip
 # model types whose attention output is gated by the sigmoid of a projection of the layer's input
 GATED_ATTENTION = ("afmoe",)
 # config fields of the experts a token is routed to
@@ -94,8 +98,8 @@ class ModelShape:
     as a compute-dtype copy under autocast (``None``: the Llama-style layers'); ``unsized_states``: the model
     carries states but does not say their size (not counted); ``head_grad_hooked``: a user's gradient hook on the LM
     head's weight (the tied embedding's), so the loss hands autograd a new ``[V, H]`` gradient per chunk;
-    ``float32_norms``: its RMSNorms keep their normed input in float32 (torch's ``nn.RMSNorm``, which casts only its
-    result; Hugging Face's cast it back to the activations' dtype first)."""
+    ``float32_norms``: its RMSNorms keep their normed input in float32 (torch's ``nn.RMSNorm``, Gemma's, which cast
+    only their result; Llama's casts it back to the activations' dtype first: :func:`float32_norms`)."""
 
     num_layers: int
     hidden_size: int
@@ -377,6 +381,7 @@ def _shape_of_attention_config(cfg: Any) -> ModelShape:
         moe_layers=_moe_layers(cfg) if experts else None,
         dense_width=(getattr(cfg, "intermediate_size_mlp", None) or _mlp_width(cfg)) if experts else 0,
         layer_norms=4 if family in SANDWICH_NORMS else 2,
+        float32_norms=family.startswith(FLOAT32_NORM_TYPES),
         gated_attention=family in GATED_ATTENTION,
         clamped_experts=bool(experts)
         and (getattr(cfg, "swiglu_limit", None) is not None or family == "gpt_oss"),
@@ -541,7 +546,7 @@ def _shape_of_chunk_model(model: torch.nn.Module) -> ModelShape:
         kv_layers=model.num_layers,
         mlp_layers=mlps,
         linear_weights=sum(m.weight.numel() for m in linears),
-        float32_norms=any(isinstance(m, torch.nn.RMSNorm) for m in model.modules()),
+        float32_norms=float32_norms(model.modules(), hidden),
     )
     return _with_adapter(shape, model)
 
@@ -606,6 +611,7 @@ def _with_layers(shape: ModelShape, module: torch.nn.Module) -> ModelShape:
     attentions = [getattr(layer, "self_attn", None) for layer in layers]
     changes: dict[str, Any] = dict(
         layer_norms=max(map(norms, layers)) or shape.layer_norms,
+        float32_norms=float32_norms(layers.modules(), h),
         gated_attention=any(isinstance(getattr(a, "gate_proj", None), torch.nn.Linear) for a in attentions),
         qk_norm=shape.qk_norm
         or any(getattr(a, n, None) is not None for a in attentions for n in ("q_norm", "qk_norm")),
@@ -648,3 +654,43 @@ def _with_parameters(shape: ModelShape, module: torch.nn.Module) -> ModelShape:
         half_trainable=sum(p.numel() for p in trainable if p.dtype in HALF_DTYPES),
         half_vectors=sum(p.numel() for p in trainable if p.dtype in HALF_DTYPES and p.dim() < 2),
     )
+
+
+def float32_norms(modules: Any, width: int) -> bool:
+    """Whether the norms among ``modules`` (``width``-wide weight, "norm" in the class name) keep their normed input in
+    float32 under 16-bit activations, as their forward shows on a bfloat16 input: two float32 ``width``-wide tensors
+    saved — the input and the normed input (torch's ``nn.RMSNorm``, Gemma's ``x * (1 + w)``) — not one (Llama's casts
+    the normed input back first). A norm whose forward takes more than the hidden states (a gated norm) is not read."""
+    tried = set()
+    for norm in modules:
+        weight = getattr(norm, "weight", None)
+        if (
+            type(norm) in tried
+            or "norm" not in type(norm).__name__.lower()
+            or not isinstance(weight, torch.Tensor)
+        ):
+            continue
+        if tuple(weight.shape) == (width,):
+            tried.add(type(norm))
+            saved = _saved_by_norm(norm, width)
+            if len({t.untyped_storage().data_ptr() for t in saved if t.dtype == torch.float32}) >= 2:
+                return True
+    return False
+
+
+def _saved_by_norm(norm: torch.nn.Module, width: int) -> list[torch.Tensor]:
+    """The ``width``-wide tensors ``norm`` saves for its backward on a bfloat16 input (real parameters in place of
+    its own, which may be on the meta device); none if its forward fails."""
+    params = {
+        n: torch.ones(p.shape, dtype=torch.bfloat16, requires_grad=True) for n, p in norm.named_parameters()
+    }
+    buffers = {n: torch.zeros(b.shape, dtype=b.dtype) for n, b in norm.named_buffers()}
+    x = torch.ones(2, width, dtype=torch.bfloat16, requires_grad=True)
+    saved: list[torch.Tensor] = []
+    hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t)
+    try:
+        with torch.enable_grad(), torch.autocast("cpu", enabled=False), hooks:
+            torch.func.functional_call(norm, {**params, **buffers}, (x,))
+    except Exception:  # noqa: BLE001  (a forward that needs more than the hidden states)
+        return []
+    return [t for t in saved if t.dim() and t.shape[-1] == width]

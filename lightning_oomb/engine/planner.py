@@ -21,7 +21,7 @@ options that would make it fit (each tried in the planner).
 - *activations*: what autograd saves during one chunk's recompute (:func:`saved_bytes`; calibrated on
   :class:`~lightning_oomb.engine.memory.SavedTensorMeter`); per decoder layer and token of a Llama-style layer
   (HF's RMSNorm computes in float32): each norm ``4H + 4 + rH`` (its float32 input, 1/rms, the normed input; ``4H``
-  for torch's ``nn.RMSNorm``, which keeps it in float32: ``ModelShape.float32_norms``) plus
+  for torch's ``nn.RMSNorm`` and Gemma's, which keep it in float32: ``ModelShape.float32_norms``) plus
   the projections' input (``rH``; under autocast one cast copy per projection, ``cH`` each), attention ``2cQ``
   (the op's query and output, in the compute dtype; on a GPU at the pages' padded head dim, not counted) ``+ 4 Hq``
   (float32 LSE) ``+ rQ`` (o_proj input; ``cQ`` under autocast), the MLP
@@ -500,8 +500,10 @@ def _layer_bytes_per_token(
     # a gate's sigmoid, and the output it multiplies (a copy of the op's: reshaped)
     attn += 2 * c * q * gated
     attn += _output_norm_bytes(shape, dtypes)
-    if shape.qk_norm:  # per-head norms of q and k: float32 input, 1/rms, normed (in the compute dtype)
-        attn += (f + c) * (q + kv) + f * (heads + kv_heads)
+    if (
+        shape.qk_norm
+    ):  # per-head norms of q and k: float32 input, 1/rms, normed (compute dtype; float32_norms: f)
+        attn += (f + (f if shape.float32_norms else c)) * (q + kv) + f * (heads + kv_heads)
     if streamed:
         attn += 2 * c * kv
 
