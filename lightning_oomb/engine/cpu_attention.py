@@ -319,23 +319,32 @@ def paged_attention_backward(
         qc, doc = _with_column(qc, 0.0), _with_column(doc, 1.0)
         outc = torch.cat([torch.zeros_like(outc), delta[..., None]], -1)
     d = q.shape[3]
+    # a piece's gathered K/V are dropped once its kernel has run, and its gradients once added: at most four
+    # K/V-sized copies at a time (K, V and their gradients; the gradients and their paged or flipped copies)
     for piece in _pieces(page_table, page, q_start, lq, lo, hi, window, doc_start, page_select):
         k, v = _keys(k_pages, piece, dtype), _keys(v_pages, piece, dtype)
         if delta is not None:
             k, v = _with_column(k, 0.0), _with_column(v, 0.0)
-        rows = _reversed(piece, *(x[piece.batch, :, piece.rows] for x in (doc, qc, outc, lsec)), k, v)
         mask = _mask(piece, q.shape[1] // k.shape[1], dtype)
-        gq, gk, gv = _reversed(piece, *_attend_backward(*rows, piece.causal, scale, mask))
+        rows = _reversed(piece, *(x[piece.batch, :, piece.rows] for x in (doc, qc, outc, lsec)), k, v)
+        del k, v  # (rows holds them, or their flipped copies)
+        grads = _attend_backward(*rows, piece.causal, scale, mask)
+        del rows
+        gq, gk, gv = _reversed(piece, *grads)
+        del grads
         dq[piece.batch, :, piece.rows] += gq[..., :d]
         _add(dk_pages, piece, gk[..., :d])
         _add(dv_pages, piece, gv[..., :d])
+        del gq, gk, gv
     return dq.to(q.dtype) if own else dq
 
 
 def _add(pages: torch.Tensor, piece: _Piece, tokens: torch.Tensor) -> None:
     """Add the piece's key gradients ``tokens [B, Hkv, length, D]`` into its pages."""
     after = piece.slots.shape[1] * pages.shape[2] - piece.start - tokens.shape[2]
-    add_tokens(pages, piece.slots, torch.nn.functional.pad(tokens, (0, 0, piece.start, after)))
+    if piece.start or after:  # whole pages: no padded copy
+        tokens = torch.nn.functional.pad(tokens, (0, 0, piece.start, after))
+    add_tokens(pages, piece.slots, tokens)
 
 
 def _with_column(x: torch.Tensor, value: float) -> torch.Tensor:

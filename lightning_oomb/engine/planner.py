@@ -52,8 +52,9 @@ options that would make it fit (each tried in the planner).
   flight (``2cI + 4rH`` per token in the MLP: the down projection's saved input is freed before the product's
   backward makes two I-wide gradients from a third; ``2rQ + 4Q + 4 r Hkv D + 2rH`` in attention) and, on the torch reference attention backend, four float32
   score blocks of ``[batch x Hq x Lq, min(KEY_BLOCK, keys)]``; on the fused CPU path (``cpu``, the CPU default)
-  the copies its kernels take: K/V and their gradients per query head (``4 x 4Q`` per token) and the keys before
-  the chunk (``2 x 4 Hkv D`` per key, ``min(PAST_BLOCK, keys)`` keys). A hybrid's largest carried mixer: its
+  the copies its kernels take, one piece at a time: K/V and their gradients per query head (``4 x 4Q`` per token),
+  or the keys before the chunk (K, V and their gradients: ``4 x 4 Hkv D`` per key, ``min(PAST_BLOCK, keys - Lq)``
+  keys). A hybrid's largest carried mixer: its
   recompute (with checkpointing) and its rule's gradients in flight (:func:`mixer_bytes`).
 - *kept attention* (with ``layer_checkpointing``): the chunk recompute's attention output and LSE of every layer
   (``rQ + 4 Hq`` per token and layer; ``8 Hq`` in float64), held for the layer's checkpoint recompute
@@ -652,7 +653,8 @@ def layer_backward_bytes(
     four float32 score blocks ``[batch x heads x Lq, keys]`` of ``min(KEY_BLOCK, keys)`` keys (keys: the sequence,
     or one chunk's block for a ``streamed`` host-tier layer; at most ``reach``: the keys a query block of the layer
     sees, under a sliding window or a page budget) and float32 copies of q and dO; on the fused CPU path
-    its copies of K/V per query head, of their gradients and of ``min(PAST_BLOCK, keys)`` earlier keys. A
+    its copies of K/V per query head and of their gradients, or — one piece at a time — four of
+    ``min(PAST_BLOCK, keys - Lq)`` earlier keys (K, V and their gradients). A
     ``restaged`` layer (a ``streamed`` one, or a window layer keeping only its tails) saves its chunk's K and V."""
     lq = min(chunk_size, seq_len)
     tokens = batch * lq
@@ -694,7 +696,12 @@ def layer_backward_bytes(
         blocks = 4 + 2 * shape.attention_softcap
         attn_flight += blocks * batch * shape.num_heads * lq * min(KEY_BLOCK, keys) * acc + 2 * copies
     elif backend == "cpu":  # q, dO and out cast, and one more such temporary (measured on CPU)
-        attn_flight += 4 * acc * q * tokens + 2 * acc * kv * batch * min(PAST_BLOCK, keys) + 4 * copies
+        # one piece at a time (engine/cpu_attention.py): the chunk's own keys (their K/V, per query head too, and
+        # gradients), or the keys before it (a streamed layer's: a chunk's block) — K, V and their gradients, four
+        # float32 copies of up to PAST_BLOCK keys, beside the piece's dq
+        past = min(PAST_BLOCK, keys if streamed else max(keys - lq, 0))
+        own = (4 * q + 2 * kv) * tokens
+        attn_flight += acc * max(own, 4 * kv * batch * past + 2 * q * tokens) + 4 * copies
     return held_mlp + mlp_flight, held_attn + attn_flight, (held_mixer + mixer_flight) * bool(shape.mixers)
 
 
