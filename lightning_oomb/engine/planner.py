@@ -702,7 +702,9 @@ def layer_backward_bytes(
         past = min(PAST_BLOCK, keys if streamed else max(keys - lq, 0))
         own = (4 * q + 2 * kv) * tokens
         attn_flight += acc * max(own, 4 * kv * batch * past + 2 * q * tokens) + 4 * copies
-    return held_mlp + mlp_flight, held_attn + attn_flight, (held_mixer + mixer_flight) * bool(shape.mixers)
+    # (a model without MLPs, pure Mamba2: no MLP moment)
+    mlp_part = (held_mlp + mlp_flight) * bool(shape.mlps)
+    return mlp_part, held_attn + attn_flight, (held_mixer + mixer_flight) * bool(shape.mixers)
 
 
 # ------------------------------------------------------------------------------------------------------ plan
