@@ -99,7 +99,9 @@ class ModelShape:
     carries states but does not say their size (not counted); ``head_grad_hooked``: a user's gradient hook on the LM
     head's weight (the tied embedding's), so the loss hands autograd a new ``[V, H]`` gradient per chunk;
     ``float32_norms``: its RMSNorms keep their normed input in float32 (torch's ``nn.RMSNorm``, Gemma's, which cast
-    only their result; Llama's casts it back to the activations' dtype first: :func:`float32_norms`)."""
+    only their result; Llama's casts it back to the activations' dtype first: :func:`float32_norms`);
+    ``float32_residual``: the residual stream is float32 from the first layer's output on (Mamba's
+    ``residual_in_fp32``), as are the later layers' inputs, the final norm's and the loss's hidden states."""
 
     num_layers: int
     hidden_size: int
@@ -146,6 +148,7 @@ class ModelShape:
     gated_attention: bool = False
     clamped_experts: bool = False
     dense_experts: bool = False
+    float32_residual: bool = False
 
     @property
     def mlps(self) -> int:
@@ -242,6 +245,10 @@ class ModelShape:
     def paged_layers(self) -> int:
         """Layers with KV pages (a hybrid's attention layers)."""
         return self.num_layers if self.kv_layers is None else self.kv_layers
+
+    def stream_dtype(self, activation: torch.dtype) -> torch.dtype:
+        """The residual stream's dtype after the first layer: float32 at least with ``float32_residual``."""
+        return torch.float32 if self.float32_residual and activation.itemsize < 4 else activation
 
     def normed_bytes(self, activation: torch.dtype) -> int:
         """Bytes per token of an RMSNorm's normed input, saved for its weight's gradient (none when frozen)."""
@@ -404,6 +411,7 @@ def _shape_of_attention_free(cfg: Any) -> ModelShape:
         head_dim=16, vocab_size=cfg.vocab_size, num_embeddings=cfg.vocab_size,
         tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)), qk_norm=False, qkv_bias=False,
         family=getattr(cfg, "model_type", None) or "mamba2", kv_layers=0, mlp_layers=0, mixers=(mixer,) * layers,
+        float32_residual=bool(getattr(cfg, "residual_in_fp32", False)),
         conv_state_elements=layers * mixer.channels * mixer.kernel, recurrent_state_elements=layers * width * mixer.state,
     )  # fmt: skip
 

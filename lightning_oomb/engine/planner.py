@@ -30,8 +30,9 @@ options that would make it fit (each tried in the planner).
   every other) their own MLP; norms of the attention's and the MLP's outputs (Gemma 2/3) and a sigmoid gate on the
   attention output (AFMoE) counted as they save; a layer whose pages the backward rewrites (host tier, a window
   layer keeping only its tails) its chunk's K and V (``2c Hkv D``). Under autocast every decoder weight is saved once
-  more as a ``c`` copy. With ``layer_checkpointing`` a layer saves only its input (``rH``; under offload on a GPU
-  parked in host memory but two layers': :func:`parked_saves_bytes`). Plus the final norm
+  more as a ``c`` copy. With ``layer_checkpointing`` a layer saves only its input (``rH``; ``4H`` past the first
+  layer with a float32 residual stream — Mamba's ``residual_in_fp32`` — whose final norm and loss are in float32
+  too; under offload on a GPU parked in host memory but two layers': :func:`parked_saves_bytes`). Plus the final norm
   (``4H + 4 + rH``; the cross-entropy saves nothing) and the step's token ids (8 B x batch x N). LoRA (peft):
   frozen layers save no normed inputs and their projections' inputs only where adapters in the activations' dtype
   read them; each adapter its rank-wide input and, wider than the activations (float32 adapters of a 16-bit
@@ -397,7 +398,7 @@ def saved_bytes(
     tokens = batch * min(chunk_size, seq_len)
     r, c = dtypes.activation.itemsize, dtypes.compute.itemsize
     if layer_checkpointing:  # a checkpointed layer saves its input only
-        layers = shape.num_layers * r * shape.hidden_size * tokens
+        layers = _layer_inputs_bytes(shape, dtypes) * tokens
         copies = rope = 0
     else:
         tiled = mlp_tiled(shape, mlp_tile, min(chunk_size, seq_len))
@@ -451,15 +452,13 @@ def parked_saves_bytes(
     to a power of two when ``pinned`` (CUDA: the caching host allocator's blocks); on the device two layers' inputs
     at a time (the one taken and the one coming back ahead). The final norm's stay counted on the device too (the
     norm's backward takes them back while little else is held)."""
-    r, h = dtypes.activation.itemsize, shape.hidden_size
+    h, stream = shape.hidden_size, shape.stream_dtype(dtypes.activation)
+    r, w = dtypes.activation.itemsize, stream.itemsize  # the first layer's input, the others' (the stream's)
     least = parking.MIN_BYTES if min_bytes is None else min_bytes
-    saved = [r * h * tokens] * shape.num_layers + [
-        NORM_BYTES * h * tokens,
-        NORM_BYTES * tokens,
-        shape.normed_bytes(dtypes.activation) * tokens,
-    ]
+    inputs = ([r * h * tokens] + [w * h * tokens] * (shape.num_layers - 1))[: shape.num_layers]
+    saved = [*inputs, NORM_BYTES * h * tokens, NORM_BYTES * tokens, shape.normed_bytes(stream) * tokens]
     host = sum(1 << (n - 1).bit_length() if pinned else n for n in saved if n >= least)
-    return min(2, shape.num_layers) * r * h * tokens, host
+    return min(2, shape.num_layers) * w * h * tokens, host
 
 
 def parked_bytes(shape: ModelShape, dtypes: Dtypes, tokens: int) -> int:
@@ -601,8 +600,17 @@ def mlp_tiled(shape: ModelShape, mlp_tile: int | None, chunk_tokens: int) -> boo
 
 
 def _head_bytes_per_token(shape: ModelShape, dtypes: Dtypes) -> int:
-    """The final norm's saved tensors (the cross-entropy saves none: its gradients are made in its forward)."""
-    return NORM_BYTES * shape.hidden_size + NORM_BYTES + shape.normed_bytes(dtypes.activation)
+    """The final norm's saved tensors (the cross-entropy saves none: its gradients are made in its forward); its
+    normed input in the residual stream's dtype (float32 with ``float32_residual``)."""
+    stream = shape.stream_dtype(dtypes.activation)
+    return NORM_BYTES * shape.hidden_size + NORM_BYTES + shape.normed_bytes(stream)
+
+
+def _layer_inputs_bytes(shape: ModelShape, dtypes: Dtypes) -> int:
+    """Bytes per token of every decoder layer's input (a checkpointed layer's saved tensor): the first in the
+    activations' dtype, the others in the residual stream's (float32 with ``float32_residual``)."""
+    r, w = dtypes.activation.itemsize, shape.stream_dtype(dtypes.activation).itemsize
+    return (r + (shape.num_layers - 1) * w) * shape.hidden_size if shape.num_layers else 0
 
 
 def loss_backward_bytes(
@@ -1225,7 +1233,11 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     summing = config.grad_summing(math.ceil(seq_len / config.chunk_size), inputs.accumulating)
     summed = summing == "float32" and dtypes.param in HALF_DTYPES
     accumulator = None if shape.head_grad_hooked else torch.float32 if summed else dtypes.param
-    loss = loss_backward_bytes(shape, dtypes, tokens, config.loss_block, shape.head_trainable, accumulator)
+    stream = shape.stream_dtype(
+        dtypes.activation
+    )  # float32 hidden states: the loss in float32 (engine/loss.py)
+    losses = dtypes if stream == dtypes.activation else Dtypes(dtypes.param, stream, stream)
+    loss = loss_backward_bytes(shape, losses, tokens, config.loss_block, shape.head_trainable, accumulator)
     streamed = bool(tiers.host_layers) and tiers.host_layers[-1] == pool.num_layers - 1
     boundaries = max(math.ceil(seq_len / config.chunk_size) - 1, 0)
     carried = shape.carried_state_bytes(dtypes.compute) * batch * boundaries

@@ -106,3 +106,14 @@ def test_a_model_without_mlps_has_no_mlp_backward():
         predicted.phases,
         measured,
     )
+
+
+@pytest.mark.parametrize("family", ["mamba2", "mamba"])
+def test_a_float32_residual_stream_is_planned_in_float32(family):
+    """Mamba's ``residual_in_fp32`` (its configs' default) keeps the residual stream in float32 from the first
+    layer's output on: under bf16-true a checkpointed layer saves a float32 input, the final norm a float32 normed
+    input (and the loss runs on float32 hidden states) — planned 35 % below what autograd saves, now exactly."""
+    predicted, saved, _ = measure(family, "bf16-true", True, 64, seq_len=256, vocab=64, build=build_hybrid,
+                                  residual_in_fp32=True)  # fmt: skip
+    assert predicted.model.float32_residual
+    assert abs(predicted.device["activations"] / saved - 1) <= 0.01, (predicted.saved, saved)
