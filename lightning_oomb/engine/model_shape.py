@@ -53,7 +53,9 @@ class Mixer:
     ``heads`` x ``head_dim``: the values its rule mixes (a delta-net's value heads, Mamba2's heads); ``state``: a
     delta-net's key head dim, Mamba2's state size; ``block``: the rule's block (a delta rule's 64, Mamba2's
     ``chunk_size``); ``gated_norm``: a gated RMSNorm on its output (else Falcon-H1's plain gate); ``delayed``:
-    elements of its input it hands to the next token besides the convolution's (ZAYA's delayed half values)."""
+    elements of its input it hands to the next token besides the convolution's (ZAYA's delayed half values);
+    ``scaled_projection``: its input projection is scaled by a buffer of the model's dtype (Falcon-H1's
+    ``mup_vector``), so under autocast it stays in that dtype."""
 
     kind: str
     channels: int
@@ -64,6 +66,7 @@ class Mixer:
     block: int = 1
     gated_norm: bool = False
     delayed: int = 0
+    scaled_projection: bool = False
 
 
 @dataclass(frozen=True)
@@ -405,13 +408,19 @@ def _shape_of_attention_free(cfg: Any) -> ModelShape:
     """A config without attention (pure Mamba2, Mamba-1): no pages and no MLP, each layer a norm and a carried mixer
     (:func:`_attention_free_mixer`)."""
     mixer, layers = _attention_free_mixer(cfg), cfg.num_hidden_layers
-    width = mixer.heads * mixer.head_dim
+    width, h = mixer.heads * mixer.head_dim, cfg.hidden_size
+    if mixer.kind == "mamba":  # in (x, gate), x -> dt rank + B + C, dt rank -> dt, out
+        rank = getattr(cfg, "time_step_rank", None) or -(-h // 16)
+        rank = -(-h // 16) if rank == "auto" else rank
+        linear = h * 2 * width + width * (rank + 2 * mixer.state) + rank * width + width * h
+    else:  # in (gate, x B C, dt), out
+        linear = h * (width + mixer.channels + mixer.heads) + width * h
     return ModelShape(
         num_layers=layers, hidden_size=cfg.hidden_size, intermediate_size=width, num_heads=1, kv_heads=1,
         head_dim=16, vocab_size=cfg.vocab_size, num_embeddings=cfg.vocab_size,
         tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)), qk_norm=False, qkv_bias=False,
         family=getattr(cfg, "model_type", None) or "mamba2", kv_layers=0, mlp_layers=0, mixers=(mixer,) * layers,
-        float32_residual=bool(getattr(cfg, "residual_in_fp32", False)),
+        float32_residual=bool(getattr(cfg, "residual_in_fp32", False)), linear_weights=layers * linear,
         conv_state_elements=layers * mixer.channels * mixer.kernel, recurrent_state_elements=layers * width * mixer.state,
     )  # fmt: skip
 

@@ -534,8 +534,9 @@ def mixer_bytes(mixer: Mixer, dtypes: Dtypes, batch: int, length: int, hidden: i
     states cast back too). The transients (the gradients in flight beyond the saved tensors, fitted from above to
     CPU steps, ``tests/engine/test_planner_hybrids.py``): a delta rule's ``3 block + 3 Dk + Dv`` float32 per value
     head, Mamba2's ``5 N`` per head, 2 (plain gate: 6) float32 outputs and its states again, Mamba-1's ``4 N`` per
-    channel, a short convolution's three gated inputs."""
-    r, f = dtypes.activation.itemsize, 4
+    channel, a short convolution's three gated inputs. Under autocast a Mamba2 mixer's projections, convolution and
+    scan matmuls' operands are in the compute dtype (measured on CPU steps)."""
+    r, c, f = dtypes.activation.itemsize, dtypes.compute.itemsize, 4
     w, heads, d, n = mixer.channels, mixer.heads, mixer.head_dim, mixer.state
     out, padded = heads * d, -(-length // mixer.block) * mixer.block
     blocks = padded // mixer.block
@@ -565,6 +566,18 @@ def mixer_bytes(mixer: Mixer, dtypes: Dtypes, batch: int, length: int, hidden: i
         own = r * hidden + r * (out + w + heads) + max(r * w, f * out) + gate + r * out
         rule = f * heads * (3 * mixer.block + 5 * n + 4 * d + 5)
         states = f * heads * d * n * (2 * blocks + 1)
+        if (
+            c < r
+        ):  # autocast: projections, convolution and the scan's matmul operands in the compute dtype — per
+            # head and token four block-wide, five state-wide and one head-wide, and the chunks' states (measured);
+            # the projection not kept whole but the gate's float32 copy (unless scaled: Falcon-H1's, float32)
+            kept = max(c * w, f * out) + f * out * mixer.gated_norm
+            if mixer.scaled_projection:
+                kept = r * (out + w + heads) + max(r * w, f * out)
+            own = c * hidden + kept + gate + c * out
+            rule -= (f - c) * heads * (4 * mixer.block + 5 * n + d)
+            states -= (f - c) * heads * d * n * (blocks + 1)
+            conv = c * w * (2 * length + 3 * mixer.kernel - 1)
         flight = f * (5 * heads * n + (2 if mixer.gated_norm else 6) * out) * length + states
     return batch * (own * length + conv + rule * padded + states), batch * flight
 

@@ -117,3 +117,18 @@ def test_a_float32_residual_stream_is_planned_in_float32(family):
                                   residual_in_fp32=True)  # fmt: skip
     assert predicted.model.float32_residual
     assert abs(predicted.device["activations"] / saved - 1) <= 0.01, (predicted.saved, saved)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("family", ["mamba2", "bamba", "falcon_h1"])
+def test_mamba2_mixers_under_autocast_are_planned_in_the_compute_dtype(family, checkpointing):
+    """Under bf16-mixed a Mamba2 mixer's projections, convolution and the scan's matmul operands are bfloat16 (its
+    projection kept whole only where a float32 vector scales it: Falcon-H1's), its in/out projections' weights cast:
+    the step's peak was planned 26-39 % above the CPU's (a refusal of a step that fit), now within 10 %, the saved
+    bytes within 5 % (measured +0 .. +4 %)."""
+    predicted, saved, measured = measure(family, "bf16-mixed", checkpointing, 64, seq_len=256, vocab=64, live=True,
+                                         build=build_hybrid)  # fmt: skip
+    backward = max(v for k, v in predicted.phases.items() if k != "optimizer step")
+    peak = backward + predicted.device["carried_states"]
+    assert 0.95 <= peak / measured <= 1.10, (predicted.phases, measured)
+    assert abs(predicted.device["activations"] / saved - 1) <= 0.05, (predicted.saved, saved)

@@ -162,9 +162,10 @@ def mixer_shape(module: torch.nn.Module) -> Mixer:
         return Mixer(
             "mamba", heads=module.intermediate_size, head_dim=1, state=module.ssm_state_size, **common
         )
-    if hasattr(module, "ssm_state_size"):
+    if hasattr(module, "ssm_state_size"):  # (Falcon-H1's projection scaled by its mup_vector)
+        scaled = isinstance(getattr(module, "mup_vector", None), torch.Tensor)
         return Mixer("mamba2", heads=module.num_heads, head_dim=module.head_dim, state=module.ssm_state_size,
-                     block=module.chunk_size, **common)  # fmt: skip
+                     block=module.chunk_size, scaled_projection=scaled, **common)  # fmt: skip
     return Mixer("conv", **common)
 
 
