@@ -35,6 +35,18 @@ EXPERTS_PER_TOKEN = ("num_experts_per_tok", "num_experts_per_token", "moe_k")
 SHARED_EXPERTS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
 # names of a decoder layer's MLP child (Llama's, LFM2's and Jamba's, others')
 MLP_NAMES = ("mlp", "feed_forward", "ffn")
+# names of attention's and an MLP's output projections (which read no norm)
+OUTPUT_PROJECTIONS = (
+    "o_proj",
+    "out_proj",
+    "dense",
+    "wo",
+    "c_proj",
+    "down_proj",
+    "w2",
+    "fc2",
+    "dense_4h_to_h",
+)
 # config fields of the number of routed experts
 EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 # config fields of the width of an MoE layer's shared experts
@@ -104,7 +116,10 @@ class ModelShape:
     ``float32_norms``: its RMSNorms keep their normed input in float32 (torch's ``nn.RMSNorm``, Gemma's, which cast
     only their result; Llama's casts it back to the activations' dtype first: :func:`float32_norms`);
     ``float32_residual``: the residual stream is float32 from the first layer's output on (Mamba's
-    ``residual_in_fp32``), as are the later layers' inputs, the final norm's and the loss's hidden states."""
+    ``residual_in_fp32``), as are the later layers' inputs, the final norm's and the loss's hidden states;
+    ``norm_readers``: the projections reading the attention's and a dense MLP's input norms (each saves its own cast
+    copy under autocast; ``None`` or 0: q, k, v (and a gate) and gate, up — Phi-3's fused ``qkv_proj`` and
+    ``gate_up_proj``: one each)."""
 
     num_layers: int
     hidden_size: int
@@ -152,6 +167,7 @@ class ModelShape:
     clamped_experts: bool = False
     dense_experts: bool = False
     float32_residual: bool = False
+    norm_readers: tuple[int, int] | None = None
 
     @property
     def mlps(self) -> int:
@@ -626,9 +642,15 @@ def _with_layers(shape: ModelShape, module: torch.nn.Module) -> ModelShape:
               if isinstance(m, torch.nn.Linear) and m.out_features == h < m.in_features
               and any(part in MLP_NAMES for part in name.split("."))]  # fmt: skip
     attentions = [getattr(layer, "self_attn", None) for layer in layers]
+    # the projections reading the normed input: q, k, v (fused: one) and the dense MLP's gate, up (fused: one)
+    mlps = [getattr(layer, n, None) for layer in dense for n in MLP_NAMES]
+    readers = [max((sum(isinstance(c, torch.nn.Linear) and c.in_features == h and name not in OUTPUT_PROJECTIONS
+                        for name, c in m.named_children()) for m in modules if isinstance(m, torch.nn.Module)),
+                   default=0) for modules in (attentions, mlps)]  # fmt: skip
     changes: dict[str, Any] = dict(
         layer_norms=max(map(norms, layers)) or shape.layer_norms,
         float32_norms=float32_norms(layers.modules(), h),
+        norm_readers=tuple(readers) if any(readers) else None,
         gated_attention=any(isinstance(getattr(a, "gate_proj", None), torch.nn.Linear) for a in attentions),
         qk_norm=shape.qk_norm
         or any(getattr(a, n, None) is not None for a in attentions for n in ("q_norm", "qk_norm")),

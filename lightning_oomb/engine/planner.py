@@ -22,7 +22,8 @@ options that would make it fit (each tried in the planner).
   :class:`~lightning_oomb.engine.memory.SavedTensorMeter`); per decoder layer and token of a Llama-style layer
   (HF's RMSNorm computes in float32): each norm ``4H + 4 + rH`` (its float32 input, 1/rms, the normed input; ``4H``
   for torch's ``nn.RMSNorm`` and Gemma's, which keep it in float32: ``ModelShape.float32_norms``) plus
-  the projections' input (``rH``; under autocast one cast copy per projection, ``cH`` each), attention ``2cQ``
+  the projections' input (``rH``; under autocast one cast copy per projection reading it — a fused ``qkv_proj`` or
+  ``gate_up_proj`` one — ``cH`` each: ``ModelShape.norm_readers``), attention ``2cQ``
   (the op's query and output, in the compute dtype; on a GPU at the pages' padded head dim, not counted) ``+ 4 Hq``
   (float32 LSE) ``+ rQ`` (o_proj input; ``cQ`` under autocast), the MLP
   ``4cI`` (gate, SiLU, up, product) — ``Q = Hq x head_dim``; an MoE layer per routed expert ``I`` of its width,
@@ -496,7 +497,9 @@ def _layer_bytes_per_token(
         return f * h + f + normed + (readers * c * h if dtypes.mixed else r * h) * inputs
 
     gated = shape.gated_attention
-    attn = norm(3 + gated) + 2 * c * q + lse * heads + (c if dtypes.mixed else r) * q * inputs
+    attention_readers, mlp_readers = shape.norm_readers or (0, 0)  # (0: q, k, v and a gate; gate and up)
+    attention_readers, mlp_readers = attention_readers or 3 + gated, mlp_readers or 2
+    attn = norm(attention_readers) + 2 * c * q + lse * heads + (c if dtypes.mixed else r) * q * inputs
     # a gate's sigmoid, and the output it multiplies (a copy of the op's: reshaped)
     attn += 2 * c * q * gated
     attn += _output_norm_bytes(shape, dtypes)
@@ -510,7 +513,7 @@ def _layer_bytes_per_token(
     def mlp(width: int, experts: bool) -> int:
         if tiled:
             return f * h + f + normed + r * h
-        saved = norm(2) + (3 + inputs) * c * width
+        saved = norm(mlp_readers if not experts else 2) + (3 + inputs) * c * width
         if experts:  # per routed expert its gathered input, output and weighted output; the router's scores
             saved += 3 * c * h * shape.routed_per_token + 2 * f * shape.num_experts
             # a clamped GLU (GPT-OSS): both clamps' inputs beside its sigmoid's and product's
