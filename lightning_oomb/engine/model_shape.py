@@ -117,9 +117,12 @@ class ModelShape:
     only their result; Llama's casts it back to the activations' dtype first: :func:`float32_norms`);
     ``float32_residual``: the residual stream is float32 from the first layer's output on (Mamba's
     ``residual_in_fp32``), as are the later layers' inputs, the final norm's and the loss's hidden states;
-    ``norm_readers``: the projections reading the attention's and a dense MLP's input norms (each saves its own cast
-    copy under autocast; ``None`` or 0: q, k, v (and a gate) and gate, up — Phi-3's fused ``qkv_proj`` and
-    ``gate_up_proj``: one each)."""
+    ``norm_readers``: the projections reading the attention's, a dense MLP's and an MoE layer's input norms (each
+    saves its own cast copy under autocast; ``None`` or 0: q, k, v (and a gate), gate and up, gate and up — Phi-3's
+    fused ``qkv_proj`` and ``gate_up_proj``: one each; an MoE layer of ``uncast_experts``: its router's and shared
+    experts'); ``uncast_experts``: the routed experts run transformers' ``grouped_mm`` (its default), which autocast
+    casts on no device (``aten::_grouped_mm`` has no autocast kernel; transformers casts the input to the weights'
+    dtype): under ``*-mixed`` they compute in the weights' dtype and their weights get no cast copies."""
 
     num_layers: int
     hidden_size: int
@@ -167,7 +170,8 @@ class ModelShape:
     clamped_experts: bool = False
     dense_experts: bool = False
     float32_residual: bool = False
-    norm_readers: tuple[int, int] | None = None
+    norm_readers: tuple[int, int, int] | None = None
+    uncast_experts: bool = False
 
     @property
     def mlps(self) -> int:
@@ -224,6 +228,11 @@ class ModelShape:
         if not self.num_experts:
             return 3 * self.hidden_size * self.intermediate_size
         return 3 * self.hidden_size * (self.intermediate_size * self.num_experts + self.shared_width)
+
+    @property
+    def uncast_expert_params(self) -> int:
+        """Elements of one MoE layer's routed experts' weights that autocast does not cast (``uncast_experts``)."""
+        return 3 * self.hidden_size * self.intermediate_size * self.num_experts if self.uncast_experts else 0
 
     @property
     def linear_params(self) -> int:
@@ -415,6 +424,9 @@ def _shape_of_attention_config(cfg: Any) -> ModelShape:
         logit_softcap=getattr(cfg, "final_logit_softcapping", None) is not None,
         attention_softcap=getattr(cfg, "attn_logit_softcapping", None) is not None,
         eager_experts=getattr(cfg, "_experts_implementation", None) == "eager",
+        uncast_experts=bool(experts)
+        and not family.startswith("llama4")  # (Llama 4's: torch.bmm, cast)
+        and getattr(cfg, "_experts_implementation", None) in (None, "grouped_mm"),
         windows=_config_windows(cfg),
         mlp_layers=None if (blocks := _mlp_blocks(cfg)) is None else len(blocks),
     )
@@ -647,6 +659,9 @@ def _with_layers(shape: ModelShape, module: torch.nn.Module) -> ModelShape:
     readers = [max((sum(isinstance(c, torch.nn.Linear) and c.in_features == h and name not in OUTPUT_PROJECTIONS
                         for name, c in m.named_children()) for m in modules if isinstance(m, torch.nn.Module)),
                    default=0) for modules in (attentions, mlps)]  # fmt: skip
+    # an MoE layer's uncast experts read its normed input as it is: its router and shared experts' projections
+    moes = [getattr(layer, n, None) for layer in layers if routes(layer) for n in MLP_NAMES]
+    readers.append(max((_weights_reading(m, h) for m in moes if isinstance(m, torch.nn.Module)), default=0))
     changes: dict[str, Any] = dict(
         layer_norms=max(map(norms, layers)) or shape.layer_norms,
         float32_norms=float32_norms(layers.modules(), h),
@@ -660,6 +675,14 @@ def _with_layers(shape: ModelShape, module: torch.nn.Module) -> ModelShape:
             moe_layers=len(layers) - len(dense), dense_width=max(widths, default=shape.dense_width)
         )
     return dataclasses.replace(shape, **changes)
+
+
+def _weights_reading(block: torch.nn.Module, width: int) -> int:
+    """Modules of an MoE block, its experts' aside, whose 2-D weight reads ``width``-wide inputs (a router's, its
+    shared experts' and their gate's: each makes a cast copy of its input under autocast), output projections not."""
+    return sum(isinstance(w := getattr(m, "weight", None), torch.Tensor) and w.dim() == 2 and w.shape[-1] == width
+               and name.rsplit(".", 1)[-1] not in OUTPUT_PROJECTIONS and "experts" not in name.split(".")
+               for name, m in block.named_modules() if name)  # fmt: skip
 
 
 def _with_parameters(shape: ModelShape, module: torch.nn.Module) -> ModelShape:

@@ -31,7 +31,8 @@ options that would make it fit (each tried in the planner).
   every other) their own MLP; norms of the attention's and the MLP's outputs (Gemma 2/3) and a sigmoid gate on the
   attention output (AFMoE) counted as they save; a layer whose pages the backward rewrites (host tier, a window
   layer keeping only its tails) its chunk's K and V (``2c Hkv D``). Under autocast every decoder weight is saved once
-  more as a ``c`` copy. With ``layer_checkpointing`` a layer saves only its input (``rH``; ``4H`` past the first
+  more as a ``c`` copy — but transformers' grouped_mm experts', which autocast casts on no device: they compute in the
+  weights' dtype (``ModelShape.uncast_experts``). With ``layer_checkpointing`` a layer saves only its input (``rH``; ``4H`` past the first
   layer with a float32 residual stream — Mamba's ``residual_in_fp32`` — whose final norm and loss are in float32
   too; under offload on a GPU parked in host memory but two layers': :func:`parked_saves_bytes`). Plus the final norm
   (``4H + 4 + rH``; the cross-entropy saves nothing) and the step's token ids (8 B x batch x N). LoRA (peft):
@@ -415,7 +416,9 @@ def saved_bytes(
         per_token = shape.paged_layers * attn + mlps + restaged_layers * restaged
         layers = (per_token + adapter_bytes(shape, dtypes)) * tokens + mixed
         linear = shape.linear_weights
-        linear = shape.linear_params if linear is None else linear
+        linear = (
+            shape.linear_params - shape.moe_mlps * shape.uncast_expert_params if linear is None else linear
+        )
         copies = linear * c if dtypes.mixed else 0
         rope = 2 * min(chunk_size, seq_len) * shape.head_dim * r  # cos and sin, shared by every layer
     return {
@@ -497,15 +500,18 @@ def _layer_bytes_per_token(
         return f * h + f + normed + (readers * c * h if dtypes.mixed else r * h) * inputs
 
     gated = shape.gated_attention
-    attention_readers, mlp_readers = shape.norm_readers or (0, 0)  # (0: q, k, v and a gate; gate and up)
-    attention_readers, mlp_readers = attention_readers or 3 + gated, mlp_readers or 2
+    readers = shape.norm_readers or (0, 0, 0)  # (0: q, k, v and a gate; gate and up; gate and up)
+    attention_readers, mlp_readers = readers[0] or 3 + gated, readers[1] or 2
+    moe_readers = readers[2] * shape.uncast_experts or 2
+    # routed experts that autocast does not cast (transformers' grouped_mm) compute in the weights' dtype
+    e = r if shape.uncast_experts else c
+    routed = shape.intermediate_size * shape.routed_per_token
     attn = norm(attention_readers) + 2 * c * q + lse * heads + (c if dtypes.mixed else r) * q * inputs
     # a gate's sigmoid, and the output it multiplies (a copy of the op's: reshaped)
     attn += 2 * c * q * gated
     attn += _output_norm_bytes(shape, dtypes)
-    if (
-        shape.qk_norm
-    ):  # per-head norms of q and k: float32 input, 1/rms, normed (compute dtype; float32_norms: f)
+    # per-head norms of q and k: float32 input, 1/rms, normed (in the compute dtype; float32_norms: float32)
+    if shape.qk_norm:
         attn += (f + (f if shape.float32_norms else c)) * (q + kv) + f * (heads + kv_heads)
     if streamed:
         attn += 2 * c * kv
@@ -513,11 +519,14 @@ def _layer_bytes_per_token(
     def mlp(width: int, experts: bool) -> int:
         if tiled:
             return f * h + f + normed + r * h
-        saved = norm(mlp_readers if not experts else 2) + (3 + inputs) * c * width
-        if experts:  # per routed expert its gathered input, output and weighted output; the router's scores
-            saved += 3 * c * h * shape.routed_per_token + 2 * f * shape.num_experts
-            # a clamped GLU (GPT-OSS): both clamps' inputs beside its sigmoid's and product's
-            saved += 2 * c * width * shape.clamped_experts
+        if not experts:
+            return norm(mlp_readers) + (3 + inputs) * c * width
+        saved = norm(moe_readers) + (3 + inputs) * (e * routed + c * (width - routed))
+        # per routed expert its gathered input, output and weighted output (grouped_mm's: the first two); the
+        # router's scores
+        saved += (3 - shape.uncast_experts) * e * h * shape.routed_per_token + 2 * f * shape.num_experts
+        # a clamped GLU (GPT-OSS): both clamps' inputs beside its sigmoid's and product's
+        saved += 2 * e * routed * shape.clamped_experts
         return saved
 
     dense = mlp(shape.dense_mlp_width, False)
@@ -688,7 +697,8 @@ def layer_backward_bytes(
     tiled = mlp_tiled(shape, mlp_tile, lq)
     attn, mlp, dense = _layer_bytes_per_token(shape, dtypes, streamed or restaged, tiled)
     mlp = max(mlp, dense)  # the last layer's, either kind
-    attn_copies, mlp_copies = (shape.attention_params * c, shape.mlp_params * c) if dtypes.mixed else (0, 0)
+    mlp_params = shape.mlp_params - shape.uncast_expert_params
+    attn_copies, mlp_copies = (shape.attention_params * c, mlp_params * c) if dtypes.mixed else (0, 0)
     # the recomputed layer holds its saved tensors (and autocast's weight copies) again, but not its attention
     # result: the kept one (counted apart: kept_attention_bytes)
     mixer_saved, mixer_flight = max((mixer_bytes(m, dtypes, batch, lq, h) for m in set(shape.mixers)), key=sum,
@@ -705,6 +715,10 @@ def layer_backward_bytes(
     # the product's backward makes two I-wide gradients from a third (3cI) after the down projection's backward
     # freed its saved input (cI): 2cI beyond the saved tensors (a wide MLP's step peak within 2 % on CPU)
     width = max(shape.mlp_width, shape.dense_mlp_width)
+    if (
+        shape.num_experts and shape.uncast_experts and shape.mlp_width >= shape.dense_mlp_width
+    ):  # in r: routed
+        width += (r - c) * shape.intermediate_size * shape.routed_per_token // c
     mlp_flight = (2 * c * width + 4 * r * h) * tokens
     # wider LoRA adapters on the MLP's input hand back their copies' gradients (gate's, up's) in their dtype
     mlp_flight += 2 * max((a for _, _, a, _ in shape.adapters if a > r), default=0) * h * tokens

@@ -160,5 +160,5 @@ def test_fused_projections_save_one_cast_copy_of_their_input_under_autocast():
     (Phi-3 was planned 11.6 % above what autograd saves under bf16-mixed, now exactly)."""
     predicted, saved, _ = measure("phi3_longrope", "bf16-mixed", False, 16, seq_len=48, vocab=64,
                                   build=build_family)  # fmt: skip
-    assert predicted.model.norm_readers == (1, 1)
+    assert predicted.model.norm_readers[:2] == (1, 1)
     assert abs(predicted.device["activations"] / saved - 1) <= 0.02, (predicted.saved, saved)
