@@ -102,12 +102,13 @@ ChunkModel with MLP-only blocks or a carried short convolution: 0 % .. +5 % (``t
 do (:attr:`MemoryPlan.options`): ``kv_grad_dtype="bfloat16"``, ``grad_accumulation="float32-host"`` (on a GPU) or
 ``"native"`` (16-bit parameters), fewer ``reuse_attention`` chunks,
 ``layer_checkpointing=True``, ``mlp_tile`` (dense MLPs: 1024 tokens, or the longest of 512, 256, 128 that fits,
-shorter than a chunk's rows), the largest smaller
+shorter than a chunk's rows), the largest smaller ``loss_block`` of 512, 256, 128, 64 that fits, the largest smaller
 ``chunk_size`` that fits (any multiple of ``page_size``; beside another change, the largest that fits with it),
 ``offload=True`` with ``hbm_budget="auto"`` or the largest explicit budget (whole layers), pairs of
 these when no single one suffices, a fused optimizer, 16-bit weights instead of autocast, the longest ``seq_len``
 that fits (its ``"auto"`` options decided for it, as a run of it decides them), and the fewest devices once context
-parallelism exists. A tiled MLP (``mlp_tile``) saves only its
+parallelism exists; when none does, :meth:`MemoryPlan.fix` says why: the weights, gradients and optimizer states
+alone, or the largest other terms at the peak and what shrinks each. A tiled MLP (``mlp_tile``) saves only its
 input and holds one tile's intermediates in its backward (:func:`layer_backward_bytes`).
 
 **Step time.** :attr:`MemoryPlan.step_time_s` is the step's time at the machine's measured rates
@@ -874,14 +875,47 @@ class MemoryPlan:
             return "use " + ", or ".join(o.text for o in self.options)
         if not self.device_fits:
             static = sum(self.device[k] for k in ("weights", "gradients", "optimizer_states"))
+            if static > self.device_capacity:
+                return (
+                    f"no OOMB option makes it fit: weights, gradients and optimizer states alone need {gib(static)} "
+                    "— train fewer parameters (e.g. LoRA adapters), use an optimizer with less state, or a larger "
+                    "device"
+                )
+            # the largest other terms at the peak, each with what shrinks it
+            keys = (*PERSISTENT[3:], *PHASE_TERMS.get(self.peak_phase, ()))
+            terms = {k: self.device[k] for k in keys if self.device.get(k)}
+            largest = sorted(terms, key=terms.get, reverse=True)[:3]
+            named = "; ".join(f"{LABELS[k]} {gib(terms[k])} ({self._shrinker(k)})" for k in largest)
             return (
-                f"no OOMB option makes it fit: weights, gradients and optimizer states alone need {gib(static)} — "
-                "train fewer parameters (e.g. LoRA adapters), use an optimizer with less state, or a larger device"
+                f"no OOMB option makes it fit: the weights, gradients and optimizer states ({gib(static)}) leave "
+                f"{gib(self.device_capacity - static)}, and the step needs {gib(self.peak_device - static)} more at "
+                f"its peak ({self.peak_phase}), the most in {named} — shorten the step (seq_len, batch), train fewer "
+                "parameters, or use a larger device"
             )
         return (
             "no OOMB option makes it fit in host memory — shorten the step (seq_len, batch), free host memory, or "
             "use a machine with more"
         )
+
+    def _shrinker(self, key: str) -> str:
+        """What shrinks the device term ``key`` (the text of a refusal that no option makes fit)."""
+        gpu = self.machine.device_type == "cuda"
+        chunk = "a smaller chunk_size"
+        return {
+            "kv_hbm": "offload=True" if gpu else "a shorter seq_len",
+            "staging": "fewer staging_buffers",
+            "page_summaries": "a larger page_size",
+            "carried_states": "offload=True" if gpu else "a shorter seq_len",
+            "grad_sums": "grad_accumulation='native'" + (" or 'float32-host'" if gpu else ""),
+            "states_in_flight": "a smaller batch",
+            "activations": chunk
+            if self.config.layer_checkpointing is True
+            else f"layer_checkpointing=True, {chunk}",
+            "kept_attention": f"offload=True, {chunk}" if gpu else chunk,
+            "loss_transients": f"a smaller loss_block, {chunk}",
+            "layer_transients": f"mlp_tile, {chunk}",
+            "optimizer_transients": "a fused optimizer",
+        }.get(key, chunk)
 
     def format(self) -> str:
         """A plain-text table of every term, the verdict and the options."""
@@ -924,6 +958,16 @@ LABELS = {
     "layer_transients": "layer backward transients",
     "optimizer_transients": "optimizer step transients",
     "states_in_flight": "carried states in flight",
+}
+
+
+# the device terms of each moment beside the persistent ones (MemoryPlan.fix names the largest)
+_BACKWARD = ("grad_sums", "states_in_flight", "activations", "kept_attention")
+PHASE_TERMS = {
+    "loss backward": (*_BACKWARD, "loss_transients"),
+    **{f"{part} backward": (*_BACKWARD, "layer_transients") for part in ("MLP", "attention", "mixer")},
+    "embedding backward": ("grad_sums", "states_in_flight"),
+    "optimizer step": ("optimizer_transients",),
 }
 
 
@@ -1591,6 +1635,14 @@ def _candidates(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int) -
     tiles = [{"mlp_tile": t} for t in (1024, 512, 256, 128) if t < min(config.chunk_size, seq_len)]
     if config.mlp_tile is None and not inputs.shape.num_experts and tiles:
         groups.append(tiles)
+    # smaller blocks of the loss's logits, the largest (fastest) first
+    blocks = [
+        {"loss_block": b}
+        for b in (512, 256, 128, 64)
+        if b < min(config.loss_block, batch * config.chunk_size)
+    ]
+    if blocks:
+        groups.append(blocks)
     # the largest smaller chunk that fits, else a page's (the most a pair can gain from it)
     if min(config.chunk_size, seq_len) > config.page_size:
         largest = _largest_chunk(inputs, config, batch, seq_len)

@@ -649,6 +649,25 @@ def test_weights_alone_too_large_say_so():
     assert not result.fits and "no OOMB option makes it fit" in result.refusal()
 
 
+def test_a_refusal_names_the_terms_beyond_the_weights_and_offers_a_smaller_loss_block():
+    """A large vocabulary's loss block is the peak: a smaller ``loss_block`` (a strategy option the plan did not try)
+    is offered where it fits; where nothing fits but the weights, gradients and optimizer states do, the refusal
+    names the largest other terms and what shrinks each (it said those alone needed more than was available)."""
+    shape, config = ModelShape(2, 64, 128, 4, 1, 16, 50000, 50000), OOMBConfig(chunk_size=1024, page_size=128)
+    whole, small = (plan(shape, 4096, 1, dataclasses.replace(config, loss_block=block), "32-true", "adamw", H200)
+                    for block in (1024, 256))  # fmt: skip
+    assert whole.peak_phase == "loss backward" and small.peak_device < whole.peak_device
+    result = plan(shape, 4096, 1, config, "32-true", "adamw", Machine("cuda", small.peak_device, 1 << 40))
+    assert not result.fits and {"loss_block": 256} in [o.changes for o in result.options]
+    static = sum(whole.device[k] for k in ("weights", "gradients", "optimizer_states"))
+    result = plan(shape, 4096, 1, config, "32-true", "adamw", Machine("cuda", static + 2**20, 1 << 40))
+    refusal = result.refusal()
+    assert not result.options and "no OOMB option makes it fit" in refusal and "alone need" not in refusal
+    assert "loss backward transients 195.8 MiB (a smaller loss_block, a smaller chunk_size)" in refusal, (
+        refusal
+    )
+
+
 def test_host_tier_beyond_host_memory_does_not_fit():
     config = OOMBConfig(layer_checkpointing=True, offload=True, hbm_budget=0)
     small_host = Machine("cuda", 141 * 10**9, 32 * 2**30)
