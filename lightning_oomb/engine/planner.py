@@ -305,8 +305,14 @@ def _spec_of_optimizer(optimizer: torch.optim.Optimizer) -> OptimizerSpec:
         states = _OPTIMIZERS.get(kind, 2)
     groups = [[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
     params = [p for g in groups for p in g]
+    # named as given: the planner's names of its options (SGD with momentum, a fused or AMSGrad Adam)
+    name = kind if kind in _OPTIMIZERS else f"{type(optimizer).__name__} (assumed Adam-like)"
+    if kind == "sgd" and states:
+        name = "sgd-momentum"
+    elif kind in ("adam", "adamw"):
+        name += "-fused" * bool(d.get("fused")) + " (amsgrad)" * bool(d.get("amsgrad", False))
     return OptimizerSpec(
-        kind if kind in _OPTIMIZERS else f"{type(optimizer).__name__} (assumed Adam-like)",
+        name,
         states,
         sqrt_copy=kind in ("adam", "adamw"),
         foreach=d.get("foreach"),
@@ -1559,7 +1565,7 @@ def _options(
     # outside the strategy's options: a fused optimizer step (no state-sized temporary), 16-bit weights and states
     spec, dtypes, other = inputs.optimizer, inputs.dtypes, []
     if spec.sqrt_copy and not spec.fused:
-        name = "AdamW" if spec.name == "adamw" else "Adam"
+        name = "AdamW" if spec.name.startswith("adamw") else "Adam"
         fused = dataclasses.replace(inputs, optimizer=dataclasses.replace(spec, fused=True))
         other.append(
             (fused, {"optimizer": "fused"}, f"a fused optimizer (torch.optim.{name}(..., fused=True))")

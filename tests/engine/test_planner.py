@@ -444,6 +444,22 @@ def test_a_real_optimizers_states_are_counted_exactly(make):
     )
 
 
+def test_a_real_optimizer_is_named_as_given():
+    """The plan's line names a torch optimizer as it was made: a fused AdamW ``adamw-fused``, SGD with momentum
+    ``sgd-momentum`` (they read ``adamw`` and ``sgd``, the names of an unfused AdamW and of SGD without state)."""
+    params = [torch.nn.Parameter(torch.zeros(4, 4))]
+    made = {
+        "adamw-fused": torch.optim.AdamW(params, fused=True),
+        "adamw": torch.optim.AdamW(params),
+        "adam (amsgrad)": torch.optim.Adam(params, amsgrad=True),
+        "sgd-momentum": torch.optim.SGD(params, 0.1, momentum=0.9),
+        "sgd": torch.optim.SGD(params, 0.1),
+    }
+    for name, optimizer in made.items():
+        result = plan(tiny_shape(2, 1, 8), 64, 1, OOMBConfig(32, 16), "32-true", optimizer, BIG_CPU)
+        assert result.optimizer == name and f"32-true, {name}: peak" in result.summary()
+
+
 # --------------------------------------------------------------------------------------------------- fit or not
 def test_results_of_zero_padded_heads_are_planned_at_the_pages_width():
     """Phi-3's heads (96) are stored 128 wide on a GPU (the Triton pages); the op attends at that width, so the
