@@ -83,7 +83,9 @@ def test_the_mma_sync_tiles_are_those_compiled_within_shared_memory(arch):
     for v in variants:
         if not v.get("FUSED_DQ"):
             spills[v["kernel"]] = max(spills[v["kernel"]], v["spill_store_bytes"], v["spill_load_bytes"])
-    assert spills["_bwd_dkdv_kernel"] == 0 and max(spills.values()) <= {89: 72, 120: 280, 80: 128}[arch], spills
+    assert spills["_bwd_dkdv_kernel"] == 0 and max(spills.values()) <= {89: 72, 120: 280, 80: 128}[arch], (
+        spills
+    )
     assert len(variants) == 144  # 3 widths x 3 kernels x their flags (dK/dV with and without FUSED_DQ)
 
 
