@@ -6,9 +6,13 @@
 ``model`` and ``data`` are picked in the config by ``class_path`` (any LightningModule / LightningDataModule,
 e.g. ``lightning_oomb.models.CausalLMModule`` and ``lightning_oomb.data.TextFileDataModule``); the strategy is
 ``trainer.strategy: oomb`` (its defaults) or ``{class_path: lightning_oomb.OOMBStrategy, init_args: {chunk_size:
-4096, ...}}``; on the command line options follow a class name, not a registered name: ``--trainer.strategy
-OOMBStrategy --trainer.strategy.chunk_size 4096``. One extra top-level option, ``num_threads`` (a positive count),
-sets ``torch.set_num_threads`` before anything is built (CPU runs).
+4096, ...}}``; on the command line ``--trainer.strategy OOMBStrategy --trainer.strategy.chunk_size 4096``, or with a
+registered name, ``--trainer.strategy oomb --trainer.strategy.chunk_size 4096``: jsonargparse takes options after a
+class only, so the command line's registered name followed by options is replaced by its class and the registry's
+options for it (``oomb_offload``: ``OOMBStrategy`` with ``offload`` true) before parsing (:func:`strategy_classes`); a
+registered name from a config file given options on the command line cannot be, and its error ends with a hint
+naming the class. One extra top-level option, ``num_threads`` (a positive count), sets ``torch.set_num_threads``
+before anything is built (CPU runs).
 
 ``oomb plan --config x.yaml [--device-memory 141GB] [--host-memory 128GiB]`` prints the step's memory plan
 (:func:`lightning_oomb.plan`) for the run that ``oomb fit --config x.yaml`` would start: the same parser reads the
@@ -46,9 +50,104 @@ from lightning_oomb.engine.planner import MemoryPlan, gib, plan, precision_dtype
 from lightning_oomb.models import CausalLMModule, build_config, fused_adamw, qwen2_5_7b_config  # noqa: F401
 from lightning_oomb.strategy import most_micro_batches
 
+_STRATEGY = "--trainer.strategy"
+
+
+def _registered(name: str) -> dict | None:
+    """The Lightning strategy registry's entry of ``name`` (``{"strategy": class, "init_params": {...}}``), or
+    ``None`` for a name it does not hold (a class name, an import path)."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    return StrategyRegistry[name] if name in StrategyRegistry else None  # noqa: SIM401 (its get() builds one)
+
+
+def _option_value(value: Any) -> str | None:
+    """``value`` as jsonargparse reads a command-line value (YAML), or ``None`` when it has no such form."""
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _class_form(name: str) -> list[str] | None:
+    """The command-line form of registered strategy ``name``: its class's import path, then the registry's options
+    for it (``["lightning_oomb.strategy.OOMBStrategy", "--trainer.strategy.offload=true"]``); ``None`` if ``name`` is
+    not registered or an option has no command-line form."""
+    entry = _registered(name)
+    if entry is None:
+        return None
+    cls = entry["strategy"]
+    options = [(key, _option_value(value)) for key, value in entry["init_params"].items()]
+    if any(value is None for _, value in options):
+        return None
+    return [f"{cls.__module__}.{cls.__qualname__}", *(f"{_STRATEGY}.{key}={value}" for key, value in options)]
+
+
+def strategy_classes(args: list[str]) -> list[str]:
+    """``args`` with each registered strategy name (``--trainer.strategy oomb`` or ``--trainer.strategy=oomb``) that
+    options follow (``--trainer.strategy.chunk_size 1024``) replaced by its class and the registry's options for it
+    (:func:`_class_form`): jsonargparse resolves a class name or import path, not a registered name, so options after
+    one failed with "Expected a dot import path string". Other arguments are kept as they are."""
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == _STRATEGY and i + 1 < len(args):
+            name, width = args[i + 1], 2
+        elif arg.startswith(_STRATEGY + "="):
+            name, width = arg[len(_STRATEGY) + 1 :], 1
+        else:
+            out.append(arg)
+            i += 1
+            continue
+        later = args[i + width :]
+        form = _class_form(name) if any(a.startswith(_STRATEGY + ".") for a in later) else None
+        if form is None:
+            out += args[i : i + width]
+        else:
+            out += [_STRATEGY, form[0], *form[1:]]
+        i += width
+    return out
+
+
+def _named_strategy_hint(message: str) -> str:
+    """A one-line hint for jsonargparse's error on a registered strategy name given options (one that
+    :func:`strategy_classes` could not replace: the name came from a config file), or ``""``."""
+    match = re.search(r"Expected a dot import path string: (\S+)", message)
+    form = _class_form(match.group(1)) if match else None
+    if form is None:
+        return ""
+    name, cls = match.group(1), form[0].rsplit(".", 1)[1]
+    preset = "".join(f" {option.replace('=', ' ')}" for option in form[1:])
+    return (
+        f"\nhint: the registered strategy name {name!r} takes no options — name its class instead: {_STRATEGY} "
+        f"{cls}{preset} {_STRATEGY}.chunk_size ... on the command line, or in the config file strategy: "
+        f"{{class_path: {form[0]}, init_args: {{...}}}}"
+    )
+
+
+class OOMBArgumentParser(LightningArgumentParser):
+    """``LightningArgumentParser`` that takes a registered strategy name with options on the command line
+    (:func:`strategy_classes`) and ends the error of one it cannot take with a hint naming the class."""
+
+    def parse_args(self, args=None, *rest, **kwargs):
+        return super().parse_args(
+            strategy_classes(list(sys.argv[1:] if args is None else args)), *rest, **kwargs
+        )
+
+    def error(self, message: str, ex: Exception | None = None):
+        return super().error(message + _named_strategy_hint(message), ex)
+
 
 class OOMBCLI(LightningCLI):
-    """``LightningCLI`` in subclass mode for both the model and the data, plus ``num_threads``."""
+    """``LightningCLI`` in subclass mode for both the model and the data, plus ``num_threads``; its parser takes a
+    registered strategy name with options (:class:`OOMBArgumentParser`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("parser_class", OOMBArgumentParser)
+        super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument(

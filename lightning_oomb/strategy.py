@@ -244,8 +244,17 @@ class _OOMBStrategyMixin:
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        with self._engine_answers_model_calls("train") as calls:
-            output = super().training_step(*args, **kwargs)
+        try:
+            with self._engine_answers_model_calls("train") as calls:
+                output = super().training_step(*args, **kwargs)
+        except (
+            BaseException
+        ):  # e.g. a use of the logits' stand-in, after the forward sweep, before any backward:
+            if (
+                self.engine is not None
+            ):  # the step's pages and states are freed now, whoever keeps the traceback
+                self.engine.abandon()
+            raise
         if not calls and output is not None:  # None: Lightning skips the batch
             raise OOMBConfigError(
                 "training_step returned a loss without calling the OOMB-managed model — the strategy only trains "

@@ -22,9 +22,16 @@ in float32 or wider): a 16-bit target's running sum is rounded once per block, a
 once per chunk. A wider target (float32 weights under autocast, a float32 sum) gets each block's compute-dtype
 product (as HF makes it), added in slabs of vocabulary rows no larger than the block's logits. The bias gradient
 (``V`` numbers) is summed in float32. Memory with grad, beyond the inputs: ``dh``, the weight gradient (``VH`` in
-the weight's dtype) unless ``weight_grad`` is given, under autocast one compute-dtype copy of the weight, and one
-block's logits: float32 logits and their compute-dtype cast (or the soft cap's derivative, if larger; plus a slab
-for a wider target) — what :func:`~lightning_oomb.engine.planner.loss_backward_bytes` counts.
+the weight's dtype) unless ``weight_grad`` is given, under autocast one compute-dtype copy of the weight, one block's
+hidden rows in the compute dtype, and one block's logits: float32 logits and their compute-dtype cast (or the soft
+cap's derivative, if larger; plus a slab for a wider target) — what
+:func:`~lightning_oomb.engine.planner.loss_backward_bytes` counts.
+
+**Ignored targets** (``-100``) add exactly nothing, whatever their rows hold: each block's copy of its hidden rows has
+the ignored ones zeroed before the logits, so a +inf or NaN there (a padded position's, logits that would overflow)
+never reaches the loss or a gradient — ``F.cross_entropy(ignore_index=-100)`` skips those rows in the loss too,
+though its logit gradient there is NaN and with it the weight's. The copy is ``H / V`` of the block's logits, and
+zeroing rows of the logits themselves would cost a pass over them.
 """
 
 from __future__ import annotations
@@ -172,18 +179,21 @@ def _sweep(hidden, weight, bias, targets, block, scale, softcap, grads: _Grads |
 
 def _block(h, t, w, b, scale, softcap, grads: _Grads | None, rows: slice) -> torch.Tensor:
     """One block's summed loss; with ``grads``, adds its gradients into them. Its tensors die on return."""
-    hc = h.to(w.dtype)
+    valid = t != IGNORE_INDEX
+    # an ignored row's hidden state is zeroed first: whatever it holds (a +inf, a NaN, logits that would overflow)
+    # adds exactly nothing to the loss or any gradient, as F.cross_entropy(ignore_index) skips the row (a [block, H]
+    # copy and fill, against the block's [block, V] logits: ~H / V of one of their passes)
+    hc = h.to(w.dtype, copy=True).masked_fill_(~valid[:, None], 0)
     z = torch.mm(hc, w.t()) if b is None else torch.addmm(b, hc, w.t())
     z = z.to(_acc_dtype(w.dtype))  # the compute-dtype logits die here
     chain = _transform_(z, scale, softcap, grads is not None)
-    valid = t != IGNORE_INDEX
     target = t.clamp_min(0)[:, None]
     picked = z.gather(1, target).squeeze(1)
     top = z.amax(1, keepdim=True)
     top.masked_fill_(top == -math.inf, 0)  # a row with a +inf logit: NaN, as F.cross_entropy's log_softmax
     z.sub_(top).exp_()
     sums = z.sum(1, keepdim=True)
-    loss = ((sums.log().add_(top).squeeze(1) - picked) * valid).sum()
+    loss = torch.where(valid, sums.log().add_(top).squeeze(1) - picked, 0).sum()  # (ignored rows: exactly 0)
     if grads is None:
         return loss
     dz = z.div_(sums)  # the softmax, as torch.softmax makes it

@@ -654,7 +654,8 @@ def loss_backward_bytes(
     accumulator: torch.dtype | None = None,
 ) -> int:
     """Peak bytes the chunked cross-entropy allocates with grad for a chunk of ``tokens`` (``engine/loss.py``): its
-    hidden states, ``dh`` and targets, the weight's autocast copy, one block's logits and the LM-head gradient — a
+    hidden states, ``dh`` and targets, the weight's autocast copy, one block's logits, the block's hidden rows in the
+    compute dtype (ignored rows zeroed) and the LM-head gradient — a
     new ``[V, H]`` one in the weight's dtype, or with ``accumulator`` (the dtype of the tensor it is added into in
     place, as the engine does) none; added into a wider tensor, in slabs (see the module docstring)."""
     v, h = shape.vocab_size, shape.hidden_size
@@ -669,7 +670,8 @@ def loss_backward_bytes(
         moments.append(logits + c * min(block, h) * v)
     new_grad = v * h * p if head_trainable and accumulator is None else 0
     head = new_grad + (v * h * c if widened else 0)
-    return (2 * r * h + ID_BYTES) * tokens + head + max(moments)
+    rows = c * block * h  # the block's hidden rows, ignored ones zeroed: alive through all its moments
+    return (2 * r * h + ID_BYTES) * tokens + head + rows + max(moments)
 
 
 def layer_backward_bytes(

@@ -144,7 +144,7 @@ class OOMBEngine:
         self.host_states = HostStates()  # the carried states' host buffer under offload (grows on first use)
         self.host_grads = HostGradSums()  # grad_accumulation="float32-host": the host sums, kept across steps
         self.results = ForwardResults()  # reuse_attention: the forward sweep's attention results
-        self._pending: weakref.ref | None = None  # the step whose loss waits for its backward
+        self._pending: weakref.ref | None = None  # the loss's autograd node whose step waits for its backward
         self.stats = StepStats()
         self._page_budget = self.config.page_budget
         self.probe_recall = False
@@ -238,7 +238,7 @@ class OOMBEngine:
             anchor = weight.new_zeros((), dtype=torch.float32).requires_grad_(True)
             loss = _ChunkRecurrentStep.apply(anchor, self, step)
         if loss.requires_grad:
-            self._pending = weakref.ref(step)
+            self._pending = weakref.ref(loss.grad_fn)  # (the _ChunkRecurrentStep node: it holds the step)
         return loss
 
     def evaluate(
@@ -264,8 +264,8 @@ class OOMBEngine:
 
     def _check_nothing_pending(self, call: str) -> None:
         """Refuse a new sweep while an earlier step's loss (still alive) waits for its backward sweep."""
-        step = None if self._pending is None else self._pending()
-        if step is not None:
+        node = None if self._pending is None else self._pending()
+        if node is not None and node.step is not None:
             raise OOMBConfigError(
                 f"{call} while an earlier step's loss still waits for its backward: the pool holds one step's "
                 "pages until its backward sweep, so this sweep would overwrite them and that loss's gradients "
@@ -278,6 +278,18 @@ class OOMBEngine:
         reallocates it."""
         self.pool.release()
         self.results.free()
+
+    def abandon(self) -> None:
+        """Give up the step whose loss waits for its backward sweep (what called :meth:`loss` failed after it, e.g.
+        on the logits' stand-in, before any backward): free the pool and everything the step keeps — its carried
+        states, selections, inputs — so that nothing of it outlives the failure (a traceback kept by a notebook or a
+        test still holds the loss); a backward of that loss is refused. Without a pending step: :meth:`release`."""
+        node = None if self._pending is None else self._pending()
+        self._pending = None
+        if node is not None and node.step is not None:
+            node.step = node.rng = node.versions = None
+            node.abandoned = True
+        self.release()
 
     def reporting(self):
         """Context parallelism: a failure names the rank it started on (:meth:`ContextGroup.reporting`; the
@@ -729,6 +741,12 @@ class _ChunkRecurrentStep(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
+        if getattr(ctx, "abandoned", False):
+            raise RuntimeError(
+                "the loss of an engine.loss call whose step was abandoned (engine.abandon: what called it failed "
+                "after its forward sweep, and its pages and states were freed) was back-propagated — there is "
+                "nothing left to recompute from — call the model again for a new loss."
+            )
         if ctx.step is None:
             raise RuntimeError(
                 "the loss of one engine.loss call was back-propagated a second time (e.g. "

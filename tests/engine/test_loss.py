@@ -119,11 +119,15 @@ def test_shift_labels_crosses_chunk_boundaries():
 def test_backward_holds_one_blocks_logits_and_one_bf16_weight_gradient():
     """bf16 weights: the peak is one block's logits (float32 + their bf16 cast, 6 bytes per logit) + one [V, H]
     accumulator in bf16 (the gradient autograd receives) + per token the hidden states, ``dh`` (2 + 2 bytes per
-    feature) and the target — no float32 copy of the vocabulary matrix (one alone, 4VH, would exceed it) — and it
-    grows with the tokens only by the per-token part: earlier blocks leave nothing."""
+    feature) and the target, + the block's bf16 hidden rows (ignored ones zeroed) — no float32 copy of the vocabulary
+    matrix (one alone, 4VH, would exceed it) — and it grows with the tokens only by the per-token part: earlier
+    blocks leave nothing."""
     vocab, hidden, block = 1024, 64, 4
     per_token = 4 * hidden + 8
-    bound = {n: 6 * block * vocab + 2 * vocab * hidden + per_token * n for n in (block, 8 * block)}
+    bound = {
+        n: 6 * block * vocab + 2 * block * hidden + 2 * vocab * hidden + per_token * n
+        for n in (block, 8 * block)
+    }
     peaks = {n: cross_entropy_peak(vocab, hidden, n, block) for n in bound}
     for n, peak in peaks.items():
         assert bound[n] <= peak <= bound[n] + 256, (
@@ -204,7 +208,10 @@ def test_no_weight_gradient_tensor_is_made_when_it_goes_in_place():
         predicted = planner.loss_backward_bytes(shape, dtypes, n, block, True, into)
         assert 0 <= peak - predicted <= 8 * block * hidden, (into, peak, predicted)
         slab = 2 * block * vocab if into == torch.float32 else 0
-        assert peak <= 6 * block * vocab + slab + (4 * hidden + 8) * n + 256, (into, peak)
+        assert peak <= 6 * block * vocab + slab + 2 * block * hidden + (4 * hidden + 8) * n + 256, (
+            into,
+            peak,
+        )
 
 
 def test_gradients_are_made_once_and_handed_out_once():
@@ -237,3 +244,34 @@ def test_the_engine_makes_the_gradients_at_the_scale_autograd_hands_them(monkeyp
     ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(1))
     (engine.loss(ids) * 0.37).backward()  # 39 targets: 0.37 / 39 is no power of two
     assert ratios == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("poison", [float("inf"), float("nan")], ids=["inf-logits", "nan-hidden"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_ignored_rows_add_nothing_whatever_their_logits(poison, bias):
+    """Rows whose label is ignored (right padding) with +inf logits (or a NaN hidden state) add exactly nothing, as
+    ``F.cross_entropy(ignore_index=-100)`` skips them: float64 loss equal to torch's on the materialised logits, and
+    gradients equal to torch's on the valid rows alone, zero at the ignored rows, finite everywhere (the loss was
+    NaN; torch's own logit gradient is NaN at such a row, and so its weight gradient)."""
+    h, w, b, t = random_inputs(21, bias=bias)
+    t[1, 7:] = -100  # a right-padded row: its padding has no target
+    with torch.no_grad():
+        h[1, 8:] = 0.0
+        h[1, 8:, 3] = poison  # +inf x w[:, 3]: +inf and -inf logits; or NaN ones
+        h[0, 2] = poison  # an ignored row inside a row (t[0, :4] = -100)
+    head = LMHead(w, b, 1.0, None)
+    ignored = t == -100
+    if poison == float("inf"):
+        assert reference(h.detach(), head, t).isfinite()  # torch skips the ignored rows' +inf logits
+    for block in (1, 5, 1024):
+        got, got_grads = loss_and_grads(linear_cross_entropy, h, head, t, 0.37, block=block)
+        with torch.no_grad():
+            assert torch.equal(linear_cross_entropy(h, head, t, block), got)  # the sweeps' value alone
+        kept = h.detach()[~ignored].clone().requires_grad_()
+        want, (want_dh, *want_rest) = loss_and_grads(reference, kept, head, t[~ignored], 0.37)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+        assert all(g.isfinite().all() for g in got_grads if g is not None)
+        assert torch.equal(got_grads[0][ignored], torch.zeros_like(got_grads[0][ignored]))
+        torch.testing.assert_close(got_grads[0][~ignored], want_dh, rtol=1e-12, atol=1e-14)
+        for g, r in zip(got_grads[1:], want_rest, strict=True):
+            torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-14)

@@ -49,13 +49,17 @@ def test_positional_arguments_mean_what_they_mean_to_the_models_forward():
 def test_return_dict_false_gives_hfs_tuple():
     model = build_causal_lm("qwen2")
     ids = torch.randint(0, 97, (1, 12))
-    answering, _ = recorded_calls(model)
+    answering, seen = recorded_calls(model)
     with answering:
         loss, logits = model(ids, labels=ids, return_dict=False)
         assert loss == ids.sum()
-        (no_labels,) = model(ids, return_dict=False)  # HF: (logits,) without labels
-        with pytest.raises(LogitsUnavailable, match="pass labels with return_dict=False"):
-            no_labels[:, -1]
+        # HF answers (logits,) without labels: nothing in it could be used — refused at the call, before any sweep
+        # (it ran the forward sweep, then refused the logits' first use)
+        with pytest.raises(
+            OOMBConfigError, match=r"return_dict=False .* and no labels .* read the loss as `out\[0\]`"
+        ):
+            model(ids, return_dict=False)
+        assert len(seen) == 1
         with pytest.raises(LogitsUnavailable, match=r"compute metrics from `output.loss`"):
             model(ids).logits.float()
         logits = model(ids).logits
@@ -64,6 +68,25 @@ def test_return_dict_false_gives_hfs_tuple():
                 use()
         model.config.return_dict = False
         assert isinstance(model(ids, labels=ids), tuple)
+        with pytest.raises(OOMBConfigError, match=r"return_dict=False \(the call's or the config's\)"):
+            model(ids)
+
+
+def test_a_loss_of_ones_own_from_the_logits_is_refused_naming_the_supported_way():
+    """A call without labels is a supported one (its labels default to input_ids), so a cross-entropy of one's own
+    from its logits is refused at their first use, naming what trains: the call's loss, shaped by labels (-100) and
+    num_items_in_batch."""
+    model = build_causal_lm("qwen2")
+    ids = torch.randint(0, 97, (2, 12))
+    answering, _ = recorded_calls(model)
+    with answering:
+        out = model(input_ids=ids, attention_mask=torch.ones_like(ids))
+        with pytest.raises(
+            LogitsUnavailable,
+            match=r"cross-entropy of your own\) cannot train under OOMB: return `output.loss`.*-100 marks positions "
+            r"to ignore; num_items_in_batch sets the divisor.*strategy='auto'",
+        ):
+            torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
 
 
 def test_a_model_training_its_router_loss_answers_as_hfs_moe_models():

@@ -330,3 +330,50 @@ def test_oomb_plan_takes_fits_model_option_as_fit_does(capsys):
                            "--data.files", str(EXAMPLES / "data" / "*.txt"), "--data.tokenizer", "bytes",
                            "--data.seq_len", "512", "--trainer.strategy", "oomb"])  # fmt: skip
     assert result.model.num_layers == 2 and result.seq_len == 512
+
+
+def test_a_registered_strategy_name_takes_options_on_the_command_line(tmp_path):
+    """``--trainer.strategy oomb --trainer.strategy.chunk_size 128`` failed with jsonargparse's "Expected a dot import
+    path string: oomb" and no hint (options follow a class, not a registered name): the name is replaced by its class
+    and the registry's options for it (``oomb_offload``: offload on)."""
+    cli = build_cli(
+        ["fit", "--config", str(DEMO_CONFIG), "--data.init_args.seq_len=256", "--data.init_args.short_samples=0",
+         "--data.init_args.train_samples=1", "--data.init_args.val_samples=1", "--trainer.max_steps=1",
+         "--trainer.strategy", "oomb", "--trainer.strategy.chunk_size", "128",
+         f"--trainer.default_root_dir={tmp_path}"]
+    )  # fmt: skip
+    assert type(cli.trainer.strategy) is OOMBStrategy and cli.trainer.global_step == 1
+    assert (
+        cli.trainer.strategy.oomb_config.chunk_size == 128 and cli.trainer.strategy.engine.stats.chunks == 2
+    )
+    offload = build_cli(["--config", str(DEMO_CONFIG), "--trainer.strategy=oomb_offload",
+                         "--trainer.strategy.init_args.page_size=64"], run=False)  # fmt: skip
+    config = offload.trainer.strategy.oomb_config
+    assert config.offload is True and config.page_size == 64
+    named = build_cli(["--config", str(DEMO_CONFIG), "--trainer.strategy", "oomb"], run=False)
+    assert (
+        named.config["trainer"]["strategy"] == "oomb"
+    )  # without options the name stays, as Lightning takes it
+
+
+def test_a_registered_strategy_name_from_a_config_file_given_options_gets_a_hint(
+    tmp_path, monkeypatch, capsys
+):
+    """A config file's ``strategy: oomb`` cannot take command-line options (jsonargparse reads it as a class path):
+    its error ends with a one-line hint naming the working form."""
+    text = DEMO_CONFIG.read_text()
+    start = text.index("  strategy:\n")
+    end = text.index("  max_epochs:")
+    config = tmp_path / "short-name.yaml"
+    config.write_text(text[:start] + "  strategy: oomb_offload\n" + text[end:])
+    argv = ["oomb", "fit", "--config", str(config), "--trainer.strategy.chunk_size", "1024"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exited:
+        main()
+    assert exited.value.code == 2
+    hint = capsys.readouterr().err.strip().splitlines()[-1]
+    assert hint.startswith("hint: the registered strategy name 'oomb_offload' takes no options")
+    assert (
+        "--trainer.strategy OOMBStrategy --trainer.strategy.offload true --trainer.strategy.chunk_size"
+        in hint
+    )

@@ -213,6 +213,34 @@ class LogitsLM(TinyLM):
         return output.loss + output.logits.float().mean()
 
 
+class OwnCrossEntropyLM(TinyLM):
+    def training_step(self, batch):
+        out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        logits = out.logits[:, :-1]
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"][:, 1:].flatten())
+
+
+def test_a_loss_of_ones_own_from_the_logits_is_refused_before_the_backward_holding_nothing():
+    """A cross-entropy of one's own from ``out.logits`` (a call without labels: a supported call, whose labels default
+    to input_ids) is refused at the logits' first use, after the call's forward sweep and before any backward, naming
+    the supported way; the step's pages and state are freed then, though the traceback still holds the loss (it kept
+    the step, and the engine refused its next loss as one still waiting for its backward)."""
+    module = OwnCrossEntropyLM()
+    backward = CountHooks()
+    trainer = make_trainer(oomb(), 1, callbacks=[backward])
+    with pytest.raises(OOMBConfigError, match=r"cannot train under OOMB: return `output.loss`") as refused:
+        trainer.fit(module, batches())
+    assert backward.calls["before"] == 0
+    engine = trainer.strategy.engine
+    assert engine.pool.stats()["hbm_pool_bytes"] == 0
+    assert engine._pending is None and refused.traceback is not None
+    engine.loss(torch.randint(0, 97, (1, 16))).backward()  # the engine serves the next step
+    given_up = engine.loss(torch.randint(0, 97, (1, 16)))
+    engine.abandon()
+    with pytest.raises(RuntimeError, match="step was abandoned"):
+        given_up.backward()
+
+
 @pytest.mark.parametrize(
     ("module", "match"),
     [
@@ -243,12 +271,13 @@ def test_a_strategy_instance_serves_a_second_trainer():
 
 class BaseModelBesideLM(TinyLM):
     def training_step(self, batch):
+        loss = self.model(**batch).loss
         extra = self.model.model(input_ids=batch["input_ids"]).last_hidden_state.pow(2).mean()
-        return self.model(**batch).loss + 1e-3 * extra
+        return loss + 1e-3 * extra
 
 
-def test_a_base_model_call_inside_the_step_warns_before_it_runs():
-    """(It ran the whole sequence unchunked without a word; only a step with no managed call was refused, after.)"""
+def test_a_base_model_call_beside_the_causal_lms_warns_before_it_runs():
+    """(It ran the whole sequence unchunked without a word.)"""
     with pytest.warns(
         UserWarning, match=r"base model \(Qwen2Model\) was called directly inside a managed step"
     ):
@@ -256,6 +285,35 @@ def test_a_base_model_call_inside_the_step_warns_before_it_runs():
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*called directly inside a managed step")
         fit(oomb(), steps=1)
+
+
+class BaseModelOnlyLM(TinyLM):
+    def __init__(self):
+        super().__init__()
+        self.embedded = 0  # calls of the embedding: the base model's forward began
+
+        def count(*_):
+            self.embedded += 1
+
+        self.model.model.embed_tokens.register_forward_pre_hook(count)
+
+    def training_step(self, batch):
+        hidden = self.model.model(batch["input_ids"]).last_hidden_state
+        logits = self.model.lm_head(hidden[:, :-1]).float()
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"][:, 1:].flatten())
+
+
+def test_a_step_that_trains_through_the_base_model_alone_is_refused_before_it_runs():
+    """(It was warned about, then ran its whole sequence unchunked — an out-of-memory on a long one — and was refused
+    only after, for returning a loss without calling the causal LM.)"""
+    module = BaseModelOnlyLM()
+    with pytest.raises(
+        OOMBConfigError,
+        match=r"base model \(Qwen2Model\) was called directly in a training step, before the causal LM .*"
+        r"return `self.model\(\*\*batch\).loss`.*call the causal LM first",
+    ):
+        fit(oomb(), module=module, steps=1)
+    assert module.embedded == 0
 
 
 def test_manual_optimization_equals_auto_strategy():

@@ -278,6 +278,7 @@ class HFChunkModel:
         self.layer_windows = _layer_windows(model, self._attention or None)
         self._states = None  # the running chunk's carried states
         self._chunk: ChunkContext | None = None  # the running chunk (also in a checkpoint's recompute)
+        self._answered = 0  # the causal LM's calls answered in the running answer_calls block
 
     @property
     def vocab_size(self) -> int:
@@ -393,10 +394,14 @@ class HFChunkModel:
         materialised). ``position_ids`` that restart mark packed documents, an ``attention_mask`` right padding
         (:mod:`lightning_oomb.engine.batch`). A forward set on the model instance is kept, or refused if it does
         more than run the model (:func:`~lightning_oomb.engine.model.answered_by`). A call of the base model
-        itself (``model.model(...)``: not answered) warns before it runs: it runs the whole sequence at once."""
+        itself (``model.model(...)``: not answered) runs the whole sequence at once: with grad enabled before the
+        causal LM's call (a training step that trains through the base model alone) it is refused before it runs,
+        otherwise it warns (:func:`_check_a_direct_call`)."""
+        self._answered = 0
 
         def forward(*args, **kwargs):
             call = read_call(self.model, args, kwargs, self._balances_experts)
+            self._answered += 1
             loss = respond(
                 call.input_ids,
                 call.labels,
@@ -410,7 +415,7 @@ class HFChunkModel:
 
         decoder = decoder_of(self.model)
         _GUARDED[id(decoder)] = self
-        guard = decoder.register_forward_pre_hook(_warn_a_direct_call)
+        guard = decoder.register_forward_pre_hook(_check_a_direct_call)
         try:
             with answered_by(self.model, forward):
                 yield
@@ -419,20 +424,35 @@ class HFChunkModel:
             _GUARDED.pop(id(decoder), None)
 
 
-# base models (by id) whose adapter answers calls now: a direct call of one warns (:func:`_warn_a_direct_call`)
+# base models (by id) whose adapter answers calls now: a direct call of one is checked (:func:`_check_a_direct_call`)
 _GUARDED: dict[int, HFChunkModel] = {}
 
 
-def _warn_a_direct_call(module: torch.nn.Module, args) -> None:
+def _check_a_direct_call(module: torch.nn.Module, args) -> None:
     """Forward pre-hook of a guarded base model: a call outside the engine's chunks (the user's ``model.model(...)``
-    inside a managed step) runs the whole sequence at once — warn before it runs. Module-level, so a copy made during
-    the step (which copies the hook) stays picklable; on a copy (another id) it does nothing."""
+    inside a managed step) runs the whole sequence at once. With grad enabled and no call of the causal LM answered
+    yet in the step, it is refused before it runs: the step would train through the base model alone — after an
+    unchunked forward that keeps the whole sequence's activations (an out-of-memory on a long sequence), to be refused
+    only after it for not calling the causal LM. Otherwise (beside the causal LM's call, or without grad: a
+    validation step) it warns. Module-level, so a copy made during the step (which copies the hook) stays picklable;
+    on a copy (another id) it does nothing."""
     adapter = _GUARDED.get(id(module))
-    if adapter is not None and adapter._chunk is None:  # not the engine's call of a chunk
-        warnings.warn(
-            f"the base model ({type(module).__name__}) was called directly inside a managed step — it runs the whole "
-            "sequence at once, outside OOMB's chunks (its activations grow with the sequence) — call the causal LM "
-            "itself (`self.model(**batch)`), whose call the engine answers.",
-            UserWarning,
-            stacklevel=2,
+    if adapter is None or adapter._chunk is not None:  # not guarded, or the engine's call of a chunk
+        return
+    name = type(module).__name__
+    if torch.is_grad_enabled() and not adapter._answered:
+        raise OOMBConfigError(
+            f"the base model ({name}) was called directly in a training step, before the causal LM — it would run "
+            "the whole sequence at once, outside OOMB's chunks, keeping its activations for backward (out of memory "
+            "on a long sequence), and OOMB trains only through the causal LM's call — return "
+            "`self.model(**batch).loss` (labels default to input_ids; -100 marks positions to ignore); to add a "
+            "term from the base model's outputs, call the causal LM first (that call still runs unchunked), or "
+            "train with strategy='auto'."
         )
+    warnings.warn(
+        f"the base model ({name}) was called directly inside a managed step — it runs the whole sequence at once, "
+        "outside OOMB's chunks (its activations grow with the sequence) — call the causal LM itself "
+        "(`self.model(**batch)`), whose call the engine answers.",
+        UserWarning,
+        stacklevel=2,
+    )

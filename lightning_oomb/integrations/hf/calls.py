@@ -67,6 +67,14 @@ def read_call(model: torch.nn.Module, args: tuple, kwargs: dict, balances_expert
     _check_rest(given, take["input_ids"], take["position_ids"], balances_experts)
     if return_dict is None:
         return_dict = getattr(model.config, "return_dict", True)
+    if not return_dict and take["labels"] is None:
+        raise OOMBConfigError(
+            "the OOMB-managed model was called with return_dict=False (the call's or the config's) and no labels — "
+            "Hugging Face then answers the logits alone, `(logits,)`, and the logits of the whole sequence are never "
+            "materialised (the engine computes the loss chunk by chunk), so nothing in that answer could be used — "
+            "pass labels (labels=input_ids for next-token prediction; -100 marks positions to ignore) and read the "
+            "loss as `out[0]`, or drop return_dict=False and read `out.loss`."
+        )
     return Call(
         **take, num_items_in_batch=num_items, tuple_reply=not return_dict, balances_experts=balances_experts
     )
@@ -156,22 +164,22 @@ def _check_flattening(keys: dict, input_ids: torch.Tensor, position_ids) -> None
 
 def answer(call: Call, loss: torch.Tensor):
     """The reply HF would give the call: ``CausalLMOutputWithPast(loss, logits stand-in)``, or with
-    ``return_dict=False`` its tuple — ``(loss, logits)`` with labels, ``(logits,)`` without, as HF's. A model
-    training its router's balancing loss answers as HF's MoE models: ``MoeCausalLMOutputWithPast`` with stand-ins
-    for ``aux_loss`` and ``router_logits`` too (tuple ``(loss, aux_loss, logits, router_logits)``): the balancing
-    loss is in ``loss`` already, as HF's, and is never computed on its own."""
+    ``return_dict=False`` its tuple ``(loss, logits)`` (a tuple call without labels, HF's ``(logits,)``, is refused by
+    :func:`read_call`: nothing in it could be used). A model training its router's balancing loss answers as HF's MoE
+    models: ``MoeCausalLMOutputWithPast`` with stand-ins for ``aux_loss`` and ``router_logits`` too (tuple ``(loss,
+    aux_loss, logits, router_logits)``): the balancing loss is in ``loss`` already, as HF's, and is never computed on
+    its own."""
     from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
-    tuple_reply = call.tuple_reply and call.labels is None
-    logits = NoLogits(tuple_reply)
+    logits = NoLogits()
     if call.balances_experts:
-        aux, router = NoLogits(tuple_reply, _NO_AUX_LOSS), NoLogits(tuple_reply, _NO_ROUTER_LOGITS)
+        aux, router = NoLogits(_NO_AUX_LOSS), NoLogits(_NO_ROUTER_LOGITS)
         if not call.tuple_reply:
             return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux, logits=logits, router_logits=router)
-        return (loss, aux, logits, router) if call.labels is not None else (aux, logits, router)
+        return loss, aux, logits, router
     if not call.tuple_reply:
         return CausalLMOutputWithPast(loss=loss, logits=logits)
-    return (loss, logits) if call.labels is not None else (logits,)
+    return loss, logits
 
 
 _NO_AUX_LOSS = (
@@ -185,27 +193,36 @@ class LogitsUnavailable(OOMBConfigError, AttributeError):
     """Raised on any use of :class:`NoLogits` (an ``AttributeError`` too, so ``hasattr`` probes stay quiet)."""
 
 
+# the supported way to train on a loss of one's own: the engine's cross-entropy, shaped by labels and its divisor
+_OWN_LOSS = (
+    "; a loss computed from the logits (a cross-entropy of your own) cannot train under OOMB: return `output.loss`, "
+    "the next-token cross-entropy over labels (labels default to input_ids; -100 marks positions to ignore; "
+    "num_items_in_batch sets the divisor), adding any other term to it, or train with strategy='auto'"
+)
+
+
 class NoLogits:
     """Stands in for the logits of a model call the engine answers: ``[B, N, vocab]`` logits of a long sequence
     (80 GB at 128K tokens for Qwen2.5-7B in fp32) are exactly what OOMB never materialises. Any use raises — the
-    attribute access, indexing, arithmetic, comparisons and torch functions of a tensor. ``what``: why the value is
-    not there (default: the logits'; an MoE model's ``aux_loss`` and ``router_logits`` have their own)."""
+    attribute access, indexing, arithmetic, comparisons and torch functions of a tensor — naming the supported way to
+    a loss of one's own. ``what``: why the value is not there (default: the logits'; an MoE model's ``aux_loss`` and
+    ``router_logits`` have their own).
 
-    def __init__(self, tuple_reply: bool = False, what: str | None = None):
-        object.__setattr__(self, "_tuple_reply", tuple_reply)
-        object.__setattr__(self, "_what", what or "the logits of the whole sequence are never materialised "
-                                                  "(they would not fit)")  # fmt: skip
+    The refusal comes at the first use, after the call's forward sweep, not at the call: a call without labels is a
+    supported one (its labels default to ``input_ids``, and its ``output.loss`` trains), and nothing at the call says
+    whether its loss or its logits will be read. The use comes before the step's backward, and the strategy frees the
+    step's pages and state when its training step fails (:meth:`~lightning_oomb.engine.OOMBEngine.abandon`)."""
+
+    def __init__(self, what: str | None = None):
+        object.__setattr__(self, "_what", what)
 
     def _refuse(self, *args: Any, **kwargs: Any):
-        loss = (
-            "pass labels with return_dict=False (the tuple then starts with the loss) or read `output.loss`"
-            if object.__getattribute__(self, "_tuple_reply")
-            else "compute metrics from `output.loss`"
-        )
+        what = object.__getattribute__(self, "_what")
         raise LogitsUnavailable(
-            f"the OOMB strategy answers the model call with the loss only — {object.__getattribute__(self, '_what')} "
-            f"— {loss}, or call the model outside training_step/validation_step/test_step (e.g. in predict_step) "
-            "on a short input."
+            "the OOMB strategy answers the model call with the loss only — "
+            f"{what or 'the logits of the whole sequence are never materialised (they would not fit)'} — compute "
+            f"metrics from `output.loss`{'' if what else _OWN_LOSS}; or call the model outside training_step/"
+            "validation_step/test_step (e.g. in predict_step) on a short input."
         )
 
     __hash__ = object.__hash__
