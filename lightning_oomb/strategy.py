@@ -247,12 +247,10 @@ class _OOMBStrategyMixin:
         try:
             with self._engine_answers_model_calls("train") as calls:
                 output = super().training_step(*args, **kwargs)
-        except (
-            BaseException
-        ):  # e.g. a use of the logits' stand-in, after the forward sweep, before any backward:
-            if (
-                self.engine is not None
-            ):  # the step's pages and states are freed now, whoever keeps the traceback
+        except BaseException:
+            # e.g. a use of the logits' stand-in, after the forward sweep, before any backward: the step's pages and
+            # states are freed now, whoever keeps the traceback
+            if self.engine is not None:
                 self.engine.abandon()
             raise
         if not calls and output is not None:  # None: Lightning skips the batch
