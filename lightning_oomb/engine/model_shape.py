@@ -33,6 +33,8 @@ GATED_ATTENTION = ("afmoe",)
 EXPERTS_PER_TOKEN = ("num_experts_per_tok", "num_experts_per_token", "moe_k")
 # config fields of the number of shared experts (each as wide as a routed one)
 SHARED_EXPERTS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
+# names of attention's norms of its queries (Llama 4's of both; LFM2's q_layernorm)
+QK_NORMS = ("q_norm", "qk_norm", "q_layernorm")
 # names of a decoder layer's MLP child (Llama's, LFM2's and Jamba's, others')
 MLP_NAMES = ("mlp", "feed_forward", "ffn")
 # names of attention's and an MLP's output projections (which read no norm)
@@ -47,6 +49,8 @@ OUTPUT_PROJECTIONS = (
     "fc2",
     "dense_4h_to_h",
 )
+# model types whose routed experts add biases to their projections (their [experts, width] bias parameters)
+EXPERT_BIASES = ("gpt_oss",)
 # config fields of the number of routed experts
 EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 # config fields of the width of an MoE layer's shared experts
@@ -67,7 +71,8 @@ class Mixer:
     ``chunk_size``); ``gated_norm``: a gated RMSNorm on its output (else Falcon-H1's plain gate); ``delayed``:
     elements of its input it hands to the next token besides the convolution's (ZAYA's delayed half values);
     ``scaled_projection``: its input projection is scaled by a buffer of the model's dtype (Falcon-H1's
-    ``mup_vector``), so under autocast it stays in that dtype."""
+    ``mup_vector``), so under autocast it stays in that dtype; ``linear_weights``: elements of its ``nn.Linear``
+    weights (its projections: each saved once more as a cast copy under autocast; 0: not known)."""
 
     kind: str
     channels: int
@@ -79,6 +84,7 @@ class Mixer:
     gated_norm: bool = False
     delayed: int = 0
     scaled_projection: bool = False
+    linear_weights: int = 0
 
 
 @dataclass(frozen=True)
@@ -122,7 +128,9 @@ class ModelShape:
     fused ``qkv_proj`` and ``gate_up_proj``: one each; an MoE layer of ``uncast_experts``: its router's and shared
     experts'); ``uncast_experts``: the routed experts run transformers' ``grouped_mm`` (its default), which autocast
     casts on no device (``aten::_grouped_mm`` has no autocast kernel; transformers casts the input to the weights'
-    dtype): under ``*-mixed`` they compute in the weights' dtype and their weights get no cast copies."""
+    dtype): under ``*-mixed`` they compute in the weights' dtype and their weights get no cast copies;
+    ``expert_biases``: the routed experts add biases to their projections (GPT-OSS's ``gate_up_proj_bias``: float32
+    under autocast, so are the sums)."""
 
     num_layers: int
     hidden_size: int
@@ -172,6 +180,7 @@ class ModelShape:
     float32_residual: bool = False
     norm_readers: tuple[int, int, int] | None = None
     uncast_experts: bool = False
+    expert_biases: bool = False
 
     @property
     def mlps(self) -> int:
@@ -228,6 +237,12 @@ class ModelShape:
         if not self.num_experts:
             return 3 * self.hidden_size * self.intermediate_size
         return 3 * self.hidden_size * (self.intermediate_size * self.num_experts + self.shared_width)
+
+    @property
+    def expert_loop(self) -> bool:
+        """Whether the routed experts run transformers' ``"eager"`` loop: one expert at a time, each indexing its
+        slice of the ``[experts, ...]`` weights (``eager_experts``; not Llama 4's batched experts)."""
+        return bool(self.num_experts) and self.eager_experts and not self.dense_experts
 
     @property
     def uncast_expert_params(self) -> int:
@@ -424,6 +439,7 @@ def _shape_of_attention_config(cfg: Any) -> ModelShape:
         logit_softcap=getattr(cfg, "final_logit_softcapping", None) is not None,
         attention_softcap=getattr(cfg, "attn_logit_softcapping", None) is not None,
         eager_experts=getattr(cfg, "_experts_implementation", None) == "eager",
+        expert_biases=bool(experts) and family.startswith(EXPERT_BIASES),
         uncast_experts=bool(experts)
         and not family.startswith("llama4")  # (Llama 4's: torch.bmm, cast)
         and getattr(cfg, "_experts_implementation", None) in (None, "grouped_mm"),
@@ -635,7 +651,8 @@ def _with_layers(shape: ModelShape, module: torch.nn.Module) -> ModelShape:
     """What a Hugging Face model's decoder layers (``get_decoder().layers``) show beyond its config: the layers
     whose MLP holds ``experts`` and the dense MLPs' width (the widest projection back to the hidden size in a
     child named as :data:`MLP_NAMES` says), the hidden-wide norms a layer holds (its norm children), a
-    ``gate_proj`` in its attention, its queries' and keys' norms (``q_norm``; Llama 4's ``qk_norm``)."""
+    ``gate_proj`` in its attention, its queries' and keys' norms (``q_norm``; Llama 4's ``qk_norm``, LFM2's
+    ``q_layernorm``)."""
     decoder = module.get_decoder() if callable(getattr(module, "get_decoder", None)) else None
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
@@ -667,12 +684,16 @@ def _with_layers(shape: ModelShape, module: torch.nn.Module) -> ModelShape:
         float32_norms=float32_norms(layers.modules(), h),
         norm_readers=tuple(readers) if any(readers) else None,
         gated_attention=any(isinstance(getattr(a, "gate_proj", None), torch.nn.Linear) for a in attentions),
-        qk_norm=shape.qk_norm
-        or any(getattr(a, n, None) is not None for a in attentions for n in ("q_norm", "qk_norm")),
+        qk_norm=shape.qk_norm or any(getattr(a, n, None) is not None for a in attentions for n in QK_NORMS),
     )
     if shape.num_experts:
+        # routed experts' biases: [experts, width] parameters of an "experts" module
+        biases = any(name.rsplit(".", 1)[-1].endswith("bias") and p.dim() == 2 and "experts" in name.split(".")
+                     for layer in layers for name, p in layer.named_parameters())  # fmt: skip
         changes.update(
-            moe_layers=len(layers) - len(dense), dense_width=max(widths, default=shape.dense_width)
+            moe_layers=len(layers) - len(dense),
+            dense_width=max(widths, default=shape.dense_width),
+            expert_biases=biases,
         )
     return dataclasses.replace(shape, **changes)
 

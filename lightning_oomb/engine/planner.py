@@ -19,33 +19,35 @@ options that would make it fit (each tried in the planner).
   zero-padded to the next power of two (:func:`~lightning_oomb.engine.attention.stored_head_dim`). A sparse step
   (``page_budget``) adds the page summaries (``PoolShape.summary_bytes``, on the device).
 - *activations*: what autograd saves during one chunk's recompute (:func:`saved_bytes`; calibrated on
-  :class:`~lightning_oomb.engine.memory.SavedTensorMeter`); per decoder layer and token of a Llama-style layer
-  (HF's RMSNorm computes in float32): each norm ``4H + 4 + rH`` (its float32 input, 1/rms, the normed input; ``4H``
-  for torch's ``nn.RMSNorm`` and Gemma's, which keep it in float32: ``ModelShape.float32_norms``) plus
-  the projections' input (``rH``; under autocast one cast copy per projection reading it — a fused ``qkv_proj`` or
-  ``gate_up_proj`` one — ``cH`` each: ``ModelShape.norm_readers``), attention ``2cQ``
-  (the op's query and output, in the compute dtype; on a GPU at the pages' padded head dim, not counted) ``+ 4 Hq``
-  (float32 LSE) ``+ rQ`` (o_proj input; ``cQ`` under autocast), the MLP
-  ``4cI`` (gate, SiLU, up, product) — ``Q = Hq x head_dim``; an MoE layer per routed expert ``I`` of its width,
-  its gathered input, output and weighted output and the router's scores, its dense layers (DeepSeek's first, Jamba's
-  every other) their own MLP; norms of the attention's and the MLP's outputs (Gemma 2/3) and a sigmoid gate on the
-  attention output (AFMoE) counted as they save; a layer whose pages the backward rewrites (host tier, a window
-  layer keeping only its tails) its chunk's K and V (``2c Hkv D``). Under autocast every decoder weight is saved once
-  more as a ``c`` copy — but transformers' grouped_mm experts', which autocast casts on no device: they compute in the
-  weights' dtype (``ModelShape.uncast_experts``). With ``layer_checkpointing`` a layer saves only its input (``rH``; ``4H`` past the first
-  layer with a float32 residual stream — Mamba's ``residual_in_fp32`` — whose final norm and loss are in float32
-  too; under offload on a GPU parked in host memory but two layers': :func:`parked_saves_bytes`). Plus the final norm
-  (``4H + 4 + rH``; the cross-entropy saves nothing) and the step's token ids (8 B x batch x N). LoRA (peft):
-  frozen layers save no normed inputs and their projections' inputs only where adapters in the activations' dtype
-  read them; each adapter its rank-wide input and, wider than the activations (float32 adapters of a 16-bit
-  model), its own copy of its input (:func:`adapter_bytes`). A hybrid's layers without attention save their norm
-  and carried mixer (:func:`mixer_bytes`: transformers' torch rules, their float32 tensors per block).
+  :class:`~lightning_oomb.engine.memory.SavedTensorMeter`); per decoder layer and token of a Llama-style layer (HF's
+  RMSNorm computes in float32): each norm ``4H + 4 + rH`` (its float32 input, 1/rms, the normed input; ``4H`` for
+  torch's ``nn.RMSNorm`` and Gemma's, which keep it in float32: ``ModelShape.float32_norms``) plus the projections'
+  input (``rH``; under autocast one cast copy per projection reading it — a fused ``qkv_proj`` or ``gate_up_proj``
+  one — ``cH`` each: ``ModelShape.norm_readers``), attention ``2cQ`` (the op's query and output, in the compute
+  dtype; on a GPU at the pages' padded head dim, not counted) ``+ 4 Hq`` (float32 LSE) ``+ rQ`` (o_proj input; ``cQ``
+  under autocast), the MLP ``4cI`` (gate, SiLU, up, product) — ``Q = Hq x head_dim``; an MoE layer per routed expert
+  ``I`` of its width, its gathered input, output and weighted output (:func:`routed_bytes`) and the router's scores,
+  its dense layers (DeepSeek's first, Jamba's every other) their own MLP; norms of the attention's and the MLP's
+  outputs (Gemma 2/3) and a sigmoid gate on the attention output (AFMoE) counted as they save; a layer whose pages
+  the backward rewrites (host tier, a window layer keeping only its tails) its chunk's K and V (``2c Hkv D``). Under
+  autocast every decoder weight is saved once more as a ``c`` copy (a hybrid's mixers' projections as read off their
+  modules: ``Mixer.linear_weights``) — but transformers' grouped_mm experts', which autocast casts on no device: they
+  compute in the weights' dtype (``ModelShape.uncast_experts``). With ``layer_checkpointing`` a layer saves only its
+  input (``rH``; ``4H`` past the first layer with a float32 residual stream — Mamba's ``residual_in_fp32`` — whose
+  final norm and loss are in float32 too; under offload on a GPU parked in host memory but two layers':
+  :func:`parked_saves_bytes`). Plus the final norm (``4H + 4 + rH``; the cross-entropy saves nothing) and the step's
+  token ids (8 B x batch x N). LoRA (peft): frozen layers save no normed inputs and their projections' inputs only
+  where adapters in the activations' dtype read them; each adapter its rank-wide input and, wider than the
+  activations (float32 adapters of a 16-bit model), its own copy of its input (:func:`adapter_bytes`). A hybrid's
+  layers without attention save their norm and carried mixer (:func:`mixer_bytes`: transformers' torch rules, their
+  float32 tensors per block).
 - *loss transients* (:func:`loss_backward_bytes`, from ``engine/loss.py``, whose recompute makes the gradients in
   its forward): its hidden states and ``dh`` (``2rH`` per token), the targets (8 B/token), under autocast the
   weight's compute-dtype copy (``cVH``), and one block's logits (``b = min(loss_block, T)``): float32 logits plus
   their compute-dtype cast, ``(4 + c) b V`` (``4bV`` in float32, ``8bV`` in float64; a soft cap's derivative makes
   it at least ``8bV``), plus a ``c min(b, H) V`` slab of the weight gradient's product when that is added into a
-  wider tensor (float32 weights under autocast, float32 gradient sums). The LM-head gradient itself is added in
+  wider tensor (float32 weights under autocast, float32 gradient sums); a Mamba2 hybrid's outgoing states, views of
+  their scans' whole results (:func:`scan_views`). The LM-head gradient itself is added in
   place into ``.grad`` or its float32 sum (counted there), not made anew per chunk — unless a user's gradient hook
   on the head's weight (the tied embedding's) must see it: then a new ``[V, H]`` one in the weight's dtype
   (``pVH``) per chunk, handed to autograd (what the hook itself makes, e.g. a new gradient it returns, is not
@@ -53,11 +55,13 @@ options that would make it fit (each tried in the planner).
 - *layer transients* (:func:`layer_backward_bytes`): while the last decoder layer back-propagates — with
   checkpointing its recompute's saved tensors again, less its attention result (the kept one) — the gradients in
   flight (``2cI + 4rH`` per token in the MLP: the down projection's saved input is freed before the product's
-  backward makes two I-wide gradients from a third; ``2rQ + 4Q + 4 r Hkv D + 2rH`` in attention) and, on the torch reference attention backend, four float32
-  score blocks of ``[batch x Hq x Lq, min(KEY_BLOCK, keys)]``; on the fused CPU path (``cpu``, the CPU default)
-  the copies its kernels take, one piece at a time: K/V and their gradients per query head (``4 x 4Q`` per token),
-  or the keys before the chunk (K, V and their gradients: ``4 x 4 Hkv D`` per key, ``min(PAST_BLOCK, keys - Lq)``
-  keys). A hybrid's largest carried mixer: its
+  backward makes two I-wide gradients from a third; in transformers' eager expert loop its experts' weight gradients,
+  ``7 p E I H`` whatever the tokens, beside ``2rH`` per token; ``2rQ + 4Q + 4 r Hkv D + 2rH`` in attention) and, on
+  the torch reference attention backend, four float32 score blocks of ``[batch x Hq x Lq, min(KEY_BLOCK, keys)]`` (a
+  partial last chunk: the larger of its rows over every key and the last whole chunk's over the keys up to its end:
+  :func:`score_area`); on the fused CPU path (``cpu``, the CPU default) the copies its kernels take, one piece at a
+  time: K/V and their gradients per query head (``4 x 4Q`` per token), or the keys before the chunk (K, V and their
+  gradients: ``4 x 4 Hkv D`` per key, ``min(PAST_BLOCK, keys - Lq)`` keys). A hybrid's largest carried mixer: its
   recompute (with checkpointing) and its rule's gradients in flight (:func:`mixer_bytes`).
 - *kept attention* (with ``layer_checkpointing``): the chunk recompute's attention output and LSE of every layer
   (``rQ + 4 Hq`` per token and layer; ``8 Hq`` in float64), held for the layer's checkpoint recompute
@@ -423,9 +427,12 @@ def saved_bytes(
         per_token = shape.paged_layers * attn + mlps + restaged_layers * restaged
         layers = (per_token + adapter_bytes(shape, dtypes)) * tokens + mixed
         linear = shape.linear_weights
-        linear = (
-            shape.linear_params - shape.moe_mlps * shape.uncast_expert_params if linear is None else linear
-        )
+        # the Llama-style layers' (a hybrid's: attention in its paged layers, its mixers' own projections)
+        if linear is None:
+            linear = shape.linear_params - shape.moe_mlps * shape.uncast_expert_params
+            if shape.mixers and all(m.linear_weights for m in shape.mixers):
+                unpaged = shape.num_layers - shape.paged_layers
+                linear += sum(m.linear_weights for m in shape.mixers) - unpaged * shape.attention_params
         copies = linear * c if dtypes.mixed else 0
         rope = 2 * min(chunk_size, seq_len) * shape.head_dim * r  # cos and sin, shared by every layer
     return {
@@ -434,6 +441,17 @@ def saved_bytes(
         "head": _head_bytes_per_token(shape, dtypes) * tokens,
         "other": ID_BYTES * batch * seq_len + rope,
     }
+
+
+def scan_views(shape: ModelShape, dtypes: Dtypes, batch: int, chunk_tokens: int) -> int:
+    """Bytes a chunk's outgoing Mamba2 states hold beyond themselves while the chunk is back-propagated: each is a
+    view of its scan's whole result, every block's states and one more (``heads x head_dim x state`` per row and
+    block beyond the one counted, in float32 — under autocast the compute dtype: its einsum's; measured on CPU).
+    (From the third chunk from the end down, the backward sweep also still holds the later chunk's outgoing states
+    — ``engine/recurrence.py``'s ``boundary`` — not counted.)"""
+    f = dtypes.compute.itemsize if dtypes.mixed else 4
+    return batch * sum(f * m.heads * m.head_dim * m.state * -(-chunk_tokens // m.block)
+                       for m in shape.mixers if m.kind == "mamba2")  # fmt: skip
 
 
 def kept_attention_bytes(shape: ModelShape, dtypes: Dtypes, tokens: int) -> int:
@@ -509,9 +527,9 @@ def _layer_bytes_per_token(
     gated = shape.gated_attention
     readers = shape.norm_readers or (0, 0, 0)  # (0: q, k, v and a gate; gate and up; gate and up)
     attention_readers, mlp_readers = readers[0] or 3 + gated, readers[1] or 2
-    moe_readers = readers[2] * shape.uncast_experts or 2
-    # routed experts that autocast does not cast (transformers' grouped_mm) compute in the weights' dtype
-    e = r if shape.uncast_experts else c
+    # (an MoE layer's readers as read off its modules — router, shared experts — where its routed experts read no
+    # cast copy of the whole normed input: grouped_mm's read it uncast, an expert loop's its gathered rows)
+    moe_readers = readers[2] * (shape.uncast_experts or shape.expert_loop) or 2
     routed = shape.intermediate_size * shape.routed_per_token
     attn = norm(attention_readers) + 2 * c * q + lse * heads + (c if dtypes.mixed else r) * q * inputs
     # a gate's sigmoid, and the output it multiplies (a copy of the op's: reshaped)
@@ -528,16 +546,30 @@ def _layer_bytes_per_token(
             return f * h + f + normed + r * h
         if not experts:
             return norm(mlp_readers) + (3 + inputs) * c * width
-        saved = norm(moe_readers) + (3 + inputs) * (e * routed + c * (width - routed))
-        # per routed expert its gathered input, output and weighted output (grouped_mm's: the first two); the
-        # router's scores
-        saved += (3 - shape.uncast_experts) * e * h * shape.routed_per_token + 2 * f * shape.num_experts
-        # a clamped GLU (GPT-OSS): both clamps' inputs beside its sigmoid's and product's
-        saved += 2 * e * routed * shape.clamped_experts
-        return saved
+        # its shared experts as a dense MLP, its routed ones (routed_bytes), the router's scores
+        saved = norm(moe_readers) + (3 + inputs) * c * (width - routed)
+        return saved + routed_bytes(shape, dtypes) + 2 * f * shape.num_experts
 
     dense = mlp(shape.dense_mlp_width, False)
     return attn, (mlp(shape.mlp_width, True) if shape.num_experts else dense), dense
+
+
+def routed_bytes(shape: ModelShape, dtypes: Dtypes) -> int:
+    """Bytes per token an MoE layer's routed experts save: per routed expert its I-wide gate, up and activation
+    (a clamped GLU's — GPT-OSS's — gate and up, clamped gate, sigmoid, up + 1 and their product: six), the product
+    the down projection reads (none for frozen layers), its gathered input, its output and the weighted output
+    (grouped_mm's: none). In the compute dtype, but transformers' grouped_mm experts' (the weights' dtype: autocast
+    casts them on no device), an expert loop's weighted output (the activations' dtype: under autocast the float32
+    copy it adds into the layer's output) and, under autocast, biased experts' results (GPT-OSS's float32 biases
+    added to the matmuls' outputs: the GLU's tensors and the output in float32; the projections read cast copies)."""
+    r, c = dtypes.activation.itemsize, dtypes.compute.itemsize
+    inputs = not shape.frozen_layers or any(a <= r for _, _, a, _ in shape.adapters)
+    e = r if shape.uncast_experts else c  # what the projections read and compute in
+    out = r if shape.expert_biases else e  # their results, a bias added
+    routed = shape.intermediate_size * shape.routed_per_token
+    wide = (3 + 3 * shape.clamped_experts) * out * routed + inputs * e * routed
+    weighted = 0 if shape.uncast_experts else r if shape.expert_loop else e
+    return wide + (e + out + weighted) * shape.hidden_size * shape.routed_per_token
 
 
 def mixer_bytes(mixer: Mixer, dtypes: Dtypes, batch: int, length: int, hidden: int) -> tuple[int, int]:
@@ -691,9 +723,9 @@ def layer_backward_bytes(
     a hybrid's largest carried mixer: :func:`mixer_bytes`; 0 without) — with ``checkpointing`` its recompute (what
     the part still holds: a mixer layer's, beside attention's in Falcon-H1's layers, or an attention layer's, the
     larger), without it less the MLP's saved tensors, already freed when attention (a mixer) back-propagates; plus
-    the gradients in flight and, on the torch attention backend,
-    four float32 score blocks ``[batch x heads x Lq, keys]`` of ``min(KEY_BLOCK, keys)`` keys (keys: the sequence,
-    or one chunk's block for a ``streamed`` host-tier layer; at most ``reach``: the keys a query block of the layer
+    the gradients in flight (an eager expert loop's its experts' weight gradients) and, on the torch attention
+    backend, four float32 score blocks ``[batch x heads x Lq, keys]`` of ``min(KEY_BLOCK, keys)`` keys (a partial
+    last chunk's: :func:`score_area`; keys: the sequence, or one chunk's block for a ``streamed`` host-tier layer; at most ``reach``: the keys a query block of the layer
     sees, under a sliding window or a page budget) and float32 copies of q and dO; on the fused CPU path
     its copies of K/V per query head and of their gradients, or — one piece at a time — four of
     ``min(PAST_BLOCK, keys - Lq)`` earlier keys (K, V and their gradients). A
@@ -729,10 +761,21 @@ def layer_backward_bytes(
     ):  # in r: routed
         width += (r - c) * shape.intermediate_size * shape.routed_per_token // c
     mlp_flight = (2 * c * width + 4 * r * h) * tokens
+    if shape.expert_loop:  # transformers' eager loop, one expert's rows at a time (measured on CPU):
+        # each expert's slice of the [experts, ...] weights hands back a whole [experts, ...] gradient (select's
+        # backward), which autograd adds out of place into the sum so far: the down projection's (E I H) and, at
+        # each expert's gate/up projection, three of its (2 E I H: the sum so far, the new one, their sum) — 7 E I H
+        # in the weights' dtype, whatever the chunk's tokens — from the second expert on, when the first one's
+        # saved tensors are freed (a 1/E share of the routed experts'); beside the layer's output gradient and the
+        # sum of the gathered rows' gradients (2rH) and its shared experts' gradients (as a dense MLP's); a dense
+        # layer's MLP (2cI + 4rH) at another moment
+        weights = 0 if shape.frozen_layers else 7 * dtypes.param.itemsize * shape.intermediate_size * h
+        loop = (2 * c * shape.shared_width + 2 * r * h) * tokens + weights * shape.num_experts
+        loop -= routed_bytes(shape, dtypes) * tokens // shape.num_experts
+        dense_layers = shape.mlps > shape.moe_mlps
+        mlp_flight = max(loop, (2 * c * shape.dense_mlp_width + 4 * r * h) * tokens * dense_layers)
     # wider LoRA adapters on the MLP's input hand back their copies' gradients (gate's, up's) in their dtype
     mlp_flight += 2 * max((a for _, _, a, _ in shape.adapters if a > r), default=0) * h * tokens
-    if shape.num_experts and shape.eager_experts:  # a loop over experts: each one's gather hands back a whole
-        mlp_flight += 2 * c * h * (shape.num_experts + 2) * tokens  # [tokens, H] gradient (measured on CPU)
     # one tile's recompute (its saved tensors) and gradients, beside the chunk's dx and output gradient
     if tiled:
         mlp_flight = 7 * c * width * batch * mlp_tile + 2 * r * h * tokens
@@ -741,7 +784,8 @@ def layer_backward_bytes(
     copies = acc * q * tokens if r != acc else 0  # one [tokens, Q] tensor cast to the arithmetic's dtype
     if backend == "torch":  # q and dO cast; a soft cap's tanh and derivative: more blocks
         blocks = 4 + 2 * shape.attention_softcap
-        attn_flight += blocks * batch * shape.num_heads * lq * min(KEY_BLOCK, keys) * acc + 2 * copies
+        area = lq * min(KEY_BLOCK, keys) if streamed else score_area(seq_len, lq, keys)
+        attn_flight += blocks * batch * shape.num_heads * area * acc + 2 * copies
     elif backend == "cpu":  # q, dO and out cast, and one more such temporary (measured on CPU)
         # one piece at a time (engine/cpu_attention.py): the chunk's own keys (their K/V, per query head too, and
         # gradients), or the keys before it (a streamed layer's: a chunk's block) — K, V and their gradients, four
@@ -752,6 +796,19 @@ def layer_backward_bytes(
     # (a model without MLPs, pure Mamba2: no MLP moment)
     mlp_part = (held_mlp + mlp_flight) * bool(shape.mlps)
     return mlp_part, held_attn + attn_flight, (held_mixer + mixer_flight) * bool(shape.mixers)
+
+
+def score_area(seq_len: int, lq: int, keys: int) -> int:
+    """Rows x keys of the largest score block the reference attention's backward makes for one chunk: ``lq`` rows
+    over ``min(KEY_BLOCK, keys)`` keys (``keys``: those the sequence's last ``lq`` rows see) — but where the last
+    chunk is partial, the larger of its rows over every key and the last whole chunk's rows over the keys up to its
+    end (a window's or a page budget's reach, ``keys - lq`` beyond a chunk's rows, moving with them)."""
+    part = seq_len % lq
+    if not part:
+        return lq * min(KEY_BLOCK, keys)
+    beyond = keys - lq if keys < seq_len else seq_len  # the keys before a chunk's rows that it sees
+    last = part * min(KEY_BLOCK, seq_len, beyond + part)
+    return max(last, lq * min(KEY_BLOCK, seq_len - part, beyond + lq))
 
 
 # ------------------------------------------------------------------------------------------------------ plan
@@ -1362,7 +1419,9 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     host["reused_attention"] = reused_attention_bytes(wide, dtypes, config, batch, seq_len, devices)
     host["grad_staging"], mirrored = _grad_staging(inputs, host)
     phases = {
-        "loss backward": sums + handed + activations + kept + loss,
+        # (the outgoing Mamba2 states' whole scan results in the loss's moment, of exact terms; the mixers' backward
+        # transients were fitted to CPU steps that held them: mixer_bytes)
+        "loss backward": sums + handed + scan_views(shape, dtypes, batch, lq) + activations + kept + loss,
         "MLP backward": sums + own + below_head + kept + mlp_bwd,
         "attention backward": sums + own + below_head + kept + attn_bwd,
         "embedding backward": sums + own + saved["other"] + embed,

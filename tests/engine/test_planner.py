@@ -261,9 +261,9 @@ def test_the_fused_cpu_backward_holds_four_copies_of_the_earlier_keys():
 @pytest.mark.parametrize("experts", ["eager", "grouped_mm"])
 def test_moe_layers_save_and_hold_what_their_experts_do(experts):
     """Qwen3-MoE: per token and routed expert, its gathered input, output and weighted output are saved, and the
-    router's scores; an eager expert loop's backward holds a [tokens, H] gradient per expert (the plan was 15 %
-    under the step's peak); grouped_mm's (transformers' default) saves no weighted output. Measured within 2 % (eager)
-    and 1 % above (grouped_mm)."""
+    router's scores; an eager expert loop's backward holds its weights' gradients (the plan was 15 % under the
+    step's peak: test_an_expert_loops_backward_holds_its_weights_gradients); grouped_mm's (transformers' default)
+    saves no weighted output. Measured within 1 % (eager) and 1 % above (grouped_mm)."""
 
     def build(family, **kwargs):
         model = build_family(family, **kwargs)
@@ -305,6 +305,59 @@ def test_grouped_experts_under_autocast_compute_in_the_weights_dtype(checkpointi
         predicted.phases,
         measured,
     )
+    assert abs(predicted.device["activations"] / saved - 1) <= 0.05, (predicted.saved, saved)
+
+
+# tiny MoE models on transformers' eager expert loop: (config fields beside the model type's)
+EAGER_MOES = {
+    "qwen3_moe": dict(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64),
+    "mixtral": dict(hidden_size=128, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                    num_local_experts=8, num_experts_per_tok=2),
+    "qwen2_moe": dict(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=64),
+    "gpt_oss": dict(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    num_local_experts=4, num_experts_per_tok=2, sliding_window=7),
+}  # fmt: skip
+
+
+def build_eager_moe(family, dtype, vocab_size, **overrides):
+    """A tiny two-layer MoE model of ``family`` (:data:`EAGER_MOES`) whose experts run transformers' eager loop."""
+    import transformers as tf
+
+    config = tf.AutoConfig.for_model(family, **EAGER_MOES[family], vocab_size=vocab_size, num_hidden_layers=2,
+                                     initializer_range=0.2, experts_implementation="eager", **overrides)  # fmt: skip
+    torch.manual_seed(0)
+    return tf.AutoModelForCausalLM.from_config(config).to(dtype)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_an_expert_loops_backward_holds_its_weights_gradients(family, precision, checkpointing):
+    """transformers' eager expert loop indexes each expert's slice of the ``[experts, ...]`` weights: each slice's
+    backward hands back a whole ``[experts, ...]`` gradient, which autograd adds out of place into the sum so far —
+    7 E I H in the weights' dtype at each expert's gate/up projection, whatever the chunk's tokens. It was planned as
+    a ``[tokens, H]`` gradient per expert in the compute dtype: Qwen3-MoE's step 16-22 % below the CPU's peak under
+    bf16-mixed, Mixtral's (8 experts 128 wide) 28-45 % below; now within 5 % (measured 0 .. +5 %). Under autocast
+    the loop's routed experts read cast copies of their gathered rows (the normed input only the router's)."""
+    predicted, saved, measured = measure(family, precision, checkpointing, 64, seq_len=256, live=True,
+                                         build=build_eager_moe)  # fmt: skip
+    backward = max(v for k, v in predicted.phases.items() if k != "optimizer step")
+    assert predicted.model.expert_loop and predicted.peak_phase == "MLP backward"
+    assert 0.95 <= backward / measured <= 1.10, (predicted.phases, measured)
+    assert abs(predicted.device["activations"] / saved - 1) <= 0.10, (predicted.saved, saved)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
+def test_an_expert_loop_under_autocast_saves_what_its_experts_compute_in(family):
+    """Under bf16-mixed an eager expert loop adds a float32 copy of each expert's weighted output into the layer's
+    (saved for the backward), GPT-OSS's experts add float32 biases to their matmuls (their GLU's tensors and outputs
+    float32), and Qwen2-MoE's router, shared expert and its gate each read a cast copy of the normed input: what
+    autograd saves was planned 12 % (Qwen2-MoE) and 28 % (GPT-OSS) below, now within 5 % (measured -3 %, -0.2 %)."""
+    predicted, saved, _ = measure(family, "bf16-mixed", False, 64, seq_len=256, build=build_eager_moe)
+    assert predicted.model.expert_biases == (family == "gpt_oss")
     assert abs(predicted.device["activations"] / saved - 1) <= 0.05, (predicted.saved, saved)
 
 

@@ -39,7 +39,8 @@ def build_llama4(family, dtype, vocab_size, **overrides):
     ids=lambda v: v if isinstance(v, str) else "",
 )  # fmt: skip
 def test_activations_of_layers_beyond_llamas(family, build):
-    """What autograd saves within 10 % (measured -9 % .. +2 %; before: AFMoE 31 % under, Gemma 2/3 23-24 %,
+    """What autograd saves within 10 % (measured -3 % .. +4 %, LFM2-MoE's -9 % while its q_layernorm went unread;
+    before: AFMoE 31 % under, Gemma 2/3 23-24 %,
     GPT-OSS 21 %, Llama 4 35 % (transformers runs every token through every expert), Jamba 9 % over with its dense
     layers counted as MoE, Nemotron-H 31 % over with an MLP counted in each of its single-block layers, LFM3 13 %
     under with its convolution layers' four norms counted as two), the step's peak at most 5 % below."""
@@ -118,6 +119,22 @@ def test_a_full_attention_layer_below_a_windowed_last_one_is_planned_at_every_ke
     512 tokens (the last layer's window of 7), now within 5 % (measured -1 .. +3 %)."""
     types = ["full_attention", "sliding_attention"]
     predicted, _, measured = measure("gemma2", "32-true", checkpointing, 64, seq_len=512, vocab=64, live=True,
+                                     build=build_family, layer_types=types)  # fmt: skip
+    backward = max(v for k, v in predicted.phases.items() if k != "optimizer step")
+    assert predicted.peak_phase == "attention backward" and abs(backward / measured - 1) <= 0.05, (
+        predicted.phases,
+        measured,
+    )
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_a_partial_last_chunks_score_blocks_are_its_rows_over_every_key(checkpointing):
+    """Gemma 2's soft cap takes the reference attention, whose backward makes score blocks of a chunk's rows over
+    the keys they see: at 224 tokens in chunks of 64 the last chunk's 32 rows see 224 keys, the last whole chunk's 64
+    rows 192 — the larger block is 64 x 192, not 64 x 224 (planned 15-17 % above the step's peak, now within 5 %:
+    measured +1 .. +2 %)."""
+    types = ["full_attention", "full_attention"]
+    predicted, _, measured = measure("gemma2", "32-true", checkpointing, 64, seq_len=224, vocab=64, live=True,
                                      build=build_family, layer_types=types)  # fmt: skip
     backward = max(v for k, v in predicted.phases.items() if k != "optimizer step")
     assert predicted.peak_phase == "attention backward" and abs(backward / measured - 1) <= 0.05, (

@@ -34,7 +34,7 @@ def broadcast_scan(family: str) -> bool:
 def test_a_hybrids_carried_mixers_are_planned(family, precision, checkpointing):
     """Each mixer's saved tensors and backward transients as transformers' torch rules compute them, the inputs its
     handed-on convolution states keep and the states in flight (``planner.mixer_bytes``): the step's peak within
-    10 % and at most 5 % below (measured -4 % .. +10 %; before, 57-74 % below: the mixers counted as attention
+    10 % and at most 5 % below (measured -4 % .. +7 %; before, 57-74 % below: the mixers counted as attention
     layers, LFM2's MLP at its config's unadjusted width), the saved bytes within 10 % (measured -5 % .. +2 %)."""
     predicted, saved, measured = measure(family, precision, checkpointing, 64, seq_len=256, vocab=64, live=True,
                                          build=build_hybrid)  # fmt: skip
@@ -132,3 +132,41 @@ def test_mamba2_mixers_under_autocast_are_planned_in_the_compute_dtype(family, c
     peak = backward + predicted.device["carried_states"]
     assert 0.95 <= peak / measured <= 1.10, (predicted.phases, measured)
     assert abs(predicted.device["activations"] / saved - 1) <= 0.05, (predicted.saved, saved)
+
+
+@pytest.mark.parametrize("family", ["falcon_h1", "bamba"])
+def test_a_hybrids_mixer_projections_are_saved_as_cast_copies_under_autocast(family):
+    """Under bf16-mixed autocast saves a bfloat16 copy of every decoder projection's weight: a hybrid's mixers' own
+    (their in and out projections, read off the modules) were not counted — attention's were, in every layer
+    (Bamba's mixer layers have none, Falcon-H1's have both): what autograd saves at hidden 128 was planned 7 %
+    (Falcon-H1) and 3 % (Bamba) below, now within 1 % (measured -0.5 %, -0.0 %)."""
+    wider = dict(hidden_size=128, intermediate_size=256, head_dim=32, mamba_n_heads=8, mamba_d_head=32,
+                 mamba_d_state=16, mamba_chunk_size=32, **({"mamba_d_ssm": 256} if family == "falcon_h1" else {}))  # fmt: skip
+    predicted, saved, _ = measure(family, "bf16-mixed", False, 64, seq_len=256, vocab=64, build=build_hybrid,
+                                  **wider)  # fmt: skip
+    assert all(m.linear_weights for m in predicted.model.mixers)
+    assert abs(predicted.device["activations"] / saved - 1) <= 0.01, (predicted.saved, saved)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_a_mamba2_chunks_outgoing_states_hold_their_whole_scan(monkeypatch, precision):
+    """A Mamba2 scan's outgoing state is a view of its whole result — every block's states and one more — which the
+    chunk's reported state keeps while the chunk is back-propagated (float32; under autocast its einsum's bfloat16):
+    the loss's moment of a Mamba2 step (hidden 128, vocabulary 8K, 2.5 chunks) was planned 1.5-3 % below the CPU's
+    peak, now -1.4 .. +0.5 % (``planner.scan_views``; the rest below is the later chunk's states the backward
+    sweep still holds from the third chunk from the end down). What the reported states hold is what it counts."""
+    from lightning_oomb.engine.planner import precision_dtypes, scan_views
+    from lightning_oomb.engine.states import CarriedStates
+
+    held = []
+    finish = CarriedStates.finish_backward
+
+    def spy(self, chunk):
+        recurrent = [t for key, t in chunk.reported.items() if key[1] == "recurrent"]
+        held.append(sum(t.untyped_storage().nbytes() - t.nbytes for t in recurrent))
+        return finish(self, chunk)
+
+    monkeypatch.setattr(CarriedStates, "finish_backward", spy)
+    predicted, _, _ = measure("mamba2", precision, False, 64, seq_len=128, vocab=64, build=build_hybrid)
+    planned = scan_views(predicted.model, precision_dtypes(precision), 2, 64)  # batch 2, chunks of 64 tokens
+    assert planned and held[-2:] == [planned, planned], (held, planned)  # the measured step's two chunks

@@ -145,13 +145,16 @@ DELTA_BLOCK = (
 def mixer_shape(module: torch.nn.Module) -> Mixer:
     """The :class:`~lightning_oomb.engine.model_shape.Mixer` of a carried mixer: a gated delta-net (``num_v_heads``;
     Kimi-Linear's, with a ``forget_gate``), a
-    Mamba-1 mixer (:data:`SCANS_FROM_ZERO`), a Mamba2 mixer (``ssm_state_size``) or a short convolution."""
+    Mamba-1 mixer (:data:`SCANS_FROM_ZERO`), a Mamba2 mixer (``ssm_state_size``) or a short convolution; its
+    ``nn.Linear`` weights counted."""
     conv = next(m for m in module.modules() if isinstance(m, torch.nn.Conv1d))
     gated = any(type(m).__name__.endswith("RMSNormGated") for m in module.children())
     # ZAYA's two convolutions in a row keep conv_kernel_size columns between chunks
     kernel = getattr(module, "conv_kernel_size", conv.kernel_size[0])
     delayed = module.v_proj_delayed.out_features if hasattr(module, "v_proj_delayed") else 0  # ZAYA's values
-    common = {"channels": conv.in_channels, "kernel": kernel, "gated_norm": gated, "delayed": delayed}
+    linear = sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear))
+    common = {"channels": conv.in_channels, "kernel": kernel, "gated_norm": gated, "delayed": delayed,
+              "linear_weights": linear}  # fmt: skip
     if hasattr(module, "num_v_heads"):
         return Mixer("delta", heads=module.num_v_heads, head_dim=module.head_v_dim, state=module.head_k_dim,
                      block=DELTA_BLOCK, **common)  # fmt: skip
