@@ -584,6 +584,7 @@ class OOMBEngine:
                 torch.autograd.backward([loss, *boundary], [grad_output, *grads])
                 if carried is not None:
                     carried.finish_backward(states)
+                loss = states = boundary = grads = None  # (the next chunk's recompute runs without them)
                 if sums is not None:
                     sums.chunk_done(more=index > 0)
         restore_zeros(cleared)

@@ -6,6 +6,8 @@ held)."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -102,6 +104,37 @@ def test_states_and_their_gradients_cross_chunk_boundaries_exactly(chunk_size, c
     assert engine.stats.extra["carried_state_bytes"] == on_device
     assert engine.stats.extra["carried_state_host_bytes"] == on_host
     assert engine.evaluate(ids).item() == pytest.approx(want_loss.item(), rel=1e-12)
+
+
+class WatchedStates(RecurrentLM):
+    """Counts, at each chunk's recompute in the backward sweep, how many states reported earlier in it are alive."""
+
+    def recur(self, x: torch.Tensor, chunk: ChunkContext | None) -> torch.Tensor:
+        if torch.is_grad_enabled() and chunk is not None:
+            self.alive.append(sum(ref() is not None for ref in self.reported))
+            states, report = chunk.states, chunk.states.outgoing
+
+            def outgoing(name, state):
+                self.reported.append(weakref.ref(state))
+                return report(name, state)
+
+            states.outgoing = outgoing
+        return super().recur(x, chunk)
+
+
+def test_a_chunks_outgoing_states_are_freed_before_the_next_chunks_recompute():
+    """After a chunk's backward its outgoing states (the boundary its gradients flowed in through) are dropped: a
+    Mamba2 layer's is a view of its whole scan, which stayed alive through the next chunk's recompute."""
+    torch.manual_seed(0)
+    _, ids = model_and_ids()
+    model = WatchedStates().double()
+    model.reported, model.alive = [], []
+    OOMBEngine(model, OOMBConfig(16, 8, attention_backend="torch")).loss(ids).backward()
+    assert model.alive == [
+        0,
+        0,
+        0,
+    ]  # chunks 2, 1, 0 (was [0, 0, 1]: chunk 1's states through chunk 0's recompute)
 
 
 def test_right_padding_with_transformers_padded_positions_is_no_packing():
