@@ -113,28 +113,19 @@ def test_a_configs_layers_are_read_as_its_built_model_shows_them(family):
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
-def test_a_full_attention_layer_below_a_windowed_last_one_is_planned_at_every_key(checkpointing):
-    """Gemma 2 with its layers [full, sliding] (the reference's score blocks, softcap): the attention backward's
-    keys are the widest any layer sees, not the last layer's window's — planned 79-82 % below the step's peak at
-    512 tokens (the last layer's window of 7), now within 5 % (measured -1 .. +3 %)."""
-    types = ["full_attention", "sliding_attention"]
-    predicted, _, measured = measure("gemma2", "32-true", checkpointing, 64, seq_len=512, vocab=64, live=True,
-                                     build=build_family, layer_types=types)  # fmt: skip
-    backward = max(v for k, v in predicted.phases.items() if k != "optimizer step")
-    assert predicted.peak_phase == "attention backward" and abs(backward / measured - 1) <= 0.05, (
-        predicted.phases,
-        measured,
-    )
-
-
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
-def test_a_partial_last_chunks_score_blocks_are_its_rows_over_every_key(checkpointing):
-    """Gemma 2's soft cap takes the reference attention, whose backward makes score blocks of a chunk's rows over
-    the keys they see: at 224 tokens in chunks of 64 the last chunk's 32 rows see 224 keys, the last whole chunk's 64
-    rows 192 — the larger block is 64 x 192, not 64 x 224 (planned 15-17 % above the step's peak, now within 5 %:
-    measured +1 .. +2 %)."""
-    types = ["full_attention", "full_attention"]
-    predicted, _, measured = measure("gemma2", "32-true", checkpointing, 64, seq_len=224, vocab=64, live=True,
+@pytest.mark.parametrize(
+    ("seq_len", "types"),
+    [(512, ["full_attention", "sliding_attention"]), (224, ["full_attention", "full_attention"])],
+    ids=["full-below-windowed", "partial-last-chunk"],
+)
+def test_gemma2s_attention_backward_is_planned_at_its_largest_score_block(seq_len, types, checkpointing):
+    """Gemma 2's soft cap takes the reference attention, whose backward makes score blocks of a chunk's rows over the
+    keys they see. ``full-below-windowed`` (layers [full, sliding]): the keys are the widest any layer sees, not the
+    last layer's window's — planned 79-82 % below the step's peak at 512 tokens (the last layer's window of 7), now
+    within 5 % (measured -1 .. +3 %). ``partial-last-chunk``: at 224 tokens in chunks of 64 the last chunk's 32 rows
+    see 224 keys, the last whole chunk's 64 rows 192 — the larger block is 64 x 192, not 64 x 224 (planned 15-17 %
+    above the step's peak, now within 5 %: measured +1 .. +2 %)."""
+    predicted, _, measured = measure("gemma2", "32-true", checkpointing, 64, seq_len=seq_len, vocab=64, live=True,
                                      build=build_family, layer_types=types)  # fmt: skip
     backward = max(v for k, v in predicted.phases.items() if k != "optimizer step")
     assert predicted.peak_phase == "attention backward" and abs(backward / measured - 1) <= 0.05, (
