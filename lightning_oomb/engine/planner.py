@@ -446,9 +446,7 @@ def saved_bytes(
 def scan_views(shape: ModelShape, dtypes: Dtypes, batch: int, chunk_tokens: int) -> int:
     """Bytes a chunk's outgoing Mamba2 states hold beyond themselves while the chunk is back-propagated: each is a
     view of its scan's whole result, every block's states and one more (``heads x head_dim x state`` per row and
-    block beyond the one counted, in float32 — under autocast the compute dtype: its einsum's; measured on CPU).
-    (From the third chunk from the end down, the backward sweep also still holds the later chunk's outgoing states
-    — ``engine/recurrence.py``'s ``boundary`` — not counted.)"""
+    block beyond the one counted, in float32 — under autocast the compute dtype: its einsum's; measured on CPU)."""
     f = dtypes.compute.itemsize if dtypes.mixed else 4
     return batch * sum(f * m.heads * m.head_dim * m.state * -(-chunk_tokens // m.block)
                        for m in shape.mixers if m.kind == "mamba2")  # fmt: skip
