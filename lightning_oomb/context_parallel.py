@@ -29,7 +29,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_oomb.engine import OOMBConfigError
+from lightning_oomb.engine import OOMBConfigError, OOMBOutOfMemoryError
 from lightning_oomb.engine.context import ContextGroup, check_context
 from lightning_oomb.engine.planner import Machine, step_sizes_of
 from lightning_oomb.strategy import _OOMBStrategyMixin, config_from_arguments, strategy_doc
@@ -221,9 +221,25 @@ class OOMBContextParallelStrategy(_OOMBStrategyMixin, DDPStrategy):
         if caught is not None and not isinstance(caught, OOMBConfigError):
             raise caught
         rank, (kind, text) = failed[0]
-        if kind == OOMBConfigError.__name__:
-            raise OOMBConfigError(f"rank {rank}: {text}")
+        refusals = {error.__name__: error for error in (OOMBConfigError, OOMBOutOfMemoryError)}
+        if kind in refusals:
+            raise refusals[kind](f"rank {rank}: {text}")
         raise RuntimeError(f"rank {rank} failed {when}: {kind}: {text}")
+
+    @override
+    def _plan_batch(self, input_ids: torch.Tensor) -> None:
+        """Every rank plans the batch shapes of all ranks (one all-gather of two numbers a batch), so a shape no plan
+        covers — a longer batch on one data replica — is planned, and refused, by every rank together: its replica
+        alone refused it while the others waited in the gradients' all-reduce until ``collective_timeout``."""
+        if self._planned_sizes is None:
+            return
+        mine = torch.tensor(
+            input_ids.shape[::-1] if input_ids.dim() == 2 else (0, 0), device=self.root_device
+        )
+        shapes = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(shapes, mine)
+        for shape in sorted({tuple(s.tolist()) for s in shapes if s.all()}):
+            self._plan_shape(shape)
 
     @override
     def teardown(self) -> None:

@@ -134,15 +134,16 @@ class _OOMBStrategyMixin:
             self._plan_steps(trainer, sizes)
 
     def _plan_batch(self, input_ids: torch.Tensor) -> None:
-        """Before the engine runs a batch (training or validation) of a shape no plan covers (no row longer, no more
-        rows): plan again with a training step of it, the options decided for the largest shape (most tokens) and
-        the others checked under them; the first such batch is planned on every rank at once (``oomb_cp``: all
-        refuse together)."""
-        sizes = self._planned_sizes
+        """Before the engine runs a batch (training or validation): plan its shape (:meth:`_plan_shape`)."""
         # (ids not [batch, tokens] are left to the engine, which refuses them naming why)
-        if sizes is None or input_ids.dim() != 2:
-            return
-        shape = (input_ids.shape[1], input_ids.shape[0])
+        if self._planned_sizes is not None and input_ids.dim() == 2:
+            self._plan_shape((input_ids.shape[1], input_ids.shape[0]))
+
+    def _plan_shape(self, shape: tuple[int, int]) -> None:
+        """A ``(seq_len, batch)`` shape no plan covers (no row longer, no more rows): plan again with a training step
+        of it, the options decided for the largest shape (most tokens) and the others checked under them, on every
+        rank at once (``oomb_cp``: all refuse together)."""
+        sizes = self._planned_sizes
 
         def covers(big: tuple[int, int], small: tuple[int, int]) -> bool:
             return small[0] <= big[0] and small[1] <= big[1]
@@ -152,11 +153,8 @@ class _OOMBStrategyMixin:
         kept = [s for s in sizes if not covers(shape, s)]
         main = max(kept[-1:] + [shape], key=lambda s: (s[0] * s[1], s[0]))  # the most tokens decide
         planned = [s for s in kept + [shape] if s != main] + [main]
-        trainer = self.lightning_module.trainer
-        if sizes:
-            self._plan_steps(trainer, planned)
-        else:
-            self._agreeing(self._plan_steps, trainer, planned, when="planning the first batch")
+        when = "planning a batch of a new shape" if sizes else "planning the first batch"
+        self._agreeing(self._plan_steps, self.lightning_module.trainer, planned, when=when)
 
     def _agreeing(self, check, *args, when: str = "at setup") -> None:
         """Run ``check`` (one device: nothing to agree on; ``oomb_cp`` makes every rank refuse if one does, naming

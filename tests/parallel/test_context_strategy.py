@@ -15,7 +15,13 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from lightning_oomb import OOMBConfig, OOMBConfigError, OOMBContextParallelStrategy, plan
+from lightning_oomb import (
+    OOMBConfig,
+    OOMBConfigError,
+    OOMBContextParallelStrategy,
+    OOMBOutOfMemoryError,
+    plan,
+)
 from lightning_oomb.context_parallel import least_over_ranks
 from lightning_oomb.engine.planner import Machine
 from lightning_oomb.models import qwen2_5_7b_config
@@ -182,6 +188,44 @@ def test_a_setup_failure_on_one_rank_is_raised_on_every_rank(tmp_path):
         ("RuntimeError", "rank 1 failed at setup: ValueError: no memory reading"),
         ("ValueError", "no memory reading"),
     ]
+
+
+class _BatchPlanner:
+    """The strategy's planning of a batch (its own methods) on a rank of the group, with a plan that refuses any
+    step of more than 100 tokens a row."""
+
+    _plan_batch = OOMBContextParallelStrategy._plan_batch
+    _plan_shape = OOMBContextParallelStrategy._plan_shape
+    _agreeing = OOMBContextParallelStrategy._agreeing
+
+    def __init__(self, world: int) -> None:
+        self.world_size, self.root_device = world, torch.device("cpu")
+        self.lightning_module = SimpleNamespace(trainer=None)
+        self._planned_sizes = [(40, 2)]  # planned at setup
+
+    def _plan_steps(self, trainer, sizes: list[tuple[int, int]]) -> None:
+        if max(n for n, _ in sizes) > 100:
+            raise OOMBOutOfMemoryError(f"a step of {max(sizes)} does not fit")
+        self._planned_sizes = sizes
+
+
+def _plan_a_longer_batch_on_rank_1(rank: int, world: int):
+    planner = _BatchPlanner(world)
+    try:
+        planner._plan_batch(torch.zeros(2, 200 if rank == 1 else 40, dtype=torch.long))
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return planner._planned_sizes
+
+
+def test_a_batch_one_data_replica_cannot_fit_is_refused_by_every_rank_at_once(tmp_path):
+    """Rank 1's batch (2 x 200 tokens) is longer than the setup's plan: every rank plans it and refuses together,
+    with the refusal's own error (the first rank's) — rank 0 went on into the gradients' all-reduce and waited there until
+    ``collective_timeout`` (600 s by default) before a ``RankFailure`` named rank 1."""
+    assert (
+        run_ranks(_plan_a_longer_batch_on_rank_1, 2, tmp_path)
+        == [("OOMBOutOfMemoryError", "rank 0: a step of (200, 2) does not fit")] * 2
+    )
 
 
 def _reduce(rank: int, world: int):
