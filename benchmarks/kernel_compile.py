@@ -19,8 +19,8 @@ Flags: ``SPARSE`` (a page selection), ``CARRY`` (a carried state: offload's key 
 into an accumulator), ``ROWS`` (packed documents), ``SOFTCAP``; and the config's own: ``SPLIT`` (dK/dV: the fully
 visible query blocks in an unmasked loop of their own). ``--all`` compiles every config the pruner keeps
 (the tuning space), not only the defaults (plain variants only); ``--quick`` only the defaults per tuning key
-(``tests/kernels/test_kernel_compile.py``). Writes ``benchmarks/results/kernel-compile-sm<arch>.json`` and ``.md``
-and prints the table.
+(dK/dV's with and without ``FUSED_DQ``, which has a default of its own; ``tests/kernels/test_kernel_compile.py``).
+Writes ``benchmarks/results/kernel-compile-sm<arch>.json`` and ``.md`` and prints the table.
 """
 
 from __future__ import annotations
@@ -196,11 +196,16 @@ def variants(kernels, name: str, head_dim: int, page: int, every: bool, quick: b
     and with the score terms that are not part of the key (documents: ``ROWS``; ``SOFTCAP``)."""
     tuner = getattr(kernels, name)
     _, extra = KERNELS[name]
+    flag_sets = extra
+    if quick:  # each tuning key's default: dK/dV's FUSED_DQ is part of its key
+        flag_sets = [f for f in extra if "FUSED_DQ" in f] or extra[:1]
+    elif every:
+        flag_sets = extra[:1]
     for sparse in (False, True):
-        key = {"HEAD_DIM": head_dim, "PAGE": page, "SPARSE": sparse, "ARCH": arch}
-        configs = kernels.tuning_space(tuner, key) if every else [kernels.default_config(tuner, key)]
-        for config in configs:
-            for flags in extra[:1] if quick or every else extra:
+        for flags in flag_sets:
+            key = {"HEAD_DIM": head_dim, "PAGE": page, "SPARSE": sparse, "ARCH": arch, **flags}
+            configs = kernels.tuning_space(tuner, key) if every else [kernels.default_config(tuner, key)]
+            for config in configs:
                 for rows, softcap in TERMS[:1] if every or quick else TERMS:
                     yield config, {"SPARSE": sparse, **flags, "ROWS": rows, "SOFTCAP": softcap}
 

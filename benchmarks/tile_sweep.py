@@ -9,9 +9,9 @@ candidate's out, dQ, dK and dV are compared with the shipped defaults' (``max_di
 difference, bf16 rounding apart they agree; ``agrees`` within ``TOLERANCE`` of the largest value). Kernels are swept
 in order, each keeping the fastest agreeing tile found, so the last rows are the best combination; it is then timed
 dense and with a page selection (``--page-budget`` pages per query block) at every ``--keys``, next to the shipped
-defaults. Last, the dK/dV kernel computing dQ too (``OOMB_TRITON_FUSED_DQ=1``: no dQ kernel, dQ added atomically;
-off by default until measured) at its candidate tiles — the kernel ``dkdv+dq`` — and, if one agrees, the best
-combination with it (``best, fused dQ``). Each candidate costs a compilation (1-3 s); a candidate starts only if
+defaults. Right after dK/dV, the dK/dV kernel computing dQ too (``OOMB_TRITON_FUSED_DQ=1``: no dQ kernel, dQ added
+atomically; off by default until measured) at its candidate tiles — the kernel ``dkdv+dq`` — and, if one agrees, the
+best combination with it (``best, fused dQ``) is timed too. Each candidate costs a compilation (1-3 s); a candidate starts only if
 ``--budget-s`` leaves time for it.
 
 Writes JSON after every row (``--out``) and prints each row as a JSON line; at the end a table (``.md``) and a
@@ -39,16 +39,18 @@ TOLERANCE = 0.02  # bf16 kernels at different tiles sum in different orders: wit
 # head_dim 128 without duplicated MMA rows; the shipped default (shipped()) is swept first. Of the H200 sweep of
 # 2026-12-04 (results/tile-sweep-h200.md) kept: the tiles within ~10 % of each kernel's best, those it did not
 # reach, and the earlier forward default (128, 64, 8, 3) as a reference
+FUSED = "dkdv+dq"  # the dK/dV kernel computing dQ too
 CANDIDATES = {
     "forward": [(128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3)],
     "dkdv": [(32, 64, 4, 3, True), (32, 64, 4, 3, False), (32, 128, 8, 3, True), (32, 64, 4, 2, True),
              (32, 64, 4, 4, True), (16, 64, 4, 3, True), (64, 64, 4, 2, True)],
+    # swept right after dK/dV (so a short budget still measures it): its shipped tile (SM90_FUSED_DQ_DEFAULT)
+    # first, then tiles that spill little or nothing with it (offline sm_90 compile) and the dK/dV default (spills
+    # 8-416 bytes with it)
+    FUSED: [(32, 128, 8, 2, False), (16, 128, 8, 3, True), (32, 128, 8, 3, False), (16, 128, 8, 2, False),
+            (16, 64, 4, 3, True), (32, 64, 4, 3, True)],
     "dq": [(64, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4), (64, 64, 4, 2), (64, 32, 4, 3)],
 }  # fmt: skip
-# the dK/dV kernel computing dQ too: swept last, at tiles that spill little with it (offline sm_90 compile)
-FUSED = "dkdv+dq"
-CANDIDATES[FUSED] = [(32, 64, 4, 3, True), (32, 128, 8, 2, False), (16, 128, 8, 2, False), (64, 64, 8, 2, False),
-                     (32, 64, 4, 2, False), (16, 64, 4, 2, True)]  # fmt: skip
 TUNERS = {
     "forward": "_fwd_kernel",
     "dkdv": "_bwd_dkdv_kernel",
@@ -63,7 +65,10 @@ def fused_dq_env(on: bool):
 
 
 def shipped(kernels, kernel: str) -> tuple:
-    """``kernel``'s shipped sm_90 tile at head_dim 128, with its default variant (dK/dV's ``SPLIT``)."""
+    """``kernel``'s shipped sm_90 tile at head_dim 128, with its default variant (dK/dV's ``SPLIT``; one masked loop
+    for the dK/dV kernel computing dQ too, at a tile of its own)."""
+    if kernel == FUSED:
+        return (*kernels.shipped_tile("dkdv", 128, 90, fused_dq=True), False)
     variant = kernels.SM90_VARIANTS.get(kernel, ({},))[0]
     return (*kernels.SM90_DEFAULTS[kernel], *variant.values())
 
@@ -97,11 +102,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 class Tiles:
     """The tile each kernel runs at: its autotuner's config list replaced by the one candidate (the pruner keeps a
-    list's first config and fits it to the call), and its cached choice forgotten."""
+    list's first config and fits it to the call), and its cached choice forgotten. The pruner's lookup of a shipped
+    tile of its own (``shipped_tile``: the dK/dV kernel's with dQ) is off meanwhile, so the candidate runs."""
 
     def __init__(self, kernels):
         self.kernels, self.tuners = kernels, {k: getattr(kernels, name) for k, name in TUNERS.items()}
         self.shipped = {k: list(t.configs) for k, t in self.tuners.items()}
+        self.shipped_tile = kernels.shipped_tile
+        kernels.shipped_tile = lambda *args, **kwargs: None
         self.current: dict[str, tuple] = {}
 
     def set(self, kernel: str, tile: tuple) -> None:
@@ -117,6 +125,7 @@ class Tiles:
         self.current[kernel] = tile
 
     def restore(self) -> None:
+        self.kernels.shipped_tile = self.shipped_tile
         for kernel, tuner in self.tuners.items():
             tuner.configs = self.shipped[kernel]
             tuner.cache.clear()
@@ -263,11 +272,11 @@ def main(argv: list[str] | None = None) -> int:
 
     shape = {k: getattr(args, k) for k in ("queries", "keys", "heads", "kv_heads", "head_dim", "page")}
     report = Report(args.out, shape=shape, tolerance=TOLERANCE)
-    tiles = Tiles(kernels)
     candidates = {}
     for kernel, listed in CANDIDATES.items():
-        first = listed[0] if kernel == FUSED else shipped(kernels, kernel)
+        first = shipped(kernels, kernel)
         candidates[kernel] = [first, *(t for t in listed if t != first)][: 2 if args.smoke else None]
+    tiles = Tiles(kernels)
     p = Problem(args, args.queries, args.keys[0], dtype, device)
     best = sweep(kernels, tiles, candidates, p, args, device, report, left)
     fused = best.pop(FUSED, None)
@@ -295,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     plot(report.data, args.out.with_suffix(".png"))
     split = f"  # dkdv SPLIT={best['dkdv'][4]}" if len(best["dkdv"]) > 4 else ""
     print("SM90_DEFAULTS = {" + ", ".join(f'"{k}": {tuple(v[:4])}' for k, v in best.items()) + "}" + split)
+    if fused is not None:
+        print(f"SM90_FUSED_DQ_DEFAULT = {tuple(fused[:4])}  # SPLIT={fused[4]}")
     return 0
 
 

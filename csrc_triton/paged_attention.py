@@ -36,8 +36,9 @@ Every key range is split into blocks that need no mask (all their keys visible t
 the few on the causal diagonal / window edge / ragged last page that do; blocks nobody sees are never visited.
 Tiles, warps and stages: by default each kernel runs at its shipped tile (:data:`SM90_DEFAULTS`, the fastest
 measured on an H200, no MMA rows computed twice; spills checked offline with ptxas, ``benchmarks/kernel_compile.py``;
-on GPUs without wgmma :data:`MMA_SYNC_DEFAULTS`, which fit their 99 KB of shared memory), fitted to the call's
-``HEAD_DIM``, ``PAGE`` and ``SPARSE`` (:func:`_fitted`) — the first step compiles but never tunes; a GPU whose
+on GPUs without wgmma :data:`MMA_SYNC_DEFAULTS`, which fit their 99 KB of shared memory; the dK/dV kernel computing
+dQ too its own, :data:`SM90_FUSED_DQ_DEFAULT`), fitted to the call's ``HEAD_DIM``, ``PAGE`` and ``SPARSE``
+(:func:`_fitted`) — the first step compiles but never tunes; a GPU whose
 shared memory still does not hold a tile gets a smaller one (:func:`smaller_configs`). ``OOMB_TRITON_AUTOTUNE=1``
 turns on ``triton.autotune`` keyed on those (and the dtypes), over spaces pruned of tiles that duplicate MMA rows or
 whose accumulators take too many registers; tuning then happens at
@@ -128,6 +129,13 @@ def _interpreting() -> bool:
 # warps, no spills (128 x 128 was 1 % faster and spills 0.2 KB). Tuning (OOMB_TRITON_AUTOTUNE=1) tries both loops at
 # every tile (SM90_VARIANTS).
 SM90_DEFAULTS = {"forward": (128, 128, 8, 3), "dkdv": (32, 64, 4, 3), "dq": (64, 64, 4, 3)}
+# The dK/dV kernel computing dQ too (OOMB_TRITON_FUSED_DQ=1) holds a third fp32 tile, the query block's dQ share:
+# at the dK/dV tile above it spills 8-416 bytes on Triton 3.9 and 100-1,000 on 3.6 (the GPU machine's). 128 keys
+# x 32 queries on 8 warps, one masked loop, compiles without spills there, dense and sparse, plain and with
+# documents, on both (softcap with a selection: 24-112 bytes; benchmarks/results/kernel-compile-sm90*.md); it was
+# 16 % slower than the dK/dV default without dQ (tile sweep above), its speed with dQ is not measured. Other widths
+# and GPUs keep their dK/dV tile with dQ (no spills at 256 and 512 on sm_90).
+SM90_FUSED_DQ_DEFAULT = (32, 128, 8, 2)
 SM90_VARIANTS = {"dkdv": ({"SPLIT": True}, {"SPLIT": False})}  # constexprs per tile; the default's first
 # the other tables' dK/dV tiles (wide heads, GPUs without wgmma) were compiled with one masked loop, which spills
 # less there (sm_89: 20 bytes against 76); their speed is not measured
@@ -163,12 +171,17 @@ def wgmma(arch: int) -> bool:
     return 90 <= arch < 120
 
 
-def shipped_tile(kernel: str, head_dim: int, arch: int = 90) -> tuple[int, int, int, int]:
+def shipped_tile(
+    kernel: str, head_dim: int, arch: int = 90, fused_dq: bool = False
+) -> tuple[int, int, int, int]:
     """The default ``(BLOCK_M, BLOCK_N, warps, stages)`` of ``kernel`` at ``head_dim`` on a GPU of compute
     capability ``arch`` (:func:`wgmma`): :data:`SM90_DEFAULTS` up to 128, :data:`SM90_WIDE_DEFAULTS` for wider heads
-    (the next width up), or :data:`MMA_SYNC_DEFAULTS` likewise."""
+    (the next width up), or :data:`MMA_SYNC_DEFAULTS` likewise; ``fused_dq``: the dK/dV kernel's computing dQ too
+    (:data:`SM90_FUSED_DQ_DEFAULT` where it would take :data:`SM90_DEFAULTS`' tile)."""
     tables = {128: SM90_DEFAULTS, **SM90_WIDE_DEFAULTS} if wgmma(arch) else MMA_SYNC_DEFAULTS
     width = next((w for w in sorted(tables) if head_dim <= w), max(tables))
+    if fused_dq and kernel == "dkdv" and tables[width] is SM90_DEFAULTS:
+        return SM90_FUSED_DQ_DEFAULT
     return tables[width][kernel]
 
 
@@ -235,7 +248,8 @@ def _pruner(mma_rows: str, factor: int, max_regs: int = 64, head: int = 1, kerne
     :func:`shipped_tile` for the call's ``HEAD_DIM`` and the device (``ARCH`` in the key, else the current one's)."""
 
     def space(configs: list[triton.Config], **kwargs) -> list[triton.Config]:
-        own = kernel and shipped_tile(kernel, kwargs["HEAD_DIM"], kwargs.get("ARCH") or _device_arch())
+        arch = kwargs.get("ARCH") or _device_arch()
+        own = kernel and shipped_tile(kernel, kwargs["HEAD_DIM"], arch, kwargs.get("FUSED_DQ", False))
         if own and own != SM90_DEFAULTS[kernel] and not _interpreting():
             # this width's and device's default first
             configs = _tile_configs(kernel, own, OTHER_VARIANTS) + configs[head:]
@@ -257,7 +271,7 @@ def _pruner(mma_rows: str, factor: int, max_regs: int = 64, head: int = 1, kerne
 
 def tuning_space(tuner, key: dict) -> list[triton.Config]:
     """The configs an autotuned kernel of this module tries for ``key`` (``HEAD_DIM``, ``PAGE``, ``SPARSE``; ``ARCH``:
-    a compute capability, default the current device's), the default first."""
+    a compute capability, default the current device's; dK/dV's ``FUSED_DQ``), the default first."""
     return tuner.early_config_prune.space(tuner.configs, **key)
 
 
@@ -292,12 +306,19 @@ def _launch(tuner, grid, *args, **kwargs) -> None:
         tuner[grid](*args, **kwargs)
         return
     arch = _device_arch()
-    key = ("default", arch, kwargs["HEAD_DIM"], kwargs["PAGE"], kwargs["SPARSE"])
+    key = (
+        "default",
+        arch,
+        kwargs["HEAD_DIM"],
+        kwargs["PAGE"],
+        kwargs["SPARSE"],
+        kwargs.get("FUSED_DQ", False),
+    )
     config = tuner.cache.get(key)
     if config is not None:
         tuner.fn.run(*args, grid=grid, warmup=False, **kwargs, **config.all_kwargs())
         return
-    default = default_config(tuner, dict(zip(("ARCH", "HEAD_DIM", "PAGE", "SPARSE"), key[1:])))
+    default = default_config(tuner, dict(zip(("ARCH", "HEAD_DIM", "PAGE", "SPARSE", "FUSED_DQ"), key[1:])))
     refused = None
     fallbacks = smaller_configs(default, tuner.early_config_prune.mma_rows, kwargs["PAGE"], kwargs["SPARSE"])
     for config in fallbacks:
@@ -834,7 +855,7 @@ def _full_listings(INV, n, rows_full, PAGE: tl.constexpr, R_P2: tl.constexpr):
 
 @triton.autotune(
     configs=_configs("dkdv", [(16, 128), (32, 64), (32, 128)], stages=(2, 3)),  # 64 queries or 4 stages spill
-    key=["HEAD_DIM", "PAGE", "SPARSE"],
+    key=["HEAD_DIM", "PAGE", "SPARSE", "FUSED_DQ"],
     # dk, dv [BLOCK_N, HEAD_DIM]; a capped search tries the default tile with both loops
     prune_configs_by={"early_config_prune": _pruner("BLOCK_N", 2, 128, len(SM90_VARIANTS["dkdv"]), "dkdv")},
     pre_hook=_restore_grad_pages.pre,

@@ -1,5 +1,5 @@
-"""The shipped default tiles compiled offline (Triton's bundled ptxas, no GPU): for sm_90 no spills but the dK/dV
-tile's (the fastest measured on an H200 spills half a kilobyte) and a register of the sparse forward's, no MMA rows
+"""The shipped default tiles compiled offline (Triton's bundled ptxas, no GPU): for sm_90 no spills (the dK/dV
+kernel computing dQ too at its own tile) but a register of the sparse forward's, no MMA rows
 computed twice, no load left synchronous in a dense walk's loops, within sm_90's shared
 memory (``benchmarks/kernel_compile.py
 --quick`` in a subprocess: the suite's process interprets the kernels); for GPUs without wgmma (sm_89, sm_120: 99 KB
@@ -36,13 +36,16 @@ def _ptxas() -> bool:
 SPILL_BOUNDS = {"_fwd_kernel": 8, "_bwd_dq_kernel": 0, "_bwd_dkdv_kernel": 0}
 # loads left synchronous in the kernels' loops (kernel_compile.loop_sync_loads): none in a dense walk (the page
 # table's entry is copied ahead with the K/V tiles); with a page selection one, in the loops that need the listed
-# page's position (the forward's and dQ's masked listed walk, dK/dV's walk over the listing blocks that need a mask)
-LOOP_SYNC_LOADS = {False: 0, True: 1}
+# page's position (the forward's and dQ's masked listed walk, dK/dV's walk over the listing blocks that need a mask),
+# two in the dK/dV kernel computing dQ too (its tile's one masked loop at two stages leaves a second one)
+LOOP_SYNC_LOADS = {(False, False): 0, (True, False): 1, (False, True): 0, (True, True): 2}
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not _ptxas(), reason="Triton's NVIDIA backend (ptxas) is not installed")
 def test_default_tiles_compile_for_sm90_within_their_spill_bounds(tmp_path):
+    from csrc_triton.paged_attention import SM90_FUSED_DQ_DEFAULT
+
     out = tmp_path / "compile.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
@@ -50,10 +53,14 @@ def test_default_tiles_compile_for_sm90_within_their_spill_bounds(tmp_path):
                    check=True, env=env, cwd=ROOT, capture_output=True, timeout=600)  # fmt: skip
     variants = json.loads(out.read_text())["variants"]
     assert {v["kernel"] for v in variants} == {"_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"}
+    fused = [
+        (v["BLOCK_M"], v["BLOCK_N"], v["num_warps"], v["num_stages"]) for v in variants if v.get("FUSED_DQ")
+    ]
+    assert fused == [SM90_FUSED_DQ_DEFAULT] * 2  # dK/dV with dQ at its own tile, dense and sparse
     for v in variants:
         assert max(v["spill_store_bytes"], v["spill_load_bytes"]) <= SPILL_BOUNDS[v["kernel"]], v
         assert v["mma_rows"] <= v["tile_rows"], v
-        assert v["loop_sync_loads"] <= LOOP_SYNC_LOADS[v["SPARSE"]], v
+        assert v["loop_sync_loads"] <= LOOP_SYNC_LOADS[v["SPARSE"], bool(v.get("FUSED_DQ"))], v
         assert v["shared_bytes"] <= 227 * 1024 == v["shared_limit"], v  # per block on H100 / H200
 
 
@@ -129,6 +136,43 @@ def test_only_the_measured_dkdv_tile_splits_its_loop(monkeypatch):
         assert variants == {True, False}  # tuning tries both loops at the default tile
 
 
+def test_the_dkdv_kernel_computing_dq_too_has_its_own_sm90_tile(monkeypatch):
+    """With ``FUSED_DQ`` (part of the dK/dV kernel's tuning key) the sm_90 head-dim-128 default is
+    :data:`SM90_FUSED_DQ_DEFAULT` with one masked loop (the dK/dV tile spills with dQ's accumulator); other widths
+    and GPUs keep their dK/dV tile; a launch remembers the two defaults apart."""
+    from csrc_triton import paged_attention as kernels
+
+    monkeypatch.setattr(kernels, "_interpreting", lambda: False)
+    prune = kernels._bwd_dkdv_kernel.early_config_prune
+    tuner = SimpleNamespace(configs=kernels._configs("dkdv", [(32, 128)], (2,)), early_config_prune=prune)
+    key = {"ARCH": 90, "HEAD_DIM": 128, "PAGE": 128, "SPARSE": False}
+    fused = kernels.default_config(tuner, {**key, "FUSED_DQ": True})
+    m, n, warps, stages = kernels.SM90_FUSED_DQ_DEFAULT
+    assert (fused.kwargs["BLOCK_M"], fused.kwargs["BLOCK_N"], fused.num_warps, fused.num_stages) == (
+        m,
+        n,
+        warps,
+        stages,
+    )
+    assert fused.kwargs["SPLIT"] is False
+    assert (
+        kernels.default_config(tuner, {**key, "FUSED_DQ": False}).kwargs["BLOCK_N"]
+        == kernels.SM90_DEFAULTS["dkdv"][1]
+    )
+    for arch, width in ((90, 256), (90, 512), (89, 128), (80, 128)):
+        assert kernels.shipped_tile("dkdv", width, arch, fused_dq=True) == kernels.shipped_tile(
+            "dkdv", width, arch
+        )
+    assert "FUSED_DQ" in kernels._bwd_dkdv_kernel.keys
+
+    ran = []
+    tuner.cache, tuner.fn = {}, SimpleNamespace(run=lambda *a, grid, warmup, **kw: ran.append(kw["BLOCK_N"]))
+    monkeypatch.setattr(kernels, "_device_arch", lambda: 90)
+    for flag in (True, False, True):
+        kernels._launch(tuner, (1,), HEAD_DIM=128, PAGE=128, SPARSE=False, FUSED_DQ=flag)
+    assert ran == [n, kernels.SM90_DEFAULTS["dkdv"][1], n]
+
+
 def test_a_tile_the_gpu_cannot_load_falls_back_to_a_smaller_one(monkeypatch):
     """Where Triton refuses to load the shipped tile (its shared memory above the GPU's), the launch takes the first
     of ``smaller_configs`` that loads — fewer stages first — and keeps it for the key; if none loads, the first
@@ -159,7 +203,7 @@ def test_a_tile_the_gpu_cannot_load_falls_back_to_a_smaller_one(monkeypatch):
         (128, 32, 8, 2),
         (128, 32, 8, 2),
     ]  # sm_89's tile, 3 stages refused, then kept
-    assert [c.num_stages for c in kernels.smaller_configs(tuner.cache[("default", 89, 128, 128, False)],
+    assert [c.num_stages for c in kernels.smaller_configs(tuner.cache[("default", 89, 128, 128, False, False)],
                                                            "BLOCK_M", 128, False)] == [2, 1] * 4  # fmt: skip
     tuner.cache.clear()
     limit = 0
