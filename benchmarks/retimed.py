@@ -9,7 +9,10 @@ Qwen2.5-7B configuration as the measured row (28 layers, the row's options) — 
 stays in the measured factor. A goal without a measured row of its configuration (256K with the strategies'
 defaults, and 1M with them) borrows the factor of the nearest measured one (256K, every layer offloaded; the 1M step
 extrapolated from the offloaded rows). Last, what the strategies decide on that GPU at the new rates for a full
-fine-tune (bf16-true, AdamW: its states counted), the README's "auto" paragraph. Every number here is a prediction.
+fine-tune (bf16-true, AdamW: its states counted), the README's "auto" paragraph. The goals with the strategies'
+defaults are predicted once more for ``OOMB_TRITON_FUSED_DQ=1`` (the dK/dV kernel computing dQ too: 5 matmuls per
+query-key tile in the backward instead of 7) at the same time per matmul: the step model's attention backward times
+5/7 (:data:`FUSED_DQ_BACKWARD`; its atomics and its own tile's speed not counted). Every number here is a prediction.
 
     PYTHONPATH=$PWD python benchmarks/retimed.py --gpu h200
 """
@@ -17,20 +20,24 @@ fine-tune (bf16-true, AdamW: its states counted), the README's "auto" paragraph.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 from pathlib import Path
+from unittest import mock
 
 from benchmarks.common import write_json
 from benchmarks.predictions import MACHINE
 from lightning_oomb import plan
-from lightning_oomb.engine import OOMBConfig
+from lightning_oomb.engine import OOMBConfig, step_time
 from lightning_oomb.engine.config import STRATEGY_DEFAULTS
 from lightning_oomb.engine.step_time import StepRates
 from lightning_oomb.models import qwen2_5_7b_config
 
 RESULTS = Path(__file__).resolve().parent / "results"
 K = 1024
+# the attention backward in forwards with the fused dQ kernel: 5 of its 7 matmuls per query-key tile remain
+FUSED_DQ_BACKWARD = step_time.ATTENTION_BACKWARD * 5 / 7
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -95,27 +102,39 @@ def main(argv: list[str] | None = None) -> int:
     def add(goal: str, measured: float, predicted: float, unit: str, how: str) -> None:
         out.append({"goal": goal, "measured": measured, "predicted": predicted, "unit": unit, "how": how})
 
-    for role, goal in (("oomb-32k", "32K step vs HF, layer checkpointing"),
-                       ("oomb-32k-defaults", "32K step vs HF, the strategies' defaults")):  # fmt: skip
-        step = rows[role]["step_s"]
-        add(goal, step / hf, step * factor(32 * K, measured_config(role)) / hf, "x HF", f"{role}: 28 layers")
+    step = rows["oomb-32k"]["step_s"]
+    add("32K step vs HF, layer checkpointing", step / hf,
+        step * factor(32 * K, measured_config("oomb-32k")) / hf, "x HF", "oomb-32k: 28 layers")  # fmt: skip
     tps = goals["dense throughput at 256K"]
     add("dense throughput at 256K, every layer offloaded", tps, tps / factor(256 * K, offloaded_256k), "tokens/s",
         "256k-offload scaled to 28 layers")  # fmt: skip
-    # the defaults' 256K step was not measured: its plan at the new rates, times the offloaded row's measured/planned
-    ratio = (256 * K / tps) / seconds(256 * K, offloaded_256k, old)
-    decided = planned(256 * K, OOMBConfig(4096, 128, **STRATEGY_DEFAULTS), new).config
-    add("dense throughput at 256K, the strategies' defaults", None, 256 * K / (ratio * seconds(256 * K, decided, new)),
-        "tokens/s", "not measured: its plan at the new rates x 256k-offload's measured / planned")  # fmt: skip
     million = goals["dense 1M-token step (extrapolated)"]
     add("dense 1M-token step", million, million * factor(K * K, offloaded_256k), "s",
         "extrapolated from 128K and 256K, offloaded")  # fmt: skip
-    # with the defaults' options (some layers' pages on the GPU, the last chunks' attention results kept): its plan
-    # at the new rates, times the extrapolation's measured / planned
-    decided = planned(K * K, OOMBConfig(4096, 128, **STRATEGY_DEFAULTS), new).config
-    add("dense 1M-token step, the strategies' defaults", None,
-        million * seconds(K * K, decided, new) / seconds(K * K, offloaded_256k, old), "s",
-        "not measured: its plan at the new rates x the extrapolated 1M step's measured / planned")  # fmt: skip
+    # each row with the defaults at the new rates, times a measured row's measured / planned (at the fitted rates):
+    # its own at 32K; the offloaded 256K row's (the defaults' 256K step was not measured); the 1M extrapolation's
+    defaults = OOMBConfig(4096, 128, **STRATEGY_DEFAULTS)
+    step32 = rows["oomb-32k-defaults"]["step_s"]
+    measured_over_planned = {
+        32 * K: step32 / seconds(32 * K, measured_config("oomb-32k-defaults"), old),
+        256 * K: (256 * K / tps) / seconds(256 * K, offloaded_256k, old),
+        K * K: million / seconds(K * K, offloaded_256k, old),
+    }
+    for fused in (False, True):
+        backward = mock.patch.object(step_time, "ATTENTION_BACKWARD", FUSED_DQ_BACKWARD)
+        with backward if fused else contextlib.nullcontext():
+            config32 = measured_config("oomb-32k-defaults")
+            times = {n: seconds(n, config32 if n == 32 * K else planned(n, defaults, new).config, new)
+                 for n in measured_over_planned}  # fmt: skip
+        times = {n: t * measured_over_planned[n] for n, t in times.items()}
+        tag = ", fused dQ backward" if fused else ""
+        how = ": the attention backward at 5/7" if fused else ""
+        add("32K step vs HF, the strategies' defaults" + tag, None if fused else step32 / hf, times[32 * K] / hf,
+            "x HF", "oomb-32k-defaults: 28 layers" + how)  # fmt: skip
+        add("dense throughput at 256K, the strategies' defaults" + tag, None, 256 * K / times[256 * K], "tokens/s",
+            "not measured: its plan at the new rates x 256k-offload's measured / planned" + how)  # fmt: skip
+        add("dense 1M-token step, the strategies' defaults" + tag, None, times[K * K], "s",
+            "not measured: its plan at the new rates x the extrapolated 1M step's measured / planned" + how)  # fmt: skip
 
     decisions = []
     for tokens in (32 * K, 128 * K, 256 * K, K * K, 1536 * K):

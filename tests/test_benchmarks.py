@@ -201,6 +201,14 @@ def test_retimed_goals_of_the_recorded_run(tmp_path):
     assert goals["dense throughput at 256K, the strategies' defaults"]["measured"] is None
     defaults = goals["dense 1M-token step, the strategies' defaults"]
     assert defaults["measured"] is None and defaults["predicted"] <= goals["dense 1M-token step"]["predicted"]
+    for name in ("32K step vs HF", "dense 1M-token step"):  # the fused dQ backward: less attention time
+        fused = goals[f"{name}, the strategies' defaults, fused dQ backward"]
+        assert (
+            fused["measured"] is None
+            and fused["predicted"] < goals[f"{name}, the strategies' defaults"]["predicted"]
+        )
+    fused = goals["dense throughput at 256K, the strategies' defaults, fused dQ backward"]["predicted"]
+    assert fused > goals["dense throughput at 256K, the strategies' defaults"]["predicted"]
     assert "every 'predicted' value is a prediction" in out.with_suffix(".md").read_text()
 
 
