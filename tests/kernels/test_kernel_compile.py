@@ -147,22 +147,13 @@ def test_the_dkdv_kernel_computing_dq_too_has_its_own_sm90_tile(monkeypatch):
     tuner = SimpleNamespace(configs=kernels._configs("dkdv", [(32, 128)], (2,)), early_config_prune=prune)
     key = {"ARCH": 90, "HEAD_DIM": 128, "PAGE": 128, "SPARSE": False}
     fused = kernels.default_config(tuner, {**key, "FUSED_DQ": True})
-    m, n, warps, stages = kernels.SM90_FUSED_DQ_DEFAULT
-    assert (fused.kwargs["BLOCK_M"], fused.kwargs["BLOCK_N"], fused.num_warps, fused.num_stages) == (
-        m,
-        n,
-        warps,
-        stages,
-    )
-    assert fused.kwargs["SPLIT"] is False
-    assert (
-        kernels.default_config(tuner, {**key, "FUSED_DQ": False}).kwargs["BLOCK_N"]
-        == kernels.SM90_DEFAULTS["dkdv"][1]
-    )
+    tile = (fused.kwargs["BLOCK_M"], fused.kwargs["BLOCK_N"], fused.num_warps, fused.num_stages)
+    assert tile == kernels.SM90_FUSED_DQ_DEFAULT and fused.kwargs["SPLIT"] is False
+    plain = kernels.default_config(tuner, {**key, "FUSED_DQ": False})
+    assert plain.kwargs["BLOCK_N"] == kernels.SM90_DEFAULTS["dkdv"][1] != tile[1]
     for arch, width in ((90, 256), (90, 512), (89, 128), (80, 128)):
-        assert kernels.shipped_tile("dkdv", width, arch, fused_dq=True) == kernels.shipped_tile(
-            "dkdv", width, arch
-        )
+        own = kernels.shipped_tile("dkdv", width, arch, fused_dq=True)
+        assert own == kernels.shipped_tile("dkdv", width, arch)
     assert "FUSED_DQ" in kernels._bwd_dkdv_kernel.keys
 
     ran = []
@@ -170,7 +161,7 @@ def test_the_dkdv_kernel_computing_dq_too_has_its_own_sm90_tile(monkeypatch):
     monkeypatch.setattr(kernels, "_device_arch", lambda: 90)
     for flag in (True, False, True):
         kernels._launch(tuner, (1,), HEAD_DIM=128, PAGE=128, SPARSE=False, FUSED_DQ=flag)
-    assert ran == [n, kernels.SM90_DEFAULTS["dkdv"][1], n]
+    assert ran == [tile[1], plain.kwargs["BLOCK_N"], tile[1]]
 
 
 def test_a_tile_the_gpu_cannot_load_falls_back_to_a_smaller_one(monkeypatch):
