@@ -75,6 +75,12 @@ def _bypass(self, input_ids, position_ids, chunk=None):
     return type(self).__mro__[1].hidden_states(self, input_ids, position_ids, None)
 
 
+def _declaring_five_layers(self, *args, **kwargs):
+    """Two blocks (two attention calls) declared as five layers."""
+    type(self).__mro__[1].__init__(self, *args, **kwargs)
+    self.num_layers = 5
+
+
 def _logits(self, input_ids, labels=None):
     positions = torch.arange(input_ids.shape[1])[None]
     return self.head(self.hidden_states(input_ids, positions))
@@ -87,17 +93,24 @@ def _logits(self, input_ids, labels=None):
         ({"forward": _normed_in_forward}, "than by its own forward.*final normed hidden states"),
         ({"lm_head": lambda self: example_head(self, scale=0.5)}, "than by its own forward.*LMHead"),
         ({"forward": _logits}, r"returns a tensor of shape \[2, 53, 61\], not the loss.*answer_calls"),
+        (
+            {"__init__": _declaring_five_layers},
+            r"declares num_layers=5 but its forward never calls paged_attention with layer 2, 3, 4 "
+            r"\(3 of them\).*set num_layers to the number of paged_attention calls in a chunk \(2\)",
+        ),
     ],
     ids=[
         "attention-bypassing-the-op",
         "a-norm-only-forward-applies",
         "undeclared-head-scale",
         "forward-returns-logits",
+        "layers-never-called",
     ],
 )
 def test_a_custom_model_that_would_train_wrong_is_refused_at_setup(example, overrides, match):
     """``verify_exactness`` (the default) checks a custom model on a float64 copy: several chunks against one, one
-    against the model's own forward. (These trained silently wrong: gradients off by up to 1.7× relative.)"""
+    against the model's own forward. (These trained silently wrong: gradients off by up to 1.7× relative; a
+    ``num_layers`` above the calls trained right, with pages for layers never called.)"""
     with pytest.raises(OOMBConfigError, match=f"self-check.*{match}.*verify_exactness=False"):
         _fit(_variant(example, **overrides))
 

@@ -63,7 +63,7 @@ def check_chunking(
     # eval: no dropout, whose masks would follow each run's draws
     twin = copy.deepcopy(model).to("cpu", torch.float64).eval()
     input_ids = input_ids.cpu()
-    whole = _step(twin, input_ids, page_size * -(-seq_len // page_size), page_size, layer_checkpointing)
+    whole, _ = _step(twin, input_ids, page_size * -(-seq_len // page_size), page_size, layer_checkpointing)
     own = _own_step(twin, input_ids) if own_forward else None
     own_error = 0.0 if own is None else _compare(
         name, whole, own, tolerance, "through OOMB (one chunk) than by its own forward(input_ids, labels)",
@@ -72,13 +72,14 @@ def check_chunking(
         "and labels are taken unshifted (the engine shifts them, as Hugging Face models do; a forward taking targets "
         "already shifted needs its own answer_calls)",
     )  # fmt: skip
-    chunked = _step(twin, input_ids, chunk_size, page_size, layer_checkpointing)
+    chunked, called = _step(twin, input_ids, chunk_size, page_size, layer_checkpointing)
     error = _compare(
         name, chunked, whole, tolerance, f"in chunks of {chunk_size} tokens than in one chunk",
         "its chunk protocol is wrong (an attention not going through paged_attention, a carried state reported "
         "before the chunk's last token or not declared, a layer reading past its chunk, positions that restart per "
         "chunk) — see the ChunkModel rules in lightning_oomb/engine/model.py",
     )  # fmt: skip
+    _check_layers_called(twin, called)
     return max(error, own_error)
 
 
@@ -150,13 +151,29 @@ def _compare(name: str, got, want, tolerance: float, differs: str, cause: str) -
 
 def _step(
     model, input_ids, chunk_size: int, page_size: int, layer_checkpointing: bool
-) -> dict[str, torch.Tensor]:
-    """One step's loss and gradients (``None`` gradients as zeros: both steps see the same parameters)."""
+) -> tuple[dict[str, torch.Tensor], frozenset[int]]:
+    """One step's loss and gradients (``None`` gradients as zeros: both steps see the same parameters), and the layer
+    indices its first chunk attended with."""
     model.zero_grad(set_to_none=True)
     config = OOMBConfig(chunk_size=chunk_size, page_size=page_size, layer_checkpointing=layer_checkpointing)
-    loss = OOMBEngine(model, config).loss(input_ids)
+    engine = OOMBEngine(model, config)
+    loss = engine.loss(input_ids)
     loss.backward()
-    return {"loss": loss.detach(), **_grads(model)}
+    return {"loss": loss.detach(), **_grads(model)}, engine.layers_called
+
+
+def _check_layers_called(model, called: frozenset[int]) -> None:
+    """Refuse a ``num_layers`` above the layer indices the forward attends with (``called``: a chunk's): the pool and
+    the memory plan would hold pages for layers that are never called."""
+    idle = sorted(set(range(model.num_layers)) - called)
+    if idle:
+        raise OOMBConfigError(
+            f"{type(model).__name__} declares num_layers={model.num_layers} but its forward never calls "
+            f"paged_attention with layer {', '.join(map(str, idle[:8]))}{' ...' if len(idle) > 8 else ''} "
+            f"({len(idle)} of them) — the pool and the memory plan hold K/V and gradient pages for every declared "
+            f"layer, so those would be GPU memory spent on nothing — set num_layers to the number of paged_attention "
+            f"calls in a chunk ({len(called)}) and number them 0..{len(called) - 1}."
+        )
 
 
 def _own_step(model: torch.nn.Module, input_ids: torch.Tensor) -> dict[str, torch.Tensor] | None:

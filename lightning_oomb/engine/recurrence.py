@@ -151,6 +151,7 @@ class OOMBEngine:
         self._global_step: int | None = None  # the trainer's step (OOMBSparseBudget); None: the engine counts
         self._steps = 0  # training steps: of this global step, else of this engine
         self.user_hooks = UserHooks()  # the model's hooks, checked before every sweep
+        self.layers_called: frozenset[int] = frozenset()  # the layer indices the last step's first chunk attended
 
     def reconfigure(self, config: OOMBConfig) -> None:
         """Use ``config`` from the next step on (its ``"auto"`` options decided, e.g. by the strategy's memory plan);
@@ -480,6 +481,8 @@ class OOMBEngine:
             lo, hi = (lo, hi) if hi > lo else (start, start + 1)
         chunk.tokens = None if step.tokens is None else step.tokens[:, lo:hi]
         hidden = self.model.hidden_states(step.input_ids[:, lo:hi], step.positions[:, lo:hi], chunk)
+        if index == 0 and sweep != "backward":
+            self.layers_called = frozenset(chunk.written)
         denominator = step.denominator or 1  # (a batch without targets: loss 0)
         # the gradient autograd will hand the cross-entropy: the division's backward, the same op
         expected = None if grad_output is None else grad_output / denominator
