@@ -101,7 +101,8 @@ class ChunkModel(Protocol):
 
     **Attention calls.** ``num_layers`` counts :func:`~lightning_oomb.engine.attention.paged_attention` call slots,
     not blocks: each call in a chunk's forward takes its own ``layer`` index in ``0 .. num_layers - 1`` (a block that
-    attends twice takes two; only a checkpoint's recompute calls an index again). Every layer's ``k, v`` have the
+    attends twice takes two; only a checkpoint's recompute calls an index again; an index never called is refused by
+    the setup check, :func:`~lightning_oomb.engine.check.check_chunking`). Every layer's ``k, v`` have the
     same dtype and shape, ``[B, kv_heads, L, head_dim]`` (one pool holds them all). The op is causal attention with
     the engine's document masks (packed sequences) and, per call, a sliding ``window``, a ``softcap``, ``sinks`` and
     a ``block`` (chunked attention: each query sees its own span of ``block`` tokens); there is no additive score
