@@ -72,7 +72,8 @@ class Mixer:
     elements of its input it hands to the next token besides the convolution's (ZAYA's delayed half values);
     ``scaled_projection``: its input projection is scaled by a buffer of the model's dtype (Falcon-H1's
     ``mup_vector``), so under autocast it stays in that dtype; ``linear_weights``: elements of its ``nn.Linear``
-    weights (its projections: each saved once more as a cast copy under autocast; 0: not known)."""
+    weights (its projections: each saved once more as a cast copy under autocast; 0: not known); ``readers``: its
+    projections reading its input (under autocast each saves its own cast copy of it; 0: not known, one)."""
 
     kind: str
     channels: int
@@ -85,6 +86,7 @@ class Mixer:
     delayed: int = 0
     scaled_projection: bool = False
     linear_weights: int = 0
+    readers: int = 0
 
 
 @dataclass(frozen=True)

@@ -583,8 +583,9 @@ def mixer_bytes(mixer: Mixer, dtypes: Dtypes, batch: int, length: int, hidden: i
     states cast back too). The transients (the gradients in flight beyond the saved tensors, fitted from above to
     CPU steps, ``tests/engine/test_planner_hybrids.py``): a delta rule's ``3 block + 3 Dk + Dv`` float32 per value
     head, Mamba2's ``5 N`` per head, 2 (plain gate: 6) float32 outputs and its states again, Mamba-1's ``4 N`` per
-    channel, a short convolution's three gated inputs. Under autocast a Mamba2 mixer's projections, convolution and
-    scan matmuls' operands are in the compute dtype (measured on CPU steps)."""
+    channel, a short convolution's three gated inputs. Under autocast a Mamba2 mixer's and a gated delta-net's
+    projections, convolution and scan / rule matmuls' operands are in the compute dtype (measured on CPU steps), a
+    delta-net's projections each reading their own cast copy of its input (``Mixer.readers``)."""
     r, c, f = dtypes.activation.itemsize, dtypes.compute.itemsize, 4
     w, heads, d, n = mixer.channels, mixer.heads, mixer.head_dim, mixer.state
     out, padded = heads * d, -(-length // mixer.block) * mixer.block
@@ -609,6 +610,15 @@ def mixer_bytes(mixer: Mixer, dtypes: Dtypes, batch: int, length: int, hidden: i
         if mixer.kind == "kda":
             rule += f * heads * mixer.block * (3 * n + 19)
             flight += f * heads * mixer.block * (3 * n + 19) * padded
+        elif c < r:  # autocast (measured on CPU): each projection reads its own cast copy of the input; the
+            # convolution, the gate, the output projection's input, one of the three per-head scalars and the
+            # rule's matmul operands (per head and token 7 Dk, 2 Dv, 3 block-wide; two states a block) are in the
+            # compute dtype, and a row's last state in float32
+            own = (mixer.readers or 1) * c * hidden + (12 + 2 * r + 2 * c - f) * out + (5 * f + c) * heads
+            rule = f * heads * (6 * n + 2 * d + 2 * mixer.block + 4)
+            rule += c * heads * (7 * n + 2 * d + 3 * mixer.block)
+            states = 2 * c * heads * n * d * blocks + f * heads * n * d
+            conv = c * w * (2 * length + 3 * mixer.kernel - 1)
     else:  # Mamba2: its projection's input and output, the scan's input in float32 (a view of float32 ones), its
         # gated norm on float32 scan outputs (the gate cast too) or Falcon-H1's plain gate
         gate = (16 + f - r) * out if mixer.gated_norm else 8 * out

@@ -28,14 +28,18 @@ def broadcast_scan(family: str) -> bool:
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
 @pytest.mark.parametrize(
     ("family", "precision"),
-    [("qwen3_next", "32-true"), ("qwen3_next", "bf16-true"), ("bamba", "32-true"), ("falcon_h1", "32-true"),
-     ("lfm2", "32-true"), ("mamba", "32-true"), ("falcon_mamba", "bf16-true"), ("kimi_linear", "32-true")],
+    [("qwen3_next", "32-true"), ("qwen3_next", "bf16-true"), ("qwen3_next", "bf16-mixed"),
+     ("olmo_hybrid", "bf16-mixed"), ("bamba", "32-true"), ("falcon_h1", "32-true"), ("lfm2", "32-true"),
+     ("mamba", "32-true"), ("falcon_mamba", "bf16-true"), ("kimi_linear", "32-true")],
 )  # fmt: skip
 def test_a_hybrids_carried_mixers_are_planned(family, precision, checkpointing):
     """Each mixer's saved tensors and backward transients as transformers' torch rules compute them, the inputs its
     handed-on convolution states keep and the states in flight (``planner.mixer_bytes``): the step's peak within
     10 % and at most 5 % below (measured -4 % .. +7 %; before, 57-74 % below: the mixers counted as attention
-    layers, LFM2's MLP at its config's unadjusted width), the saved bytes within 10 % (measured -5 % .. +2 %)."""
+    layers, LFM2's MLP at its config's unadjusted width), the saved bytes within 10 % (measured -5 % .. +2 %).
+    Under bf16-mixed a gated delta-net's projections each read a cast copy of its input and its rule's matmuls
+    save bfloat16 operands: planned +21 .. +29 % above what autograd saves (Qwen3-Next, OLMo-Hybrid; counted as
+    float32), now -3 .. +1 %."""
     predicted, saved, measured = measure(family, precision, checkpointing, 64, seq_len=256, vocab=64, live=True,
                                          build=build_hybrid)  # fmt: skip
     backward = max(v for k, v in predicted.phases.items() if k != "optimizer step")
@@ -47,6 +51,7 @@ def test_a_hybrids_carried_mixers_are_planned(family, precision, checkpointing):
     assert len(predicted.model.mixers) == {
         "falcon_h1": 4,
         "qwen3_next": 3,
+        "olmo_hybrid": 3,
         "mamba": 4,
         "falcon_mamba": 4,
         "kimi_linear": 3,

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_oomb.engine.errors import OOMBConfigError
-from lightning_oomb.engine.model_shape import Mixer
+from lightning_oomb.engine.model_shape import OUTPUT_PROJECTIONS, Mixer
 from lightning_oomb.engine.states import ChunkStates
 from lightning_oomb.integrations.hf.decoder import decoder_of
 from lightning_oomb.integrations.hf.selective_scan import SCANS_FROM_ZERO, continuing_scans
@@ -152,9 +152,12 @@ def mixer_shape(module: torch.nn.Module) -> Mixer:
     # ZAYA's two convolutions in a row keep conv_kernel_size columns between chunks
     kernel = getattr(module, "conv_kernel_size", conv.kernel_size[0])
     delayed = module.v_proj_delayed.out_features if hasattr(module, "v_proj_delayed") else 0  # ZAYA's values
-    linear = sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear))
+    linears = [(n.rsplit(".", 1)[-1], m) for n, m in module.named_modules() if isinstance(m, torch.nn.Linear)]
+    # the projections reading the mixer's input: as wide as its output projection's output
+    hidden = next((m.out_features for n, m in linears if n in OUTPUT_PROJECTIONS), None)
+    readers = sum(m.in_features == hidden and n not in OUTPUT_PROJECTIONS for n, m in linears)
     common = {"channels": conv.in_channels, "kernel": kernel, "gated_norm": gated, "delayed": delayed,
-              "linear_weights": linear}  # fmt: skip
+              "linear_weights": sum(m.weight.numel() for _, m in linears), "readers": readers}  # fmt: skip
     if hasattr(module, "num_v_heads"):
         return Mixer("delta", heads=module.num_v_heads, head_dim=module.head_v_dim, state=module.head_k_dim,
                      block=DELTA_BLOCK, **common)  # fmt: skip
