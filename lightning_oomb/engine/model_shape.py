@@ -27,6 +27,9 @@ SANDWICH_NORMS = ("gemma2", "gemma3", "gemma3_text", "afmoe", "lfm3")
 # cast back), as transformers' modules show it (:func:`float32_norms`): Gemma's ``x * (1 + w)`` and the like
 FLOAT32_NORM_TYPES = ("gemma", "vaultgemma", "recurrent_gemma", "qwen3_next", "qwen3_5", "gpt_oss", "afmoe", "olmo2",
                       "olmo3", "flex_olmo", "helium", "nemotron_h", "lara_mini")  # fmt: skip
+# model types whose embeddings are biased and scaled into a float32 residual stream, each layer handing the next its
+# router's states (``router_hidden_size`` per token) beside it
+SCALED_EMBEDDINGS = ("zaya",)
 # model types whose attention output is gated by the sigmoid of a projection of the layer's input
 GATED_ATTENTION = ("afmoe",)
 # config fields of the experts a token is routed to
@@ -125,6 +128,10 @@ class ModelShape:
     only their result; Llama's casts it back to the activations' dtype first: :func:`float32_norms`);
     ``float32_residual``: the residual stream is float32 from the first layer's output on (Mamba's
     ``residual_in_fp32``), as are the later layers' inputs, the final norm's and the loss's hidden states;
+    ``scaled_embeddings``: the embeddings are biased and scaled into a float32 residual stream before the first layer
+    (ZAYA's): the scale's input saved, every layer's input float32; ``layer_carry``: elements per token each layer
+    but the first takes from the one before besides the hidden states (ZAYA's router states: a checkpointed layer's
+    input too);
     ``norm_readers``: the projections reading the attention's, a dense MLP's and an MoE layer's input norms (each
     saves its own cast copy under autocast; ``None`` or 0: q, k, v (and a gate), gate and up, gate and up — Phi-3's
     fused ``qkv_proj`` and ``gate_up_proj``: one each; an MoE layer of ``uncast_experts``: its router's and shared
@@ -180,6 +187,8 @@ class ModelShape:
     clamped_experts: bool = False
     dense_experts: bool = False
     float32_residual: bool = False
+    scaled_embeddings: bool = False
+    layer_carry: int = 0
     norm_readers: tuple[int, int, int] | None = None
     uncast_experts: bool = False
     expert_biases: bool = False
@@ -447,6 +456,8 @@ def _shape_of_attention_config(cfg: Any) -> ModelShape:
         and getattr(cfg, "_experts_implementation", None) in (None, "grouped_mm"),
         windows=_config_windows(cfg),
         mlp_layers=None if (blocks := _mlp_blocks(cfg)) is None else len(blocks),
+        scaled_embeddings=family in SCALED_EMBEDDINGS,
+        layer_carry=(getattr(cfg, "router_hidden_size", None) or 0) * (family in SCALED_EMBEDDINGS),
     )
 
 

@@ -439,7 +439,8 @@ def saved_bytes(
         "layers": layers,
         "weight_copies": copies,
         "head": _head_bytes_per_token(shape, dtypes) * tokens,
-        "other": ID_BYTES * batch * seq_len + rope,
+        # (and a scale's input before the first layer: ZAYA's)
+        "other": ID_BYTES * batch * seq_len + rope + shape.scaled_embeddings * r * shape.hidden_size * tokens,
     }
 
 
@@ -679,10 +680,14 @@ def _head_bytes_per_token(shape: ModelShape, dtypes: Dtypes) -> int:
 
 
 def _layer_inputs_bytes(shape: ModelShape, dtypes: Dtypes) -> int:
-    """Bytes per token of every decoder layer's input (a checkpointed layer's saved tensor): the first in the
-    activations' dtype, the others in the residual stream's (float32 with ``float32_residual``)."""
+    """Bytes per token of every decoder layer's input (a checkpointed layer's saved tensors): the first in the
+    activations' dtype, the others in the residual stream's (float32 with ``float32_residual``; every one with
+    ``scaled_embeddings``), and what each but the first takes from the one before beside it (``layer_carry``, in
+    the activations' dtype)."""
     r, w = dtypes.activation.itemsize, shape.stream_dtype(dtypes.activation).itemsize
-    return (r + (shape.num_layers - 1) * w) * shape.hidden_size if shape.num_layers else 0
+    first, w = (4, 4) if shape.scaled_embeddings else (r, w)
+    carried = (shape.num_layers - 1) * r * shape.layer_carry
+    return (first + (shape.num_layers - 1) * w) * shape.hidden_size + carried if shape.num_layers else 0
 
 
 def loss_backward_bytes(
