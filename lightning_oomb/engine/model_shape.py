@@ -19,17 +19,20 @@ from lightning_oomb.engine.user_hooks import gradient_hooks
 # tests/engine/test_planner.py, test_planner_hybrids.py, test_planner_families.py)
 CALIBRATED = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gemma2", "gemma3", "gemma3_text", "gpt_oss",
               "afmoe", "jamba", "lfm2_moe", "llama4", "llama4_text", "qwen3_next", "kimi_linear", "bamba",
-              "falcon_h1", "lfm2", "nemotron_h", "lfm3", "lara_mini", "bailing_hybrid")  # fmt: skip
+              "falcon_h1", "lfm2", "nemotron_h", "lfm3", "lara_mini", "bailing_hybrid", "cohere")  # fmt: skip
 NORM_BYTES = 4  # HF's RMSNorm computes in float32 whatever the model's dtype
 # model types whose decoder layers norm the attention's and the MLP's outputs too (4 hidden-wide norms a layer)
 SANDWICH_NORMS = ("gemma2", "gemma3", "gemma3_text", "afmoe", "lfm3")
 # model types (prefixes) whose RMSNorms keep their normed input in float32 (multiplied by the weight before the
 # cast back), as transformers' modules show it (:func:`float32_norms`): Gemma's ``x * (1 + w)`` and the like
 FLOAT32_NORM_TYPES = ("gemma", "vaultgemma", "recurrent_gemma", "qwen3_next", "qwen3_5", "gpt_oss", "afmoe", "olmo2",
-                      "olmo3", "flex_olmo", "helium", "nemotron_h", "lara_mini")  # fmt: skip
+                      "olmo3", "flex_olmo", "helium", "nemotron_h", "lara_mini", "cohere")  # fmt: skip
 # model types whose embeddings are biased and scaled into a float32 residual stream, each layer handing the next its
 # router's states (``router_hidden_size`` per token) beside it
 SCALED_EMBEDDINGS = ("zaya",)
+# model types whose decoder layers run attention and the MLP side by side on one norm's output (a LayerNorm that
+# saves its centred input twice)
+PARALLEL_BLOCKS = ("cohere", "cohere2")
 # model types whose attention output is gated by the sigmoid of a projection of the layer's input
 GATED_ATTENTION = ("afmoe",)
 # config fields of the experts a token is routed to
@@ -128,7 +131,9 @@ class ModelShape:
     only their result; Llama's casts it back to the activations' dtype first: :func:`float32_norms`);
     ``float32_residual``: the residual stream is float32 from the first layer's output on (Mamba's
     ``residual_in_fp32``), as are the later layers' inputs, the final norm's and the loss's hidden states;
-    ``scaled_embeddings``: the embeddings are biased and scaled into a float32 residual stream before the first layer
+    ``centered_norms``: its norms subtract the mean and save the centred input twice (Cohere's LayerNorm: a float32
+    hidden-wide tensor more than an RMSNorm); ``layer_norms`` 1: one norm a layer, read by its attention and MLP
+    alike (Cohere's parallel block); ``scaled_embeddings``: the embeddings are biased and scaled into a float32 residual stream before the first layer
     (ZAYA's): the scale's input saved, every layer's input float32; ``layer_carry``: elements per token each layer
     but the first takes from the one before besides the hidden states (ZAYA's router states: a checkpointed layer's
     input too);
@@ -187,6 +192,7 @@ class ModelShape:
     clamped_experts: bool = False
     dense_experts: bool = False
     float32_residual: bool = False
+    centered_norms: bool = False
     scaled_embeddings: bool = False
     layer_carry: int = 0
     norm_readers: tuple[int, int, int] | None = None
@@ -303,6 +309,12 @@ class ModelShape:
     def stream_dtype(self, activation: torch.dtype) -> torch.dtype:
         """The residual stream's dtype after the first layer: float32 at least with ``float32_residual``."""
         return torch.float32 if self.float32_residual and activation.itemsize < 4 else activation
+
+    @property
+    def norm_input_bytes(self) -> int:
+        """Bytes per token of a norm's float32 input saved for its backward (``centered_norms``: the centred input,
+        saved twice)."""
+        return NORM_BYTES * self.hidden_size * (1 + self.centered_norms)
 
     def normed_bytes(self, activation: torch.dtype) -> int:
         """Bytes per token of an RMSNorm's normed input, saved for its weight's gradient (none when frozen)."""
@@ -441,8 +453,9 @@ def _shape_of_attention_config(cfg: Any) -> ModelShape:
         shared_width=shared if experts else 0,
         moe_layers=_moe_layers(cfg) if experts else None,
         dense_width=(getattr(cfg, "intermediate_size_mlp", None) or _mlp_width(cfg)) if experts else 0,
-        layer_norms=4 if family in SANDWICH_NORMS else 2,
+        layer_norms=4 if family in SANDWICH_NORMS else 1 if family in PARALLEL_BLOCKS else 2,
         float32_norms=family.startswith(FLOAT32_NORM_TYPES),
+        centered_norms=family in PARALLEL_BLOCKS,
         gated_attention=family in GATED_ATTENTION,
         clamped_experts=bool(experts)
         and (getattr(cfg, "swiglu_limit", None) is not None or family == "gpt_oss"),
@@ -694,7 +707,8 @@ def _with_layers(shape: ModelShape, module: torch.nn.Module) -> ModelShape:
     readers.append(max((_weights_reading(m, h) for m in moes if isinstance(m, torch.nn.Module)), default=0))
     changes: dict[str, Any] = dict(
         layer_norms=max(map(norms, layers)) or shape.layer_norms,
-        float32_norms=float32_norms(layers.modules(), h),
+        float32_norms=(saves := float32_saves(layers.modules(), h)) >= 2,
+        centered_norms=saves >= 3,
         norm_readers=tuple(readers) if any(readers) else None,
         gated_attention=any(isinstance(getattr(a, "gate_proj", None), torch.nn.Linear) for a in attentions),
         qk_norm=shape.qk_norm or any(getattr(a, n, None) is not None for a in attentions for n in QK_NORMS),
@@ -757,7 +771,13 @@ def float32_norms(modules: Any, width: int) -> bool:
     float32 under 16-bit activations, as their forward shows on a bfloat16 input: two float32 ``width``-wide tensors
     saved — the input and the normed input (torch's ``nn.RMSNorm``, Gemma's ``x * (1 + w)``) — not one (Llama's casts
     the normed input back first). A norm whose forward takes more than the hidden states (a gated norm) is not read."""
-    tried = set()
+    return float32_saves(modules, width) >= 2
+
+
+def float32_saves(modules: Any, width: int) -> int:
+    """The most float32 ``width``-wide tensors a norm among ``modules`` saves per token on a bfloat16 input
+    (:func:`float32_norms`; three: Cohere's LayerNorm, its centred input twice and the normed input)."""
+    tried, most = set(), 0
     for norm in modules:
         weight = getattr(norm, "weight", None)
         if (
@@ -769,9 +789,11 @@ def float32_norms(modules: Any, width: int) -> bool:
         if tuple(weight.shape) == (width,):
             tried.add(type(norm))
             saved = _saved_by_norm(norm, width)
-            if len({t.untyped_storage().data_ptr() for t in saved if t.dtype == torch.float32}) >= 2:
-                return True
-    return False
+            rows = {
+                t.untyped_storage().data_ptr() for t in saved if t.dtype == torch.float32 and t.dim() == 2
+            }
+            most = max(most, len(rows))
+    return most
 
 
 def _saved_by_norm(norm: torch.nn.Module, width: int) -> list[torch.Tensor]:

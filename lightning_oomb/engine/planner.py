@@ -509,8 +509,9 @@ def _layer_bytes_per_token(
     its input. Frozen layers (``frozen_layers``: LoRA) save no normed input for their
     norms' weights, and their projections' inputs only where LoRA adapters in the activations' dtype read them
     (wider adapters save their own copies: :func:`adapter_bytes`). Norms of the attention's and the MLP's outputs
-    (``layer_norms`` 4: Gemma 2/3; Cohere's one is counted as two, from above) and a sigmoid gate on the attention
-    output count with attention."""
+    (``layer_norms`` 4: Gemma 2/3) and a sigmoid gate on the attention output count with attention; with one norm a
+    layer (``layer_norms`` 1: Cohere's parallel block) the MLP reads the attention's (under autocast its own cast
+    copies)."""
     r, c, f = dtypes.activation.itemsize, dtypes.compute.itemsize, NORM_BYTES
     h, heads, kv_heads = shape.hidden_size, shape.num_heads, shape.kv_heads
     q, kv = heads * shape.head_dim, kv_heads * shape.head_dim
@@ -520,8 +521,11 @@ def _layer_bytes_per_token(
 
     normed = shape.normed_bytes(dtypes.activation)
 
-    def norm(readers: int) -> int:  # float32 input, 1/rms, normed input, then what the projections save
-        return f * h + f + normed + (readers * c * h if dtypes.mixed else r * h) * inputs
+    def norm(
+        readers: int, own: bool = True
+    ) -> int:  # float32 input, 1/rms, normed input, what the projections save
+        saved = shape.norm_input_bytes + f + normed if own else 0
+        return saved + (readers * c * h if dtypes.mixed else r * h * own) * inputs
 
     gated = shape.gated_attention
     readers = shape.norm_readers or (0, 0, 0)  # (0: q, k, v and a gate; gate and up; gate and up)
@@ -540,13 +544,15 @@ def _layer_bytes_per_token(
     if streamed:
         attn += 2 * c * kv
 
+    own = shape.layer_norms != 1  # (a parallel block's MLP reads the attention's norm)
+
     def mlp(width: int, experts: bool) -> int:
         if tiled:
-            return f * h + f + normed + r * h
+            return shape.norm_input_bytes + f + normed + r * h
         if not experts:
-            return norm(mlp_readers) + (3 + inputs) * c * width
+            return norm(mlp_readers, own) + (3 + inputs) * c * width
         # its shared experts as a dense MLP, its routed ones (routed_bytes), the router's scores
-        saved = norm(moe_readers) + (3 + inputs) * c * (width - routed)
+        saved = norm(moe_readers, own) + (3 + inputs) * c * (width - routed)
         return saved + routed_bytes(shape, dtypes) + 2 * f * shape.num_experts
 
     dense = mlp(shape.dense_mlp_width, False)
@@ -664,7 +670,7 @@ def _output_norm_bytes(shape: ModelShape, dtypes: Dtypes) -> int:
 def _mixer_norm_bytes(shape: ModelShape, dtypes: Dtypes) -> int:
     """Bytes per token a mixer layer's input norm saves (float32 input, 1/rms, normed input; the mixer saves the
     projections' input)."""
-    return NORM_BYTES * (shape.hidden_size + 1) + shape.normed_bytes(dtypes.activation)
+    return shape.norm_input_bytes + NORM_BYTES + shape.normed_bytes(dtypes.activation)
 
 
 def mlp_tiled(shape: ModelShape, mlp_tile: int | None, chunk_tokens: int) -> bool:
@@ -676,7 +682,7 @@ def _head_bytes_per_token(shape: ModelShape, dtypes: Dtypes) -> int:
     """The final norm's saved tensors (the cross-entropy saves none: its gradients are made in its forward); its
     normed input in the residual stream's dtype (float32 with ``float32_residual``)."""
     stream = shape.stream_dtype(dtypes.activation)
-    return NORM_BYTES * shape.hidden_size + NORM_BYTES + shape.normed_bytes(stream)
+    return shape.norm_input_bytes + NORM_BYTES + shape.normed_bytes(stream)
 
 
 def _layer_inputs_bytes(shape: ModelShape, dtypes: Dtypes) -> int:
