@@ -592,15 +592,19 @@ def mixer_bytes(mixer: Mixer, dtypes: Dtypes, batch: int, length: int, hidden: i
     head, Mamba2's ``5 N`` per head, 2 (plain gate: 6) float32 outputs and its states again, Mamba-1's ``4 N`` per
     channel, a short convolution's three gated inputs. Under autocast a Mamba2 mixer's and a gated delta-net's
     projections, convolution and scan / rule matmuls' operands are in the compute dtype (measured on CPU steps), a
-    delta-net's projections each reading their own cast copy of its input (``Mixer.readers``)."""
+    delta-net's projections each reading their own cast copy of its input (``Mixer.readers``); a short
+    convolution computes all it saves in the compute dtype."""
     r, c, f = dtypes.activation.itemsize, dtypes.compute.itemsize, 4
     w, heads, d, n = mixer.channels, mixer.heads, mixer.head_dim, mixer.state
     out, padded = heads * d, -(-length // mixer.block) * mixer.block
     blocks = padded // mixer.block
     # the convolution's input after the previous chunk's last columns (a copy) and its output (the kernel's more)
     conv = r * w * (2 * length + 3 * mixer.kernel - 1)
-    if mixer.kind == "conv":
-        return batch * (r * (hidden + 4 * w) * length + conv), batch * 3 * r * w * length
+    if (
+        mixer.kind == "conv"
+    ):  # (under autocast its projection's cast input and all it computes in the compute dtype)
+        saved = c * (hidden + 4 * w) * length + c * w * (2 * length + 3 * mixer.kernel - 1)
+        return batch * saved, batch * 3 * c * w * length
     if mixer.kind == "mamba":  # Mamba-1's torch scan, token by token: per channel, state-wide float32 terms
         own = r * hidden + 8 * r * out + 6 * f * out + 2 * (r + f) * n
         rule = 3 * f * out * n  # per channel and state column: the decays, the inputs, the states
@@ -663,8 +667,10 @@ def _mixer_saves(shape: ModelShape, dtypes: Dtypes, batch: int, length: int) -> 
 
 def _output_norm_bytes(shape: ModelShape, dtypes: Dtypes) -> int:
     """Bytes per token a layer's norms of its mixer's (attention's) and MLP's outputs save (Gemma 2/3, AFMoE, LFM3:
-    ``layer_norms`` 4; no projection reads them)."""
-    return max(shape.layer_norms - 2, 0) * _mixer_norm_bytes(shape, dtypes)
+    ``layer_norms`` 4; no projection reads them): the normed input in its input's dtype — under autocast the
+    compute dtype, the outputs' (``float32_norms``: float32)."""
+    normed = shape.normed_bytes(dtypes.compute if dtypes.mixed else dtypes.activation)
+    return max(shape.layer_norms - 2, 0) * (shape.norm_input_bytes + NORM_BYTES + normed)
 
 
 def _mixer_norm_bytes(shape: ModelShape, dtypes: Dtypes) -> int:

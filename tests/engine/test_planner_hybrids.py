@@ -30,6 +30,7 @@ def broadcast_scan(family: str) -> bool:
     ("family", "precision"),
     [("qwen3_next", "32-true"), ("qwen3_next", "bf16-true"), ("qwen3_next", "bf16-mixed"),
      ("olmo_hybrid", "bf16-mixed"), ("bamba", "32-true"), ("falcon_h1", "32-true"), ("lfm2", "32-true"),
+     ("lfm3", "bf16-mixed"),
      ("mamba", "32-true"), ("falcon_mamba", "bf16-true"), ("kimi_linear", "32-true")],
 )  # fmt: skip
 def test_a_hybrids_carried_mixers_are_planned(family, precision, checkpointing):
@@ -39,13 +40,16 @@ def test_a_hybrids_carried_mixers_are_planned(family, precision, checkpointing):
     layers, LFM2's MLP at its config's unadjusted width), the saved bytes within 10 % (measured -5 % .. +2 %).
     Under bf16-mixed a gated delta-net's projections each read a cast copy of its input and its rule's matmuls
     save bfloat16 operands: planned +21 .. +29 % above what autograd saves (Qwen3-Next, OLMo-Hybrid; counted as
-    float32), now -3 .. +1 %."""
+    float32), now -3 .. +1 %; a short convolution (LFM2/LFM3) and the norms of a layer's outputs (LFM3) compute in
+    bfloat16 too: LFM3's saved bytes +14 % (its step's peak +18 %), now -2 % (+2 %)."""
     predicted, saved, measured = measure(family, precision, checkpointing, 64, seq_len=256, vocab=64, live=True,
                                          build=build_hybrid)  # fmt: skip
     backward = max(v for k, v in predicted.phases.items() if k != "optimizer step")
     peak = backward + predicted.device["carried_states"]  # the stored states are allocated during the step
     # Kimi-Linear's per-channel decay blocks: planned from above (+4 .. +30 % at key dims of 8 to 32)
-    high = 1.35 if family == "kimi_linear" else 1.10
+    # LFM3's checkpointed attention backward under bf16-mixed: from above (+11 %; +15 % while its convolutions and
+    # output norms were counted in float32)
+    high = 1.35 if family == "kimi_linear" else 1.15 if family == "lfm3" and checkpointing else 1.10
     if not (checkpointing and broadcast_scan(family)):
         assert 0.95 <= peak / measured <= high, (predicted.phases, measured)
     assert len(predicted.model.mixers) == {
