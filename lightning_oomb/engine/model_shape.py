@@ -133,10 +133,13 @@ class ModelShape:
     ``residual_in_fp32``), as are the later layers' inputs, the final norm's and the loss's hidden states;
     ``centered_norms``: its norms subtract the mean and save the centred input twice (Cohere's LayerNorm: a float32
     hidden-wide tensor more than an RMSNorm); ``layer_norms`` 1: one norm a layer, read by its attention and MLP
-    alike (Cohere's parallel block); ``scaled_embeddings``: the embeddings are biased and scaled into a float32 residual stream before the first layer
-    (ZAYA's): the scale's input saved, every layer's input float32; ``layer_carry``: elements per token each layer
-    but the first takes from the one before besides the hidden states (ZAYA's router states: a checkpointed layer's
-    input too);
+    alike (Cohere's parallel block); ``per_layer_inputs``: the width of each layer's own input beside the hidden
+    states (Gemma 4's ``hidden_size_per_layer_input``; 0: none), made for all layers before the first — the
+    embeddings projected, normed (its float32 input and output saved) and added to per-layer embeddings (the sum
+    saved); ``scaled_embeddings``: the embeddings are biased and scaled into a float32 residual stream before the
+    first layer (ZAYA's): the scale's input saved, every layer's input float32; ``layer_carry``: elements per token
+    each layer but the first takes from the one before besides the hidden states (ZAYA's router states: a
+    checkpointed layer's input too);
     ``norm_readers``: the projections reading the attention's, a dense MLP's and an MoE layer's input norms (each
     saves its own cast copy under autocast; ``None`` or 0: q, k, v (and a gate), gate and up, gate and up — Phi-3's
     fused ``qkv_proj`` and ``gate_up_proj``: one each; an MoE layer of ``uncast_experts``: its router's and shared
@@ -193,6 +196,7 @@ class ModelShape:
     dense_experts: bool = False
     float32_residual: bool = False
     centered_norms: bool = False
+    per_layer_inputs: int = 0
     scaled_embeddings: bool = False
     layer_carry: int = 0
     norm_readers: tuple[int, int, int] | None = None
@@ -469,6 +473,7 @@ def _shape_of_attention_config(cfg: Any) -> ModelShape:
         and getattr(cfg, "_experts_implementation", None) in (None, "grouped_mm"),
         windows=_config_windows(cfg),
         mlp_layers=None if (blocks := _mlp_blocks(cfg)) is None else len(blocks),
+        per_layer_inputs=getattr(cfg, "hidden_size_per_layer_input", None) or 0,
         scaled_embeddings=family in SCALED_EMBEDDINGS,
         layer_carry=(getattr(cfg, "router_hidden_size", None) or 0) * (family in SCALED_EMBEDDINGS),
     )

@@ -435,12 +435,20 @@ def saved_bytes(
                 linear += sum(m.linear_weights for m in shape.mixers) - unpaged * shape.attention_params
         copies = linear * c if dtypes.mixed else 0
         rope = 2 * min(chunk_size, seq_len) * shape.head_dim * r  # cos and sin, shared by every layer
+    # the layers' own inputs (Gemma 4's): their sum, the float32 norm's input and output, 1/rms and one more per
+    # layer; under autocast the projection's cast input and weight
+    own = shape.per_layer_inputs * shape.num_layers
+    own_inputs = (r + 2 * NORM_BYTES) * own + 2 * NORM_BYTES * shape.num_layers * bool(own)
+    if dtypes.mixed and own:
+        own_inputs += c * shape.hidden_size
+        copies += c * shape.hidden_size * own
+    # (and a scale's input before the first layer: ZAYA's)
+    own_inputs += shape.scaled_embeddings * r * shape.hidden_size
     return {
         "layers": layers,
         "weight_copies": copies,
         "head": _head_bytes_per_token(shape, dtypes) * tokens,
-        # (and a scale's input before the first layer: ZAYA's)
-        "other": ID_BYTES * batch * seq_len + rope + shape.scaled_embeddings * r * shape.hidden_size * tokens,
+        "other": ID_BYTES * batch * seq_len + rope + own_inputs * tokens,
     }
 
 
