@@ -39,8 +39,8 @@ GATED_ATTENTION = ("afmoe",)
 EXPERTS_PER_TOKEN = ("num_experts_per_tok", "num_experts_per_token", "moe_k")
 # config fields of the number of shared experts (each as wide as a routed one)
 SHARED_EXPERTS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
-# names of attention's norms of its queries (Llama 4's of both; LFM2's q_layernorm)
-QK_NORMS = ("q_norm", "qk_norm", "q_layernorm")
+# names of attention's norms of its queries (Llama 4's of both; LFM2's q_layernorm; HunYuan's query_layernorm)
+QK_NORMS = ("q_norm", "qk_norm", "q_layernorm", "query_layernorm")
 # names of a decoder layer's MLP child (Llama's, LFM2's and Jamba's, others')
 MLP_NAMES = ("mlp", "feed_forward", "ffn")
 # names of attention's and an MLP's output projections (which read no norm)
@@ -449,7 +449,7 @@ def _shape_of_attention_config(cfg: Any) -> ModelShape:
         vocab_size=cfg.vocab_size,
         num_embeddings=cfg.vocab_size,
         tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-        qk_norm=family.startswith(("qwen3", "gemma3", "afmoe", "olmo2", "olmo3")),
+        qk_norm=family.startswith(("qwen3", "gemma3", "afmoe", "olmo2", "olmo3", "hunyuan")),
         qkv_bias=bool(getattr(cfg, "attention_bias", family in ("qwen2", "qwen2_moe"))),
         family=family,
         num_experts=experts,

@@ -31,11 +31,25 @@ def build_llama4(family, dtype, vocab_size, **overrides):
     return model
 
 
+def build_tiny(family, dtype, vocab_size, **overrides):
+    """A tiny model of ``family`` (:data:`BASE`'s fields; Gemma 4's layers' own inputs 256 wide)."""
+    import transformers as tf
+
+    if family not in tf.CONFIG_MAPPING:
+        pytest.skip(f"transformers {tf.__version__} has no {family}")
+    own = {"vocab_size_per_layer_input": vocab_size} if family.startswith("gemma4") else {}
+    config = tf.AutoConfig.for_model(family, **{**BASE, "vocab_size": vocab_size, "initializer_range": 0.2, **own,
+                                                **overrides})  # fmt: skip
+    torch.manual_seed(0)
+    return tf.AutoModelForCausalLM.from_config(config).to(dtype)
+
+
 @pytest.mark.parametrize(
     ("family", "build"),
     [("afmoe", build_family), ("gemma2", build_family), ("gemma3", build_family), ("gpt_oss", build_family),
      ("jamba", build_hybrid), ("lfm2_moe", build_hybrid), ("llama4_text", build_llama4), ("nemotron_h", build_hybrid),
-     ("lfm3", build_hybrid), ("lara_mini", build_hybrid), ("bailing_hybrid", build_hybrid)],
+     ("lfm3", build_hybrid), ("lara_mini", build_hybrid), ("bailing_hybrid", build_hybrid),
+     ("hunyuan_v1_dense", build_tiny)],
     ids=lambda v: v if isinstance(v, str) else "",
 )  # fmt: skip
 def test_activations_of_layers_beyond_llamas(family, build):
@@ -43,7 +57,8 @@ def test_activations_of_layers_beyond_llamas(family, build):
     before: AFMoE 31 % under, Gemma 2/3 23-24 %,
     GPT-OSS 21 %, Llama 4 35 % (transformers runs every token through every expert), Jamba 9 % over with its dense
     layers counted as MoE, Nemotron-H 31 % over with an MLP counted in each of its single-block layers, LFM3 13 %
-    under with its convolution layers' four norms counted as two), the step's peak at most 5 % below."""
+    under with its convolution layers' four norms counted as two, HunYuan 17 % under with its ``query_layernorm``
+    unread), the step's peak at most 5 % below."""
     predicted, saved, measured = measure(family, "32-true", False, 64, seq_len=256, vocab=64, live=True,
                                          build=build)  # fmt: skip
     assert abs(predicted.device["activations"] / saved - 1) <= 0.10, (predicted.saved, saved)
@@ -79,6 +94,7 @@ CONFIGS = {  # model_type -> fields; (the layers that route to experts, dense ML
     "gemma2": (dict(), 0),
     "gemma3_text": (dict(), 0),
     "cohere": (dict(), 0),
+    "hunyuan_v1_dense": (dict(), 0),
 }  # fmt: skip
 READ = ("num_experts", "experts_per_token", "shared_width", "moe_mlps", "dense_mlp_width", "mlp_width",
         "layer_norms", "gated_attention", "qk_norm", "windows", "float32_norms", "centered_norms")  # fmt: skip
@@ -152,18 +168,6 @@ def test_coheres_parallel_block_reads_one_norm_that_saves_its_centred_input_twic
     assert predicted.model.layer_norms == 1 and predicted.model.centered_norms
 
 
-def build_gemma4(family, dtype, vocab_size, **overrides):
-    """A tiny Gemma 4 text model: each of its 4 layers takes a 256-wide input of its own."""
-    import transformers as tf
-
-    if not hasattr(tf, "Gemma4TextConfig"):
-        pytest.skip(f"transformers {tf.__version__} has no Gemma 4")
-    config = tf.AutoConfig.for_model(family, **{**BASE, "vocab_size": vocab_size, "initializer_range": 0.2,
-                                                "vocab_size_per_layer_input": vocab_size})  # fmt: skip
-    torch.manual_seed(0)
-    return tf.AutoModelForCausalLM.from_config(config).to(dtype)
-
-
 @pytest.mark.parametrize("precision", ["32-true", "bf16-true", "bf16-mixed"])
 def test_gemma4s_per_layer_inputs_are_saved_before_the_first_layer(precision):
     """Gemma 4 makes every layer's own input (``hidden_size_per_layer_input`` wide) before the first layer: the
@@ -171,9 +175,7 @@ def test_gemma4s_per_layer_inputs_are_saved_before_the_first_layer(precision):
     input and output and the sum (under autocast also the projection's cast input and weight) beside the layers'
     inputs: planned 94-95 % below what autograd saves (the layers' inputs only), now within 1 % (measured:
     exact)."""
-    predicted, saved, _ = measure(
-        "gemma4_text", precision, True, 64, seq_len=256, vocab=64, build=build_gemma4
-    )
+    predicted, saved, _ = measure("gemma4_text", precision, True, 64, seq_len=256, vocab=64, build=build_tiny)
     assert abs(predicted.device["activations"] / saved - 1) <= 0.01, (predicted.saved, saved)
     assert predicted.model.per_layer_inputs == 256
 
