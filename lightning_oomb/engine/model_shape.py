@@ -139,7 +139,8 @@ class ModelShape:
     saved); ``scaled_embeddings``: the embeddings are biased and scaled into a float32 residual stream before the
     first layer (ZAYA's): the scale's input saved, every layer's input float32; ``layer_carry``: elements per token
     each layer but the first takes from the one before besides the hidden states (ZAYA's router states: a
-    checkpointed layer's input too);
+    checkpointed layer's input too); ``ungated_mlp``: the dense MLPs have no gate, and their activation saves
+    ``(width-wide tensors, bytes per element beside them)`` (:func:`ungated_mlp`; ``None``: gated);
     ``norm_readers``: the projections reading the attention's, a dense MLP's and an MoE layer's input norms (each
     saves its own cast copy under autocast; ``None`` or 0: q, k, v (and a gate), gate and up, gate and up — Phi-3's
     fused ``qkv_proj`` and ``gate_up_proj``: one each; an MoE layer of ``uncast_experts``: its router's and shared
@@ -197,6 +198,7 @@ class ModelShape:
     float32_residual: bool = False
     centered_norms: bool = False
     per_layer_inputs: int = 0
+    ungated_mlp: tuple[int, int] | None = None
     scaled_embeddings: bool = False
     layer_carry: int = 0
     norm_readers: tuple[int, int, int] | None = None
@@ -715,6 +717,9 @@ def _with_layers(shape: ModelShape, module: torch.nn.Module) -> ModelShape:
         float32_norms=(saves := float32_saves(layers.modules(), h)) >= 2,
         centered_norms=saves >= 3,
         norm_readers=tuple(readers) if any(readers) else None,
+        ungated_mlp=next(
+            (u for m in mlps if isinstance(m, torch.nn.Module) and (u := ungated_mlp(m, h))), None
+        ),
         gated_attention=any(isinstance(getattr(a, "gate_proj", None), torch.nn.Linear) for a in attentions),
         qk_norm=shape.qk_norm or any(getattr(a, n, None) is not None for a in attentions for n in QK_NORMS),
     )
@@ -728,6 +733,33 @@ def _with_layers(shape: ModelShape, module: torch.nn.Module) -> ModelShape:
             expert_biases=biases,
         )
     return dataclasses.replace(shape, **changes)
+
+
+def ungated_mlp(mlp: torch.nn.Module, hidden: int) -> tuple[int, int] | None:
+    """``(width-wide tensors, bytes per element beside them)`` the activation of an MLP without a gate — one
+    projection of the ``hidden``-wide input to the width its output projection reads, an activation module between —
+    saves beside its output, as its forward shows on a float32 input (GELU: its input; ReLU²: the ReLU's output;
+    Apertus's xIELU: four and a mask); ``None`` for a gated MLP or one whose activation is not a module."""
+    linears = [(n, c) for n, c in mlp.named_children() if isinstance(c, torch.nn.Linear)]
+    down = [c for n, c in linears if n in OUTPUT_PROJECTIONS]
+    up = [c for n, c in linears if n not in OUTPUT_PROJECTIONS and c.in_features == hidden]
+    act = [c for c in mlp.children() if not isinstance(c, torch.nn.Linear)]
+    if len(down) != 1 or len(up) != 1 or up[0].out_features != down[0].in_features or len(act) != 1:
+        return None
+    params = {n: torch.ones(p.shape, requires_grad=True) for n, p in act[0].named_parameters()}
+    params.update((n, torch.ones(b.shape, dtype=b.dtype)) for n, b in act[0].named_buffers())
+    x = torch.randn(2, up[0].out_features, requires_grad=True)
+    saved: list[torch.Tensor] = []
+    hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t)
+    try:
+        with torch.enable_grad(), torch.autocast("cpu", enabled=False), hooks:
+            out = torch.func.functional_call(act[0], params, (x,))
+    except Exception:  # noqa: BLE001  (an activation that needs more than its input)
+        return None
+    rows = {t.untyped_storage().data_ptr(): t for t in saved if t.shape == x.shape}
+    rows.pop(out.untyped_storage().data_ptr(), None)  # (the output projection's input: counted apart)
+    wide = sum(t.is_floating_point() for t in rows.values())
+    return wide, sum(t.element_size() for t in rows.values() if not t.is_floating_point())
 
 
 def _weights_reading(block: torch.nn.Module, width: int) -> int:

@@ -557,6 +557,9 @@ def _layer_bytes_per_token(
     def mlp(width: int, experts: bool) -> int:
         if tiled:
             return shape.norm_input_bytes + f + normed + r * h
+        if not experts and shape.ungated_mlp:  # what its activation saves and the output projection's input
+            wide, extra = shape.ungated_mlp
+            return norm(mlp_readers, own) + (wide * c + extra + inputs * c) * width
         if not experts:
             return norm(mlp_readers, own) + (3 + inputs) * c * width
         # its shared experts as a dense MLP, its routed ones (routed_bytes), the router's scores
