@@ -141,6 +141,7 @@ class ModelShape:
     each layer but the first takes from the one before besides the hidden states (ZAYA's router states: a
     checkpointed layer's input too); ``ungated_mlp``: the dense MLPs have no gate, and their activation saves
     ``(width-wide tensors, bytes per element beside them)`` (:func:`ungated_mlp`; ``None``: gated);
+    ``native_norms``: its norms are torch's fused LayerNorm, which saves its input as it is (:func:`native_norms`);
     ``norm_readers``: the projections reading the attention's, a dense MLP's and an MoE layer's input norms (each
     saves its own cast copy under autocast; ``None`` or 0: q, k, v (and a gate), gate and up, gate and up — Phi-3's
     fused ``qkv_proj`` and ``gate_up_proj``: one each; an MoE layer of ``uncast_experts``: its router's and shared
@@ -199,6 +200,7 @@ class ModelShape:
     centered_norms: bool = False
     per_layer_inputs: int = 0
     ungated_mlp: tuple[int, int] | None = None
+    native_norms: bool = False
     scaled_embeddings: bool = False
     layer_carry: int = 0
     norm_readers: tuple[int, int, int] | None = None
@@ -321,6 +323,13 @@ class ModelShape:
         """Bytes per token of a norm's float32 input saved for its backward (``centered_norms``: the centred input,
         saved twice)."""
         return NORM_BYTES * self.hidden_size * (1 + self.centered_norms)
+
+    def norm_bytes(self, activation: torch.dtype) -> int:
+        """Bytes per token a hidden-wide norm saves on an input of ``activation``: an RMSNorm its float32 input,
+        1/rms and normed input; torch's fused LayerNorm (``native_norms``) its input as it is and a mean and 1/std."""
+        if self.native_norms:
+            return activation.itemsize * self.hidden_size + 2 * NORM_BYTES
+        return self.norm_input_bytes + NORM_BYTES + self.normed_bytes(activation)
 
     def normed_bytes(self, activation: torch.dtype) -> int:
         """Bytes per token of an RMSNorm's normed input, saved for its weight's gradient (none when frozen)."""
@@ -716,6 +725,7 @@ def _with_layers(shape: ModelShape, module: torch.nn.Module) -> ModelShape:
         layer_norms=max(map(norms, layers)) or shape.layer_norms,
         float32_norms=(saves := float32_saves(layers.modules(), h)) >= 2,
         centered_norms=saves >= 3,
+        native_norms=native_norms(layers.modules(), h),
         norm_readers=tuple(readers) if any(readers) else None,
         ungated_mlp=next(
             (u for m in mlps if isinstance(m, torch.nn.Module) and (u := ungated_mlp(m, h))), None
@@ -831,6 +841,17 @@ def float32_saves(modules: Any, width: int) -> int:
             }
             most = max(most, len(rows))
     return most
+
+
+def native_norms(modules: Any, width: int) -> bool:
+    """Whether the norms among ``modules`` are torch's fused LayerNorm (``F.layer_norm``: Nemotron's, StarCoder2's,
+    StableLM's), as their forward shows on a bfloat16 input: its input saved as it is, no float32 copy of it."""
+    norms = [m for m in modules if "norm" in type(m).__name__.lower() and isinstance(getattr(m, "weight", None),
+             torch.Tensor) and tuple(m.weight.shape) == (width,)]  # fmt: skip
+    if not norms:
+        return False
+    rows = [t for t in _saved_by_norm(norms[0], width) if t.dim() == 2]
+    return bool(rows) and all(t.dtype == torch.bfloat16 for t in rows)
 
 
 def _saved_by_norm(norm: torch.nn.Module, width: int) -> list[torch.Tensor]:

@@ -527,12 +527,8 @@ def _layer_bytes_per_token(
     # the projections' inputs are saved by the projections, else by adapters in the activations' dtype
     inputs = not shape.frozen_layers or any(a <= r for _, _, a, _ in shape.adapters)
 
-    normed = shape.normed_bytes(dtypes.activation)
-
-    def norm(
-        readers: int, own: bool = True
-    ) -> int:  # float32 input, 1/rms, normed input, what the projections save
-        saved = shape.norm_input_bytes + f + normed if own else 0
+    def norm(readers: int, own: bool = True) -> int:  # the norm's saved tensors, what the projections save
+        saved = shape.norm_bytes(dtypes.activation) if own else 0
         return saved + (readers * c * h if dtypes.mixed else r * h * own) * inputs
 
     gated = shape.gated_attention
@@ -556,7 +552,7 @@ def _layer_bytes_per_token(
 
     def mlp(width: int, experts: bool) -> int:
         if tiled:
-            return shape.norm_input_bytes + f + normed + r * h
+            return shape.norm_bytes(dtypes.activation) + r * h
         if not experts and shape.ungated_mlp:  # what its activation saves and the output projection's input
             wide, extra = shape.ungated_mlp
             return norm(mlp_readers, own) + (wide * c + extra + inputs * c) * width
@@ -680,14 +676,15 @@ def _output_norm_bytes(shape: ModelShape, dtypes: Dtypes) -> int:
     """Bytes per token a layer's norms of its mixer's (attention's) and MLP's outputs save (Gemma 2/3, AFMoE, LFM3:
     ``layer_norms`` 4; no projection reads them): the normed input in its input's dtype — under autocast the
     compute dtype, the outputs' (``float32_norms``: float32)."""
-    normed = shape.normed_bytes(dtypes.compute if dtypes.mixed else dtypes.activation)
-    return max(shape.layer_norms - 2, 0) * (shape.norm_input_bytes + NORM_BYTES + normed)
+    return max(shape.layer_norms - 2, 0) * shape.norm_bytes(
+        dtypes.compute if dtypes.mixed else dtypes.activation
+    )
 
 
 def _mixer_norm_bytes(shape: ModelShape, dtypes: Dtypes) -> int:
     """Bytes per token a mixer layer's input norm saves (float32 input, 1/rms, normed input; the mixer saves the
     projections' input)."""
-    return shape.norm_input_bytes + NORM_BYTES + shape.normed_bytes(dtypes.activation)
+    return shape.norm_bytes(dtypes.activation)
 
 
 def mlp_tiled(shape: ModelShape, mlp_tile: int | None, chunk_tokens: int) -> bool:
@@ -699,7 +696,7 @@ def _head_bytes_per_token(shape: ModelShape, dtypes: Dtypes) -> int:
     """The final norm's saved tensors (the cross-entropy saves none: its gradients are made in its forward); its
     normed input in the residual stream's dtype (float32 with ``float32_residual``)."""
     stream = shape.stream_dtype(dtypes.activation)
-    return shape.norm_input_bytes + NORM_BYTES + shape.normed_bytes(stream)
+    return shape.norm_bytes(stream)
 
 
 def _layer_inputs_bytes(shape: ModelShape, dtypes: Dtypes) -> int:
