@@ -19,7 +19,8 @@ from lightning_oomb.engine.user_hooks import gradient_hooks
 # tests/engine/test_planner.py, test_planner_hybrids.py, test_planner_families.py)
 CALIBRATED = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gemma2", "gemma3", "gemma3_text", "gpt_oss",
               "afmoe", "jamba", "lfm2_moe", "llama4", "llama4_text", "qwen3_next", "kimi_linear", "bamba",
-              "falcon_h1", "lfm2", "nemotron_h", "lfm3", "lara_mini", "bailing_hybrid", "cohere")  # fmt: skip
+              "falcon_h1", "lfm2", "nemotron_h", "lfm3", "lara_mini", "bailing_hybrid", "cohere",
+              "hunyuan_v1_dense", "apertus", "arcee", "nemotron", "stablelm")  # fmt: skip
 NORM_BYTES = 4  # HF's RMSNorm computes in float32 whatever the model's dtype
 # model types whose decoder layers norm the attention's and the MLP's outputs too (4 hidden-wide norms a layer)
 SANDWICH_NORMS = ("gemma2", "gemma3", "gemma3_text", "afmoe", "lfm3")
