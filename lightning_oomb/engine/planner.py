@@ -607,11 +607,12 @@ def mixer_bytes(mixer: Mixer, dtypes: Dtypes, batch: int, length: int, hidden: i
     blocks = padded // mixer.block
     # the convolution's input after the previous chunk's last columns (a copy) and its output (the kernel's more)
     conv = r * w * (2 * length + 3 * mixer.kernel - 1)
-    if (
-        mixer.kind == "conv"
-    ):  # (under autocast its projection's cast input and all it computes in the compute dtype)
-        saved = c * (hidden + 4 * w) * length + c * w * (2 * length + 3 * mixer.kernel - 1)
-        return batch * saved, batch * 3 * c * w * length
+    # under autocast a short convolution's cast input and all it computes in the compute dtype (ZAYA's attention
+    # projection, its values delayed, counted as one: in the activations' dtype)
+    if mixer.kind == "conv":
+        e = r if mixer.delayed else c
+        saved = e * (hidden + 4 * w) * length + e * w * (2 * length + 3 * mixer.kernel - 1)
+        return batch * saved, batch * 3 * e * w * length
     if mixer.kind == "mamba":  # Mamba-1's torch scan, token by token: per channel, state-wide float32 terms
         own = r * hidden + 8 * r * out + 6 * f * out + 2 * (r + f) * n
         rule = 3 * f * out * n  # per channel and state column: the decays, the inputs, the states
