@@ -151,7 +151,8 @@ class OOMBEngine:
         self._global_step: int | None = None  # the trainer's step (OOMBSparseBudget); None: the engine counts
         self._steps = 0  # training steps: of this global step, else of this engine
         self.user_hooks = UserHooks()  # the model's hooks, checked before every sweep
-        self.layers_called: frozenset[int] = frozenset()  # the layer indices the last step's first chunk attended
+        # the layer indices the last step's first chunk attended with (the setup check's idle-layer test)
+        self.layers_called: frozenset[int] = frozenset()
 
     def reconfigure(self, config: OOMBConfig) -> None:
         """Use ``config`` from the next step on (its ``"auto"`` options decided, e.g. by the strategy's memory plan);
