@@ -45,6 +45,8 @@ class Case:
     select: int = 0  # sparse: a random page selection of up to this many pages per query block
 
 
+FP16, BF = torch.float16, torch.bfloat16
+BF16 = {"dtype": BF, "grad_dtype": BF}
 CASES = {
     "gqa7-ragged": Case(),
     "first-chunk": Case(hq=2, hkv=2, q_start=0, lq=33),
@@ -72,6 +74,13 @@ CASES = {
     # pages of several key and query tiles: listed walks map a tile index to (listed page, tile in page)
     "sparse-subpage-blocks": Case(hq=4, hkv=2, d=32, page=32, q_start=160, lq=70, select=3),
     "sparse-subpage-window": Case(b=1, hq=2, hkv=1, d=32, page=32, q_start=192, lq=66, window=120, select=4),
+    # 16-bit inputs and bf16 gradient pages with the score terms together; head dim 256 (DeepSeek's 192, stored)
+    "head-dim-256-bf16": Case(b=1, hq=2, hkv=1, d=256, q_start=32, lq=19, window=25, softcap=5.0, **BF16),
+    "sparse-softcap-window-bf16": Case(
+        hq=4, hkv=2, q_start=64, lq=33, window=40, softcap=5.0, select=2, **BF16
+    ),
+    "sparse-packed-window-fp16": Case(q_start=80, lq=45, window=30, docs=(21, 40, 77), select=3, dtype=FP16),
+    "packed-softcap-bf16-grad-pages": Case(hq=4, q_start=48, docs=(21, 40, 77), softcap=3.0, grad_dtype=BF),
 }
 
 
