@@ -19,13 +19,14 @@ from lightning_oomb.engine import reference
 from lightning_oomb.engine.attention import kernels
 from lightning_oomb.engine.lse import attention_delta, finish_state, init_state
 from lightning_oomb.engine.pages import PagedKV
-from tests.helpers.attention import BACKENDS, dense_attention, selection_mask, shuffled_pages
+from tests.helpers.attention import BACKENDS, dense_attention, from_pages, selection_mask, shuffled_pages
 from tests.kernels.test_paged_attention import (
     DEVICE,
     TOLERANCE,
     Case,
     assert_close,
     copy_grads,
+    doc_starts,
     make_inputs,
     page_selection,
 )
@@ -439,3 +440,94 @@ def test_reference_key_ranges_fold_exactly_in_float64(case, pieces):
     torch.testing.assert_close(dq, want_dq, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(kv.dk, want.dk, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(kv.dv, want.dv, rtol=1e-12, atol=1e-12)
+
+
+# the engine's attend / attend_backward over key parts with everything the op adds around the
+# kernels — sinks (GPT-OSS), chunked attention's spans (Llama 4: `block`, as documents and a window)
+BF16 = {"dtype": torch.bfloat16, "grad_dtype": torch.bfloat16}
+PART_CASES = {  # (case, block, sinks)
+    "bf16-sinks-window-packed": (
+        Case(q_start=48, window=40, softcap=5.0, docs=(21, 40, 77), **BF16),
+        None,
+        True,
+    ),
+    "fp16-spans-sparse": (Case(b=1, hq=2, q_start=64, lq=33, select=2, dtype=torch.float16), 24, False),
+    "spans-in-documents-sinks": (Case(hq=4, hkv=2, q_start=40, docs=(21, 40, 60)), 13, True),
+}
+
+
+def span_mask(case: Case, block: int | None) -> torch.Tensor | None:
+    """Bool [B, Lq, N]: chunked attention from its definition — query ``i`` of a document starting at ``s`` sees
+    the keys of its own span of ``block`` positions counted from ``s``."""
+    if block is None:
+        return None
+    n = case.q_start + case.lq
+    docs = doc_starts(case)
+    starts = torch.zeros(case.b, case.lq, dtype=torch.long) if docs is None else docs.long().cpu()
+    qpos = torch.arange(case.q_start, n)[None, :, None]
+    kpos = torch.arange(n)[None, None]
+    doc = starts[:, :, None]
+    return (kpos >= doc) & ((kpos - doc) // block == (qpos - doc) // block)
+
+
+@pytest.mark.parametrize(
+    ("backend", "fused"), [("torch", "0"), ("cpu", "0"), ("triton", "0"), ("triton", "1")],
+    ids=["torch", "cpu", "triton", "triton-fused-dq"],
+)  # fmt: skip
+@pytest.mark.parametrize("name", PART_CASES)
+def test_attend_over_key_parts_with_sinks_and_spans(monkeypatch, name: str, backend: str, fused: str):
+    """``attend`` / ``attend_backward`` as the op calls them: the keys in shuffled page-aligned parts (table entries
+    outside each part garbage), a carried state, dQ accumulated, sinks folded in last and their gradient from the
+    shared delta, chunked attention's spans as documents and a window (``attention._in_blocks``) — out, lse, dQ,
+    dK, dV and dsinks against the dense float64 oracle, which masks the spans from their definition."""
+    from lightning_oomb.engine.attention import ChunkContext, _in_blocks, attend, attend_backward
+    from lightning_oomb.engine.lse import sink_grad
+    from lightning_oomb.engine.pages import PoolShape
+
+    case, block, with_sinks = PART_CASES[name]
+    monkeypatch.setenv("OOMB_TRITON_FUSED_DQ", fused)
+    q, dout, kv, poison = poisoned_inputs(case)
+    n, scale, tol = case.q_start + case.lq, case.d**-0.5, TOLERANCE[case.dtype]
+    sinks = 2 * torch.randn(case.hq, generator=torch.Generator().manual_seed(1)) if with_sinks else None
+    sinks = None if sinks is None else sinks.to(case.dtype).to(DEVICE)
+    docs, window = doc_starts(case), case.window
+    if block is not None:  # as the op: the spans become documents and a window of `block`
+        shape = PoolShape(1, case.b, n, case.hkv, case.d, case.page, chunk_size=n)
+        chunk = ChunkContext(None, shape, case.q_start, "forward", backend, doc_start=docs)
+        docs = _in_blocks(chunk, block, q.device).doc_start
+        window = block if window is None else min(window, block)
+    select = page_selection(case)
+    parts = []
+    for key_range in split_keys(n, case.page, seed=case.lq):
+        view = with_garbage(kv, key_range, poison)
+        parts.append(PagedKV(view.k, view.v, view.dk, view.dv, view.page_table, key_range))
+    before = copy_grads(kv)
+    ops = kernels(backend)
+    out, lse = attend(backend, q, parts, case.q_start, scale, window, case.softcap, sinks, docs, select)
+    delta = ops.attention_delta(out, dout)
+    dq = attend_backward(backend, q, out, lse, dout, parts, case.q_start, scale, window, case.softcap, delta, docs,
+                         select)  # fmt: skip
+
+    leaves = [x.detach().double().requires_grad_() for x in (q, from_pages(kv.k, kv.page_table, n),
+                                                               from_pages(kv.v, kv.page_table, n))]  # fmt: skip
+    sink_leaf = None if sinks is None else sinks.detach().double().requires_grad_()
+    mask = span_mask(case, block)
+    if select is not None:
+        selected = selection_mask(select.cpu(), case.q_start, case.lq, n, case.page)
+        mask = selected if mask is None else mask & selected
+    want_out, want_lse = dense_attention(*leaves, case.q_start, scale, case.window, True, case.softcap,
+                                         sink_leaf, doc_starts(case), mask)  # fmt: skip
+    want_out.backward(dout.double())
+    assert_close(out, want_out, tol, "out")
+    assert_close(lse, want_lse, 1e-5, "lse")
+    assert_close(dq, leaves[0].grad, tol, "dq")
+    pad = kv.page_table.shape[1] * case.page - n
+    grad_tol = max(tol, TOLERANCE[case.grad_dtype])
+    spare = torch.ones(kv.dk.shape[0], dtype=torch.bool, device=DEVICE)  # slots the table never names
+    spare[kv.page_table.flatten().long()] = False
+    for what, got, old, leaf in (("dk", kv.dk, before.dk, leaves[1]), ("dv", kv.dv, before.dv, leaves[2])):
+        added = from_pages(got.double() - old.double(), kv.page_table, n + pad)
+        assert_close(added, torch.nn.functional.pad(leaf.grad, (0, 0, 0, pad)), grad_tol, f"added {what}")
+        assert torch.equal(got[spare], old[spare])
+    if sinks is not None:
+        assert_close(sink_grad(sinks, lse, delta), sink_leaf.grad, tol, "dsinks")
