@@ -136,9 +136,10 @@ def test_kernel_benchmark_smoke(tmp_path):
 
 @pytest.mark.slow
 def test_tile_sweep_smoke(tmp_path):
-    """Each kernel at its shipped tile (first) and one more, compared with the shipped tiles' results, then the dK/dV
-    kernel computing dQ too (two tiles), then the best combinations timed dense and sparse (with the fused dQ
-    too); the table, the chart and the line for SM90_DEFAULTS."""
+    """Each kernel at its shipped tile (first) and one more, compared with the shipped tiles' results — the dK/dV
+    kernel computing dQ too right after dK/dV, at its own shipped tile first — then the best combinations timed
+    dense and sparse (with the fused dQ too); the table, the chart and the lines for SM90_DEFAULTS and
+    SM90_FUSED_DQ_DEFAULT."""
     out = tmp_path / "sweep.json"
     text = run("benchmarks/tile_sweep.py", "--smoke", "--out", str(out), fresh=True)
     data = json.loads(out.read_text())
@@ -148,22 +149,24 @@ def test_tile_sweep_smoke(tmp_path):
         "forward",
         "dkdv",
         "dkdv",
-        "dq",
-        "dq",
         "dkdv+dq",
         "dkdv+dq",
+        "dq",
+        "dq",
     ]
     assert all(r["agrees"] and r["ms"] > 0 for r in swept)
     assert swept[0]["max_diff"] == 0.0  # the shipped tile against itself
-    from csrc_triton.paged_attention import SM90_DEFAULTS
+    from csrc_triton.paged_attention import SM90_DEFAULTS, SM90_FUSED_DQ_DEFAULT
 
     assert tuple(swept[0]["tile"]) == SM90_DEFAULTS["forward"]
     assert {(r["tiles"], r["sparse"]) for r in data["rows"] if "tiles" in r} == {
         (t, s) for t in ("shipped", "best", "best, fused dQ") for s in (False, True)
     }
-    assert tuple(data["best_fused_dq"]) in [tuple(r["tile"]) for r in swept[-2:]]
+    fused = [r for r in swept if r["kernel"] == "dkdv+dq"]
+    assert tuple(fused[0]["tile"]) == (*SM90_FUSED_DQ_DEFAULT, False)
+    assert tuple(data["best_fused_dq"]) in [tuple(r["tile"]) for r in fused]
     assert out.with_suffix(".md").exists() and out.with_suffix(".png").exists()
-    assert "SM90_DEFAULTS = {" in text
+    assert "SM90_DEFAULTS = {" in text and "SM90_FUSED_DQ_DEFAULT = (" in text
 
 
 def test_profile_step_smoke(tmp_path):
