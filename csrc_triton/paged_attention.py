@@ -130,7 +130,7 @@ def _interpreting() -> bool:
 # every tile (SM90_VARIANTS).
 SM90_DEFAULTS = {"forward": (128, 128, 8, 3), "dkdv": (32, 64, 4, 3), "dq": (64, 64, 4, 3)}
 # The dK/dV kernel computing dQ too (OOMB_TRITON_FUSED_DQ=1) holds a third fp32 tile, the query block's dQ share:
-# at the dK/dV tile above it spills 8-416 bytes on Triton 3.9 and 100-1,000 on 3.6 (the GPU machine's). 128 keys
+# at the dK/dV tile above it spills 8-924 bytes on Triton 3.9 and 100-1,000 on 3.6 (the GPU machine's). 128 keys
 # x 32 queries on 8 warps, one masked loop, compiles without spills there, dense and sparse, plain and with
 # documents, on both (softcap with a selection: 24-112 bytes; benchmarks/results/kernel-compile-sm90*.md); it was
 # 16 % slower than the dK/dV default without dQ (tile sweep above), its speed with dQ is not measured. Other widths
