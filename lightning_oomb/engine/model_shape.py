@@ -319,18 +319,18 @@ class ModelShape:
         """The residual stream's dtype after the first layer: float32 at least with ``float32_residual``."""
         return torch.float32 if self.float32_residual and activation.itemsize < 4 else activation
 
-    @property
-    def norm_input_bytes(self) -> int:
-        """Bytes per token of a norm's float32 input saved for its backward (``centered_norms``: the centred input,
-        saved twice)."""
-        return NORM_BYTES * self.hidden_size * (1 + self.centered_norms)
-
     def norm_bytes(self, activation: torch.dtype) -> int:
-        """Bytes per token a hidden-wide norm saves on an input of ``activation``: an RMSNorm its float32 input,
-        1/rms and normed input; torch's fused LayerNorm (``native_norms``) its input as it is and a mean and 1/std."""
+        """Bytes per token a hidden-wide norm saves on an input of ``activation`` (:meth:`norm_tensors`)."""
+        return sum(self.norm_tensors(activation))
+
+    def norm_tensors(self, activation: torch.dtype) -> list[int]:
+        """Bytes per token of each tensor a hidden-wide norm saves on an input of ``activation``: an RMSNorm its
+        float32 input (``centered_norms``: the centred input, twice), 1/rms and normed input; torch's fused LayerNorm
+        (``native_norms``) its input as it is, a mean and 1/std."""
         if self.native_norms:
-            return activation.itemsize * self.hidden_size + 2 * NORM_BYTES
-        return self.norm_input_bytes + NORM_BYTES + self.normed_bytes(activation)
+            return [activation.itemsize * self.hidden_size, NORM_BYTES, NORM_BYTES]
+        inputs = [NORM_BYTES * self.hidden_size] * (1 + self.centered_norms)
+        return [*inputs, NORM_BYTES, self.normed_bytes(activation)]
 
     def normed_bytes(self, activation: torch.dtype) -> int:
         """Bytes per token of an RMSNorm's normed input, saved for its weight's gradient (none when frozen)."""

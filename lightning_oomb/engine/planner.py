@@ -488,13 +488,11 @@ def parked_saves_bytes(
     to a power of two when ``pinned`` (CUDA: the caching host allocator's blocks); on the device two layers' inputs
     at a time (the one taken and the one coming back ahead). The final norm's stay counted on the device too (the
     norm's backward takes them back while little else is held)."""
-    h, stream = shape.hidden_size, shape.stream_dtype(dtypes.activation)
-    r, w = dtypes.activation.itemsize, stream.itemsize  # the first layer's input, the others' (the stream's)
     least = parking.MIN_BYTES if min_bytes is None else min_bytes
-    inputs = ([r * h * tokens] + [w * h * tokens] * (shape.num_layers - 1))[: shape.num_layers]
-    saved = [*inputs, NORM_BYTES * h * tokens, NORM_BYTES * tokens, shape.normed_bytes(stream) * tokens]
+    inputs = [n * tokens for n in _layer_input_tensors(shape, dtypes)]
+    saved = [*inputs, *(n * tokens for n in shape.norm_tensors(shape.stream_dtype(dtypes.activation)))]
     host = sum(1 << (n - 1).bit_length() if pinned else n for n in saved if n >= least)
-    return min(2, shape.num_layers) * w * h * tokens, host
+    return sum(sorted(inputs)[-2:]), host
 
 
 def parked_bytes(shape: ModelShape, dtypes: Dtypes, tokens: int) -> int:
@@ -701,14 +699,23 @@ def _head_bytes_per_token(shape: ModelShape, dtypes: Dtypes) -> int:
 
 
 def _layer_inputs_bytes(shape: ModelShape, dtypes: Dtypes) -> int:
-    """Bytes per token of every decoder layer's input (a checkpointed layer's saved tensors): the first in the
-    activations' dtype, the others in the residual stream's (float32 with ``float32_residual``; every one with
-    ``scaled_embeddings``), and what each but the first takes from the one before beside it (``layer_carry``, in
-    the activations' dtype)."""
+    """Bytes per token of every decoder layer's input (a checkpointed layer's saved tensors,
+    :func:`_layer_input_tensors`)."""
+    return sum(_layer_input_tensors(shape, dtypes))
+
+
+def _layer_input_tensors(shape: ModelShape, dtypes: Dtypes) -> list[int]:
+    """Bytes per token of each tensor a checkpointed layer saves as its input: every decoder layer's hidden states,
+    the first in the activations' dtype, the others in the residual stream's (float32 with ``float32_residual``;
+    every one with ``scaled_embeddings``), then what each but the first takes from the one before beside them
+    (``layer_carry``, in the activations' dtype)."""
+    if not shape.num_layers:
+        return []
     r, w = dtypes.activation.itemsize, shape.stream_dtype(dtypes.activation).itemsize
     first, w = (4, 4) if shape.scaled_embeddings else (r, w)
-    carried = (shape.num_layers - 1) * r * shape.layer_carry
-    return (first + (shape.num_layers - 1) * w) * shape.hidden_size + carried if shape.num_layers else 0
+    later = shape.num_layers - 1
+    carries = [r * shape.layer_carry] * later if shape.layer_carry else []
+    return [first * shape.hidden_size, *[w * shape.hidden_size] * later, *carries]
 
 
 def loss_backward_bytes(

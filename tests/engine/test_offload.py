@@ -165,6 +165,31 @@ def test_checkpointed_layer_inputs_wait_in_host_memory_under_offload(monkeypatch
     assert engine.stats.extra["parked_bytes"] == sum(m.state.nbytes for m in made) + kept > 0
 
 
+def test_a_centred_layernorms_parked_saves_are_planned(monkeypatch):
+    """Cohere's final LayerNorm saves its centred float32 input twice (and 1/std and the normed input): the plan of
+    the parked saves counts each tensor (it counted one input: 15 % under what a chunk parked), all but the norm
+    weight's float32 copy (hidden-wide, per chunk)."""
+    from lightning_oomb.engine import parking, planner
+    from tests.helpers.models import build_family
+
+    monkeypatch.setattr(parking, "DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(parking, "MIN_BYTES", 1)
+    made, hooks = [], parking.ParkedSaves.__init__
+
+    def spy_init(self, *args, **kwargs):
+        hooks(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(parking.ParkedSaves, "__init__", spy_init)
+    model = build_family("cohere")
+    ids = torch.randint(0, 60, (2, SEQ), generator=torch.Generator().manual_seed(5))
+    _, _, engine = run_step(model, ids, True, offload=True)
+    tokens = 2 * (SEQ - (-(-SEQ // CHUNK) - 1) * CHUNK)  # the last chunk's, parked first
+    shape, dtypes = planner.model_shape(engine.model), planner.precision_dtypes("64-true")
+    planned = planner.parked_saves_bytes(shape, dtypes, tokens, pinned=False, min_bytes=1)[1]
+    assert made[0].state.nbytes - planned == 4 * model.config.hidden_size
+
+
 def test_parked_tensors_are_freed_with_their_graph(monkeypatch):
     """Each chunk's parked host copies go when its graph does, without waiting for Python's garbage collector (the
     hooks must not hold the context manager that holds them)."""
