@@ -114,16 +114,15 @@ def main(argv: list[str] | None = None) -> int:
     # each row with the defaults at the new rates, times a measured row's measured / planned (at the fitted rates):
     # its own at 32K; the offloaded 256K row's (the defaults' 256K step was not measured); the 1M extrapolation's
     defaults = OOMBConfig(4096, 128, **STRATEGY_DEFAULTS)
-    step32 = rows["oomb-32k-defaults"]["step_s"]
+    step32, config32 = rows["oomb-32k-defaults"]["step_s"], measured_config("oomb-32k-defaults")
     measured_over_planned = {
-        32 * K: step32 / seconds(32 * K, measured_config("oomb-32k-defaults"), old),
+        32 * K: step32 / seconds(32 * K, config32, old),
         256 * K: (256 * K / tps) / seconds(256 * K, offloaded_256k, old),
         K * K: million / seconds(K * K, offloaded_256k, old),
     }
     for fused in (False, True):
         backward = mock.patch.object(step_time, "ATTENTION_BACKWARD", FUSED_DQ_BACKWARD)
         with backward if fused else contextlib.nullcontext():
-            config32 = measured_config("oomb-32k-defaults")
             times = {n: seconds(n, config32 if n == 32 * K else planned(n, defaults, new).config, new)
                  for n in measured_over_planned}  # fmt: skip
         times = {n: t * measured_over_planned[n] for n, t in times.items()}
@@ -138,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
 
     decisions = []
     for tokens in (32 * K, 128 * K, 256 * K, K * K, 1536 * K):
-        p = planned(tokens, OOMBConfig(4096, 128, **STRATEGY_DEFAULTS), new, "adamw")
+        p = planned(tokens, defaults, new, "adamw")
         c = p.config
         decisions.append({"tokens": tokens, "layer_checkpointing": c.layer_checkpointing, "kv_grad_dtype":
                           c.kv_grad_dtype, "grad_accumulation": c.grad_accumulation, "reuse_attention":
