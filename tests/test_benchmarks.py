@@ -480,3 +480,26 @@ def test_staging_host_time_smoke(tmp_path):
     # gathered: one call per block and part where its pages make several runs, a copy per tensor where one
     assert sparse["gather_calls"] < sparse["copy_calls"] and rows["dense", "forward"]["gather_calls"] is None
     assert sparse["issue_us_loop"] > 0 and sparse["issue_us_foreach"] > 0  # the copies issued both ways
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_fits_finds_the_longest_step_that_fits(lora):
+    """benchmarks/fits.py's bisection: its step fits, a chunk more does not (overflowing what it names); a GPU
+    smaller than the weights, gradients and states gets "—" with their bytes."""
+    import transformers as tf
+
+    from benchmarks import fits
+    from lightning_oomb.engine.memory import HOST_RESERVE_BYTES
+
+    config = tf.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=1024)  # fmt: skip
+    model = fits.meta_model(config, lora)
+    host = HOST_RESERVE_BYTES + (256 << 20)
+    where = fits.Machine("cuda", 128 << 20, host)
+    found = fits.longest(model, where)
+    assert 0 < found["tokens"] < fits.LONGEST and fits.planned(model, found["tokens"], where).fits
+    beyond = fits.planned(model, found["tokens"] + fits.CHUNK, where)
+    assert not beyond.fits and (found["bound_by"] == "GPU") == (not beyond.device_fits)
+    tiny = fits.longest(model, fits.Machine("cuda", 1 << 20, host))
+    assert tiny["tokens"] == 0 and fits.cell(tiny).startswith("— (")
+    assert fits.cell(found).endswith(f"({found['bound_by']})")
