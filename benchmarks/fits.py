@@ -27,13 +27,14 @@ import argparse
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from benchmarks.common import GIB, command, versions, write_json
 from lightning_oomb import plan
 from lightning_oomb.engine import OOMBConfig
 from lightning_oomb.engine.config import STRATEGY_DEFAULTS
-from lightning_oomb.engine.planner import PERSISTENT, Machine
-from lightning_oomb.models import qwen2_5_7b_config
+from lightning_oomb.engine.planner import Machine
+from lightning_oomb.models import qwen2_5_7b_config, with_lora
 
 K = 1024
 CHUNK = 4096
@@ -125,15 +126,11 @@ def model_configs() -> dict:
 
 def meta_model(config, lora: bool) -> torch.nn.Module:
     """The model on the ``meta`` device in bf16 (no memory), with rank-16 LoRA adapters if ``lora``."""
-    import transformers as tf
-
     with torch.device("meta"):
-        model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-        if lora:
-            import peft
-
-            model = peft.get_peft_model(model, peft.LoraConfig(r=16, target_modules=LORA_TARGETS))
-    return model
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        return with_lora(model, {"r": 16, "target_modules": LORA_TARGETS} if lora else None).to(
+            torch.bfloat16
+        )
 
 
 def planned(model, tokens: int, where: Machine):
@@ -148,7 +145,7 @@ def longest(model, where: Machine) -> dict:
         lo, hi = (mid, hi) if planned(model, mid * CHUNK, where).fits else (lo, mid - 1)
     if lo == 0:
         p = planned(model, CHUNK, where)
-        return {"tokens": 0, "persistent_gib": sum(p.device[k] for k in PERSISTENT if k != "pool") / GIB}
+        return {"tokens": 0, "persistent_gib": sum(p.device[k] for k in ("weights", "gradients", "optimizer_states")) / GIB}
     p, beyond = planned(model, lo * CHUNK, where), planned(model, (lo + 1) * CHUNK, where)
     bound = None if beyond.fits else "GPU" if not beyond.device_fits else "host"
     decided = {k: getattr(p.config, k) for k in (*STRATEGY_DEFAULTS, "grad_accumulation")}
@@ -176,7 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     configs = model_configs()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("fits.json"))
-    parser.add_argument("--models", nargs="*", choices=list(configs), help="a subset of the models (default: all)")
+    parser.add_argument(
+        "--models", nargs="*", choices=list(configs), help="a subset of the models (default: all)"
+    )
     parser.add_argument("--host-gib", type=int, default=128, help="host memory of every machine (GiB)")
     args = parser.parse_args(argv)
     rows = []

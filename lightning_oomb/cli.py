@@ -47,7 +47,7 @@ import lightning_oomb  # noqa: F401  (registers strategy="oomb")
 from lightning_oomb.data import NeedleRetrievalDataModule, TextFileDataModule  # noqa: F401
 from lightning_oomb.engine import OOMBConfigError
 from lightning_oomb.engine.planner import MemoryPlan, gib, plan, precision_dtypes, step_sizes_of
-from lightning_oomb.models import CausalLMModule, build_config, fused_adamw, qwen2_5_7b_config  # noqa: F401
+from lightning_oomb.models import CausalLMModule, build_config, fused_adamw, qwen2_5_7b_config, with_lora  # noqa: F401
 from lightning_oomb.strategy import most_micro_batches
 
 _STRATEGY = "--trainer.strategy"
@@ -272,15 +272,17 @@ def _device_count(devices: Any) -> int:
     return max(torch.cuda.device_count(), 1)
 
 
-def planned_model(config: Any, precision: str, param_dtype: torch.dtype | None = None) -> Any:
+def planned_model(
+    config: Any, precision: str, param_dtype: torch.dtype | None = None, lora: dict | None = None
+) -> Any:
     """What the planner reads for ``config``: the adapter of the model built on the meta device in the run's
     parameter dtype (nothing is allocated) — its exact parameters (a formula from the config's fields misses
-    ungated MLPs, shared experts, ...), windows and, for a hybrid, its attention layers and carried states; a model
-    OOMB cannot train is refused with the reason, as the strategy would. The config itself if transformers cannot
-    build the model."""
+    ungated MLPs, shared experts, ...), windows and, for a hybrid, its attention layers and carried states; with
+    ``lora`` (``CausalLMModule``'s) its adapters, the base frozen; a model OOMB cannot train is refused with the
+    reason, as the strategy would. The config itself if transformers cannot build the model."""
     from transformers import AutoModelForCausalLM
 
-    from lightning_oomb.integrations.hf import HFChunkModel
+    from lightning_oomb.integrations.hf import HFChunkModel, find_causal_lm
 
     dtype = precision_dtypes(precision, param_dtype).param
     try:
@@ -288,7 +290,11 @@ def planned_model(config: Any, precision: str, param_dtype: torch.dtype | None =
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     except (ValueError, KeyError, TypeError, ImportError):  # not a causal LM transformers knows
         return config
-    return HFChunkModel(model, verify_exactness=False)  # (the planner reads its shape: no twin trained)
+    with torch.device(
+        "meta"
+    ):  # (peft makes float32 adapters: converted as the run's precision converts them)
+        model = with_lora(model, lora).to(dtype)
+    return HFChunkModel(find_causal_lm(model), verify_exactness=False)  # (its shape is read: no twin trained)
 
 
 def model_config(model: LightningModule, override: str | None = None) -> Any:
@@ -381,7 +387,8 @@ def plan_command(args: list[str], print_table: bool = True) -> MemoryPlan | None
     device = "cuda" if gpu else "cpu"
     param_dtype = getattr(torch, dtype) if dtype not in (None, "auto") else None
     optimizer = opts.optimizer or _module_optimizer(cli.model, device, cli.trainer)
-    model = planned_model(model_config(cli.model, opts.model_config), cli.trainer.precision, param_dtype)
+    config = model_config(cli.model, opts.model_config)
+    model = planned_model(config, cli.trainer.precision, param_dtype, hparams.get("lora"))
 
     if hasattr(strategy, "check_groups"):  # (a mesh the fit would refuse at launch)
         strategy.check_groups(cli.world)

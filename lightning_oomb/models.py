@@ -95,6 +95,11 @@ class CausalLMModule(LightningModule):
             parameters on a GPU unless Lightning's mixed-precision plugin clips gradients (it refuses fused
             optimizers there: ``*-mixed`` with ``gradient_clip_val``) or scales the loss (``16-mixed``: hooks
             before the step would see scaled gradients), as :func:`fused_adamw` decides.
+        lora: LoRA fine-tuning: the fields of a ``peft.LoraConfig`` (e.g. ``{"r": 16, "lora_alpha": 32,
+            "target_modules": "all-linear"}``; its ``task_type`` is ``CAUSAL_LM``), applied to the built model with
+            ``peft.get_peft_model``: only the adapters train (AdamW over them alone), the base weights stay frozen.
+            Checked at construction. ``None`` (default): every weight trains. Checkpoints hold the whole module (a
+            resume needs nothing else); ``module.model.save_pretrained(dir)`` writes the adapters alone.
     """
 
     def __init__(
@@ -109,6 +114,7 @@ class CausalLMModule(LightningModule):
         attn_implementation: str = "sdpa",
         dtype: str | None = None,
         fused_optimizer: bool | None = None,
+        lora: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if (model_name_or_path is None) == (config is None):
@@ -116,6 +122,8 @@ class CausalLMModule(LightningModule):
                 "CausalLMModule needs exactly one of model_name_or_path (load a checkpoint) and config (random "
                 f"init), got {'both' if config is not None else 'neither'} — pass one of them."
             )
+        if lora is not None:
+            lora_config(lora)  # a wrong field or a missing peft is named now, before any data or weights load
         self.save_hyperparameters()
         self.model: torch.nn.Module | None = None
         # A NaN loss (a diverged model) must show, not be dropped with a warning (the default). Replacing NaN by NaN
@@ -143,9 +151,10 @@ class CausalLMModule(LightningModule):
             dtype = torch.get_default_dtype() if dtype == "auto" else dtype
             config = build_config(hp.config)
             self._check_vocabulary(config)
-            self.model = AutoModelForCausalLM.from_config(
+            model = AutoModelForCausalLM.from_config(
                 config, attn_implementation=hp.attn_implementation, dtype=dtype
             )
+            self.model = with_lora(model, hp.get("lora"))
             return
         from transformers import AutoConfig
 
@@ -154,9 +163,10 @@ class CausalLMModule(LightningModule):
             self._check_vocabulary(config)
             # from_pretrained returns the model in eval mode, and Lightning leaves submodules' modes as they are:
             # fine-tuning would run without the model's dropout
-            self.model = AutoModelForCausalLM.from_pretrained(
+            model = AutoModelForCausalLM.from_pretrained(
                 hp.model_name_or_path, attn_implementation=hp.attn_implementation, dtype=dtype
             ).train()
+        self.model = with_lora(model, hp.get("lora"))
 
     def _check_vocabulary(self, config) -> None:
         """Refuse, before the model is built, a data module whose token ids its embedding lacks (the tokenizer of
@@ -230,6 +240,39 @@ class CausalLMModule(LightningModule):
 
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def lora_config(fields: dict[str, Any]):
+    """``peft.LoraConfig(task_type="CAUSAL_LM", **fields)``, or an error naming the cause and the fix."""
+    try:
+        import peft
+    except ImportError as err:
+        raise OOMBConfigError(
+            "lora=... needs the peft package, which is not installed — pip install peft (or drop lora to train "
+            "every weight)."
+        ) from err
+    if not isinstance(fields, dict):
+        raise OOMBConfigError(
+            f"lora={fields!r} is not a dict — pass peft.LoraConfig's fields, e.g. {{r: 16, lora_alpha: 32, "
+            "target_modules: all-linear}."
+        )
+    try:
+        return peft.LoraConfig(**{"task_type": "CAUSAL_LM", **fields})
+    except (TypeError, ValueError) as err:
+        raise OOMBConfigError(
+            f"lora={fields!r} is not a valid peft.LoraConfig ({err}) — pass LoraConfig's fields, e.g. {{r: 16, "
+            "lora_alpha: 32, target_modules: all-linear}."
+        ) from err
+
+
+def with_lora(model: torch.nn.Module, fields: dict[str, Any] | None) -> torch.nn.Module:
+    """``model`` with LoRA adapters of :func:`lora_config` ``(fields)`` (``peft.get_peft_model``: the base frozen);
+    ``model`` itself for ``None``."""
+    if fields is None:
+        return model
+    import peft
+
+    return peft.get_peft_model(model, lora_config(fields))
 
 
 def fused_adamw(

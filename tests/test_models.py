@@ -318,3 +318,37 @@ def test_a_hub_id_that_cannot_be_fetched_is_named_with_the_fix(monkeypatch):
         OOMBConfigError, match="tokenizer 'no-such-org/no-such-model' could not be loaded.*HF_HUB"
     ):
         load_tokenizer("no-such-org/no-such-model")
+
+
+def test_lora_trains_only_the_adapters_as_under_any_strategy():
+    """``lora``: peft adapters on the built model; only they train (AdamW over them alone) and they step as under
+    the default strategy (float64), the base weights untouched."""
+    import lightning_oomb
+
+    gen = torch.Generator().manual_seed(0)
+    batches = [{"input_ids": torch.randint(0, 32, (2, 40), generator=gen)} for _ in range(2)]
+    lora = {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+    stepped = {}
+    for name, strategy in (("auto", "auto"), ("oomb", lightning_oomb.OOMBStrategy(chunk_size=16, page_size=8))):
+        torch.manual_seed(0)
+        module = CausalLMModule(config=TINY, lora=lora, learning_rate=1e-2)
+        trainer = make_trainer(strategy, steps=2, precision="64-true")
+        trainer.fit(module, DataLoader(batches, batch_size=None))
+        trained = {n for n, p in module.named_parameters() if p.requires_grad}
+        assert trained and all(".lora_" in n for n in trained)
+        optimized = {id(p) for group in trainer.optimizers[0].param_groups for p in group["params"]}
+        assert optimized == {id(p) for n, p in module.named_parameters() if n in trained}
+        stepped[name] = {n: p.detach().clone() for n, p in module.named_parameters()}
+    torch.manual_seed(0)
+    fresh = CausalLMModule(config=TINY, lora=lora, dtype="float64")  # as 64-true builds it
+    fresh.configure_model()
+    for n, p in fresh.named_parameters():
+        moved = not torch.equal(p, stepped["oomb"][n])
+        assert moved == (".lora_B" in n or ".lora_A" in n), n  # (lora_B starts at 0: both move after 2 steps)
+        torch.testing.assert_close(stepped["oomb"][n], stepped["auto"][n], rtol=1e-6, atol=1e-8)  # HF: float32 loss
+
+
+@pytest.mark.parametrize(("lora", "match"), [({"rank": 16}, "not a valid peft.LoraConfig"), (16, "not a dict")])
+def test_a_wrong_lora_is_refused_at_construction(lora, match):
+    with pytest.raises(OOMBConfigError, match=match):
+        CausalLMModule(config=TINY, lora=lora)

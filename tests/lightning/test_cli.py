@@ -377,3 +377,15 @@ def test_a_registered_strategy_name_from_a_config_file_given_options_gets_a_hint
         "--trainer.strategy OOMBStrategy --trainer.strategy.offload true --trainer.strategy.chunk_size"
         in hint
     )
+
+
+def test_oomb_plan_of_the_lora_example_counts_only_the_adapters_as_trained():
+    """The 24 GB LoRA example: the plan builds the model with its adapters (meta device) and fits it — the frozen
+    base has no gradients or optimizer states; the same run training every weight does not fit."""
+    args = ["--config", str(EXAMPLES / "configs" / "qwen2.5-7b-lora-256k-24gb.yaml"), "--device-memory", "24GB",
+            "--host-memory", "128GiB"]  # fmt: skip
+    lora = plan_command(args, print_table=False)
+    assert lora.fits and lora.seq_len == 262144
+    assert lora.device["gradients"] < 2**27 and lora.device["optimizer_states"] < 2**28  # rank-16 adapters: 40M elements
+    full = plan_command([*args, "--model.lora", "null"], print_table=False)
+    assert not full.fits and full.device["optimizer_states"] > 28 * 2**30
