@@ -145,7 +145,10 @@ def longest(model, where: Machine) -> dict:
         lo, hi = (mid, hi) if planned(model, mid * CHUNK, where).fits else (lo, mid - 1)
     if lo == 0:
         p = planned(model, CHUNK, where)
-        return {"tokens": 0, "persistent_gib": sum(p.device[k] for k in ("weights", "gradients", "optimizer_states")) / GIB}
+        return {
+            "tokens": 0,
+            "persistent_gib": sum(p.device[k] for k in ("weights", "gradients", "optimizer_states")) / GIB,
+        }
     p, beyond = planned(model, lo * CHUNK, where), planned(model, (lo + 1) * CHUNK, where)
     bound = None if beyond.fits else "GPU" if not beyond.device_fits else "host"
     decided = {k: getattr(p.config, k) for k in (*STRATEGY_DEFAULTS, "grad_accumulation")}

@@ -329,7 +329,10 @@ def test_lora_trains_only_the_adapters_as_under_any_strategy():
     batches = [{"input_ids": torch.randint(0, 32, (2, 40), generator=gen)} for _ in range(2)]
     lora = {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "v_proj", "down_proj"]}
     stepped = {}
-    for name, strategy in (("auto", "auto"), ("oomb", lightning_oomb.OOMBStrategy(chunk_size=16, page_size=8))):
+    for name, strategy in (
+        ("auto", "auto"),
+        ("oomb", lightning_oomb.OOMBStrategy(chunk_size=16, page_size=8)),
+    ):
         torch.manual_seed(0)
         module = CausalLMModule(config=TINY, lora=lora, learning_rate=1e-2)
         trainer = make_trainer(strategy, steps=2, precision="64-true")
@@ -345,10 +348,14 @@ def test_lora_trains_only_the_adapters_as_under_any_strategy():
     for n, p in fresh.named_parameters():
         moved = not torch.equal(p, stepped["oomb"][n])
         assert moved == (".lora_B" in n or ".lora_A" in n), n  # (lora_B starts at 0: both move after 2 steps)
-        torch.testing.assert_close(stepped["oomb"][n], stepped["auto"][n], rtol=1e-6, atol=1e-8)  # HF: float32 loss
+        torch.testing.assert_close(
+            stepped["oomb"][n], stepped["auto"][n], rtol=1e-6, atol=1e-8
+        )  # HF: float32 loss
 
 
-@pytest.mark.parametrize(("lora", "match"), [({"rank": 16}, "not a valid peft.LoraConfig"), (16, "not a dict")])
+@pytest.mark.parametrize(
+    ("lora", "match"), [({"rank": 16}, "not a valid peft.LoraConfig"), (16, "not a dict")]
+)
 def test_a_wrong_lora_is_refused_at_construction(lora, match):
     with pytest.raises(OOMBConfigError, match=match):
         CausalLMModule(config=TINY, lora=lora)

@@ -386,6 +386,8 @@ def test_oomb_plan_of_the_lora_example_counts_only_the_adapters_as_trained():
             "--host-memory", "128GiB"]  # fmt: skip
     lora = plan_command(args, print_table=False)
     assert lora.fits and lora.seq_len == 262144
-    assert lora.device["gradients"] < 2**27 and lora.device["optimizer_states"] < 2**28  # rank-16 adapters: 40M elements
+    assert (
+        lora.device["gradients"] < 2**27 and lora.device["optimizer_states"] < 2**28
+    )  # rank-16 adapters: 40M elements
     full = plan_command([*args, "--model.lora", "null"], print_table=False)
     assert not full.fits and full.device["optimizer_states"] > 28 * 2**30
