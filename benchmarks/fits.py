@@ -33,7 +33,7 @@ from benchmarks.common import GIB, command, versions, write_json
 from lightning_oomb import plan
 from lightning_oomb.engine import OOMBConfig
 from lightning_oomb.engine.config import STRATEGY_DEFAULTS
-from lightning_oomb.engine.planner import Machine
+from lightning_oomb.engine.planner import Machine, longest_fitting
 from lightning_oomb.models import qwen2_5_7b_config, with_lora
 
 K = 1024
@@ -139,20 +139,17 @@ def planned(model, tokens: int, where: Machine):
 
 def longest(model, where: Machine) -> dict:
     """The longest step (whole chunks, up to :data:`LONGEST`) that fits, with what the plan decided there."""
-    lo, hi = 0, LONGEST // CHUNK
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if planned(model, mid * CHUNK, where).fits else (lo, mid - 1)
-    if lo == 0:
+    tokens = longest_fitting(lambda n: planned(model, n, where).fits, CHUNK, LONGEST)
+    if tokens == 0:
         p = planned(model, CHUNK, where)
         return {
             "tokens": 0,
             "persistent_gib": sum(p.device[k] for k in ("weights", "gradients", "optimizer_states")) / GIB,
         }
-    p, beyond = planned(model, lo * CHUNK, where), planned(model, (lo + 1) * CHUNK, where)
+    p, beyond = planned(model, tokens, where), planned(model, tokens + CHUNK, where)
     bound = None if beyond.fits else "GPU" if not beyond.device_fits else "host"
     decided = {k: getattr(p.config, k) for k in (*STRATEGY_DEFAULTS, "grad_accumulation")}
-    return {"tokens": lo * CHUNK, "bound_by": bound, "peak_gib": p.peak_device / GIB, "host_gib": p.host_tier / GIB,
+    return {"tokens": tokens, "bound_by": bound, "peak_gib": p.peak_device / GIB, "host_gib": p.host_tier / GIB,
             "hbm_layers": p.hbm_layers, "host_layers": p.host_layers, "decided": decided}  # fmt: skip
 
 

@@ -87,6 +87,7 @@ from lightning_oomb.engine.model_shape import model_shape
 from lightning_oomb.engine.planner import (
     NOMINAL_STEP_RATES,
     Machine,
+    longest_fitting,
     parked_bytes,
     precision_dtypes,
     reused_attention_bytes,
@@ -476,11 +477,8 @@ def plan_rows(scale: Scale, device: torch.device) -> list[dict]:
              "why_not": None if p.fits else p.refusal()}]  # fmt: skip
     for grads in ("float32", "bfloat16"):
         config = dataclasses.replace(base, kv_grad_dtype=grads)
-        lo, hi = 0, 64 * million // scale.chunk  # in chunks; bisect the longest that fits
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if planned(mid * scale.chunk, config).fits else (lo, mid - 1)
-        rows.append({"role": "plan-longest", "kv_grad_dtype": grads, "context": lo * scale.chunk})
+        longest = longest_fitting(lambda n, c=config: planned(n, c).fits, scale.chunk, 64 * million)
+        rows.append({"role": "plan-longest", "kv_grad_dtype": grads, "context": longest})
     # a training step of it: AdamW's states and step on the device too (hbm_budget="auto" leaves a quarter of the
     # device, which may not hold them): the planner's first option that keeps 1M tokens on one GPU
     p = plan(cfg, million, 1, base, precision(device), "adamw", machine, suggest=True)

@@ -23,7 +23,13 @@ from lightning_oomb import plan
 from lightning_oomb.engine import OOMBConfig
 from lightning_oomb.engine.config import STRATEGY_DEFAULTS
 from lightning_oomb.engine.model_shape import model_shape
-from lightning_oomb.engine.planner import NOMINAL_STEP_RATES, Machine, parked_bytes, precision_dtypes
+from lightning_oomb.engine.planner import (
+    NOMINAL_STEP_RATES,
+    Machine,
+    longest_fitting,
+    parked_bytes,
+    precision_dtypes,
+)
 from lightning_oomb.engine.step_time import copy_bytes, step_flops, step_time
 from lightning_oomb.models import qwen2_5_7b_config
 
@@ -54,11 +60,7 @@ def label(accumulation: str, p) -> str:
 
 def longest(config: OOMBConfig) -> int:
     """The longest step (whole chunks) that fits the machine."""
-    lo, hi = 0, 4 * K * K // config.chunk_size
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if planned(mid * config.chunk_size, config).fits else (lo, mid - 1)
-    return lo * config.chunk_size
+    return longest_fitting(lambda n: planned(n, config).fits, config.chunk_size, 4 * K * K)
 
 
 H100 = Machine("cuda", int(79.1 * GIB), 120 * GIB, rates=RATES)  # an 80 GB GPU (H100 SXM: the H200's compute)
@@ -80,11 +82,7 @@ def on_80gb() -> dict:
         rows[f"{tokens // K}K"] = {"fits": p.fits, "decided": decided, "hbm_layers": p.hbm_layers,
                                    "peak_gib": p.peak_device / GIB, "host_gib": p.host_tier / GIB,
                                    "seconds": p.step_time_s, "tokens_per_s": tokens / p.step_time_s}  # fmt: skip
-    lo, hi = 0, 2 * K * K // DEFAULTS.chunk_size
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if at(mid * DEFAULTS.chunk_size).fits else (lo, mid - 1)
-    rows["longest_tokens"] = lo * DEFAULTS.chunk_size
+    rows["longest_tokens"] = longest_fitting(lambda n: at(n).fits, DEFAULTS.chunk_size, 2 * K * K)
     return rows
 
 

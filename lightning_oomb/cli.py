@@ -46,7 +46,14 @@ import lightning_oomb  # noqa: F401  (registers strategy="oomb")
 # `oomb fit --help` lists them among the available subclasses
 from lightning_oomb.data import NeedleRetrievalDataModule, TextFileDataModule  # noqa: F401
 from lightning_oomb.engine import OOMBConfigError
-from lightning_oomb.engine.planner import MemoryPlan, gib, plan, precision_dtypes, step_sizes_of
+from lightning_oomb.engine.planner import (
+    MemoryPlan,
+    gib,
+    longest_fitting,
+    plan,
+    precision_dtypes,
+    step_sizes_of,
+)
 from lightning_oomb.models import CausalLMModule, build_config, fused_adamw, qwen2_5_7b_config, with_lora  # noqa: F401
 from lightning_oomb.strategy import most_micro_batches
 
@@ -330,6 +337,9 @@ def model_config(model: LightningModule, override: str | None = None) -> Any:
         ) from err
 
 
+LONGEST_PLANNED = 1 << 24  # tokens: the longest step `oomb plan --longest` looks for
+
+
 def plan_command(args: list[str], print_table: bool = True) -> MemoryPlan | None:
     """``oomb plan``: parse the fit config of ``args`` and print (and return) the step's memory plan (``--help``:
     print the options, return ``None``)."""
@@ -341,6 +351,9 @@ def plan_command(args: list[str], print_table: bool = True) -> MemoryPlan | None
     own.add_argument("--batch-size", type=int)
     own.add_argument("--optimizer", help="none, sgd, sgd-momentum, adam, adamw, adamw-fused, ... (default: the "
                                           "module's AdamW)")  # fmt: skip
+    own.add_argument("--longest", action="store_true",
+                     help="plan the longest seq_len (whole chunks, up to 16M tokens) that fits with the config's "
+                          "options instead of the data's")  # fmt: skip
     opts, rest = own.parse_known_args(args)
     if {"-h", "--help"} & set(rest):
         print(
@@ -373,9 +386,13 @@ def plan_command(args: list[str], print_table: bool = True) -> MemoryPlan | None
             raise OOMBConfigError(
                 f"{name} {value} is not a positive integer — pass tokens per row / rows per step."
             )
+    if opts.longest and opts.seq_len is not None:
+        raise OOMBConfigError(
+            "--longest and --seq-len ask for two step lengths — pass one of them (--longest finds the length)."
+        )
     seq_len = data_seq_len if opts.seq_len is None else opts.seq_len
     batch = data_batch if opts.batch_size is None else opts.batch_size
-    if seq_len is None:
+    if seq_len is None and not opts.longest:
         raise OOMBConfigError(
             f"{type(cli.datamodule).__name__} declares no seq_len — the plan is per step length — pass --seq-len."
         )
@@ -411,9 +428,21 @@ def plan_command(args: list[str], print_table: bool = True) -> MemoryPlan | None
             processes_per_node=cli.per_node,
         )
 
+    if opts.longest:  # (no data seq_len needed)
+        chunk = strategy.oomb_config.chunk_size
+        seq_len = longest_fitting(
+            lambda n: plan_step(n, batch, strategy.oomb_config).fits, chunk, LONGEST_PLANNED
+        )
+        seq_len = seq_len or chunk  # none fits: the plan of one chunk says why
     result = plan_step(seq_len, batch, strategy.oomb_config)
+    if opts.longest and print_table:
+        print(
+            f"longest step that fits: {batch} x {seq_len:,} tokens"
+            if result.fits
+            else "not even one chunk fits:"
+        )
     # the data's warm-up steps, under the main steps' decisions
-    if opts.seq_len is None and opts.batch_size is None:
+    elif opts.seq_len is None and opts.batch_size is None:
         warm = (plan_step(n, b, result.config) for n, b in warm_up)
         result = next((p for p in warm if not p.fits), result)
     if print_table:

@@ -130,7 +130,7 @@ import dataclasses
 import math
 import numbers
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -1232,14 +1232,11 @@ def decide_auto(inputs, config: OOMBConfig, batch: int, seq_len: int, devices: i
             p = _plan(inputs, dataclasses.replace(config, reuse_attention=kept), batch, seq_len, devices)
             return _roomy(p) and p.host_parts["reused_attention"] <= share
 
-        lo, hi = 0, math.ceil(seq_len / config.chunk_size)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if room(mid) else (lo, mid - 1)
+        most = longest_fitting(room, 1, math.ceil(seq_len / config.chunk_size))
         none = dataclasses.replace(config, reuse_attention=False)
-        kept = dataclasses.replace(config, reuse_attention=lo)
+        kept = dataclasses.replace(config, reuse_attention=most)
         # a copy-bound step (offload's pages streaming) may lose more to the results' copies than it saves
-        config = none if not lo or _faster(inputs, none, kept, batch, seq_len, devices) else kept
+        config = none if not most or _faster(inputs, none, kept, batch, seq_len, devices) else kept
     return config
 
 
@@ -1707,19 +1704,30 @@ def _options(
     def decided(n: int) -> OOMBConfig:
         return decide_auto(inputs, asked, batch, n)
 
-    page = config.page_size  # the longest context (whole pages) that fits, by bisection
-    lo, hi = 0, (seq_len - 1) // page
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if _plan(inputs, decided(mid * page), batch, mid * page).fits else (lo, mid - 1)
-    if lo:
-        attempt({"seq_len": lo * page}, decided(lo * page), lo * page,
-                text=f"seq_len={lo * page} or fewer tokens per row")  # fmt: skip
+    # the longest context (whole pages) that fits
+    longest = longest_fitting(
+        lambda n: _plan(inputs, decided(n), batch, n).fits, config.page_size, seq_len - 1
+    )
+    if longest:
+        attempt(
+            {"seq_len": longest}, decided(longest), longest, text=f"seq_len={longest} or fewer tokens per row"
+        )
     for devices in (2, 4, 8, 16, 32, 64):
         text = f"{devices} devices with context parallelism (strategy='oomb_cp', context_parallel_size={devices})"
         if attempt({"devices": devices}, config, seq_len, devices, text):
             break
     return fitting
+
+
+def longest_fitting(fits: Callable[[int], bool], step: int, upper: int) -> int:
+    """The largest multiple of ``step`` at most ``upper`` for which ``fits`` holds (``fits`` monotone: what is
+    larger fits less), by bisection; 0 if none does. E.g. the longest step a machine holds:
+    ``longest_fitting(lambda n: plan(model, n, ...).fits, chunk_size, 1 << 24)``."""
+    lo, hi = 0, upper // step
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid * step) else (lo, mid - 1)
+    return lo * step
 
 
 def _candidates(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int) -> list[list[dict]]:
@@ -1780,13 +1788,11 @@ def _candidates(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int) -
 def _largest_chunk(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int) -> int | None:
     """The largest ``chunk_size`` below the chunk's rows (``min(chunk_size, seq_len)``), a multiple of ``page_size``,
     with which the step fits (by bisection: a shorter chunk holds fewer activations); ``None`` if none does."""
-    page = config.page_size
-    lo, hi = 0, (min(config.chunk_size, seq_len) - 1) // page  # in pages
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        fits = _plan(inputs, dataclasses.replace(config, chunk_size=mid * page), batch, seq_len).fits
-        lo, hi = (mid, hi) if fits else (lo, mid - 1)
-    return lo * page or None
+
+    def fits(chunk: int) -> bool:
+        return _plan(inputs, dataclasses.replace(config, chunk_size=chunk), batch, seq_len).fits
+
+    return longest_fitting(fits, config.page_size, min(config.chunk_size, seq_len) - 1) or None
 
 
 def _say(changes: dict) -> str:

@@ -391,3 +391,16 @@ def test_oomb_plan_of_the_lora_example_counts_only_the_adapters_as_trained():
     )  # rank-16 adapters: 40M elements
     full = plan_command([*args, "--model.lora", "null"], print_table=False)
     assert not full.fits and full.device["optimizer_states"] > 28 * 2**30
+
+
+def test_oomb_plan_longest_plans_the_longest_step_that_fits(capsys):
+    """``--longest``: the longest whole-chunk step with the config's options (one chunk more does not fit); with
+    ``--seq-len`` too it is refused naming both."""
+    args = ["--config", str(EXAMPLES / "configs" / "qwen2.5-7b-lora-256k-24gb.yaml"), *H200_ARGS]
+    longest = plan_command([*args, "--longest"])
+    assert longest.fits and longest.seq_len % 4096 == 0 and longest.seq_len > 262144
+    assert f"longest step that fits: 1 x {longest.seq_len:,} tokens" in capsys.readouterr().out
+    beyond = plan_command([*args, "--seq-len", str(longest.seq_len + 4096)], print_table=False)
+    assert not beyond.fits
+    with pytest.raises(OOMBConfigError, match="--longest and --seq-len"):
+        plan_command([*args, "--longest", "--seq-len", "4096"])
