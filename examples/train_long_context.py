@@ -81,6 +81,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=DEMO_OPTIM["learning_rate"],
         help=f"peak learning rate (default {DEMO_OPTIM['learning_rate']})",
     )
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        help="train rank-R LoRA adapters on every attention and MLP projection (alpha 2R; needs peft) instead of "
+        "every weight",
+    )
     p.add_argument("--precision", default="32-true", help="Lightning precision, e.g. bf16-true, bf16-mixed")
     p.add_argument("--accelerator", default="cpu", help="cpu, gpu or auto (default cpu)")
     p.add_argument(
@@ -106,8 +112,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(
             f"--short-len {args.short_len} is longer than --seq-len {args.seq_len}: the warm-up is the short part"
         )
-    for name in ("steps", "seq_len", "chunk_size"):
-        if getattr(args, name) < 1:
+    for name in ("steps", "seq_len", "chunk_size", "lora_rank"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     return args
 
@@ -129,6 +135,12 @@ def build_data(args: argparse.Namespace) -> NeedleRetrievalDataModule | TextFile
 
 def build_model(args: argparse.Namespace, vocab_size: int) -> CausalLMModule:
     optim = {**DEMO_OPTIM, "learning_rate": args.lr}
+    if args.lora_rank:
+        optim["lora"] = {
+            "r": args.lora_rank,
+            "lora_alpha": 2 * args.lora_rank,
+            "target_modules": "all-linear",
+        }
     if args.model:
         return CausalLMModule(model_name_or_path=args.model, **optim)
     config = {**DEMO_MODEL, "vocab_size": vocab_size, "max_position_embeddings": max(args.seq_len, 32768)}

@@ -51,6 +51,7 @@ def demo(monkeypatch):
     ("args", "match"),
     [
         (["--steps", "0"], "--steps must be at least 1"),
+        (["--lora-rank", "0"], "--lora-rank must be at least 1"),
         (["--tokenizer", "bytes"], "--tokenizer reads --text"),
         (["--val-rows", "2"], "--val-rows splits --text"),
         (["--seq-len", "256"], "--short-len 512 is longer than --seq-len 256"),
@@ -98,3 +99,13 @@ def test_the_report_counts_the_full_length_steps_also_when_the_warm_up_is_as_lon
     result = demo.main(["--seq-len", "256", "--short-len", "256", "--chunk-size", "128", "--steps", "2",
                         "--short-steps", "3"])  # fmt: skip
     assert (result["warmup_steps"], result["full_length_steps"]) == (3, 2)
+
+
+def test_lora_rank_trains_adapters_on_every_projection(demo):
+    """``--lora-rank R``: the module gets rank-R adapters (alpha 2R) on every attention and MLP projection."""
+    module = demo.build_model(demo.parse_args(["--lora-rank", "4"]), vocab_size=64)
+    module.configure_model()
+    trained = {n for n, p in module.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_" in n for n in trained) and module.hparams.lora["lora_alpha"] == 8
+    assert {n.split(".")[-4] for n in trained} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                    "down_proj"}  # fmt: skip
