@@ -19,6 +19,7 @@ events of its :class:`~lightning_oomb.engine.offload.transport.Transport`:
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -75,6 +76,26 @@ class Buffer:
         self.grad_pages, self.dirty = frozenset(), False
 
 
+def run_views(tensors, start: int, batch: int, runs: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Each run ``[first, end)`` of pages (all ``batch`` rows) of the block whose slots begin at ``start``, a view per
+    tensor (in run order, each run's tensors in turn)."""
+    return [t[start + a * batch : start + b * batch] for a, b in runs for t in tensors]
+
+
+class _RunViews(dict):
+    """One staging buffer's views of each run of pages asked for so far (:func:`run_views`; kept for the cache's
+    life: a buffer's slots are the same for any block it holds, a sparse call asks for thousands of runs, and
+    making a view costs about a microsecond)."""
+
+    def __init__(self, tensors, start: int, batch: int) -> None:
+        super().__init__()
+        self.tensors, self.start, self.batch = tensors, start, batch
+
+    def __missing__(self, run: tuple[int, int]) -> list[torch.Tensor]:
+        self[run] = views = run_views(self.tensors, self.start, self.batch, [run])
+        return views
+
+
 class StagingCache:
     """Staging buffers for the blocks of ``host_layers`` (see the module docstring).
 
@@ -101,6 +122,11 @@ class StagingCache:
         self.tables = shape.page_tables(buffers, staging.device, blocks=True)
         self.buffers = [Buffer(i) for i in range(buffers)]
         transport.adopt(staging.storage)
+        self._staged = {
+            (i, part): _RunViews(staging.pages(part), i * shape.block_slots, shape.batch)
+            for i in range(buffers)
+            for part in ("kv", "grad")
+        }
         self._host_read: dict[tuple[int, int], object] = {}
         self._host_written: dict[tuple[int, int], object] = {}
         self.sweep, self._now = "forward", 0
@@ -115,7 +141,7 @@ class StagingCache:
         self._grads_on_host: dict[
             tuple[int, int], frozenset[int] | None
         ] = {}  # pages written back (None: all)
-        self.trace: deque[Transfer] = deque(maxlen=TRACE_LIMIT)
+        self._moves: deque[tuple] = deque(maxlen=TRACE_LIMIT)  # one per _move: its transfers, unexpanded
         self.counts = {
             "h2d_bytes": 0,
             "d2h_bytes": 0,
@@ -123,6 +149,16 @@ class StagingCache:
             "demand_copies": 0,
             "copy_runs": 0,
         }
+
+    @property
+    def trace(self) -> list[Transfer]:
+        """This step's copies in issue order, one per run of pages (the last ``TRACE_LIMIT``)."""
+        transfers = [
+            Transfer(sweep, direction, layer, part, first + a, first + b, (b - a) * page_bytes, cause)
+            for sweep, direction, layer, part, first, runs, page_bytes, cause in self._moves
+            for a, b in runs
+        ]
+        return transfers[-TRACE_LIMIT:]
 
     def begin_sweep(self, kind: str) -> None:
         """A sweep starts: the clock restarts; a forward/eval sweep is a new step, the backward sweep keeps the
@@ -256,7 +292,7 @@ class StagingCache:
     @staticmethod
     def _runs(buf: Buffer, pages: frozenset[int] | None) -> list[tuple[int, int]]:
         """Runs ``[first, end)`` of consecutive page offsets of ``pages`` (``None``: the whole block) in the block."""
-        if pages is None:
+        if pages is None or len(pages) == buf.size:
             return [(0, buf.size)]
         runs: list[tuple[int, int]] = []
         for p in sorted(pages):
@@ -267,22 +303,14 @@ class StagingCache:
         return runs
 
     def _views(self, buf: Buffer, part: Part, pages: frozenset[int] | None = None) -> list[torch.Tensor]:
-        """``buf``'s pages (``None``: all, or those offsets) of its block: K and V, or dK and dV — a view per run."""
-        slots = self.shape.buffer_block_slots(buf.index, buf.block[1])
-        return self._run_views(self._staging.pages(part), slots, self._runs(buf, pages))
+        """``buf``'s pages (``None``: all, or those offsets) of its block: K and V, or dK and dV — a view per run and
+        tensor."""
+        return self._staged_views(buf, part, self._runs(buf, pages))
 
-    def _run_views(self, tensors, slots: slice, runs: list[tuple[int, int]]) -> list[torch.Tensor]:
-        """Views of each tensor's ``slots`` (one block, all rows), one per run of pages: a single split per tensor,
-        however many runs (a sparse block's scattered pages make hundreds; ``split_with_sizes`` makes its views in
-        ~0.6 of ``tensor_split``'s time)."""
-        batch = self.shape.batch
-        if len(runs) == 1:  # a whole block (dense), or one run: a slice is cheaper than a split
-            ((a, b),) = runs
-            return [t[slots.start + a * batch : slots.start + b * batch] for t in tensors]
-        # the tensor cut at each run's ends: pieces alternate gap, run, gap, ..., run, rest
-        edges = [0, *(slots.start + page * batch for run in runs for page in run)]
-        sizes = [b - a for a, b in zip(edges, edges[1:])]
-        return [view for t in tensors for view in t.split_with_sizes([*sizes, t.shape[0] - edges[-1]])[1::2]]
+    def _staged_views(self, buf: Buffer, part: Part, runs: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """:meth:`_views` of ``runs``."""
+        kept = self._staged[buf.index, part]
+        return [view for run in runs for view in kept[run]]
 
     def _move(self, direction: str, buf: Buffer, part: Part, cause: str, after, pages=None) -> object:
         """Copy ``part`` of ``buf``'s block (``None``: all its pages, or those offsets) between its buffer and its host
@@ -290,34 +318,30 @@ class StagingCache:
         ``gathers``, more than one run); return the copy's event."""
         layer, block = buf.block
         runs = self._runs(buf, pages)
-        host_slots = self.shape.layer_block_slots(self._rank[layer], block)
-        staged_slots = self.shape.buffer_block_slots(buf.index, block)
+        host_start = self.shape.layer_block_slots(self._rank[layer], block).start
         if self._gathers and len(runs) > 1:
-            batch = self.shape.batch  # slots of (page, row), page-major; built in Python: one tensor made
-            offsets = [p * batch + r for p in sorted(pages) for r in range(batch)]
-            rows = torch.tensor(
-                [[staged_slots.start + o for o in offsets], [host_slots.start + o for o in offsets]]
-            )
-            ends = zip(self._staging.pages(part), self._host.pages(part))
-            pairs = list(ends) if direction == "h2d" else [(host, staged) for staged, host in ends]
-            event = self.transport.gather(
-                direction, pairs, rows if direction == "h2d" else rows.flip(0), after
-            )
+            # slots of (page, row), page-major: destination rows, then source rows (``torch.tensor`` of a list
+            # takes ~2.5x as long as ``frombuffer``)
+            batch = self.shape.batch
+            offsets = [o for a, b in runs for o in range(a * batch, b * batch)]
+            staged_start = buf.index * self.shape.block_slots
+            slots = [staged_start + o for o in offsets], [host_start + o for o in offsets]
+            tensors = self._staging.pages(part), self._host.pages(part)
+            if direction == "d2h":
+                slots, tensors = slots[::-1], tensors[::-1]
+            rows = torch.frombuffer(array("q", slots[0] + slots[1]), dtype=torch.int64).view(2, -1)
+            event = self.transport.gather(direction, list(zip(*tensors)), rows, after)
             self.counts["copy_runs"] += 1
         else:
-            host = self._run_views(self._host.pages(part), host_slots, runs)
-            staged = self._run_views(self._staging.pages(part), staged_slots, runs)
-            pairs = list(zip(staged, host)) if direction == "h2d" else list(zip(host, staged))
+            staged = self._staged_views(buf, part, runs)
+            host = run_views(self._host.pages(part), host_start, self.shape.batch, runs)
+            pairs = list(zip(staged, host) if direction == "h2d" else zip(host, staged))
             event = self.transport.copy(direction, pairs, after)
             self.counts["copy_runs"] += len(pairs)
         first = self.shape.block_pages_range(block)[0]
         page_bytes = self.shape.page_bytes(part)
         self.counts[f"{direction}_bytes"] += sum(b - a for a, b in runs) * page_bytes
-        sweep = self.sweep
-        self.trace.extend(
-            Transfer(sweep, direction, layer, part, first + a, first + b, (b - a) * page_bytes, cause)
-            for a, b in runs
-        )
+        self._moves.append((self.sweep, direction, layer, part, first, runs, page_bytes, cause))
         if cause in ("prefetch", "demand"):
             self.counts[f"{cause}_copies"] += 1
         return event
