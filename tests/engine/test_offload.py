@@ -7,6 +7,7 @@ changes the loss and gradients only by float rounding (fp64 here).
 
 from __future__ import annotations
 
+import random
 import weakref
 from collections import Counter
 
@@ -16,9 +17,12 @@ import torch
 from lightning_oomb.engine import OOMBConfig, OOMBConfigError, OOMBEngine
 from lightning_oomb.engine import kv_pool as kv_pool_module
 from lightning_oomb.engine.kv_pool import KVPool, plan_tiers
+from lightning_oomb.engine.offload import staging as staging_module
 from lightning_oomb.engine.offload.offloader import _groups, group_size
 from lightning_oomb.engine.offload.schedule import Need
-from lightning_oomb.engine.pages import PoolShape, add_tokens, gather_tokens
+from lightning_oomb.engine.offload.staging import StagingCache
+from lightning_oomb.engine.offload.transport import SyncTransport
+from lightning_oomb.engine.pages import Arena, PoolShape, add_tokens, gather_tokens
 from lightning_oomb.integrations.hf import HFChunkModel
 from tests.helpers.models import build_causal_lm, full_sequence_loss, grads_of, max_relative_error
 from tests.helpers.streams import RecordingTransport
@@ -619,3 +623,67 @@ def test_evaluation_with_offload_equals_without():
         offloaded = engine.evaluate(ids).item()
     assert engine.stats.extra["host_layers"] == 2 and engine.stats.extra["h2d_bytes"] > 0
     assert abs(offloaded - plain) <= 1e-13 * plain and abs(offloaded - want) <= 1e-10 * want
+
+
+# ------------------------------------------------------------------------------------------------ staging cache
+BLOCK_SHAPE = PoolShape(1, 2, 120, 1, 2, 4, 32, "float32", torch.float64)  # blocks of 8 pages; the last of 6
+
+
+def staging_cache(buffers: int = 2) -> StagingCache:
+    """A staging cache of one host layer (4 blocks of :data:`BLOCK_SHAPE`)."""
+    host = Arena(BLOCK_SHAPE.layer_slots, BLOCK_SHAPE, CPU)
+    staging = Arena(buffers * BLOCK_SHAPE.block_slots, BLOCK_SHAPE, CPU)
+    return StagingCache(BLOCK_SHAPE, [0], host, staging, buffers, SyncTransport(CPU))
+
+
+def walked_runs(pages: set[int], size: int) -> list[tuple[int, int]]:
+    """Runs of consecutive pages by a walk over every offset of the block (the plain reference)."""
+    runs, start = [], None
+    for p in range(size + 1):
+        if p in pages and start is None:
+            start = p
+        elif p not in pages and start is not None:
+            runs.append((start, p))
+            start = None
+    return runs
+
+
+def test_runs_of_consecutive_pages_match_a_walk_over_the_block():
+    cache, rng = staging_cache(), random.Random(0)
+    for block, size in ((0, 8), (3, 6)):
+        buf = cache.stage(Need(0, block, False, False), "demand", set())
+        assert buf.size == size and cache._runs(buf, None) == [(0, size)]
+        every = set(range(size))
+        edges = [set(), {0}, {size - 1}, every, every - {0}, every - {size - 1}, every - {1}, {0, size - 1}]
+        for pages in edges + [set(rng.sample(range(size), rng.randint(1, size))) for _ in range(200)]:
+            assert cache._runs(buf, frozenset(pages)) == walked_runs(pages, size), pages
+
+
+def test_a_buffers_run_views_are_made_once_and_view_its_pages():
+    cache = staging_cache()
+    buf = cache.stage(Need(0, 3, False, False), "demand", set())
+    pages = frozenset({0, 2, 3, 5})
+    views = cache._views(buf, "kv", pages)
+    assert all(a is b for a, b in zip(views, cache._views(buf, "kv", pages), strict=True))  # kept, not remade
+    start, batch = buf.index * BLOCK_SHAPE.block_slots, BLOCK_SHAPE.batch
+    staging = cache._staging
+    want = [
+        t[start + a * batch : start + b * batch]
+        for t in (staging.k, staging.v)
+        for a, b in ((0, 1), (2, 4), (5, 6))
+    ]
+    assert sorted((v.data_ptr(), v.shape[0]) for v in views) == sorted(
+        (w.data_ptr(), w.shape[0]) for w in want
+    )
+
+
+def test_the_trace_keeps_the_last_transfers(monkeypatch):
+    def traced() -> list:
+        cache = staging_cache()
+        for block in range(4):  # scattered pages: several transfers per copy
+            cache.stage(Need(0, block, True, False, frozenset({0, 2, 5})), "demand", set())
+        return cache.trace
+
+    full = traced()
+    monkeypatch.setattr(staging_module, "TRACE_LIMIT", 5)
+    assert len(full) == 12 and traced() == full[-5:]
