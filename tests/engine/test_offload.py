@@ -661,20 +661,22 @@ def test_runs_of_consecutive_pages_match_a_walk_over_the_block():
 
 def test_a_buffers_run_views_are_made_once_and_view_its_pages():
     cache = staging_cache()
-    buf = cache.stage(Need(0, 3, False, False), "demand", set())
+    buf = cache.stage(Need(0, 0, False, False), "demand", set())  # 8 pages: 36 runs
+    staging, start, batch = cache._staging, buf.index * BLOCK_SHAPE.block_slots, BLOCK_SHAPE.batch
+
+    def check(pages: frozenset[int]) -> list:
+        views = cache._views(buf, "kv", pages)
+        runs = walked_runs(pages, buf.size)
+        want = [t[start + a * batch : start + b * batch] for t in (staging.k, staging.v) for a, b in runs]
+        assert sorted((v.data_ptr(), v.shape) for v in views) == sorted((w.data_ptr(), w.shape) for w in want)
+        return views
+
     pages = frozenset({0, 2, 3, 5})
-    views = cache._views(buf, "kv", pages)
-    assert all(a is b for a, b in zip(views, cache._views(buf, "kv", pages), strict=True))  # kept, not remade
-    start, batch = buf.index * BLOCK_SHAPE.block_slots, BLOCK_SHAPE.batch
-    staging = cache._staging
-    want = [
-        t[start + a * batch : start + b * batch]
-        for t in (staging.k, staging.v)
-        for a, b in ((0, 1), (2, 4), (5, 6))
-    ]
-    assert sorted((v.data_ptr(), v.shape[0]) for v in views) == sorted(
-        (w.data_ptr(), w.shape[0]) for w in want
-    )
+    assert all(a is b for a, b in zip(check(pages), check(pages), strict=True))  # kept, not made again
+    for a in range(buf.size):  # every run of the block: more than are kept, and still the right views
+        for b in range(a + 1, buf.size + 1):
+            check(frozenset(range(a, b)))
+    assert len(cache._staged[buf.index, "kv"]) == 4 * BLOCK_SHAPE.block_pages
 
 
 def test_the_trace_keeps_the_last_transfers(monkeypatch):

@@ -83,16 +83,19 @@ def run_views(tensors, start: int, batch: int, runs: list[tuple[int, int]]) -> l
 
 
 class _RunViews(dict):
-    """One staging buffer's views of each run of pages asked for so far (:func:`run_views`; kept for the cache's
+    """One staging buffer's views of the runs of pages asked for so far (:func:`run_views`), kept for the cache's
     life: a buffer's slots are the same for any block it holds, a sparse call asks for thousands of runs, and
-    making a view costs about a microsecond)."""
+    making a view costs about a microsecond. At most ``limit`` runs are kept (the first asked for: a block's
+    single pages and short runs, its whole), so that memory stays bounded however many different runs come."""
 
-    def __init__(self, tensors, start: int, batch: int) -> None:
+    def __init__(self, tensors, start: int, batch: int, limit: int) -> None:
         super().__init__()
-        self.tensors, self.start, self.batch = tensors, start, batch
+        self.tensors, self.start, self.batch, self.limit = tensors, start, batch, limit
 
     def __missing__(self, run: tuple[int, int]) -> list[torch.Tensor]:
-        self[run] = views = run_views(self.tensors, self.start, self.batch, [run])
+        views = run_views(self.tensors, self.start, self.batch, [run])
+        if len(self) < self.limit:
+            self[run] = views
         return views
 
 
@@ -123,7 +126,9 @@ class StagingCache:
         self.buffers = [Buffer(i) for i in range(buffers)]
         transport.adopt(staging.storage)
         self._staged = {
-            (i, part): _RunViews(staging.pages(part), i * shape.block_slots, shape.batch)
+            (i, part): _RunViews(
+                staging.pages(part), i * shape.block_slots, shape.batch, 4 * shape.block_pages
+            )
             for i in range(buffers)
             for part in ("kv", "grad")
         }
