@@ -158,9 +158,10 @@ class StagingCache:
     @property
     def trace(self) -> list[Transfer]:
         """This step's copies in issue order, one per run of pages (the last ``TRACE_LIMIT``)."""
+        page_bytes = {part: self.shape.page_bytes(part) for part in ("kv", "grad")}
         transfers = [
-            Transfer(sweep, direction, layer, part, first + a, first + b, (b - a) * page_bytes, cause)
-            for sweep, direction, layer, part, first, runs, page_bytes, cause in self._moves
+            Transfer(sweep, direction, layer, part, first + a, first + b, (b - a) * page_bytes[part], cause)
+            for sweep, direction, layer, part, first, runs, cause in self._moves
             for a, b in runs
         ]
         return transfers[-TRACE_LIMIT:]
@@ -344,9 +345,9 @@ class StagingCache:
             event = self.transport.copy(direction, pairs, after)
             self.counts["copy_runs"] += len(pairs)
         first = self.shape.block_pages_range(block)[0]
-        page_bytes = self.shape.page_bytes(part)
-        self.counts[f"{direction}_bytes"] += sum(b - a for a, b in runs) * page_bytes
-        self._moves.append((self.sweep, direction, layer, part, first, runs, page_bytes, cause))
+        moved = buf.size if pages is None else len(pages)
+        self.counts[f"{direction}_bytes"] += moved * self.shape.page_bytes(part)
+        self._moves.append((self.sweep, direction, layer, part, first, runs, cause))
         if cause in ("prefetch", "demand"):
             self.counts[f"{cause}_copies"] += 1
         return event
