@@ -1,10 +1,11 @@
 """Host time of offload's staging per attention call against the copies it issues, on the CPU.
 
 A host-tier layer's call stages its prefix blocks through the staging cache (``engine/offload/staging.py``): per
-block the runs of consecutive pages to copy, a view of each run on both sides and a copy call per view. A dense
-call copies whole blocks (one run each); a sparse call only its selected pages, which for the 1M-token sparse step
-of ``benchmarks/goals.py`` (Qwen2.5-7B's shape: pages of 128 tokens, 32 pages a block, 8,192 pages; 32 query blocks
-per chunk each selecting 64 pages) are up to 2,048 scattered pages — thousands of runs. If the host needs longer to
+block the runs of consecutive pages to copy, a view of each run on both sides (the staging buffers' views kept
+across calls) and a copy call per view. A dense call copies whole blocks (one run each); a sparse call only its
+selected pages, which for the 1M-token sparse step of ``benchmarks/goals.py`` (Qwen2.5-7B's shape: pages of 128
+tokens, 32 pages a block, 8,192 pages; 32 query blocks per chunk each selecting 64 pages) are up to 2,048 scattered
+pages — thousands of runs. If the host needs longer to
 issue them than the copy engine needs to move their bytes, the step is bound by the host (the 1M sparse step ran
 1.6x its planned time on the H200).
 
@@ -13,10 +14,12 @@ cache's passes alternate with the new's) — what the host spends before the cop
 costs each a few microseconds more under CUDA) —, for the forward (K/V in) and the backward (K/V and gradient
 pages in, gradient pages back out), sparse (random selection of ``--selected`` pages) and dense, next to the time
 the copy engine needs for the same bytes at the H200's measured 55 GB/s each way (the reference, computed from the
-bytes at Qwen2.5-7B's page size) — and the same bookkeeping of the staging cache as of ``OLD_COMMIT`` (its runs
-viewed by ``tensor_split``), read from git; for the sparse calls also the cache with a gathering transport
-(``OOMB_OFFLOAD_GATHER=1``'s path: a block's scattered pages in one call per part). The arenas here are tiny (views
-cost the same at any page size). Writes JSON (``--out``), a PNG and a Markdown table next to it; ~20 s.
+bytes at Qwen2.5-7B's page size) — and the same bookkeeping of the staging cache as of ``OLD_COMMIT`` (every view
+made anew per call, a ``Transfer`` per run), read from git; for the sparse calls also both caches with a gathering
+transport (``OOMB_OFFLOAD_GATHER=1``'s path: a block's scattered pages in one call per part). Each cache lives
+across its passes, as across a step's calls (what it keeps with it; the median leaves out the first pass). The
+arenas here are tiny (views cost the same at any page size). Writes JSON (``--out``), a PNG and a Markdown table
+next to it; ~40 s.
 
     PYTHONPATH=$PWD python benchmarks/staging_host_time.py --reps 21
 """
@@ -39,7 +42,7 @@ from lightning_oomb.engine.offload.transport import SyncTransport, copy_pairs
 from lightning_oomb.engine.pages import Arena, PoolShape
 
 ROOT = Path(__file__).resolve().parents[1]
-OLD_COMMIT = "8886920"  # the staging cache before its runs were viewed by split_with_sizes (was tensor_split)
+OLD_COMMIT = "4026a3e"  # the staging cache before its buffers' run views were kept (made per call by a split)
 COPY_BYTES_PER_S = 55.4e9  # the H200's measured pinned copy rate, each way (planner.MEASURED_STEP_RATES)
 QWEN_PAGE_BYTES = {
     "kv": 128 * 4 * 128 * 2,
@@ -174,10 +177,12 @@ def main(argv: list[str] | None = None) -> int:
             one_way = 2 * pages * (QWEN_PAGE_BYTES["kv"] + (QWEN_PAGE_BYTES["grad"] if backward else 0))
             # the two caches alternate pass by pass, so that a slower spell of the machine hits both alike
             runs = {"new": call_pass(StagingCache, shape, selection, backward)}
-            if selection is not None:
-                runs["gather"] = call_pass(StagingCache, shape, selection, backward, gathers=True)
             if old is not None:
                 runs["old"] = call_pass(old, shape, selection, backward)
+            if selection is not None:
+                runs["gather"] = call_pass(StagingCache, shape, selection, backward, gathers=True)
+                if old is not None:
+                    runs["gather_old"] = call_pass(old, shape, selection, backward, gathers=True)
             times, calls = {name: [] for name in runs}, {}
             for _ in range(args.reps):
                 for name, run in runs.items():
@@ -193,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                          "copy_engine_ms": one_way / COPY_BYTES_PER_S * 1e3,
                          "host_us_per_copy": ms["new"] / calls["new"] * 1e3,
                          "gather_calls": calls.get("gather"), "host_ms_gather": ms.get("gather"),
+                         "host_ms_gather_old": ms.get("gather_old"),
                          "issue_us_loop": statistics.median(issued[True]) * 1e6,
                          "issue_us_foreach": statistics.median(issued[False]) * 1e6})  # fmt: skip
             print(rows[-1], flush=True)
@@ -210,17 +216,17 @@ def main(argv: list[str] | None = None) -> int:
              "for real on CPU tensors, per copy, by a Python loop of `copy_` (before) and one `torch._foreach_copy_` "
              "(the transports' `copy_pairs`) — the host's share of issuing them, beside the driver's under CUDA.", "",
              "| call | copy calls | host ms | host ms (old) | copy engine ms | host us / copy "
-             "| gathered: calls | gathered: host ms | issue us / copy: loop | foreach |",
-             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| gathered: calls | gathered: host ms | (old) | issue us / copy: loop | foreach |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+
+    def cell(value: float | None) -> str:
+        return "—" if value is None else f"{value:.1f}"
+
     for r in rows:
-        before = "—" if r["host_ms_old"] is None else f"{r['host_ms_old']:.1f}"
-        gathered = (
-            ("—", "—")
-            if r["gather_calls"] is None
-            else (f"{r['gather_calls']:,}", f"{r['host_ms_gather']:.1f}")
-        )
-        lines.append(f"| {r['case']} {r['sweep']} | {r['copy_calls']:,} | {r['host_ms']:.1f} | {before}"
-                     f" | {r['copy_engine_ms']:.1f} | {r['host_us_per_copy']:.1f} | {gathered[0]} | {gathered[1]}"
+        calls = "—" if r["gather_calls"] is None else f"{r['gather_calls']:,}"
+        lines.append(f"| {r['case']} {r['sweep']} | {r['copy_calls']:,} | {cell(r['host_ms'])}"
+                     f" | {cell(r['host_ms_old'])} | {r['copy_engine_ms']:.1f} | {r['host_us_per_copy']:.1f} | {calls}"
+                     f" | {cell(r['host_ms_gather'])} | {cell(r['host_ms_gather_old'])}"
                      f" | {r['issue_us_loop']:.2f} | {r['issue_us_foreach']:.2f} |")  # fmt: skip
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     plot(rows, args.out.with_suffix(".png"))
@@ -237,10 +243,11 @@ def plot(rows: list[dict], path: Path) -> None:
     labels = [f"{r['case']}\n{r['sweep']}" for r in rows]
     x = range(len(rows))
     fig, ax = plt.subplots(figsize=(7, 4))
-    for offset, key, name in ((-0.3, "host_ms_old", "host (old)"), (-0.1, "host_ms", "host"),
-                              (0.1, "host_ms_gather", "host, gathered"),
-                              (0.3, "copy_engine_ms", "copy engine (55 GB/s)")):  # fmt: skip
-        ax.bar([i + offset for i in x], [r[key] or 0.0 for r in rows], width=0.2, label=name)
+    for offset, key, name in ((-0.32, "host_ms_old", "host (old)"), (-0.16, "host_ms", "host"),
+                              (0.0, "host_ms_gather_old", "host, gathered (old)"),
+                              (0.16, "host_ms_gather", "host, gathered"),
+                              (0.32, "copy_engine_ms", "copy engine (55 GB/s)")):  # fmt: skip
+        ax.bar([i + offset for i in x], [r[key] or 0.0 for r in rows], width=0.16, label=name)
     ax.set_xticks(list(x), labels)
     ax.set_ylabel("ms per attention call")
     ax.set_title("Offload staging at 1M tokens: host time vs copy time")
