@@ -85,8 +85,8 @@ def run_views(tensors, start: int, batch: int, runs: list[tuple[int, int]]) -> l
 class _RunViews(dict):
     """One staging buffer's views of the runs of pages asked for so far (:func:`run_views`), kept for the cache's
     life: a buffer's slots are the same for any block it holds, a sparse call asks for thousands of runs, and
-    making a view costs about a microsecond. At most ``limit`` runs are kept (the first asked for: a block's
-    single pages and short runs, its whole), so that memory stays bounded however many different runs come."""
+    making a view costs about a microsecond. At most ``limit`` runs are kept, the first ones asked for (mostly
+    single pages, short runs and whole blocks), so that memory stays bounded however many different runs come."""
 
     def __init__(self, tensors, start: int, batch: int, limit: int) -> None:
         super().__init__()
@@ -127,7 +127,7 @@ class StagingCache:
         transport.adopt(staging.storage)
         self._staged = {
             (i, part): _RunViews(
-                staging.pages(part), i * shape.block_slots, shape.batch, 4 * shape.block_pages
+                staging.pages(part), shape.buffer_block_slots(i, 0).start, shape.batch, 4 * shape.block_pages
             )
             for i in range(buffers)
             for part in ("kv", "grad")
@@ -314,7 +314,7 @@ class StagingCache:
         return self._staged_views(buf, part, self._runs(buf, pages))
 
     def _staged_views(self, buf: Buffer, part: Part, runs: list[tuple[int, int]]) -> list[torch.Tensor]:
-        """:meth:`_views` of ``runs``."""
+        """:meth:`_views` of ``runs`` (views kept by the buffer's :class:`_RunViews`)."""
         kept = self._staged[buf.index, part]
         return [view for run in runs for view in kept[run]]
 
@@ -330,7 +330,7 @@ class StagingCache:
             # takes ~2.5x as long as ``frombuffer``)
             batch = self.shape.batch
             offsets = [o for a, b in runs for o in range(a * batch, b * batch)]
-            staged_start = buf.index * self.shape.block_slots
+            staged_start = self.shape.buffer_block_slots(buf.index, block).start
             slots = [staged_start + o for o in offsets], [host_start + o for o in offsets]
             tensors = self._staging.pages(part), self._host.pages(part)
             if direction == "d2h":
