@@ -20,7 +20,7 @@ from lightning_oomb.engine.user_hooks import gradient_hooks
 CALIBRATED = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gemma2", "gemma3", "gemma3_text", "gpt_oss",
               "afmoe", "jamba", "lfm2_moe", "llama4", "llama4_text", "qwen3_next", "kimi_linear", "bamba",
               "falcon_h1", "lfm2", "nemotron_h", "lfm3", "lara_mini", "bailing_hybrid", "cohere",
-              "hunyuan_v1_dense", "apertus", "arcee", "nemotron", "stablelm")  # fmt: skip
+              "hunyuan_v1_dense", "apertus", "arcee", "nemotron", "stablelm", "gemma4_text")  # fmt: skip
 NORM_BYTES = 4  # HF's RMSNorm computes in float32 whatever the model's dtype
 # model types whose decoder layers norm the attention's and the MLP's outputs too (4 hidden-wide norms a layer)
 SANDWICH_NORMS = ("gemma2", "gemma3", "gemma3_text", "afmoe", "lfm3")
@@ -150,7 +150,10 @@ class ModelShape:
     casts on no device (``aten::_grouped_mm`` has no autocast kernel; transformers casts the input to the weights'
     dtype): under ``*-mixed`` they compute in the weights' dtype and their weights get no cast copies;
     ``expert_biases``: the routed experts add biases to their projections (GPT-OSS's ``gate_up_proj_bias``: float32
-    under autocast, so are the sums)."""
+    under autocast, so are the sums); ``layer_head_dims``: each paged layer's own head dim where they differ (Gemma 4's
+    global layers' wider heads; ``None``: all ``head_dim``) — its projections, norms and o_proj input are that wide,
+    the op's saved queries and output ``head_dim`` wide (narrower heads zero-padded to the pages');
+    ``value_norm``: attention norms its values without a weight (Gemma 4's ``v_norm``: their float32 copy saved)."""
 
     num_layers: int
     hidden_size: int
@@ -207,6 +210,17 @@ class ModelShape:
     norm_readers: tuple[int, int, int] | None = None
     uncast_experts: bool = False
     expert_biases: bool = False
+    layer_head_dims: tuple[int, ...] | None = None
+    value_norm: bool = False
+
+    @property
+    def own_head_dims(self) -> tuple[int, ...]:
+        """Each paged layer's own head dim (``layer_head_dims``; ``head_dim`` for all when it is not given, or not
+        one per paged layer)."""
+        dims = self.layer_head_dims
+        if dims is None or len(dims) != self.paged_layers:
+            return (self.head_dim,) * self.paged_layers
+        return dims
 
     @property
     def mlps(self) -> int:
@@ -252,10 +266,13 @@ class ModelShape:
 
     @property
     def attention_params(self) -> int:
-        """Elements of one decoder layer's q, k, v and o projection weights (and its output gate's)."""
-        return (2 + self.gated_attention) * self.hidden_size * self.num_heads * self.head_dim + (
-            2 * self.hidden_size * self.kv_heads * self.head_dim
-        )
+        """Elements of the widest decoder layer's q, k, v and o projection weights (and its output gate's)."""
+        return self.attention_params_of(self.head_dim)
+
+    def attention_params_of(self, head_dim: int) -> int:
+        """Elements of q, k, v and o projection weights (and an output gate's) of a layer of heads ``head_dim``."""
+        q, kv = self.num_heads * head_dim, self.kv_heads * head_dim
+        return (2 + self.gated_attention) * self.hidden_size * q + 2 * self.hidden_size * kv
 
     @property
     def mlp_params(self) -> int:
@@ -280,7 +297,11 @@ class ModelShape:
         """Elements of the decoder's projection weights: every layer's attention, its MLPs (MoE and dense)."""
         dense = (self.mlps - self.moe_mlps) * 3 * self.hidden_size * self.dense_mlp_width
         experts = self.moe_mlps * self.mlp_params if self.num_experts else 0
-        return self.num_layers * self.attention_params + experts + dense
+        own = self.own_head_dims  # (the layers without pages: a hybrid's, counted as the widest)
+        attention = (
+            sum(map(self.attention_params_of, own)) + (self.num_layers - len(own)) * self.attention_params
+        )
+        return attention + experts + dense
 
     def parameter_count(self) -> int:
         """Parameters of a Llama-style causal LM of this shape (exact for Llama, Qwen2/3, Mistral)."""
@@ -397,6 +418,13 @@ def _is_config(obj: Any) -> bool:
     return obj is not None and all(hasattr(obj, k) for k in ("num_hidden_layers", "hidden_size"))
 
 
+def _fields(config: Any) -> dict[str, Any]:
+    """A config's fields as a dict (a transformers config's ``to_dict()``, a dict of them, an object's attributes)."""
+    if hasattr(config, "to_dict"):
+        return config.to_dict()
+    return dict(config) if isinstance(config, Mapping) else dict(vars(config))
+
+
 def paged_head_dim(config: Any) -> int:
     """The head dim of a Hugging Face config's K/V pages: the widest of the keys' (multi-head latent attention's
     ``qk_nope_head_dim + qk_rope_head_dim``, else ``head_dim`` — the widest of a ``per_layer_config``'s, Gemma 4's
@@ -406,13 +434,26 @@ def paged_head_dim(config: Any) -> int:
     if isinstance(nope, int) and isinstance(rope, int):
         keys = nope + rope
     else:
-        fields = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+        fields = _fields(config)
         layers = (fields.get("per_layer_config") or {}).values()
         dims = [
             d for d in (fields.get("head_dim"), *(c.get("head_dim") for c in layers)) if isinstance(d, int)
         ]
         keys = max(dims) if dims else config.hidden_size // config.num_attention_heads
     return max(keys, getattr(config, "v_head_dim", None) or keys)
+
+
+def _layer_head_dims(config: Any) -> tuple[int, ...] | None:
+    """Each layer's own head dim where a config's ``per_layer_config`` makes them differ (Gemma 4's global layers'
+    ``global_head_dim`` beside its sliding layers' ``head_dim``), else ``None``."""
+    fields = _fields(config)
+    layers = fields.get("per_layer_config") or {}
+    default = fields.get("head_dim")
+    if not layers or not isinstance(default, int):
+        return None
+    dims = tuple((layers.get(str(i)) or layers.get(i) or {}).get("head_dim", default)
+                 for i in range(fields["num_hidden_layers"]))  # fmt: skip
+    return dims if len(set(dims)) > 1 else None
 
 
 MAMBA1_TYPES = ("mamba", "falcon_mamba")
@@ -484,6 +525,7 @@ def _shape_of_attention_config(cfg: Any) -> ModelShape:
         and not family.startswith("llama4")  # (Llama 4's: torch.bmm, cast)
         and getattr(cfg, "_experts_implementation", None) in (None, "grouped_mm"),
         windows=_config_windows(cfg),
+        layer_head_dims=_layer_head_dims(cfg),
         mlp_layers=None if (blocks := _mlp_blocks(cfg)) is None else len(blocks),
         per_layer_inputs=getattr(cfg, "hidden_size_per_layer_input", None) or 0,
         scaled_embeddings=family in SCALED_EMBEDDINGS,
@@ -733,6 +775,7 @@ def _with_layers(shape: ModelShape, module: torch.nn.Module) -> ModelShape:
         ),
         gated_attention=any(isinstance(getattr(a, "gate_proj", None), torch.nn.Linear) for a in attentions),
         qk_norm=shape.qk_norm or any(getattr(a, n, None) is not None for a in attentions for n in QK_NORMS),
+        value_norm=any(isinstance(getattr(a, "v_norm", None), torch.nn.Module) for a in attentions),
     )
     if shape.num_experts:
         # routed experts' biases: [experts, width] parameters of an "experts" module

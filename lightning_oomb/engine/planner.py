@@ -25,7 +25,8 @@ options that would make it fit (each tried in the planner).
   input (``rH``; under autocast one cast copy per projection reading it — a fused ``qkv_proj`` or ``gate_up_proj``
   one — ``cH`` each: ``ModelShape.norm_readers``), attention ``2cQ`` (the op's query and output, in the compute
   dtype; on a GPU at the pages' padded head dim, not counted) ``+ 4 Hq`` (float32 LSE) ``+ rQ`` (o_proj input; ``cQ``
-  under autocast), the MLP ``4cI`` (gate, SiLU, up, product) — ``Q = Hq x head_dim``; an MoE layer per routed expert
+  under autocast), the MLP ``4cI`` (gate, SiLU, up, product) — ``Q = Hq x head_dim`` (the op's at the pages'
+  head dim, the others at the layer's own: Gemma 4's sliding layers' narrower heads); an MoE layer per routed expert
   ``I`` of its width, its gathered input, output and weighted output (:func:`routed_bytes`) and the router's scores,
   its dense layers (DeepSeek's first, Jamba's every other) their own MLP; norms of the attention's and the MLP's
   outputs (Gemma 2/3) and a sigmoid gate on the attention output (AFMoE) counted as they save; a layer whose pages
@@ -130,6 +131,7 @@ import dataclasses
 import math
 import numbers
 import sys
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -415,7 +417,12 @@ def saved_bytes(
         copies = rope = 0
     else:
         tiled = mlp_tiled(shape, mlp_tile, min(chunk_size, seq_len))
-        attn, mlp, dense = _layer_bytes_per_token(shape, dtypes, streamed=False, tiled=tiled)
+        _, mlp, dense = _layer_bytes_per_token(shape, dtypes, streamed=False, tiled=tiled)
+        # each paged layer's attention at its own head dim (Gemma 4's sliding layers narrower than its global ones)
+        dims = Counter(shape.own_head_dims)
+        attention = sum(
+            n * _layer_bytes_per_token(shape, dtypes, False, tiled, d)[0] for d, n in dims.items()
+        )
         # a host-tier or tail-keeping window layer saves its chunk's K and V too
         restaged = 2 * dtypes.kv.itemsize * shape.kv_heads * shape.head_dim
         # a hybrid's layers without attention: their input norm and carried mixer (mixer_bytes); a ChunkModel's
@@ -424,7 +431,13 @@ def saved_bytes(
         mixed = mixer_layers * (_mixer_norm_bytes(shape, dtypes) + _output_norm_bytes(shape, dtypes)) * tokens
         mixed += sum(_mixer_saves(shape, dtypes, batch, min(chunk_size, seq_len)))
         mlps = shape.moe_mlps * mlp + (shape.mlps - shape.moe_mlps) * dense
-        per_token = shape.paged_layers * attn + mlps + restaged_layers * restaged
+        per_token = attention + mlps + restaged_layers * restaged
+        # each layer's gate of its own input (Gemma 4's): the gate's input, its GELU's input and output, the
+        # projection's input; under autocast the gate's cast input and both weights' copies
+        gate = shape.per_layer_inputs
+        per_token += (
+            shape.num_layers * ((c if dtypes.mixed else r) * shape.hidden_size + 3 * c * gate) * bool(gate)
+        )
         layers = (per_token + adapter_bytes(shape, dtypes)) * tokens + mixed
         linear = shape.linear_weights
         # the Llama-style layers' (a hybrid's: attention in its paged layers, its mixers' own projections)
@@ -433,8 +446,9 @@ def saved_bytes(
             if shape.mixers and all(m.linear_weights for m in shape.mixers):
                 unpaged = shape.num_layers - shape.paged_layers
                 linear += sum(m.linear_weights for m in shape.mixers) - unpaged * shape.attention_params
-        copies = linear * c if dtypes.mixed else 0
-        rope = 2 * min(chunk_size, seq_len) * shape.head_dim * r  # cos and sin, shared by every layer
+        copies = (linear + 2 * shape.num_layers * shape.hidden_size * gate) * c if dtypes.mixed else 0
+        # cos and sin, shared by the layers of a head dim
+        rope = 2 * min(chunk_size, seq_len) * sum(dims or (shape.head_dim,)) * r
     # the layers' own inputs (Gemma 4's): their sum, the float32 norm's input and output, 1/rms and one more per
     # layer; under autocast the projection's cast input and weight
     own = shape.per_layer_inputs * shape.num_layers
@@ -508,7 +522,7 @@ def _page_head_dim(shape: ModelShape, config: OOMBConfig, machine: Machine) -> i
 
 
 def _layer_bytes_per_token(
-    shape: ModelShape, dtypes: Dtypes, streamed: bool, tiled: bool = False
+    shape: ModelShape, dtypes: Dtypes, streamed: bool, tiled: bool = False, head_dim: int | None = None
 ) -> tuple[int, int, int]:
     """Bytes per token one decoder layer saves: (input norm + attention, post-attention norm + MLP — an MoE
     layer's where the model has experts — and the same for a dense MLP); a ``tiled`` MLP (``mlp_tile``) saves only
@@ -517,10 +531,12 @@ def _layer_bytes_per_token(
     (wider adapters save their own copies: :func:`adapter_bytes`). Norms of the attention's and the MLP's outputs
     (``layer_norms`` 4: Gemma 2/3) and a sigmoid gate on the attention output count with attention; with one norm a
     layer (``layer_norms`` 1: Cohere's parallel block) the MLP reads the attention's (under autocast its own cast
-    copies)."""
+    copies). ``head_dim``: the layer's own (``ModelShape.layer_head_dims``; default ``shape.head_dim``): its
+    projections' and norms' widths, the op's saved q and output at ``shape.head_dim`` (the pages')."""
     r, c, f = dtypes.activation.itemsize, dtypes.compute.itemsize, NORM_BYTES
     h, heads, kv_heads = shape.hidden_size, shape.num_heads, shape.kv_heads
-    q, kv = heads * shape.head_dim, kv_heads * shape.head_dim
+    d = shape.head_dim if head_dim is None else head_dim
+    q, kv, paged_q = heads * d, kv_heads * d, heads * shape.head_dim
     lse = 8 if dtypes.activation == torch.float64 else 4
     # the projections' inputs are saved by the projections, else by adapters in the activations' dtype
     inputs = not shape.frozen_layers or any(a <= r for _, _, a, _ in shape.adapters)
@@ -536,15 +552,17 @@ def _layer_bytes_per_token(
     # cast copy of the whole normed input: grouped_mm's read it uncast, an expert loop's its gathered rows)
     moe_readers = readers[2] * (shape.uncast_experts or shape.expert_loop) or 2
     routed = shape.intermediate_size * shape.routed_per_token
-    attn = norm(attention_readers) + 2 * c * q + lse * heads + (c if dtypes.mixed else r) * q * inputs
+    attn = norm(attention_readers) + 2 * c * paged_q + lse * heads + (c if dtypes.mixed else r) * q * inputs
     # a gate's sigmoid, and the output it multiplies (a copy of the op's: reshaped)
     attn += 2 * c * q * gated
     attn += _output_norm_bytes(shape, dtypes)
     # per-head norms of q and k: float32 input, 1/rms, normed (in the compute dtype; float32_norms: float32)
     if shape.qk_norm:
         attn += (f + (f if shape.float32_norms else c)) * (q + kv) + f * (heads + kv_heads)
+    if shape.value_norm:  # its float32 input and two per-head scalars (no weight: no normed input)
+        attn += f * (kv + 2 * kv_heads)
     if streamed:
-        attn += 2 * c * kv
+        attn += 2 * c * kv_heads * shape.head_dim
 
     own = shape.layer_norms != 1  # (a parallel block's MLP reads the attention's norm)
 
