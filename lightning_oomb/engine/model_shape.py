@@ -3,6 +3,7 @@ one, a ChunkModel adapter around one, or any ChunkModel ``nn.Module`` (:func:`mo
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections import Counter
 from collections.abc import Mapping
@@ -368,14 +369,14 @@ class ModelShape:
 
 def model_shape(model: Any) -> ModelShape:
     """The :class:`ModelShape` of ``model``: a :class:`ModelShape`, a transformers config (a multimodal one's
-    decoder config; or a ``{"model_type": ...}``-style dict of its fields), an ``nn.Module`` holding one (its parameters are counted
-    exactly), a ChunkModel adapter around one, or any ChunkModel ``nn.Module`` (its parameters counted exactly, its
+    decoder config; or a ``{"model_type": ...}``-style dict of its fields: read as the model it builds shows it,
+    :func:`_with_built_model`), an ``nn.Module`` holding one (its parameters are counted exactly), a ChunkModel adapter around one, or any ChunkModel ``nn.Module`` (its parameters counted exactly, its
     MLPs, widths and head count read off its modules, its carried states as it declares them:
     :func:`_shape_of_chunk_model`)."""
     if isinstance(model, ModelShape):
         return model
     if isinstance(model, Mapping):
-        return _shape_of_config(_AttrDict(model))
+        return _with_built_model(_shape_of_config(_AttrDict(model)), model)
     config = _text_config(getattr(model, "config", None))
     model = _text_config(model)
     if isinstance(model, torch.nn.Module) and _is_config(config):
@@ -384,13 +385,35 @@ def model_shape(model: Any) -> ModelShape:
     if not isinstance(model, torch.nn.Module) and isinstance(inner, torch.nn.Module):
         return _with_adapter(model_shape(inner), model)
     if _is_config(model):
-        return _shape_of_config(model)
+        return _with_built_model(_shape_of_config(model), model)
     if isinstance(model, torch.nn.Module) and hasattr(model, "num_layers") and hasattr(model, "lm_head"):
         return _with_parameters(_shape_of_chunk_model(model), model)
     raise OOMBConfigError(
         f"cannot read a model shape from {type(model).__name__} — the planner needs layers, widths, heads and the "
         "vocabulary — pass a transformers config, the model itself, or a lightning_oomb.engine.model_shape.ModelShape."
     )
+
+
+def _with_built_model(shape: ModelShape, config: Any) -> ModelShape:
+    """``shape`` (a config's) as the model the config builds shows it, as a built model's plan reads it: its layers
+    (:func:`_with_layers`: ungated MLPs, torch's fused LayerNorms, the projections reading a norm, ...) and its
+    parameter counts (their bytes stay the precision's). The model is built on the meta device (nothing allocated;
+    its modules' forwards are what a config's fields do not say); ``shape`` as it is where transformers cannot
+    build it (a config of no causal LM it knows, or not a transformers config)."""
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        if isinstance(config, Mapping):
+            fields = dict(config)
+            config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        config = copy.deepcopy(config)  # (building sets its attention's and experts' implementations)
+        with torch.device("meta"):
+            module = AutoModelForCausalLM.from_config(config)
+    except Exception:  # noqa: BLE001  (the config's fields alone)
+        return shape
+    counted = _with_parameters(shape, module)
+    return dataclasses.replace(_with_layers(shape, module), params=counted.params, trainable=counted.trainable,
+                               largest_param=counted.largest_param)  # fmt: skip
 
 
 class _AttrDict(dict):
