@@ -21,7 +21,8 @@ from lightning_oomb.engine.user_hooks import gradient_hooks
 CALIBRATED = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gemma2", "gemma3", "gemma3_text", "gpt_oss",
               "afmoe", "jamba", "lfm2_moe", "llama4", "llama4_text", "qwen3_next", "kimi_linear", "bamba",
               "falcon_h1", "lfm2", "nemotron_h", "lfm3", "lara_mini", "bailing_hybrid", "cohere",
-              "hunyuan_v1_dense", "apertus", "arcee", "nemotron", "stablelm", "gemma4_text")  # fmt: skip
+              "hunyuan_v1_dense", "apertus", "arcee", "nemotron", "stablelm", "gemma4_text",
+              "ernie4_5")  # fmt: skip
 NORM_BYTES = 4  # HF's RMSNorm computes in float32 whatever the model's dtype
 # model types whose decoder layers norm the attention's and the MLP's outputs too (4 hidden-wide norms a layer)
 SANDWICH_NORMS = ("gemma2", "gemma3", "gemma3_text", "afmoe", "lfm3")
@@ -35,6 +36,10 @@ SCALED_EMBEDDINGS = ("zaya",)
 # model types whose decoder layers run attention and the MLP side by side on one norm's output (a LayerNorm that
 # saves its centred input twice)
 PARALLEL_BLOCKS = ("cohere", "cohere2")
+# model types whose queries' and keys' norms read them after RoPE (ModelShape.rotated_qk_norms)
+ROTATED_QK_NORMS = ("hunyuan",)
+# model types whose layers each make float32 copies of the RoPE tables (ModelShape.layer_rope)
+LAYER_ROPE = ("ernie4_5",)
 # model types whose attention output is gated by the sigmoid of a projection of the layer's input
 GATED_ATTENTION = ("afmoe",)
 # config fields of the experts a token is routed to
@@ -154,7 +159,10 @@ class ModelShape:
     under autocast, so are the sums); ``layer_head_dims``: each paged layer's own head dim where they differ (Gemma 4's
     global layers' wider heads; ``None``: all ``head_dim``) — its projections, norms and o_proj input are that wide,
     the op's saved queries and output ``head_dim`` wide (narrower heads zero-padded to the pages');
-    ``value_norm``: attention norms its values without a weight (Gemma 4's ``v_norm``: their float32 copy saved)."""
+    ``value_norm``: attention norms its values without a weight (Gemma 4's ``v_norm``: their float32 copy saved);
+    ``rotated_qk_norms``: the queries' and keys' norms read them after RoPE (HunYuan's), whose float32 tables promote
+    them under autocast: their normed input in the activations' dtype; ``layer_rope``: each layer makes its own
+    float32 copies of the RoPE tables (ERNIE 4.5's interleaved ones), the shared ones not saved."""
 
     num_layers: int
     hidden_size: int
@@ -213,6 +221,8 @@ class ModelShape:
     expert_biases: bool = False
     layer_head_dims: tuple[int, ...] | None = None
     value_norm: bool = False
+    rotated_qk_norms: bool = False
+    layer_rope: bool = False
 
     @property
     def own_head_dims(self) -> tuple[int, ...]:
@@ -370,8 +380,8 @@ class ModelShape:
 def model_shape(model: Any) -> ModelShape:
     """The :class:`ModelShape` of ``model``: a :class:`ModelShape`, a transformers config (a multimodal one's
     decoder config; or a ``{"model_type": ...}``-style dict of its fields: read as the model it builds shows it,
-    :func:`_with_built_model`), an ``nn.Module`` holding one (its parameters are counted exactly), a ChunkModel adapter around one, or any ChunkModel ``nn.Module`` (its parameters counted exactly, its
-    MLPs, widths and head count read off its modules, its carried states as it declares them:
+    :func:`_with_built_model`), an ``nn.Module`` holding one (its parameters are counted exactly), a ChunkModel
+    adapter around one, or any ChunkModel ``nn.Module`` (its parameters counted exactly, its MLPs, widths and head count read off its modules, its carried states as it declares them:
     :func:`_shape_of_chunk_model`)."""
     if isinstance(model, ModelShape):
         return model
@@ -526,6 +536,8 @@ def _shape_of_attention_config(cfg: Any) -> ModelShape:
         num_embeddings=cfg.vocab_size,
         tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         qk_norm=family.startswith(("qwen3", "gemma3", "afmoe", "olmo2", "olmo3", "hunyuan")),
+        rotated_qk_norms=family.startswith(ROTATED_QK_NORMS),
+        layer_rope=family.startswith(LAYER_ROPE),
         qkv_bias=bool(getattr(cfg, "attention_bias", family in ("qwen2", "qwen2_moe"))),
         family=family,
         num_experts=experts,

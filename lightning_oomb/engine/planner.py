@@ -447,8 +447,9 @@ def saved_bytes(
                 unpaged = shape.num_layers - shape.paged_layers
                 linear += sum(m.linear_weights for m in shape.mixers) - unpaged * shape.attention_params
         copies = (linear + 2 * shape.num_layers * shape.hidden_size * gate) * c if dtypes.mixed else 0
-        # cos and sin, shared by the layers of a head dim
-        rope = 2 * min(chunk_size, seq_len) * sum(dims or (shape.head_dim,)) * r
+        # cos and sin, shared by the layers of a head dim (layer_rope: each layer's float32 copies)
+        rope = 2 * min(chunk_size, seq_len) * sum(dims or (shape.head_dim,))
+        rope *= NORM_BYTES * shape.paged_layers if shape.layer_rope else r
     # the layers' own inputs (Gemma 4's): their sum, the float32 norm's input and output, 1/rms and one more per
     # layer; under autocast the projection's cast input and weight
     own = shape.per_layer_inputs * shape.num_layers
@@ -557,8 +558,9 @@ def _layer_bytes_per_token(
     attn += 2 * c * q * gated
     attn += _output_norm_bytes(shape, dtypes)
     # per-head norms of q and k: float32 input, 1/rms, normed (in the compute dtype; float32_norms: float32)
-    if shape.qk_norm:
-        attn += (f + (f if shape.float32_norms else c)) * (q + kv) + f * (heads + kv_heads)
+    if shape.qk_norm:  # (rotated: RoPE's float32 tables made them r under autocast)
+        normed = f if shape.float32_norms else r if shape.rotated_qk_norms else c
+        attn += (f + normed) * (q + kv) + f * (heads + kv_heads)
     if shape.value_norm:  # its float32 input and two per-head scalars (no weight: no normed input)
         attn += f * (kv + 2 * kv_heads)
     if streamed:
