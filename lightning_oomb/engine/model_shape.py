@@ -162,7 +162,12 @@ class ModelShape:
     ``value_norm``: attention norms its values without a weight (Gemma 4's ``v_norm``: their float32 copy saved);
     ``rotated_qk_norms``: the queries' and keys' norms read them after RoPE (HunYuan's), whose float32 tables promote
     them under autocast: their normed input in the activations' dtype; ``layer_rope``: each layer makes its own
-    float32 copies of the RoPE tables (ERNIE 4.5's interleaved ones), the shared ones not saved."""
+    float32 copies of the RoPE tables (ERNIE 4.5's interleaved ones), the shared ones not saved; ``head_gate``:
+    attention's output is gated per head (LFM3's ``g_proj``: a sigmoid per head, the output copied to be gated);
+    ``rope_tables``: RoPE tables the layers share (one per attention layer type with its own RoPE parameters: LFM3's,
+    Gemma 3's); ``qk_norm_layers``: the paged layers whose attention norms q and k (``None``: all, with
+    ``qk_norm``; Llama 4's RoPE layers), ``weightless_qk_norms``: those norms have no weight (Llama 4's L2 norm:
+    no normed input saved)."""
 
     num_layers: int
     hidden_size: int
@@ -223,6 +228,10 @@ class ModelShape:
     value_norm: bool = False
     rotated_qk_norms: bool = False
     layer_rope: bool = False
+    head_gate: bool = False
+    rope_tables: int = 1
+    qk_norm_layers: int | None = None
+    weightless_qk_norms: bool = False
 
     @property
     def own_head_dims(self) -> tuple[int, ...]:
@@ -283,7 +292,8 @@ class ModelShape:
     def attention_params_of(self, head_dim: int) -> int:
         """Elements of q, k, v and o projection weights (and an output gate's) of a layer of heads ``head_dim``."""
         q, kv = self.num_heads * head_dim, self.kv_heads * head_dim
-        return (2 + self.gated_attention) * self.hidden_size * q + 2 * self.hidden_size * kv
+        gate = self.hidden_size * self.num_heads * self.head_gate
+        return (2 + self.gated_attention) * self.hidden_size * q + 2 * self.hidden_size * kv + gate
 
     @property
     def mlp_params(self) -> int:
@@ -489,6 +499,20 @@ def _layer_head_dims(config: Any) -> tuple[int, ...] | None:
     return dims if len(set(dims)) > 1 else None
 
 
+def _rope_tables(config: Any) -> int:
+    """RoPE tables a config's layers share: one per layer type its ``rope_parameters`` gives its own (LFM3's,
+    Gemma 3's full and sliding layers), else one."""
+    params = getattr(config, "rope_parameters", None)
+    if (
+        not isinstance(params, Mapping)
+        or not params
+        or not all(isinstance(v, Mapping) for v in params.values())
+    ):
+        return 1
+    types = set(getattr(config, "layer_types", None) or params)
+    return max(sum(t in types for t in params), 1)
+
+
 MAMBA1_TYPES = ("mamba", "falcon_mamba")
 ATTENTION_FREE = (*MAMBA1_TYPES, "mamba2")  # model types without attention layers
 
@@ -538,6 +562,8 @@ def _shape_of_attention_config(cfg: Any) -> ModelShape:
         qk_norm=family.startswith(("qwen3", "gemma3", "afmoe", "olmo2", "olmo3", "hunyuan")),
         rotated_qk_norms=family.startswith(ROTATED_QK_NORMS),
         layer_rope=family.startswith(LAYER_ROPE),
+        head_gate=bool(getattr(cfg, "use_attention_gate", False)),
+        rope_tables=_rope_tables(cfg),
         qkv_bias=bool(getattr(cfg, "attention_bias", family in ("qwen2", "qwen2_moe"))),
         family=family,
         num_experts=experts,
@@ -768,12 +794,15 @@ def _with_adapter(shape: ModelShape, adapter: Any) -> ModelShape:
 
 
 def _with_layers(shape: ModelShape, module: torch.nn.Module) -> ModelShape:
-    """What a Hugging Face model's decoder layers (``get_decoder().layers``) show beyond its config: the layers
+    """What a Hugging Face model's decoder layers (its decoder stack's ``layers``: ``decoder_of``, which looks past
+    a ``get_decoder()`` that returns the model itself, as Llama 4's does) show beyond its config: the layers
     whose MLP holds ``experts`` and the dense MLPs' width (the widest projection back to the hidden size in a
     child named as :data:`MLP_NAMES` says), the hidden-wide norms a layer holds (its norm children), a
     ``gate_proj`` in its attention, its queries' and keys' norms (``q_norm``; Llama 4's ``qk_norm``, LFM2's
     ``q_layernorm``)."""
-    decoder = module.get_decoder() if callable(getattr(module, "get_decoder", None)) else None
+    from lightning_oomb.integrations.hf.decoder import decoder_of  # (here: the package imports this module)
+
+    decoder = decoder_of(module) if callable(getattr(module, "get_decoder", None)) else None
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
         return shape
@@ -799,6 +828,12 @@ def _with_layers(shape: ModelShape, module: torch.nn.Module) -> ModelShape:
     # an MoE layer's uncast experts read its normed input as it is: its router and shared experts' projections
     moes = [getattr(layer, n, None) for layer in layers if routes(layer) for n in MLP_NAMES]
     readers.append(max((_weights_reading(m, h) for m in moes if isinstance(m, torch.nn.Module)), default=0))
+    qk_norms = [
+        m for a in attentions for n in QK_NORMS if isinstance(m := getattr(a, n, None), torch.nn.Module)
+    ]
+    qk_layers = sum(
+        any(isinstance(getattr(a, n, None), torch.nn.Module) for n in QK_NORMS) for a in attentions
+    )
     changes: dict[str, Any] = dict(
         layer_norms=max(map(norms, layers)) or shape.layer_norms,
         float32_norms=(saves := float32_saves(layers.modules(), h)) >= 2,
@@ -809,8 +844,12 @@ def _with_layers(shape: ModelShape, module: torch.nn.Module) -> ModelShape:
             (u for m in mlps if isinstance(m, torch.nn.Module) and (u := ungated_mlp(m, h))), None
         ),
         gated_attention=any(isinstance(getattr(a, "gate_proj", None), torch.nn.Linear) for a in attentions),
-        qk_norm=shape.qk_norm or any(getattr(a, n, None) is not None for a in attentions for n in QK_NORMS),
+        qk_norm=shape.qk_norm or bool(qk_norms),
+        qk_norm_layers=qk_layers if 0 < qk_layers < sum(a is not None for a in attentions) else None,
+        weightless_qk_norms=bool(qk_norms) and not any(any(True for _ in m.parameters()) for m in qk_norms),
         value_norm=any(isinstance(getattr(a, "v_norm", None), torch.nn.Module) for a in attentions),
+        head_gate=shape.head_gate
+        or any(isinstance(getattr(a, "g_proj", None), torch.nn.Linear) for a in attentions),
     )
     if shape.num_experts:
         # routed experts' biases: [experts, width] parameters of an "experts" module

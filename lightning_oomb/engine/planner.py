@@ -423,6 +423,9 @@ def saved_bytes(
         attention = sum(
             n * _layer_bytes_per_token(shape, dtypes, False, tiled, d)[0] for d, n in dims.items()
         )
+        if shape.qk_norm and shape.qk_norm_layers is not None:  # (the layers without: Llama 4's NoPE layers)
+            unnormed = max(shape.paged_layers - shape.qk_norm_layers, 0)
+            attention -= unnormed * _qk_norm_bytes(shape, dtypes, min(dims, default=shape.head_dim))
         # a host-tier or tail-keeping window layer saves its chunk's K and V too
         restaged = 2 * dtypes.kv.itemsize * shape.kv_heads * shape.head_dim
         # a hybrid's layers without attention: their input norm and carried mixer (mixer_bytes); a ChunkModel's
@@ -447,9 +450,14 @@ def saved_bytes(
                 unpaged = shape.num_layers - shape.paged_layers
                 linear += sum(m.linear_weights for m in shape.mixers) - unpaged * shape.attention_params
         copies = (linear + 2 * shape.num_layers * shape.hidden_size * gate) * c if dtypes.mixed else 0
-        # cos and sin, shared by the layers of a head dim (layer_rope: each layer's float32 copies)
-        rope = 2 * min(chunk_size, seq_len) * sum(dims or (shape.head_dim,))
-        rope *= NORM_BYTES * shape.paged_layers if shape.layer_rope else r
+        # cos and sin, shared by the layers of a head dim or a table (layer_rope: each layer's float32 copies)
+        widths = sum(dims) if len(dims) > 1 else shape.rope_tables * shape.head_dim
+        rope = (
+            2
+            * min(chunk_size, seq_len)
+            * widths
+            * (NORM_BYTES * shape.paged_layers if shape.layer_rope else r)
+        )
     # the layers' own inputs (Gemma 4's): their sum, the float32 norm's input and output, 1/rms and one more per
     # layer; under autocast the projection's cast input and weight
     own = shape.per_layer_inputs * shape.num_layers
@@ -556,11 +564,10 @@ def _layer_bytes_per_token(
     attn = norm(attention_readers) + 2 * c * paged_q + lse * heads + (c if dtypes.mixed else r) * q * inputs
     # a gate's sigmoid, and the output it multiplies (a copy of the op's: reshaped)
     attn += 2 * c * q * gated
+    # a gate per head (LFM3's): its sigmoid and the output it multiplies (a copy of the op's)
+    attn += c * (q + heads) * shape.head_gate
     attn += _output_norm_bytes(shape, dtypes)
-    # per-head norms of q and k: float32 input, 1/rms, normed (in the compute dtype; float32_norms: float32)
-    if shape.qk_norm:  # (rotated: RoPE's float32 tables made them r under autocast)
-        normed = f if shape.float32_norms else r if shape.rotated_qk_norms else c
-        attn += (f + normed) * (q + kv) + f * (heads + kv_heads)
+    attn += _qk_norm_bytes(shape, dtypes, d) * shape.qk_norm
     if shape.value_norm:  # its float32 input and two per-head scalars (no weight: no normed input)
         attn += f * (kv + 2 * kv_heads)
     if streamed:
@@ -584,11 +591,24 @@ def _layer_bytes_per_token(
     return attn, (mlp(shape.mlp_width, True) if shape.num_experts else dense), dense
 
 
+def _qk_norm_bytes(shape: ModelShape, dtypes: Dtypes, head_dim: int) -> int:
+    """Bytes per token a layer's per-head norms of q and k save: float32 input, 1/rms and the normed input (in the
+    compute dtype; ``float32_norms``: float32; ``rotated_qk_norms``: RoPE's float32 tables made it the activations'
+    dtype under autocast; ``weightless_qk_norms``: none, no weight needs it)."""
+    r, c, f = dtypes.activation.itemsize, dtypes.compute.itemsize, NORM_BYTES
+    normed = (
+        0 if shape.weightless_qk_norms else f if shape.float32_norms else r if shape.rotated_qk_norms else c
+    )
+    heads = shape.num_heads + shape.kv_heads
+    return (f + normed) * heads * head_dim + f * heads
+
+
 def routed_bytes(shape: ModelShape, dtypes: Dtypes) -> int:
     """Bytes per token an MoE layer's routed experts save: per routed expert its I-wide gate, up and activation
     (a clamped GLU's — GPT-OSS's — gate and up, clamped gate, sigmoid, up + 1 and their product: six), the product
     the down projection reads (none for frozen layers), its gathered input, its output and the weighted output
-    (grouped_mm's: none). In the compute dtype, but transformers' grouped_mm experts' (the weights' dtype: autocast
+    (grouped_mm's: none; Llama 4's ``dense_experts``: the input times the scores, its cast copy and the scores).
+    In the compute dtype, but transformers' grouped_mm experts' (the weights' dtype: autocast
     casts them on no device), an expert loop's weighted output (the activations' dtype: under autocast the float32
     copy it adds into the layer's output) and, under autocast, biased experts' results (GPT-OSS's float32 biases
     added to the matmuls' outputs: the GLU's tensors and the output in float32; the projections read cast copies)."""
@@ -599,6 +619,9 @@ def routed_bytes(shape: ModelShape, dtypes: Dtypes) -> int:
     routed = shape.intermediate_size * shape.routed_per_token
     wide = (3 + 3 * shape.clamped_experts) * out * routed + inputs * e * routed
     weighted = 0 if shape.uncast_experts else r if shape.expert_loop else e
+    if shape.dense_experts:  # Llama 4's: each expert's copy of the input times its score (in the activations'
+        # dtype) and its copy for the batched matmuls, the scores; the outputs are summed, not saved
+        return wide + ((r + e) * shape.hidden_size + e) * shape.routed_per_token
     return wide + (e + out + weighted) * shape.hidden_size * shape.routed_per_token
 
 
