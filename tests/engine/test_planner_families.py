@@ -138,6 +138,19 @@ def test_a_configs_layers_are_read_as_its_built_model_shows_them(family):
         assert abs(_shape_of_config(config).parameter_count() / from_model.params - 1) <= 1e-3
 
 
+def config_and_meta_model(family):
+    """``family``'s config of :data:`BASE`'s fields and its model built from it on the meta device (skipped where
+    this transformers lacks the family)."""
+    import transformers as tf
+
+    try:
+        config = tf.AutoConfig.for_model(family, **BASE)
+    except ValueError as err:
+        pytest.skip(str(err))
+    with torch.device("meta"):
+        return config, tf.AutoModelForCausalLM.from_config(config)
+
+
 @pytest.mark.parametrize("family", ["arcee", "apertus", "nemotron", "starcoder2", "stablelm", "gemma4_text"])
 def test_a_config_alone_is_planned_as_its_built_model(family):
     """A config alone (``lightning_oomb.plan(config, ...)``) is read as the model it builds on the meta device shows
@@ -145,14 +158,7 @@ def test_a_config_alone_is_planned_as_its_built_model(family):
     StableLM), Apertus's and Gemma 4's QK norms, Gemma 4's five norms a layer and its values' norm, and its
     parameters. Before, its activations were planned from -61 % (Gemma 4) to +67 % (Nemotron, StarCoder2) off the
     built model's plan; now they, the weights and every other term are the same."""
-    import transformers as tf
-
-    try:
-        config = tf.AutoConfig.for_model(family, **BASE)
-    except ValueError as err:  # a family this transformers lacks
-        pytest.skip(str(err))
-    with torch.device("meta"):
-        model = tf.AutoModelForCausalLM.from_config(config)
+    config, model = config_and_meta_model(family)
     exact = ("weight_bytes", "grad_bytes", "half_trainable", "half_vectors")  # (a built model's own bytes)
     assert dataclasses.replace(model_shape(model), **dict.fromkeys(exact)) == model_shape(config)
     read = ("ungated_mlp", "native_norms", "norm_readers", "layer_norms", "qk_norm", "value_norm", "params")
@@ -247,14 +253,7 @@ def test_gemma_norms_keep_their_normed_input_in_float32(family):
 def test_float32_norms_are_read_off_the_norms_forward_and_the_config_alike(family):
     """A model's norms are read by what their forward saves on a bfloat16 input (Gemma 2/3/4's, Qwen3-Next's:
     their normed input in float32; Llama's, Qwen3's: cast back), its config by its family, alike."""
-    import transformers as tf
-
-    try:
-        config = tf.AutoConfig.for_model(family, **BASE)
-    except ValueError as err:  # a family this transformers lacks
-        pytest.skip(str(err))
-    with torch.device("meta"):
-        model = tf.AutoModelForCausalLM.from_config(config)
+    config, model = config_and_meta_model(family)
     want = family not in ("llama", "qwen3")
     assert model_shape(model).float32_norms == model_shape(config).float32_norms == want
 
