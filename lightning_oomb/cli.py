@@ -221,12 +221,17 @@ def main() -> None:
 
 
 def refusals_in(err: ValueError) -> list[str]:
-    """The lines of jsonargparse's "Does not validate against any of the Union subtypes" error that are a class's own
-    refusal (its constructor's message), not a type mismatch."""
+    """The items of jsonargparse's "Does not validate against any of the Union subtypes" error that are a class's own
+    refusal (its constructor's message), not a type mismatch — the list's own items only, not the nested lines
+    explaining a mismatch (a callback's refusal came with "a class path (str)", ... appended)."""
     text = str(err)
     if "Union subtypes" not in text:
         return []
-    lines = [line.strip()[2:] for line in text.splitlines() if line.strip().startswith("- ")]
+    items = [line for line in text.splitlines() if line.lstrip().startswith("- ")]
+    if not items:
+        return []
+    depth = min(len(line) - len(line.lstrip()) for line in items)
+    lines = [line.strip()[2:] for line in items if len(line) - len(line.lstrip()) == depth]
     return [line for line in lines if not line.startswith(("Expected a", "Not a valid", "Import path"))]
 
 

@@ -168,6 +168,23 @@ def test_a_refused_strategy_option_is_one_line_not_a_traceback(monkeypatch):
         main()
 
 
+def test_a_refused_callback_option_is_one_line_too(monkeypatch, tmp_path):
+    """A callback's refusal sits in a list-or-callback Union error whose "not a valid subclass" item lists the
+    accepted forms on nested lines: they were printed after the refusal ("... max(1, ...). a class path (str) a
+    dict with class_path entry ...")."""
+    config = tmp_path / "bad-schedule.yaml"
+    config.write_text(
+        "trainer:\n  callbacks:\n    - class_path: lightning_oomb.callbacks.OOMBSparseBudget\n"
+        "      init_args:\n        schedule: {0: null, 1: 0}\n"
+    )
+    argv = ["oomb", "fit", "--config", str(DEMO_CONFIG), "--config", str(config)]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(
+        SystemExit, match=r"^oomb: error: OOMBSparseBudget's schedule maps step 1 to 0 .*\.\.\.\)\.$"
+    ):
+        main()
+
+
 def test_oomb_console_script_plans_the_cpu_demo(monkeypatch, capsys):
     """``oomb plan`` through the console script: the demo's model config dict, on this machine's CPU."""
     monkeypatch.setattr(sys, "argv", ["oomb", "plan", "--config", str(DEMO_CONFIG), "--optimizer", "sgd"])
