@@ -18,6 +18,8 @@ from lightning_oomb.engine.sparse import check_budget
 
 # what OOMBMonitor shows in the progress bar as well (the rest goes to the loggers only)
 PROGRESS_BAR = ("oomb/tokens_per_s", "oomb/pool_bytes")
+# OOMBSparseBudget checks a callable schedule's budget at this many first steps (~0.1 s)
+CHECKED_STEPS = 100_000
 
 
 class OOMBMonitor(Callback):
@@ -118,9 +120,10 @@ class OOMBSparseBudget(Callback):
     Args:
         schedule: the page budget per global step: a dict ``{step: budget}`` (each budget holds from its step on;
             before the first key the strategy's ``page_budget``) or a callable ``step -> budget`` (a number it
-            returns is rounded to the nearest page count, so a float ramp works); a budget is a
-            positive number of past pages per query block or ``None`` (dense). ``{0: None, 1000: 64}`` starts dense
-            and goes sparse; ``lambda step: max(8, 256 - step)`` ramps down.
+            returns is rounded to the nearest page count, so a float ramp works; with ``max_steps`` set, ``fit``
+            checks its budget at every step — the first 100,000 — before training); a budget is a positive number of past pages per query
+            block or ``None`` (dense). ``{0: None, 1000: 64}`` starts dense and goes sparse;
+            ``lambda step: max(8, 256 - step)`` ramps down.
         recall_every: measure ``oomb/selection_recall`` every this many steps (``0``: never). The probe attends one
             query block per sparse layer call a second time, densely: a few percent of a step's attention work.
 
@@ -173,6 +176,10 @@ class OOMBSparseBudget(Callback):
             )
         self._initial = config.page_budget
         self._loaded_step: int | None = None  # the global step of a checkpoint this run loads
+        if stage == "fit" and callable(self.schedule) and trainer.max_steps > 0:
+            # a ramp going bad at step 700 is refused now, not then
+            for step in range(min(trainer.max_steps, CHECKED_STEPS)):
+                self.budget_at(step)
 
     @override
     def on_load_checkpoint(

@@ -160,3 +160,29 @@ def test_example_config_is_sparse():
     assert (config.chunk_size, config.page_budget, config.offload) == (4096, 64, True)
     (budget,) = [c for c in cli.trainer.callbacks if isinstance(c, OOMBSparseBudget)]
     assert budget.budget_at(0) is None and budget.budget_at(50) == 64
+
+
+def test_a_ramp_going_bad_at_a_later_step_is_refused_before_training():
+    """``lambda step: 3 - step`` gives 0 at step 3 of 5: refused at setup, naming the step (it was refused only
+    when step 3 began, after three steps of training)."""
+
+    class Untrainable(TinyLM):
+        def training_step(self, batch):
+            raise AssertionError("a step ran before the schedule was checked")
+
+    with pytest.raises(OOMBConfigError, match=r"schedule gave 0 at global step 3 .*page_budget=0"):
+        fit_tiny(oomb(), Untrainable(), steps=5, callbacks=[OOMBSparseBudget(lambda step: 3 - step)])
+
+
+def test_the_setup_check_of_a_callable_stops_at_its_cap():
+    """``max_steps=10**12`` (a run ended by epochs): the check stops after ``CHECKED_STEPS`` steps, not never."""
+    from types import SimpleNamespace
+
+    from lightning_oomb.callbacks import CHECKED_STEPS
+
+    def ramp(step):
+        assert step < CHECKED_STEPS, "checked past the cap"
+        return 4
+
+    trainer = SimpleNamespace(strategy=SimpleNamespace(oomb_config=OOMBConfig()), max_steps=10**12)
+    OOMBSparseBudget(ramp).setup(trainer, None, "fit")
