@@ -129,11 +129,11 @@ class OOMBSparseBudget(Callback):
 
     Logs per step: ``oomb/page_budget`` (0 when dense), ``oomb/attended_fraction`` (pages attended / pages visible,
     over every layer, chunk, row and query block; 1.0 when dense) and, on the measured steps only,
-    ``oomb/selection_recall``: the mean share, over the probed query blocks' rows and heads, of their dense attention
-    mass that falls on the keys they attend (the selected pages and the chunk's own pages; 1.0 when every page is
-    attended: a dense step or a budget that covers them all; under offload measured on the layers whose pages are
-    on the GPU — a host layer's call stages only its selected pages — and not logged when every layer is on the
-    host). The recall goes straight to the loggers, as
+    ``oomb/selection_recall``: the mean share, over the probed query blocks' real rows (not right padding) and
+    heads, of their dense attention mass that falls on the keys they attend (the selected pages and the chunk's own
+    pages; 1.0 when every page is attended: a dense step or a budget that covers them all; under offload measured
+    on the layers whose pages are on the GPU — a host layer's call stages only its selected pages — and not logged
+    when every layer is on the host). The recall goes straight to the loggers, as
     ``LearningRateMonitor`` logs (at the step's index, whatever ``log_every_n_steps``; CSV: a row of its own): a
     value given to ``self.log`` would be repeated on every later row of the epoch. So loggers show it only on the
     steps that measured it; it is not in the progress bar or ``trainer.callback_metrics``.

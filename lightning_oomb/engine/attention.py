@@ -433,7 +433,8 @@ def _attend_call(q, chunk: ChunkContext, layer: int, scale, window, softcap, sin
         out, lse = attend(chunk.backend, q, parts, chunk.start, scale, window, softcap, sinks, chunk.doc_start,
                           select, probe)  # fmt: skip
         if probe is not None:
-            chunk.sparse.add_recall(probe.sparse_lse, probe.dense_lse)
+            real = None if chunk.tokens is None else chunk.tokens[:, probe.lo : probe.hi]
+            chunk.sparse.add_recall(probe.sparse_lse, probe.dense_lse, real)
     return out, lse, select
 
 

@@ -379,7 +379,8 @@ def attend_forward(ops, cp: ContextChunk, pool, layer, q, k, q_start, scale, win
     if probe is not None:
         probe.sparse_lse = group.logsumexp(_lse(state)[..., probe.lo : probe.hi])
         probe.dense_lse = group.logsumexp(_lse(dense))
-        sparse.add_recall(probe.sparse_lse, probe.dense_lse)
+        real = None if cp.tokens is None else cp.tokens[:, probe.lo : probe.hi]
+        sparse.add_recall(probe.sparse_lse, probe.dense_lse, real)
     merged = merge_states(group, state, cp.lengths)
     if sinks is not None:
         add_sinks(merged, sinks)

@@ -203,10 +203,11 @@ def _block_scores(grouped, keys, visible, page: int, blocks: int) -> torch.Tenso
 class SparseStats:
     """What the sparse attention of a step did: ``attended_fraction`` = pages attended / pages visible, summed over
     layers, chunks, rows and query blocks (1.0 when dense); ``selection_recall`` = the mean, over the probed query
-    blocks' rows and heads, of the share of their dense attention mass on the keys they attend (1.0 when probing a
-    step whose every call attended all its visible pages; ``None`` when not probing, or when every sparse call was
-    of a layer in host memory: under offload only the layers whose pages are on the device are probed — a host
-    layer's call stages only its selected pages, so its dense mass is not there to measure)."""
+    blocks' real rows (not right padding) and heads, of the share of their dense attention mass on the keys they
+    attend (1.0 when probing a step whose every call attended all its visible pages; ``None`` when not probing, or
+    when no sparse call's probe had a real row on the device: under offload only the layers whose pages are on the
+    device are probed — a host layer's call stages only its selected pages, so its dense mass is not there to
+    measure)."""
 
     page_budget: int | None
     attended_fraction: float
@@ -230,7 +231,7 @@ class SparseStep:
     _attended: list[torch.Tensor] = field(default_factory=list)
     _visible: list[torch.Tensor] = field(default_factory=list)
     _recall: list[torch.Tensor] = field(default_factory=list)
-    _unprobed: int = 0  # sparse calls of host-tier layers, which cannot be probed
+    _unprobed: int = 0  # sparse calls whose probe measured nothing: host-tier layers', blocks of padding only
 
     def __post_init__(self) -> None:
         self._draw = random.Random(self.seed)
@@ -272,10 +273,20 @@ class SparseStep:
             return None
         return Probe(block * page, min((block + 1) * page, lq))
 
-    def add_recall(self, sparse_lse: torch.Tensor, dense_lse: torch.Tensor) -> None:
-        """Record a probed block's recall from its rows' log-sum-exps over the attended and over all visible keys."""
+    def add_recall(
+        self, sparse_lse: torch.Tensor, dense_lse: torch.Tensor, real: torch.Tensor | None = None
+    ) -> None:
+        """Record a probed block's recall from its rows' log-sum-exps over the attended and over all visible keys;
+        ``real [B, rows]`` (right padding; ``None``: all real): padded rows are not counted (their queries, hence
+        their share, depend on the padding's token ids), and a block of padding only records nothing."""
         share = torch.exp(sparse_lse - dense_lse)
-        self._recall.append(share[torch.isfinite(share)].mean())
+        kept = torch.isfinite(share)
+        if real is not None:
+            if not bool(real.any()):
+                self._unprobed += 1
+                return
+            kept &= real[:, None]
+        self._recall.append(share[kept].mean())
 
     def stats(self) -> SparseStats:
         attended = float(torch.stack(self._attended).sum()) if self._attended else 0.0

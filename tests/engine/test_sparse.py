@@ -374,6 +374,27 @@ def test_under_offload_the_recall_is_measured_on_the_device_layers():
     assert engine.stats.sparse.selection_recall == pytest.approx(one.mean().item(), rel=1e-12)
 
 
+def test_padding_does_not_change_the_recall():
+    """Right padding's token ids change the padded rows' queries but not what a real row attends; the recall
+    counted the padded rows of a probed block (the padding's ids changed it: 0.3756 against 0.3780). A probe on a
+    block of padding only measures nothing: ``None``, not 1.0."""
+    model = build_causal_lm("qwen2")
+    ids = torch.randint(0, 97, (1, SEQ), generator=torch.Generator().manual_seed(0))
+    mask = (torch.arange(SEQ) < 40).long()[None]
+    recalls = []
+    for seed in (1, 2):
+        padded = ids.clone()
+        padded[:, 40:] = torch.randint(0, 97, (1, SEQ - 40), generator=torch.Generator().manual_seed(seed))
+        engine = OOMBEngine(HFChunkModel(model), OOMBConfig(CHUNK, PAGE, page_budget=1))
+        engine.probe_recall = True
+        engine.loss(padded, attention_mask=mask)
+        recalls.append(engine.stats.sparse.selection_recall)
+    assert 0.0 < recalls[0] < 1.0 and recalls[0] == recalls[1]
+    step = SparseStep(1, probe=True)
+    step.add_recall(torch.zeros(1, 1, 2), torch.ones(1, 1, 2), real=torch.zeros(1, 2, dtype=torch.bool))
+    assert step.stats().selection_recall is None
+
+
 def test_recall_is_none_only_when_not_probing():
     assert SparseStep(2).stats().selection_recall is None
     assert SparseStep(2, probe=True).stats().selection_recall == 1.0  # probing, every call dense

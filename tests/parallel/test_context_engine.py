@@ -27,12 +27,13 @@ pytestmark = pytest.mark.slow
 TOL = 1e-10
 
 
-def group_step(model, ids, config, checkpointing=False, context=None, position_ids=None, probe_recall=False):
+def group_step(model, ids, config, checkpointing=False, context=None, position_ids=None, probe_recall=False,
+               attention_mask=None):  # fmt: skip
     """One step of ``model`` across the context group ``context`` (``None``: one process): the engine, the loss
     and the gradients summed over the group."""
     engine = OOMBEngine(HFChunkModel(model, layer_checkpointing=checkpointing), config, context=context)
     engine.probe_recall = probe_recall
-    loss = engine.loss(ids, position_ids=position_ids)
+    loss = engine.loss(ids, position_ids=position_ids, attention_mask=attention_mask)
     loss.backward()
     grads = grads_of(model)
     if context is not None:
@@ -196,26 +197,34 @@ def test_a_rank_failing_in_another_data_replica_is_named_by_the_gradient_reducti
     assert "RankFailure" in errors[0] and "rank 1: RuntimeError: rank 1 broke" in errors[0], errors[0]
 
 
-def _sparse_step(rank, world, family, checkpointing, budget):
+def _sparse_step(rank, world, family, checkpointing, budget, padded=False):
     model = build_causal_lm(family)
     ids = torch.randint(0, 97, (2, 61), generator=torch.Generator().manual_seed(7))
+    mask = (torch.arange(61) < torch.tensor([[61], [37]])).long() if padded else None
     config = OOMBConfig(16, 8, page_budget=budget)
     context = ContextGroup.of() if world > 1 else None
-    engine, loss, grads = group_step(model, ids, config, checkpointing, context, probe_recall=True)
+    engine, loss, grads = group_step(model, ids, config, checkpointing, context, probe_recall=True,
+                                     attention_mask=mask)  # fmt: skip
     stats = engine.stats.sparse
     return {"loss": loss, "grads": grads, "attended": stats.attended_fraction,
             "recall": stats.selection_recall}  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    ("family", "checkpointing", "budget"), [("qwen2", False, 1), ("qwen2", True, 2), ("mistral", True, 1)]
+    ("family", "checkpointing", "budget", "padded"),
+    [
+        ("qwen2", False, 1, False),
+        ("qwen2", True, 2, False),
+        ("mistral", True, 1, False),
+        ("qwen2", False, 1, True),
+    ],
 )
-def test_sparse_steps_select_and_train_as_one_process(tmp_path, family, checkpointing, budget):
+def test_sparse_steps_select_and_train_as_one_process(tmp_path, family, checkpointing, budget, padded):
     """Page summaries are gathered, so every rank selects what one process selects: the same sparse loss and
     gradients (fp64), the same attended fraction (< 1: the step was sparse) and selection recall (the probed
-    blocks' dense attention gathered from every rank's pages)."""
-    results = run_ranks(_sparse_step, 2, tmp_path, family, checkpointing, budget)
-    one = _sparse_step(0, 1, family, checkpointing, budget)
+    blocks' dense attention gathered from every rank's pages; right padding: over the real rows, as one process)."""
+    results = run_ranks(_sparse_step, 2, tmp_path, family, checkpointing, budget, padded)
+    one = _sparse_step(0, 1, family, checkpointing, budget, padded)
     assert one["attended"] < 1
     for r in results:
         assert abs(r["loss"].item() - one["loss"].item()) <= TOL * one["loss"].item()
