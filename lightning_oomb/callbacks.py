@@ -174,6 +174,12 @@ class OOMBSparseBudget(Callback):
                 f"OOMBSparseBudget steers the OOMB engine's sparse attention but the strategy is "
                 f"{type(trainer.strategy).__name__} — use Trainer(strategy='oomb') or drop the callback."
             )
+        count = sum(isinstance(c, OOMBSparseBudget) for c in trainer.callbacks)
+        if count > 1:
+            raise OOMBConfigError(
+                f"callbacks hold {count} OOMBSparseBudget — each sets the page budget at every step, so only the "
+                "last one's schedule would hold — keep one (YAML: a `--trainer.callbacks+=` may have added another)."
+            )
         self._initial = config.page_budget
         self._loaded_step: int | None = None  # the global step of a checkpoint this run loads
         if stage == "fit" and callable(self.schedule) and trainer.max_steps > 0:

@@ -150,6 +150,12 @@ def test_refuses_other_strategies():
         fit("auto", [OOMBSparseBudget({0: 4})], steps=1)
 
 
+def test_two_schedules_are_refused():
+    """Each sets the engine's budget at every step: the last one's schedule held, silently."""
+    with pytest.raises(OOMBConfigError, match="2 OOMBSparseBudget .*keep one"):
+        fit(oomb(), [OOMBSparseBudget({0: 1}), OOMBSparseBudget({0: 3})], steps=1)
+
+
 def test_example_config_is_sparse():
     from lightning_oomb.cli import build_cli
     from tests.lightning.test_cli import EXAMPLES
@@ -184,5 +190,7 @@ def test_the_setup_check_of_a_callable_stops_at_its_cap():
         assert step < CHECKED_STEPS, "checked past the cap"
         return 4
 
-    trainer = SimpleNamespace(strategy=SimpleNamespace(oomb_config=OOMBConfig()), max_steps=10**12)
+    trainer = SimpleNamespace(
+        strategy=SimpleNamespace(oomb_config=OOMBConfig()), max_steps=10**12, callbacks=[]
+    )
     OOMBSparseBudget(ramp).setup(trainer, None, "fit")
