@@ -121,9 +121,9 @@ class OOMBSparseBudget(Callback):
         schedule: the page budget per global step: a dict ``{step: budget}`` (each budget holds from its step on;
             before the first key the strategy's ``page_budget``) or a callable ``step -> budget`` (a number it
             returns is rounded to the nearest page count, so a float ramp works; with ``max_steps`` set, ``fit``
-            checks its budget at every step — the first 100,000 — before training); a budget is a positive number of past pages per query
-            block or ``None`` (dense). ``{0: None, 1000: 64}`` starts dense and goes sparse;
-            ``lambda step: max(8, 256 - step)`` ramps down.
+            checks its budget at every step — the first 100,000 — before training); a budget is a positive number
+            of past pages per query block or ``None`` (dense). ``{0: None, 1000: 64}`` starts dense and goes
+            sparse; ``lambda step: max(8, 256 - step)`` ramps down.
         recall_every: measure ``oomb/selection_recall`` every this many steps (``0``: never). The probe attends one
             query block per sparse layer call a second time, densely: a few percent of a step's attention work.
 
@@ -147,8 +147,8 @@ class OOMBSparseBudget(Callback):
                         f"OOMBSparseBudget schedule key {step!r} is not a global step — use non-negative ints, "
                         "e.g. {0: None, 1000: 64}."
                     )
-            schedule = {int(step): _page_count(budget, "schedule maps step " + str(step) + " to {}") for step, budget in
-                        schedule.items()}  # fmt: skip
+            schedule = {int(step): _page_count(budget, "schedule maps step " + str(step) + " to {}", DICT_FIX)
+                        for step, budget in schedule.items()}  # fmt: skip
         elif not callable(schedule):
             raise OOMBConfigError(
                 f"OOMBSparseBudget schedule {schedule!r} must be a dict {{step: budget}} or a callable step -> "
@@ -162,7 +162,7 @@ class OOMBSparseBudget(Callback):
     def budget_at(self, step: int) -> int | None:
         """The budget of global step ``step``."""
         if callable(self.schedule):
-            return _page_count(self.schedule(step), "schedule gave {} at global step " + str(step))
+            return _page_count(self.schedule(step), "schedule gave {} at global step " + str(step), RAMP_FIX)
         started = [s for s in self.schedule if s <= step]
         return self.schedule[max(started)] if started else self._initial
 
@@ -244,18 +244,20 @@ class OOMBSparseBudget(Callback):
             logger.log_metrics({"oomb/selection_recall": float(recall)}, step=step)
 
 
-def _page_count(budget, where: str) -> int | None:
+# the fix a refused budget's message names: a dict's (YAML's), a callable's
+DICT_FIX = "Map each step to null/None (dense) or a finite page count of 1 or more, e.g. {0: null, 1000: 64}."
+RAMP_FIX = "A ramp: keep it finite and at 1 or more, e.g. lambda step: max(1, ...)."
+
+
+def _page_count(budget, where: str, fix: str) -> int | None:
     """A schedule's budget as a page count: ``None`` (dense), or a number rounded to the nearest page count (a
     ramp's float, a NumPy integer) that must be 1 or more; anything else is refused, saying ``where`` (its ``{}``:
-    the value) it came from."""
+    the value) it came from and ``fix``."""
     given = budget
     if isinstance(budget, numbers.Real) and not isinstance(budget, bool):
         budget = round(budget) if math.isfinite(budget) else budget
     try:
         check_budget(budget)
     except OOMBConfigError as err:
-        raise OOMBConfigError(
-            f"OOMBSparseBudget's {where.format(repr(given))} — {err} A ramp: keep it finite and at 1 or more, e.g. "
-            "lambda step: max(1, ...)."
-        ) from None
+        raise OOMBConfigError(f"OOMBSparseBudget's {where.format(repr(given))} — {err} {fix}") from None
     return budget

@@ -107,7 +107,7 @@ def test_callable_schedule_and_initial_budget():
     ("schedule", "match"),
     [
         ({-1: 4}, "schedule key -1"),
-        ({0: 0}, "page_budget=0"),
+        ({0: 0}, r"page_budget=0 .*Map each step to null/None \(dense\) or a finite page count"),
         ({"a": 4}, "schedule key 'a'"),
         (8, "callable"),
     ],
