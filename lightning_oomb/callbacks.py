@@ -182,10 +182,14 @@ class OOMBSparseBudget(Callback):
             )
         self._initial = config.page_budget
         self._loaded_step: int | None = None  # the global step of a checkpoint this run loads
-        if stage == "fit" and callable(self.schedule) and trainer.max_steps > 0:
+        budgets = None  # (a callable's without max_steps: not known)
+        if not callable(self.schedule):
+            budgets = {config.page_budget, *self.schedule.values()}
+        elif stage == "fit" and trainer.max_steps > 0:
             # a ramp going bad at step 700 is refused now, not then
-            for step in range(min(trainer.max_steps, CHECKED_STEPS)):
-                self.budget_at(step)
+            budgets = {self.budget_at(step) for step in range(min(trainer.max_steps, CHECKED_STEPS))}
+        # the strategy's memory plan (after this setup) checks that a dense step and the widest sparse one fit too
+        trainer.strategy.scheduled_budgets = None if budgets is None else frozenset(budgets)
 
     @override
     def on_load_checkpoint(

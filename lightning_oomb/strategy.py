@@ -11,6 +11,7 @@ managed_model` finds it); it knows nothing of Hugging Face.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import textwrap
 from collections.abc import Iterator
@@ -57,6 +58,19 @@ def most_micro_batches(trainer) -> int:
     return max([trainer.accumulate_grad_batches, *scheduled])
 
 
+def widest_other_budgets(scheduled: frozenset[int | None] | None, own: int | None) -> list[int | None]:
+    """The page budgets of a schedule (``scheduled``) whose steps may need more memory than the strategy's own
+    budget ``own``: a dense step's (``None``, the most attention memory) and the largest sparse one (the page
+    summaries, the most keys of a sparse call) — those that differ from ``own``."""
+    if not scheduled:
+        return []
+    sparse = [b for b in scheduled if b is not None]
+    widest = [None] if None in scheduled else []
+    if sparse and (own is None or max(sparse) > own):
+        widest.append(max(sparse))
+    return [b for b in widest if b != own]
+
+
 class _OOMBStrategyMixin:
     """What every OOMB strategy shares: the precision check, the engine and the model-call interception."""
 
@@ -98,6 +112,8 @@ class _OOMBStrategyMixin:
     # the (seq_len, batch) shapes planned for (None: no plan is made), on the machine read at setup
     _planned_sizes: list[tuple[int, int]] | None = None
     _machine: Machine | None = None
+    # the page budgets an OOMBSparseBudget schedule will set (its setup says; None: no schedule, or not known)
+    scheduled_budgets: frozenset[int | None] | None = None
 
     def _check_memory_plan(self, trainer) -> None:
         """Refuse, before the first step allocates anything of OOMB's, a fit whose step cannot fit the device.
@@ -181,10 +197,15 @@ class _OOMBStrategyMixin:
                 processes_per_node=getattr(self, "num_processes", 1),  # they share the node's host memory
             )
 
-        # the main steps (the last shape) decide the "auto" options; other shapes (a warm-up's) must fit under them
+        # the main steps (the last shape) decide the "auto" options; other shapes (a warm-up's) and the other page
+        # budgets of an OOMBSparseBudget schedule must fit under them
         *others, main = sizes
         result = plan_step(*main, config)
-        result = next((p for p in (plan_step(*o, result.config) for o in others) if not p.fits), result)
+        checks = [(o, result.config) for o in others] + [
+            (main, dataclasses.replace(result.config, page_budget=budget))
+            for budget in widest_other_budgets(self.scheduled_budgets, config.page_budget)
+        ]
+        result = next((p for p in (plan_step(*s, c) for s, c in checks) if not p.fits), result)
         decided = [
             f"{name}={getattr(result.config, name)!r}"
             for name in OOMBConfig.field_names()
@@ -193,10 +214,12 @@ class _OOMBStrategyMixin:
         rank_zero_info(
             f"OOMB memory plan: {result.summary()}" + (f"; decided {', '.join(decided)}" if decided else "")
         )
-        # the plan decided the "auto" options (again, for a new shape): for the engine and the model
-        if result.config != self.engine.config:
-            self.engine.reconfigure(result.config)
-            self.model_adapter.layer_checkpointing = result.config.layer_checkpointing
+        # the plan decided the "auto" options (again, for a new shape): for the engine and the model (the strategy's
+        # page budget: a schedule sets the engine's per step)
+        decisions = dataclasses.replace(result.config, page_budget=config.page_budget)
+        if decisions != self.engine.config:
+            self.engine.reconfigure(decisions)
+            self.model_adapter.layer_checkpointing = decisions.layer_checkpointing
         # float32-host's mirror as planned, in this process's share of the host memory (a node's ranks would each
         # see the whole node's free memory when they first flush)
         self.engine.host_grads.mirror = result.grad_mirror
@@ -207,8 +230,13 @@ class _OOMBStrategyMixin:
                 if result.machine.device_type == "cuda"
                 else ""
             )
+            scheduled = (
+                f" at the OOMBSparseBudget schedule's page_budget={result.config.page_budget}"
+                if result.config.page_budget != config.page_budget
+                else ""
+            )
             raise OOMBOutOfMemoryError(
-                f"{cuda}{result.refusal()[:-1]} (OOMBStrategy(plan_memory=False) skips this check)."
+                f"{cuda}{result.refusal()[:-1]}{scheduled} (OOMBStrategy(plan_memory=False) skips this check)."
             )
         self._planned_sizes = sizes
 

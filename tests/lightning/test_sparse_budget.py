@@ -6,6 +6,7 @@ import pytest
 
 from lightning_oomb import OOMBConfig, OOMBConfigError, OOMBStrategy
 from lightning_oomb.callbacks import OOMBSparseBudget
+from lightning_oomb.engine import OOMBOutOfMemoryError
 from lightning_oomb.engine.config import STRATEGY_DEFAULTS
 from tests.helpers.lightning import TinyLM, batches, make_trainer, oomb
 from tests.helpers.lightning import fit as fit_tiny
@@ -194,3 +195,36 @@ def test_the_setup_check_of_a_callable_stops_at_its_cap():
         strategy=SimpleNamespace(oomb_config=OOMBConfig()), max_steps=10**12, callbacks=[]
     )
     OOMBSparseBudget(ramp).setup(trainer, None, "fit")
+
+
+def test_a_schedules_dense_steps_must_fit_the_memory_plan_too():
+    """The strategy plans its own ``page_budget``; a schedule's dense steps (more attention memory on the CPU's
+    reference backend) are planned too, under the same decisions, and refused before training when they cannot
+    fit (they were not planned: a run whose first steps are dense was checked as a sparse one). Device: 1.5 MiB
+    past the host's reserve, as the plan sees it (a sparse step of 2 x 256 tokens takes ~1.2 MB, a dense one ~2)."""
+    from lightning_oomb.engine.memory import HOST_RESERVE_BYTES
+    from lightning_oomb.engine.planner import Machine
+
+    class SmallCPU(OOMBStrategy):
+        def _planning_machine(self, resident_bytes):
+            return Machine("cpu", HOST_RESERVE_BYTES + (3 << 19), HOST_RESERVE_BYTES + (3 << 19))
+
+    def strategy():
+        return SmallCPU(chunk_size=16, page_size=8, page_budget=1, attention_backend="torch")
+
+    data = batches(4, seq=256)
+    trainer, _ = fit(strategy(), [OOMBSparseBudget({0: 1, 1: 1})], steps=1, data=data)  # sparse only: fits
+    assert trainer.global_step == 1 and trainer.strategy.scheduled_budgets == {1}
+    with pytest.raises(OOMBOutOfMemoryError, match="OOMBSparseBudget schedule's page_budget=None"):
+        fit(strategy(), [OOMBSparseBudget({0: None, 2: 1})], steps=1, data=data)
+
+
+@pytest.mark.parametrize(
+    ("scheduled", "own", "planned"),
+    [(None, 64, []), ({None, 64}, 64, [None]), ({None, 64}, None, [64]), ({8, 64}, 16, [64]), ({8}, 16, []),
+     ({None, 8, 64}, 8, [None, 64])],
+)  # fmt: skip
+def test_the_other_budgets_planned_are_a_dense_steps_and_the_widest_sparse_ones(scheduled, own, planned):
+    from lightning_oomb.strategy import widest_other_budgets
+
+    assert widest_other_budgets(None if scheduled is None else frozenset(scheduled), own) == planned
