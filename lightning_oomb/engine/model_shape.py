@@ -793,6 +793,17 @@ def _with_adapter(shape: ModelShape, adapter: Any) -> ModelShape:
                                unsized_states=not callable(elements))  # fmt: skip
 
 
+def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder stack of a Hugging Face causal LM (the module whose forward turns token ids into final hidden
+    states, which the engine calls chunk by chunk): ``model.get_decoder()``, or the inner ``model`` where that is
+    not a decoder stack — Mllama's and Llama 4's causal LMs return themselves, ModernBERT's decoder its output
+    projection."""
+    decoder = model.get_decoder()
+    if decoder is model or not hasattr(decoder, "get_input_embeddings"):
+        decoder = getattr(model, "model", decoder)
+    return decoder
+
+
 def _with_layers(shape: ModelShape, module: torch.nn.Module) -> ModelShape:
     """What a Hugging Face model's decoder layers (its decoder stack's ``layers``: ``decoder_of``, which looks past
     a ``get_decoder()`` that returns the model itself, as Llama 4's does) show beyond its config: the layers
@@ -800,8 +811,6 @@ def _with_layers(shape: ModelShape, module: torch.nn.Module) -> ModelShape:
     child named as :data:`MLP_NAMES` says), the hidden-wide norms a layer holds (its norm children), a
     ``gate_proj`` in its attention, its queries' and keys' norms (``q_norm``; Llama 4's ``qk_norm``, LFM2's
     ``q_layernorm``)."""
-    from lightning_oomb.integrations.hf.decoder import decoder_of  # (here: the package imports this module)
-
     decoder = decoder_of(module) if callable(getattr(module, "get_decoder", None)) else None
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList) or not len(layers):

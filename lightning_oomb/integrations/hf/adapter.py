@@ -25,7 +25,7 @@ from lightning_oomb.engine.attention import ChunkContext
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.loss import LMHead
 from lightning_oomb.engine.model import Respond, answered_by
-from lightning_oomb.engine.model_shape import Mixer, paged_head_dim
+from lightning_oomb.engine.model_shape import Mixer, decoder_of, paged_head_dim
 from lightning_oomb.engine.tiles import tiled
 from lightning_oomb.engine.user_hooks import refresh_parameters
 from lightning_oomb.integrations.hf.attention import (
@@ -38,7 +38,6 @@ from lightning_oomb.integrations.hf.attention import (
     register_attention,
 )
 from lightning_oomb.integrations.hf.calls import answer, read_call
-from lightning_oomb.integrations.hf.decoder import decoder_of
 from lightning_oomb.integrations.hf.moe import RouterBalanceLoss
 from lightning_oomb.integrations.hf.rope import length_dependent_rotaries, pinned_rope
 from lightning_oomb.integrations.hf.states import (

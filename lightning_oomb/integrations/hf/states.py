@@ -25,9 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from lightning_oomb.engine.errors import OOMBConfigError
-from lightning_oomb.engine.model_shape import OUTPUT_PROJECTIONS, Mixer
+from lightning_oomb.engine.model_shape import OUTPUT_PROJECTIONS, Mixer, decoder_of
 from lightning_oomb.engine.states import ChunkStates
-from lightning_oomb.integrations.hf.decoder import decoder_of
 from lightning_oomb.integrations.hf.selective_scan import SCANS_FROM_ZERO, continuing_scans
 
 # token mixers (class names) that continue an incoming state exactly through their cache (tests/integrations/test_hybrids.py)

@@ -37,7 +37,7 @@ import torch
 from lightning_oomb.engine.check import relative_errors
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.model import runs_class_forward
-from lightning_oomb.integrations.hf.decoder import decoder_of
+from lightning_oomb.engine.model_shape import decoder_of
 from lightning_oomb.integrations.hf.float64_rules import float32_rules_of, float64_recurrences
 from lightning_oomb.integrations.hf.moe import balancing_loss_of
 from lightning_oomb.integrations.hf.rope import can_pin, length_dependent_rotaries
