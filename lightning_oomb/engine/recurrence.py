@@ -15,6 +15,7 @@ target token gives loss 0 and zero gradients (documented choice; Hugging Face wo
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -146,7 +147,8 @@ class OOMBEngine:
         self.results = ForwardResults()  # reuse_attention: the forward sweep's attention results
         self._pending: weakref.ref | None = None  # the loss's autograd node whose step waits for its backward
         self.stats = StepStats()
-        self._page_budget = self.config.page_budget
+        self._page_budget = None
+        self.page_budget = self.config.page_budget
         self.probe_recall = False
         self._global_step: int | None = None  # the trainer's step (OOMBSparseBudget); None: the engine counts
         self._steps = 0  # training steps: of this global step, else of this engine
@@ -200,6 +202,14 @@ class OOMBEngine:
     @page_budget.setter
     def page_budget(self, budget: int | None) -> None:
         check_budget(budget)
+        if budget is not None and self._page_budget is None and getattr(self.model, "num_layers", 1) == 0:
+            warnings.warn(
+                f"page_budget={budget} has no effect: the model has no attention layers (its layers carry "
+                "recurrent or convolution states only), so no page is selected — drop page_budget (and "
+                "OOMBSparseBudget).",
+                UserWarning,
+                stacklevel=2,
+            )
         self._page_budget = budget
 
     # ------------------------------------------------------------------------------------------ public API

@@ -543,3 +543,14 @@ def test_recall_probe_follows_the_global_step_not_the_engines_history():
     seen.append(recalls(ran))
     assert recalls(engine_at(2)) == seen[2]
     assert len({r for step in seen for r in step}) == 6  # each step and micro-batch draws its own blocks
+
+
+def test_a_budget_for_a_model_without_attention_layers_warns():
+    """A pure Mamba2 model has no pages to select: ``page_budget`` did nothing, silently."""
+    from tests.helpers.models import build_hybrid
+
+    chunked = HFChunkModel(build_hybrid("mamba2"), verify_exactness=False)
+    with pytest.warns(UserWarning, match="page_budget=1 has no effect: the model has no attention layers"):
+        engine = OOMBEngine(chunked, OOMBConfig(16, 8, page_budget=1))
+    with pytest.warns(UserWarning, match="page_budget=2 has no effect"):  # (a schedule's first sparse step)
+        engine.page_budget, engine.page_budget = None, 2
