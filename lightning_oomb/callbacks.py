@@ -182,14 +182,20 @@ class OOMBSparseBudget(Callback):
             )
         self._initial = config.page_budget
         self._loaded_step: int | None = None  # the global step of a checkpoint this run loads
-        budgets = None  # (a callable's without max_steps: not known)
+        # a ramp going bad at step 700 is refused now, not then; the strategy's memory plan (after this setup)
+        # checks that the schedule's dense steps and its widest sparse ones fit too
+        steps = trainer.max_steps if stage == "fit" else 0
+        trainer.strategy.scheduled_budgets = self.budgets(config.page_budget, steps)
+
+    def budgets(self, initial: int | None, max_steps: int) -> frozenset[int | None] | None:
+        """The budgets the schedule sets in a run of ``max_steps`` steps whose strategy's budget is ``initial``: a
+        dict's values (and ``initial``, before its first key); a callable's over its steps (the first
+        :data:`CHECKED_STEPS`; each checked); ``None`` for a callable without ``max_steps`` (not known)."""
         if not callable(self.schedule):
-            budgets = {config.page_budget, *self.schedule.values()}
-        elif stage == "fit" and trainer.max_steps > 0:
-            # a ramp going bad at step 700 is refused now, not then
-            budgets = {self.budget_at(step) for step in range(min(trainer.max_steps, CHECKED_STEPS))}
-        # the strategy's memory plan (after this setup) checks that a dense step and the widest sparse one fit too
-        trainer.strategy.scheduled_budgets = None if budgets is None else frozenset(budgets)
+            return frozenset({initial, *self.schedule.values()})
+        if max_steps <= 0:
+            return None
+        return frozenset(self.budget_at(step) for step in range(min(max_steps, CHECKED_STEPS)))
 
     @override
     def on_load_checkpoint(

@@ -28,6 +28,7 @@ one, else ``adamw``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -41,6 +42,7 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_oomb  # noqa: F401  (registers strategy="oomb")
+from lightning_oomb.callbacks import OOMBSparseBudget
 
 # imported so that their short names work in configs and on the command line (`--model CausalLMModule`) and that
 # `oomb fit --help` lists them among the available subclasses
@@ -55,7 +57,7 @@ from lightning_oomb.engine.planner import (
     step_sizes_of,
 )
 from lightning_oomb.models import CausalLMModule, build_config, fused_adamw, qwen2_5_7b_config, with_lora  # noqa: F401
-from lightning_oomb.strategy import most_micro_batches
+from lightning_oomb.strategy import most_micro_batches, widest_other_budgets
 
 _STRATEGY = "--trainer.strategy"
 
@@ -450,6 +452,18 @@ def plan_command(args: list[str], print_table: bool = True) -> MemoryPlan | None
     elif opts.seq_len is None and opts.batch_size is None:
         warm = (plan_step(n, b, result.config) for n, b in warm_up)
         result = next((p for p in warm if not p.fits), result)
+    # an OOMBSparseBudget schedule's dense and widest sparse steps, under the same decisions (as the fit checks)
+    if result.fits:
+        own = strategy.oomb_config.page_budget
+        schedules = [c for c in cli.trainer.callbacks if isinstance(c, OOMBSparseBudget)]
+        budgets = schedules[0].budgets(own, cli.trainer.max_steps) if schedules else None
+        for budget in widest_other_budgets(budgets, own):
+            other = plan_step(seq_len, batch, dataclasses.replace(result.config, page_budget=budget))
+            if not other.fits:
+                if print_table:
+                    print(f"the OOMBSparseBudget schedule's steps at page_budget={budget}:")
+                result = other
+                break
     if print_table:
         print_plan(result)
     return result

@@ -16,6 +16,7 @@ from lightning_oomb import OOMBContextParallelStrategy, OOMBStrategy
 from lightning_oomb.callbacks import OOMBOffload
 from lightning_oomb.cli import build_cli, main, plan_command
 from lightning_oomb.engine import OOMBConfigError
+from lightning_oomb.engine.memory import HOST_RESERVE_BYTES as HOST_RESERVE
 from lightning_oomb.models import CausalLMModule
 from tests.helpers.examples import EXAMPLES, load_example
 
@@ -421,3 +422,34 @@ def test_oomb_plan_longest_plans_the_longest_step_that_fits(capsys):
     assert not beyond.fits
     with pytest.raises(OOMBConfigError, match="--longest and --seq-len"):
         plan_command([*args, "--longest", "--seq-len", "4096"])
+
+
+def test_oomb_plan_plans_a_sparse_schedules_dense_steps_too(tmp_path, capsys):
+    """As the fit's check: with an OOMBSparseBudget schedule that starts dense, ``oomb plan`` plans its dense steps
+    too (on the CPU's reference backend, which attends a chunk's rows to a block of keys at a time, they take more
+    memory than the strategy's sparse budget) and shows the plan that does not fit."""
+    import yaml
+
+    def config_file(name: str, callbacks: list) -> str:
+        config = yaml.safe_load(DEMO_CONFIG.read_text())
+        config["trainer"]["strategy"]["init_args"].update(
+            chunk_size=512, page_budget=1, attention_backend="torch"
+        )
+        config["trainer"]["callbacks"] = callbacks
+        (tmp_path / name).write_text(yaml.safe_dump(config))
+        return str(tmp_path / name)
+
+    plain = ["--config", config_file("sparse.yaml", []), "--seq-len", "65536"]
+    schedule = {
+        "class_path": "lightning_oomb.callbacks.OOMBSparseBudget",
+        "init_args": {"schedule": {0: None, 5: 2}},
+    }
+    scheduled = ["--config", config_file("scheduled.yaml", [schedule]), "--seq-len", "65536"]
+    sparse = plan_command(plain, print_table=False)
+    dense = plan_command([*plain, "--trainer.strategy.init_args.page_budget=null"], print_table=False)
+    assert dense.peak_device > sparse.peak_device
+    between = HOST_RESERVE + sparse.host_tier + (sparse.peak_device + dense.peak_device) // 2
+    assert plan_command([*plain, f"--host-memory={between}B"], print_table=False).fits
+    refused = plan_command([*scheduled, f"--host-memory={between}B"])
+    assert not refused.fits and refused.config.page_budget is None
+    assert "the OOMBSparseBudget schedule's steps at page_budget=None" in capsys.readouterr().out
