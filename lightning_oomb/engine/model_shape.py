@@ -391,8 +391,8 @@ def model_shape(model: Any) -> ModelShape:
     """The :class:`ModelShape` of ``model``: a :class:`ModelShape`, a transformers config (a multimodal one's
     decoder config; or a ``{"model_type": ...}``-style dict of its fields: read as the model it builds shows it,
     :func:`_with_built_model`), an ``nn.Module`` holding one (its parameters are counted exactly), a ChunkModel
-    adapter around one, or any ChunkModel ``nn.Module`` (its parameters counted exactly, its MLPs, widths and head count read off its modules, its carried states as it declares them:
-    :func:`_shape_of_chunk_model`)."""
+    adapter around one, or any ChunkModel ``nn.Module`` (its parameters counted exactly, its MLPs, widths and head
+    count read off its modules, its carried states as it declares them: :func:`_shape_of_chunk_model`)."""
     if isinstance(model, ModelShape):
         return model
     if isinstance(model, Mapping):
