@@ -14,7 +14,7 @@ GPU memory: the card's capacity as torch reports it, less 0.5 GiB for the CUDA c
 holds, it bounds the longest step). Every figure is a **prediction** of the planner, whose peaks were within 1 % of
 the measured ones for 11 of 13 rows on an H200 (the other two 1.7 % and 3.2 % above; README, Results). A model whose
 weights, gradients and optimizer states alone exceed the GPU shows "—" with those bytes; after each length, what a
-chunk more would overflow: the GPU's memory or the host's.
+chunk more would overflow: the GPU's memory or the host's. K = 1,024 tokens, M = 1,048,576 (as "a 1M-token step").
 
 Writes JSON (``--out``) and a Markdown table next to it; ~2 min on 2 cores.
 
