@@ -82,16 +82,16 @@ from benchmarks.common import (
 )
 from lightning_oomb import plan
 from lightning_oomb.engine import OOMBConfig
+from lightning_oomb.engine.activation_bytes import parked_bytes
 from lightning_oomb.engine.config import STRATEGY_DEFAULTS
 from lightning_oomb.engine.model_shape import model_shape
 from lightning_oomb.engine.planner import (
     NOMINAL_STEP_RATES,
     Machine,
     longest_fitting,
-    parked_bytes,
-    precision_dtypes,
     reused_attention_bytes,
 )
+from lightning_oomb.engine.step_setup import precision_dtypes
 from lightning_oomb.engine.step_time import StepRates, copy_bytes, host_sum_bytes, step_flops, step_time
 
 GB = 1e9

@@ -28,8 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import old_module, write_json
-from lightning_oomb.engine import planner
+from lightning_oomb.engine import activation_bytes, step_setup
 from lightning_oomb.engine.loss import LMHead, linear_cross_entropy
+from lightning_oomb.engine.model_shape import ModelShape
 from lightning_oomb.models import qwen2_5_7b_config
 from tests.helpers.memory import cross_entropy_peak
 
@@ -51,15 +52,15 @@ def plain(hidden, head, targets, block):
 def formulas(old_planner, precision: str, vocab: int, hidden: int, tokens: int, block: int) -> dict[str, int]:
     """The planner's loss term, new and (with ``old_planner``) old; the old one plus the hidden states and targets,
     which it counted as saved activations (the unfused loss saved them)."""
-    dtypes = planner.precision_dtypes(precision)
-    shape = planner.ModelShape(1, hidden, hidden, 1, 1, hidden, vocab, vocab)
-    terms = {"fused": planner.loss_backward_bytes(shape, dtypes, tokens, block)}
+    dtypes = step_setup.precision_dtypes(precision)
+    shape = ModelShape(1, hidden, hidden, 1, 1, hidden, vocab, vocab)
+    terms = {"fused": activation_bytes.loss_backward_bytes(shape, dtypes, tokens, block)}
     if old_planner is not None:
         old_shape = old_planner.ModelShape(1, hidden, hidden, 1, 1, hidden, vocab, vocab)
         old = old_planner.loss_backward_bytes(
             old_shape, old_planner.precision_dtypes(precision), tokens, block
         )
-        terms["unfused"] = old + tokens * (dtypes.activation.itemsize * hidden + planner.ID_BYTES)
+        terms["unfused"] = old + tokens * (dtypes.activation.itemsize * hidden + activation_bytes.ID_BYTES)
     return terms
 
 

@@ -21,15 +21,15 @@ from pathlib import Path
 from benchmarks.common import GIB, write_json
 from lightning_oomb import plan
 from lightning_oomb.engine import OOMBConfig
+from lightning_oomb.engine.activation_bytes import parked_bytes
 from lightning_oomb.engine.config import STRATEGY_DEFAULTS
 from lightning_oomb.engine.model_shape import model_shape
 from lightning_oomb.engine.planner import (
     NOMINAL_STEP_RATES,
     Machine,
     longest_fitting,
-    parked_bytes,
-    precision_dtypes,
 )
+from lightning_oomb.engine.step_setup import precision_dtypes
 from lightning_oomb.engine.step_time import copy_bytes, step_flops, step_time
 from lightning_oomb.models import qwen2_5_7b_config
 

@@ -53,9 +53,9 @@ from lightning_oomb.engine.planner import (
     gib,
     longest_fitting,
     plan,
-    precision_dtypes,
     step_sizes_of,
 )
+from lightning_oomb.engine.step_setup import precision_dtypes
 from lightning_oomb.models import CausalLMModule, build_config, fused_adamw, qwen2_5_7b_config, with_lora  # noqa: F401
 from lightning_oomb.strategy import most_micro_batches, widest_other_budgets
 

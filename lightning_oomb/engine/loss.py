@@ -25,7 +25,7 @@ product (as HF makes it), added in slabs of vocabulary rows no larger than the b
 the weight's dtype) unless ``weight_grad`` is given, under autocast one compute-dtype copy of the weight, one block's
 hidden rows in the compute dtype, and one block's logits: float32 logits and their compute-dtype cast (or the soft
 cap's derivative, if larger; plus a slab for a wider target) — what
-:func:`~lightning_oomb.engine.planner.loss_backward_bytes` counts.
+:func:`~lightning_oomb.engine.activation_bytes.loss_backward_bytes` counts.
 
 **Ignored targets** (``-100``) add exactly nothing, whatever their rows hold: each block's copy of its hidden rows has
 the ignored ones zeroed before the logits, so a +inf or NaN there (a padded position's, logits that would overflow)

@@ -76,7 +76,7 @@ SHARED_WIDTHS = (
 
 @dataclass(frozen=True)
 class Mixer:
-    """One carried token mixer of a hybrid (:func:`~lightning_oomb.engine.planner.mixer_bytes`): ``kind``
+    """One carried token mixer of a hybrid (:func:`~lightning_oomb.engine.activation_bytes.mixer_bytes`): ``kind``
     ``"delta"`` (gated delta-net), ``"kda"`` (Kimi-Linear's delta rule, its decay per key channel), ``"mamba2"``,
     ``"mamba"`` (Mamba-1: ``heads`` its channels, ``head_dim`` 1) or ``"conv"`` (gated short convolution); ``channels`` and ``kernel`` of its causal convolution;
     ``heads`` x ``head_dim``: the values its rule mixes (a delta-net's value heads, Mamba2's heads); ``state``: a

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_oomb.engine import OOMBConfig, OOMBEngine, planner
+from lightning_oomb.engine import OOMBConfig, OOMBEngine, activation_bytes, step_setup
 from lightning_oomb.engine import loss as loss_module
 from lightning_oomb.engine.loss import LMHead, linear_cross_entropy, shift_labels
 from lightning_oomb.engine.model_shape import ModelShape
@@ -197,7 +197,7 @@ def test_no_weight_gradient_tensor_is_made_when_it_goes_in_place():
     what the plan counts for it; into a float32 sum plus one bf16 slab of the product (at most the logits' size)."""
     vocab, hidden, block, n = 1024, 64, 4, 32
     shape = ModelShape(1, hidden, hidden, 1, 1, hidden, vocab, vocab)
-    dtypes = planner.Dtypes(torch.bfloat16, torch.bfloat16, torch.bfloat16)
+    dtypes = step_setup.Dtypes(torch.bfloat16, torch.bfloat16, torch.bfloat16)
     for into in (torch.bfloat16, torch.float32):
         target = torch.zeros(vocab, hidden, dtype=into)
 
@@ -205,7 +205,7 @@ def test_no_weight_gradient_tensor_is_made_when_it_goes_in_place():
             return linear_cross_entropy(h, head, t, blk, torch.ones((), dtype=torch.float32), target)
 
         peak = cross_entropy_peak(vocab, hidden, n, block, loss_fn=in_place, exclude=[target])
-        predicted = planner.loss_backward_bytes(shape, dtypes, n, block, True, into)
+        predicted = activation_bytes.loss_backward_bytes(shape, dtypes, n, block, True, into)
         assert 0 <= peak - predicted <= 8 * block * hidden, (into, peak, predicted)
         slab = 2 * block * vocab if into == torch.float32 else 0
         assert peak <= 6 * block * vocab + slab + 2 * block * hidden + (4 * hidden + 8) * n + 256, (

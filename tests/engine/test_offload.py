@@ -94,7 +94,8 @@ def test_kept_attention_results_wait_in_host_memory_under_offload(monkeypatch):
     """With per-layer checkpointing under offload every layer's kept attention result goes to host memory in the
     chunk's recompute and comes back for the layer's checkpoint recompute (exact, as the test above checks), in the
     bytes the planner counts for it; without checkpointing nothing is parked (the results are saved anyway)."""
-    from lightning_oomb.engine import attention, planner
+    from lightning_oomb.engine import activation_bytes, attention, step_setup
+    from lightning_oomb.engine.model_shape import model_shape
 
     parked = []
     park = attention.Kept.park
@@ -112,9 +113,9 @@ def test_kept_attention_results_wait_in_host_memory_under_offload(monkeypatch):
     assert parked == []
     _, _, engine = run_step(model, ids, True, offload=True)
     assert len(parked) == 2 * 3  # layers x chunks
-    shape = planner.model_shape(engine.model)
-    dtypes = planner.precision_dtypes("64-true")
-    device, host = planner.parked_kept_bytes(shape, dtypes, 2 * CHUNK, pinned=False)
+    shape = model_shape(engine.model)
+    dtypes = step_setup.precision_dtypes("64-true")
+    device, host = activation_bytes.parked_kept_bytes(shape, dtypes, 2 * CHUNK, pinned=False)
     assert host == sum(parked[:2]) and device == parked[0]
 
 
@@ -123,7 +124,8 @@ def test_checkpointed_layer_inputs_wait_in_host_memory_under_offload(monkeypatch
     saved activations are parked — each layer's input (torch's checkpoint saves it through the hooks around it) and
     the final norm's, each once — and come back, the one parked before each coming back ahead: the step equals
     full-sequence training (float64), and the planner counts the parked bytes."""
-    from lightning_oomb.engine import parking, planner
+    from lightning_oomb.engine import activation_bytes, parking, step_setup
+    from lightning_oomb.engine.model_shape import model_shape
 
     monkeypatch.setattr(parking, "DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(parking, "MIN_BYTES", 1)
@@ -161,11 +163,14 @@ def test_checkpointed_layer_inputs_wait_in_host_memory_under_offload(monkeypatch
         (2, tokens // 2, 1),
         (2, tokens // 2, hidden),
     ]
-    shape, dtypes = planner.model_shape(engine.model), planner.precision_dtypes("64-true")
-    assert planner.parked_saves_bytes(shape, dtypes, tokens, pinned=False, min_bytes=1)[1] == last.nbytes
+    shape, dtypes = model_shape(engine.model), step_setup.precision_dtypes("64-true")
+    assert (
+        activation_bytes.parked_saves_bytes(shape, dtypes, tokens, pinned=False, min_bytes=1)[1]
+        == last.nbytes
+    )
     # the step reports what it parked: every chunk's saves and kept attention results
     rows = [2 * (min(SEQ, start + CHUNK) - start) for start in range(0, SEQ, CHUNK)]
-    kept = sum(planner.parked_kept_bytes(shape, dtypes, n, pinned=False)[1] for n in rows)
+    kept = sum(activation_bytes.parked_kept_bytes(shape, dtypes, n, pinned=False)[1] for n in rows)
     assert engine.stats.extra["parked_bytes"] == sum(m.state.nbytes for m in made) + kept > 0
 
 
@@ -173,7 +178,8 @@ def test_a_centred_layernorms_parked_saves_are_planned(monkeypatch):
     """Cohere's final LayerNorm saves its centred float32 input twice (and 1/std and the normed input): the plan of
     the parked saves counts each tensor (it counted one input: 15 % under what a chunk parked), all but the norm
     weight's float32 copy (hidden-wide, per chunk)."""
-    from lightning_oomb.engine import parking, planner
+    from lightning_oomb.engine import activation_bytes, parking, step_setup
+    from lightning_oomb.engine.model_shape import model_shape
     from tests.helpers.models import build_family
 
     monkeypatch.setattr(parking, "DEVICE_TYPES", ("cuda", "cpu"))
@@ -189,8 +195,8 @@ def test_a_centred_layernorms_parked_saves_are_planned(monkeypatch):
     ids = torch.randint(0, 60, (2, SEQ), generator=torch.Generator().manual_seed(5))
     _, _, engine = run_step(model, ids, True, offload=True)
     tokens = 2 * (SEQ - (-(-SEQ // CHUNK) - 1) * CHUNK)  # the last chunk's, parked first
-    shape, dtypes = planner.model_shape(engine.model), planner.precision_dtypes("64-true")
-    planned = planner.parked_saves_bytes(shape, dtypes, tokens, pinned=False, min_bytes=1)[1]
+    shape, dtypes = model_shape(engine.model), step_setup.precision_dtypes("64-true")
+    planned = activation_bytes.parked_saves_bytes(shape, dtypes, tokens, pinned=False, min_bytes=1)[1]
     assert made[0].state.nbytes - planned == 4 * model.config.hidden_size
 
 

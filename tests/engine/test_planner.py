@@ -15,12 +15,22 @@ import pytest
 import torch
 
 import lightning_oomb
-from lightning_oomb.engine import KVPool, OOMBConfig, OOMBConfigError, OOMBEngine, PoolShape, planner
+from lightning_oomb.engine import (
+    KVPool,
+    OOMBConfig,
+    OOMBConfigError,
+    OOMBEngine,
+    PoolShape,
+    activation_bytes,
+    planner,
+    step_setup,
+)
 from lightning_oomb.engine import model_shape as model_shape_module
 from lightning_oomb.engine.config import STRATEGY_DEFAULTS
 from lightning_oomb.engine.memory import SavedTensorMeter
 from lightning_oomb.engine.model_shape import ModelShape, model_shape
-from lightning_oomb.engine.planner import Machine, OptimizerSpec, plan
+from lightning_oomb.engine.planner import Machine, plan
+from lightning_oomb.engine.step_setup import OptimizerSpec
 from lightning_oomb.integrations.hf import HFChunkModel
 from lightning_oomb.models import qwen2_5_7b_config
 from tests.helpers.lightning import TinyLM, batches, make_trainer
@@ -414,8 +424,8 @@ def test_loss_transients_are_what_the_cross_entropy_allocates(
     """The loss term of the plan is the chunked cross-entropy's allocation peak (up to a block's per-row vectors)."""
     vocab, hidden = 1024, 64
     shape = ModelShape(1, hidden, hidden, 1, 1, hidden, vocab, vocab, logit_softcap=softcap is not None)
-    dtypes = planner.Dtypes(dtype, dtype, autocast or dtype)
-    predicted = planner.loss_backward_bytes(shape, dtypes, tokens, block, head_trainable=not frozen)
+    dtypes = step_setup.Dtypes(dtype, dtype, autocast or dtype)
+    predicted = activation_bytes.loss_backward_bytes(shape, dtypes, tokens, block, head_trainable=not frozen)
     measured = cross_entropy_peak(vocab, hidden, tokens, block, dtype, autocast, softcap, frozen)
     assert 0 <= measured - predicted <= 8 * block * hidden, (measured, predicted)
 
@@ -430,9 +440,9 @@ def test_float32_gradient_sums_count_two_bytes_per_trainable_16_bit_parameter():
     plans = {acc: plan(model, 64, 1, OOMBConfig(32, 16, grad_accumulation=acc), "bf16-true", None, BIG_CPU)
              for acc in ("float32", "native")}  # fmt: skip
     assert plans["float32"].device["grad_sums"] == 2 * trainable and plans["native"].device["grad_sums"] == 0
-    shape, dtypes = planner.model_shape(model), planner.precision_dtypes("bf16-true")
-    slab = (planner.loss_backward_bytes(shape, dtypes, 32, 1024, True, torch.float32)
-            - planner.loss_backward_bytes(shape, dtypes, 32, 1024, True, torch.bfloat16))  # fmt: skip
+    shape, dtypes = planner.model_shape(model), step_setup.precision_dtypes("bf16-true")
+    slab = (activation_bytes.loss_backward_bytes(shape, dtypes, 32, 1024, True, torch.float32)
+            - activation_bytes.loss_backward_bytes(shape, dtypes, 32, 1024, True, torch.bfloat16))  # fmt: skip
     assert slab > 0  # the head's gradient is added into its float32 sum a vocabulary slab at a time
     for phase, native in plans["native"].phases.items():
         extra = {"optimizer step": 0, "loss backward": 2 * trainable + slab}.get(phase, 2 * trainable)
@@ -542,7 +552,9 @@ def test_qwen2_5_7b_on_an_h200():
     assert at_128k.fits and at_128k.device["kv_hbm"] == 21 * 2**30  # 168 KiB per token
     offload = OOMBConfig(layer_checkpointing=True, kv_grad_dtype="bfloat16", offload=True, hbm_budget=0)
     at_256k = plan(cfg, 262144, 1, offload, "bf16-true", "adamw", H200)
-    parked = planner.parked_kept_bytes(model_shape(cfg), planner.precision_dtypes("bf16-true"), 4096, True)[1]
+    parked = activation_bytes.parked_kept_bytes(
+        model_shape(cfg), step_setup.precision_dtypes("bf16-true"), 4096, True
+    )[1]
     assert parked == 28 * (2**25 + 2**19)  # each layer's kept attention output and LSE, page-locked blocks
     # each layer's input (28 MiB: a 32 MiB block), the final norm's float32 input and normed input
     inputs = 28 * 2**25 + 2**26 + 2**25

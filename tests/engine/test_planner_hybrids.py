@@ -35,7 +35,7 @@ def broadcast_scan(family: str) -> bool:
 )  # fmt: skip
 def test_a_hybrids_carried_mixers_are_planned(family, precision, checkpointing):
     """Each mixer's saved tensors and backward transients as transformers' torch rules compute them, the inputs its
-    handed-on convolution states keep and the states in flight (``planner.mixer_bytes``): the step's peak within
+    handed-on convolution states keep and the states in flight (``activation_bytes.mixer_bytes``): the step's peak within
     10 % and at most 5 % below (measured -4 % .. +7 %; before, 57-74 % below: the mixers counted as attention
     layers, LFM2's MLP at its config's unadjusted width), the saved bytes within 10 % (measured -5 % .. +2 %).
     Under bf16-mixed a gated delta-net's projections each read a cast copy of its input and its rule's matmuls
@@ -162,10 +162,11 @@ def test_a_mamba2_chunks_outgoing_states_hold_their_whole_scan(monkeypatch, prec
     """A Mamba2 scan's outgoing state is a view of its whole result — every block's states and one more — which the
     chunk's reported state keeps while the chunk is back-propagated (float32; under autocast its einsum's bfloat16):
     the loss's moment of a Mamba2 step (hidden 128, vocabulary 8K, 2.5 chunks) was planned 1.5-3 % below the CPU's
-    peak, now -1.4 .. +0.5 % (``planner.scan_views``; the rest below is the later chunk's states the backward
+    peak, now -1.4 .. +0.5 % (``activation_bytes.scan_views``; the rest below is the later chunk's states the backward
     sweep still holds from the third chunk from the end down). What the reported states hold is what it counts."""
-    from lightning_oomb.engine.planner import precision_dtypes, scan_views
+    from lightning_oomb.engine.activation_bytes import scan_views
     from lightning_oomb.engine.states import CarriedStates
+    from lightning_oomb.engine.step_setup import precision_dtypes
 
     held = []
     finish = CarriedStates.finish_backward
