@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers.attention import selection_mask
-from tests.helpers.combinations import OPTIONS, SEED, batch_of, build, draw, oomb_step, seeded
+from tests.helpers.combinations import OPTIONS, SEED, Case, batch_of, build, draw, oomb_step, seeded
 from tests.helpers.models import (
     HYBRIDS,
     _reference_forward,
@@ -104,7 +104,15 @@ def test_the_triton_kernels_with_options_together(case):
     assert max_relative_error(got, want) <= 1e-4
 
 
-@pytest.mark.parametrize("case", HYBRID + HYBRID_MORE, ids=str)
+# found by a longer draw (OOMB_COMBINATIONS=80): the float64 twin rounded Bailing's attention output gate to float32
+# per token (``sigmoid(g_proj(x).float())``), which chunked inputs crossed at other ulps — layer 2's q_proj gradient
+# 5.3e-9 off (float64_rules.float_in_input_dtype)
+BAILING = Case("bailing_hybrid", "one document", (8, 4), {
+    "layer_checkpointing": "auto", "attention_backend": "torch", "reuse_attention": True, "mlp_tile": 8,
+    "loss_block": 4, "offload": True, "page_budget": None})  # fmt: skip
+
+
+@pytest.mark.parametrize("case", [*HYBRID, BAILING, *HYBRID_MORE], ids=str)
 def test_options_together_with_carried_states(case):
     """The model's own full-sequence call (:func:`~tests.helpers.models.hybrid_full_sequence`)."""
     with float64_hybrid(build_hybrid(case.family)) as model:

@@ -132,6 +132,22 @@ def in_input_dtype(forward):
     return run
 
 
+def float_in_input_dtype(forward):
+    """``forward`` (a class's own) with ``Tensor.float()`` read as a cast to its input's dtype when that is float64:
+    a module that rounds a term to float32 per token (the Bailing hybrids' attention output gate,
+    ``sigmoid(g_proj(x).float())``) computes it in float64 in a float64 twin — a float32 rounding that inputs
+    differing by float64 rounding (chunked or not) could cross at different ulps."""
+
+    @functools.wraps(forward)
+    def run(self, hidden_states, *args, **kwargs):
+        if hidden_states.dtype != torch.float64:
+            return forward(self, hidden_states, *args, **kwargs)
+        with mock.patch.object(torch.Tensor, "float", lambda t, *_, **__: t.to(torch.float64)):
+            return forward(self, hidden_states, *args, **kwargs)
+
+    return run
+
+
 FLOAT64_FORWARDS = {  # transformers' class computing in float32 -> its forward in the inputs' dtype
     "KimiLinearForgetGate": float64_kimi_forget_gate,
     # made from the class's own forward: its gated norm, its delta rule's outgoing state, its router
@@ -142,6 +158,7 @@ FLOAT64_FORWARDS = {  # transformers' class computing in float32 -> its forward 
     "BailingHybridRMSNormGated": in_input_dtype,
     "BailingHybridDeltaAttention": in_input_dtype,
     "BailingHybridTopkRouter": in_input_dtype,
+    "BailingHybridAttention": float_in_input_dtype,
 }
 
 
@@ -161,7 +178,9 @@ def float64_recurrences(model: torch.nn.Module) -> Iterator[None]:
         for name in float32_rules_of(model):
             if name in FLOAT64_FORWARDS:
                 cls, forward = getattr(module, name), FLOAT64_FORWARDS[name]
-                forward = forward(cls.forward) if forward is in_input_dtype else forward
+                forward = (
+                    forward(cls.forward) if forward in (in_input_dtype, float_in_input_dtype) else forward
+                )
                 patches.enter_context(mock.patch.object(cls, "forward", forward))
             else:
                 patches.enter_context(mock.patch.object(module, name, FLOAT64_RULES[name]))
