@@ -26,15 +26,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM
-
 from benchmarks.common import GIB, command, versions, write_json
 from lightning_oomb import plan
+from lightning_oomb.cli import planned_model
 from lightning_oomb.engine import OOMBConfig
 from lightning_oomb.engine.config import STRATEGY_DEFAULTS
 from lightning_oomb.engine.planner import Machine, longest_fitting
-from lightning_oomb.models import qwen2_5_7b_config, with_lora
+from lightning_oomb.models import qwen2_5_7b_config
 
 K = 1024
 CHUNK = 4096
@@ -124,13 +122,12 @@ def model_configs() -> dict:
     }
 
 
-def meta_model(config, lora: bool) -> torch.nn.Module:
-    """The model on the ``meta`` device in bf16 (no memory), with rank-16 LoRA adapters if ``lora``."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-        return with_lora(model, {"r": 16, "target_modules": LORA_TARGETS} if lora else None).to(
-            torch.bfloat16
-        )
+def meta_model(config, lora: bool):
+    """The model as ``oomb plan`` reads it (built on the ``meta`` device in bf16: no memory), with rank-16 LoRA
+    adapters if ``lora``."""
+    return planned_model(
+        config, "bf16-true", lora={"r": 16, "target_modules": LORA_TARGETS} if lora else None
+    )
 
 
 def planned(model, tokens: int, where: Machine):
