@@ -42,15 +42,19 @@ def saved_bytes(
     else:
         tiled = mlp_tiled(shape, mlp_tile, min(chunk_size, seq_len))
         _, mlp, dense = _layer_bytes_per_token(shape, dtypes, streamed=False, tiled=tiled)
-        # each paged layer's attention at its own head dim (Gemma 4's sliding layers narrower than its global ones)
-        dims = Counter(shape.own_head_dims)
+        # each paged layer's attention at its own head dim and KV heads (Gemma 4's sliding layers narrower than its
+        # global ones, with more KV heads in its 31B and 26B-A4B)
+        dims = Counter(zip(shape.own_head_dims, shape.own_kv_heads))
         attention = sum(
-            n * _layer_bytes_per_token(shape, dtypes, False, tiled, d)[0] for d, n in dims.items()
+            n * _layer_bytes_per_token(shape, dtypes, False, tiled, d, kv)[0] for (d, kv), n in dims.items()
         )
         if shape.qk_norm and shape.qk_norm_layers is not None:  # (the layers without: Llama 4's NoPE layers)
             unnormed = max(shape.paged_layers - shape.qk_norm_layers, 0)
-            attention -= unnormed * _qk_norm_bytes(shape, dtypes, min(dims, default=shape.head_dim))
-        # a host-tier or tail-keeping window layer saves its chunk's K and V too
+            attention -= unnormed * _qk_norm_bytes(
+                shape, dtypes, min(shape.own_head_dims, default=shape.head_dim)
+            )
+        # a host-tier or tail-keeping window layer saves its chunk's K and V too (restaged_layers: counted at the
+        # pool's slot heads, ``kv_heads``)
         restaged = 2 * dtypes.kv.itemsize * shape.kv_heads * shape.head_dim
         # a hybrid's layers without attention: their input norm and carried mixer (mixer_bytes); a ChunkModel's
         # other layers without attention are its MLP-only blocks
@@ -75,7 +79,8 @@ def saved_bytes(
                 linear += sum(m.linear_weights for m in shape.mixers) - unpaged * shape.attention_params
         copies = (linear + 2 * shape.num_layers * shape.hidden_size * gate) * c if dtypes.mixed else 0
         # cos and sin, shared by the layers of a head dim or a table (layer_rope: each layer's float32 copies)
-        widths = sum(dims) if len(dims) > 1 else shape.rope_tables * shape.head_dim
+        head_dims = set(shape.own_head_dims)
+        widths = sum(head_dims) if len(head_dims) > 1 else shape.rope_tables * shape.head_dim
         rope = (
             2
             * min(chunk_size, seq_len)
@@ -149,7 +154,12 @@ def parked_bytes(shape: ModelShape, dtypes: Dtypes, tokens: int) -> int:
 
 
 def _layer_bytes_per_token(
-    shape: ModelShape, dtypes: Dtypes, streamed: bool, tiled: bool = False, head_dim: int | None = None
+    shape: ModelShape,
+    dtypes: Dtypes,
+    streamed: bool,
+    tiled: bool = False,
+    head_dim: int | None = None,
+    kv_heads: int | None = None,
 ) -> tuple[int, int, int]:
     """Bytes per token one decoder layer saves: (input norm + attention, post-attention norm + MLP — an MoE
     layer's where the model has experts — and the same for a dense MLP); a ``tiled`` MLP (``mlp_tile``) saves only
@@ -159,9 +169,10 @@ def _layer_bytes_per_token(
     (``layer_norms`` 4: Gemma 2/3) and a sigmoid gate on the attention output count with attention; with one norm a
     layer (``layer_norms`` 1: Cohere's parallel block) the MLP reads the attention's (under autocast its own cast
     copies). ``head_dim``: the layer's own (``ModelShape.layer_head_dims``; default ``shape.head_dim``): its
-    projections' and norms' widths, the op's saved q and output at ``shape.head_dim`` (the pages')."""
+    projections' and norms' widths, the op's saved q and output at ``shape.head_dim`` (the pages'); ``kv_heads``:
+    its own (``ModelShape.layer_kv_heads``; default ``shape.kv_heads``)."""
     r, c, f = dtypes.activation.itemsize, dtypes.compute.itemsize, NORM_BYTES
-    h, heads, kv_heads = shape.hidden_size, shape.num_heads, shape.kv_heads
+    h, heads, kv_heads = shape.hidden_size, shape.num_heads, kv_heads or shape.kv_heads
     d = shape.head_dim if head_dim is None else head_dim
     q, kv, paged_q = heads * d, kv_heads * d, heads * shape.head_dim
     lse = 8 if dtypes.activation == torch.float64 else 4
@@ -185,7 +196,7 @@ def _layer_bytes_per_token(
     # a gate per head (LFM3's): its sigmoid and the output it multiplies (a copy of the op's)
     attn += c * (q + heads) * shape.head_gate
     attn += _output_norm_bytes(shape, dtypes)
-    attn += _qk_norm_bytes(shape, dtypes, d) * shape.qk_norm
+    attn += _qk_norm_bytes(shape, dtypes, d, kv_heads) * shape.qk_norm
     if shape.value_norm:  # its float32 input and two per-head scalars (no weight: no normed input)
         attn += f * (kv + 2 * kv_heads)
     if streamed:
@@ -209,7 +220,7 @@ def _layer_bytes_per_token(
     return attn, (mlp(shape.mlp_width, True) if shape.num_experts else dense), dense
 
 
-def _qk_norm_bytes(shape: ModelShape, dtypes: Dtypes, head_dim: int) -> int:
+def _qk_norm_bytes(shape: ModelShape, dtypes: Dtypes, head_dim: int, kv_heads: int | None = None) -> int:
     """Bytes per token a layer's per-head norms of q and k save: float32 input, 1/rms and the normed input (in the
     compute dtype; ``float32_norms``: float32; ``rotated_qk_norms``: RoPE's float32 tables made it the activations'
     dtype under autocast; ``weightless_qk_norms``: none, no weight needs it)."""
@@ -217,7 +228,7 @@ def _qk_norm_bytes(shape: ModelShape, dtypes: Dtypes, head_dim: int) -> int:
     normed = (
         0 if shape.weightless_qk_norms else f if shape.float32_norms else r if shape.rotated_qk_norms else c
     )
-    heads = shape.num_heads + shape.kv_heads
+    heads = shape.num_heads + (kv_heads or shape.kv_heads)
     return (f + normed) * heads * head_dim + f * heads
 
 

@@ -513,7 +513,7 @@ def _backward_across_group(ctx, dout):
     else:  # the stand-in's token: no keys stored, no gradient
         shape = pool.shape
         dk = dv = dout.new_zeros(
-            (dout.shape[0], shape.kv_heads, dout.shape[2], shape.head_dim), dtype=kv_dtype
+            (dout.shape[0], shape.heads_of(layer), dout.shape[2], shape.head_dim), dtype=kv_dtype
         )
     return _rows_like(dq.to(rows.dtype), dout), dk, dv, None, None, None, None, None, dsinks
 

@@ -460,11 +460,12 @@ class SharedSummaries:
     """Every page's summary (:func:`~lightning_oomb.engine.sparse.summarize`) in absolute page order, the same on
     each rank of the group: each rank summarises the pages of its slice and the group all-gathers them, chunk by
     chunk (``O(chunk)`` bytes per layer and chunk), so every rank selects exactly what one process would —
-    ``pages``: ``[layers, B, pages, vectors, kv_heads, head_dim]`` once the first chunk is summarised."""
+    ``pages``: layer -> ``[B, pages, vectors, kv_heads, head_dim]`` (the layer's own KV heads) once its first chunk is
+    summarised."""
 
     def __init__(self, num_layers: int, score: str) -> None:
         self.num_layers, self.score = num_layers, score
-        self.pages: torch.Tensor | None = None
+        self.pages: dict[int, torch.Tensor] = {}
 
     def add(self, cp: ContextChunk, layer: int, k: torch.Tensor) -> None:
         """Summarise this rank's rows ``k [B, Hkv, own, D]`` of chunk ``cp.index`` and gather the chunk's."""
@@ -477,11 +478,11 @@ class SharedSummaries:
         lengths = [math.ceil((hi - lo) / page) for lo, hi in layout.slices[cp.index]]
         rows = own.permute(0, 2, 3, 1, 4)  # pages at dim -2, as gather_rows wants
         chunk = cp.group.gather_rows(rows, lengths).permute(0, 3, 1, 2, 4)
-        if self.pages is None:
+        if layer not in self.pages:
             total = math.ceil(layout.slices[-1][-1][1] / page)
-            self.pages = k.new_zeros((self.num_layers, b, total, vectors, heads, d))
+            self.pages[layer] = k.new_zeros((b, total, vectors, heads, d))
         first = layout.slices[cp.index][0][0] // page
-        self.pages[layer, :, first : first + chunk.shape[1]] = chunk
+        self.pages[layer][:, first : first + chunk.shape[1]] = chunk
 
 
 def select_across_group(
@@ -494,7 +495,7 @@ def select_across_group(
         with torch.no_grad():
             cp.summaries.add(cp, layer, k)
             page = cp.layout.page
-            past = cp.summaries.pages[layer, :, : q_start // page]
+            past = cp.summaries.pages[layer][:, : q_start // page]
             return select_pages(queries, past, q_start, page, sparse.budget, window, docs, backend, cp.tokens)
 
     return sparse.select(layer, q_start, sweep, make)

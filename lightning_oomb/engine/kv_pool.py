@@ -42,7 +42,15 @@ from lightning_oomb.engine.offload import (
     default_transport,
     offload_gather,
 )
-from lightning_oomb.engine.pages import Arena, PagedKV, PoolShape, arena_bytes, gather_tokens, write_tokens
+from lightning_oomb.engine.pages import (
+    Arena,
+    PagedKV,
+    PoolShape,
+    Region,
+    arena_bytes,
+    gather_tokens,
+    write_tokens,
+)
 from lightning_oomb.engine.sparse import summarize
 
 AUTO_HEADROOM = 0.25  # hbm_budget="auto" leaves this fraction of the device for params, grads and activations
@@ -90,16 +98,17 @@ def plan_tiers(
 def place_layers(
     shape: PoolShape, budget: int | None, staging_buffers: int
 ) -> tuple[TierPlan, dict[str, int]]:
-    """The tiers of ``shape``'s layers for a device ``budget`` (:func:`plan_tiers`; window layers that keep only
-    their tails stay on the device, their bytes taken out of the budget first) and each arena's slots (``"hbm"``,
+    """The tiers of ``shape``'s layers for a device ``budget`` (:func:`plan_tiers`; the device-only layers — window
+    layers that keep only their tails, layers of other KV heads — stay on the device, their bytes taken out of the
+    budget first) and each arena's slots (``"hbm"``,
     ``"staging"``, ``"host"``): what :meth:`KVPool.reserve` allocates, and what the memory planner counts."""
     if budget is not None:
-        budget = max(0, budget - sum(map(shape.bytes_of, shape.recycling)))
+        budget = max(0, budget - sum(map(shape.bytes_of, shape.device_only)))
     plan = plan_tiers(
-        shape.num_layers, shape.layer_bytes, budget, staging_buffers, shape.block_bytes, shape.recycling
+        shape.num_layers, shape.layer_bytes, budget, staging_buffers, shape.block_bytes, shape.device_only
     )
     slots = {
-        "hbm": sum(shape.batch * shape.layer_pages(layer) for layer in plan.hbm_layers),
+        "hbm": sum(map(shape.hbm_slots_of, plan.hbm_layers)),
         "staging": plan.staging_buffers * shape.block_slots,
         "host": len(plan.host_layers) * shape.layer_slots,
     }
@@ -165,6 +174,7 @@ class KVPool:
         self._staging: Arena | None = None
         self._summaries: torch.Tensor | None = None  # sparse steps: PoolShape.summary_shape
         self._tables: dict[int, torch.Tensor] = {}  # HBM layer -> its page table [batch, pages]
+        self._regions: dict[int, Region] = {}  # HBM layer -> its pages (its own KV heads)
         self._transient: dict[int, slice] = {}  # recycling window layer -> its transient slots
         self._offload: Offloader | None = None
         self._sweep = "forward"
@@ -190,12 +200,13 @@ class KVPool:
         if self._summaries_short(shape, device):
             self._summaries = None
             self._summaries = torch.zeros(shape.summary_shape, dtype=shape.dtype, device=device)
-        self._tables, self._transient, base = {}, {}, 0
-        for layer in plan.hbm_layers:
-            self._tables[layer] = shape.layer_table(layer, base, device)
+        self._tables, self._regions, self._transient, base = {}, {}, {}, 0
+        for layer in plan.hbm_layers:  # each layer's slots viewed at its own KV heads; tables index that view
+            self._regions[layer] = self._hbm.region(base, shape.hbm_slots_of(layer), shape.heads_of(layer))
+            self._tables[layer] = shape.layer_table(layer, 0, device)
             if shape.tails[layer] is not None:
-                self._transient[layer] = shape.transient_slots(layer, base)
-            base += shape.batch * shape.layer_pages(layer)
+                self._transient[layer] = shape.transient_slots(layer, 0)
+            base += shape.hbm_slots_of(layer)
         self._offload = None
         if plan.host_layers:
             cache = StagingCache(
@@ -350,7 +361,7 @@ class KVPool:
             if arena is not None:
                 arena.free()
         self._hbm = self._host = self._staging = self._offload = self._summaries = None
-        self._tables = {}
+        self._tables, self._regions = {}, {}
         self.shape = self.plan = None
 
     @property
@@ -457,11 +468,11 @@ class KVPool:
         call's sliding window, checked against the one the model declared."""
         shape = self.shape
         assert start % shape.page_size == 0, "chunks start on page boundaries"
-        heads = (shape.kv_heads, shape.head_dim)
+        heads = (shape.heads_of(layer), shape.head_dim)
         if (k.shape[1], k.shape[3]) != heads or (v.shape[1], v.shape[3]) != heads:
             raise OOMBConfigError(
                 f"layer {layer} attends with keys of {k.shape[1]} heads x {k.shape[3]} and values of {v.shape[1]} x "
-                f"{v.shape[3]}, but the model declared {shape.kv_heads} KV heads of {shape.head_dim} (a Hugging Face "
+                f"{v.shape[3]}, but the model declared {heads[0]} KV heads of {shape.head_dim} (a Hugging Face "
                 "model: its config's num_key_value_heads and head_dim), the page pool's shape — correct the config "
                 "(e.g. drop a num_key_value_heads the architecture ignores), or train this model with another strategy."
             )
@@ -486,16 +497,16 @@ class KVPool:
         if shape.page_score is not None and not backward:
             first = start // shape.page_size
             summary = summarize(k, shape.page_size, shape.page_score)
-            self._summaries[layer, :, first : first + summary.shape[1]] = summary
+            self.summaries(layer, first + summary.shape[1])[:, first:] = summary
         if not self.streams(layer):
-            table = self._layer_table(layer)
+            table, pages = self._layer_table(layer), self._regions[layer]
             if not backward:
-                self._store(self._hbm, table, start, k, v, zero_grads=True)
+                self._store(pages, table, start, k, v, zero_grads=True)
             elif self.recycles(layer):
-                self._store(self._hbm, table, start, k, v, zero_grads=False)
+                self._store(pages, table, start, k, v, zero_grads=False)
                 region = self._transient[layer]  # the last chunk that used it left its gradients there
-                self._hbm.dk[region].zero_()
-                self._hbm.dv[region].zero_()
+                pages.dk[region].zero_()
+                pages.dv[region].zero_()
             return
         block = shape.block_of(start)
         if backward and self._offload.holds_kv(layer, block):
@@ -504,7 +515,7 @@ class KVPool:
         self._store(self._staging, table, start, k, v, zero_grads=False)  # host gradients start at zero
         self._offload.end_write(layer, block, persist=not backward)
 
-    def _store(self, arena: Arena, table: torch.Tensor, start: int, k, v, zero_grads: bool) -> None:
+    def _store(self, arena: Arena | Region, table: torch.Tensor, start: int, k, v, zero_grads: bool) -> None:
         first, end = start // self.shape.page_size, self.shape.num_pages(start + k.shape[2])
         slots = table[:, first:end]
         write_tokens(arena.k, slots, k)
@@ -533,7 +544,7 @@ class KVPool:
         if not self.streams(layer):
             if self._offload is not None:
                 self._offload.visit(layer, chunk, grads)
-            arena, table = self._hbm, self._layer_table(layer)
+            arena, table = self._regions[layer], self._layer_table(layer)
             yield PagedKV(arena.k, arena.v, arena.dk, arena.dv, table[:, :pages], (0, num_tokens))
             return
         arena = self._staging
@@ -544,8 +555,8 @@ class KVPool:
 
     def summaries(self, layer: int, num_pages: int) -> torch.Tensor:
         """The summaries ``[batch, num_pages, vectors, kv_heads, head_dim]`` of ``layer``'s first pages (a sparse
-        step; :func:`~lightning_oomb.engine.sparse.summarize`)."""
-        return self._summaries[layer, :, :num_pages]
+        step; :func:`~lightning_oomb.engine.sparse.summarize`; the layer's own KV heads)."""
+        return self._summaries[layer, :, :num_pages, :, : self.shape.heads_of(layer)]
 
     def read_grad(self, layer: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Accumulated ``dk, dv [B, kv_heads, length, head_dim]`` of tokens ``[start, start + length)`` (one
@@ -556,7 +567,7 @@ class KVPool:
         if self.streams(layer):
             arena, table = self._staging, self._offload.grad_table(layer, shape.block_of(start))
         else:
-            arena, table = self._hbm, self._layer_table(layer)
+            arena, table = self._regions[layer], self._layer_table(layer)
         slots = table[:, first:end]
         grads = tuple(gather_tokens(pages, slots)[:, :, :length] for pages in (arena.dk, arena.dv))
         if self.streams(layer) and self._sweep == "backward":
@@ -573,6 +584,6 @@ class KVPool:
             table = shape.page_tables(len(self.plan.host_layers), arena.device)
             table = table[self.plan.host_layers.index(layer)]
         else:
-            arena, table = self._hbm, self._layer_table(layer)
+            arena, table = self._regions[layer], self._layer_table(layer)
         slots = table[:, first:end]
         return tuple(gather_tokens(pages, slots)[:, :, :length] for pages in (arena.k, arena.v))

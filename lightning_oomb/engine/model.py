@@ -103,7 +103,8 @@ class ChunkModel(Protocol):
     not blocks: each call in a chunk's forward takes its own ``layer`` index in ``0 .. num_layers - 1`` (a block that
     attends twice takes two; only a checkpoint's recompute calls an index again; an index never called is refused by
     the setup check, :func:`~lightning_oomb.engine.check.check_chunking`). Every layer's ``k, v`` have the
-    same dtype and shape, ``[B, kv_heads, L, head_dim]`` (one pool holds them all). The op is causal attention with
+    same dtype and shape, ``[B, kv_heads, L, head_dim]`` (one pool holds them all; with ``layer_kv_heads``, below,
+    each layer its own heads). The op is causal attention with
     the engine's document masks (packed sequences) and, per call, a sliding ``window``, a ``softcap``, ``sinks`` and
     a ``block`` (chunked attention: each query sees its own span of ``block`` tokens); there is no additive score
     bias (ALiBi, relative-position bias) and no custom mask.
@@ -111,6 +112,8 @@ class ChunkModel(Protocol):
     **Optional attributes.** ``layer_windows``: per layer index, the ``window`` its call passes (``None``: full
     attention); window layers then keep only the pages their window reaches, and a call passing another window is
     refused (without it every page is kept); a chunked-attention layer's ``window`` is its ``block``.
+    ``layer_kv_heads``: per layer index, its KV heads where layers differ (``kv_heads`` is then the heads of the
+    pool's slots — the layers that may go to host memory; a layer with other heads keeps its pages on the device).
     ``carries_states`` (the module docstring); ``new_step_loss()`` (:class:`StepLoss`); ``packing_refused``: why
     packed documents cannot train exactly (the engine refuses them before any work), or ``None``.
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -225,6 +225,7 @@ class ModelShape:
     uncast_experts: bool = False
     expert_biases: bool = False
     layer_head_dims: tuple[int, ...] | None = None
+    layer_kv_heads: tuple[int, ...] | None = None
     value_norm: bool = False
     rotated_qk_norms: bool = False
     layer_rope: bool = False
@@ -241,6 +242,15 @@ class ModelShape:
         if dims is None or len(dims) != self.paged_layers:
             return (self.head_dim,) * self.paged_layers
         return dims
+
+    @property
+    def own_kv_heads(self) -> tuple[int, ...]:
+        """Each paged layer's own KV heads (``layer_kv_heads``; ``kv_heads`` for all when it is not given, or not one
+        per paged layer)."""
+        heads = self.layer_kv_heads
+        if heads is None or len(heads) != self.paged_layers:
+            return (self.kv_heads,) * self.paged_layers
+        return heads
 
     @property
     def mlps(self) -> int:
@@ -289,9 +299,10 @@ class ModelShape:
         """Elements of the widest decoder layer's q, k, v and o projection weights (and its output gate's)."""
         return self.attention_params_of(self.head_dim)
 
-    def attention_params_of(self, head_dim: int) -> int:
-        """Elements of q, k, v and o projection weights (and an output gate's) of a layer of heads ``head_dim``."""
-        q, kv = self.num_heads * head_dim, self.kv_heads * head_dim
+    def attention_params_of(self, head_dim: int, kv_heads: int | None = None) -> int:
+        """Elements of q, k, v and o projection weights (and an output gate's) of a layer of heads ``head_dim``
+        (and ``kv_heads`` KV heads; default ``self.kv_heads``)."""
+        q, kv = self.num_heads * head_dim, (kv_heads or self.kv_heads) * head_dim
         gate = self.hidden_size * self.num_heads * self.head_gate
         return (2 + self.gated_attention) * self.hidden_size * q + 2 * self.hidden_size * kv + gate
 
@@ -320,7 +331,8 @@ class ModelShape:
         experts = self.moe_mlps * self.mlp_params if self.num_experts else 0
         own = self.own_head_dims  # (the layers without pages: a hybrid's, counted as the widest)
         attention = (
-            sum(map(self.attention_params_of, own)) + (self.num_layers - len(own)) * self.attention_params
+            sum(map(self.attention_params_of, own, self.own_kv_heads))
+            + (self.num_layers - len(own)) * self.attention_params
         )
         return attention + experts + dense
 
@@ -499,6 +511,35 @@ def _layer_head_dims(config: Any) -> tuple[int, ...] | None:
     return dims if len(set(dims)) > 1 else None
 
 
+def layer_kv_heads(config: Any) -> tuple[int, ...] | None:
+    """Each layer's KV heads where a config's ``per_layer_config`` makes them differ (Gemma 4's global layers'
+    ``num_global_key_value_heads`` beside its sliding layers' ``num_key_value_heads``), else ``None``."""
+    fields = _fields(config)
+    layers = fields.get("per_layer_config") or {}
+    default = fields.get("num_key_value_heads") or fields.get("num_attention_heads")
+    if not layers or not isinstance(default, int):
+        return None
+    heads = tuple((layers.get(str(i)) or layers.get(i) or {}).get("num_key_value_heads", default)
+                  for i in range(fields["num_hidden_layers"]))  # fmt: skip
+    return heads if len(set(heads)) > 1 else None
+
+
+def _kv_heads(cfg: Any) -> int:
+    """A config's KV heads: the pool's slots' where its layers differ in them (:func:`slot_kv_heads`)."""
+    if (heads := layer_kv_heads(cfg)) is not None:
+        return slot_kv_heads(heads, _config_windows(cfg))
+    return _fields(cfg).get("num_key_value_heads") or cfg.num_attention_heads
+
+
+def slot_kv_heads(heads: Sequence[int], windows: Sequence[int | None] | None) -> int:
+    """The KV heads of the page pool's slots (host tier, staging buffers) for layers of ``heads`` KV heads: the most
+    common among the layers without a sliding window (they hold the most pages and may go to host memory; the
+    others stay on the device), the larger on a tie; among all layers if every one has a window."""
+    full = [h for i, h in enumerate(heads) if windows is None or windows[i] is None] or list(heads)
+    counts = Counter(full)
+    return max(counts, key=lambda h: (counts[h], h))
+
+
 def _rope_tables(config: Any) -> int:
     """RoPE tables a config's layers share: one per layer type its ``rope_parameters`` gives its own (LFM3's,
     Gemma 3's full and sliding layers), else one."""
@@ -554,7 +595,7 @@ def _shape_of_attention_config(cfg: Any) -> ModelShape:
         intermediate_size=(getattr(cfg, "moe_intermediate_size", None) if experts else None)
         or _mlp_width(cfg),
         num_heads=heads,
-        kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+        kv_heads=_kv_heads(cfg),
         head_dim=head_dim,
         vocab_size=cfg.vocab_size,
         num_embeddings=cfg.vocab_size,
@@ -587,6 +628,7 @@ def _shape_of_attention_config(cfg: Any) -> ModelShape:
         and getattr(cfg, "_experts_implementation", None) in (None, "grouped_mm"),
         windows=_config_windows(cfg),
         layer_head_dims=_layer_head_dims(cfg),
+        layer_kv_heads=layer_kv_heads(cfg),
         mlp_layers=None if (blocks := _mlp_blocks(cfg)) is None else len(blocks),
         per_layer_inputs=getattr(cfg, "hidden_size_per_layer_input", None) or 0,
         scaled_embeddings=family in SCALED_EMBEDDINGS,
@@ -782,7 +824,11 @@ def _with_adapter(shape: ModelShape, adapter: Any) -> ModelShape:
     it carries states, its paged layers, carried state sizes (``carried_state_elements()``; without it the states
     are not counted, and the plan says so) and carried mixers (``carried_mixer_shapes()``, if it describes them:
     :class:`Mixer`)."""
-    shape = dataclasses.replace(shape, windows=getattr(adapter, "layer_windows", shape.windows))
+    shape = dataclasses.replace(
+        shape,
+        windows=getattr(adapter, "layer_windows", shape.windows),
+        layer_kv_heads=getattr(adapter, "layer_kv_heads", shape.layer_kv_heads),
+    )
     if not getattr(adapter, "carries_states", False):
         return shape
     elements = getattr(adapter, "carried_state_elements", None)

@@ -70,6 +70,11 @@ class PoolShape:
     device (:mod:`lightning_oomb.engine.sparse`); ``None``: dense. ``model_head_dim``: the head dim of the model's
     attention calls where the pages are wider (zero-padded for the kernels,
     :func:`~lightning_oomb.engine.attention.stored_head_dim`); ``None``: ``head_dim``.
+
+    ``layer_kv_heads``: each layer's KV heads where layers differ (Gemma 4's global layers: fewer heads than its
+    sliding ones); ``None``: ``kv_heads`` for every layer. ``kv_heads`` is then the heads of the pool's slots — the
+    host tier's and the staging buffers' pages — and a layer with other heads is :attr:`device_only`: its pages
+    live in the HBM tier, each at its own page geometry (:meth:`hbm_slots_of`).
     """
 
     num_layers: int
@@ -84,6 +89,7 @@ class PoolShape:
     windows: tuple[int | None, ...] | None = None  # per layer: its sliding window (None: full attention)
     page_score: str | None = None
     model_head_dim: int | None = None
+    layer_kv_heads: tuple[int, ...] | None = None
 
     @property
     def call_head_dim(self) -> int:
@@ -133,6 +139,25 @@ class PoolShape:
         """The window layers that keep only their tails (and one chunk's transient pages)."""
         return tuple(layer for layer, tails in enumerate(self.tails) if tails is not None)
 
+    def heads_of(self, layer: int) -> int:
+        """The layer's KV heads."""
+        return self.kv_heads if self.layer_kv_heads is None else self.layer_kv_heads[layer]
+
+    @functools.cached_property
+    def device_only(self) -> tuple[int, ...]:
+        """Layers whose pages always stay in the HBM tier: the recycling window layers (small) and the layers whose
+        KV heads differ from the slots' (``kv_heads``)."""
+        return tuple(
+            layer
+            for layer in range(self.num_layers)
+            if self.tails[layer] is not None or self.heads_of(layer) != self.kv_heads
+        )
+
+    def hbm_slots_of(self, layer: int) -> int:
+        """Slots (of :attr:`page_numel` elements) the layer's pages take in the HBM tier, all rows: its pages at its
+        own heads, rounded up to whole slots."""
+        return math.ceil(self.batch * self.layer_pages(layer) * self.heads_of(layer) / self.kv_heads)
+
     def layer_pages(self, layer: int) -> int:
         """Pages per row the layer stores: every page, or its tails plus one chunk's transient pages."""
         tails = self.tails[layer]
@@ -140,7 +165,7 @@ class PoolShape:
 
     @property
     def num_slots(self) -> int:
-        return self.batch * sum(self.layer_pages(layer) for layer in range(self.num_layers))
+        return sum(self.hbm_slots_of(layer) for layer in range(self.num_layers))
 
     @property
     def page_numel(self) -> int:
@@ -177,7 +202,8 @@ class PoolShape:
     def summary_shape(self) -> tuple[int, ...]:
         """``[layers, batch, pages, vectors, kv_heads, head_dim]`` of the page summaries (a sparse step)."""
         vectors = PAGE_SCORES[self.page_score]
-        return (self.num_layers, self.batch, self.pages_per_row, vectors, self.kv_heads, self.head_dim)
+        heads = self.kv_heads if self.layer_kv_heads is None else max(self.layer_kv_heads)
+        return (self.num_layers, self.batch, self.pages_per_row, vectors, heads, self.head_dim)
 
     @property
     def layer_bytes(self) -> int:
@@ -185,8 +211,10 @@ class PoolShape:
         return 2 * self.layer_slots * self.page_numel * (self.dtype.itemsize + self.grad_dtype.itemsize)
 
     def bytes_of(self, layer: int) -> int:
-        """Bytes of the layer's K, V, dK and dV pages (a window layer's tails and transient pages)."""
-        return self.layer_bytes // self.pages_per_row * self.layer_pages(layer)
+        """Bytes of the layer's K, V, dK and dV pages (a window layer's tails and transient pages) in the HBM tier."""
+        return (
+            2 * self.hbm_slots_of(layer) * self.page_numel * (self.dtype.itemsize + self.grad_dtype.itemsize)
+        )
 
     # ------------------------------------------------------------------------------------------ blocks
     @functools.cached_property  # (read per staged page run: a sparse step's offload asks thousands of times)
@@ -292,6 +320,16 @@ class PagedKV:
 
 
 # ------------------------------------------------------------------------------------------------ arenas
+@dataclass
+class Region:
+    """One layer's pages in an arena (:meth:`Arena.region`): ``k, v, dk, dv [pages, heads, P, D]``."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+
+
 class Arena:
     """One tier's pages: a single byte allocation viewed as ``k, v [slots, H, P, D]`` (K/V dtype) and
     ``dk, dv`` (gradient dtype).
@@ -329,6 +367,17 @@ class Arena:
     def pages(self, part: Part) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k, v)`` for ``"kv"``, ``(dk, dv)`` for ``"grad"``."""
         return (self.k, self.v) if part == "kv" else (self.dk, self.dv)
+
+    def region(self, first: int, slots: int, heads: int) -> Region:
+        """Slots ``[first, first + slots)`` viewed as pages of ``heads`` KV heads (one layer's: ``slots * H / heads``
+        pages, whole, numbered from 0)."""
+        _, h, p, d = self.k.shape
+
+        def view(pages: torch.Tensor) -> torch.Tensor:
+            flat = pages[first : first + slots].view(-1)
+            return flat[: flat.numel() // (heads * p * d) * heads * p * d].view(-1, heads, p, d)
+
+        return Region(view(self.k), view(self.v), view(self.dk), view(self.dv))
 
     def fits(self, slots: int, shape: PoolShape, device: torch.device) -> bool:
         return (

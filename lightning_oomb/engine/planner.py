@@ -793,7 +793,7 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     sparse = config.page_score if config.page_budget is not None else None
     pool = PoolShape(shape.paged_layers, batch, owned, shape.kv_heads, _page_head_dim(shape, config, machine),
                      config.page_size, config.chunk_size // devices, config.kv_grad_dtype, dtypes.kv,
-                     windows=shape.windows,
+                     windows=shape.windows, layer_kv_heads=shape.layer_kv_heads,
                      page_score=sparse if devices == 1 else None)  # fmt: skip
     summaries = dataclasses.replace(pool, seq_len=seq_len, page_score=sparse).summary_bytes
     tiers, slots = place_layers(
@@ -806,9 +806,10 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     backend = _backend(config, machine, shape)
     ckpt = config.layer_checkpointing
     restaging = set(tiers.host_layers) | set(pool.recycling)  # KVPool.restages: the op saves their K and V
-    saved = saved_bytes(
-        shape, dtypes, batch, seq_len, config.chunk_size, ckpt, len(restaging), config.mlp_tile
-    )
+    restaged = (
+        sum(map(pool.heads_of, restaging)) // pool.kv_heads
+    )  # (at the slot heads: a layer's own differ)
+    saved = saved_bytes(shape, dtypes, batch, seq_len, config.chunk_size, ckpt, restaged, config.mlp_tile)
     tokens = batch * min(config.chunk_size, seq_len)
     parks = ckpt and config.offloads and machine.device_type in parking.DEVICE_TYPES
     if parks:  # the layers' inputs parked
@@ -1184,12 +1185,12 @@ def _candidates(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int) -
         pool = PoolShape(shape.paged_layers, batch, seq_len, shape.kv_heads,
                          _page_head_dim(shape, config, inputs.machine), config.page_size, config.chunk_size,
                          config.kv_grad_dtype, inputs.dtypes.kv,
-                         windows=shape.windows)  # fmt: skip
-        # window layers keeping only their tails stay on the device; then k full layers, most first
+                         windows=shape.windows, layer_kv_heads=shape.layer_kv_heads)  # fmt: skip
+        # the device-only layers (window layers keeping their tails, others' KV heads) stay; then k full layers
         staging = config.staging_count(pool.block_bytes) * pool.block_bytes
-        fixed = sum(map(pool.bytes_of, pool.recycling)) + staging
+        fixed = sum(map(pool.bytes_of, pool.device_only)) + staging
         offload += [{"offload": True, "hbm_budget": fixed + k * pool.layer_bytes}
-                    for k in range(pool.num_layers - len(pool.recycling) - 1, -1, -1)]  # fmt: skip
+                    for k in range(pool.num_layers - len(pool.device_only) - 1, -1, -1)]  # fmt: skip
         groups.append(offload)
     return groups
 

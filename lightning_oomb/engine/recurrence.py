@@ -393,6 +393,7 @@ class OOMBEngine:
             windows=getattr(model, "layer_windows", None),
             page_score=None if sparse is None or layout is not None else sparse.score,
             model_head_dim=model.head_dim,
+            layer_kv_heads=getattr(model, "layer_kv_heads", None),
         )
         bounds = chunk_bounds(seq_len, cfg.chunk_size)
         denominator = (

@@ -25,7 +25,13 @@ from lightning_oomb.engine.attention import ChunkContext
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.loss import LMHead
 from lightning_oomb.engine.model import Respond, answered_by
-from lightning_oomb.engine.model_shape import Mixer, decoder_of, paged_head_dim
+from lightning_oomb.engine.model_shape import (
+    Mixer,
+    decoder_of,
+    layer_kv_heads,
+    paged_head_dim,
+    slot_kv_heads,
+)
 from lightning_oomb.engine.tiles import tiled
 from lightning_oomb.engine.user_hooks import refresh_parameters
 from lightning_oomb.integrations.hf.attention import (
@@ -260,7 +266,8 @@ class HFChunkModel:
         if self._mixers and not self._routed:
             self.kv_heads, self.head_dim = 1, 16
         else:
-            self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+            # (read off the dict: a config whose layers differ in them refuses the attribute)
+            self.kv_heads = config.to_dict().get("num_key_value_heads") or config.num_attention_heads
             self.head_dim = paged_head_dim(config)
         self.layer_checkpointing = layer_checkpointing
         self.mlp_tile: int | None = None  # OOMBConfig.mlp_tile, set by the engine
@@ -275,6 +282,16 @@ class HFChunkModel:
         if self.carries_states:
             self.num_layers = len(self._attention)
         self.layer_windows = _layer_windows(model, self._attention or None)
+        # Gemma 4's global layers: fewer KV heads than its sliding ones (the pool's slots take the full layers')
+        self.layer_kv_heads = layer_kv_heads(config)
+        if self.layer_kv_heads is not None and len(self.layer_kv_heads) != self.num_layers:
+            raise OOMBConfigError(
+                f"{type(model).__name__}'s layers differ in their KV heads and its attention calls are not one per "
+                "layer (a hybrid, or a layer attending twice): OOMB's pool cannot tell which heads a call has — "
+                "train this model with another strategy."
+            )
+        if self.layer_kv_heads is not None:
+            self.kv_heads = slot_kv_heads(self.layer_kv_heads, self.layer_windows)
         self._states = None  # the running chunk's carried states
         self._chunk: ChunkContext | None = None  # the running chunk (also in a checkpoint's recompute)
         self._answered = 0  # the causal LM's calls answered in the running answer_calls block

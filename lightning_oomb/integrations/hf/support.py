@@ -37,7 +37,7 @@ import torch
 from lightning_oomb.engine.check import relative_errors
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.model import runs_class_forward
-from lightning_oomb.engine.model_shape import decoder_of
+from lightning_oomb.engine.model_shape import decoder_of, layer_kv_heads
 from lightning_oomb.integrations.hf.float64_rules import float32_rules_of, float64_recurrences
 from lightning_oomb.integrations.hf.moe import balancing_loss_of
 from lightning_oomb.integrations.hf.rope import can_pin, length_dependent_rotaries
@@ -172,14 +172,17 @@ def _plain_linear(module: torch.nn.Module) -> bool:
 
 def _per_layer_shapes(config) -> list[str]:
     """Attention shape fields that differ between layers (transformers refuses to read them as one value); a
-    per-layer ``head_dim`` is not one: narrower layers are zero-padded to the widest (``paged_head_dim``)."""
+    per-layer ``head_dim`` is not one (narrower layers are zero-padded to the widest: ``paged_head_dim``), nor are
+    KV heads a ``per_layer_config`` gives each layer (the pool keeps each layer's pages at its own heads:
+    ``layer_kv_heads``)."""
     differ = []
     for c in _configs(config):
         for field in ("num_attention_heads", "num_key_value_heads"):
             try:
                 getattr(c, field, None)
             except Exception:  # transformers' AmbiguousGlobalPerLayerAttributeError
-                differ.append(field)
+                if field != "num_key_value_heads" or layer_kv_heads(c) is None:
+                    differ.append(field)
     return differ
 
 
