@@ -7,6 +7,7 @@ import importlib.machinery
 import io
 import json
 import os
+import re
 import runpy
 import subprocess
 import sys
@@ -503,3 +504,43 @@ def test_fits_finds_the_longest_step_that_fits(lora):
     tiny = fits.longest(model, fits.Machine("cuda", 1 << 20, host))
     assert tiny["tokens"] == 0 and fits.cell(tiny).startswith("— (")
     assert fits.cell(found).endswith(f"({found['bound_by']})")
+
+
+def _github_anchors(markdown: str) -> set[str]:
+    """The anchors GitHub gives a Markdown file's headings (lower case, punctuation but ``-`` and ``_`` dropped,
+    spaces to ``-``, repeats numbered), outside code blocks."""
+    anchors, seen, code = set(), {}, False
+    for line in markdown.splitlines():
+        code ^= line.startswith("```")
+        heading = None if code else re.match(r"#+\s+(.*)", line)
+        if heading:
+            words = heading.group(1).replace("`", "").strip().lower()
+            slug = re.sub(r"[^\w\- ]", "", words).replace(" ", "-")
+            anchors.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+            seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def test_readme_and_docs_links_and_paths_resolve():
+    """Every relative link in README.md and docs/*.md names an existing file (and heading, after ``#``), and every
+    file path they quote in backticks (``benchmarks/...``, ``tests/...::test``, ``engine/...``) exists: a new user's
+    first clicks and commands do not meet a renamed file."""
+    missing = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = doc.read_text()
+        prose = re.sub(r"```.*?```", "", text, flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", prose):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = doc.parent / path if path else doc
+            if not file.exists() or (anchor and anchor not in _github_anchors(file.read_text())):
+                missing.append(f"{doc.name}: ({target})")
+        quoted_paths = r"(?<![\w./-])((?:benchmarks|tests|examples|lightning_oomb|csrc_triton|docs|engine)/[\w./-]*\w" \
+                       r"\.(?:py|yaml|md|json|sh|png)(?:::\w+)?)"  # fmt: skip
+        for quoted in re.findall(quoted_paths, " ".join(re.findall(r"`+([^`]+)`+", text))):
+            path, _, test = quoted.partition("::")
+            file = next((p for p in (ROOT / path, ROOT / "lightning_oomb" / path) if p.exists()), None)
+            if file is None or (test and f"def {test}(" not in file.read_text()):
+                missing.append(f"{doc.name}: `{quoted}`")
+    assert not missing, missing
