@@ -26,14 +26,15 @@ def saved_bytes(
     seq_len: int,
     chunk_size: int,
     layer_checkpointing: bool,
-    restaged_layers: int = 0,
+    restaged_width: int = 0,
     mlp_tile: int | None = None,
 ) -> dict[str, int]:
     """Bytes autograd holds at the end of one full chunk's recompute, by part: ``layers`` (decoder layers),
     ``weight_copies`` (autocast's cast weights), ``head`` (final norm, the loss's hidden states, targets) and
     ``other`` (the step's token ids, RoPE cos/sin) — what :class:`~lightning_oomb.engine.memory.SavedTensorMeter`
-    measures as its peak. ``restaged_layers``: layers whose op saves its chunk's K and V for the backward's rewrite
-    (host-tier layers and window layers keeping only their tails: ``KVPool.restages``)."""
+    measures as its peak. ``restaged_width``: the KV heads x head dim of the pages of every layer whose op saves its
+    chunk's K and V for the backward's rewrite, summed (host-tier layers and window layers keeping only their tails:
+    ``KVPool.restages``)."""
     tokens = batch * min(chunk_size, seq_len)
     r, c = dtypes.activation.itemsize, dtypes.compute.itemsize
     if layer_checkpointing:  # a checkpointed layer saves its input only
@@ -53,16 +54,15 @@ def saved_bytes(
             attention -= unnormed * _qk_norm_bytes(
                 shape, dtypes, min(shape.own_head_dims, default=shape.head_dim)
             )
-        # a host-tier or tail-keeping window layer saves its chunk's K and V too (restaged_layers: counted at the
-        # pool's slot heads, ``kv_heads``)
-        restaged = 2 * dtypes.kv.itemsize * shape.kv_heads * shape.head_dim
+        # a host-tier or tail-keeping window layer saves its chunk's K and V too
+        restaged = 2 * dtypes.kv.itemsize * restaged_width
         # a hybrid's layers without attention: their input norm and carried mixer (mixer_bytes); a ChunkModel's
         # other layers without attention are its MLP-only blocks
         mixer_layers = min(shape.num_layers - shape.paged_layers, len(shape.mixers))
         mixed = mixer_layers * (_mixer_norm_bytes(shape, dtypes) + _output_norm_bytes(shape, dtypes)) * tokens
         mixed += sum(_mixer_saves(shape, dtypes, batch, min(chunk_size, seq_len)))
         mlps = shape.moe_mlps * mlp + (shape.mlps - shape.moe_mlps) * dense
-        per_token = attention + mlps + restaged_layers * restaged
+        per_token = attention + mlps + restaged
         # each layer's gate of its own input (Gemma 4's): the gate's input, its GELU's input and output, the
         # projection's input; under autocast the gate's cast input and both weights' copies
         gate = shape.per_layer_inputs
@@ -169,12 +169,13 @@ def _layer_bytes_per_token(
     (``layer_norms`` 4: Gemma 2/3) and a sigmoid gate on the attention output count with attention; with one norm a
     layer (``layer_norms`` 1: Cohere's parallel block) the MLP reads the attention's (under autocast its own cast
     copies). ``head_dim``: the layer's own (``ModelShape.layer_head_dims``; default ``shape.head_dim``): its
-    projections' and norms' widths, the op's saved q and output at ``shape.head_dim`` (the pages'); ``kv_heads``:
+    projections', norms' and the op's saved q and output widths; ``kv_heads``:
     its own (``ModelShape.layer_kv_heads``; default ``shape.kv_heads``)."""
     r, c, f = dtypes.activation.itemsize, dtypes.compute.itemsize, NORM_BYTES
     h, heads, kv_heads = shape.hidden_size, shape.num_heads, kv_heads or shape.kv_heads
     d = shape.head_dim if head_dim is None else head_dim
-    q, kv, paged_q = heads * d, kv_heads * d, heads * shape.head_dim
+    q, kv = heads * d, kv_heads * d
+    paged_q = q  # (each layer's pages at its own head dim)
     lse = 8 if dtypes.activation == torch.float64 else 4
     # the projections' inputs are saved by the projections, else by adapters in the activations' dtype
     inputs = not shape.frozen_layers or any(a <= r for _, _, a, _ in shape.adapters)
@@ -200,7 +201,7 @@ def _layer_bytes_per_token(
     if shape.value_norm:  # its float32 input and two per-head scalars (no weight: no normed input)
         attn += f * (kv + 2 * kv_heads)
     if streamed:
-        attn += 2 * c * kv_heads * shape.head_dim
+        attn += 2 * c * kv
 
     own = shape.layer_norms != 1  # (a parallel block's MLP reads the attention's norm)
 

@@ -381,11 +381,11 @@ def _check_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: ChunkC
         if chunk.context is not None
         else min(shape.chunk_size, shape.seq_len - chunk.start)
     )
-    want = (shape.batch, rows, shape.call_head_dim)
+    want = (shape.batch, rows, shape.call_head_dim_of(layer))
     if (q.shape[0], q.shape[2], q.shape[3]) != want or (k.shape[0], k.shape[2], k.shape[3]) != want:
         raise OOMBConfigError(
             f"layer {layer} calls paged_attention with {_shapes(q, k, v)} but the chunk has batch {shape.batch} "
-            f"and {rows} tokens, and the model declares head_dim={shape.call_head_dim} — every call attends the whole chunk "
+            f"and {rows} tokens, and the model declares head_dim={want[2]} — every call attends the whole chunk "
             "with the declared head dim — pass the chunk's q, k, v as [batch, heads, tokens, head_dim] (or correct "
             "the model's head_dim)."
         )
@@ -513,7 +513,7 @@ def _backward_across_group(ctx, dout):
     else:  # the stand-in's token: no keys stored, no gradient
         shape = pool.shape
         dk = dv = dout.new_zeros(
-            (dout.shape[0], shape.heads_of(layer), dout.shape[2], shape.head_dim), dtype=kv_dtype
+            (dout.shape[0], shape.heads_of(layer), dout.shape[2], shape.head_dim_of(layer)), dtype=kv_dtype
         )
     return _rows_like(dq.to(rows.dtype), dout), dk, dv, None, None, None, None, None, dsinks
 
@@ -606,7 +606,7 @@ def paged_attention(
         chunk, window = _in_blocks(chunk, block, q.device), block if window is None else min(window, block)
     width = q.shape[-1]
     scale = width**-0.5 if scale is None else scale
-    if pad := chunk.shape.head_dim - width:  # pages wider than the heads (:func:`stored_head_dim`)
+    if pad := chunk.shape.head_dim_of(layer) - width:  # pages wider than the heads (:func:`stored_head_dim`)
         q, k, v = (F.pad(x, (0, pad)) for x in (q, k, v))
         return PagedAttention.apply(q, k, v, chunk, layer, scale, window, softcap, sinks)[..., :width]
     return PagedAttention.apply(q, k, v, chunk, layer, scale, window, softcap, sinks)

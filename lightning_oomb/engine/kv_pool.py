@@ -202,7 +202,7 @@ class KVPool:
             self._summaries = torch.zeros(shape.summary_shape, dtype=shape.dtype, device=device)
         self._tables, self._regions, self._transient, base = {}, {}, {}, 0
         for layer in plan.hbm_layers:  # each layer's slots viewed at its own KV heads; tables index that view
-            self._regions[layer] = self._hbm.region(base, shape.hbm_slots_of(layer), shape.heads_of(layer))
+            self._regions[layer] = self._hbm.region(base, shape.hbm_slots_of(layer), *shape.geometry(layer))
             self._tables[layer] = shape.layer_table(layer, 0, device)
             if shape.tails[layer] is not None:
                 self._transient[layer] = shape.transient_slots(layer, 0)
@@ -468,11 +468,11 @@ class KVPool:
         call's sliding window, checked against the one the model declared."""
         shape = self.shape
         assert start % shape.page_size == 0, "chunks start on page boundaries"
-        heads = (shape.heads_of(layer), shape.head_dim)
+        heads = shape.geometry(layer)
         if (k.shape[1], k.shape[3]) != heads or (v.shape[1], v.shape[3]) != heads:
             raise OOMBConfigError(
                 f"layer {layer} attends with keys of {k.shape[1]} heads x {k.shape[3]} and values of {v.shape[1]} x "
-                f"{v.shape[3]}, but the model declared {heads[0]} KV heads of {shape.head_dim} (a Hugging Face "
+                f"{v.shape[3]}, but the model declared {heads[0]} KV heads of {heads[1]} (a Hugging Face "
                 "model: its config's num_key_value_heads and head_dim), the page pool's shape — correct the config "
                 "(e.g. drop a num_key_value_heads the architecture ignores), or train this model with another strategy."
             )
@@ -556,7 +556,8 @@ class KVPool:
     def summaries(self, layer: int, num_pages: int) -> torch.Tensor:
         """The summaries ``[batch, num_pages, vectors, kv_heads, head_dim]`` of ``layer``'s first pages (a sparse
         step; :func:`~lightning_oomb.engine.sparse.summarize`; the layer's own KV heads)."""
-        return self._summaries[layer, :, :num_pages, :, : self.shape.heads_of(layer)]
+        heads, dim = self.shape.geometry(layer)
+        return self._summaries[layer, :, :num_pages, :, :heads, :dim]
 
     def read_grad(self, layer: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Accumulated ``dk, dv [B, kv_heads, length, head_dim]`` of tokens ``[start, start + length)`` (one

@@ -104,7 +104,7 @@ class ChunkModel(Protocol):
     attends twice takes two; only a checkpoint's recompute calls an index again; an index never called is refused by
     the setup check, :func:`~lightning_oomb.engine.check.check_chunking`). Every layer's ``k, v`` have the
     same dtype and shape, ``[B, kv_heads, L, head_dim]`` (one pool holds them all; with ``layer_kv_heads``, below,
-    each layer its own heads). The op is causal attention with
+    each layer its own heads and head dim). The op is causal attention with
     the engine's document masks (packed sequences) and, per call, a sliding ``window``, a ``softcap``, ``sinks`` and
     a ``block`` (chunked attention: each query sees its own span of ``block`` tokens); there is no additive score
     bias (ALiBi, relative-position bias) and no custom mask.
@@ -112,8 +112,9 @@ class ChunkModel(Protocol):
     **Optional attributes.** ``layer_windows``: per layer index, the ``window`` its call passes (``None``: full
     attention); window layers then keep only the pages their window reaches, and a call passing another window is
     refused (without it every page is kept); a chunked-attention layer's ``window`` is its ``block``.
-    ``layer_kv_heads``: per layer index, its KV heads where layers differ (``kv_heads`` is then the heads of the
-    pool's slots — the layers that may go to host memory; a layer with other heads keeps its pages on the device).
+    ``layer_kv_heads`` and ``layer_head_dims``: per layer index, its KV heads and its calls' head dim where layers
+    differ (each layer's pages then hold its own; the geometry most layers without a window have is the pool's slots',
+    which may go to host memory, and a layer of another keeps its pages on the device).
     ``carries_states`` (the module docstring); ``new_step_loss()`` (:class:`StepLoss`); ``packing_refused``: why
     packed documents cannot train exactly (the engine refuses them before any work), or ``None``.
 

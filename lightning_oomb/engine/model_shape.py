@@ -498,7 +498,7 @@ def paged_head_dim(config: Any) -> int:
     return max(keys, getattr(config, "v_head_dim", None) or keys)
 
 
-def _layer_head_dims(config: Any) -> tuple[int, ...] | None:
+def layer_head_dims(config: Any) -> tuple[int, ...] | None:
     """Each layer's own head dim where a config's ``per_layer_config`` makes them differ (Gemma 4's global layers'
     ``global_head_dim`` beside its sliding layers' ``head_dim``), else ``None``."""
     fields = _fields(config)
@@ -627,7 +627,7 @@ def _shape_of_attention_config(cfg: Any) -> ModelShape:
         and not family.startswith("llama4")  # (Llama 4's: torch.bmm, cast)
         and getattr(cfg, "_experts_implementation", None) in (None, "grouped_mm"),
         windows=_config_windows(cfg),
-        layer_head_dims=_layer_head_dims(cfg),
+        layer_head_dims=layer_head_dims(cfg),
         layer_kv_heads=layer_kv_heads(cfg),
         mlp_layers=None if (blocks := _mlp_blocks(cfg)) is None else len(blocks),
         per_layer_inputs=getattr(cfg, "hidden_size_per_layer_input", None) or 0,
@@ -828,6 +828,7 @@ def _with_adapter(shape: ModelShape, adapter: Any) -> ModelShape:
         shape,
         windows=getattr(adapter, "layer_windows", shape.windows),
         layer_kv_heads=getattr(adapter, "layer_kv_heads", shape.layer_kv_heads),
+        layer_head_dims=getattr(adapter, "layer_head_dims", shape.layer_head_dims),
     )
     if not getattr(adapter, "carries_states", False):
         return shape

@@ -71,10 +71,12 @@ class PoolShape:
     attention calls where the pages are wider (zero-padded for the kernels,
     :func:`~lightning_oomb.engine.attention.stored_head_dim`); ``None``: ``head_dim``.
 
-    ``layer_kv_heads``: each layer's KV heads where layers differ (Gemma 4's global layers: fewer heads than its
-    sliding ones); ``None``: ``kv_heads`` for every layer. ``kv_heads`` is then the heads of the pool's slots — the
-    host tier's and the staging buffers' pages — and a layer with other heads is :attr:`device_only`: its pages
-    live in the HBM tier, each at its own page geometry (:meth:`hbm_slots_of`).
+    ``layer_kv_heads``, ``layer_head_dims`` and ``layer_call_dims``: each layer's KV heads, its pages' head dim and its
+    calls' where layers differ (Gemma 4: its sliding layers' heads narrower than its global layers', and in its 31B
+    and 26B-A4B more of them); ``None``: ``kv_heads``, ``head_dim`` and :attr:`call_head_dim` for every layer. Those
+    are then the geometry of the pool's slots — the host tier's and the staging buffers' pages: build the shape with
+    :meth:`for_layers` — and a layer of another geometry is :attr:`device_only`: its pages live in the HBM tier at
+    its own geometry (:meth:`hbm_slots_of`).
     """
 
     num_layers: int
@@ -90,6 +92,35 @@ class PoolShape:
     page_score: str | None = None
     model_head_dim: int | None = None
     layer_kv_heads: tuple[int, ...] | None = None
+    layer_head_dims: tuple[int, ...] | None = None
+    layer_call_dims: tuple[int, ...] | None = None
+
+    @classmethod
+    def for_layers(
+        cls,
+        batch: int,
+        seq_len: int,
+        heads: tuple[int, ...],
+        head_dims: tuple[int, ...],
+        call_dims: tuple[int, ...],
+        page_size: int,
+        windows: tuple[int | None, ...] | None = None,
+        **options,
+    ) -> PoolShape:
+        """The shape of layers of their own KV ``heads``, pages' ``head_dims`` and calls' ``call_dims``: its slots
+        take the geometry most layers without a window have (they hold the most pages, and may go to host memory),
+        the larger on a tie; among all layers if every one has a window."""
+        layers = range(len(heads))
+        full = [i for i in layers if windows is None or windows[i] is None] or list(layers)
+        geometries = [(heads[i], head_dims[i], call_dims[i]) for i in full]
+        # (no layer — a model without attention, pure Mamba2 — has no pages: any geometry)
+        slot = max(set(geometries), key=lambda g: (geometries.count(g), g[0] * g[1]), default=(1, 16, 16))
+        uniform = len({(heads[i], head_dims[i], call_dims[i]) for i in layers}) <= 1
+        return cls(
+            len(heads), batch, seq_len, slot[0], slot[1], page_size, windows=windows, model_head_dim=slot[2],
+            layer_kv_heads=None if uniform else tuple(heads), layer_head_dims=None if uniform else tuple(head_dims),
+            layer_call_dims=None if uniform else tuple(call_dims), **options,
+        )  # fmt: skip
 
     @property
     def call_head_dim(self) -> int:
@@ -143,20 +174,34 @@ class PoolShape:
         """The layer's KV heads."""
         return self.kv_heads if self.layer_kv_heads is None else self.layer_kv_heads[layer]
 
+    def head_dim_of(self, layer: int) -> int:
+        """The head dim of the layer's pages."""
+        return self.head_dim if self.layer_head_dims is None else self.layer_head_dims[layer]
+
+    def call_head_dim_of(self, layer: int) -> int:
+        """The head dim of the layer's ``q, k, v``."""
+        return self.call_head_dim if self.layer_call_dims is None else self.layer_call_dims[layer]
+
+    def geometry(self, layer: int) -> tuple[int, int]:
+        """The layer's pages' ``(KV heads, head dim)``."""
+        return self.heads_of(layer), self.head_dim_of(layer)
+
     @functools.cached_property
     def device_only(self) -> tuple[int, ...]:
-        """Layers whose pages always stay in the HBM tier: the recycling window layers (small) and the layers whose
-        KV heads differ from the slots' (``kv_heads``)."""
+        """Layers whose pages always stay in the HBM tier: the recycling window layers (small) and the layers of
+        another geometry than the slots' (``kv_heads``, ``head_dim``)."""
+        slot = (self.kv_heads, self.head_dim)
         return tuple(
             layer
             for layer in range(self.num_layers)
-            if self.tails[layer] is not None or self.heads_of(layer) != self.kv_heads
+            if self.tails[layer] is not None or self.geometry(layer) != slot
         )
 
     def hbm_slots_of(self, layer: int) -> int:
         """Slots (of :attr:`page_numel` elements) the layer's pages take in the HBM tier, all rows: its pages at its
-        own heads, rounded up to whole slots."""
-        return math.ceil(self.batch * self.layer_pages(layer) * self.heads_of(layer) / self.kv_heads)
+        own geometry, rounded up to whole slots."""
+        heads, dim = self.geometry(layer)
+        return math.ceil(self.batch * self.layer_pages(layer) * heads * dim / (self.kv_heads * self.head_dim))
 
     def layer_pages(self, layer: int) -> int:
         """Pages per row the layer stores: every page, or its tails plus one chunk's transient pages."""
@@ -203,7 +248,12 @@ class PoolShape:
         """``[layers, batch, pages, vectors, kv_heads, head_dim]`` of the page summaries (a sparse step)."""
         vectors = PAGE_SCORES[self.page_score]
         heads = self.kv_heads if self.layer_kv_heads is None else max(self.layer_kv_heads)
-        return (self.num_layers, self.batch, self.pages_per_row, vectors, heads, self.head_dim)
+        return (self.num_layers, self.batch, self.pages_per_row, vectors, heads, self.widest_head_dim)
+
+    @property
+    def widest_head_dim(self) -> int:
+        """The widest layer's pages' head dim (what the op's results are as wide as, at most)."""
+        return self.head_dim if self.layer_head_dims is None else max(self.layer_head_dims)
 
     @property
     def layer_bytes(self) -> int:
@@ -368,14 +418,15 @@ class Arena:
         """``(k, v)`` for ``"kv"``, ``(dk, dv)`` for ``"grad"``."""
         return (self.k, self.v) if part == "kv" else (self.dk, self.dv)
 
-    def region(self, first: int, slots: int, heads: int) -> Region:
-        """Slots ``[first, first + slots)`` viewed as pages of ``heads`` KV heads (one layer's: ``slots * H / heads``
-        pages, whole, numbered from 0)."""
-        _, h, p, d = self.k.shape
+    def region(self, first: int, slots: int, heads: int, head_dim: int) -> Region:
+        """Slots ``[first, first + slots)`` viewed as pages of ``heads`` KV heads of ``head_dim`` (one layer's:
+        ``slots * H * D / (heads * head_dim)`` pages, whole, numbered from 0)."""
+        p = self.k.shape[2]
+        numel = heads * p * head_dim
 
         def view(pages: torch.Tensor) -> torch.Tensor:
             flat = pages[first : first + slots].view(-1)
-            return flat[: flat.numel() // (heads * p * d) * heads * p * d].view(-1, heads, p, d)
+            return flat[: flat.numel() // numel * numel].view(-1, heads, p, head_dim)
 
         return Region(view(self.k), view(self.v), view(self.dk), view(self.dv))
 

@@ -255,10 +255,25 @@ def step_sizes_of(data: Any) -> list[tuple[int | None, int]]:
     return list(sizes) if sizes else [step_size_of(data)]
 
 
-def _page_head_dim(shape: ModelShape, config: OOMBConfig, machine: Machine) -> int:
-    """The pages' head dim: on a GPU with the Triton kernels, ``shape.head_dim`` zero-padded to a power of two."""
+def _pool_shape(
+    shape: ModelShape,
+    config: OOMBConfig,
+    machine: Machine,
+    batch: int,
+    tokens: int,
+    chunk: int,
+    kv,
+    score=None,
+) -> PoolShape:
+    """The pool of ``tokens`` per row in chunks of ``chunk``, as the engine shapes it: each paged layer at its own
+    KV heads and head dim, zero-padded to a power of two on a GPU with the Triton kernels."""
     triton = machine.device_type == "cuda" and config.attention_backend in ("auto", "triton")
-    return stored_head_dim("triton" if triton else "torch", shape.head_dim)
+    dims = shape.own_head_dims
+    return PoolShape.for_layers(
+        batch, tokens, shape.own_kv_heads, tuple(stored_head_dim("triton" if triton else "torch", d) for d in dims),
+        dims, config.page_size, shape.windows, chunk_size=chunk, kv_grad_dtype=config.kv_grad_dtype, dtype=kv,
+        page_score=score,
+    )  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------------ plan
@@ -791,10 +806,8 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     # each chunk, and replicates every page's summary on each rank: context.SharedSummaries)
     owned = math.ceil(seq_len / devices)
     sparse = config.page_score if config.page_budget is not None else None
-    pool = PoolShape(shape.paged_layers, batch, owned, shape.kv_heads, _page_head_dim(shape, config, machine),
-                     config.page_size, config.chunk_size // devices, config.kv_grad_dtype, dtypes.kv,
-                     windows=shape.windows, layer_kv_heads=shape.layer_kv_heads,
-                     page_score=sparse if devices == 1 else None)  # fmt: skip
+    pool = _pool_shape(shape, config, machine, batch, owned, config.chunk_size // devices, dtypes.kv,
+                       sparse if devices == 1 else None)  # fmt: skip
     summaries = dataclasses.replace(pool, seq_len=seq_len, page_score=sparse).summary_bytes
     tiers, slots = place_layers(
         pool, _budget(config, machine, weights), config.staging_count(pool.block_bytes)
@@ -806,9 +819,7 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     backend = _backend(config, machine, shape)
     ckpt = config.layer_checkpointing
     restaging = set(tiers.host_layers) | set(pool.recycling)  # KVPool.restages: the op saves their K and V
-    restaged = (
-        sum(map(pool.heads_of, restaging)) // pool.kv_heads
-    )  # (at the slot heads: a layer's own differ)
+    restaged = sum(math.prod(pool.geometry(layer)) for layer in restaging)
     saved = saved_bytes(shape, dtypes, batch, seq_len, config.chunk_size, ckpt, restaged, config.mlp_tile)
     tokens = batch * min(config.chunk_size, seq_len)
     parks = ckpt and config.offloads and machine.device_type in parking.DEVICE_TYPES
@@ -859,7 +870,7 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     below_head = activations - saved["head"]
     embed = shape.num_embeddings * shape.hidden_size * dtypes.activation.itemsize * shape.embedding_trainable
     # the op's results (kept, parked, reused) are as wide as the pages (zero-padded heads: stored_head_dim)
-    wide = dataclasses.replace(shape, head_dim=pool.head_dim)
+    wide = dataclasses.replace(shape, head_dim=pool.widest_head_dim)
     kept = kept_attention_bytes(wide, dtypes, tokens) if ckpt else 0
     if ckpt and config.offloads:  # parked in host memory until each layer's checkpoint recompute
         kept, host["kept_attention"] = parked_kept_bytes(wide, dtypes, tokens, machine.device_type == "cuda")
@@ -1182,10 +1193,7 @@ def _candidates(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int) -
             else [{"offload": True, "hbm_budget": "auto"}]
         )
         shape = inputs.shape
-        pool = PoolShape(shape.paged_layers, batch, seq_len, shape.kv_heads,
-                         _page_head_dim(shape, config, inputs.machine), config.page_size, config.chunk_size,
-                         config.kv_grad_dtype, inputs.dtypes.kv,
-                         windows=shape.windows, layer_kv_heads=shape.layer_kv_heads)  # fmt: skip
+        pool = _pool_shape(shape, config, inputs.machine, batch, seq_len, config.chunk_size, inputs.dtypes.kv)
         # the device-only layers (window layers keeping their tails, others' KV heads) stay; then k full layers
         staging = config.staging_count(pool.block_bytes) * pool.block_bytes
         fixed = sum(map(pool.bytes_of, pool.device_only)) + staging

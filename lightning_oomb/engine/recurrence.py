@@ -381,19 +381,19 @@ class OOMBEngine:
         if self.page_budget is not None:
             seed = self._probe_seed(training)
             sparse = SparseStep(self.page_budget, cfg.page_score, probe=self.probe_recall, seed=seed)
-        shape = PoolShape(
-            model.num_layers,
+        layers = model.num_layers
+        calls = getattr(model, "layer_head_dims", None) or (model.head_dim,) * layers
+        shape = PoolShape.for_layers(
             batch,
             seq_len if layout is None else layout.local_len,
-            model.kv_heads,
-            stored_head_dim(backend, model.head_dim),
+            getattr(model, "layer_kv_heads", None) or (model.kv_heads,) * layers,
+            tuple(stored_head_dim(backend, d) for d in calls),
+            tuple(calls),
             cfg.page_size,
-            cfg.chunk_size if layout is None else cfg.chunk_size // layout.size,
-            cfg.kv_grad_dtype,
-            windows=getattr(model, "layer_windows", None),
+            getattr(model, "layer_windows", None),
+            chunk_size=cfg.chunk_size if layout is None else cfg.chunk_size // layout.size,
+            kv_grad_dtype=cfg.kv_grad_dtype,
             page_score=None if sparse is None or layout is not None else sparse.score,
-            model_head_dim=model.head_dim,
-            layer_kv_heads=getattr(model, "layer_kv_heads", None),
         )
         bounds = chunk_bounds(seq_len, cfg.chunk_size)
         denominator = (
@@ -520,7 +520,8 @@ class OOMBEngine:
         if carried is not None:
             carried.keep = sweep != "eval"
         kept = step.reused_from if sweep == "forward" else None
-        self.results.begin(kept, max(map(step.rows, range(len(step.bounds)))), step.shape.num_layers)
+        dims = tuple(map(step.shape.head_dim_of, range(step.shape.num_layers)))
+        self.results.begin(kept, max(map(step.rows, range(len(step.bounds)))), dims)
         with self._sweep(sweep, step), self.model.engaged(step.position_span), self._own_stream(device):
             for index in range(len(step.bounds)):
                 rng.append(RNGState(device))

@@ -6,7 +6,8 @@ log-sum-exp of the step's last chunks into one host buffer (page-locked under CU
 the compute stream does not wait for), and the backward sweep copies a chunk's results back — all its layers at
 once, on the side stream, as the chunk's recompute starts; each layer's call waits only for its own — instead of
 attending: a step attends once forward and once backward. The buffer holds one slot per kept chunk and layer, sized
-for a whole chunk (a ragged last chunk uses its front), and only grows, across steps.
+for a whole chunk of the widest layer (a ragged last chunk, a narrower layer use its front), and only grows, across
+steps.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ class ForwardResults:
         self.first: int | None = None  # the first kept chunk of the step (None: none kept)
         self._layers = self._tokens = 0
         self._slot = 0
-        self._shape: tuple | None = None  # (batch, heads, head_dim, out dtype, lse dtype)
+        self._shape: tuple | None = None  # (batch, heads, out dtype, lse dtype)
+        self._dims: tuple[int, ...] = ()  # each layer's output head dim
         self._select: dict[tuple[int, int], torch.Tensor | None] = {}
         self._fetched: dict[int, tuple[torch.Tensor, torch.Tensor, object]] = {}
         self._sides: dict[torch.device, torch.cuda.Stream] = {}  # a side stream per device
@@ -51,10 +53,10 @@ class ForwardResults:
     def nbytes(self) -> int:
         return 0 if self._storage is None else self._storage.numel()
 
-    def begin(self, first: int | None, chunk_tokens: int, layers: int) -> None:
+    def begin(self, first: int | None, chunk_tokens: int, head_dims: tuple[int, ...]) -> None:
         """A new step: chunks ``first ..`` keep their results (``None``: none), chunks of ``chunk_tokens``
-        tokens, ``layers`` attention layers."""
-        self.first, self._tokens, self._layers = first, chunk_tokens, layers
+        tokens, attention layers of outputs ``head_dims`` wide."""
+        self.first, self._tokens, self._layers, self._dims = first, chunk_tokens, len(head_dims), head_dims
         self._shape = None
         self._select.clear()
         self._fetched.clear()
@@ -122,19 +124,20 @@ class ForwardResults:
         self._fetched.clear()
 
     def _reserve(self, out: torch.Tensor, lse: torch.Tensor, kept: int) -> None:
-        batch, heads, _, head_dim = out.shape
-        self._shape = (batch, heads, head_dim, out.dtype, lse.dtype)
-        self._slot = result_slot_bytes(batch, heads, self._tokens, head_dim, out.dtype, lse.dtype)
+        batch, heads = out.shape[:2]
+        self._shape = (batch, heads, out.dtype, lse.dtype)
+        self._slot = result_slot_bytes(batch, heads, self._tokens, max(self._dims), out.dtype, lse.dtype)
         total = kept * self._layers * self._slot
         if self._storage is None or self._storage.numel() < total:
             self.free()
             self._storage, self._unpin = page_locked_bytes(total, self, out.device)
 
     def _views(self, index: int, layer: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        batch, heads, head_dim, dtype, lse_dtype = self._shape
+        batch, heads, dtype, lse_dtype = self._shape
+        head_dim = self._dims[layer]
         start = ((index - self.first) * self._layers + layer) * self._slot
         out_bytes = batch * heads * tokens * head_dim * dtype.itemsize
-        lse_at = start + _aligned(batch * heads * self._tokens * head_dim * dtype.itemsize)
+        lse_at = start + _aligned(batch * heads * self._tokens * max(self._dims) * dtype.itemsize)
         out = self._storage[start : start + out_bytes].view(dtype).view(batch, heads, tokens, head_dim)
         lse = self._storage[lse_at : lse_at + batch * heads * tokens * lse_dtype.itemsize]
         return out, lse.view(lse_dtype).view(batch, heads, tokens)

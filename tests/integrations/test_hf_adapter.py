@@ -175,7 +175,7 @@ def test_attention_the_adapter_routes_or_pads_is_exact(name, config, checkpointi
     multi-head latent attention has keys of 12 and values of 8 (V3, MiniCPM3: its logits divided by
     logits_scaling) or 16 (V2) per head: both are zero-padded to the wider (float64; DeepSeek's router computes in
     float32, so its weight's gradient matches to 1e-6). Gemma 4's full-attention layers have heads of 16 beside
-    its sliding layers' 8: the sliding ones are zero-padded to 16."""
+    its sliding layers' 8: each layer's pages hold its own (tests/integrations/test_layer_kv_heads.py)."""
     model = newer_family(name, **config).double()
     float64_norms(model)  # Gemma's compute in float32
     ids = torch.randint(0, 64, (2, 37), generator=torch.Generator().manual_seed(2))

@@ -1,5 +1,6 @@
-"""Layers with their own KV heads (Gemma 4 31B and 26B-A4B: ``attention_k_eq_v`` global layers with
-``num_global_key_value_heads`` beside sliding layers with more): each layer's pages at its own heads, exact."""
+"""Layers with their own KV heads and head dims (Gemma 4: global layers of wider heads, and in its 31B and
+26B-A4B — ``attention_k_eq_v`` — fewer, ``num_global_key_value_heads``, beside sliding layers with more): each
+layer's pages at its own geometry, exact."""
 
 import pytest
 import torch
@@ -59,9 +60,10 @@ def _step(model, ids, **options):
 )
 def test_layers_with_their_own_kv_heads_train_exactly(options):
     """Before, such a model was refused ("its layers differ in num_key_value_heads"): the pool had one page shape.
-    Now each layer's pages hold its own heads — the sliding layers (2 heads) keep only their window's tails on the
-    device, the global ones (1 head, the pool's slots) may stream from host memory — and a step equals full-sequence
-    training in float64 (the sparse step: its own dense twin, with a budget past every page)."""
+    Now each layer's pages hold its own heads and head dim — the sliding layers (2 heads of 8) keep only their
+    window's tails on the device, the global ones (1 head of 16, the pool's slots) may stream from host memory — and
+    a step equals full-sequence training in float64 (the sparse step: its own dense twin, with a budget past every
+    page)."""
     model = _model()
     ids = torch.randint(0, 64, (2, 61), generator=torch.Generator().manual_seed(3))
     if "page_budget" in options:  # a budget past every page attends densely: the same as the dense step
@@ -73,6 +75,7 @@ def test_layers_with_their_own_kv_heads_train_exactly(options):
     loss, grads, engine = _step(model, ids, **options)
     pool = engine.pool
     assert pool.shape.layer_kv_heads == (2, 2, 1, 2, 2, 1) and pool.shape.kv_heads == 1
+    assert pool.shape.layer_head_dims == (8, 8, 16, 8, 8, 16) and pool.shape.head_dim == 16
     assert pool.shape.recycling == (0, 1, 3, 4)  # the window layers keep only their tails
     if "offload" in options:
         assert pool.plan.host_layers == (2, 5)
@@ -133,7 +136,7 @@ def test_the_plan_counts_each_layers_pages_at_its_own_heads(options):
 @pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
 def test_activations_are_planned_at_each_layers_own_heads(precision):
     """Without checkpointing the sliding layers' K/V (4 heads here, beside the global layers' 1) were planned at
-    the global layers' heads: -8.5 % (float32) and -9.0 % (bfloat16) of what autograd saves; -0.7 % and -1.7 %
+    the global layers' heads: -8.5 % (float32) and -9.0 % (bfloat16) of what autograd saves; -0.7 % and -1.8 %
     now."""
     from tests.engine.test_planner import measure
 

@@ -28,6 +28,7 @@ from lightning_oomb.engine.model import Respond, answered_by
 from lightning_oomb.engine.model_shape import (
     Mixer,
     decoder_of,
+    layer_head_dims,
     layer_kv_heads,
     paged_head_dim,
     slot_kv_heads,
@@ -282,14 +283,18 @@ class HFChunkModel:
         if self.carries_states:
             self.num_layers = len(self._attention)
         self.layer_windows = _layer_windows(model, self._attention or None)
-        # Gemma 4's global layers: fewer KV heads than its sliding ones (the pool's slots take the full layers')
-        self.layer_kv_heads = layer_kv_heads(config)
-        if self.layer_kv_heads is not None and len(self.layer_kv_heads) != self.num_layers:
-            raise OOMBConfigError(
-                f"{type(model).__name__}'s layers differ in their KV heads and its attention calls are not one per "
-                "layer (a hybrid, or a layer attending twice): OOMB's pool cannot tell which heads a call has — "
-                "train this model with another strategy."
-            )
+        # Gemma 4's layers: sliding ones with narrower heads than the global ones (and in its 31B and 26B-A4B more
+        # KV heads); each layer's pages at its own (the pool's slots take the full layers')
+        self.layer_kv_heads, self.layer_head_dims = layer_kv_heads(config), layer_head_dims(config)
+        per_layer = [n for n in (self.layer_kv_heads, self.layer_head_dims) if n is not None]
+        if any(len(n) != self.num_layers or self.carries_states for n in per_layer):
+            if self.layer_kv_heads is not None:
+                raise OOMBConfigError(
+                    f"{type(model).__name__}'s layers differ in their KV heads and its attention calls are not one "
+                    "per layer (a hybrid, or a layer attending twice): OOMB's pool cannot tell which heads a call "
+                    "has — train this model with another strategy."
+                )
+            self.layer_head_dims = None  # (its narrower heads zero-padded to the widest)
         if self.layer_kv_heads is not None:
             self.kv_heads = slot_kv_heads(self.layer_kv_heads, self.layer_windows)
         self._states = None  # the running chunk's carried states

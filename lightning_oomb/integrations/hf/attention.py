@@ -66,7 +66,7 @@ def oomb_attention_forward(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     layer = getattr(module, "oomb_layer", module.layer_idx)  # a hybrid's attention layers: their rank
     width = value.shape[-1]
-    query, key, value = _one_head_dim(query, key, value, oomb_chunk.shape.call_head_dim)
+    query, key, value = _one_head_dim(query, key, value, oomb_chunk.shape.call_head_dim_of(layer))
     block = attention_chunk(module)
     out = paged_attention(query, key, value, oomb_chunk, layer, scale, sliding_window, softcap, s_aux, block)
     out = out[..., :width].transpose(1, 2).contiguous()  # as sdpa's and eager's: some models .view() it
