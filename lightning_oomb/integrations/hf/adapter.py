@@ -420,6 +420,9 @@ class HFChunkModel:
         otherwise it warns (:func:`_check_a_direct_call`)."""
         self._answered = 0
 
+        # never traced: under torch.compile(model) dynamo would trace the engine's forward sweep (hundreds of frames,
+        # graph breaks) and inductor's rounding there would differ from the backward sweep's eager recompute
+        @torch.compiler.disable
         def forward(*args, **kwargs):
             call = read_call(self.model, args, kwargs, self._balances_experts)
             self._answered += 1
