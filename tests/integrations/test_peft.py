@@ -91,3 +91,36 @@ def test_lora_on_the_lm_head_is_refused_and_modules_to_save_trains_it_exactly():
     model.zero_grad()
     OOMBEngine(HFChunkModel(inner), OOMBConfig(16, 8)).loss(ids).backward()
     assert max_relative_error(grads_of(model), want) <= 1e-10
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        lambda: peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
+        lambda: peft.PromptEncoderConfig(task_type="CAUSAL_LM", num_virtual_tokens=4, encoder_hidden_size=16),
+        lambda: peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
+    ],
+    ids=["prompt-tuning", "p-tuning", "prefix-tuning"],
+)
+def test_prompt_learning_is_refused_at_setup_naming_it(config):
+    """peft's prompt learning passes its virtual tokens as ``inputs_embeds`` or a ``past_key_values`` prefix, which
+    the chunks cannot take: refused at setup, naming it and the adapters that do train (it was refused only in the
+    first step, as a call without input_ids or a generate call the user never made)."""
+
+    class PromptLM(LoRALM):
+        def __init__(self):
+            L.LightningModule.__init__(self)
+            self.model = peft.get_peft_model(build_causal_lm("qwen2", dtype=torch.float32), config())
+            self.steps = 0
+
+        def training_step(self, batch):
+            self.steps += 1
+            return super().training_step(batch)
+
+    module = PromptLM()
+    data = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(2))
+    with pytest.raises(
+        OOMBConfigError, match=r"is (PROMPT_TUNING|P_TUNING|PREFIX_TUNING) \(prompt learning\).*LoRA"
+    ):
+        fit(oomb(), module, torch.utils.data.DataLoader(data, batch_size=2), steps=1)
+    assert module.steps == 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import warnings
 from collections.abc import Iterator
 
@@ -60,9 +61,10 @@ from lightning_oomb.integrations.hf.support import check_supported, logit_transf
 
 def find_causal_lm(module: torch.nn.Module, target_module: str | None = None) -> torch.nn.Module:
     """The HF causal LM to drive inside ``module`` (e.g. a LightningModule): ``target_module`` (attribute path) or
-    the unique outermost one found."""
+    the unique outermost one found. A peft prompt-learning model around it is refused (:func:`_refuse_prompt_learning`)."""
     from transformers import PreTrainedModel
 
+    _refuse_prompt_learning(module)
     if target_module is not None:
         try:
             return module.get_submodule(target_module)
@@ -84,6 +86,30 @@ def find_causal_lm(module: torch.nn.Module, target_module: str | None = None) ->
             "drives exactly one — pass OOMBStrategy(target_module='<attribute path>')."
         )
     return outermost[0][1]
+
+
+def _refuse_prompt_learning(module: torch.nn.Module) -> None:
+    """Refuse, at setup, a peft model whose active adapter learns prompts (prompt tuning, p-tuning, prefix tuning,
+    multitask prompt tuning, ...): peft passes its virtual tokens to the causal LM as ``inputs_embeds`` or as a
+    ``past_key_values`` prefix, neither of which the engine's chunks can take — refused at the first step before,
+    with an error about a call the user never made (no input_ids; a generate call)."""
+    peft = sys.modules.get("peft")  # (a peft model exists only once peft is imported)
+    if peft is None:
+        return
+    for name, found in module.named_modules():
+        if not isinstance(found, peft.PeftModel):
+            continue
+        config = found.peft_config.get(found.active_adapter)
+        if getattr(config, "is_prompt_learning", False):
+            kind = getattr(config.peft_type, "value", config.peft_type)
+            raise OOMBConfigError(
+                f"{name or type(module).__name__} ({type(found).__name__}) is a peft model whose adapter "
+                f"{found.active_adapter!r} is "
+                f"{kind} (prompt learning) — peft feeds its virtual tokens to the causal LM as inputs_embeds or a "
+                "past_key_values prefix, and OOMB's chunks embed their own token ids and keep their keys and values "
+                "in its paged pool, so they cannot take either — train adapters on the model's weights instead "
+                "(LoRA, IA3, LoHa, LoKr, VeRA, OFT train exactly), or train this model with strategy='auto'."
+            )
 
 
 def _layer_windows(model: torch.nn.Module, attention: list[torch.nn.Module] | None = None):
