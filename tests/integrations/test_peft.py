@@ -124,3 +124,30 @@ def test_prompt_learning_is_refused_at_setup_naming_it(config):
     ):
         fit(oomb(), module, torch.utils.data.DataLoader(data, batch_size=2), steps=1)
     assert module.steps == 0
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        lambda t: peft.IA3Config(target_modules=t, feedforward_modules=["down_proj"], init_ia3_weights=False),
+        lambda t: peft.LoHaConfig(r=4, target_modules=t, init_weights=False),
+        lambda t: peft.LoKrConfig(r=4, target_modules=t, init_weights=False),
+        lambda t: peft.VeraConfig(r=4, target_modules=["q_proj", "v_proj"], init_weights=False),
+        lambda t: peft.OFTConfig(r=0, oft_block_size=8, target_modules=t, init_weights=False),
+        lambda t: peft.LoraConfig(r=4, target_modules=t, use_dora=True, init_lora_weights=False),
+    ],
+    ids=["ia3", "loha", "lokr", "vera", "oft", "dora"],
+)
+def test_other_weight_adapters_train_exactly(config):
+    """peft's adapters on the layers' weights besides LoRA train as exactly as LoRA (the README says so)."""
+    model = peft.get_peft_model(build_causal_lm("qwen2"), config(["q_proj", "v_proj", "down_proj"]))
+    inner = model.get_base_model()
+    ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(1))
+    want_loss = full_sequence_loss(inner, ids)
+    want_loss.backward()
+    want = grads_of(model)
+    model.zero_grad()
+    loss = OOMBEngine(HFChunkModel(inner), OOMBConfig(16, 8)).loss(ids)
+    loss.backward()
+    assert abs(loss.item() - want_loss.item()) <= 1e-10 * want_loss.item()
+    assert max_relative_error(grads_of(model), want) <= 1e-10
