@@ -609,7 +609,8 @@ class OOMBEngine:
     def input_versions(self, step: _Step) -> dict[str, object]:
         """What the backward sweep recomputes from, by name: the in-place version counters of the parameters, token
         ids, positions and padding mask (an inference tensor has none, and cannot be edited outside inference mode),
-        and the model's train / eval mode (dropout)."""
+        the model's train / eval mode (dropout) and, from a model that has the optional ``adapter_state()``, what
+        switches its adapters (peft's ``disable_adapter()``, ``set_adapter``: the HF adapter's)."""
         tensors = {
             "a parameter": self._parameters(),
             "input_ids": [step.input_ids],
@@ -620,7 +621,11 @@ class OOMBEngine:
             name: tuple(None if t.is_inference() else t._version for t in group)
             for name, group in tensors.items()
         }
-        return versions | {"mode": getattr(self.model, "training", None)}
+        adapter_state = getattr(self.model, "adapter_state", None)
+        return versions | {
+            "mode": getattr(self.model, "training", None),
+            "adapters": adapter_state() if callable(adapter_state) else None,
+        }
 
     def check_unchanged(self, step: _Step, versions: dict[str, object], sweep: str) -> None:
         """Refuse a step whose weights, ids or mode changed since its forward sweep began (as autograd refuses a
@@ -642,7 +647,17 @@ class OOMBEngine:
                 "with dropout as the mode says, so its gradients would not be this loss's — switch the mode before "
                 "engine.loss or after its backward."
             )
-        changed = [name for name in versions if now[name] != versions[name]]
+        if now["adapters"] != versions["adapters"]:
+            raise RuntimeError(
+                f"the model's adapters were switched (e.g. peft's disable_adapter() or set_adapter) {when}: the "
+                "backward sweep recomputes every chunk with the adapters as they are now, so its gradients would "
+                "not be this loss's (a loss computed under `with model.disable_adapter():` has no gradient at all: "
+                "under strategy='auto' its backward fails) — switch adapters outside the training step, and "
+                "back-propagate a loss computed with the adapters that train."
+            )
+        changed = [
+            name for name in versions if name not in ("mode", "adapters") and now[name] != versions[name]
+        ]
         if changed:
             fix = (
                 "use out-of-place ops on the model's inputs and parameters (e.g. input_ids = input_ids.clamp(...), "

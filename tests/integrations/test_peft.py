@@ -151,3 +151,21 @@ def test_other_weight_adapters_train_exactly(config):
     loss.backward()
     assert abs(loss.item() - want_loss.item()) <= 1e-10 * want_loss.item()
     assert max_relative_error(grads_of(model), want) <= 1e-10
+
+
+def test_a_loss_computed_with_the_adapters_disabled_is_refused_at_backward():
+    """``with model.disable_adapter(): loss = model(...).loss`` then backward after the block: the backward sweep would
+    recompute with the adapters on again and train them on a loss they took no part in (it did: every adapter moved;
+    under ``strategy="auto"`` that loss has no gradient and its backward fails). Refused before the backward sweep."""
+
+    class DisabledLM(LoRALM):
+        def training_step(self, batch):
+            with self.model.disable_adapter():
+                return self.model(input_ids=batch, labels=batch).loss
+
+    module = DisabledLM()
+    before = {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
+    data = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(2))
+    with pytest.raises(RuntimeError, match=r"adapters were switched .*between engine.loss and its backward"):
+        fit(oomb(), module, torch.utils.data.DataLoader(data, batch_size=2), steps=1)
+    assert all(torch.equal(p, before[n]) for n, p in module.named_parameters() if p.requires_grad)

@@ -368,6 +368,16 @@ class HFChunkModel:
         """The wrapped model's train / eval mode (the engine checks it is the same in both sweeps)."""
         return self.model.training
 
+    def adapter_state(self) -> tuple:
+        """What switches the model's adapters: each peft tuner layer's ``disable_adapters``, active and merged
+        adapters (the engine checks they are the same in both sweeps: a loss computed under peft's
+        ``disable_adapter()`` and back-propagated after it would recompute with the adapters on)."""
+        return tuple(
+            (m.disable_adapters, tuple(m.active_adapters), tuple(m.merged_adapters))
+            for m in self.model.modules()
+            if hasattr(m, "_disable_adapters") and hasattr(m, "merged_adapters")
+        )
+
     def new_step_loss(self) -> RouterBalanceLoss | None:
         """The step's MoE load-balancing term when the model trains with one (``output_router_logits=True``)."""
         if not self._balances_experts:
