@@ -137,6 +137,41 @@ class CausalLMModule(LightningModule):
         check_local_dir(
             self.hparams.model_name_or_path, "model_name_or_path", "the model's config.json and weights"
         )
+        if self.hparams.get("lora") is not None and self.model is None:
+            self._check_lora_targets()
+
+    def _check_lora_targets(self) -> None:
+        """Apply ``lora`` to the model built on the meta device (no weights, seconds for a 7B) and refuse it if peft
+        does (``target_modules`` naming no layer of this model, ``layers_to_transform`` past its layers): else peft
+        says so only in :meth:`configure_model`, after the data module's ``setup`` and the weights' load."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        hp = self.hparams
+        if hp.config is not None:
+            config = build_config(hp.config)
+        else:
+            with hub_errors_named(hp.model_name_or_path, "model"):
+                config = AutoConfig.from_pretrained(hp.model_name_or_path)
+        # (the random draws of a meta build and peft's init must not move the seeded generator the real build uses)
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        try:
+            with torch.random.fork_rng(devices=[]):
+                with_lora(model, hp.lora)
+        except ValueError as err:
+            head = model.get_output_embeddings()  # (an adapter on the LM head: the OOMB strategies refuse it)
+            linear = sorted(
+                {
+                    n.rsplit(".", 1)[-1]
+                    for n, m in model.named_modules()
+                    if type(m) is torch.nn.Linear and m is not head
+                }
+            )
+            raise OOMBConfigError(
+                f"lora={hp.lora!r} does not fit {type(model).__name__} ({err}) — peft would refuse it after the "
+                f"data and the weights load — name this model's layers in target_modules (its linear layers: "
+                f"{linear}; or all-linear)."
+            ) from err
 
     def configure_model(self) -> None:
         if self.model is not None:

@@ -359,3 +359,24 @@ def test_lora_trains_only_the_adapters_as_under_any_strategy():
 def test_a_wrong_lora_is_refused_at_construction(lora, match):
     with pytest.raises(OOMBConfigError, match=match):
         CausalLMModule(config=TINY, lora=lora)
+
+
+def test_lora_targets_this_model_lacks_are_refused_before_the_data_and_the_weights_load():
+    """A ``target_modules`` naming no layer of the model (a typo): peft refused it only when ``configure_model``
+    applied it, after the data module's setup and the weights' load; now ``prepare_data`` applies it to the model
+    built on the meta device and names the model's linear layers."""
+    import lightning as L
+
+    class Data(L.LightningDataModule):
+        set_up = False
+
+        def setup(self, stage):
+            Data.set_up = True
+
+        def train_dataloader(self):
+            return DataLoader([{"input_ids": torch.zeros(2, 40, dtype=torch.long)}], batch_size=None)
+
+    module = CausalLMModule(config=TINY, lora={"target_modules": ["qproj"]})
+    with pytest.raises(OOMBConfigError, match=r"Target modules \{'qproj'\} not found.*'q_proj'.*'v_proj'"):
+        make_trainer("auto", steps=1).fit(module, datamodule=Data())
+    assert not Data.set_up and module.model is None
