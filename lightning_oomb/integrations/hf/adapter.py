@@ -61,7 +61,8 @@ from lightning_oomb.integrations.hf.support import check_supported, logit_transf
 
 def find_causal_lm(module: torch.nn.Module, target_module: str | None = None) -> torch.nn.Module:
     """The HF causal LM to drive inside ``module`` (e.g. a LightningModule): ``target_module`` (attribute path) or
-    the unique outermost one found. A peft prompt-learning model around it is refused (:func:`_refuse_prompt_learning`)."""
+    the unique outermost one found. A peft prompt-learning model around it is refused
+    (:func:`_refuse_prompt_learning`)."""
     from transformers import PreTrainedModel
 
     _refuse_prompt_learning(module)
