@@ -253,14 +253,29 @@ class _OOMBStrategyMixin:
         """Answer the managed model's calls with the engine while the block runs; yields the list of calls made."""
         calls: list = []
         engine = self.engine
+        with_grad: list[bool] = []
 
         def respond(input_ids: torch.Tensor, labels: torch.Tensor | None, **layout) -> torch.Tensor:
             if calls and mode == "train":
+                reference = not all([*with_grad, torch.is_grad_enabled()])
                 raise OOMBConfigError(
-                    "training_step called the OOMB-managed model twice — one step holds one KV pool — call "
-                    "`self.model(**batch)` once per training_step."
+                    "training_step called the OOMB-managed model twice"
+                    + (
+                        " (one call under torch.no_grad(): a reference loss, e.g. with peft's disable_adapter() for "
+                        "a KL or DPO term, is a call of the model too)"
+                        if reference
+                        else ""
+                    )
+                    + " — one step holds one KV pool — call `self.model(**batch)` once per training_step"
+                    + (
+                        "; compute reference losses in a pass of their own (trainer.predict, the adapters "
+                        "disabled) and bring them in the batch, or train with strategy='auto'."
+                        if reference
+                        else "."
+                    )
                 )
             calls.append(mode)
+            with_grad.append(torch.is_grad_enabled())
             self._plan_batch(input_ids)  # a validation batch first (the sanity check) is planned too
             run = engine.loss if mode == "train" else engine.evaluate
             return run(input_ids, labels, **layout)

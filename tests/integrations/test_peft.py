@@ -169,3 +169,21 @@ def test_a_loss_computed_with_the_adapters_disabled_is_refused_at_backward():
     with pytest.raises(RuntimeError, match=r"adapters were switched .*between engine.loss and its backward"):
         fit(oomb(), module, torch.utils.data.DataLoader(data, batch_size=2), steps=1)
     assert all(torch.equal(p, before[n]) for n, p in module.named_parameters() if p.requires_grad)
+
+
+def test_a_reference_loss_with_the_adapters_disabled_is_refused_naming_it():
+    """A KL / DPO-style reference loss (``torch.no_grad()`` and ``disable_adapter()``) beside the training call is a
+    second call of the model: refused (one KV pool per step) with why and what to do instead (the message said only
+    "called twice ... call it once")."""
+
+    class ReferenceLM(LoRALM):
+        def training_step(self, batch):
+            with torch.no_grad(), self.model.disable_adapter():
+                reference = self.model(input_ids=batch, labels=batch).loss
+            return self.model(input_ids=batch, labels=batch).loss - reference
+
+    data = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(2))
+    with pytest.raises(
+        OOMBConfigError, match=r"twice \(one call under torch.no_grad\(\).*reference losses in a pass"
+    ):
+        fit(oomb(), ReferenceLM(), torch.utils.data.DataLoader(data, batch_size=2), steps=1)
