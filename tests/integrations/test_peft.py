@@ -93,6 +93,16 @@ def test_lora_on_the_lm_head_is_refused_and_modules_to_save_trains_it_exactly():
     assert max_relative_error(grads_of(model), want) <= 1e-10
 
 
+def test_trainable_tokens_on_a_tied_head_are_refused_naming_them():
+    """peft's ``trainable_token_indices`` on a model with tied embeddings wraps the LM head as well; the refusal
+    said "a LoRA adapter on lm_head: leave it out of target_modules", which the user never put there."""
+    model = build_causal_lm("qwen2", tie_word_embeddings=True)
+    config = peft.LoraConfig(r=4, target_modules=["q_proj"], trainable_token_indices=[3, 5])
+    model = peft.get_peft_model(model, config)
+    with pytest.raises(OOMBConfigError, match="trainable tokens.*LoRA adapter on the embedding"):
+        HFChunkModel(model.get_base_model())
+
+
 @pytest.mark.parametrize(
     "config",
     [

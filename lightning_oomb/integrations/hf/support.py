@@ -171,10 +171,9 @@ def _plain_linear(module: torch.nn.Module) -> bool:
 
 
 def _per_layer_shapes(config) -> list[str]:
-    """Attention shape fields that differ between layers (transformers refuses to read them as one value); a
-    per-layer ``head_dim`` is not one (narrower layers are zero-padded to the widest: ``paged_head_dim``), nor are
-    KV heads a ``per_layer_config`` gives each layer (the pool keeps each layer's pages at its own heads:
-    ``layer_kv_heads``)."""
+    """Attention shape fields that differ between layers (transformers refuses to read them as one value); the head
+    dims and KV heads a ``per_layer_config`` gives each layer are not (the pool keeps each layer's pages at its own:
+    ``layer_head_dims``, ``layer_kv_heads``)."""
     differ = []
     for c in _configs(config):
         for field in ("num_attention_heads", "num_key_value_heads"):
@@ -262,7 +261,14 @@ def check_supported(model: torch.nn.Module) -> None:
             "one chunk to the next (it carries the states of: " + ", ".join(sorted(CARRIED_MIXERS)) + ")"
         )
     head = model.get_output_embeddings()
-    if not _plain_linear(head):
+    if type(head).__name__ == "TrainableTokensWrapper":  # peft's trainable_token_indices with tied embeddings
+        reasons.append(
+            "peft's trainable tokens (trainable_token_indices) wrap its LM head, which shares the embedding's weight "
+            "— OOMB's chunked cross-entropy applies the head's weight itself, without the wrapper's new rows — "
+            "train those embedding rows with a LoRA adapter on the embedding instead (target_modules including "
+            "'embed_tokens', exact with tied weights too), or untie the head (tie_word_embeddings=False) first"
+        )
+    elif not _plain_linear(head):
         reasons.append(
             f"its LM head ({type(head).__name__}) is not a plain linear layer — OOMB's chunked cross-entropy applies "
             "the head's weight and bias itself; a LoRA adapter on lm_head: leave it out of target_modules "
@@ -270,7 +276,7 @@ def check_supported(model: torch.nn.Module) -> None:
         )
     if differ := _per_layer_shapes(config):
         reasons.append(
-            f"its layers differ in {', '.join(differ)} (OOMB's page pool has one shape for every layer)"
+            f"its layers differ in {', '.join(differ)} (OOMB's attention op takes one count of query heads)"
         )
     if unknown := [
         c.model_type for c in _configs(config) if _scales_logits(c) and not _logits_scaling_known(c)
