@@ -98,16 +98,23 @@ def test_window_layers_tails_are_planned_from_the_config_the_model_or_its_adapte
     model = build_causal_lm("mistral") if family == "mistral" else build_family(family)
     options = {"offload": True, "hbm_budget": 0, "staging_buffers": 3} if offload else {}
     config = OOMBConfig(chunk_size=32, page_size=8, **options)
-    engine = OOMBEngine(HFChunkModel(model), config)
-    engine.loss(torch.randint(0, 64, (2, 200))).backward()
-    stats = engine.pool.stats()
+    engine = assert_pool_planned(model, config, torch.randint(0, 64, (2, 200)))
     assert any(tails is not None for tails in engine.pool.shape.tails)
+
+
+def assert_pool_planned(model, config: OOMBConfig, ids: torch.Tensor) -> OOMBEngine:
+    """After a float64 step of ``model`` on ``ids``, the plan's pool — from the config, the model or its adapter — is
+    the engine's, byte for byte, in each tier; the engine."""
+    engine = OOMBEngine(HFChunkModel(model), config)
+    engine.loss(ids).backward()
+    stats = engine.pool.stats()
     for source in (model.config, model, HFChunkModel(model)):
-        predicted = plan(source, 200, 2, config, "64-true", None, BIG_CPU)
+        predicted = plan(source, ids.shape[1], ids.shape[0], config, "64-true", None, BIG_CPU)
         assert predicted.device["kv_hbm"] == stats["hbm_pool_bytes"]
         assert predicted.device["staging"] == stats["staging_bytes"]
         assert predicted.host_tier == stats["host_pool_bytes"]
         assert (predicted.hbm_layers, predicted.host_layers) == (stats["hbm_layers"], stats["host_layers"])
+    return engine
 
 
 def test_mixed_precision_pages_are_in_the_autocast_dtype():

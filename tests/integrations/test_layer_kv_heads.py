@@ -117,20 +117,9 @@ def test_the_slots_take_the_heads_of_the_full_layers(heads, windows, want):
 )
 def test_the_plan_counts_each_layers_pages_at_its_own_heads(options):
     """The memory plan's pool is the pool's, byte for byte, from the config, the model or its adapter."""
-    from lightning_oomb.engine.planner import plan
-    from tests.engine.test_planner import BIG_CPU
+    from tests.engine.test_planner import assert_pool_planned
 
-    model = _model()
-    config = OOMBConfig(16, 8, **options)
-    engine = OOMBEngine(HFChunkModel(model), config)
-    engine.loss(torch.randint(0, 64, (2, 61))).backward()
-    stats = engine.pool.stats()
-    for source in (model.config, model, HFChunkModel(model)):
-        predicted = plan(source, 61, 2, config, "64-true", None, BIG_CPU)
-        assert predicted.device["kv_hbm"] == stats["hbm_pool_bytes"]
-        assert predicted.device["staging"] == stats["staging_bytes"]
-        assert predicted.host_tier == stats["host_pool_bytes"]
-        assert (predicted.hbm_layers, predicted.host_layers) == (stats["hbm_layers"], stats["host_layers"])
+    assert_pool_planned(_model(), OOMBConfig(16, 8, **options), torch.randint(0, 64, (2, 61)))
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
