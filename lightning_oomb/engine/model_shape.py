@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -524,20 +524,10 @@ def layer_kv_heads(config: Any) -> tuple[int, ...] | None:
     return heads if len(set(heads)) > 1 else None
 
 
-def _kv_heads(cfg: Any) -> int:
-    """A config's KV heads: the pool's slots' where its layers differ in them (:func:`slot_kv_heads`)."""
-    if (heads := layer_kv_heads(cfg)) is not None:
-        return slot_kv_heads(heads, _config_windows(cfg))
+def config_kv_heads(cfg: Any) -> int:
+    """A config's KV heads (read off its dict: a config whose layers differ in them — ``layer_kv_heads`` — refuses
+    the attribute; its own value, the layers' without an override)."""
     return _fields(cfg).get("num_key_value_heads") or cfg.num_attention_heads
-
-
-def slot_kv_heads(heads: Sequence[int], windows: Sequence[int | None] | None) -> int:
-    """The KV heads of the page pool's slots (host tier, staging buffers) for layers of ``heads`` KV heads: the most
-    common among the layers without a sliding window (they hold the most pages and may go to host memory; the
-    others stay on the device), the larger on a tie; among all layers if every one has a window."""
-    full = [h for i, h in enumerate(heads) if windows is None or windows[i] is None] or list(heads)
-    counts = Counter(full)
-    return max(counts, key=lambda h: (counts[h], h))
 
 
 def _rope_tables(config: Any) -> int:
@@ -595,7 +585,7 @@ def _shape_of_attention_config(cfg: Any) -> ModelShape:
         intermediate_size=(getattr(cfg, "moe_intermediate_size", None) if experts else None)
         or _mlp_width(cfg),
         num_heads=heads,
-        kv_heads=_kv_heads(cfg),
+        kv_heads=config_kv_heads(cfg),
         head_dim=head_dim,
         vocab_size=cfg.vocab_size,
         num_embeddings=cfg.vocab_size,

@@ -8,7 +8,6 @@ import transformers as tf
 
 from lightning_oomb.engine import OOMBConfig, OOMBEngine
 from lightning_oomb.engine.kv_pool import place_layers
-from lightning_oomb.engine.model_shape import slot_kv_heads
 from lightning_oomb.engine.pages import PoolShape, arena_bytes
 from lightning_oomb.integrations.hf import HFChunkModel
 from tests.helpers.models import TINY, exact_full_sequence_loss, float64_norms, grads_of, max_relative_error
@@ -101,15 +100,21 @@ def test_each_layer_takes_the_slots_of_its_own_heads():
 
 
 @pytest.mark.parametrize(
-    ("heads", "windows", "want"),
+    ("heads", "dims", "windows", "want"),
     [
-        ((16, 16, 4, 16, 16, 4), (1024, 1024, None, 1024, 1024, None), 4),  # Gemma 4 31B: its global layers'
-        ((8, 8, 4, 4, 4), None, 4),  # no windows: the most layers'
-        ((2, 4), (8, 8), 4),  # every layer a window layer: a tie, the larger
+        (
+            (16, 16, 4, 16, 16, 4),
+            (256, 256, 512) * 2,
+            (1024, 1024, None) * 2,
+            (4, 512),
+        ),  # Gemma 4 31B: global
+        ((8, 8, 4, 4, 4), (64,) * 5, None, (4, 64)),  # no windows: the most layers'
+        ((2, 4), (16, 16), (8, 8), (4, 16)),  # every layer a window layer: a tie, the larger
     ],
 )
-def test_the_slots_take_the_heads_of_the_full_layers(heads, windows, want):
-    assert slot_kv_heads(heads, windows) == want
+def test_the_slots_take_the_geometry_of_the_full_layers(heads, dims, windows, want):
+    shape = PoolShape.for_layers(1, 64, heads, dims, dims, 8, windows, chunk_size=16)
+    assert (shape.kv_heads, shape.head_dim) == want
 
 
 @pytest.mark.parametrize(

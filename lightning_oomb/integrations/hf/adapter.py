@@ -28,11 +28,11 @@ from lightning_oomb.engine.loss import LMHead
 from lightning_oomb.engine.model import Respond, answered_by
 from lightning_oomb.engine.model_shape import (
     Mixer,
+    config_kv_heads,
     decoder_of,
     layer_head_dims,
     layer_kv_heads,
     paged_head_dim,
-    slot_kv_heads,
 )
 from lightning_oomb.engine.tiles import tiled
 from lightning_oomb.engine.user_hooks import refresh_parameters
@@ -294,8 +294,7 @@ class HFChunkModel:
         if self._mixers and not self._routed:
             self.kv_heads, self.head_dim = 1, 16
         else:
-            # (read off the dict: a config whose layers differ in them refuses the attribute)
-            self.kv_heads = config.to_dict().get("num_key_value_heads") or config.num_attention_heads
+            self.kv_heads = config_kv_heads(config)
             self.head_dim = paged_head_dim(config)
         self.layer_checkpointing = layer_checkpointing
         self.mlp_tile: int | None = None  # OOMBConfig.mlp_tile, set by the engine
@@ -311,7 +310,7 @@ class HFChunkModel:
             self.num_layers = len(self._attention)
         self.layer_windows = _layer_windows(model, self._attention or None)
         # Gemma 4's layers: sliding ones with narrower heads than the global ones (and in its 31B and 26B-A4B more
-        # KV heads); each layer's pages at its own (the pool's slots take the full layers')
+        # KV heads); each layer's pages at its own (PoolShape.for_layers)
         self.layer_kv_heads, self.layer_head_dims = layer_kv_heads(config), layer_head_dims(config)
         per_layer = [n for n in (self.layer_kv_heads, self.layer_head_dims) if n is not None]
         if any(len(n) != self.num_layers or self.carries_states for n in per_layer):
@@ -322,8 +321,6 @@ class HFChunkModel:
                     "has — train this model with another strategy."
                 )
             self.layer_head_dims = None  # (its narrower heads zero-padded to the widest)
-        if self.layer_kv_heads is not None:
-            self.kv_heads = slot_kv_heads(self.layer_kv_heads, self.layer_windows)
         self._states = None  # the running chunk's carried states
         self._chunk: ChunkContext | None = None  # the running chunk (also in a checkpoint's recompute)
         self._answered = 0  # the causal LM's calls answered in the running answer_calls block
