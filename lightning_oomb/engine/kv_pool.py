@@ -99,7 +99,7 @@ def place_layers(
     shape: PoolShape, budget: int | None, staging_buffers: int
 ) -> tuple[TierPlan, dict[str, int]]:
     """The tiers of ``shape``'s layers for a device ``budget`` (:func:`plan_tiers`; the device-only layers — window
-    layers that keep only their tails, layers of other KV heads — stay on the device, their bytes taken out of the
+    layers that keep only their tails, layers of another geometry — stay on the device, their bytes taken out of the
     budget first) and each arena's slots (``"hbm"``,
     ``"staging"``, ``"host"``): what :meth:`KVPool.reserve` allocates, and what the memory planner counts."""
     if budget is not None:
@@ -174,7 +174,7 @@ class KVPool:
         self._staging: Arena | None = None
         self._summaries: torch.Tensor | None = None  # sparse steps: PoolShape.summary_shape
         self._tables: dict[int, torch.Tensor] = {}  # HBM layer -> its page table [batch, pages]
-        self._regions: dict[int, Region] = {}  # HBM layer -> its pages (its own KV heads)
+        self._regions: dict[int, Region] = {}  # HBM layer -> its pages (at its own KV heads and head dim)
         self._transient: dict[int, slice] = {}  # recycling window layer -> its transient slots
         self._offload: Offloader | None = None
         self._sweep = "forward"
@@ -201,11 +201,13 @@ class KVPool:
             self._summaries = None
             self._summaries = torch.zeros(shape.summary_shape, dtype=shape.dtype, device=device)
         self._tables, self._regions, self._transient, base = {}, {}, {}, 0
-        for layer in plan.hbm_layers:  # each layer's slots viewed at its own KV heads; tables index that view
+        for (
+            layer
+        ) in plan.hbm_layers:  # each layer's slots viewed at its own geometry; its table indexes that view
             self._regions[layer] = self._hbm.region(base, shape.hbm_slots_of(layer), *shape.geometry(layer))
-            self._tables[layer] = shape.layer_table(layer, 0, device)
+            self._tables[layer] = shape.layer_table(layer, device)
             if shape.tails[layer] is not None:
-                self._transient[layer] = shape.transient_slots(layer, 0)
+                self._transient[layer] = shape.transient_slots(layer)
             base += shape.hbm_slots_of(layer)
         self._offload = None
         if plan.host_layers:

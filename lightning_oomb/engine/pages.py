@@ -317,22 +317,23 @@ class PoolShape:
         offset = buffer * self.block_slots
         return slice(offset, offset + (end - first) * self.batch)
 
-    def layer_table(self, layer: int, base: int, device: torch.device) -> torch.Tensor:
-        """int32 ``[batch, pages_per_row]``: page ``j`` of row ``b`` of a layer whose slots start at ``base`` (page-major:
-        a full layer's page ``j`` at ``base + j * batch + b``; a window layer's ``i``-th tail page at
-        ``base + i * batch + b`` and its other pages in the transient region after the tails, ``p % block_pages``)."""
+    def layer_table(self, layer: int, device: torch.device) -> torch.Tensor:
+        """int32 ``[batch, pages_per_row]``: page ``j`` of row ``b`` of an HBM layer, in its own pages
+        (:meth:`Arena.region`), page-major: a full layer's page ``j`` at ``j * batch + b``; a window layer's ``i``-th
+        tail page at ``i * batch + b`` and its other pages in the transient region after the tails, ``p %
+        block_pages``)."""
         pages = torch.arange(self.pages_per_row)
         tails = self.tails[layer]
         if tails is not None:
             tail = torch.full((self.pages_per_row,), -1, dtype=torch.long)
             tail[list(tails)] = torch.arange(len(tails))
             pages = torch.where(tail >= 0, tail, len(tails) + pages % self.block_pages)
-        return (base + pages[None] * self.batch + torch.arange(self.batch)[:, None]).to(device, torch.int32)
+        return (pages[None] * self.batch + torch.arange(self.batch)[:, None]).to(device, torch.int32)
 
-    def transient_slots(self, layer: int, base: int) -> slice:
-        """The slots of a window layer's transient region (one chunk's pages, all rows, after its tails) in
-        :meth:`layer_table`'s layout, for a layer whose slots start at ``base``."""
-        first = base + len(self.tails[layer]) * self.batch
+    def transient_slots(self, layer: int) -> slice:
+        """The pages of a window layer's transient region (one chunk's pages, all rows, after its tails) in
+        :meth:`layer_table`'s layout."""
+        first = len(self.tails[layer]) * self.batch
         return slice(first, first + self.block_slots)
 
     def page_tables(self, count: int, device: torch.device, blocks: bool = False) -> torch.Tensor:
