@@ -175,7 +175,6 @@ def _layer_bytes_per_token(
     h, heads, kv_heads = shape.hidden_size, shape.num_heads, kv_heads or shape.kv_heads
     d = shape.head_dim if head_dim is None else head_dim
     q, kv = heads * d, kv_heads * d
-    paged_q = q  # (each layer's pages at its own head dim)
     lse = 8 if dtypes.activation == torch.float64 else 4
     # the projections' inputs are saved by the projections, else by adapters in the activations' dtype
     inputs = not shape.frozen_layers or any(a <= r for _, _, a, _ in shape.adapters)
@@ -191,7 +190,7 @@ def _layer_bytes_per_token(
     # cast copy of the whole normed input: grouped_mm's read it uncast, an expert loop's its gathered rows)
     moe_readers = readers[2] * (shape.uncast_experts or shape.expert_loop) or 2
     routed = shape.intermediate_size * shape.routed_per_token
-    attn = norm(attention_readers) + 2 * c * paged_q + lse * heads + (c if dtypes.mixed else r) * q * inputs
+    attn = norm(attention_readers) + 2 * c * q + lse * heads + (c if dtypes.mixed else r) * q * inputs
     # a gate's sigmoid, and the output it multiplies (a copy of the op's: reshaped)
     attn += 2 * c * q * gated
     # a gate per head (LFM3's): its sigmoid and the output it multiplies (a copy of the op's)

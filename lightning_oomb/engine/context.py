@@ -463,8 +463,8 @@ class SharedSummaries:
     ``pages``: layer -> ``[B, pages, vectors, kv_heads, head_dim]`` (the layer's own KV heads) once its first chunk is
     summarised."""
 
-    def __init__(self, num_layers: int, score: str) -> None:
-        self.num_layers, self.score = num_layers, score
+    def __init__(self, score: str) -> None:
+        self.score = score
         self.pages: dict[int, torch.Tensor] = {}
 
     def add(self, cp: ContextChunk, layer: int, k: torch.Tensor) -> None:

@@ -409,7 +409,7 @@ class OOMBEngine:
                 f"the model's step loss {type(step_loss).__name__} has no reduce(sum_) — under context parallelism "
                 "each rank collects its own tokens' share and the group must sum it — implement StepLoss.reduce."
             )
-        shared = SharedSummaries(model.num_layers, sparse.score) if sparse and layout else None
+        shared = SharedSummaries(sparse.score) if sparse and layout else None
         states = None
         if carried:
             check_carried_states(bounds, layout, batch_layout.doc_start)
