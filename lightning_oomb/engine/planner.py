@@ -1074,7 +1074,8 @@ def _options(
             for b in singles[i + 1 :]:
                 both = {**a, **b}
                 if not a.keys() & b.keys():
-                    if "chunk_size" in both:  # the largest chunk that fits with the other change
+                    if both.get("chunk_size", config.chunk_size) < config.chunk_size:
+                        # the largest smaller chunk that fits with the other change
                         other = dataclasses.replace(
                             config, **{k: v for k, v in both.items() if k != "chunk_size"}
                         )
@@ -1186,14 +1187,19 @@ def _candidates(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int) -
         groups.append(
             [{"chunk_size": c} for c in dict.fromkeys((largest or config.page_size, config.page_size))]
         )
+    pool = _pool_shape(
+        inputs.shape, config, inputs.machine, batch, seq_len, config.chunk_size, inputs.dtypes.kv
+    )
+    # a larger chunk where window layers keep their tails (Gemma 2 / 3 / 4): fewer chunk starts keep fewer tails
+    larger = [{"chunk_size": c} for c in (2 * config.chunk_size, 4 * config.chunk_size) if c < seq_len]
+    if pool.recycling and larger:
+        groups.append(larger)
     if inputs.machine.device_type == "cuda":
         offload = (
             []
             if config.offloads and config.hbm_budget == "auto"
             else [{"offload": True, "hbm_budget": "auto"}]
         )
-        shape = inputs.shape
-        pool = _pool_shape(shape, config, inputs.machine, batch, seq_len, config.chunk_size, inputs.dtypes.kv)
         # the device-only layers (window layers keeping their tails, others' KV heads) stay; then k full layers
         staging = config.staging_count(pool.block_bytes) * pool.block_bytes
         fixed = sum(map(pool.bytes_of, pool.device_only)) + staging

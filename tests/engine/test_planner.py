@@ -659,6 +659,22 @@ def test_mlp_tiles_are_suggested_for_chunks_of_1024_tokens_and_fewer():
     assert not result.fits and option.changes == {"mlp_tile": 512} and option.peak_device == tiled.peak_device
 
 
+def test_a_larger_chunk_is_suggested_where_window_layers_keep_their_tails():
+    """Window layers keep the pages of the last ``window - 1`` keys before every chunk start (a 512 window: half of
+    every 1,024-token chunk's pages, a quarter of a 2,048-token one's), on the device: a larger chunk keeps fewer.
+    Only smaller chunks were suggested."""
+    windows = (512,) * 5 + (None,)
+    shape = dataclasses.replace(ModelShape(6, 512, 1024, 8, 8, 64, 1000, 1000), windows=windows)
+    config = OOMBConfig(chunk_size=1024, page_size=128, offload=False)
+    small, large = (plan(shape, 65536, 1, dataclasses.replace(config, chunk_size=c), "32-true", None, BIG_CPU)
+                    for c in (1024, 2048))  # fmt: skip
+    assert large.peak_device < small.peak_device
+    machine = Machine("cuda", (small.peak_device + large.peak_device) // 2, 1 << 40)
+    result = plan(shape, 65536, 1, config, "32-true", None, machine)
+    option = next(o for o in result.options if o.changes.get("chunk_size", 0) > 1024)
+    assert not result.fits and option.changes == {"chunk_size": 2048}
+
+
 def test_a_cpu_plan_takes_the_smaller_of_device_and_host_memory():
     """On a CPU the device is host memory: given both (``oomb plan --device-memory ... --host-memory ...``), the
     smaller counts — the host memory was ignored."""
