@@ -56,7 +56,14 @@ from lightning_oomb.engine.planner import (
     step_sizes_of,
 )
 from lightning_oomb.engine.step_setup import precision_dtypes
-from lightning_oomb.models import CausalLMModule, build_config, fused_adamw, qwen2_5_7b_config, with_lora  # noqa: F401
+from lightning_oomb.models import (  # noqa: F401
+    CausalLMModule,
+    build_config,
+    fused_adamw,
+    meta_causal_lm,
+    qwen2_5_7b_config,
+    with_lora,
+)
 from lightning_oomb.strategy import most_micro_batches, widest_other_budgets
 
 _STRATEGY = "--trainer.strategy"
@@ -294,14 +301,11 @@ def planned_model(
     ungated MLPs, shared experts, ...), windows and, for a hybrid, its attention layers and carried states; with
     ``lora`` (``CausalLMModule``'s) its adapters, the base frozen; a model OOMB cannot train is refused with the
     reason, as the strategy would. The config itself if transformers cannot build the model."""
-    from transformers import AutoModelForCausalLM
-
     from lightning_oomb.integrations.hf import HFChunkModel, find_causal_lm
 
     dtype = precision_dtypes(precision, param_dtype).param
     try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = meta_causal_lm(config, dtype)
     except (ValueError, KeyError, TypeError, ImportError):  # not a causal LM transformers knows
         return config
     with torch.device(

@@ -144,7 +144,7 @@ class CausalLMModule(LightningModule):
         """Apply ``lora`` to the model built on the meta device (no weights, seconds for a 7B) and refuse it if peft
         does (``target_modules`` naming no layer of this model, ``layers_to_transform`` past its layers): else peft
         says so only in :meth:`configure_model`, after the data module's ``setup`` and the weights' load."""
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
 
         hp = self.hparams
         if hp.config is not None:
@@ -152,11 +152,11 @@ class CausalLMModule(LightningModule):
         else:
             with hub_errors_named(hp.model_name_or_path, "model"):
                 config = AutoConfig.from_pretrained(hp.model_name_or_path)
-        # (the random draws of a meta build and peft's init must not move the seeded generator the real build uses)
-        with torch.random.fork_rng(devices=[]), torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+        model = meta_causal_lm(config)
         try:
-            with torch.random.fork_rng(devices=[]):
+            with torch.random.fork_rng(
+                devices=[]
+            ):  # (peft's init: as the build's draws, not the seeded ones)
                 with_lora(model, hp.lora)
         except ValueError as err:
             head = model.get_output_embeddings()  # (an adapter on the LM head: the OOMB strategies refuse it)
@@ -298,6 +298,15 @@ def lora_config(fields: dict[str, Any]):
             f"lora={fields!r} is not a valid peft.LoraConfig ({err}) — pass LoraConfig's fields, e.g. {{r: 16, "
             "lora_alpha: 32, target_modules: all-linear}."
         ) from err
+
+
+def meta_causal_lm(config: Any, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """The causal LM of a transformers ``config`` built on the ``meta`` device (nothing allocated) in ``dtype``; its
+    random draws leave the global generator as it was (a seeded real build after it draws the same)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
 def with_lora(model: torch.nn.Module, fields: dict[str, Any] | None) -> torch.nn.Module:
