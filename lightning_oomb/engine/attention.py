@@ -337,9 +337,9 @@ def _claim(chunk: ChunkContext, layer: int, k: torch.Tensor) -> None:
         )
     pool, shape = chunk.pool, chunk.shape.for_dtype(k.dtype)
     if chunk.index == 0 and not chunk.written:  # the sweep's first call: a new step, maybe a new dtype
-        if pool.shape != shape:
+        if not pool.holds(shape):
             pool.reserve(shape, k.device)
-    elif pool.shape != shape:
+    elif not pool.holds(shape):
         raise OOMBConfigError(
             f"layer {layer} passes {k.dtype} keys and values but this step's first attention call passed "
             f"{pool.shape.dtype} — every layer's pages live in one pool of one dtype — cast q, k and v to one dtype "

@@ -25,6 +25,7 @@ sequence length and reused across steps: arenas only grow.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -35,11 +36,14 @@ from lightning_oomb.engine.config import OOMBConfig
 from lightning_oomb.engine.errors import OOMBConfigError
 from lightning_oomb.engine.memory import HOST_RESERVE_BYTES, host_memory_available
 from lightning_oomb.engine.offload import (
+    HostBytes,
+    HostTails,
     Offloader,
     StagingCache,
     Transfer,
     Transport,
     default_transport,
+    host_tail_bytes,
     offload_gather,
 )
 from lightning_oomb.engine.pages import (
@@ -97,12 +101,17 @@ def plan_tiers(
 
 def place_layers(
     shape: PoolShape, budget: int | None, staging_buffers: int
-) -> tuple[TierPlan, dict[str, int]]:
+) -> tuple[PoolShape, TierPlan, dict[str, int]]:
     """The tiers of ``shape``'s layers for a device ``budget`` (:func:`plan_tiers`; the device-only layers — window
     layers that keep only their tails, layers of another geometry — stay on the device, their bytes taken out of the
-    budget first) and each arena's slots (``"hbm"``,
-    ``"staging"``, ``"host"``): what :meth:`KVPool.reserve` allocates, and what the memory planner counts."""
+    budget first) and each arena's slots (``"hbm"``, ``"staging"``, ``"host"``): what :meth:`KVPool.reserve`
+    allocates, and what the memory planner counts. Where every page does not fit the budget, the window layers'
+    tails wait in host memory first (``shape`` comes back with ``host_tails``; they move once each way, a full
+    layer's pages every chunk) and then full layers go to the host tier."""
     if budget is not None:
+        hosting = dataclasses.replace(shape, host_tails=True)
+        if hosting.hosted_tails and sum(map(shape.bytes_of, range(shape.num_layers))) > budget:
+            shape = hosting
         budget = max(0, budget - sum(map(shape.bytes_of, shape.device_only)))
     plan = plan_tiers(
         shape.num_layers, shape.layer_bytes, budget, staging_buffers, shape.block_bytes, shape.device_only
@@ -112,7 +121,7 @@ def place_layers(
         "staging": plan.staging_buffers * shape.block_slots,
         "host": len(plan.host_layers) * shape.layer_slots,
     }
-    return plan, slots
+    return shape, plan, slots
 
 
 def device_memory_available(device: torch.device) -> tuple[int, int]:
@@ -167,7 +176,8 @@ class KVPool:
     ) -> None:
         self.config = config or OOMBConfig()
         self.transport = transport
-        self.shape: PoolShape | None = None
+        self.shape: PoolShape | None = None  # as placed (host_tails decided)
+        self._requested: PoolShape | None = None
         self.plan: TierPlan | None = None
         self._hbm: Arena | None = None
         self._host: Arena | None = None
@@ -177,6 +187,8 @@ class KVPool:
         self._regions: dict[int, Region] = {}  # HBM layer -> its pages (at its own KV heads and head dim)
         self._transient: dict[int, slice] = {}  # recycling window layer -> its transient slots
         self._offload: Offloader | None = None
+        self._tail_host: HostBytes | None = None  # grow-only, like the arenas
+        self._tails: HostTails | None = None  # the window layers' tails in host memory (PoolShape.host_tails)
         self._sweep = "forward"
         self._selected = None
         self._warned: set[str] = set()
@@ -187,9 +199,10 @@ class KVPool:
         change dtype, page geometry or device). Raises :class:`OOMBConfigError` before allocating if a tier would
         not fit in the memory available to it."""
         self._warn_no_effect(shape, device)
+        requested = shape
         self._synchronize()  # copies in flight may still use arenas that get replaced below
         cfg = self.config
-        plan, slots = place_layers(shape, self._budget(device), cfg.staging_count(shape.block_bytes))
+        shape, plan, slots = place_layers(shape, self._budget(device), cfg.staging_count(shape.block_bytes))
         host_device = torch.device("cpu")
         self._check_memory(shape, plan, slots, device)
         self._hbm = self._grow(self._hbm, slots["hbm"], shape, device)
@@ -209,19 +222,27 @@ class KVPool:
             if shape.tails[layer] is not None:
                 self._transient[layer] = shape.transient_slots(layer)
             base += shape.hbm_slots_of(layer)
-        self._offload = None
+        self._offload = self._tails = None
+        transport = self.transport(device) if plan.host_layers or shape.hosted_tails else None
         if plan.host_layers:
             cache = StagingCache(
-                shape,
-                plan.host_layers,
-                self._host,
-                self._staging,
-                plan.staging_buffers,
-                self.transport(device),
+                shape, plan.host_layers, self._host, self._staging, plan.staging_buffers, transport
             )
             self._offload = Offloader(cache, cfg, self._sweep)
             self._offload.schedule.predict_selection(self._selected)
-        self.shape, self.plan = shape, plan
+        if shape.hosted_tails:
+            needed = host_tail_bytes(shape)
+            if self._tail_host is None or self._tail_host.nbytes < needed:
+                if self._tail_host is not None:
+                    self._tail_host.free()
+                self._tail_host = HostBytes(needed, device)
+            self._tails = HostTails(shape, self._regions, self._tail_host, transport)
+            self._tails.begin_sweep(self._sweep)
+        self.shape, self.plan, self._requested = shape, plan, requested
+
+    def holds(self, shape: PoolShape) -> bool:
+        """The pool is reserved for ``shape`` (as asked of :meth:`reserve`)."""
+        return self._requested == shape
 
     def _warn_no_effect(self, shape: PoolShape, device: torch.device) -> None:
         """Options that silently change nothing for this step say so, once per pool."""
@@ -264,6 +285,9 @@ class KVPool:
         device memory — or, on a CPU device, against the host memory the host tier leaves."""
         host = torch.device("cpu")
         new_host, freed_host = self._new_bytes(self._host, slots["host"], shape, host)
+        held = self._tail_host.nbytes if self._tail_host is not None else 0
+        if host_tail_bytes(shape) > held:
+            new_host, freed_host = new_host + host_tail_bytes(shape), freed_host + held
         new_device, freed_device = (
             sum(x)
             for x in zip(
@@ -326,10 +350,11 @@ class KVPool:
         elif device.type == "cuda":
             ways.append("offload=True (pages beyond hbm_budget go to pinned host memory)")
         tokens = f"({shape.batch} x {shape.seq_len} tokens)"
+        tails = f" and the tails of {len(shape.hosted_tails)} window layers" if shape.hosted_tails else ""
         if device is None:
             raise OOMBConfigError(
                 f"offload needs {_gib(needed)} of host memory for the K/V and gradient pages of "
-                f"{len(plan.host_layers)} host-tier layers {tokens} but only {_gib(max(usable, 0))} is available "
+                f"{len(plan.host_layers)} host-tier layers{tails} {tokens} but only {_gib(max(usable, 0))} is available "
                 f"(MemAvailable minus {_gib(HOST_RESERVE_BYTES)} kept for the system) — pinned pages cannot be "
                 f"swapped out — use {', or '.join(ways)}."
             )
@@ -352,19 +377,21 @@ class KVPool:
         return Arena(slots, shape, device, host, mapped)
 
     def _synchronize(self) -> None:
-        if self._offload is not None:
-            self._offload.synchronize()
+        for user in (self._offload, self._tails):
+            if user is not None:
+                user.transport.synchronize()
 
     def release(self) -> None:
         """Free every arena, pinned host memory included (after an exception, or on teardown); the next
         :meth:`reserve` starts afresh."""
         self._synchronize()
-        for arena in (self._hbm, self._staging, self._host):
+        for arena in (self._hbm, self._staging, self._host, self._tail_host):
             if arena is not None:
                 arena.free()
         self._hbm = self._host = self._staging = self._offload = self._summaries = None
+        self._tail_host = self._tails = None
         self._tables, self._regions = {}, {}
-        self.shape = self.plan = None
+        self.shape = self.plan = self._requested = None
 
     @property
     def device_bytes(self) -> int:
@@ -378,8 +405,8 @@ class KVPool:
 
     @property
     def host_bytes(self) -> int:
-        """Bytes of the host-tier arena."""
-        return self._host.nbytes if self._host is not None else 0
+        """Bytes of the host-tier arena and of the window layers' tails in host memory."""
+        return sum(held.nbytes for held in (self._host, self._tail_host) if held is not None)
 
     @property
     def allocated_bytes(self) -> int:
@@ -417,11 +444,14 @@ class KVPool:
             self._offload.begin_sweep(kind)
             self._offload.schedule.predict_selection(selected)
             self._offload.schedule.reused_from = reused_from
+        if self._tails is not None:
+            self._tails.begin_sweep(kind)
 
     def end_sweep(self) -> None:
         """Finish the sweep's bookkeeping (copy-wait timings; on CUDA this waits for the compute stream)."""
-        if self._offload is not None:
-            self._offload.end_sweep()
+        for user in (self._offload, self._tails):
+            if user is not None:
+                user.end_sweep()
 
     def stats(self) -> dict:
         """Placement, arena bytes and this step's traffic: ``h2d_bytes``/``d2h_bytes`` (bytes copied host to
@@ -437,6 +467,7 @@ class KVPool:
             "hbm_pool_bytes": self._hbm.nbytes if self._hbm else 0,
             "staging_bytes": self._staging.nbytes if self._staging else 0,
             "host_pool_bytes": self.host_bytes,
+            "hosted_tail_layers": len(self.shape.hosted_tails) if self.shape else 0,
             "summary_bytes": self._summary_bytes,
             "h2d_bytes": 0,
             "d2h_bytes": 0,
@@ -447,6 +478,10 @@ class KVPool:
         }
         if self._offload is not None:
             out.update(self._offload.stats())
+        if self._tails is not None:
+            out["h2d_bytes"] += self._tails.h2d_bytes
+            out["d2h_bytes"] += self._tails.d2h_bytes
+            out["copy_wait_s"] += self._tails.wait_s
         return out
 
     @property
@@ -502,8 +537,13 @@ class KVPool:
             self.summaries(layer, first + summary.shape[1])[:, first:] = summary
         if not self.streams(layer):
             table, pages = self._layer_table(layer), self._regions[layer]
+            tails = self._tails if self._tails is not None and layer in self._tails.layers else None
             if not backward:
+                if tails is not None:
+                    tails.before_write(layer, shape.block_of(start))
                 self._store(pages, table, start, k, v, zero_grads=True)
+                if tails is not None:
+                    tails.wrote(layer, shape.block_of(start))
             elif self.recycles(layer):
                 self._store(pages, table, start, k, v, zero_grads=False)
                 region = self._transient[layer]  # the last chunk that used it left its gradients there
@@ -546,6 +586,8 @@ class KVPool:
         if not self.streams(layer):
             if self._offload is not None:
                 self._offload.visit(layer, chunk, grads)
+            if self._tails is not None and layer in self._tails.layers:
+                self._tails.before_read(layer)
             arena, table = self._regions[layer], self._layer_table(layer)
             yield PagedKV(arena.k, arena.v, arena.dk, arena.dv, table[:, :pages], (0, num_tokens))
             return
@@ -575,10 +617,13 @@ class KVPool:
         grads = tuple(gather_tokens(pages, slots)[:, :, :length] for pages in (arena.dk, arena.dv))
         if self.streams(layer) and self._sweep == "backward":
             self._offload.consumed(layer, shape.block_of(start))
+        if self._tails is not None and layer in self._tails.layers and self._sweep == "backward":
+            self._tails.consumed(layer, shape.block_of(start))
         return grads
 
     def read_kv(self, layer: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stored ``k, v`` of tokens ``[start, start + length)`` (tests and debugging; waits for the copies)."""
+        """Stored ``k, v`` of tokens ``[start, start + length)`` (tests and debugging; waits for the copies). A window
+        layer keeping its tails holds only those (hosted tails: the two in its ring) and the last chunk's pages."""
         shape = self.shape
         first, end = start // shape.page_size, shape.num_pages(start + length)
         if self.streams(layer):

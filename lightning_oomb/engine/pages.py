@@ -77,6 +77,9 @@ class PoolShape:
     are then the geometry of the pool's slots — the host tier's and the staging buffers' pages: build the shape with
     :meth:`for_layers` — and a layer of another geometry is :attr:`device_only`: its pages live in the HBM tier at
     its own geometry (:meth:`hbm_slots_of`).
+
+    ``host_tails``: the window layers' tails wait in host memory between the sweeps (:attr:`hosted_tails`; set by
+    :func:`~lightning_oomb.engine.kv_pool.place_layers` when the device budget is short).
     """
 
     num_layers: int
@@ -94,6 +97,7 @@ class PoolShape:
     layer_kv_heads: tuple[int, ...] | None = None
     layer_head_dims: tuple[int, ...] | None = None
     layer_call_dims: tuple[int, ...] | None = None
+    host_tails: bool = False
 
     @classmethod
     def for_layers(
@@ -170,6 +174,38 @@ class PoolShape:
         """The window layers that keep only their tails (and one chunk's transient pages)."""
         return tuple(layer for layer, tails in enumerate(self.tails) if tails is not None)
 
+    def tail_group(self, layer: int) -> int:
+        """Pages (per row) of one chunk's tail group in a recycling layer: those holding the ``window - 1`` keys
+        before the next chunk's start — the last pages of every chunk but the last (a window at most a chunk long:
+        groups of one size, each read by the next chunk only)."""
+        return math.ceil((self.windows[layer] - 1) / self.page_size)
+
+    @functools.cached_property
+    def hosted_tails(self) -> tuple[int, ...]:
+        """With :attr:`host_tails`, the recycling layers whose tails wait in host memory: the device holds two
+        tail groups of such a layer — the one its chunk reads and the one it writes (the backward sweep: the one it
+        adds into, and its chunk's own) — in a ring (:meth:`layer_table`), the host all of them
+        (:mod:`lightning_oomb.engine.offload.tails`); layers with at most two groups keep theirs on the device."""
+        if not self.host_tails:
+            return ()
+        return tuple(layer for layer in self.recycling if len(self.tails[layer]) > 2 * self.tail_group(layer))
+
+    def device_tail_pages(self, layer: int) -> int:
+        """Tail pages per row a recycling layer keeps on the device: all its tails, or a ring of two groups."""
+        return 2 * self.tail_group(layer) if layer in self.hosted_tails else len(self.tails[layer])
+
+    @functools.cached_property
+    def tail_host_bytes(self) -> int:
+        """Bytes of the K and V of the :attr:`hosted_tails` in host memory (no gradient: a group's gradients are
+        made and handed over while its chunk and the next are back-propagated)."""
+        return (
+            sum(
+                2 * self.batch * len(self.tails[layer]) * self.page_size * math.prod(self.geometry(layer))
+                for layer in self.hosted_tails
+            )
+            * self.dtype.itemsize
+        )
+
     def heads_of(self, layer: int) -> int:
         """The layer's KV heads."""
         return self.kv_heads if self.layer_kv_heads is None else self.layer_kv_heads[layer]
@@ -206,7 +242,7 @@ class PoolShape:
     def layer_pages(self, layer: int) -> int:
         """Pages per row the layer stores: every page, or its tails plus one chunk's transient pages."""
         tails = self.tails[layer]
-        return self.pages_per_row if tails is None else len(tails) + self.block_pages
+        return self.pages_per_row if tails is None else self.device_tail_pages(layer) + self.block_pages
 
     @property
     def num_slots(self) -> int:
@@ -320,21 +356,34 @@ class PoolShape:
     def layer_table(self, layer: int, device: torch.device) -> torch.Tensor:
         """int32 ``[batch, pages_per_row]``: page ``j`` of row ``b`` of an HBM layer, in its own pages
         (:meth:`Arena.region`), page-major: a full layer's page ``j`` at ``j * batch + b``; a window layer's ``i``-th
-        tail page at ``i * batch + b`` and its other pages in the transient region after the tails, ``p %
-        block_pages``)."""
+        tail page at ``i * batch + b`` (hosted tails: group ``g``'s ``i``-th page at ``(g % 2) * group + i``, a ring
+        of two) and its other pages in the transient region after the tails, ``p % block_pages``)."""
         pages = torch.arange(self.pages_per_row)
         tails = self.tails[layer]
         if tails is not None:
             tail = torch.full((self.pages_per_row,), -1, dtype=torch.long)
             tail[list(tails)] = torch.arange(len(tails))
-            pages = torch.where(tail >= 0, tail, len(tails) + pages % self.block_pages)
+            if layer in self.hosted_tails:
+                group = self.tail_group(layer)
+                tail = torch.where(tail >= 0, tail // group % 2 * group + tail % group, tail)
+            pages = torch.where(tail >= 0, tail, self.device_tail_pages(layer) + pages % self.block_pages)
         return (pages[None] * self.batch + torch.arange(self.batch)[:, None]).to(device, torch.int32)
 
     def transient_slots(self, layer: int) -> slice:
         """The pages of a window layer's transient region (one chunk's pages, all rows, after its tails) in
         :meth:`layer_table`'s layout."""
-        first = len(self.tails[layer]) * self.batch
+        first = self.device_tail_pages(layer) * self.batch
         return slice(first, first + self.block_slots)
+
+    def ring_slots(self, layer: int, group: int) -> slice:
+        """The device pages of a hosted-tails layer's tail group ``group`` (all rows) in :meth:`layer_table`'s
+        layout; :meth:`host_tail_slots`: the same group in the layer's host pages."""
+        size = self.tail_group(layer) * self.batch
+        return slice(group % 2 * size, (group % 2 + 1) * size)
+
+    def host_tail_slots(self, layer: int, group: int) -> slice:
+        size = self.tail_group(layer) * self.batch
+        return slice(group * size, (group + 1) * size)
 
     def page_tables(self, count: int, device: torch.device, blocks: bool = False) -> torch.Tensor:
         """int32 ``[count, batch, pages_per_row]``: layer rank ``i`` of a tier -> its slots, or with ``blocks``

@@ -158,6 +158,7 @@ from lightning_oomb.engine.grads import HALF_DTYPES, one_window, staging_element
 from lightning_oomb.engine.kv_pool import device_memory_available, hbm_budget, place_layers
 from lightning_oomb.engine.memory import HOST_RESERVE_BYTES, host_memory_available
 from lightning_oomb.engine.model_shape import CALIBRATED, ModelShape, model_shape
+from lightning_oomb.engine.offload import host_tail_bytes
 from lightning_oomb.engine.pages import GRAD_DTYPES, PoolShape, arena_bytes
 from lightning_oomb.engine.results import result_slot_bytes
 from lightning_oomb.engine.states import BOUNDARY_ALIGN
@@ -509,6 +510,7 @@ HOST_LABELS = {
     "grad_sums": "float32 gradient sums, pinned",
     "grad_staging": "float32 gradient sums' mirror or slabs, pinned",
     "reused_attention": "forward attention results (reuse_attention), pinned",
+    "window_tails": "window layers' tails (K/V), pinned",
 }
 
 
@@ -713,7 +715,8 @@ def _budgeted(inputs, config: OOMBConfig, batch: int, seq_len: int, devices: int
     if not (config.offloads and config.hbm_budget == "auto" and machine.device_type == "cuda"):
         return config
     rest = _plan(inputs, dataclasses.replace(config, hbm_budget=0), batch, seq_len, devices)
-    others = rest.peak_device - rest.device["staging"]  # the budget holds the staging buffers too
+    # the budget holds the staging buffers and the device-only layers' pages too
+    others = rest.peak_device - rest.device["staging"] - rest.device["kv_hbm"]
     spare = machine.device_bytes - others - int(PLANNED_HEADROOM * machine.device_bytes)
     return dataclasses.replace(config, hbm_budget=max(0, spare))
 
@@ -809,12 +812,15 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     pool = _pool_shape(shape, config, machine, batch, owned, config.chunk_size // devices, dtypes.kv,
                        sparse if devices == 1 else None)  # fmt: skip
     summaries = dataclasses.replace(pool, seq_len=seq_len, page_score=sparse).summary_bytes
-    tiers, slots = place_layers(
+    pool, tiers, slots = place_layers(
         pool, _budget(config, machine, weights), config.staging_count(pool.block_bytes)
     )
     hbm = arena_bytes(slots["hbm"], pool)
     staging = arena_bytes(slots["staging"], pool) if tiers.host_layers else 0
-    host = {"pool": arena_bytes(slots["host"], pool)}  # the pinned host memory's terms
+    host = {
+        "pool": arena_bytes(slots["host"], pool),
+        "window_tails": host_tail_bytes(pool),
+    }  # pinned host terms
 
     backend = _backend(config, machine, shape)
     ckpt = config.layer_checkpointing
@@ -1200,12 +1206,15 @@ def _candidates(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int) -
             if config.offloads and config.hbm_budget == "auto"
             else [{"offload": True, "hbm_budget": "auto"}]
         )
-        # the device-only layers (window layers keeping their tails, others' KV heads) stay; then k full layers
+        # the device-only layers (window layers keeping their tails — in host memory but a ring of two, once the
+        # budget is short — others' KV heads) stay; then k full layers (the rest in the host tier)
+        hosting = dataclasses.replace(pool, host_tails=True)
+        fixed = sum(map(hosting.bytes_of, hosting.device_only))
+        full = pool.num_layers - len(pool.device_only)
         staging = config.staging_count(pool.block_bytes) * pool.block_bytes
-        fixed = sum(map(pool.bytes_of, pool.device_only)) + staging
-        offload += [{"offload": True, "hbm_budget": fixed + k * pool.layer_bytes}
-                    for k in range(pool.num_layers - len(pool.device_only) - 1, -1, -1)]  # fmt: skip
-        groups.append(offload)
+        budgets = [fixed + full * pool.layer_bytes] if hosting.hosted_tails else []
+        budgets += [fixed + staging + k * pool.layer_bytes for k in range(full - 1, -1, -1)]
+        groups.append(offload + [{"offload": True, "hbm_budget": b} for b in budgets])
     return groups
 
 

@@ -19,10 +19,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only
 SEQ = 300  # 10 chunks of 32 tokens, the last ragged
 
 
-def step(dtype, transport=None, mirror=None, page=16, **options):
-    """Loss and gradients of one OOMB step of a tiny Qwen2 on the GPU (torch reference attention: deterministic;
-    ``mirror``: float32-host's staging, see ``HostGradSums``; chunks of 32 tokens in pages of ``page``)."""
-    model = build_causal_lm("qwen2", dtype=dtype, tie_word_embeddings=False).cuda()
+def step(dtype, transport=None, mirror=None, page=16, family="qwen2", **options):
+    """Loss and gradients of one OOMB step of a tiny Qwen2 (or ``family``) on the GPU (torch reference attention:
+    deterministic; ``mirror``: float32-host's staging, see ``HostGradSums``; chunks of 32 tokens in pages of
+    ``page``)."""
+    model = build_causal_lm(family, dtype=dtype, tie_word_embeddings=False).cuda()
     ids = torch.randint(0, 97, (2, SEQ), generator=torch.Generator().manual_seed(0)).cuda()
     extra = {} if transport is None else {"transport": transport}
     engine = OOMBEngine(HFChunkModel(model, layer_checkpointing=options.get("layer_checkpointing", False)),
@@ -108,3 +109,18 @@ def test_gathered_sparse_copies_equal_a_copy_per_run(monkeypatch, delayed):
     assert gathered[2].pool._host.mapped
     assert gathered[0] == runs[0] and all(torch.equal(gathered[1][n], runs[1][n]) for n in runs[1])
     assert gathered[2].stats.extra["copy_runs"] < runs[2].stats.extra["copy_runs"]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_window_tails_in_host_memory_with_delayed_copies_equal_tails_on_the_device(seed):
+    """Mistral's window layers with their tails in page-locked host memory (a ring of two tail groups on the
+    device), each copy and each compute wait delayed by up to 200K GPU cycles: the step equals the one whose tails
+    stay on the device."""
+    want_loss, want, _ = step(torch.float32, family="mistral")
+    transport = functools.partial(delaying_transport, seed=seed)
+    loss, got, engine = step(
+        torch.float32, transport, family="mistral", offload=True, hbm_budget=0, staging_buffers=3
+    )
+    assert engine.pool.shape.hosted_tails and engine.pool.stats()["h2d_bytes"] > 0
+    assert abs(loss - want_loss) <= 1e-6 * abs(want_loss)
+    assert max_relative_error(got, want) <= 1e-5

@@ -318,7 +318,7 @@ def drive(pool: KVPool, twice: bool = False, order=None, shape: PoolShape = POOL
         lq = min(CHUNK, shape.seq_len - start)
         for layer in layers:
             kv_of[layer, start] = [torch.randn(2, 1, lq, 4, generator=gen, dtype=torch.float64) for _ in "kv"]
-            if pool.shape != shape:
+            if not pool.holds(shape):
                 pool.reserve(shape, CPU)
             attend(layer, start, start + lq)
     pool.end_sweep()

@@ -45,13 +45,17 @@ def test_window_layers_keep_their_tails_and_stay_exact(family, offload, checkpoi
     shape = engine.pool.shape
     windowed = [layer for layer, w in enumerate(shape.windows) if w is not None]
     assert windowed and all(shape.tails[layer] is not None for layer in windowed)
-    tails_per_boundary = {"mistral": 2, "gpt_oss": 1}[
-        family
-    ]  # pages holding the window - 1 keys before a chunk
-    assert all(shape.layer_pages(layer) == 6 * tails_per_boundary + 4 for layer in windowed)  # 6 boundaries
+    group = {"mistral": 2, "gpt_oss": 1}[family]  # pages holding the window - 1 keys before a chunk
+    assert all(shape.tail_group(layer) == group for layer in windowed)
     stats = engine.stats.extra
-    if offload:  # window layers stay on the device (small); full layers go to the host
+    if (
+        offload
+    ):  # full layers go to the host tier; window layers keep a ring of two tail groups, the host the rest
         assert stats["host_layers"] == shape.num_layers - len(windowed)
+        assert shape.hosted_tails == tuple(windowed)
+        assert all(shape.layer_pages(layer) == 2 * group + 4 for layer in windowed)
+    else:
+        assert all(shape.layer_pages(layer) == 6 * group + 4 for layer in windowed)  # 6 boundaries
     assert engine.stats.kv_bytes < shape.num_layers * shape.layer_slots * 2 * shape.page_numel * 8
 
 

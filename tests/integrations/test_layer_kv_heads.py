@@ -2,6 +2,8 @@
 26B-A4B — ``attention_k_eq_v`` — fewer, ``num_global_key_value_heads``, beside sliding layers with more): each
 layer's pages at its own geometry, exact."""
 
+import dataclasses
+
 import pytest
 import torch
 import transformers as tf
@@ -92,11 +94,22 @@ def test_each_layer_takes_the_slots_of_its_own_heads():
     assert shape.device_only == (1, 3)
     # layer 1: 3 tails and a chunk's 2 pages, 2 rows, 4 heads
     assert [shape.hbm_slots_of(layer) for layer in range(4)] == [16, 4 * (3 + 2) * 2, 16, 32]
-    budget = shape.bytes_of(1) + shape.bytes_of(3) + shape.layer_bytes + 2 * shape.block_bytes  # 1 full layer
-    plan, slots = place_layers(shape, budget, staging_buffers=2)
-    assert plan.host_layers == (2,) and plan.hbm_layers == (0, 1, 3)
-    assert slots["hbm"] == 16 + 40 + 32
-    assert arena_bytes(slots["hbm"], shape) == sum(map(shape.bytes_of, plan.hbm_layers))
+    everything = sum(map(shape.bytes_of, range(4)))
+    placed, plan, _ = place_layers(shape, everything, staging_buffers=2)
+    assert placed == shape and plan.host_layers == ()  # every page fits: the tails stay on the device
+    # short of that, the window layer's tails wait in host memory first: a ring of two tail groups stays
+    hosted = dataclasses.replace(shape, host_tails=True)
+    assert hosted.hbm_slots_of(1) == 4 * (2 + 2) * 2
+    budget = (
+        hosted.bytes_of(1) + shape.bytes_of(3) + shape.layer_bytes + 2 * shape.block_bytes
+    )  # 1 full layer
+    placed, plan, slots = place_layers(shape, budget, staging_buffers=2)
+    assert placed.hosted_tails == (1,) and plan.host_layers == (2,) and plan.hbm_layers == (0, 1, 3)
+    assert slots["hbm"] == 16 + 32 + 32
+    assert arena_bytes(slots["hbm"], placed) == sum(map(placed.bytes_of, plan.hbm_layers))
+    assert (
+        placed.tail_host_bytes == 2 * 2 * 3 * (4 * 8 * 16) * 4
+    )  # K and V, 2 rows, 3 tails, 4 heads, float32
 
 
 @pytest.mark.parametrize(

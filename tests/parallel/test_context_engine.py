@@ -341,15 +341,16 @@ def _window_steps(rank, world):
         engine, loss, grads = group_step(_window_model(family), WINDOW_IDS, _window_config(offload),
                                          context=ContextGroup.of())  # fmt: skip
         results.append({"loss": loss, "grads": grads, "pool": engine.pool.allocated_bytes,
-                        "tails": engine.pool.shape.tails, "host_layers": engine.pool.stats()["host_layers"]})  # fmt: skip
+                        "tails": engine.pool.shape.tails, "host_layers": engine.pool.stats()["host_layers"],
+                        "hosted": engine.pool.shape.hosted_tails})  # fmt: skip
     return results
 
 
 def test_window_layers_keep_only_their_tails_on_every_rank(tmp_path):
     """Each rank keeps a window layer's pages that a later chunk's window reaches (in its local token space: the
     last page of each of its slices) plus one slice's transient pages — 5 of its 8 pages — and the step equals one
-    process's (float64); under offload full layers stream from the host, window layers stay; the planner plans a
-    rank's pool exactly."""
+    process's (float64); under offload full layers stream from the host and window layers' tails wait there; the
+    planner plans a rank's pool exactly."""
     ranks = run_ranks(_window_steps, 2, tmp_path)
     for case, (family, offload) in enumerate(WINDOW_CASES):
         model = _window_model(family)
@@ -362,6 +363,8 @@ def test_window_layers_keep_only_their_tails_on_every_rank(tmp_path):
         for r in (rank[case] for rank in ranks):
             assert r["tails"] == tuple((1, 3, 5) if w else None for w in windowed)
             assert r["host_layers"] == (windowed.count(False) if offload else 0)
+            # under offload the window layers' tails wait in host memory too (3 groups: a ring of 2 on the device)
+            assert r["hosted"] == (tuple(i for i, w in enumerate(windowed) if w) if offload else ())
             assert abs(r["loss"].item() - loss.item()) <= TOL * loss.item()
             assert max_relative_error(r["grads"], want) <= TOL
             assert r["pool"] == planned.device["kv_hbm"] + planned.device["staging"] + planned.host_tier

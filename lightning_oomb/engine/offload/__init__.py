@@ -39,6 +39,7 @@ instead, reading and writing the host tier mapped into the GPU's address space.
 
 from lightning_oomb.engine.offload.offloader import Offloader
 from lightning_oomb.engine.offload.staging import TRACE_LIMIT, StagingCache, Transfer
+from lightning_oomb.engine.offload.tails import HostBytes, HostTails, host_tail_bytes
 from lightning_oomb.engine.offload.transport import (
     CudaTransport,
     SyncTransport,
@@ -51,6 +52,8 @@ from lightning_oomb.engine.offload.transport import (
 __all__ = [
     "TRACE_LIMIT",
     "CudaTransport",
+    "HostBytes",
+    "HostTails",
     "Offloader",
     "StagingCache",
     "SyncTransport",
@@ -58,5 +61,6 @@ __all__ = [
     "Transport",
     "default_transport",
     "delaying_transport",
+    "host_tail_bytes",
     "offload_gather",
 ]
