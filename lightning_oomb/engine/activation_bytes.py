@@ -44,10 +44,12 @@ def saved_bytes(
         tiled = mlp_tiled(shape, mlp_tile, min(chunk_size, seq_len))
         _, mlp, dense = _layer_bytes_per_token(shape, dtypes, streamed=False, tiled=tiled)
         # each paged layer's attention at its own head dim and KV heads (Gemma 4's sliding layers narrower than its
-        # global ones, with more KV heads in its 31B and 26B-A4B)
-        dims = Counter(zip(shape.own_head_dims, shape.own_kv_heads))
+        # global ones, with more KV heads in its 31B and 26B-A4B; its E-series' last layers reuse earlier K/V)
+        shares = [s is not None for s in shape.own_kv_sources or (None,) * shape.paged_layers]
+        dims = Counter(zip(shape.own_head_dims, shape.own_kv_heads, shares))
         attention = sum(
-            n * _layer_bytes_per_token(shape, dtypes, False, tiled, d, kv)[0] for (d, kv), n in dims.items()
+            n * _layer_bytes_per_token(shape, dtypes, False, tiled, d, kv, shared)[0]
+            for (d, kv, shared), n in dims.items()
         )
         if shape.qk_norm and shape.qk_norm_layers is not None:  # (the layers without: Llama 4's NoPE layers)
             unnormed = max(shape.paged_layers - shape.qk_norm_layers, 0)
@@ -160,6 +162,7 @@ def _layer_bytes_per_token(
     tiled: bool = False,
     head_dim: int | None = None,
     kv_heads: int | None = None,
+    shares_kv: bool = False,
 ) -> tuple[int, int, int]:
     """Bytes per token one decoder layer saves: (input norm + attention, post-attention norm + MLP — an MoE
     layer's where the model has experts — and the same for a dense MLP); a ``tiled`` MLP (``mlp_tile``) saves only
@@ -170,7 +173,8 @@ def _layer_bytes_per_token(
     layer (``layer_norms`` 1: Cohere's parallel block) the MLP reads the attention's (under autocast its own cast
     copies). ``head_dim``: the layer's own (``ModelShape.layer_head_dims``; default ``shape.head_dim``): its
     projections', norms' and the op's saved q and output widths; ``kv_heads``:
-    its own (``ModelShape.layer_kv_heads``; default ``shape.kv_heads``)."""
+    its own (``ModelShape.layer_kv_heads``; default ``shape.kv_heads``); ``shares_kv``: its call passes an earlier
+    layer's K/V (``ModelShape.layer_kv_sources``): no key or value projection, norm or their saves."""
     r, c, f = dtypes.activation.itemsize, dtypes.compute.itemsize, NORM_BYTES
     h, heads, kv_heads = shape.hidden_size, shape.num_heads, kv_heads or shape.kv_heads
     d = shape.head_dim if head_dim is None else head_dim
@@ -185,7 +189,7 @@ def _layer_bytes_per_token(
 
     gated = shape.gated_attention
     readers = shape.norm_readers or (0, 0, 0)  # (0: q, k, v and a gate; gate and up; gate and up)
-    attention_readers, mlp_readers = readers[0] or 3 + gated, readers[1] or 2
+    attention_readers, mlp_readers = (readers[0] or 3 + gated) - 2 * shares_kv, readers[1] or 2
     # (an MoE layer's readers as read off its modules — router, shared experts — where its routed experts read no
     # cast copy of the whole normed input: grouped_mm's read it uncast, an expert loop's its gathered rows)
     moe_readers = readers[2] * (shape.uncast_experts or shape.expert_loop) or 2
@@ -196,8 +200,10 @@ def _layer_bytes_per_token(
     # a gate per head (LFM3's): its sigmoid and the output it multiplies (a copy of the op's)
     attn += c * (q + heads) * shape.head_gate
     attn += _output_norm_bytes(shape, dtypes)
-    attn += _qk_norm_bytes(shape, dtypes, d, kv_heads) * shape.qk_norm
-    if shape.value_norm:  # its float32 input and two per-head scalars (no weight: no normed input)
+    attn += _qk_norm_bytes(shape, dtypes, d, kv_heads, keys=not shares_kv) * shape.qk_norm
+    if (
+        shape.value_norm and not shares_kv
+    ):  # its float32 input and two per-head scalars (no weight: no normed input)
         attn += f * (kv + 2 * kv_heads)
     if streamed:
         attn += 2 * c * kv
@@ -220,15 +226,17 @@ def _layer_bytes_per_token(
     return attn, (mlp(shape.mlp_width, True) if shape.num_experts else dense), dense
 
 
-def _qk_norm_bytes(shape: ModelShape, dtypes: Dtypes, head_dim: int, kv_heads: int | None = None) -> int:
-    """Bytes per token a layer's per-head norms of q and k save: float32 input, 1/rms and the normed input (in the
-    compute dtype; ``float32_norms``: float32; ``rotated_qk_norms``: RoPE's float32 tables made it the activations'
-    dtype under autocast; ``weightless_qk_norms``: none, no weight needs it)."""
+def _qk_norm_bytes(
+    shape: ModelShape, dtypes: Dtypes, head_dim: int, kv_heads: int | None = None, keys: bool = True
+) -> int:
+    """Bytes per token a layer's per-head norms of q and k (``keys``; else q's alone) save: float32 input, 1/rms and
+    the normed input (in the compute dtype; ``float32_norms``: float32; ``rotated_qk_norms``: RoPE's float32 tables
+    made it the activations' dtype under autocast; ``weightless_qk_norms``: none, no weight needs it)."""
     r, c, f = dtypes.activation.itemsize, dtypes.compute.itemsize, NORM_BYTES
     normed = (
         0 if shape.weightless_qk_norms else f if shape.float32_norms else r if shape.rotated_qk_norms else c
     )
-    heads = shape.num_heads + (kv_heads or shape.kv_heads)
+    heads = shape.num_heads + (kv_heads or shape.kv_heads) * keys
     return (f + normed) * heads * head_dim + f * heads
 
 

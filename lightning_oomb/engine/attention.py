@@ -65,7 +65,8 @@ class ChunkContext:
     (``None``: all; e.g. a router's balancing loss counts only those). ``results``: ``reuse_attention`` — the
     forward sweep keeps this chunk's (``index``-th of ``chunks``) results there, the backward sweep's recompute
     takes them (:mod:`lightning_oomb.engine.results`). ``written``: the layers whose K/V this forward or eval pass
-    over the chunk has stored (a second call with one of them is refused).
+    over the chunk has stored (a second call with one of them is refused); ``shared``: the K/V those of them that
+    other layers read (``PoolShape.layer_sources``) were called with, which those layers' calls must pass.
     """
 
     pool: KVPool
@@ -86,6 +87,7 @@ class ChunkContext:
     index: int = 0
     chunks: int = 0
     written: set[int] = field(default_factory=set, repr=False)
+    shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
 
 @dataclass(frozen=True)
@@ -319,8 +321,14 @@ class PagedAttention(torch.autograd.Function):
                 select,
             )
             dsinks = sink_grad(sinks, lse, delta) if sinks is not None and ctx.needs_input_grad[8] else None
-        dk, dv = pool.read_grad(layer, chunk.start, q.shape[2])
-        return dq, dk.to(kv_dtype), dv.to(kv_dtype), None, None, None, None, None, dsinks
+        dk, dv = _kv_grads(pool.read_grad(layer, chunk.start, q.shape[2]), kv_dtype)
+        return dq, dk, dv, None, None, None, None, None, dsinks
+
+
+def _kv_grads(grads, dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The chunk's ``dk, dv`` in the K/V dtype, or ``(None, None)`` for a layer that reads another's pages: its
+    adds went into them, and that layer's call returns them (both calls have the same ``k, v``)."""
+    return (None, None) if grads is None else tuple(g.to(dtype) for g in grads)
 
 
 def _claim(chunk: ChunkContext, layer: int, k: torch.Tensor) -> None:
@@ -394,6 +402,33 @@ def _check_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: ChunkC
             f"layer {layer} calls paged_attention with {q.shape[1]} query heads and {k.shape[1]} KV heads — each KV "
             "head serves a group of query heads — use a multiple of the KV heads for the query heads."
         )
+
+
+def _check_shared(k: torch.Tensor, v: torch.Tensor, chunk: ChunkContext, layer: int) -> None:
+    """A layer that reads another's pages (``PoolShape.layer_sources``) must pass the K/V that layer was called with
+    in this chunk (Gemma 4's KV-sharing layers pass the very tensors): its pages hold those, and its call returns
+    their gradients for both. A source's K/V are recorded for its readers."""
+    shape = chunk.shape
+    if not 0 <= layer < shape.num_layers:
+        return  # (refused by _check_call)
+    source = shape.source_of(layer)
+    if source == layer:
+        if layer in shape.layer_sources:
+            chunk.shared[layer] = (k, v)
+        return
+    passed = chunk.shared.get(source)
+    if passed is None:
+        why = f"before layer {source} was called in the chunk"
+    elif not all(a is b or (a.shape == b.shape and torch.equal(a, b)) for a, b in zip(passed, (k, v))):
+        why = f"other than layer {source}'s"
+    else:
+        return
+    raise OOMBConfigError(
+        f"layer {layer} is declared to read layer {source}'s pages (layer_kv_sources: it stores no K/V of its own) "
+        f"but its call passes keys and values {why} — the pages hold that layer's, so the step would attend the "
+        "wrong keys — declare only layers that pass the very K/V of an earlier layer in the same chunk (or drop "
+        "layer_kv_sources: every layer then keeps its own pages)."
+    )
 
 
 def _autocast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -509,7 +544,7 @@ def _backward_across_group(ctx, dout):
                                      _first_key(chunk, window))  # fmt: skip
         dsinks = sink_grad(sinks, lse, delta) if sinks is not None and ctx.needs_input_grad[8] else None
     if own:
-        dk, dv = (g.to(kv_dtype) for g in pool.read_grad(layer, cp.local_start, own))
+        dk, dv = _kv_grads(pool.read_grad(layer, cp.local_start, own), kv_dtype)
     else:  # the stand-in's token: no keys stored, no gradient
         shape = pool.shape
         dk = dv = dout.new_zeros(
@@ -600,6 +635,8 @@ def paged_attention(
     chunk, the model's declared shape or these rules raises :class:`OOMBConfigError`. The op runs outside
     ``torch.compile`` graphs (``torch.compiler.disable``): compiled decoder layers break around it, into graphs that
     every chunk and step reuses (its per-chunk state would make Dynamo recompile at each call otherwise)."""
+    if chunk.shape.layer_sources is not None and chunk.sweep != "backward":
+        _check_shared(k, v, chunk, layer)
     q, k, v = _autocast(q, k, v)
     _check_call(q, k, v, chunk, layer)
     if block is not None:

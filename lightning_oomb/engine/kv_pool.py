@@ -214,9 +214,9 @@ class KVPool:
             self._summaries = None
             self._summaries = torch.zeros(shape.summary_shape, dtype=shape.dtype, device=device)
         self._tables, self._regions, self._transient, base = {}, {}, {}, 0
-        for (
-            layer
-        ) in plan.hbm_layers:  # each layer's slots viewed at its own geometry; its table indexes that view
+        # each layer's slots viewed at its own geometry; its table indexes that view (an alias has none: it reads
+        # its source's)
+        for layer in (layer for layer in plan.hbm_layers if layer not in shape.aliases):
             self._regions[layer] = self._hbm.region(base, shape.hbm_slots_of(layer), *shape.geometry(layer))
             self._tables[layer] = shape.layer_table(layer, device)
             if shape.tails[layer] is not None:
@@ -416,7 +416,7 @@ class KVPool:
     def streams(self, layer: int) -> bool:
         """``layer`` lives in the host tier: it is streamed in blocks, and in the backward sweep
         :meth:`write` needs the chunk's K/V again."""
-        return self._offload is not None and layer not in self._tables
+        return self._offload is not None and self.shape.source_of(layer) not in self._tables
 
     def recycles(self, layer: int) -> bool:
         """``layer`` keeps only its tails (a window layer): its chunk's other pages are rewritten from the
@@ -530,6 +530,8 @@ class KVPool:
                 "Hugging Face model declares its config's sliding_window / layer_types: correct the config, or train "
                 "a model whose layers ignore it with another strategy."
             )
+        if layer in shape.aliases:  # its call passes its source's K/V: stored there already
+            return
         backward = self._sweep == "backward"
         if shape.page_score is not None and not backward:
             first = start // shape.page_size
@@ -581,6 +583,7 @@ class KVPool:
         boundary) is an earlier one. ``grads=True``: the caller adds into each part's ``dk``/``dv`` before it takes
         the next part."""
         shape = self.shape
+        layer = shape.source_of(layer)  # (an alias reads its source's pages and adds into their gradients)
         pages = shape.num_pages(num_tokens)
         chunk = shape.block_of(num_tokens - 1) if own else shape.block_of(num_tokens)
         if not self.streams(layer):
@@ -600,14 +603,18 @@ class KVPool:
     def summaries(self, layer: int, num_pages: int) -> torch.Tensor:
         """The summaries ``[batch, num_pages, vectors, kv_heads, head_dim]`` of ``layer``'s first pages (a sparse
         step; :func:`~lightning_oomb.engine.sparse.summarize`; the layer's own KV heads)."""
+        layer = self.shape.source_of(layer)
         heads, dim = self.shape.geometry(layer)
         return self._summaries[layer, :, :num_pages, :, :heads, :dim]
 
-    def read_grad(self, layer: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_grad(self, layer: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Accumulated ``dk, dv [B, kv_heads, length, head_dim]`` of tokens ``[start, start + length)`` (one
         chunk). In the backward sweep this hands the chunk's gradient pages over: afterwards their content is
-        undefined."""
+        undefined. ``None`` for an alias (:attr:`~lightning_oomb.engine.pages.PoolShape.aliases`): its adds are in
+        its source's gradient pages, which the source's call hands over (its K/V are the source's)."""
         shape = self.shape
+        if layer in shape.aliases:
+            return None
         first, end = start // shape.page_size, shape.num_pages(start + length)
         if self.streams(layer):
             arena, table = self._staging, self._offload.grad_table(layer, shape.block_of(start))
@@ -625,6 +632,7 @@ class KVPool:
         """Stored ``k, v`` of tokens ``[start, start + length)`` (tests and debugging; waits for the copies). A window
         layer keeping its tails holds only those (hosted tails: the two in its ring) and the last chunk's pages."""
         shape = self.shape
+        layer = shape.source_of(layer)
         first, end = start // shape.page_size, shape.num_pages(start + length)
         if self.streams(layer):
             self._synchronize()

@@ -114,7 +114,9 @@ class ChunkModel(Protocol):
     refused (without it every page is kept); a chunked-attention layer's ``window`` is its ``block``.
     ``layer_kv_heads`` and ``layer_head_dims``: per layer index, its KV heads and its calls' head dim where layers
     differ (each layer's pages then hold its own; the geometry most layers without a window have is the pool's slots',
-    which may go to host memory, and a layer of another keeps its pages on the device).
+    which may go to host memory, and a layer of another keeps its pages on the device). ``layer_kv_sources``: per
+    layer index, the earlier layer whose very ``k, v`` its call passes (Gemma 4's KV-sharing layers), or ``None``:
+    such a layer reads that layer's pages and stores none (a call passing other K/V is refused).
     ``carries_states`` (the module docstring); ``new_step_loss()`` (:class:`StepLoss`); ``packing_refused``: why
     packed documents cannot train exactly (the engine refuses them before any work), or ``None``.
 

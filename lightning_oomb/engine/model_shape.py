@@ -226,6 +226,7 @@ class ModelShape:
     expert_biases: bool = False
     layer_head_dims: tuple[int, ...] | None = None
     layer_kv_heads: tuple[int, ...] | None = None
+    layer_kv_sources: tuple[int | None, ...] | None = None
     value_norm: bool = False
     rotated_qk_norms: bool = False
     layer_rope: bool = False
@@ -251,6 +252,13 @@ class ModelShape:
         if heads is None or len(heads) != self.paged_layers:
             return (self.kv_heads,) * self.paged_layers
         return heads
+
+    @property
+    def own_kv_sources(self) -> tuple[int | None, ...] | None:
+        """Each paged layer's source of K/V (``layer_kv_sources``), or ``None`` (not given, or not one per paged
+        layer: every layer keeps its own pages)."""
+        sources = self.layer_kv_sources
+        return sources if sources is not None and len(sources) == self.paged_layers else None
 
     @property
     def mlps(self) -> int:
@@ -524,6 +532,20 @@ def layer_kv_heads(config: Any) -> tuple[int, ...] | None:
     return heads if len(set(heads)) > 1 else None
 
 
+def layer_kv_sources(config: Any) -> tuple[int | None, ...] | None:
+    """Each layer's source of K/V where a config's layers share them (Gemma 4's ``num_kv_shared_layers``: each of
+    the last layers reuses the K/V of the last earlier layer of its ``layer_types`` entry), else ``None``."""
+    fields = _fields(config)
+    shared, layers, types = (
+        fields.get(k) for k in ("num_kv_shared_layers", "num_hidden_layers", "layer_types")
+    )
+    if not shared or not isinstance(layers, int) or not types or shared >= layers:
+        return None
+    first = layers - shared
+    last = {kind: i for i, kind in enumerate(types[:first])}  # each type's last layer before the shared ones
+    return tuple(None if i < first else last.get(types[i]) for i in range(layers))
+
+
 def config_kv_heads(cfg: Any) -> int:
     """A config's KV heads (read off its dict: a config whose layers differ in them — ``layer_kv_heads`` — refuses
     the attribute; its own value, the layers' without an override)."""
@@ -619,6 +641,7 @@ def _shape_of_attention_config(cfg: Any) -> ModelShape:
         windows=_config_windows(cfg),
         layer_head_dims=layer_head_dims(cfg),
         layer_kv_heads=layer_kv_heads(cfg),
+        layer_kv_sources=layer_kv_sources(cfg),
         mlp_layers=None if (blocks := _mlp_blocks(cfg)) is None else len(blocks),
         per_layer_inputs=getattr(cfg, "hidden_size_per_layer_input", None) or 0,
         scaled_embeddings=family in SCALED_EMBEDDINGS,
@@ -819,6 +842,7 @@ def _with_adapter(shape: ModelShape, adapter: Any) -> ModelShape:
         windows=getattr(adapter, "layer_windows", shape.windows),
         layer_kv_heads=getattr(adapter, "layer_kv_heads", shape.layer_kv_heads),
         layer_head_dims=getattr(adapter, "layer_head_dims", shape.layer_head_dims),
+        layer_kv_sources=getattr(adapter, "layer_kv_sources", shape.layer_kv_sources),
     )
     if not getattr(adapter, "carries_states", False):
         return shape

@@ -80,6 +80,10 @@ class PoolShape:
 
     ``host_tails``: the window layers' tails wait in host memory between the sweeps (:attr:`hosted_tails`; set by
     :func:`~lightning_oomb.engine.kv_pool.place_layers` when the device budget is short).
+
+    ``layer_sources``: per layer, the earlier layer whose K/V its call passes (Gemma 4's KV-sharing layers,
+    ``num_kv_shared_layers``): it reads that layer's pages, adds into their gradients and stores none of its own
+    (:meth:`source_of`); ``None``: every layer its own.
     """
 
     num_layers: int
@@ -98,6 +102,7 @@ class PoolShape:
     layer_head_dims: tuple[int, ...] | None = None
     layer_call_dims: tuple[int, ...] | None = None
     host_tails: bool = False
+    layer_sources: tuple[int | None, ...] | None = None
 
     @classmethod
     def for_layers(
@@ -115,7 +120,10 @@ class PoolShape:
         take the geometry most layers without a window have (they hold the most pages, and may go to host memory),
         the larger on a tie; among all layers if every one has a window."""
         layers = range(len(heads))
-        full = [i for i in layers if windows is None or windows[i] is None] or list(layers)
+        stored = [
+            i for i in layers if options.get("layer_sources") is None or options["layer_sources"][i] is None
+        ]
+        full = [i for i in stored if windows is None or windows[i] is None] or stored or list(layers)
         geometries = [(heads[i], head_dims[i], call_dims[i]) for i in full]
         # (no layer — a model without attention, pure Mamba2 — has no pages: any geometry)
         slot = max(set(geometries), key=lambda g: (geometries.count(g), g[0] * g[1]), default=(1, 16, 16))
@@ -158,7 +166,9 @@ class PoolShape:
 
     def _tails(self, layer: int) -> tuple[int, ...] | None:
         window = self.windows[layer] if self.windows is not None else None
-        if window is None or not self.chunk_size:
+        # (a layer other layers read keeps every page: its readers' backward runs before its own, which would
+        # restage a recycled chunk's K/V and zero the gradients they added)
+        if window is None or not self.chunk_size or layer in self.aliases or layer in self._sources:
             return None
         keep: set[int] = set()
         for boundary in range(self.chunk_size, self.seq_len, self.chunk_size):
@@ -206,6 +216,20 @@ class PoolShape:
             * self.dtype.itemsize
         )
 
+    def source_of(self, layer: int) -> int:
+        """The layer whose pages ``layer`` reads: its :attr:`layer_sources` entry, or itself."""
+        source = None if self.layer_sources is None else self.layer_sources[layer]
+        return layer if source is None else source
+
+    @functools.cached_property
+    def aliases(self) -> tuple[int, ...]:
+        """The layers that read another layer's pages (:attr:`layer_sources`): they hold none."""
+        return tuple(layer for layer in range(self.num_layers) if self.source_of(layer) != layer)
+
+    @functools.cached_property
+    def _sources(self) -> frozenset[int]:
+        return frozenset(self.source_of(layer) for layer in self.aliases)
+
     def heads_of(self, layer: int) -> int:
         """The layer's KV heads."""
         return self.kv_heads if self.layer_kv_heads is None else self.layer_kv_heads[layer]
@@ -224,13 +248,17 @@ class PoolShape:
 
     @functools.cached_property
     def device_only(self) -> tuple[int, ...]:
-        """Layers whose pages always stay in the HBM tier: the recycling window layers (small) and the layers of
-        another geometry than the slots' (``kv_heads``, ``head_dim``)."""
+        """Layers whose pages always stay in the HBM tier: the recycling window layers (small), the layers of
+        another geometry than the slots' (``kv_heads``, ``head_dim``), and the :attr:`aliases` (no pages) with the
+        layers they read (their pages are read twice a chunk: a host layer's stream would be too)."""
         slot = (self.kv_heads, self.head_dim)
         return tuple(
             layer
             for layer in range(self.num_layers)
-            if self.tails[layer] is not None or self.geometry(layer) != slot
+            if self.tails[layer] is not None
+            or self.geometry(layer) != slot
+            or layer in self.aliases
+            or layer in self._sources
         )
 
     def hbm_slots_of(self, layer: int) -> int:
@@ -240,7 +268,10 @@ class PoolShape:
         return math.ceil(self.batch * self.layer_pages(layer) * heads * dim / (self.kv_heads * self.head_dim))
 
     def layer_pages(self, layer: int) -> int:
-        """Pages per row the layer stores: every page, or its tails plus one chunk's transient pages."""
+        """Pages per row the layer stores: every page, or its tails plus one chunk's transient pages (an alias:
+        none)."""
+        if layer in self.aliases:
+            return 0
         tails = self.tails[layer]
         return self.pages_per_row if tails is None else self.device_tail_pages(layer) + self.block_pages
 

@@ -273,7 +273,7 @@ def _pool_shape(
     return PoolShape.for_layers(
         batch, tokens, shape.own_kv_heads, tuple(stored_head_dim("triton" if triton else "torch", d) for d in dims),
         dims, config.page_size, shape.windows, chunk_size=chunk, kv_grad_dtype=config.kv_grad_dtype, dtype=kv,
-        page_score=score,
+        page_score=score, layer_sources=shape.own_kv_sources,
     )  # fmt: skip
 
 

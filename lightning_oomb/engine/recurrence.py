@@ -394,6 +394,7 @@ class OOMBEngine:
             chunk_size=cfg.chunk_size if layout is None else cfg.chunk_size // layout.size,
             kv_grad_dtype=cfg.kv_grad_dtype,
             page_score=None if sparse is None or layout is not None else sparse.score,
+            layer_sources=getattr(model, "layer_kv_sources", None),
         )
         bounds = chunk_bounds(seq_len, cfg.chunk_size)
         denominator = (

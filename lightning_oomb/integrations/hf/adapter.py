@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import sys
 import warnings
 from collections.abc import Iterator
@@ -32,6 +33,7 @@ from lightning_oomb.engine.model_shape import (
     decoder_of,
     layer_head_dims,
     layer_kv_heads,
+    layer_kv_sources,
     paged_head_dim,
 )
 from lightning_oomb.engine.tiles import tiled
@@ -321,6 +323,11 @@ class HFChunkModel:
                     "has — train this model with another strategy."
                 )
             self.layer_head_dims = None  # (its narrower heads zero-padded to the widest)
+        # Gemma 4's / 3n's KV-sharing layers read an earlier layer's pages (one attention call per layer: indices
+        # agree), where they take its very K/V (transformers' shared_kv_states; else each keeps its own copy)
+        sources = layer_kv_sources(config)
+        passes = any("shared_kv_states" in inspect.signature(m.forward).parameters for m in self._routed)
+        self.layer_kv_sources = sources if sources and passes and len(sources) == self.num_layers else None
         self._states = None  # the running chunk's carried states
         self._chunk: ChunkContext | None = None  # the running chunk (also in a checkpoint's recompute)
         self._answered = 0  # the causal LM's calls answered in the running answer_calls block
