@@ -191,8 +191,9 @@ def _layer_bytes_per_token(
     readers = shape.norm_readers or (0, 0, 0)  # (0: q, k, v and a gate; gate and up; gate and up)
     attention_readers, mlp_readers = (readers[0] or 3 + gated) - 2 * shares_kv, readers[1] or 2
     # (an MoE layer's readers as read off its modules — router, shared experts — where its routed experts read no
-    # cast copy of the whole normed input: grouped_mm's read it uncast, an expert loop's its gathered rows)
-    moe_readers = readers[2] * (shape.uncast_experts or shape.expert_loop) or 2
+    # cast copy of the whole normed input: grouped_mm's read it uncast, an expert loop's its gathered rows, Llama
+    # 4's dense experts their scaled copies)
+    moe_readers = readers[2] * (shape.uncast_experts or shape.expert_loop or shape.dense_experts) or 2
     routed = shape.intermediate_size * shape.routed_per_token
     attn = norm(attention_readers) + 2 * c * q + lse * heads + (c if dtypes.mixed else r) * q * inputs
     # a gate's sigmoid, and the output it multiplies (a copy of the op's: reshaped)
@@ -220,7 +221,9 @@ def _layer_bytes_per_token(
             return norm(mlp_readers, own) + (3 + inputs) * c * width
         # its shared experts as a dense MLP, its routed ones (routed_bytes), the router's scores
         saved = norm(moe_readers, own) + (3 + inputs) * c * (width - routed)
-        return saved + routed_bytes(shape, dtypes) + 2 * f * shape.num_experts
+        # (Llama 4's router: its top-k indices and the scores' float32 sigmoid)
+        scores = ID_BYTES * shape.experts_per_token + f * shape.num_experts if shape.dense_experts else None
+        return saved + routed_bytes(shape, dtypes) + (scores or 2 * f * shape.num_experts)
 
     dense = mlp(shape.dense_mlp_width, False)
     return attn, (mlp(shape.mlp_width, True) if shape.num_experts else dense), dense

@@ -289,10 +289,13 @@ def test_llama4s_layers_are_read_off_its_decoder_stack(precision):
     """Llama 4's ``get_decoder()`` returns the model itself, so its layers went unread: its weightless QK norm,
     only in its RoPE layers, and the projections reading its norms; and its experts save each one's copy of the
     input times its score and a cast copy, not an output. Planned +4.1 % (32-true) and -5.0 % (bf16-mixed) off what
-    autograd saves, now within 2 % (measured +0.2 % and -1.0 %)."""
+    autograd saves, then +0.2 % and -1.0 %: under autocast the router reads its own cast copy of the normed input
+    beside the shared expert's two (``norm_readers[2]``, 3, was dropped: the experts read scaled copies), and the
+    router saves its top-k indices and a float32 sigmoid (counted as two float32 score rows). Now within 0.5 %
+    (measured +0.1 % both)."""
     predicted, saved, _ = measure(
         "llama4_text", precision, False, 64, seq_len=256, vocab=64, build=build_llama4
     )
     shape = predicted.model
     assert (shape.qk_norm_layers, shape.weightless_qk_norms, shape.norm_readers) == (2, True, (3, 2, 3))
-    assert abs(predicted.device["activations"] / saved - 1) <= 0.02, (predicted.saved, saved)
+    assert abs(predicted.device["activations"] / saved - 1) <= 0.005, (predicted.saved, saved)
