@@ -159,7 +159,7 @@ from lightning_oomb.engine.kv_pool import device_memory_available, hbm_budget, p
 from lightning_oomb.engine.memory import HOST_RESERVE_BYTES, host_memory_available
 from lightning_oomb.engine.model_shape import CALIBRATED, ModelShape, model_shape
 from lightning_oomb.engine.offload import host_tail_bytes
-from lightning_oomb.engine.pages import GRAD_DTYPES, PoolShape, arena_bytes
+from lightning_oomb.engine.pages import GRAD_DTYPES, PAGE_SCORES, PoolShape, arena_bytes
 from lightning_oomb.engine.results import result_slot_bytes
 from lightning_oomb.engine.states import BOUNDARY_ALIGN
 from lightning_oomb.engine.step_setup import Dtypes, OptimizerSpec, optimizer_spec, precision_dtypes
@@ -811,7 +811,7 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     sparse = config.page_score if config.page_budget is not None else None
     pool = _pool_shape(shape, config, machine, batch, owned, config.chunk_size // devices, dtypes.kv,
                        sparse if devices == 1 else None)  # fmt: skip
-    summaries = dataclasses.replace(pool, seq_len=seq_len, page_score=sparse).summary_bytes
+    summaries = _summary_bytes(dataclasses.replace(pool, seq_len=seq_len, page_score=sparse), devices)
     pool, tiers, slots = place_layers(
         pool, _budget(config, machine, weights), config.staging_count(pool.block_bytes)
     )
@@ -1016,6 +1016,16 @@ def _half_elements(inputs: _Inputs) -> tuple[int, int]:
 def _budget(config: OOMBConfig, machine: Machine, weights: int) -> int | None:
     """The ``hbm_budget`` the pool will compute at the first step, when only the weights are on the device."""
     return hbm_budget(config, machine.device_type, lambda: (machine.device_bytes - weights, machine.total))
+
+
+def _summary_bytes(pool: PoolShape, devices: int) -> int:
+    """Bytes of a sparse step's page summaries, every page's: on one device the pool's one tensor at the widest
+    layer's KV heads and head dim (``PoolShape.summary_bytes``); under context parallelism each layer's own, at its
+    pages' geometry (:class:`~lightning_oomb.engine.context.SharedSummaries`)."""
+    if devices == 1 or pool.page_score is None:
+        return pool.summary_bytes
+    per_page = pool.batch * pool.pages_per_row * PAGE_SCORES[pool.page_score] * pool.dtype.itemsize
+    return per_page * sum(math.prod(pool.geometry(layer)) for layer in range(pool.num_layers))
 
 
 def _backend(config: OOMBConfig, machine: Machine, shape: ModelShape | None = None) -> str:

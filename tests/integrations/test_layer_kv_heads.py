@@ -154,3 +154,40 @@ def test_activations_are_planned_at_each_layers_own_heads(precision):
 
     predicted, measured, _ = measure("gemma4_text", precision, False, 32, seq_len=96, vocab=64, build=build)
     assert abs(predicted.device["activations"] / measured - 1) <= 0.03, (predicted.saved, measured)
+
+
+def _shared_summaries_step(rank, world):
+    """A sparse step of two context-parallel ranks: the bytes of every layer's shared summaries on this rank."""
+    from lightning_oomb.engine import context as cp
+    from lightning_oomb.engine.context import ContextGroup
+
+    made, init = [], cp.SharedSummaries.__init__
+
+    def spy(self, score):
+        init(self, score)
+        made.append(self)
+
+    cp.SharedSummaries.__init__ = spy
+    try:
+        model = _model()
+        engine = OOMBEngine(HFChunkModel(model), OOMBConfig(16, 8, page_budget=2), context=ContextGroup.of())
+        engine.loss(torch.randint(0, 64, (2, 61), generator=torch.Generator().manual_seed(5))).backward()
+    finally:
+        cp.SharedSummaries.__init__ = init
+    return {"layers": {layer: t.nbytes for s in made for layer, t in s.pages.items()}}
+
+
+def test_context_parallel_summaries_are_planned_at_each_layers_own_heads(tmp_path):
+    """Under context parallelism every rank keeps every page's summary, each layer's at its own KV heads and head
+    dim (``context.SharedSummaries``): the plan counted every layer at the widest layer's (2 KV heads of 16 here,
+    where the sliding layers have 2 of 8 and the global ones 1 of 16: 49,152 bytes planned, 24,576 held, 2x); now
+    each layer's, byte for byte."""
+    from lightning_oomb.engine.planner import plan
+    from tests.helpers.distributed import run_ranks
+
+    results = run_ranks(_shared_summaries_step, 2, tmp_path)
+    held = [sum(r["layers"].values()) for r in results]
+    assert len(results[0]["layers"]) == 6 and held[0] == held[1]
+    planned = plan(_model(), 61, 2, OOMBConfig(16, 8, page_budget=2), "64-true", None, "cpu", host_memory=2**40,
+                   context_parallel=2)  # fmt: skip
+    assert planned.device["page_summaries"] == held[0]
