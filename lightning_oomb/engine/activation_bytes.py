@@ -11,6 +11,7 @@ from collections import Counter
 import torch
 
 from lightning_oomb.engine import parking
+from lightning_oomb.engine.attention import stored_head_dim
 from lightning_oomb.engine.cpu_attention import PAST_BLOCK
 from lightning_oomb.engine.model_shape import NORM_BYTES, Mixer, ModelShape
 from lightning_oomb.engine.reference import KEY_BLOCK
@@ -28,13 +29,15 @@ def saved_bytes(
     layer_checkpointing: bool,
     restaged_width: int = 0,
     mlp_tile: int | None = None,
+    backend: str = "torch",
 ) -> dict[str, int]:
     """Bytes autograd holds at the end of one full chunk's recompute, by part: ``layers`` (decoder layers),
     ``weight_copies`` (autocast's cast weights), ``head`` (final norm, the loss's hidden states, targets) and
     ``other`` (the step's token ids, RoPE cos/sin) — what :class:`~lightning_oomb.engine.memory.SavedTensorMeter`
     measures as its peak. ``restaged_width``: the KV heads x head dim of the pages of every layer whose op saves its
     chunk's K and V for the backward's rewrite, summed (host-tier layers and window layers keeping only their tails:
-    ``KVPool.restages``)."""
+    ``KVPool.restages``). ``backend``: the attention backend, whose op saves its q and output as wide as the
+    pages (the Triton kernels': head dims zero-padded to a power of two, ``attention.stored_head_dim``)."""
     tokens = batch * min(chunk_size, seq_len)
     r, c = dtypes.activation.itemsize, dtypes.compute.itemsize
     if layer_checkpointing:  # a checkpointed layer saves its input only
@@ -48,7 +51,10 @@ def saved_bytes(
         shares = [s is not None for s in shape.own_kv_sources or (None,) * shape.paged_layers]
         dims = Counter(zip(shape.own_head_dims, shape.own_kv_heads, shares))
         attention = sum(
-            n * _layer_bytes_per_token(shape, dtypes, False, tiled, d, kv, shared)[0]
+            n
+            * _layer_bytes_per_token(shape, dtypes, False, tiled, d, kv, stored_head_dim(backend, d), shared)[
+                0
+            ]
             for (d, kv, shared), n in dims.items()
         )
         if shape.qk_norm and shape.qk_norm_layers is not None:  # (the layers without: Llama 4's NoPE layers)
@@ -162,6 +168,7 @@ def _layer_bytes_per_token(
     tiled: bool = False,
     head_dim: int | None = None,
     kv_heads: int | None = None,
+    op_head_dim: int | None = None,
     shares_kv: bool = False,
 ) -> tuple[int, int, int]:
     """Bytes per token one decoder layer saves: (input norm + attention, post-attention norm + MLP — an MoE
@@ -173,8 +180,9 @@ def _layer_bytes_per_token(
     layer (``layer_norms`` 1: Cohere's parallel block) the MLP reads the attention's (under autocast its own cast
     copies). ``head_dim``: the layer's own (``ModelShape.layer_head_dims``; default ``shape.head_dim``): its
     projections', norms' and the op's saved q and output widths; ``kv_heads``:
-    its own (``ModelShape.layer_kv_heads``; default ``shape.kv_heads``); ``shares_kv``: its call passes an earlier
-    layer's K/V (``ModelShape.layer_kv_sources``): no key or value projection, norm or their saves."""
+    its own (``ModelShape.layer_kv_heads``; default ``shape.kv_heads``); ``op_head_dim``: the width of the op's saved
+    q and output (the pages': Triton's zero-padded heads; default ``head_dim``); ``shares_kv``: its call passes an
+    earlier layer's K/V (``ModelShape.layer_kv_sources``): no key or value projection, norm or their saves."""
     r, c, f = dtypes.activation.itemsize, dtypes.compute.itemsize, NORM_BYTES
     h, heads, kv_heads = shape.hidden_size, shape.num_heads, kv_heads or shape.kv_heads
     d = shape.head_dim if head_dim is None else head_dim
@@ -195,7 +203,8 @@ def _layer_bytes_per_token(
     # 4's dense experts their scaled copies)
     moe_readers = readers[2] * (shape.uncast_experts or shape.expert_loop or shape.dense_experts) or 2
     routed = shape.intermediate_size * shape.routed_per_token
-    attn = norm(attention_readers) + 2 * c * q + lse * heads + (c if dtypes.mixed else r) * q * inputs
+    op_q = heads * (op_head_dim or d)  # the op's saved q and output, as wide as the pages
+    attn = norm(attention_readers) + 2 * c * op_q + lse * heads + (c if dtypes.mixed else r) * q * inputs
     # a gate's sigmoid, and the output it multiplies (a copy of the op's: reshaped)
     attn += 2 * c * q * gated
     # a gate per head (LFM3's): its sigmoid and the output it multiplies (a copy of the op's)

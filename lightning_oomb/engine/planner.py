@@ -826,7 +826,9 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     ckpt = config.layer_checkpointing
     restaging = set(tiers.host_layers) | set(pool.recycling)  # KVPool.restages: the op saves their K and V
     restaged = sum(math.prod(pool.geometry(layer)) for layer in restaging)
-    saved = saved_bytes(shape, dtypes, batch, seq_len, config.chunk_size, ckpt, restaged, config.mlp_tile)
+    saved = saved_bytes(
+        shape, dtypes, batch, seq_len, config.chunk_size, ckpt, restaged, config.mlp_tile, backend
+    )
     tokens = batch * min(config.chunk_size, seq_len)
     parks = ckpt and config.offloads and machine.device_type in parking.DEVICE_TYPES
     if parks:  # the layers' inputs parked
