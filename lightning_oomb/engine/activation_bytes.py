@@ -71,6 +71,11 @@ def saved_bytes(
         mixed += sum(_mixer_saves(shape, dtypes, batch, min(chunk_size, seq_len)))
         mlps = shape.moe_mlps * mlp + (shape.mlps - shape.moe_mlps) * dense
         per_token = attention + mlps + restaged
+        # a layer's scaled sums (ZAYA's): its output biased (under autocast float32: a float32 bias added) and the
+        # float32 residual stream biased; each layer but the first scales the one before's router states
+        out = NORM_BYTES if dtypes.mixed else r
+        per_token += shape.num_layers * shape.scaled_residuals * (out + NORM_BYTES) * shape.hidden_size
+        per_token += max(shape.num_layers - 1, 0) * c * shape.layer_carry
         # each layer's gate of its own input (Gemma 4's): the gate's input, its GELU's input and output, the
         # projection's input; under autocast the gate's cast input and both weights' copies
         gate = shape.per_layer_inputs
@@ -229,6 +234,9 @@ def _layer_bytes_per_token(
         if not experts:
             return norm(mlp_readers, own) + (3 + inputs) * c * width
         # its shared experts as a dense MLP, its routed ones (routed_bytes), the router's scores
+        if shape.layer_carry:  # a router MLP (ZAYA's): one projection reads the normed input
+            saved = norm(1, own) + (3 + inputs) * c * (width - routed)
+            return saved + routed_bytes(shape, dtypes) + router_mlp_bytes(shape, dtypes)
         saved = norm(moe_readers, own) + (3 + inputs) * c * (width - routed)
         # (Llama 4's router: its top-k indices and the scores' float32 sigmoid)
         scores = ID_BYTES * shape.experts_per_token + f * shape.num_experts if shape.dense_experts else None
@@ -238,6 +246,15 @@ def _layer_bytes_per_token(
     return attn, (mlp(shape.mlp_width, True) if shape.num_experts else dense), dense
 
 
+def router_mlp_bytes(shape: ModelShape, dtypes: Dtypes) -> int:
+    """Bytes per token a router MLP of ``layer_carry`` width saves (ZAYA's, beside its projection's input): its norm
+    (float32 input and output, 1/rms), the inputs of its two GELU projections, the GELUs' and the output
+    projection's, the softmax over the experts and a skip class, the top-k indices and their skip mask."""
+    c, f, width = dtypes.compute.itemsize, NORM_BYTES, shape.layer_carry
+    k = shape.experts_per_token
+    return 2 * f * width + f + 5 * c * width + c * (shape.num_experts + 1) + (ID_BYTES + 1) * k
+
+
 def _qk_norm_bytes(
     shape: ModelShape, dtypes: Dtypes, head_dim: int, kv_heads: int | None = None, keys: bool = True
 ) -> int:
@@ -245,6 +262,10 @@ def _qk_norm_bytes(
     the normed input (in the compute dtype; ``float32_norms``: float32; ``rotated_qk_norms``: RoPE's float32 tables
     made it the activations' dtype under autocast; ``weightless_qk_norms``: none, no weight needs it)."""
     r, c, f = dtypes.activation.itemsize, dtypes.compute.itemsize, NORM_BYTES
+    # ZAYA's: q and k, each head's norm and two scalars of it, the normed k the scale reads
+    if shape.l2_qk_norms:
+        q, kv = shape.num_heads, kv_heads or shape.kv_heads
+        return c * ((q + 2 * kv) * head_dim + 3 * (q + kv))
     normed = (
         0 if shape.weightless_qk_norms else f if shape.float32_norms else r if shape.rotated_qk_norms else c
     )
@@ -297,10 +318,17 @@ def mixer_bytes(mixer: Mixer, dtypes: Dtypes, batch: int, length: int, hidden: i
     blocks = padded // mixer.block
     # the convolution's input after the previous chunk's last columns (a copy) and its output (the kernel's more)
     conv = r * w * (2 * length + 3 * mixer.kernel - 1)
-    # under autocast a short convolution's cast input and all it computes in the compute dtype (ZAYA's attention
-    # projection, its values delayed, counted as one: in the activations' dtype)
+    if (
+        mixer.kind == "conv" and mixer.delayed
+    ):  # ZAYA's attention projection (the attention formula counts its
+        # projections' input, three readers): its two convolutions' inputs in the compute dtype — q and k after
+        # the carried columns, then less the first's kernel (counted from above: as the whole ``kernel``) —, under
+        # autocast the delayed values' projection's own cast copy, and that projection's row of zeros
+        saved = c * w * (2 * length + 2 * mixer.kernel) + c * hidden * length * (c < r) + c * hidden
+        return batch * saved, batch * 3 * r * w * length
+    # under autocast a short convolution's cast input and all it computes in the compute dtype
     if mixer.kind == "conv":
-        e = r if mixer.delayed else c
+        e = c
         saved = e * (hidden + 4 * w) * length + e * w * (2 * length + 3 * mixer.kernel - 1)
         return batch * saved, batch * 3 * e * w * length
     if mixer.kind == "mamba":  # Mamba-1's torch scan, token by token: per channel, state-wide float32 terms

@@ -146,7 +146,10 @@ class ModelShape:
     saved); ``scaled_embeddings``: the embeddings are biased and scaled into a float32 residual stream before the
     first layer (ZAYA's): the scale's input saved, every layer's input float32; ``layer_carry``: elements per token
     each layer but the first takes from the one before besides the hidden states (ZAYA's router states: a
-    checkpointed layer's input too); ``ungated_mlp``: the dense MLPs have no gate, and their activation saves
+    checkpointed layer's input too; its router, a norm and an MLP of that width, saves what
+    ``activation_bytes.router_mlp_bytes`` counts); ``scaled_residuals``: sums a layer makes of its biased and scaled
+    output and residual stream (ZAYA's two, each saving both biased inputs); ``l2_qk_norms``: the QK norms divide by
+    each head's L2 norm and scale the keys (ZAYA's, no float32 copy); ``ungated_mlp``: the dense MLPs have no gate, and their activation saves
     ``(width-wide tensors, bytes per element beside them)`` (:func:`ungated_mlp`; ``None``: gated);
     ``native_norms``: its norms are torch's fused LayerNorm, which saves its input as it is (:func:`native_norms`);
     ``norm_readers``: the projections reading the attention's, a dense MLP's and an MoE layer's input norms (each
@@ -221,6 +224,8 @@ class ModelShape:
     native_norms: bool = False
     scaled_embeddings: bool = False
     layer_carry: int = 0
+    scaled_residuals: int = 0
+    l2_qk_norms: bool = False
     norm_readers: tuple[int, int, int] | None = None
     uncast_experts: bool = False
     expert_biases: bool = False
@@ -646,6 +651,8 @@ def _shape_of_attention_config(cfg: Any) -> ModelShape:
         per_layer_inputs=getattr(cfg, "hidden_size_per_layer_input", None) or 0,
         scaled_embeddings=family in SCALED_EMBEDDINGS,
         layer_carry=(getattr(cfg, "router_hidden_size", None) or 0) * (family in SCALED_EMBEDDINGS),
+        scaled_residuals=2 * (family in SCALED_EMBEDDINGS),
+        l2_qk_norms=family in SCALED_EMBEDDINGS,
     )
 
 
