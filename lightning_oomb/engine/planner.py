@@ -267,11 +267,11 @@ def _pool_shape(
     score=None,
 ) -> PoolShape:
     """The pool of ``tokens`` per row in chunks of ``chunk``, as the engine shapes it: each paged layer at its own
-    KV heads and head dim, zero-padded to a power of two on a GPU with the Triton kernels."""
-    triton = machine.device_type == "cuda" and config.attention_backend in ("auto", "triton")
+    KV heads and head dim, zero-padded to a power of two for the Triton kernels (a GPU's, or forced)."""
+    backend = _backend(config, machine)
     dims = shape.own_head_dims
     return PoolShape.for_layers(
-        batch, tokens, shape.own_kv_heads, tuple(stored_head_dim("triton" if triton else "torch", d) for d in dims),
+        batch, tokens, shape.own_kv_heads, tuple(stored_head_dim(backend, d) for d in dims),
         dims, config.page_size, shape.windows, chunk_size=chunk, kv_grad_dtype=config.kv_grad_dtype, dtype=kv,
         page_score=score, layer_sources=shape.own_kv_sources,
     )  # fmt: skip

@@ -186,6 +186,9 @@ def test_the_ops_saved_q_and_output_are_as_wide_as_the_pages(backend):
     predicted = plan(engine.model, ids.shape[1], 1, config, "32-true", None, BIG_CPU)
     assert predicted.model.head_dim == 8
     assert predicted.device["activations"] == saved, (predicted.saved, saved)
+    # the pool too: its pages at the padded width on the triton backend (a CPU plan padded them only on a GPU)
+    assert predicted.pool.head_dim == engine.pool.shape.head_dim == (16 if backend == "triton" else 8)
+    assert predicted.device["kv_hbm"] == engine.pool.stats()["hbm_pool_bytes"]
 
 
 @pytest.mark.parametrize("family", ["qwen3", "mistral"])
