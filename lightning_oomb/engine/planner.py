@@ -924,8 +924,9 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
         kv, grad = (pool.page_bytes(part) / config.page_size for part in ("kv", "grad"))
         parked = parked_bytes(shape, dtypes, tokens) if parks else 0
         copies = copy_bytes(
-            seq_len, config, len(tiers.host_layers), kv, grad, parked, host["reused_attention"]
-        )
+            seq_len, config, len(tiers.host_layers), kv, grad, parked, host["reused_attention"],
+            pool.tail_host_bytes,
+        )  # fmt: skip
         chunks = math.ceil(seq_len / config.chunk_size)
         summed = (
             host_sum_bytes(chunks, inputs.accumulating, _half_elements(inputs)[1], mirrored)

@@ -149,6 +149,7 @@ def copy_bytes(
     grad_bytes: float,
     parked: float = 0.0,
     reused: float = 0.0,
+    tails: float = 0.0,
 ) -> float:
     """Bytes a step moves between host and device: each of ``host_layers`` (offload) writes its K/V to the host
     once and, per chunk, streams the earlier chunks' pages in (a sparse step: the selected ones, at most
@@ -156,7 +157,8 @@ def copy_bytes(
     backward, gradient pages in and out in the backward (``kv_bytes``, ``grad_bytes``: per token, K and V); and
     what each chunk's recompute parks in host memory, out and back (``parked`` bytes per chunk:
     :mod:`~lightning_oomb.engine.parking`); ``reuse_attention``'s kept results, out in the forward sweep and back in
-    the backward (``reused``: their bytes in all)."""
+    the backward (``reused``: their bytes in all), and so the window layers' tails in host memory (``tails``: their
+    bytes, ``PoolShape.tail_host_bytes``)."""
     chunk = config.chunk_size
     chunks = math.ceil(seq_len / chunk)
     first_kept = chunks - config.reused_chunks(chunks)
@@ -166,7 +168,7 @@ def copy_bytes(
         streamed += tokens
         recomputed += tokens if index < first_kept else 0
     per_layer = seq_len * kv_bytes + (2 * streamed + recomputed) * kv_bytes + 2 * streamed * grad_bytes
-    return host_layers * per_layer + 2 * chunks * parked + 2 * reused
+    return host_layers * per_layer + 2 * chunks * parked + 2 * reused + 2 * tails
 
 
 def host_sum_bytes(

@@ -249,3 +249,19 @@ def test_a_context_parallel_plan_divides_the_compute_and_adds_the_collectives():
         )
         saved = shared.step_time_s - quarter.step_time_s
         assert saved == pytest.approx(3 / 4 * shared.device["gradients"] / link)
+
+
+def test_the_window_tails_in_host_memory_count_out_and_back():
+    """Window layers' tails in host memory (every layer a window layer, every tail group hosted): each group goes
+    out once and comes back once — but the two the forward sweep leaves on the device: the model's count is an upper
+    bound within one chunk's pair of groups of the engine's."""
+    model = build_causal_lm("mistral", dtype=torch.float32, num_hidden_layers=2)
+    config = OOMBConfig(32, 8, offload=True, hbm_budget=0, staging_buffers=3)
+    engine = OOMBEngine(HFChunkModel(model), config)
+    engine.loss(torch.randint(0, 97, (2, 256), generator=torch.Generator().manual_seed(1))).backward()
+    stats, shape = engine.pool.stats(), engine.pool.shape
+    assert shape.hosted_tails == (0, 1) and stats["host_layers"] == 0
+    predicted = copy_bytes(256, config, 0, 0.0, 0.0, tails=shape.tail_host_bytes)
+    counted = stats["h2d_bytes"] + stats["d2h_bytes"]
+    groups = shape.num_blocks - 1  # 7, of which 2 stay
+    assert counted == predicted * (2 * groups - 2) / (2 * groups)
