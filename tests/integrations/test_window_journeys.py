@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch.utils.data import DataLoader
 
 from lightning_oomb import OOMBStrategy
 from lightning_oomb.callbacks import OOMBMonitor
@@ -129,14 +130,22 @@ def test_hosted_tails_edge_cases_equal_full_sequence_training(case):
     assert engine.pool.stats()["hosted_tail_layers"] == len(shape.hosted_tails)
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gpt_oss", "mistral"])
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss", "mistral", "gemma4"])
 def test_hosted_tails_of_other_window_families_are_exact(family):
-    """Gemma 2 (softcaps) and GPT-OSS (sinks, MoE) alternate window and full layers, Mistral's are all window."""
-    model, ids = window_model(family), ids_of(128, seed=1)
+    """Gemma 2 (softcaps) and GPT-OSS (sinks, MoE) alternate window and full layers, Mistral's are all window,
+    Gemma 4's window layers have more and narrower KV heads than its full ones (their ring at their own geometry)."""
+    if family == "gemma4":
+        from tests.integrations.test_layer_kv_heads import _model
+
+        model = _model()  # window 8; layers 2 and 5 full
+    else:
+        model = window_model(family)
+    ids = ids_of(128, seed=1)
     want = oracle(model, ids)
     got = step(model, ids, **HOSTED)
     assert_exact(got, want)
-    assert got[2].pool.shape.hosted_tails == {"gemma2": (0,), "gpt_oss": (0,), "mistral": (0, 1)}[family]
+    hosted = {"gemma2": (0,), "gpt_oss": (0,), "mistral": (0, 1), "gemma4": (0, 1, 3, 4)}[family]
+    assert got[2].pool.shape.hosted_tails == hosted
 
 
 def test_one_pool_through_steps_of_changing_length_and_rows_stays_exact():
@@ -279,6 +288,32 @@ def test_a_fit_with_hosted_tails_equals_the_fit_without_offload_and_resumes_exac
     resumed, _, again = fit(True, 2, resume=str(tmp_path / "epoch=0-step=1.ckpt"))
     assert resumed.losses == pytest.approx(hosted.losses[2:], rel=1e-10, abs=0)
     assert max_param_error(again, module) <= 1e-10
+
+
+def test_a_lora_fit_validating_longer_rows_with_hosted_tails_equals_the_fit_without_offload():
+    """LoRA adapters (``CausalLMModule(lora=...)``) on rows of 4 chunks, validated on rows of 7 (the sanity check
+    first: planned for its shape), 2 steps: the same losses as the tails on the device."""
+    results = []
+    for options in (HOSTED, {"offload": False}):
+        L.seed_everything(0, verbose=False)
+        module = Float64Gemma(
+            config=GEMMA3, dtype="float64", learning_rate=1e-2, lora={"r": 4, "target_modules": "all-linear"}
+        )
+        record = Record()
+        trainer = L.Trainer(
+            strategy=OOMBStrategy(CHUNK, PAGE, **options), accelerator="cpu", devices=1, precision="64-true",
+            max_steps=2, val_check_interval=1, limit_val_batches=1, num_sanity_val_steps=1, logger=False,
+            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, callbacks=[record],
+        )  # fmt: skip
+        train, val = (
+            [{"input_ids": ids} for ids in ids_of(seq, 4, seed)] for seq, seed in ((128, 1), (200, 2))
+        )
+        trainer.fit(module, DataLoader(train, batch_size=2), DataLoader(val, batch_size=2))
+        results.append(record)
+    hosted, on_device = results
+    assert [s["hosted_tail_layers"] for s in hosted.stats] == [2, 2] and len(hosted.val) == 2
+    assert hosted.losses == pytest.approx(on_device.losses, rel=1e-10, abs=0)
+    assert hosted.val == pytest.approx(on_device.val, rel=1e-10, abs=0)
 
 
 # ---------------------------------------------------------------------------------------------------- oomb plan
