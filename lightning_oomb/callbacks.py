@@ -28,7 +28,8 @@ class OOMBMonitor(Callback):
     Logged per optimizer step under ``oomb/``: ``tokens_per_s`` (every position of the batch, right padding
     included, as HF Trainer's ``num_input_tokens_seen`` by default), ``pool_bytes`` (arenas held), ``kv_bytes`` and
     ``grad_bytes`` (what the step needed), every numeric entry of ``engine.stats.extra`` (offload: bytes moved each
-    way, time the compute stream waited on copies, HBM/host pool bytes), and on CUDA ``peak_device_bytes``.
+    way, time the compute stream waited on copies, HBM/host pool bytes, ``hosted_tail_layers``: the window layers
+    whose tails wait in host memory), and on CUDA ``peak_device_bytes``.
     ``tokens_per_s`` and ``pool_bytes`` are shown in the progress bar too. Under ``oomb_cp`` the byte counts are
     rank 0's (its share of the group's pages; Lightning's loggers write rank 0's values), ``tokens_per_s`` the
     group's step.
@@ -80,7 +81,9 @@ class OOMBOffload(OOMBMonitor):
     ``oomb/demand_copies`` (copies a prefetch did not foresee), ``oomb/copy_runs`` (tensor copies issued, one per
     run of consecutive pages), ``oomb/parked_bytes`` (with layer checkpointing:
     what the backward sweep's chunk recomputes parked in host memory, each byte copied out and back once),
-    ``oomb/hbm_pool_bytes``, ``oomb/staging_bytes`` and ``oomb/host_pool_bytes``; use it instead of the monitor.
+    ``oomb/hbm_pool_bytes``, ``oomb/staging_bytes``, ``oomb/host_pool_bytes`` (the host tier and the window layers'
+    tails in host memory) and ``oomb/hosted_tail_layers`` (window layers whose tails wait there: each tail group's
+    K/V crosses once each way, counted in ``h2d_bytes`` / ``d2h_bytes``); use it instead of the monitor.
     Refuses a run whose strategy does not offload (``offload=False``); with ``"auto"`` its memory plan decides, and
     a plan that keeps every page on the device (they fit) is warned about once (the offload counters stay 0).
     """
