@@ -97,6 +97,7 @@ def tails_budget(engine) -> int:
 # with more than two tail groups (chunks - 1 > 2)
 CASES = {
     "1 chunk, partial": (31, 2, {}, {}, False),
+    "1 chunk exactly": (32, 2, {}, {}, False),
     "2 chunks": (64, 2, {}, {}, False),
     "3 chunks: two groups, all on the device": (96, 2, {}, {}, False),
     "3 chunks and a token": (97, 2, {}, {}, True),
@@ -184,8 +185,9 @@ def test_a_packed_row_with_hosted_tails_trains_like_its_documents_apart():
         sums.append(F.cross_entropy(logits, doc[0, 1:], reduction="sum"))
     want_loss = sum(sums) / sum(d.shape[1] - 1 for d in docs)
     want_loss.backward()
+    want = want_loss.detach(), grads_of(model)
     got = step(model, ids, batch={"position_ids": positions}, **HOSTED)
-    assert_exact(got, (want_loss.detach(), grads_of(model)))
+    assert_exact(got, want)
     assert got[2].pool.shape.hosted_tails
 
 
@@ -309,8 +311,9 @@ def test_a_lora_fit_validating_longer_rows_with_hosted_tails_equals_the_fit_with
             [{"input_ids": ids} for ids in ids_of(seq, 4, seed)] for seq, seed in ((128, 1), (200, 2))
         )
         trainer.fit(module, DataLoader(train, batch_size=2), DataLoader(val, batch_size=2))
-        results.append(record)
-    hosted, on_device = results
+        results.append((record, module))
+    (hosted, module), (on_device, reference) = results
+    assert max_param_error(module, reference) <= 1e-10  # the adapters after 2 steps
     assert [s["hosted_tail_layers"] for s in hosted.stats] == [2, 2] and len(hosted.val) == 2
     assert hosted.losses == pytest.approx(on_device.losses, rel=1e-10, abs=0)
     assert hosted.val == pytest.approx(on_device.val, rel=1e-10, abs=0)
