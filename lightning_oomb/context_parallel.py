@@ -69,6 +69,7 @@ class OOMBContextParallelStrategy(_OOMBStrategyMixin, DDPStrategy):
         offload: bool | str = "auto",
         hbm_budget: int | str = "auto",
         staging_buffers: int | str = "auto",
+        host_tails: bool | str = "auto",
         prefetch_depth: int | None = None,
         page_budget: int | None = None,
         page_score: str = "bound",

@@ -77,6 +77,12 @@ class OOMBConfig:
             attends ``(staging_buffers - 1) // 2`` staged prefix blocks, so 9 pays a call's fixed costs once per 4
             blocks. ``"auto"`` (default, :meth:`staging_count`): 9 where they take at most 256 MiB (216 MiB for
             Qwen2.5-7B at chunk 4096), else 4 — large blocks make large calls already.
+        host_tails: under ``offload``, whether sliding-window layers' *tails* (the pages of the last ``window - 1``
+            keys before each chunk start, kept for the whole step) wait in pinned host memory, the device keeping two
+            tail groups per layer: ``"auto"`` (default) where every layer's pages do not fit ``hbm_budget`` — before
+            any full layer goes to the host, as they cross PCIe once each way (K/V only) where a host-tier layer's
+            pages stream in every chunk; ``True``: whenever offload is on; ``False``: they stay on the device (full
+            layers go to the host instead: less host memory per device byte freed, where host memory is short).
         prefetch_depth: predicted block uses staged ahead of time when offloading; ``None`` (default): as many as
             free buffers allow, ``0``: copies only on demand (a debugging aid: no overlap).
         page_budget: sparse attention: each block of ``page_size`` queries attends to its chunk's own pages and to
@@ -141,6 +147,7 @@ class OOMBConfig:
     offload: bool | str = False
     hbm_budget: int | str = "auto"
     staging_buffers: int | str = "auto"
+    host_tails: bool | str = "auto"
     prefetch_depth: int | None = None
     page_budget: int | None = None
     page_score: str = "bound"
@@ -183,6 +190,8 @@ class OOMBConfig:
                 "these device buffers: one holds the chunk's own block, the others the blocks before it — use "
                 "'auto' (the default)."
             )
+        if not isinstance(self.host_tails, bool) and self.host_tails != "auto":
+            raise OOMBConfigError(f"host_tails={self.host_tails!r} must be True, False or 'auto'.")
         depth = self.prefetch_depth
         if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 0):
             raise OOMBConfigError(

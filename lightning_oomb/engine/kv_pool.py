@@ -100,17 +100,19 @@ def plan_tiers(
 
 
 def place_layers(
-    shape: PoolShape, budget: int | None, staging_buffers: int
+    shape: PoolShape, budget: int | None, staging_buffers: int, host_tails: bool | str = "auto"
 ) -> tuple[PoolShape, TierPlan, dict[str, int]]:
     """The tiers of ``shape``'s layers for a device ``budget`` (:func:`plan_tiers`; the device-only layers — window
     layers that keep only their tails, layers of another geometry — stay on the device, their bytes taken out of the
     budget first) and each arena's slots (``"hbm"``, ``"staging"``, ``"host"``): what :meth:`KVPool.reserve`
     allocates, and what the memory planner counts. Where every page does not fit the budget, the window layers'
     tails wait in host memory first (``shape`` comes back with ``host_tails``; they move once each way, a full
-    layer's pages every chunk) and then full layers go to the host tier."""
+    layer's pages every chunk) and then full layers go to the host tier (``host_tails``: ``OOMBConfig``'s option —
+    ``True``: whenever there is a budget, ``False``: never)."""
     if budget is not None:
         hosting = dataclasses.replace(shape, host_tails=True)
-        if hosting.hosted_tails and sum(map(shape.bytes_of, range(shape.num_layers))) > budget:
+        short = sum(map(shape.bytes_of, range(shape.num_layers))) > budget
+        if hosting.hosted_tails and (host_tails is True or (host_tails == "auto" and short)):
             shape = hosting
         budget = max(0, budget - sum(map(shape.bytes_of, shape.device_only)))
     plan = plan_tiers(
@@ -202,7 +204,9 @@ class KVPool:
         requested = shape
         self._synchronize()  # copies in flight may still use arenas that get replaced below
         cfg = self.config
-        shape, plan, slots = place_layers(shape, self._budget(device), cfg.staging_count(shape.block_bytes))
+        shape, plan, slots = place_layers(
+            shape, self._budget(device), cfg.staging_count(shape.block_bytes), cfg.host_tails
+        )
         host_device = torch.device("cpu")
         self._check_memory(shape, plan, slots, device)
         self._hbm = self._grow(self._hbm, slots["hbm"], shape, device)

@@ -813,7 +813,7 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
                        sparse if devices == 1 else None)  # fmt: skip
     summaries = _summary_bytes(dataclasses.replace(pool, seq_len=seq_len, page_score=sparse), devices)
     pool, tiers, slots = place_layers(
-        pool, _budget(config, machine, weights), config.staging_count(pool.block_bytes)
+        pool, _budget(config, machine, weights), config.staging_count(pool.block_bytes), config.host_tails
     )
     hbm = arena_bytes(slots["hbm"], pool)
     staging = arena_bytes(slots["staging"], pool) if tiers.host_layers else 0
@@ -1222,12 +1222,27 @@ def _candidates(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int) -
         # the device-only layers (window layers keeping their tails — in host memory but a ring of two, once the
         # budget is short — others' KV heads) stay; then k full layers (the rest in the host tier)
         hosting = dataclasses.replace(pool, host_tails=True)
-        fixed = sum(map(hosting.bytes_of, hosting.device_only))
         full = pool.num_layers - len(pool.device_only)
         staging = config.staging_count(pool.block_bytes) * pool.block_bytes
-        budgets = [fixed + full * pool.layer_bytes] if hosting.hosted_tails else []
-        budgets += [fixed + staging + k * pool.layer_bytes for k in range(full - 1, -1, -1)]
-        groups.append(offload + [{"offload": True, "hbm_budget": b} for b in budgets])
+
+        def budgets(fixed: int, extra: dict | None = None) -> list[dict]:
+            return [{"offload": True, **(extra or {}), "hbm_budget": fixed + staging + k * pool.layer_bytes}
+                    for k in range(full - 1, -1, -1)]  # fmt: skip
+
+        kept = sum(map(pool.bytes_of, pool.device_only))
+        if hosting.hosted_tails and config.host_tails is not False:
+            hosted = sum(map(hosting.bytes_of, hosting.device_only))
+            groups.append(
+                [
+                    *offload,
+                    {"offload": True, "hbm_budget": hosted + full * pool.layer_bytes},
+                    *budgets(hosted),
+                ]
+            )
+            # where host memory is short: the tails stay on the device, full layers go to the host instead
+            groups.append(budgets(kept, {"host_tails": False}))
+        else:
+            groups.append(offload + budgets(kept))
     return groups
 
 

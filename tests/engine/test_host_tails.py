@@ -9,7 +9,7 @@ import functools
 import pytest
 import torch
 
-from lightning_oomb.engine import OOMBConfig, OOMBEngine
+from lightning_oomb.engine import OOMBConfig, OOMBConfigError, OOMBEngine
 from lightning_oomb.engine.offload import SyncTransport, delaying_transport
 from lightning_oomb.engine.pages import PoolShape
 from lightning_oomb.integrations.hf import HFChunkModel
@@ -141,3 +141,20 @@ def test_the_plan_counts_hosted_tails_byte_for_byte():
     config = OOMBConfig(CHUNK, PAGE, hbm_budget=tails_budget(model, ids), **OFFLOAD)
     engine = assert_pool_planned(model, config, ids)
     assert engine.pool.shape.hosted_tails
+
+
+@pytest.mark.parametrize(("host_tails", "budget", "hosted"), [(False, 0, False), (True, 1 << 40, True)])
+def test_host_tails_false_keeps_them_on_the_device_and_true_hosts_them_whatever_the_budget(
+    host_tails, budget, hosted
+):
+    model, ids = gemma3(), ids_of(3)
+    want_loss, want, _ = step(model, ids)
+    loss, grads, engine = step(model, ids, hbm_budget=budget, host_tails=host_tails, **OFFLOAD)
+    assert bool(engine.pool.shape.hosted_tails) == hosted
+    assert abs(loss.item() - want_loss.item()) <= 1e-12 * want_loss.item()
+    assert max_relative_error(grads, want) <= 1e-10
+
+
+def test_a_host_tails_value_that_is_not_true_false_or_auto_is_refused():
+    with pytest.raises(OOMBConfigError, match="host_tails='yes' must be True, False or 'auto'"):
+        OOMBConfig(CHUNK, PAGE, host_tails="yes")

@@ -363,3 +363,19 @@ def test_oomb_plan_of_too_little_host_memory_for_the_tails_suggests_keeping_them
     assert "would fit: offload=True, hbm_budget='auto'" in out
     auto = plan_command(plan_args(tmp_path, "12GiB", hbm_budget="auto"), print_table=False)
     assert auto.fits and not auto.pool.hosted_tails
+
+
+def test_where_host_memory_is_short_keeping_the_tails_on_the_gpu_is_an_option(tmp_path, capsys):
+    """``hbm_budget=0`` with 12 GiB of host memory on a 40 GB GPU: the tails in host memory do not fit it, but the
+    tails on the GPU with the full layers on the host do (``host_tails=False``: 8.8 GiB of host memory, a 32 GiB
+    peak), and the plan says so; that run plans as said."""
+    args = plan_args(tmp_path, "12GiB", hbm_budget=0)
+    args[args.index("80GB")] = "40GB"
+    result = plan_command(args)
+    out = " ".join(capsys.readouterr().out.split())
+    assert not result.fits and result.pool.hosted_tails
+    assert "would fit: offload=True, host_tails=False, hbm_budget=" in out
+    off = plan_args(tmp_path, "12GiB", hbm_budget=0, host_tails=False)
+    off[off.index("80GB")] = "40GB"
+    kept = plan_command(off, print_table=False)
+    assert kept.fits and not kept.pool.hosted_tails and kept.host_layers == 2
