@@ -1,5 +1,5 @@
 """Test session set-up (shared code lives in ``tests/helpers``): the Triton interpreter on machines without a GPU,
-and the tiny-model fixture."""
+the tiny-model fixture and the one-thread fixture."""
 
 from __future__ import annotations
 
@@ -38,3 +38,14 @@ def causal_lm():
     from tests.helpers.models import build_causal_lm
 
     return build_causal_lm
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test (``pytestmark = pytest.mark.usefixtures("one_thread")``): bf16 rounding then
+    does not depend on how matmuls split their sums, and tiny models run fastest (two OpenMP threads on a busy
+    2-core machine: ~15x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -15,14 +15,7 @@ from lightning_oomb.integrations.hf import HFChunkModel
 from tests.helpers.memory import LiveBytes
 from tests.helpers.models import build_causal_lm, full_sequence_loss, grads_of
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """bf16 rounding depends on how matmuls split their sums: one thread makes the errors reproducible."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def backward_n_times(sums, params, times: int) -> None:

@@ -39,13 +39,7 @@ LAYERS = {"num_hidden_layers": 3, "layer_types": ["sliding_attention", "sliding_
 HOSTED = {"offload": True, "hbm_budget": 0, "staging_buffers": 3}  # tails and full layers in host memory
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one torch thread is fastest (two OpenMP threads on a busy 2-core machine: ~15x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def window_model(family: str = "gemma3", dtype=torch.float64, **overrides):
