@@ -5,7 +5,7 @@
 # goals-reduced.json, summary.json, summary.md, goals.png — 8 files; the goal table (summary.md) is printed last.
 # Every row is printed and written to its JSON as it is measured, so a run cut short keeps its rows.
 #   bash benchmarks/run_gpu.sh "$OUT"               # the goals: checks kernels compare reduced summary
-#   bash benchmarks/run_gpu.sh "$OUT" tiles profile  # other parts by name: tiles, profile, gather, stress, scaling — in a
+#   bash benchmarks/run_gpu.sh "$OUT" tiles profile  # other parts by name: tiles, profile, gather, stress, scaling, windows — in a
 #                                                   # call of their own: the device tool brings back 8 files a call
 #   OOMB_BENCH_TINY=1 bash benchmarks/run_gpu.sh /tmp/out  # every part at tiny shapes on the CPU (a dry run of
 #                                                           # the script itself; tests/test_benchmarks.py runs it)
@@ -93,7 +93,8 @@ for part in "${parts[@]}"; do
     # dK/dV kernel computing dQ too (OOMB_TRITON_FUSED_DQ; ~100 s on the H200), steps profiled (128K without and with offload: where offload's overhead goes; the 1M sparse step,
     # 1.6x its planned time: where does it go? ~170 s), that 1M step with OOMB_OFFLOAD_GATHER=1 (its scattered
     # pages by the page-copy kernel: compare its wall time with the profile's 1m-sparse-host), the offload race
-    # check, the context sweep
+    # check, the context sweep, the window layers' tails on the device vs in host memory (6 layers of the
+    # Gemma-3-27B shape at 64K: ~60 s predicted)
     tiles) run tiles 150 python3 benchmarks/tile_sweep.py --out "$out/tile-sweep-h200.json" --budget-s 130 \
       ${smoke[@]+"${smoke[@]}"} ;;
     profile) run profile 200 env OOMB_TRITON_AUTOTUNE=0 python3 benchmarks/profile_step.py \
@@ -105,7 +106,9 @@ for part in "${parts[@]}"; do
     scaling) run scaling 300 env OOMB_TRITON_AUTOTUNE=0 python3 benchmarks/memory_scaling.py --warmup-once \
       --hf-max 32768 --contexts 8192,32768 --offload-contexts 32768,65536 --out "$out/memory-scaling-h200.json" \
       ${scaling_tiny[@]+"${scaling_tiny[@]}"} ;;
-    *) echo "!! unknown part '$part' (checks kernels compare reduced summary tiles profile gather stress scaling)" | tee -a "$log"; status=1 ;;
+    windows) run windows 150 env OOMB_TRITON_AUTOTUNE=0 python3 benchmarks/window_tails.py \
+      --out "$out/window-tails-h200.json" ${tiny[@]+"${tiny[@]}"} ;;
+    *) echo "!! unknown part '$part' (checks kernels compare reduced summary tiles profile gather stress scaling windows)" | tee -a "$log"; status=1 ;;
   esac
 done
 exit $status

@@ -292,15 +292,25 @@ def test_run_gpu_script(tmp_path, tiny):
         "gather",
         "stress",
         "scaling",
+        "windows",
     ]
     commands = script_commands(tmp_path, parts, **({"OOMB_BENCH_TINY": "1"} if tiny else {}))
-    from benchmarks import attention_kernels, goals, memory_scaling, offload_stress, profile_step, tile_sweep
+    from benchmarks import (
+        attention_kernels,
+        goals,
+        memory_scaling,
+        offload_stress,
+        profile_step,
+        tile_sweep,
+        window_tails,
+    )
 
     parsers = {"benchmarks/goals.py": goals.parse_args, "benchmarks/attention_kernels.py": attention_kernels.parse_args,
                "benchmarks/memory_scaling.py": memory_scaling.parse_args,
                "benchmarks/offload_stress.py": offload_stress.parse_args,
                "benchmarks/tile_sweep.py": tile_sweep.parse_args,
-               "benchmarks/profile_step.py": profile_step.parse_args}  # fmt: skip
+               "benchmarks/profile_step.py": profile_step.parse_args,
+               "benchmarks/window_tails.py": window_tails.parse_args}  # fmt: skip
     checked = []
     for argv in commands:
         if argv[0] in parsers:
@@ -544,3 +554,18 @@ def test_readme_and_docs_links_and_paths_resolve():
             if file is None or (test and f"def {test}(" not in file.read_text()):
                 missing.append(f"{doc.name}: `{quoted}`")
     assert not missing, missing
+
+
+def test_window_tails_smoke(tmp_path):
+    """The window-tails benchmark at a tiny width on the CPU: the same loss with the tails on the device and in host
+    memory, every window layer's tails hosted in the second row, their bytes out once and back but two groups
+    (timings are recorded, never checked)."""
+    from benchmarks.window_tails import main
+
+    out = tmp_path / "window-tails.json"
+    main(["--tiny", "--device", "cpu", "--out", str(out)])
+    device, host = json.loads(out.read_text())["rows"]
+    assert (device["method"], host["method"]) == ("device", "host") and device["loss"] == host["loss"]
+    assert (device["hosted_tail_layers"], host["hosted_tail_layers"]) == (0, 5)
+    assert host["d2h_gib"] == host["tail_host_gib"] and 0 < host["h2d_gib"] < host["d2h_gib"]
+    assert "| host |" in out.with_suffix(".md").read_text() and out.with_suffix(".png").exists()
