@@ -105,15 +105,13 @@ def place_layers(
     """The tiers of ``shape``'s layers for a device ``budget`` (:func:`plan_tiers`; the device-only layers — window
     layers that keep only their tails, layers of another geometry — stay on the device, their bytes taken out of the
     budget first) and each arena's slots (``"hbm"``, ``"staging"``, ``"host"``): what :meth:`KVPool.reserve`
-    allocates, and what the memory planner counts. Where every page does not fit the budget, the window layers'
-    tails wait in host memory first (``shape`` comes back with ``host_tails``; they move once each way, a full
-    layer's pages every chunk) and then full layers go to the host tier (``host_tails``: ``OOMBConfig``'s option —
-    ``True``: whenever there is a budget, ``False``: never)."""
+    allocates, and what the memory planner counts. Where every page does not fit the budget, window layers' tails
+    wait in host memory first — as few layers' as make the pages fit, those saving the most device bytes first, else
+    all (``shape`` comes back with ``host_tails``; they move once each way, a full layer's pages every chunk) — and
+    then full layers go to the host tier (``host_tails``: ``OOMBConfig``'s option — ``True``: every window layer's
+    whenever there is a budget, ``False``: never)."""
     if budget is not None:
-        hosting = dataclasses.replace(shape, host_tails=True)
-        short = sum(map(shape.bytes_of, range(shape.num_layers))) > budget
-        if hosting.hosted_tails and (host_tails is True or (host_tails == "auto" and short)):
-            shape = hosting
+        shape = _host_tails(shape, budget, host_tails)
         budget = max(0, budget - sum(map(shape.bytes_of, shape.device_only)))
     plan = plan_tiers(
         shape.num_layers, shape.layer_bytes, budget, staging_buffers, shape.block_bytes, shape.device_only
@@ -124,6 +122,24 @@ def place_layers(
         "host": len(plan.host_layers) * shape.layer_slots,
     }
     return shape, plan, slots
+
+
+def _host_tails(shape: PoolShape, budget: int, option: bool | str) -> PoolShape:
+    """``shape`` with the window layers' tails that :func:`place_layers` puts in host memory for ``budget``."""
+    every = dataclasses.replace(shape, host_tails=True)
+    if option is True or not every.hosted_tails:
+        return every if option is True else shape
+    total = sum(map(shape.bytes_of, range(shape.num_layers)))
+    if option is False or total <= budget:
+        return shape
+    saving = {layer: shape.bytes_of(layer) - every.bytes_of(layer) for layer in every.hosted_tails}
+    chosen = []
+    for layer in sorted(saving, key=lambda layer: (-saving[layer], layer)):
+        chosen.append(layer)
+        total -= saving[layer]
+        if total <= budget:
+            break
+    return dataclasses.replace(shape, host_tails=tuple(sorted(chosen)))
 
 
 def device_memory_available(device: torch.device) -> tuple[int, int]:

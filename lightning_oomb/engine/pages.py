@@ -78,8 +78,9 @@ class PoolShape:
     :meth:`for_layers` — and a layer of another geometry is :attr:`device_only`: its pages live in the HBM tier at
     its own geometry (:meth:`hbm_slots_of`).
 
-    ``host_tails``: the window layers' tails wait in host memory between the sweeps (:attr:`hosted_tails`; set by
-    :func:`~lightning_oomb.engine.kv_pool.place_layers` when the device budget is short).
+    ``host_tails``: the window layers' tails wait in host memory between the sweeps (:attr:`hosted_tails`): ``True``
+    every window layer's, or those of the layers listed (set by :func:`~lightning_oomb.engine.kv_pool.place_layers`
+    when the device budget is short).
 
     ``layer_sources``: per layer, the earlier layer whose K/V its call passes (Gemma 4's KV-sharing layers,
     ``num_kv_shared_layers``): it reads that layer's pages, adds into their gradients and stores none of its own
@@ -101,7 +102,7 @@ class PoolShape:
     layer_kv_heads: tuple[int, ...] | None = None
     layer_head_dims: tuple[int, ...] | None = None
     layer_call_dims: tuple[int, ...] | None = None
-    host_tails: bool = False
+    host_tails: bool | tuple[int, ...] = False
     layer_sources: tuple[int | None, ...] | None = None
 
     @classmethod
@@ -198,7 +199,12 @@ class PoolShape:
         (:mod:`lightning_oomb.engine.offload.tails`); layers with at most two groups keep theirs on the device."""
         if not self.host_tails:
             return ()
-        return tuple(layer for layer in self.recycling if len(self.tails[layer]) > 2 * self.tail_group(layer))
+        chosen = self.recycling if self.host_tails is True else self.host_tails
+        return tuple(
+            layer
+            for layer in self.recycling
+            if layer in chosen and len(self.tails[layer]) > 2 * self.tail_group(layer)
+        )
 
     def device_tail_pages(self, layer: int) -> int:
         """Tail pages per row a recycling layer keeps on the device: all its tails, or a ring of two groups."""

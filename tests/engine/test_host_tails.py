@@ -4,6 +4,7 @@ copies that run late, and counted by the planner byte for byte."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -45,11 +46,13 @@ def step(model, ids, transport=SyncTransport, checkpointing=False, **options):
     return loss.detach(), grads_of(model), engine
 
 
-def tails_budget(model, ids) -> int:
-    """An ``hbm_budget`` that holds every full layer's pages but not every window layer's tails."""
-    engine = step(model, ids)[2]
-    shape = engine.pool.shape
-    return sum(map(shape.bytes_of, range(shape.num_layers))) - 1
+def tails_budget(model, ids, hosted: int = 5) -> int:
+    """An ``hbm_budget`` that holds every full layer's pages and the tails of all but ``hosted`` window layers."""
+    shape = step(model, ids)[2].pool.shape
+    every = dataclasses.replace(shape, host_tails=True)
+    return sum(map(every.bytes_of, range(shape.num_layers))) + (5 - hosted) * (
+        shape.bytes_of(0) - every.bytes_of(0)
+    )
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
@@ -158,3 +161,21 @@ def test_host_tails_false_keeps_them_on_the_device_and_true_hosts_them_whatever_
 def test_a_host_tails_value_that_is_not_true_false_or_auto_is_refused():
     with pytest.raises(OOMBConfigError, match="host_tails='yes' must be True, False or 'auto'"):
         OOMBConfig(CHUNK, PAGE, host_tails="yes")
+
+
+def test_as_few_layers_tails_as_the_budget_needs_go_to_host_memory():
+    """A budget one byte short of every page: one window layer's tails go (the first of those saving the most), the
+    others' stay on the device; exact, and only that layer's groups cross."""
+    model, ids = gemma3(), ids_of(4)
+    want_loss, want, engine = step(model, ids)
+    shape = engine.pool.shape
+    budget = sum(map(shape.bytes_of, range(shape.num_layers))) - 1
+    loss, grads, engine = step(model, ids, hbm_budget=budget, **OFFLOAD)
+    placed, stats = engine.pool.shape, engine.pool.stats()
+    assert placed.hosted_tails == (0,) and stats["host_layers"] == 0
+    assert stats["d2h_bytes"] == placed.tail_host_bytes
+    assert abs(loss.item() - want_loss.item()) <= 1e-12 * want_loss.item()
+    assert max_relative_error(grads, want) <= 1e-10
+    # two layers' worth short: two layers' tails go
+    _, _, engine = step(model, ids, hbm_budget=tails_budget(model, ids, hosted=2), **OFFLOAD)
+    assert engine.pool.shape.hosted_tails == (0, 1)
