@@ -16,7 +16,10 @@ more than ``W - 1`` tokens before a chunk's start: the pages holding the last ``
 chunk's start are the layer's *tails*, kept for the whole step (the next chunk's backward reads them and adds into
 their gradients); every other page of a chunk lives in a *transient* region of one chunk's pages, reused by every
 chunk (the backward sweep restages a chunk's own K/V there and zeroes their gradients). Qwen2.5-style models have no
-window layers; GPT-OSS (window 128, chunk 4096) keeps 1 page in 32 of its window layers. Staging buffer ``i`` (offload) owns ``[i * block_slots, (i + 1) * block_slots)`` laid out the
+window layers; GPT-OSS (window 128, chunk 4096) keeps 1 page in 32 of its window layers. Where the device budget is
+short, tails wait in host memory and the device keeps a ring of two tail groups (:attr:`PoolShape.hosted_tails`,
+:mod:`lightning_oomb.engine.offload.tails`). A layer that reads another's K/V (:attr:`PoolShape.layer_sources`)
+has no pages: its page table is its source's. Staging buffer ``i`` (offload) owns ``[i * block_slots, (i + 1) * block_slots)`` laid out the
 same way for whichever block it holds. A page table ``int32 [batch, pages] -> slot`` addresses one layer's pages;
 kernels index pages through it and know nothing about tiers.
 
