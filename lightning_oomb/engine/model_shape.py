@@ -747,8 +747,11 @@ def _mlp_blocks(cfg: Any) -> list[str] | None:
 
 def _mlp_width(cfg: Any) -> int:
     """A dense MLP's width: ``intermediate_size``, adjusted as LFM2 adjusts it (``block_auto_adjust_ff_dim``: two
-    thirds, times ``block_ffn_dim_multiplier``, rounded up to ``block_multiple_of``)."""
+    thirds, times ``block_ffn_dim_multiplier``, rounded up to ``block_multiple_of``); per-layer widths (Gemma 3n's
+    list): the widest."""
     width = cfg.intermediate_size
+    if isinstance(width, (list, tuple)):
+        width = max(width)
     if not getattr(cfg, "block_auto_adjust_ff_dim", False):
         return width
     width = int(2 * width / 3)
