@@ -106,12 +106,12 @@ def place_layers(
     layers that keep only their tails, layers of another geometry — stay on the device, their bytes taken out of the
     budget first) and each arena's slots (``"hbm"``, ``"staging"``, ``"host"``): what :meth:`KVPool.reserve`
     allocates, and what the memory planner counts. Where every page does not fit the budget, window layers' tails
-    wait in host memory first — as few layers' as make the pages fit, those saving the most device bytes first, else
-    all (``shape`` comes back with ``host_tails``; they move once each way, a full layer's pages every chunk) — and
-    then full layers go to the host tier (``host_tails``: ``OOMBConfig``'s option — ``True``: every window layer's
-    whenever there is a budget, ``False``: never)."""
+    wait in host memory before any full layer goes to the host tier (they move once each way, a full layer's pages
+    every chunk): the fewest full layers, then the fewest layers' tails that fit (``shape`` comes back with
+    ``host_tails``; :func:`_host_tails`; ``OOMBConfig.host_tails`` — ``True``: every window layer's whenever there
+    is a budget, ``False``: never)."""
     if budget is not None:
-        shape = _host_tails(shape, budget, host_tails)
+        shape = _host_tails(shape, budget, host_tails, staging_buffers)
         budget = max(0, budget - sum(map(shape.bytes_of, shape.device_only)))
     plan = plan_tiers(
         shape.num_layers, shape.layer_bytes, budget, staging_buffers, shape.block_bytes, shape.device_only
@@ -124,22 +124,32 @@ def place_layers(
     return shape, plan, slots
 
 
-def _host_tails(shape: PoolShape, budget: int, option: bool | str) -> PoolShape:
-    """``shape`` with the window layers' tails that :func:`place_layers` puts in host memory for ``budget``."""
+def _host_tails(shape: PoolShape, budget: int, option: bool | str, staging_buffers: int) -> PoolShape:
+    """``shape`` with the window layers' tails that :func:`place_layers` puts in host memory for ``budget``: the
+    fewest full layers in the host tier first (their pages stream in every chunk), then the fewest layers' tails
+    (those saving the most device bytes first); all of them when even that does not fit."""
     every = dataclasses.replace(shape, host_tails=True)
-    if option is True or not every.hosted_tails:
-        return every if option is True else shape
-    total = sum(map(shape.bytes_of, range(shape.num_layers)))
-    if option is False or total <= budget:
+    if option is not True and (option is False or not every.hosted_tails):
         return shape
-    saving = {layer: shape.bytes_of(layer) - every.bytes_of(layer) for layer in every.hosted_tails}
-    chosen = []
-    for layer in sorted(saving, key=lambda layer: (-saving[layer], layer)):
-        chosen.append(layer)
-        total -= saving[layer]
-        if total <= budget:
-            break
-    return dataclasses.replace(shape, host_tails=tuple(sorted(chosen)))
+    if option is True:
+        return every
+    full = shape.num_layers - len(shape.device_only)
+    kept = sum(map(shape.bytes_of, shape.device_only))
+    savings = sorted((every.bytes_of(layer) - shape.bytes_of(layer), layer) for layer in every.hosted_tails)
+    for host in range(full + 1):  # full layers in the host tier (plan_tiers: staging buffers come with them)
+        excess = (
+            kept + (full - host) * shape.layer_bytes + (staging_buffers * shape.block_bytes if host else 0)
+        )
+        excess -= budget
+        chosen = []
+        for saving, layer in savings:  # (negative: most first)
+            if excess <= 0:
+                break
+            chosen.append(layer)
+            excess += saving
+        if excess <= 0:
+            return dataclasses.replace(shape, host_tails=tuple(sorted(chosen))) if chosen else shape
+    return every
 
 
 def device_memory_available(device: torch.device) -> tuple[int, int]:

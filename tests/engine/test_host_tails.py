@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lightning_oomb.engine import OOMBConfig, OOMBConfigError, OOMBEngine
+from lightning_oomb.engine.kv_pool import place_layers
 from lightning_oomb.engine.offload import SyncTransport, delaying_transport
 from lightning_oomb.engine.pages import PoolShape
 from lightning_oomb.integrations.hf import HFChunkModel
@@ -179,3 +180,19 @@ def test_as_few_layers_tails_as_the_budget_needs_go_to_host_memory():
     # two layers' worth short: two layers' tails go
     _, _, engine = step(model, ids, hbm_budget=tails_budget(model, ids, hosted=2), **OFFLOAD)
     assert engine.pool.shape.hosted_tails == (0, 1)
+
+
+def test_a_full_layer_in_the_host_tier_is_not_joined_by_tails_it_makes_room_for():
+    """Fewest host-tier layers first, then fewest hosted tails: where hosting every tail cannot spare the full layer
+    the host tier, the full layer goes and every tail stays on the device (before, the tails went to host memory
+    too, for nothing); a byte less, and the window layer's tails go as well."""
+    shape = PoolShape(
+        2, 1, 64, 1, 4, 4, 16, dtype=torch.float32, windows=(6, None)
+    )  # 3 tail groups of 2 pages
+    every = dataclasses.replace(shape, host_tails=True)
+    assert shape.bytes_of(1) > 3 * shape.block_bytes + shape.bytes_of(0) - every.bytes_of(0)
+    budget = shape.bytes_of(0) + 3 * shape.block_bytes
+    placed, plan, _ = place_layers(shape, budget, staging_buffers=3)
+    assert plan.host_layers == (1,) and placed.hosted_tails == ()
+    placed, plan, _ = place_layers(shape, budget - 1, staging_buffers=3)
+    assert plan.host_layers == (1,) and placed.hosted_tails == (0,)
