@@ -30,6 +30,7 @@ def saved_bytes(
     restaged_width: int = 0,
     mlp_tile: int | None = None,
     backend: str = "torch",
+    mla_pages: str = "expanded",
 ) -> dict[str, int]:
     """Bytes autograd holds at the end of one full chunk's recompute, by part: ``layers`` (decoder layers),
     ``weight_copies`` (autocast's cast weights), ``head`` (final norm, the loss's hidden states, targets) and
@@ -37,7 +38,9 @@ def saved_bytes(
     measures as its peak. ``restaged_width``: the KV heads x head dim of the pages of every layer whose op saves its
     chunk's K and V for the backward's rewrite, summed (host-tier layers and window layers keeping only their tails:
     ``KVPool.restages``). ``backend``: the attention backend, whose op saves its q and output as wide as the
-    pages (the Triton kernels': head dims zero-padded to a power of two, ``attention.stored_head_dim``)."""
+    pages (the Triton kernels': head dims zero-padded to a power of two, ``attention.stored_head_dim``);
+    ``mla_pages="latent"``: a latent attention model's op saves them at its latent's width
+    (``ModelShape.latent_width``), and the absorption its queries."""
     tokens = batch * min(chunk_size, seq_len)
     r, c = dtypes.activation.itemsize, dtypes.compute.itemsize
     if layer_checkpointing:  # a checkpointed layer saves its input only
@@ -50,12 +53,17 @@ def saved_bytes(
         # global ones, with more KV heads in its 31B and 26B-A4B; its E-series' last layers reuse earlier K/V)
         shares = [s is not None for s in shape.own_kv_sources or (None,) * shape.paged_layers]
         dims = Counter(zip(shape.own_head_dims, shape.own_kv_heads, shares))
+        latent = shape.attending(mla_pages).head_dim if mla_pages == "latent" and shape.latent_width else 0
         attention = sum(
             n
-            * _layer_bytes_per_token(shape, dtypes, False, tiled, d, kv, stored_head_dim(backend, d), shared)[
-                0
-            ]
+            * _layer_bytes_per_token(
+                shape, dtypes, False, tiled, d, kv, stored_head_dim(backend, latent or d), shared
+            )[0]
             for (d, kv, shared), n in dims.items()
+        )
+        # the absorption saves the queries' storage ([Hq, nope + rope] each token) for the gradient of kv_b_proj
+        attention += (
+            bool(latent) * shape.paged_layers * dtypes.compute.itemsize * shape.num_heads * shape.head_dim
         )
         if shape.qk_norm and shape.qk_norm_layers is not None:  # (the layers without: Llama 4's NoPE layers)
             unnormed = max(shape.paged_layers - shape.qk_norm_layers, 0)

@@ -15,6 +15,7 @@ from lightning_oomb.engine.sparse import check_budget, check_page_score
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
 GRAD_ACCUMULATIONS = ("auto", "float32", "float32-host", "native")
+MLA_PAGES = ("expanded", "latent")
 STAGING_AUTO_BYTES = 256 * 2**20  # staging_buffers="auto": 9 buffers (4 blocks a call) where they fit in this
 # the strategies' defaults where they differ from the engine's: decided by their memory plan at setup
 STRATEGY_DEFAULTS = {
@@ -136,6 +137,15 @@ class OOMBConfig:
             engine); ``False`` (the engine's default): recompute. Exact (the same
             result); the memory plan counts the host bytes. Under ``oomb_cp`` each rank keeps its slices' results
             (no rank attends in the recompute).
+        mla_pages: what the pages of multi-head latent attention layers hold (DeepSeek-V2/V3, GLM-4.7-Flash,
+            Kimi-Linear, MiniCPM3, Youtu, LongCat-Flash...: attention modules with a ``kv_b_proj``): ``"expanded"``
+            (default) every head's keys and values, as the model makes them (DeepSeek-V2-Lite: 16 heads x (192 +
+            128) values per token and layer, padded to 256 + 256 on a GPU); ``"latent"``: the layer's latent, one
+            head of ``kv_lora_rank + qk_rope_head_dim`` values (576) serving as keys and values, with
+            ``kv_b_proj``'s key half absorbed into the queries and its value half applied to the output (the
+            method DeepSeek's inference uses): 9-14x fewer page bytes per token (K/V and their gradient pages
+            alike) for 2.2-3.4x the attention FLOPs (each head attends at 576 wide). Exact (the same function,
+            rounded otherwise); refused for a model without such layers and under LoRA dropout on ``kv_b_proj``.
     """
 
     chunk_size: int = 4096
@@ -154,6 +164,7 @@ class OOMBConfig:
     grad_accumulation: str = "auto"
     mlp_tile: int | None = None
     reuse_attention: bool | int | str = False
+    mla_pages: str = "expanded"
 
     def __post_init__(self) -> None:
         for name in ("chunk_size", "page_size", "loss_block"):
@@ -212,6 +223,11 @@ class OOMBConfig:
                 f"reuse_attention={reuse!r} must be True (every chunk's forward attention result kept for the "
                 "backward sweep), False (recomputed), a number of chunks (the last ones of each step) or 'auto' "
                 "(as many as the memory plan finds room for)."
+            )
+        if self.mla_pages not in MLA_PAGES:
+            raise OOMBConfigError(
+                f"mla_pages={self.mla_pages!r} is unknown — it says what multi-head latent attention layers' pages "
+                f"hold — use one of {MLA_PAGES}."
             )
         if self.grad_accumulation not in GRAD_ACCUMULATIONS:
             raise OOMBConfigError(

@@ -170,7 +170,9 @@ class ModelShape:
     ``rope_tables``: RoPE tables the layers share (one per attention layer type with its own RoPE parameters: LFM3's,
     Gemma 3's); ``qk_norm_layers``: the paged layers whose attention norms q and k (``None``: all, with
     ``qk_norm``; Llama 4's RoPE layers), ``weightless_qk_norms``: those norms have no weight (Llama 4's L2 norm:
-    no normed input saved)."""
+    no normed input saved); ``latent_width``: multi-head latent attention's latent, ``kv_lora_rank +
+    qk_rope_head_dim`` (0: none), the one KV head its layers attend over under ``mla_pages="latent"``
+    (:meth:`attending`)."""
 
     num_layers: int
     hidden_size: int
@@ -239,6 +241,16 @@ class ModelShape:
     rope_tables: int = 1
     qk_norm_layers: int | None = None
     weightless_qk_norms: bool = False
+    latent_width: int = 0
+
+    def attending(self, mla_pages: str) -> ModelShape:
+        """The shape the attention op sees: under ``mla_pages="latent"`` a latent attention model's one KV head of
+        :attr:`latent_width` — its pages, and its op's queries and output that wide — else this one."""
+        if mla_pages != "latent" or not self.latent_width:
+            return self
+        return dataclasses.replace(
+            self, kv_heads=1, head_dim=self.latent_width, layer_head_dims=None, layer_kv_heads=None
+        )
 
     @property
     def own_head_dims(self) -> tuple[int, ...]:
@@ -653,7 +665,14 @@ def _shape_of_attention_config(cfg: Any) -> ModelShape:
         layer_carry=(getattr(cfg, "router_hidden_size", None) or 0) * (family in SCALED_EMBEDDINGS),
         scaled_residuals=2 * (family in SCALED_EMBEDDINGS),
         l2_qk_norms=family in SCALED_EMBEDDINGS,
+        latent_width=_latent_width(cfg),
     )
+
+
+def _latent_width(cfg: Any) -> int:
+    """A multi-head latent attention config's latent width (``kv_lora_rank + qk_rope_head_dim``), else 0."""
+    rank, rope = getattr(cfg, "kv_lora_rank", None), getattr(cfg, "qk_rope_head_dim", None)
+    return rank + rope if isinstance(rank, int) and isinstance(rope, int) else 0
 
 
 def _shape_of_attention_free(cfg: Any) -> ModelShape:

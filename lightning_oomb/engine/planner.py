@@ -269,6 +269,7 @@ def _pool_shape(
     """The pool of ``tokens`` per row in chunks of ``chunk``, as the engine shapes it: each paged layer at its own
     KV heads and head dim, zero-padded to a power of two for the Triton kernels (a GPU's, or forced)."""
     backend = _backend(config, machine)
+    shape = shape.attending(config.mla_pages)
     dims = shape.own_head_dims
     return PoolShape.for_layers(
         batch, tokens, shape.own_kv_heads, tuple(stored_head_dim(backend, d) for d in dims),
@@ -827,8 +828,9 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     restaging = set(tiers.host_layers) | set(pool.recycling)  # KVPool.restages: the op saves their K and V
     restaged = sum(math.prod(pool.geometry(layer)) for layer in restaging)
     saved = saved_bytes(
-        shape, dtypes, batch, seq_len, config.chunk_size, ckpt, restaged, config.mlp_tile, backend
-    )
+        shape, dtypes, batch, seq_len, config.chunk_size, ckpt, restaged, config.mlp_tile, backend,
+        config.mla_pages,
+    )  # fmt: skip
     tokens = batch * min(config.chunk_size, seq_len)
     parks = ckpt and config.offloads and machine.device_type in parking.DEVICE_TYPES
     if parks:  # the layers' inputs parked
@@ -863,7 +865,7 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     reach = min(seq_len, math.inf if window is None else window - 1 + lq,
                 math.inf if config.page_budget is None else config.page_budget * config.page_size + lq)  # fmt: skip
     mlp_bwd, attn_bwd, mixer_bwd = layer_backward_bytes(
-        shape,
+        shape.attending(config.mla_pages),
         dtypes,
         batch,
         seq_len,
@@ -920,7 +922,7 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     result.fits = result.device_fits and result.host_fits
     result.notes = _notes(inputs, config)
     if machine.rates is not None:
-        dense, attention = step_flops(shape, seq_len, config, batch)
+        dense, attention = step_flops(shape.attending(config.mla_pages), seq_len, config, batch)
         kv, grad = (pool.page_bytes(part) / config.page_size for part in ("kv", "grad"))
         parked = parked_bytes(shape, dtypes, tokens) if parks else 0
         copies = copy_bytes(

@@ -167,11 +167,19 @@ class OOMBEngine:
     def _apply_model_options(self, config: OOMBConfig) -> None:
         """Options the model carries out: ``layer_checkpointing=True`` turns its per-layer checkpointing on
         (``"auto"`` is decided by the strategies' memory plan, which sets the model's flag; ``False`` leaves a
-        model's own choice), ``mlp_tile`` its MLP tiles (a model without the attribute has none)."""
+        model's own choice), ``mlp_tile`` its MLP tiles (a model without the attribute has none), ``mla_pages``
+        what its latent attention layers' pages hold (refused for a model without the attribute)."""
         if config.layer_checkpointing is True and hasattr(self.model, "layer_checkpointing"):
             self.model.layer_checkpointing = True
         if hasattr(self.model, "mlp_tile"):
             self.model.mlp_tile = config.mlp_tile
+        if hasattr(self.model, "mla_pages"):
+            self.model.mla_pages = config.mla_pages
+        elif config.mla_pages != "expanded":
+            raise OOMBConfigError(
+                f"mla_pages={config.mla_pages!r} needs a model that attends over latents (a Hugging Face model with "
+                f"multi-head latent attention layers); {type(self.model).__name__} does not — use mla_pages='expanded'."
+            )
 
     @property
     def global_step(self) -> int | None:

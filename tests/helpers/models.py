@@ -66,17 +66,20 @@ def oomb_step(model, input_ids, checkpointing: bool = False, *, chunk: int, page
     return loss.detach(), grads_of(model), engine
 
 
-def assert_triton_matches_torch(model, input_ids, chunk: int = 16, page: int = 16, **batch) -> None:
+def assert_triton_matches_torch(
+    model, input_ids, chunk: int = 16, page: int = 16, options: dict | None = None, **batch
+) -> None:
     """One step of ``model`` on the Triton backend (interpreted on a CPU) gives the torch backend's loss (1e-5) and
-    gradients (1e-4); ``batch``: more ``engine.loss`` arguments (e.g. ``position_ids``)."""
+    gradients (1e-4); ``options``: more ``OOMBConfig`` fields; ``batch``: more ``engine.loss`` arguments (e.g.
+    ``position_ids``)."""
     from lightning_oomb.engine import OOMBConfig, OOMBEngine
     from lightning_oomb.integrations.hf import HFChunkModel
 
     results = {}
     for backend in ("torch", "triton"):
         model.zero_grad()
-        engine = OOMBEngine(HFChunkModel(model), OOMBConfig(chunk, page, attention_backend=backend))
-        loss = engine.loss(input_ids, **batch)
+        config = OOMBConfig(chunk, page, attention_backend=backend, **(options or {}))
+        loss = OOMBEngine(HFChunkModel(model), config).loss(input_ids, **batch)
         loss.backward()
         results[backend] = loss.detach(), grads_of(model)
     (loss_t, grads_t), (loss_k, grads_k) = results["torch"], results["triton"]

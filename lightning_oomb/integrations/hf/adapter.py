@@ -48,6 +48,7 @@ from lightning_oomb.integrations.hf.attention import (
     register_attention,
 )
 from lightning_oomb.integrations.hf.calls import answer, read_call
+from lightning_oomb.integrations.hf.latent import check_latent_modules, keeping_latents, latent_width
 from lightning_oomb.integrations.hf.moe import RouterBalanceLoss
 from lightning_oomb.integrations.hf.rope import length_dependent_rotaries, pinned_rope
 from lightning_oomb.integrations.hf.states import (
@@ -185,10 +186,10 @@ def tiled_mlps(mlps: list[torch.nn.Module], tile: int | None) -> Iterator[None]:
                 mlp.forward = forward
 
 
-def verify_exactness_of(model: torch.nn.Module) -> bool:
-    """The self-check of :func:`~lightning_oomb.integrations.hf.support.verify_exactness` for ``model``: raises on a
-    mismatch, returns whether the check could run."""
-    return verify_exactness(model, HFChunkModel)
+def verify_exactness_of(model: torch.nn.Module, mla_pages: str = "expanded") -> bool:
+    """The self-check of :func:`~lightning_oomb.integrations.hf.support.verify_exactness` for ``model`` (its latent
+    attention layers' pages as ``mla_pages`` says): raises on a mismatch, returns whether the check could run."""
+    return verify_exactness(model, HFChunkModel, mla_pages)
 
 
 def _support_inputs(model: torch.nn.Module) -> tuple:
@@ -282,6 +283,7 @@ class HFChunkModel:
         register_attention()
         if verify_exactness:
             verify_exactness_of(model)
+        self._verify = verify_exactness
         self.model = model
         config = model.config.get_text_config(decoder=True)  # a multimodal wrapper's decoder (Gemma 3)
         layers = getattr(decoder_of(model), "layers", None)  # Blenderbot's config counts its encoder's
@@ -328,9 +330,37 @@ class HFChunkModel:
         sources = layer_kv_sources(config)
         passes = any("shared_kv_states" in inspect.signature(m.forward).parameters for m in self._routed)
         self.layer_kv_sources = sources if sources and passes and len(sources) == self.num_layers else None
+        self._expanded = (self.kv_heads, self.head_dim, self.layer_kv_heads, self.layer_head_dims)
+        self._mla_pages = "expanded"
         self._states = None  # the running chunk's carried states
         self._chunk: ChunkContext | None = None  # the running chunk (also in a checkpoint's recompute)
         self._answered = 0  # the causal LM's calls answered in the running answer_calls block
+
+    @property
+    def mla_pages(self) -> str:
+        """What the pages of latent attention layers hold (``OOMBConfig.mla_pages``, set by the engine):
+        ``"expanded"`` every head's keys and values, ``"latent"`` one head of latents
+        (:mod:`~lightning_oomb.integrations.hf.latent`) — the pool's geometry follows."""
+        return self._mla_pages
+
+    @mla_pages.setter
+    def mla_pages(self, mode: str) -> None:
+        if mode == self._mla_pages:
+            return
+        if mode == "latent":
+            check_latent_modules(self._routed, type(self.model).__name__)
+            if len({latent_width(m) for m in self._routed}) > 1:
+                raise OOMBConfigError(
+                    f"mla_pages='latent' with {type(self.model).__name__}'s layers of latents of different widths: "
+                    "OOMB's pool holds one width — use mla_pages='expanded'."
+                )
+            if self._verify:
+                verify_exactness_of(self.model, "latent")
+            self.kv_heads, self.head_dim = 1, latent_width(self._routed[0])
+            self.layer_kv_heads = self.layer_head_dims = None
+        else:
+            self.kv_heads, self.head_dim, self.layer_kv_heads, self.layer_head_dims = self._expanded
+        self._mla_pages = mode
 
     @property
     def vocab_size(self) -> int:
@@ -410,6 +440,7 @@ class HFChunkModel:
                 carrying_states(self._mixers, lambda: self._states),
                 passing_cache(self._counting, lambda _: TokensBefore(self._chunk)),
                 tiled_mlps(self._mlps, self.mlp_tile),
+                keeping_latents(self._routed) if self._mla_pages == "latent" else contextlib.nullcontext(),
             ):
                 yield
         finally:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from lightning_oomb.engine.attention import ChunkContext, paged_attention
 from lightning_oomb.engine.errors import OOMBConfigError
+from lightning_oomb.integrations.hf.latent import LATENTS, attend_latent
 
 ATTN_NAME = "oomb"
 ENGAGED: set[int] = (
@@ -65,9 +66,16 @@ def oomb_attention_forward(
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     layer = getattr(module, "oomb_layer", module.layer_idx)  # a hybrid's attention layers: their rank
+    block = attention_chunk(module)
+    if id(module) in LATENTS:  # mla_pages="latent": one head of latents serves as keys and values
+
+        def attend(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            return paged_attention(q, kv, kv, oomb_chunk, layer, scale, sliding_window, softcap, s_aux, block)
+
+        check = oomb_chunk.sweep == "forward"
+        return attend_latent(module, query, key, value, attend, check).contiguous(), None
     width = value.shape[-1]
     query, key, value = _one_head_dim(query, key, value, oomb_chunk.shape.call_head_dim_of(layer))
-    block = attention_chunk(module)
     out = paged_attention(query, key, value, oomb_chunk, layer, scale, sliding_window, softcap, s_aux, block)
     out = out[..., :width].transpose(1, 2).contiguous()  # as sdpa's and eager's: some models .view() it
     return out, None

@@ -497,7 +497,7 @@ def _difference(got, want, tolerance: float, what: str) -> str | None:
     return None
 
 
-def _mismatch(twin: torch.nn.Module, adapter_cls) -> str | None:
+def _mismatch(twin: torch.nn.Module, adapter_cls, mla_pages: str = "expanded") -> str | None:
     """``None`` if OOMB trains ``twin`` exactly: three chunks equal one chunk to 1e-6 and one chunk equals the
     model's own full-sequence training to 1e-5 (float64, but some models norm or softmax in float32 even then; a
     chunking error — a dropped state, a wrong position, a missing gradient — is orders of magnitude larger)."""
@@ -509,7 +509,7 @@ def _mismatch(twin: torch.nn.Module, adapter_cls) -> str | None:
     def oomb(chunk: int):
         engine = OOMBEngine(
             adapter_cls(twin, verify_exactness=False),
-            OOMBConfig(chunk, _TWIN_CHUNK, attention_backend="torch"),
+            OOMBConfig(chunk, _TWIN_CHUNK, attention_backend="torch", mla_pages=mla_pages),
         )
         return engine.loss
 
@@ -609,18 +609,18 @@ class _Unchecked(str):
     """The verdict of a check that could not run: why."""
 
 
-def verify_exactness(model: torch.nn.Module, adapter_cls) -> bool:
+def verify_exactness(model: torch.nn.Module, adapter_cls, mla_pages: str = "expanded") -> bool:
     """Refuse ``model`` if OOMB does not train a float64 twin of its architecture exactly (see the module
     docstring); ``adapter_cls`` builds the adapter of the twin. Returns whether the check ran; where it could not
     (no twin could be built, or it could not train itself, or it is a hybrid with a float32 recurrence OOMB has no
     float64 version of: only its head checked), warns with the reason — the model is accepted by the static rules
-    alone. Verdicts are cached per architecture.
+    alone. Verdicts are cached per architecture and ``mla_pages`` (what latent attention layers' pages hold).
 
     A hybrid's recurrences (gated delta rule, Mamba2 scan), which transformers computes in float32 whatever the
     dtype, run in float64 in the twin (:mod:`~lightning_oomb.integrations.hf.float64_rules`): else its chunkings
     would differ by float32 rounding (up to 4e-2 in ``A_log``'s gradient of a tiny Qwen3-Next twin) and the check
     could not tell rounding from an error."""
-    verdict = _verdict(model, adapter_cls)
+    verdict = _verdict(model, adapter_cls, mla_pages)
     if isinstance(verdict, _Unchecked):
         warnings.warn(
             f"OOMB's self-check could not check {type(model).__name__} ({verdict}): the model passed OOMB's "
@@ -640,13 +640,13 @@ def verify_exactness(model: torch.nn.Module, adapter_cls) -> bool:
     return True
 
 
-def _verdict(model: torch.nn.Module, adapter_cls) -> str | _Unchecked | None:
+def _verdict(model: torch.nn.Module, adapter_cls, mla_pages: str) -> str | _Unchecked | None:
     """The self-check's verdict on ``model``'s architecture: ``None`` (exact), the error found, or why it could not
     run (:class:`_Unchecked`); cached per architecture."""
     with _own_rng():  # the twin's seed and the check's draws leave the user's random state as it was
         try:
             tiny = _tiny_config(model)
-            key = f"{type(model).__qualname__}:{tiny.to_json_string()}"
+            key = f"{type(model).__qualname__}:{mla_pages}:{tiny.to_json_string()}"
         except Exception as err:  # a config that does not shrink: nothing to check against
             return _Unchecked(f"its config could not be shrunk to a tiny twin's: {type(err).__name__}: {err}")
         if key not in _verdicts:  # once per architecture: no twin is built for a verdict already known
@@ -659,7 +659,7 @@ def _verdict(model: torch.nn.Module, adapter_cls) -> str | _Unchecked | None:
             try:
                 with float64_recurrences(twin):
                     _verdicts[key] = _head_mismatch(twin, adapter_cls) or (
-                        _Unchecked(_NO_FLOAT64_RULE) if unknown else _mismatch(twin, adapter_cls)
+                        _Unchecked(_NO_FLOAT64_RULE) if unknown else _mismatch(twin, adapter_cls, mla_pages)
                     )
             except _UnusableTwin as err:
                 cause = err.__cause__

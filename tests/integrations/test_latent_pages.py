@@ -1,0 +1,226 @@
+"""``mla_pages="latent"``: multi-head latent attention layers attend over one head of latents (the pages hold
+``kv_lora_rank + qk_rope_head_dim`` values per token and layer instead of every head's keys and values), exact in
+float64 against full-sequence training for every latent attention family this transformers has, with the options
+that change where pages live or how they are read; the pool shrinks and the plan counts it; what cannot attend
+over latents is refused before any work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_oomb.engine import OOMBConfig, OOMBConfigError, OOMBEngine
+from lightning_oomb.engine.context import ContextGroup
+from lightning_oomb.engine.planner import plan
+from lightning_oomb.integrations.hf import HFChunkModel
+from tests.engine.test_planner import BIG_CPU, DTYPES, assert_pool_planned, second_step
+from tests.helpers.distributed import run_ranks
+from tests.helpers.models import (
+    build_causal_lm,
+    exact_full_sequence_loss,
+    grads_of,
+    max_relative_error,
+    oomb_step,
+)
+from tests.integrations.test_hf_adapter import MLA, newer_family
+
+LATENT = dict(MLA, q_lora_rank=16, v_head_dim=8, n_group=1, topk_group=1)
+FAMILIES = {  # (Kimi-Linear: its fourth layer latent attention, the others delta-rule recurrences)
+    "deepseek_v3": {},
+    "deepseek_v2": dict(q_lora_rank=None, v_head_dim=16),
+    "glm4_moe_lite": {},
+    "youtu": {},
+    "minicpm3": dict(dim_model_base=8, scale_emb=3.0),
+    "longcat_flash": {},
+    "axk1": {},
+    "kimi_linear": dict(num_hidden_layers=4, linear_num_heads=2, linear_head_dim=8, num_experts=4,
+                        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+                        num_experts_per_token=2, num_shared_experts=1),
+}  # fmt: skip
+
+
+def _model(family="deepseek_v3", dtype=torch.float64, **overrides):
+    with torch.random.fork_rng():  # the same weights in every process (a context group's ranks)
+        torch.manual_seed(0)
+        return newer_family(family, **{**LATENT, **FAMILIES[family], **overrides}).to(dtype)
+
+
+def _ids(rows=2, tokens=37, seed=2):
+    return torch.randint(0, 64, (rows, tokens), generator=torch.Generator().manual_seed(seed))
+
+
+def _truth(model, ids):
+    model.zero_grad()
+    loss = exact_full_sequence_loss(model, ids)
+    loss.backward()
+    grads = grads_of(model)
+    model.zero_grad()
+    return loss.detach(), grads
+
+
+def _assert_exact(loss, grads, want_loss, want):
+    """Loss and gradients equal to 1e-10 (a float32 router's weight to 1e-6: DeepSeek's computes in float32)."""
+    assert abs(loss.item() - want_loss.item()) <= 1e-10 * want_loss.item()
+    routers = {n for n in want if n.endswith(("mlp.gate.weight", "router.classifier.weight"))}
+    plain = [n for n in want if n not in routers]
+    assert max_relative_error({n: grads[n] for n in plain}, {n: want[n] for n in plain}) <= 1e-10
+    assert (
+        not routers
+        or max_relative_error({n: grads[n] for n in routers}, {n: want[n] for n in routers}) <= 1e-6
+    )
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_latent_family_attends_over_its_latents_exactly(family):
+    """One KV head of ``kv_lora_rank + qk_rope_head_dim`` (16 + 4) pages per layer instead of 4 heads of 12 (keys
+    and values padded to one width); the same loss and gradients as full-sequence training, in 3 chunks (Kimi-Linear,
+    whose recurrences compute in float32 even in a float64 model, as its expanded pages' step)."""
+    model = _model(family)
+    ids = _ids()
+    if family == "kimi_linear":  # its recurrences compute in float32: against its exact expanded step
+        want_loss, want, _ = oomb_step(model, ids, chunk=16, page=8)
+    else:
+        want_loss, want = _truth(model, ids)
+    loss, grads, engine = oomb_step(model, ids, chunk=16, page=8, mla_pages="latent")
+    _assert_exact(loss, grads, want_loss, want)
+    attending = [layer for layer in range(engine.pool.shape.num_layers)]
+    assert {engine.pool.shape.heads_of(layer) for layer in attending} == {1}
+    assert {engine.pool.shape.head_dim_of(layer) for layer in attending} == {20}
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(layer_checkpointing=True),
+        dict(offload=True, hbm_budget=0, staging_buffers=3),
+        dict(reuse_attention=True, layer_checkpointing=True),
+        dict(page_budget=64),  # a budget past every page: dense
+    ],
+    ids=["checkpointing", "offload", "reuse-attention", "sparse-covering"],
+)
+def test_latents_are_exact_with_the_options_that_move_or_read_pages(options):
+    model = _model()
+    ids = _ids(tokens=53)
+    want_loss, want = _truth(model, ids)
+    checkpointing = options.pop("layer_checkpointing", False)
+    loss, grads, _ = oomb_step(model, ids, checkpointing, chunk=16, page=8, mla_pages="latent", **options)
+    _assert_exact(loss, grads, want_loss, want)
+
+
+def test_a_sparse_step_over_latents_keeps_its_budget_and_its_gradients_are_those_of_its_loss():
+    """A page budget selects latent pages by the absorbed queries' bound scores; the step is that sparse loss's
+    (the reference path of the same step agrees)."""
+    model = _model()
+    ids = _ids(tokens=64)
+    results = [
+        oomb_step(model, ids, chunk=16, page=8, mla_pages="latent", page_budget=2, attention_backend=backend)
+        for backend in ("torch", "cpu")
+    ]
+    (loss, grads, engine), (cpu_loss, cpu_grads, _) = results
+    assert abs(loss.item() - cpu_loss.item()) <= 1e-12 * loss.item()
+    assert max_relative_error(cpu_grads, grads) <= 1e-10
+    want_loss, _ = _truth(model, ids)
+    assert loss.item() != pytest.approx(want_loss.item(), rel=1e-10)  # sparse: not the dense loss
+
+
+def test_lora_on_kv_b_proj_trains_its_adapter_through_the_absorbed_weight():
+    """A LoRA adapter on ``kv_b_proj`` (and the other projections) is part of the weight the queries absorb: its
+    A and B get the full-sequence gradients."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(
+        _model(),
+        peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                        target_modules=["kv_b_proj", "q_b_proj", "o_proj"]),
+    ).get_base_model()  # fmt: skip
+    ids = _ids()
+    want_loss, want = _truth(model, ids)
+    loss, grads, _ = oomb_step(model, ids, chunk=16, page=8, mla_pages="latent")
+    assert any("kv_b_proj.lora_B" in n for n in grads)
+    _assert_exact(loss, grads, want_loss, want)
+
+
+def test_lora_dropout_on_kv_b_proj_is_refused():
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, lora_dropout=0.1, target_modules=["kv_b_proj"])
+    model = peft.get_peft_model(_model(), lora).get_base_model()
+    with pytest.raises(OOMBConfigError, match="dropout on .*kv_b_proj"):
+        OOMBEngine(HFChunkModel(model), OOMBConfig(16, 8, mla_pages="latent"))
+
+
+def test_a_model_without_latent_attention_is_refused_before_any_work():
+    with pytest.raises(OOMBConfigError, match="needs multi-head latent attention layers"):
+        OOMBEngine(HFChunkModel(build_causal_lm("qwen2")), OOMBConfig(16, 8, mla_pages="latent"))
+    with pytest.raises(OOMBConfigError, match="mla_pages='sparse' is unknown"):
+        OOMBConfig(16, 8, mla_pages="sparse")
+
+
+def test_keys_not_made_from_the_latent_are_found():
+    """A model whose keys are not ``kv_b_proj`` of the latent it passes (here a hook shifting the projection's
+    output) cannot attend over the latent: refused in the forward sweep, not trained wrong."""
+    model = _model()
+    for layer in model.model.layers:
+        layer.self_attn.kv_b_proj.register_forward_hook(lambda _, args, out: out + 1.0)
+    engine = OOMBEngine(HFChunkModel(model, verify_exactness=False), OOMBConfig(16, 8, mla_pages="latent"))
+    with pytest.raises(OOMBConfigError, match="keys are not kv_b_proj of the latent"):
+        engine.loss(_ids())
+
+
+def test_the_pool_shrinks_and_the_plan_counts_it_byte_for_byte():
+    model, ids = _model(), _ids(rows=1, tokens=64, seed=5)
+    latent = assert_pool_planned(model, OOMBConfig(16, 8, mla_pages="latent"), ids).pool.device_bytes
+    expanded = assert_pool_planned(model, OOMBConfig(16, 8), ids).pool.device_bytes
+    assert latent * 4 * 12 == expanded * 20  # one head of 20 against four of 12
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true"])
+def test_the_plan_counts_what_autograd_saves_over_latents(precision):
+    """The op saves its queries and output at the latent's width, the absorption the model's queries: the plan's
+    activations over latents are as close to what autograd saves as over expanded pages (both miss some of the
+    latent attention's own tensors: 7-18 % below; with layer checkpointing exact)."""
+    errors = {}
+    for mode in ("expanded", "latent"):
+        model = _model(dtype=DTYPES[precision])
+        config = OOMBConfig(chunk_size=32, page_size=16, loss_block=32, mla_pages=mode)
+        engine = OOMBEngine(HFChunkModel(model), config)
+        ids = torch.randint(0, 64, (2, 96), generator=torch.Generator().manual_seed(6))
+        saved, _ = second_step(engine, model, ids, precision, live=False)
+        predicted = plan(engine.model, 96, 2, config, precision, None, BIG_CPU)
+        errors[mode] = predicted.device["activations"] / saved - 1
+    assert abs(errors["latent"]) <= abs(errors["expanded"]) + 0.04, errors
+
+
+def _group_steps(rank, world):
+    model, ids = _model(), _ids(tokens=64, seed=7)
+    engine = OOMBEngine(HFChunkModel(model), OOMBConfig(32, 8, mla_pages="latent"), context=ContextGroup.of())
+    loss = engine.loss(ids)
+    loss.backward()
+    return {"loss": loss.detach(), "grads": grads_of(model), "heads": engine.pool.shape.kv_heads}
+
+
+def test_latents_across_a_context_group(tmp_path):
+    """Under context parallelism (2 ranks) each rank attends over its latent pages: the step equals full-sequence
+    training (the ranks' gradients summed)."""
+    ranks = run_ranks(_group_steps, 2, tmp_path)
+    want_loss, want = _truth(_model(), _ids(tokens=64, seed=7))
+    assert all(r["heads"] == 1 for r in ranks)
+    summed = {n: sum(r["grads"][n] for r in ranks) for n in want}
+    _assert_exact(ranks[0]["loss"], summed, want_loss, want)
+
+
+def test_the_strategy_trains_over_latents():
+    """``OOMBStrategy(mla_pages="latent")`` in a float64 Trainer step equals full-sequence training."""
+    from tests.helpers.lightning import oomb_step_through_trainer
+
+    model, ids = _model(), _ids()
+    want_loss, want = _truth(model, ids)
+    loss, grads = oomb_step_through_trainer(model, ids, OOMBConfig(16, 8, mla_pages="latent"))
+    _assert_exact(torch.as_tensor(loss), grads, want_loss, want)
+
+
+def test_the_triton_kernels_attend_over_latents():
+    """The interpreted Triton kernels over latent pages (20 wide, stored at 32) give the torch backend's step."""
+    from tests.helpers.models import assert_triton_matches_torch
+
+    assert_triton_matches_torch(
+        _model(dtype=torch.float32), _ids(rows=1, tokens=32), options={"mla_pages": "latent"}
+    )
