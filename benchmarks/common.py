@@ -27,15 +27,24 @@ HF, OOMB = "hf", "oomb"
 def build_qwen2(device: torch.device, dtype: torch.dtype, config) -> torch.nn.Module:
     """A randomly initialised ``Qwen2ForCausalLM`` (SDPA attention, train mode) built directly on ``device`` in
     ``dtype`` from a ``Qwen2Config`` or the keyword arguments of one."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config
 
-    config = config if isinstance(config, Qwen2Config) else Qwen2Config(**config)
+    return build_causal_lm(
+        config if isinstance(config, Qwen2Config) else Qwen2Config(**config), device, dtype
+    )
+
+
+def build_causal_lm(config, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """A randomly initialised causal LM of a transformers ``config`` (SDPA attention, train mode) built directly on
+    ``device`` in ``dtype``."""
+    from transformers import AutoModelForCausalLM
+
     config._attn_implementation = "sdpa"
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with device:
-            model = Qwen2ForCausalLM(config)
+            model = AutoModelForCausalLM.from_config(config)
     finally:
         torch.set_default_dtype(previous)
     return model.train()

@@ -130,20 +130,21 @@ def meta_model(config, lora: bool):
     )
 
 
-def planned(model, tokens: int, where: Machine):
-    return plan(model, tokens, 1, CONFIG, "bf16-true", "adamw-fused", where, suggest=False)
+def planned(model, tokens: int, where: Machine, config: OOMBConfig = CONFIG):
+    return plan(model, tokens, 1, config, "bf16-true", "adamw-fused", where, suggest=False)
 
 
-def longest(model, where: Machine) -> dict:
-    """The longest step (whole chunks, up to :data:`LONGEST`) that fits, with what the plan decided there."""
-    tokens = longest_fitting(lambda n: planned(model, n, where).fits, CHUNK, LONGEST)
+def longest(model, where: Machine, config: OOMBConfig = CONFIG) -> dict:
+    """The longest step (whole chunks, up to :data:`LONGEST`) that fits with ``config``, with what the plan decided
+    there."""
+    tokens = longest_fitting(lambda n: planned(model, n, where, config).fits, CHUNK, LONGEST)
     if tokens == 0:
-        p = planned(model, CHUNK, where)
+        p = planned(model, CHUNK, where, config)
         return {
             "tokens": 0,
             "persistent_gib": sum(p.device[k] for k in ("weights", "gradients", "optimizer_states")) / GIB,
         }
-    p, beyond = planned(model, tokens, where), planned(model, tokens + CHUNK, where)
+    p, beyond = planned(model, tokens, where, config), planned(model, tokens + CHUNK, where, config)
     bound = None if beyond.fits else "GPU" if not beyond.device_fits else "host"
     decided = {k: getattr(p.config, k) for k in (*STRATEGY_DEFAULTS, "grad_accumulation")}
     return {"tokens": tokens, "bound_by": bound, "peak_gib": p.peak_device / GIB, "host_gib": p.host_tier / GIB,

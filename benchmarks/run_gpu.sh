@@ -5,7 +5,7 @@
 # goals-reduced.json, summary.json, summary.md, goals.png — 8 files; the goal table (summary.md) is printed last.
 # Every row is printed and written to its JSON as it is measured, so a run cut short keeps its rows.
 #   bash benchmarks/run_gpu.sh "$OUT"               # the goals: checks kernels compare reduced summary
-#   bash benchmarks/run_gpu.sh "$OUT" tiles profile  # other parts by name: tiles, profile, gather, stress, scaling, windows — in a
+#   bash benchmarks/run_gpu.sh "$OUT" tiles profile  # other parts by name: tiles, profile, gather, stress, scaling, windows, latent — in a
 #                                                   # call of their own: the device tool brings back 8 files a call
 #   OOMB_BENCH_TINY=1 bash benchmarks/run_gpu.sh /tmp/out  # every part at tiny shapes on the CPU (a dry run of
 #                                                           # the script itself; tests/test_benchmarks.py runs it)
@@ -94,7 +94,8 @@ for part in "${parts[@]}"; do
     # 1.6x its planned time: where does it go? ~170 s), that 1M step with OOMB_OFFLOAD_GATHER=1 (its scattered
     # pages by the page-copy kernel: compare its wall time with the profile's 1m-sparse-host), the offload race
     # check, the context sweep, the window layers' tails on the device vs in host memory (6 layers of the
-    # Gemma-3-27B shape at 64K: ~60 s predicted)
+    # Gemma-3-27B shape at 64K: ~60 s predicted), a latent attention model's pages expanded vs as latents (2 layers
+    # of the GLM-4.7-Flash shape at 32K: ~40 s predicted, its kernels' compilation at head dim 1,024 included)
     tiles) run tiles 150 python3 benchmarks/tile_sweep.py --out "$out/tile-sweep-h200.json" --budget-s 130 \
       ${smoke[@]+"${smoke[@]}"} ;;
     profile) run profile 200 env OOMB_TRITON_AUTOTUNE=0 python3 benchmarks/profile_step.py \
@@ -108,7 +109,9 @@ for part in "${parts[@]}"; do
       ${scaling_tiny[@]+"${scaling_tiny[@]}"} ;;
     windows) run windows 150 env OOMB_TRITON_AUTOTUNE=0 python3 benchmarks/window_tails.py \
       --out "$out/window-tails-h200.json" ${tiny[@]+"${tiny[@]}"} ;;
-    *) echo "!! unknown part '$part' (checks kernels compare reduced summary tiles profile gather stress scaling windows)" | tee -a "$log"; status=1 ;;
+    latent) run latent 150 env OOMB_TRITON_AUTOTUNE=0 python3 benchmarks/latent_pages.py \
+      --out "$out/latent-pages-h200.json" ${tiny[@]+"${tiny[@]}"} ;;
+    *) echo "!! unknown part '$part' (checks kernels compare reduced summary tiles profile gather stress scaling windows latent)" | tee -a "$log"; status=1 ;;
   esac
 done
 exit $status

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import GIB, Report, engine_stats, free_device_memory, measure
+from benchmarks.common import GIB, Report, build_causal_lm, engine_stats, free_device_memory, measure
 from lightning_oomb.engine import OOMBConfig, OOMBEngine
 from lightning_oomb.integrations.hf import HFChunkModel
 
@@ -42,16 +42,7 @@ def build(fields: dict, layers: int, device: torch.device, dtype: torch.dtype) -
     """A random Gemma 3 text model of ``layers`` layers (five window layers per full one) on ``device``."""
     import transformers as tf
 
-    config = tf.Gemma3TextConfig(num_hidden_layers=layers, **fields)
-    config._attn_implementation = "sdpa"
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with device:
-            model = tf.Gemma3ForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    return model.train()
+    return build_causal_lm(tf.Gemma3TextConfig(num_hidden_layers=layers, **fields), device, dtype)
 
 
 def run(args) -> Report:

@@ -293,11 +293,13 @@ def test_run_gpu_script(tmp_path, tiny):
         "stress",
         "scaling",
         "windows",
+        "latent",
     ]
     commands = script_commands(tmp_path, parts, **({"OOMB_BENCH_TINY": "1"} if tiny else {}))
     from benchmarks import (
         attention_kernels,
         goals,
+        latent_pages,
         memory_scaling,
         offload_stress,
         profile_step,
@@ -310,7 +312,8 @@ def test_run_gpu_script(tmp_path, tiny):
                "benchmarks/offload_stress.py": offload_stress.parse_args,
                "benchmarks/tile_sweep.py": tile_sweep.parse_args,
                "benchmarks/profile_step.py": profile_step.parse_args,
-               "benchmarks/window_tails.py": window_tails.parse_args}  # fmt: skip
+               "benchmarks/window_tails.py": window_tails.parse_args,
+               "benchmarks/latent_pages.py": latent_pages.parse_args}  # fmt: skip
     checked = []
     for argv in commands:
         if argv[0] in parsers:
@@ -554,6 +557,21 @@ def test_readme_and_docs_links_and_paths_resolve():
             if file is None or (test and f"def {test}(" not in file.read_text()):
                 missing.append(f"{doc.name}: `{quoted}`")
     assert not missing, missing
+
+
+def test_latent_pages_smoke(tmp_path):
+    """The latent-pages benchmark at a tiny width on the CPU: the same loss over expanded pages and latents, one KV
+    head of 16 + 4 in the second row against 4 heads of 12 (timings are recorded, never checked)."""
+    from benchmarks.latent_pages import main
+
+    out = tmp_path / "latent-pages.json"
+    main(["--tiny", "--device", "cpu", "--out", str(out)])
+    expanded, latent = json.loads(out.read_text())["rows"]
+    assert (expanded["method"], latent["method"]) == ("expanded", "latent")
+    assert latent["loss"] == pytest.approx(expanded["loss"], rel=1e-5)
+    heads = [(row["kv_heads"], row["head_dim"]) for row in (expanded, latent)]
+    assert heads == [(4, 12), (1, 20)]
+    assert "| latent |" in out.with_suffix(".md").read_text() and out.with_suffix(".png").exists()
 
 
 def test_window_tails_smoke(tmp_path):

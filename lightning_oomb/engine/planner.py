@@ -1245,6 +1245,9 @@ def _candidates(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int) -
             groups.append(budgets(kept, {"host_tails": False}))
         else:
             groups.append(offload + budgets(kept))
+    # latent attention over one head of latents: fewer page bytes, more attention FLOPs
+    if inputs.shape.latent_width and config.mla_pages == "expanded":
+        groups.append([{"mla_pages": "latent"}])
     return groups
 
 
