@@ -76,7 +76,7 @@ class OOMBContextParallelStrategy(_OOMBStrategyMixin, DDPStrategy):
         grad_accumulation: str = "auto",
         mlp_tile: int | None = None,
         reuse_attention: bool | int | str = "auto",
-        mla_pages: str = "expanded",
+        mla_pages: str = "auto",
         context_parallel_size: int | None = None,
         target_module: str | None = None,
         verify_exactness: bool = True,

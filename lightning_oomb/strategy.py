@@ -376,7 +376,7 @@ class OOMBStrategy(_OOMBStrategyMixin, SingleDeviceStrategy):
         grad_accumulation: str = "auto",
         mlp_tile: int | None = None,
         reuse_attention: bool | int | str = "auto",
-        mla_pages: str = "expanded",
+        mla_pages: str = "auto",
         target_module: str | None = None,
         verify_exactness: bool = True,
         plan_memory: bool = True,

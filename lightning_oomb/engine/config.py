@@ -15,7 +15,7 @@ from lightning_oomb.engine.sparse import check_budget, check_page_score
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
 GRAD_ACCUMULATIONS = ("auto", "float32", "float32-host", "native")
-MLA_PAGES = ("expanded", "latent")
+MLA_PAGES = ("expanded", "latent", "auto")
 STAGING_AUTO_BYTES = 256 * 2**20  # staging_buffers="auto": 9 buffers (4 blocks a call) where they fit in this
 # the strategies' defaults where they differ from the engine's: decided by their memory plan at setup
 STRATEGY_DEFAULTS = {
@@ -23,6 +23,7 @@ STRATEGY_DEFAULTS = {
     "layer_checkpointing": "auto",
     "offload": "auto",
     "reuse_attention": "auto",
+    "mla_pages": "auto",
 }
 
 
@@ -146,6 +147,9 @@ class OOMBConfig:
             method DeepSeek's inference uses): 9-14x fewer page bytes per token (K/V and their gradient pages
             alike) for 2.2-3.4x the attention FLOPs (each head attends at 576 wide). Exact (the same function,
             rounded otherwise); refused for a model without such layers and under LoRA dropout on ``kv_b_proj``.
+            ``"auto"`` (the strategies' default): their memory plan keeps ``"expanded"`` where the step fits with
+            it (its other options decided for it: offload, checkpointing, 16-bit gradient pages), else
+            ``"latent"``; undecided (a bare engine) and for models without latent attention: ``"expanded"``.
     """
 
     chunk_size: int = 4096

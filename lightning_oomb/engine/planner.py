@@ -620,7 +620,17 @@ def decide_auto(inputs, config: OOMBConfig, batch: int, seq_len: int, devices: i
       the memory the step leaves them (the rest stays free for the data loader, checkpoint saving, other
       processes), unless keeping none is predicted faster (:func:`_faster`: the results' copies, out and back,
       share the host link with offload's; ``False``: none).
+    - ``mla_pages`` (a latent attention model): ``"expanded"`` when the step (its other options decided for it)
+      fits, else ``"latent"`` (every head attends over one head of latents: the most attention FLOPs, so decided
+      last); ``"expanded"`` for other models.
     """
+    if config.mla_pages == "auto":
+        expanded = decide_auto(
+            inputs, dataclasses.replace(config, mla_pages="expanded"), batch, seq_len, devices
+        )
+        if not inputs.shape.latent_width or _roomy(_plan(inputs, expanded, batch, seq_len, devices)):
+            return expanded
+        return decide_auto(inputs, dataclasses.replace(config, mla_pages="latent"), batch, seq_len, devices)
     if config.kv_grad_dtype == "auto":
         wide = decide_auto(
             inputs, dataclasses.replace(config, kv_grad_dtype="float32"), batch, seq_len, devices

@@ -175,7 +175,7 @@ class OOMBEngine:
             self.model.mlp_tile = config.mlp_tile
         if hasattr(self.model, "mla_pages"):
             self.model.mla_pages = config.mla_pages
-        elif config.mla_pages != "expanded":
+        elif config.mla_pages == "latent":
             raise OOMBConfigError(
                 f"mla_pages={config.mla_pages!r} needs a model that attends over latents (a Hugging Face model with "
                 f"multi-head latent attention layers); {type(self.model).__name__} does not — use mla_pages='expanded'."

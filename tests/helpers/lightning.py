@@ -90,12 +90,12 @@ def hf_loss(model, batch):
     return model(input_ids=batch, labels=batch).loss
 
 
-def oomb_step_through_trainer(model, ids, config, loss_of=hf_loss, **strategy_options):
+def oomb_step_through_trainer(model, ids, config, loss_of=hf_loss, strategy_cls=None, **strategy_options):
     """One ``Trainer(strategy="oomb", precision="64-true")`` step of ``model`` on the rows of ``ids`` with the
     engine options ``config``: the logged loss and the parameter gradients (``loss_of(model, batch)`` is the
-    user's training_step)."""
+    user's training_step; ``strategy_cls``: an ``OOMBStrategy`` subclass to run)."""
     capture = _StepGrads()
-    strategy = OOMBStrategy(**{**vars(config), **strategy_options})
+    strategy = (strategy_cls or OOMBStrategy)(**{**vars(config), **strategy_options})
     fit(strategy, _CallModel(model, loss_of), DataLoader(list(ids), batch_size=len(ids)), steps=1,
         precision="64-true", callbacks=[capture])  # fmt: skip
     return capture.loss, capture.grads

@@ -11,8 +11,9 @@ import torch
 
 from lightning_oomb.engine import OOMBConfig, OOMBConfigError, OOMBEngine
 from lightning_oomb.engine.context import ContextGroup
-from lightning_oomb.engine.planner import plan
+from lightning_oomb.engine.planner import HOST_RESERVE_BYTES, Machine, plan
 from lightning_oomb.integrations.hf import HFChunkModel
+from lightning_oomb.strategy import OOMBStrategy
 from tests.engine.test_planner import BIG_CPU, DTYPES, assert_pool_planned, second_step
 from tests.helpers.distributed import run_ranks
 from tests.helpers.models import (
@@ -224,3 +225,58 @@ def test_the_triton_kernels_attend_over_latents():
     assert_triton_matches_torch(
         _model(dtype=torch.float32), _ids(rows=1, tokens=32), options={"mla_pages": "latent"}
     )
+
+
+def _between(peaks: dict) -> Machine:
+    """A CPU machine whose memory holds the latent step and not the expanded one (beside what the plan leaves the
+    system)."""
+    return Machine("cpu", HOST_RESERVE_BYTES + (peaks["latent"] + peaks["expanded"]) // 2, 1 << 40)
+
+
+def _peaks(model, tokens: int) -> dict:
+    """Each mode's planned device peak of a float64 step of ``tokens`` (room for anything)."""
+    return {
+        mode: plan(model, tokens, 2, OOMBConfig(16, 8, mla_pages=mode), "64-true", None, BIG_CPU).peak_device
+        for mode in ("expanded", "latent")
+    }
+
+
+def test_auto_keeps_expanded_pages_where_they_fit_and_takes_latents_where_only_they_do():
+    """``mla_pages="auto"`` (the strategies' default): expanded pages where the step fits with them, latents where
+    only they fit; a model without latent attention stays expanded."""
+    model = _model()
+    peaks = _peaks(model, 2048)
+    assert peaks["latent"] < peaks["expanded"]
+    between = _between(peaks)
+    auto = OOMBConfig(16, 8, mla_pages="auto")
+    for machine, want in ((BIG_CPU, "expanded"), (between, "latent")):
+        decided = plan(model, 2048, 2, auto, "64-true", None, machine)
+        assert decided.config.mla_pages == want and decided.fits
+    qwen = build_causal_lm("qwen2")
+    assert plan(qwen, 2048, 2, auto, "64-true", None, between).config.mla_pages == "expanded"
+    assert OOMBStrategy().oomb_config.mla_pages == "auto"
+
+
+def test_the_strategy_decides_latents_when_only_they_fit_and_trains_exactly():
+    """A Trainer step whose machine holds the step only over latents: the plan decides ``mla_pages="latent"``, the
+    model attends over latents, and the step equals full-sequence training."""
+    from tests.helpers.lightning import oomb_step_through_trainer
+
+    model, ids = _model(), _ids(tokens=64)
+    between = _between(_peaks(model, 64))
+
+    class Between(OOMBStrategy):
+        def _planning_machine(self, resident_bytes):
+            return between
+
+        def _plan_steps(self, trainer, sizes):
+            super()._plan_steps(trainer, sizes)
+            decided.append(self.model_adapter.mla_pages)
+
+    decided = []
+    want_loss, want = _truth(model, ids)
+    loss, grads = oomb_step_through_trainer(
+        model, ids, OOMBConfig(16, 8, mla_pages="auto"), strategy_cls=Between
+    )
+    assert decided == ["latent"]
+    _assert_exact(torch.as_tensor(loss), grads, want_loss, want)

@@ -345,6 +345,7 @@ class HFChunkModel:
 
     @mla_pages.setter
     def mla_pages(self, mode: str) -> None:
+        mode = "expanded" if mode == "auto" else mode  # (undecided: a bare engine's)
         if mode == self._mla_pages:
             return
         if mode == "latent":
