@@ -32,7 +32,8 @@ FAMILIES = {  # (Kimi-Linear: its fourth layer latent attention, the others delt
     "glm4_moe_lite": {},
     "youtu": {},
     "minicpm3": dict(dim_model_base=8, scale_emb=3.0),
-    "longcat_flash": {},
+    # (transformers 5.17 maps neither num_hidden_layers to its num_layers nor moe_intermediate_size: untiny)
+    "longcat_flash": dict(num_layers=1, expert_ffn_hidden_size=16),
     "axk1": {},
     "kimi_linear": dict(num_hidden_layers=4, linear_num_heads=2, linear_head_dim=8, num_experts=4,
                         layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
