@@ -124,3 +124,26 @@ def test_window_tails_in_host_memory_with_delayed_copies_equal_tails_on_the_devi
     assert engine.pool.shape.hosted_tails and engine.pool.stats()["h2d_bytes"] > 0
     assert abs(loss - want_loss) <= 1e-6 * abs(want_loss)
     assert max_relative_error(got, want) <= 1e-5
+
+
+def test_latent_pages_on_the_triton_kernels_equal_the_torch_backend():
+    """``mla_pages="latent"`` on the GPU's Triton kernels (one KV head of 20 attended by 4 query heads) gives the
+    torch backend's step on the same GPU, also with every page offloaded (GLM-4.7-Flash's 576-wide latent: the
+    ``latent`` part of ``run_gpu.sh``)."""
+    from tests.integrations.test_latent_pages import _ids, _model
+
+    model = _model(dtype=torch.float32).cuda()
+    ids = _ids(tokens=160).cuda()
+    results = {}
+    for backend in ("torch", "triton"):
+        for extra in ({}, {"offload": True, "hbm_budget": 0, "staging_buffers": 3}):
+            model.zero_grad()
+            config = OOMBConfig(32, 16, attention_backend=backend, mla_pages="latent", **extra)
+            loss = OOMBEngine(HFChunkModel(model), config).loss(ids)
+            loss.backward()
+            torch.cuda.synchronize()
+            results[backend, bool(extra)] = loss.item(), grads_of(model)
+    want_loss, want = results["torch", False]
+    for key, (loss, got) in results.items():
+        assert abs(loss - want_loss) <= 1e-4 * abs(want_loss), key
+        assert max_relative_error(got, want) <= 1e-3, key
