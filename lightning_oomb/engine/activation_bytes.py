@@ -35,9 +35,9 @@ def saved_bytes(
     """Bytes autograd holds at the end of one full chunk's recompute, by part: ``layers`` (decoder layers),
     ``weight_copies`` (autocast's cast weights), ``head`` (final norm, the loss's hidden states, targets) and
     ``other`` (the step's token ids, RoPE cos/sin) — what :class:`~lightning_oomb.engine.memory.SavedTensorMeter`
-    measures as its peak. ``restaged_width``: the KV heads x head dim of the pages of every layer whose op saves its
-    chunk's K and V for the backward's rewrite, summed (host-tier layers and window layers keeping only their tails:
-    ``KVPool.restages``). ``backend``: the attention backend, whose op saves its q and output as wide as the
+    measures as its peak. ``restaged_width``: the elements per token of the K and V (one tensor where values are
+    keys) of every layer whose op saves its chunk's K/V for the backward's rewrite, summed (host-tier layers and
+    window layers keeping only their tails: ``KVPool.restages``). ``backend``: the attention backend, whose op saves its q and output as wide as the
     pages (the Triton kernels': head dims zero-padded to a power of two, ``attention.stored_head_dim``);
     ``mla_pages="latent"``: a latent attention model's op saves them at its latent's width
     (``ModelShape.latent_width``), and the absorption its queries."""
@@ -71,7 +71,7 @@ def saved_bytes(
                 shape, dtypes, min(shape.own_head_dims, default=shape.head_dim)
             )
         # a host-tier or tail-keeping window layer saves its chunk's K and V too
-        restaged = 2 * dtypes.kv.itemsize * restaged_width
+        restaged = dtypes.kv.itemsize * restaged_width
         # a hybrid's layers without attention: their input norm and carried mixer (mixer_bytes); a ChunkModel's
         # other layers without attention are its MLP-only blocks
         mixer_layers = min(shape.num_layers - shape.paged_layers, len(shape.mixers))

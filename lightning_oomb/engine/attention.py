@@ -321,14 +321,18 @@ class PagedAttention(torch.autograd.Function):
                 select,
             )
             dsinks = sink_grad(sinks, lse, delta) if sinks is not None and ctx.needs_input_grad[8] else None
-        dk, dv = _kv_grads(pool.read_grad(layer, chunk.start, q.shape[2]), kv_dtype)
+        dk, dv = _kv_grads(pool.read_grad(layer, chunk.start, q.shape[2]), kv_dtype, pool.shape)
         return dq, dk, dv, None, None, None, None, None, dsinks
 
 
-def _kv_grads(grads, dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def _kv_grads(grads, dtype: torch.dtype, shape: PoolShape) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The chunk's ``dk, dv`` in the K/V dtype, or ``(None, None)`` for a layer that reads another's pages: its
-    adds went into them, and that layer's call returns them (both calls have the same ``k, v``)."""
-    return (None, None) if grads is None else tuple(g.to(dtype) for g in grads)
+    adds went into them, and that layer's call returns them (both calls have the same ``k, v``); where values are
+    keys (``PoolShape.values_are_keys``: the call's ``v`` is its ``k``) ``(dk + dv, None)``, the pages' one sum."""
+    if grads is None:
+        return None, None
+    dk, dv = (g.to(dtype) for g in grads)
+    return (dk, None) if shape.values_are_keys else (dk, dv)
 
 
 def _claim(chunk: ChunkContext, layer: int, k: torch.Tensor) -> None:
@@ -544,7 +548,7 @@ def _backward_across_group(ctx, dout):
                                      _first_key(chunk, window))  # fmt: skip
         dsinks = sink_grad(sinks, lse, delta) if sinks is not None and ctx.needs_input_grad[8] else None
     if own:
-        dk, dv = _kv_grads(pool.read_grad(layer, cp.local_start, own), kv_dtype)
+        dk, dv = _kv_grads(pool.read_grad(layer, cp.local_start, own), kv_dtype, pool.shape)
     else:  # the stand-in's token: no keys stored, no gradient
         shape = pool.shape
         dk = dv = dout.new_zeros(
@@ -637,7 +641,15 @@ def paged_attention(
     every chunk and step reuses (its per-chunk state would make Dynamo recompile at each call otherwise)."""
     if chunk.shape.layer_sources is not None and chunk.sweep != "backward":
         _check_shared(k, v, chunk, layer)
+    keys_as_values = chunk.shape.values_are_keys
+    if keys_as_values and v is not k:  # (the op returns the pages' one gradient sum for k alone)
+        raise OOMBConfigError(
+            f"layer {layer} calls paged_attention with values that are not its keys, but the model declares "
+            "values_are_keys (one page holds both: latent attention over its latents) — pass v=k, or declare "
+            "values_are_keys=False."
+        )
     q, k, v = _autocast(q, k, v)
+    v = k if keys_as_values else v
     _check_call(q, k, v, chunk, layer)
     if block is not None:
         chunk, window = _in_blocks(chunk, block, q.device), block if window is None else min(window, block)
@@ -645,5 +657,6 @@ def paged_attention(
     scale = width**-0.5 if scale is None else scale
     if pad := chunk.shape.head_dim_of(layer) - width:  # pages wider than the heads (:func:`stored_head_dim`)
         q, k, v = (F.pad(x, (0, pad)) for x in (q, k, v))
+        v = k if keys_as_values else v
         return PagedAttention.apply(q, k, v, chunk, layer, scale, window, softcap, sinks)[..., :width]
     return PagedAttention.apply(q, k, v, chunk, layer, scale, window, softcap, sinks)

@@ -579,8 +579,8 @@ class KVPool:
             elif self.recycles(layer):
                 self._store(pages, table, start, k, v, zero_grads=False)
                 region = self._transient[layer]  # the last chunk that used it left its gradients there
-                pages.dk[region].zero_()
-                pages.dv[region].zero_()
+                for grads in (pages.dk, pages.dv)[: shape.parts]:
+                    grads[region].zero_()
             return
         block = shape.block_of(start)
         if backward and self._offload.holds_kv(layer, block):
@@ -592,12 +592,13 @@ class KVPool:
     def _store(self, arena: Arena | Region, table: torch.Tensor, start: int, k, v, zero_grads: bool) -> None:
         first, end = start // self.shape.page_size, self.shape.num_pages(start + k.shape[2])
         slots = table[:, first:end]
-        write_tokens(arena.k, slots, k)
-        write_tokens(arena.v, slots, v)
+        parts = self.shape.parts  # (values are keys: v is k, dv is dk)
+        for pages, tokens in ((arena.k, k), (arena.v, v))[:parts]:
+            write_tokens(pages, slots, tokens)
         if zero_grads:
             flat = slots.flatten().long()
-            arena.dk.index_fill_(0, flat, 0)
-            arena.dv.index_fill_(0, flat, 0)
+            for pages in (arena.dk, arena.dv)[:parts]:
+                pages.index_fill_(0, flat, 0)
 
     def parts(
         self, layer: int, num_tokens: int, grads: bool = False, first_key: int = 0,

@@ -88,6 +88,10 @@ class PoolShape:
     ``layer_sources``: per layer, the earlier layer whose K/V its call passes (Gemma 4's KV-sharing layers,
     ``num_kv_shared_layers``): it reads that layer's pages, adds into their gradients and stores none of its own
     (:meth:`source_of`); ``None``: every layer its own.
+
+    ``values_are_keys``: every call passes its keys as its values (latent attention over its latents,
+    ``mla_pages="latent"``): one page holds both and one gradient page both gradients, summed (:attr:`parts`: the
+    page tensors a page has, 1 instead of 2 — an :class:`Arena`'s ``v`` and ``dv`` are its ``k`` and ``dk``).
     """
 
     num_layers: int
@@ -107,6 +111,7 @@ class PoolShape:
     layer_call_dims: tuple[int, ...] | None = None
     host_tails: bool | tuple[int, ...] = False
     layer_sources: tuple[int | None, ...] | None = None
+    values_are_keys: bool = False
 
     @classmethod
     def for_layers(
@@ -137,6 +142,11 @@ class PoolShape:
             layer_kv_heads=None if uniform else tuple(heads), layer_head_dims=None if uniform else tuple(head_dims),
             layer_call_dims=None if uniform else tuple(call_dims), **options,
         )  # fmt: skip
+
+    @property
+    def parts(self) -> int:
+        """Page tensors per page and tier part: K and V (dK and dV), or one where :attr:`values_are_keys`."""
+        return 1 if self.values_are_keys else 2
 
     @property
     def call_head_dim(self) -> int:
@@ -219,7 +229,11 @@ class PoolShape:
         made and handed over while its chunk and the next are back-propagated)."""
         return (
             sum(
-                2 * self.batch * len(self.tails[layer]) * self.page_size * math.prod(self.geometry(layer))
+                self.parts
+                * self.batch
+                * len(self.tails[layer])
+                * self.page_size
+                * math.prod(self.geometry(layer))
                 for layer in self.hosted_tails
             )
             * self.dtype.itemsize
@@ -300,17 +314,17 @@ class PoolShape:
     def page_bytes(self, part: Part) -> int:
         """Bytes of one page's K and V (``"kv"``) or dK and dV (``"grad"``), all rows of a page index."""
         dtype = self.dtype if part == "kv" else self.grad_dtype
-        return 2 * self.batch * self.page_numel * dtype.itemsize
+        return self.parts * self.batch * self.page_numel * dtype.itemsize
 
     @property
     def kv_bytes(self) -> int:
         """Bytes of the K and V pages."""
-        return 2 * self.num_slots * self.page_numel * self.dtype.itemsize
+        return self.parts * self.num_slots * self.page_numel * self.dtype.itemsize
 
     @property
     def grad_bytes(self) -> int:
         """Bytes of the dK and dV gradient pages."""
-        return 2 * self.num_slots * self.page_numel * self.grad_dtype.itemsize
+        return self.parts * self.num_slots * self.page_numel * self.grad_dtype.itemsize
 
     @property
     def summary_bytes(self) -> int:
@@ -334,12 +348,17 @@ class PoolShape:
     @property
     def layer_bytes(self) -> int:
         """Bytes of one full layer's K, V, dK and dV pages (the unit of tier placement)."""
-        return 2 * self.layer_slots * self.page_numel * (self.dtype.itemsize + self.grad_dtype.itemsize)
+        return (
+            self.parts * self.layer_slots * self.page_numel * (self.dtype.itemsize + self.grad_dtype.itemsize)
+        )
 
     def bytes_of(self, layer: int) -> int:
         """Bytes of the layer's K, V, dK and dV pages (a window layer's tails and transient pages) in the HBM tier."""
         return (
-            2 * self.hbm_slots_of(layer) * self.page_numel * (self.dtype.itemsize + self.grad_dtype.itemsize)
+            self.parts
+            * self.hbm_slots_of(layer)
+            * self.page_numel
+            * (self.dtype.itemsize + self.grad_dtype.itemsize)
         )
 
     # ------------------------------------------------------------------------------------------ blocks
@@ -485,8 +504,7 @@ class Arena:
         self, slots: int, shape: PoolShape, device: torch.device, host: bool = False, mapped: bool = False
     ):
         page = (shape.kv_heads, shape.page_size, shape.head_dim)
-        kv, grad = (arena_part_bytes(slots, shape, part) for part in ("kv", "grad"))
-        sizes = (kv, kv, grad, grad)
+        sizes = _arena_sizes(slots, shape)
         offsets = [0]
         for size in sizes[:-1]:
             offsets.append(offsets[-1] + math.ceil(size / _ALIGN) * _ALIGN)
@@ -496,17 +514,22 @@ class Arena:
             storage, self._unpin = page_locked_bytes(total, self, device, mapped)
         else:
             storage = torch.zeros(total, dtype=torch.uint8, device=device)
-        dtypes = (shape.dtype, shape.dtype, shape.grad_dtype, shape.grad_dtype)
-        self.k, self.v, self.dk, self.dv = (
+        dtypes = (shape.dtype,) * shape.parts + (shape.grad_dtype,) * shape.parts
+        views = [
             storage[o : o + n].view(t).view(slots, *page)
             for o, n, t in zip(offsets, sizes, dtypes, strict=True)
-        )
+        ]
+        if shape.values_are_keys:  # v is k, dv is dk
+            views = [views[0], views[0], views[1], views[1]]
+        self.k, self.v, self.dk, self.dv = views
         self.slots, self.nbytes, self.device = slots, total, storage.device
         self.storage, self.mapped = storage, self._unpin is not None and mapped
 
-    def pages(self, part: Part) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(k, v)`` for ``"kv"``, ``(dk, dv)`` for ``"grad"``."""
-        return (self.k, self.v) if part == "kv" else (self.dk, self.dv)
+    def pages(self, part: Part) -> tuple[torch.Tensor, ...]:
+        """``(k, v)`` for ``"kv"``, ``(dk, dv)`` for ``"grad"`` — ``(k,)``, ``(dk,)`` where values are keys: the
+        tensors a copy of the part moves."""
+        pages = (self.k, self.v) if part == "kv" else (self.dk, self.dv)
+        return pages[:1] if self.v is self.k else pages
 
     def region(self, first: int, slots: int, heads: int, head_dim: int) -> Region:
         """Slots ``[first, first + slots)`` viewed as pages of ``heads`` KV heads of ``head_dim`` (one layer's:
@@ -526,6 +549,7 @@ class Arena:
             and self.k.dtype == shape.dtype
             and self.dk.dtype == shape.grad_dtype
             and self.k.shape[1:] == (shape.kv_heads, shape.page_size, shape.head_dim)
+            and (self.v is self.k) == shape.values_are_keys
             and self.slots >= slots
         )
 
@@ -542,11 +566,17 @@ def arena_part_bytes(slots: int, shape: PoolShape, part: Part) -> int:
     return slots * shape.page_numel * dtype.itemsize
 
 
+def _arena_sizes(slots: int, shape: PoolShape) -> tuple[int, ...]:
+    """The bytes of an arena's views, in order: K and V, then dK and dV (one of each where values are keys)."""
+    kv, grad = (arena_part_bytes(slots, shape, part) for part in ("kv", "grad"))
+    return (kv,) * shape.parts + (grad,) * shape.parts
+
+
 def arena_bytes(slots: int, shape: PoolShape) -> int:
     """Bytes :class:`Arena` allocates for ``slots`` pages (0 for none)."""
     if slots == 0:
         return 0
-    sizes = [arena_part_bytes(slots, shape, part) for part in ("kv", "kv", "grad", "grad")]
+    sizes = _arena_sizes(slots, shape)
     return sum(math.ceil(s / _ALIGN) * _ALIGN for s in sizes[:-1]) + sizes[-1]
 
 

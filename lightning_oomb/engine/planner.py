@@ -269,12 +269,13 @@ def _pool_shape(
     """The pool of ``tokens`` per row in chunks of ``chunk``, as the engine shapes it: each paged layer at its own
     KV heads and head dim, zero-padded to a power of two for the Triton kernels (a GPU's, or forced)."""
     backend = _backend(config, machine)
+    latent = config.mla_pages == "latent" and bool(shape.latent_width)  # one page: keys and values
     shape = shape.attending(config.mla_pages)
     dims = shape.own_head_dims
     return PoolShape.for_layers(
         batch, tokens, shape.own_kv_heads, tuple(stored_head_dim(backend, d) for d in dims),
         dims, config.page_size, shape.windows, chunk_size=chunk, kv_grad_dtype=config.kv_grad_dtype, dtype=kv,
-        page_score=score, layer_sources=shape.own_kv_sources,
+        page_score=score, layer_sources=shape.own_kv_sources, values_are_keys=latent,
     )  # fmt: skip
 
 
@@ -836,7 +837,7 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     backend = _backend(config, machine, shape)
     ckpt = config.layer_checkpointing
     restaging = set(tiers.host_layers) | set(pool.recycling)  # KVPool.restages: the op saves their K and V
-    restaged = sum(math.prod(pool.geometry(layer)) for layer in restaging)
+    restaged = pool.parts * sum(math.prod(pool.geometry(layer)) for layer in restaging)
     saved = saved_bytes(
         shape, dtypes, batch, seq_len, config.chunk_size, ckpt, restaged, config.mlp_tile, backend,
         config.mla_pages,

@@ -403,6 +403,7 @@ class OOMBEngine:
             kv_grad_dtype=cfg.kv_grad_dtype,
             page_score=None if sparse is None or layout is not None else sparse.score,
             layer_sources=getattr(model, "layer_kv_sources", None),
+            values_are_keys=getattr(model, "values_are_keys", False),
         )
         bounds = chunk_bounds(seq_len, cfg.chunk_size)
         denominator = (

@@ -171,7 +171,13 @@ def test_the_pool_shrinks_and_the_plan_counts_it_byte_for_byte():
     model, ids = _model(), _ids(rows=1, tokens=64, seed=5)
     latent = assert_pool_planned(model, OOMBConfig(16, 8, mla_pages="latent"), ids).pool.device_bytes
     expanded = assert_pool_planned(model, OOMBConfig(16, 8), ids).pool.device_bytes
-    assert latent * 4 * 12 == expanded * 20  # one head of 20 against four of 12
+    assert (
+        latent * 4 * 12 * 2 == expanded * 20
+    )  # one head of 20, keys serving as values, against K and V of 4 x 12
+    engine = OOMBEngine(HFChunkModel(model), OOMBConfig(16, 8, mla_pages="latent"))
+    engine.loss(ids).backward()
+    arena = engine.pool._hbm
+    assert arena.v is arena.k and arena.dv is arena.dk and arena.pages("kv") == (arena.k,)
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true"])
@@ -281,3 +287,15 @@ def test_the_strategy_decides_latents_when_only_they_fit_and_trains_exactly():
     )
     assert decided == ["latent"]
     _assert_exact(torch.as_tensor(loss), grads, want_loss, want)
+
+
+def test_values_that_are_not_the_keys_are_refused_where_the_pages_hold_one():
+    """A model declaring ``values_are_keys`` (one page for both) whose call passes other values would have its
+    values' gradient dropped: refused before anything is stored."""
+
+    class Declaring(HFChunkModel):
+        values_are_keys = True
+
+    engine = OOMBEngine(Declaring(build_causal_lm("qwen2"), verify_exactness=False), OOMBConfig(16, 8))
+    with pytest.raises(OOMBConfigError, match="values that are not its keys"):
+        engine.loss(_ids())

@@ -142,7 +142,11 @@ def test_oomb_plan_prints_the_table_of_an_example_config(name, hbm, host, capsys
     asked = fit.trainer.strategy.oomb_config
     assert asked.grad_accumulation == asked.reuse_attention == "auto"  # the plan decides them:
     kept = result.config.reuse_attention  # the float32 sums fit an H200, as do most chunks' kept results
-    want = {"grad_accumulation": "float32", "reuse_attention": kept, "mla_pages": "expanded"}  # (Qwen: no latents)
+    want = {
+        "grad_accumulation": "float32",
+        "reuse_attention": kept,
+        "mla_pages": "expanded",
+    }  # (Qwen: no latents)
     if asked.layer_checkpointing == "auto":  # the 128K example leaves it to the plan: an H200 needs neither
         want.update(layer_checkpointing=False, kv_grad_dtype="float32")
     if asked.offload == "auto":  # the pages fit an H200 (at 1M: each GPU's eighth of them)

@@ -61,10 +61,10 @@ class HostTails:
             nbytes = numel * shape.dtype.itemsize
             k, v = (
                 host.storage[start : start + nbytes].view(shape.dtype).view(-1, heads, shape.page_size, dim)
-                for start in (offset, offset + nbytes)
+                for start in (offset, offset + (shape.parts - 1) * nbytes)  # (values are keys: one tensor)
             )
             self.kv[layer] = (k, v)
-            offset += 2 * nbytes
+            offset += shape.parts * nbytes
         self._held: dict[tuple[int, int], int] = {}  # (layer, ring place) -> the group it holds
         self._sent: dict[tuple[int, int], object] = {}  # (layer, group) -> its copy to the host
         self._fetched: dict[int, object] = {}  # layer -> the copy of the group its next chunk reads
@@ -105,9 +105,9 @@ class HostTails:
             return
         device, host = self.shape.ring_slots(layer, block), self.shape.host_tail_slots(layer, block)
         region, (k, v) = self.regions[layer], self.kv[layer]
-        pairs = [(k[host], region.k[device]), (v[host], region.v[device])]
+        pairs = [(k[host], region.k[device]), (v[host], region.v[device])][: self.shape.parts]
         self._sent[layer, block] = self.transport.copy("d2h", pairs, [self.transport.mark()])
-        self.d2h_bytes += 2 * k[host].nbytes
+        self.d2h_bytes += self.shape.parts * k[host].nbytes
 
     def before_read(self, layer: int) -> None:
         """Backward sweep: the chunk's read of its layer's pages waits for the group it reads."""
@@ -124,10 +124,11 @@ class HostTails:
         device, host = self.shape.ring_slots(layer, group), self.shape.host_tail_slots(layer, group)
         region, (k, v) = self.regions[layer], self.kv[layer]
         after = [self.transport.mark(), self._sent.pop((layer, group), None)]
-        self.transport.copy("h2d", [(region.k[device], k[host]), (region.v[device], v[host])], after)
-        self._fetched[layer] = self.transport.zero([region.dk[device], region.dv[device]], ())
+        parts = self.shape.parts
+        self.transport.copy("h2d", [(region.k[device], k[host]), (region.v[device], v[host])][:parts], after)
+        self._fetched[layer] = self.transport.zero([region.dk[device], region.dv[device]][:parts], ())
         self._held[layer, group % 2] = group
-        self.h2d_bytes += 2 * k[host].nbytes
+        self.h2d_bytes += parts * k[host].nbytes
 
 
 def host_tail_bytes(shape: PoolShape) -> int:

@@ -364,6 +364,11 @@ class HFChunkModel:
         self._mla_pages = mode
 
     @property
+    def values_are_keys(self) -> bool:
+        """Whether every attention call passes its keys as its values (over latents: one page holds both)."""
+        return self._mla_pages == "latent"
+
+    @property
     def vocab_size(self) -> int:
         """Rows of the LM head, read at each step (``resize_token_embeddings`` may run after setup)."""
         return self.model.get_output_embeddings().weight.shape[0]
