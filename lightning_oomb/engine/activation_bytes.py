@@ -61,10 +61,8 @@ def saved_bytes(
             )[0]
             for (d, kv, shared), n in dims.items()
         )
-        # the absorption saves the queries' storage ([Hq, nope + rope] each token) for the gradient of kv_b_proj
-        attention += (
-            bool(latent) * shape.paged_layers * dtypes.compute.itemsize * shape.num_heads * shape.head_dim
-        )
+        absorbed, absorbing = latent_absorption_bytes(shape, dtypes, batch) if latent else (0, 0)
+        attention += shape.paged_layers * absorbed
         if shape.qk_norm and shape.qk_norm_layers is not None:  # (the layers without: Llama 4's NoPE layers)
             unnormed = max(shape.paged_layers - shape.qk_norm_layers, 0)
             attention -= unnormed * _qk_norm_bytes(
@@ -90,7 +88,7 @@ def saved_bytes(
         per_token += (
             shape.num_layers * ((c if dtypes.mixed else r) * shape.hidden_size + 3 * c * gate) * bool(gate)
         )
-        layers = (per_token + adapter_bytes(shape, dtypes)) * tokens + mixed
+        layers = (per_token + adapter_bytes(shape, dtypes)) * tokens + mixed + shape.paged_layers * absorbing
         linear = shape.linear_weights
         # the Llama-style layers' (a hybrid's: attention in its paged layers, its mixers' own projections)
         if linear is None:
@@ -99,14 +97,17 @@ def saved_bytes(
                 unpaged = shape.num_layers - shape.paged_layers
                 linear += sum(m.linear_weights for m in shape.mixers) - unpaged * shape.attention_params
         copies = (linear + 2 * shape.num_layers * shape.hidden_size * gate) * c if dtypes.mixed else 0
-        # cos and sin, shared by the layers of a head dim or a table (layer_rope: each layer's float32 copies)
+        # cos and sin, shared by the layers of a head dim or a table (layer_rope: each layer's float32 copies; latent
+        # attention's as wide as its rotated columns, DeepSeek-V2's one complex64 table: 4 bytes a column)
         head_dims = set(shape.own_head_dims)
         widths = sum(head_dims) if len(head_dims) > 1 else shape.rope_tables * shape.head_dim
+        widths = shape.rope_tables * shape.qk_rope_head_dim if shape.latent_width else widths
+        tables = (1, NORM_BYTES) if shape.complex_rope else (2, r)
         rope = (
-            2
+            tables[0]
             * min(chunk_size, seq_len)
             * widths
-            * (NORM_BYTES * shape.paged_layers if shape.layer_rope else r)
+            * (NORM_BYTES * shape.paged_layers if shape.layer_rope else tables[1])
         )
     # the layers' own inputs (Gemma 4's): their sum, the float32 norm's input and output, 1/rms and one more per
     # layer; under autocast the projection's cast input and weight
@@ -123,6 +124,19 @@ def saved_bytes(
         "head": _head_bytes_per_token(shape, dtypes) * tokens,
         "other": ID_BYTES * batch * seq_len + rope + own_inputs * tokens,
     }
+
+
+def latent_absorption_bytes(shape: ModelShape, dtypes: Dtypes, batch: int) -> tuple[int, int]:
+    """(bytes per token, bytes per chunk) one latent attention layer's absorption saves under ``mla_pages="latent"``
+    (:func:`~lightning_oomb.integrations.hf.latent.attend_latent`), in the compute dtype: the model's queries
+    (``[Hq, nope + rope]`` a token, for ``absorb``'s gradient); the absorbed weights as the batched matmuls
+    broadcast them, one copy per row and head (``absorb [nope + rope, rank]``, ``expand [rank + rope, v]``: for
+    the queries' and the op output's gradients), and the identity ``kv_b_proj`` maps to give its weight
+    (``[rank, rank]``). (The op's output, which ``expand`` reads, is the op's saved one.)"""
+    c, heads, rank = dtypes.compute.itemsize, shape.num_heads, shape.kv_lora_rank
+    qk = shape.qk_nope_head_dim + shape.qk_rope_head_dim
+    weights = batch * heads * (qk * rank + shape.latent_width * shape.v_head_dim) + rank * rank
+    return c * heads * qk, c * weights
 
 
 def scan_views(shape: ModelShape, dtypes: Dtypes, batch: int, chunk_tokens: int) -> int:
@@ -210,14 +224,19 @@ def _layer_bytes_per_token(
 
     gated = shape.gated_attention
     readers = shape.norm_readers or (0, 0, 0)  # (0: q, k, v and a gate; gate and up; gate and up)
-    attention_readers, mlp_readers = (readers[0] or 3 + gated) - 2 * shares_kv, readers[1] or 2
+    # (latent attention's: its queries' and its latent's projections)
+    attention_readers = (readers[0] or (2 if shape.latent_width else 3 + gated)) - 2 * shares_kv
+    mlp_readers = readers[1] or 2
     # (an MoE layer's readers as read off its modules — router, shared experts — where its routed experts read no
     # cast copy of the whole normed input: grouped_mm's read it uncast, an expert loop's its gathered rows, Llama
     # 4's dense experts their scaled copies)
     moe_readers = readers[2] * (shape.uncast_experts or shape.expert_loop or shape.dense_experts) or 2
     routed = shape.intermediate_size * shape.routed_per_token
     op_q = heads * (op_head_dim or d)  # the op's saved q and output, as wide as the pages
-    attn = norm(attention_readers) + 2 * c * op_q + lse * heads + (c if dtypes.mixed else r) * q * inputs
+    # (o_proj reads every head's value width: latent attention's v_head_dim)
+    out = heads * (shape.v_head_dim or d)
+    attn = norm(attention_readers) + 2 * c * op_q + lse * heads + (c if dtypes.mixed else r) * out * inputs
+    attn += _latent_norms_bytes(shape, dtypes, inputs)
     # a gate's sigmoid, and the output it multiplies (a copy of the op's: reshaped)
     attn += 2 * c * q * gated
     # a gate per head (LFM3's): its sigmoid and the output it multiplies (a copy of the op's)
@@ -246,12 +265,33 @@ def _layer_bytes_per_token(
             saved = norm(1, own) + (3 + inputs) * c * (width - routed)
             return saved + routed_bytes(shape, dtypes) + router_mlp_bytes(shape, dtypes)
         saved = norm(moe_readers, own) + (3 + inputs) * c * (width - routed)
+        # (a float32 router's copy of its input, outside autocast where the activations are not float32)
+        saved += f * h * (shape.float32_router and not dtypes.mixed and r != f)
         # (Llama 4's router: its top-k indices and the scores' float32 sigmoid)
         scores = ID_BYTES * shape.experts_per_token + f * shape.num_experts if shape.dense_experts else None
         return saved + routed_bytes(shape, dtypes) + (scores or 2 * f * shape.num_experts)
 
     dense = mlp(shape.dense_mlp_width, False)
     return attn, (mlp(shape.mlp_width, True) if shape.num_experts else dense), dense
+
+
+def _latent_norms_bytes(shape: ModelShape, dtypes: Dtypes, inputs: bool) -> int:
+    """Bytes per token a latent attention layer's own norms save (0 without latent attention): ``q_a_layernorm``
+    on the queries' ``q_lora_rank``-wide projection (none without: ``q_proj``) and ``kv_a_layernorm`` on the
+    latent — each its float32 input (the projection's whole output when it is float32: ``kv_a_proj_with_mqa``'s
+    with the rotated key part, split off by a view), 1/rms and the normed input in the projection's (compute)
+    dtype (none when frozen), and the next projection's input (``q_b_proj``'s, ``kv_b_proj``'s: the norm's output,
+    under autocast its cast copy)."""
+    c, f, whole = dtypes.compute.itemsize, NORM_BYTES, dtypes.compute == torch.float32
+    normed = 0 if shape.frozen_layers else c
+
+    def norm(width: int, output: int) -> int:
+        return f * (output if whole else width) + f + (normed + c * inputs) * width
+
+    if not shape.latent_width:
+        return 0
+    queries = norm(shape.q_lora_rank, shape.q_lora_rank) if shape.q_lora_rank else 0
+    return queries + norm(shape.kv_lora_rank, shape.latent_width)
 
 
 def router_mlp_bytes(shape: ModelShape, dtypes: Dtypes) -> int:
@@ -487,6 +527,7 @@ def layer_backward_bytes(
     mlp_tile: int | None = None,
     reach: int | None = None,
     restaged: bool = False,
+    mla_pages: str = "expanded",
 ) -> tuple[int, int, int]:
     """Bytes beyond the saved activations while the last decoder layer back-propagates: (its MLP, its attention,
     a hybrid's largest carried mixer: :func:`mixer_bytes`; 0 without) — with ``checkpointing`` its recompute (what
@@ -498,7 +539,9 @@ def layer_backward_bytes(
     sees, under a sliding window or a page budget) and float32 copies of q and dO; on the fused CPU path
     its copies of K/V per query head and of their gradients, or — one piece at a time — four of
     ``min(PAST_BLOCK, keys - Lq)`` earlier keys (K, V and their gradients). A
-    ``restaged`` layer (a ``streamed`` one, or a window layer keeping only its tails) saves its chunk's K and V."""
+    ``restaged`` layer (a ``streamed`` one, or a window layer keeping only its tails) saves its chunk's K and V;
+    under ``mla_pages="latent"`` a recomputed latent attention layer holds its absorption's saved tensors too
+    (:func:`latent_absorption_bytes`; ``shape``: the one its op sees, ``ModelShape.attending``)."""
     lq = min(chunk_size, seq_len)
     tokens = batch * lq
     r, c = dtypes.activation.itemsize, dtypes.compute.itemsize
@@ -515,7 +558,10 @@ def layer_backward_bytes(
                                     default=(0, 0))  # fmt: skip
     if checkpointing:  # (a layer's share of the LoRA adapters counted with its attention)
         attn += adapter_bytes(shape, dtypes) // shape.num_layers
-        held_attn = (attn * tokens + attn_copies) - (r * q + acc * shape.num_heads) * tokens
+        latent = mla_pages == "latent" and shape.latent_width
+        absorbed, absorbing = latent_absorption_bytes(shape, dtypes, batch) if latent else (0, 0)
+        kept = (r * q + acc * shape.num_heads) * tokens
+        held_attn = (attn + absorbed) * tokens + attn_copies + absorbing - kept
         beside = held_attn if len(shape.mixers) + shape.paged_layers > shape.num_layers else 0
         held_mixer = max(beside, _mixer_norm_bytes(shape, dtypes) * tokens) + mixer_saved
         held_mlp = max(held_attn, held_mixer) + mlp * tokens + mlp_copies

@@ -36,6 +36,10 @@ SCALED_EMBEDDINGS = ("zaya",)
 # model types whose decoder layers run attention and the MLP side by side on one norm's output (a LayerNorm that
 # saves its centred input twice)
 PARALLEL_BLOCKS = ("cohere", "cohere2")
+# model types whose RoPE multiplies by one complex64 table (ModelShape.complex_rope)
+COMPLEX_ROPE = ("deepseek_v2",)
+# latent attention model types whose MoE router computes in float32 (ModelShape.float32_router)
+FLOAT32_ROUTERS = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "longcat_flash", "axk1", "kimi_linear")
 # model types whose queries' and keys' norms read them after RoPE (ModelShape.rotated_qk_norms)
 ROTATED_QK_NORMS = ("hunyuan",)
 # model types whose layers each make float32 copies of the RoPE tables (ModelShape.layer_rope)
@@ -172,7 +176,13 @@ class ModelShape:
     ``qk_norm``; Llama 4's RoPE layers), ``weightless_qk_norms``: those norms have no weight (Llama 4's L2 norm:
     no normed input saved); ``latent_width``: multi-head latent attention's latent, ``kv_lora_rank +
     qk_rope_head_dim`` (0: none), the one KV head its layers attend over under ``mla_pages="latent"``
-    (:meth:`attending`)."""
+    (:meth:`attending`); its layers' own widths (0 without latent attention): ``q_lora_rank`` (the queries'
+    low-rank projection and norm, ``q_a_proj`` / ``q_a_layernorm``; 0: one ``q_proj``), ``qk_nope_head_dim`` and
+    ``qk_rope_head_dim`` (a query head's columns without and with RoPE; the keys' rotated part, one head shared),
+    ``v_head_dim`` (a value head's: ``o_proj`` reads ``num_heads x v_head_dim``); ``complex_rope``: RoPE
+    multiplies by one complex64 table (DeepSeek-V2's ``freqs_cis``), not a cos and a sin table; ``float32_router``:
+    the MoE router casts its input to float32 (DeepSeek's: a copy saved where the activations are not float32 and
+    autocast does not cast it back)."""
 
     num_layers: int
     hidden_size: int
@@ -242,6 +252,17 @@ class ModelShape:
     qk_norm_layers: int | None = None
     weightless_qk_norms: bool = False
     latent_width: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    complex_rope: bool = False
+    float32_router: bool = False
+
+    @property
+    def kv_lora_rank(self) -> int:
+        """Latent attention's latent without its rotated key part (``kv_b_proj``'s input; 0 without)."""
+        return self.latent_width - self.qk_rope_head_dim if self.latent_width else 0
 
     def attending(self, mla_pages: str) -> ModelShape:
         """The shape the attention op sees: under ``mla_pages="latent"`` a latent attention model's one KV head of
@@ -326,7 +347,14 @@ class ModelShape:
 
     def attention_params_of(self, head_dim: int, kv_heads: int | None = None) -> int:
         """Elements of q, k, v and o projection weights (and an output gate's) of a layer of heads ``head_dim``
-        (and ``kv_heads`` KV heads; default ``self.kv_heads``)."""
+        (and ``kv_heads`` KV heads; default ``self.kv_heads``); a latent attention layer's (whatever the pages'
+        heads): ``q_a_proj`` and ``q_b_proj`` (or ``q_proj``), ``kv_a_proj_with_mqa``, ``kv_b_proj`` and ``o_proj``."""
+        if self.latent_width:
+            h, heads, rank = self.hidden_size, self.num_heads, self.q_lora_rank
+            queries = heads * (self.qk_nope_head_dim + self.qk_rope_head_dim)
+            q = (h + queries) * rank if rank else h * queries
+            kv = h * self.latent_width + self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+            return q + kv + heads * self.v_head_dim * h
         q, kv = self.num_heads * head_dim, (kv_heads or self.kv_heads) * head_dim
         gate = self.hidden_size * self.num_heads * self.head_gate
         return (2 + self.gated_attention) * self.hidden_size * q + 2 * self.hidden_size * kv + gate
@@ -368,6 +396,7 @@ class ModelShape:
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.kv_heads * self.head_dim
         layer = self.layer_norms * h + (q + 2 * kv if self.qkv_bias else 0)
         layer += 2 * self.head_dim if self.qk_norm else 0
+        layer += self.q_lora_rank + self.kv_lora_rank  # (latent attention's own norms)
         routers = self.moe_mlps * h * self.num_experts
         head = 0 if self.tied_embeddings else self.vocab_size * h
         return self.num_embeddings * h + self.num_layers * layer + self.linear_params + routers + h + head
@@ -379,6 +408,8 @@ class ModelShape:
             self.layer_norms * self.hidden_size
             + (q + 2 * kv if self.qkv_bias else 0)
             + (2 * self.head_dim if self.qk_norm else 0)
+            + self.q_lora_rank
+            + self.kv_lora_rank
         )
         return self.num_layers * layer + self.hidden_size
 
@@ -665,7 +696,9 @@ def _shape_of_attention_config(cfg: Any) -> ModelShape:
         layer_carry=(getattr(cfg, "router_hidden_size", None) or 0) * (family in SCALED_EMBEDDINGS),
         scaled_residuals=2 * (family in SCALED_EMBEDDINGS),
         l2_qk_norms=family in SCALED_EMBEDDINGS,
-        latent_width=_latent_width(cfg),
+        complex_rope=family in COMPLEX_ROPE,
+        float32_router=bool(experts) and family in FLOAT32_ROUTERS,
+        **_latent_fields(cfg),
     )
 
 
@@ -673,6 +706,16 @@ def _latent_width(cfg: Any) -> int:
     """A multi-head latent attention config's latent width (``kv_lora_rank + qk_rope_head_dim``), else 0."""
     rank, rope = getattr(cfg, "kv_lora_rank", None), getattr(cfg, "qk_rope_head_dim", None)
     return rank + rope if isinstance(rank, int) and isinstance(rope, int) else 0
+
+
+def _latent_fields(cfg: Any) -> dict[str, int]:
+    """A multi-head latent attention config's :class:`ModelShape` fields (its latent's and heads' widths; none
+    without latent attention)."""
+    width = _latent_width(cfg)
+    if not width:
+        return {}
+    fields = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    return {"latent_width": width, **{f: getattr(cfg, f, None) or 0 for f in fields}}
 
 
 def _shape_of_attention_free(cfg: Any) -> ModelShape:

@@ -32,7 +32,11 @@ dtypes and an optimizer's states :mod:`~lightning_oomb.engine.step_setup`'s.
   ``I`` of its width, its gathered input, output and weighted output (:func:`routed_bytes`) and the router's scores,
   its dense layers (DeepSeek's first, Jamba's every other) their own MLP; norms of the attention's and the MLP's
   outputs (Gemma 2/3) and a sigmoid gate on the attention output (AFMoE) counted as they save; a layer whose pages
-  the backward rewrites (host tier, a window layer keeping only its tails) its chunk's K and V (``2c Hkv D``). Under
+  the backward rewrites (host tier, a window layer keeping only its tails) its chunk's K and V (``2c Hkv D``). A
+  latent attention layer (DeepSeek's MLA) saves its own norms of its queries' low-rank projection and of its latent
+  (each ``4w + 4 + 2cw`` on its width ``w``, with the next projection's input: :func:`_latent_norms_bytes`), o_proj's
+  input at ``Hq x v_head_dim`` and RoPE's tables at ``qk_rope_head_dim``; over latent pages (``mla_pages="latent"``)
+  the absorption's queries and its weights broadcast per row and head (:func:`latent_absorption_bytes`). Under
   autocast every decoder weight is saved once more as a ``c`` copy (a hybrid's mixers' projections as read off their
   modules: ``Mixer.linear_weights``) — but transformers' grouped_mm experts', which autocast casts on no device: they
   compute in the weights' dtype (``ModelShape.uncast_experts``). With ``layer_checkpointing`` a layer saves only its
@@ -887,6 +891,7 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
         config.mlp_tile,
         int(reach),
         pool.num_layers - 1 in restaging,
+        config.mla_pages,
     )
     below_head = activations - saved["head"]
     embed = shape.num_embeddings * shape.hidden_size * dtypes.activation.itemsize * shape.embedding_trainable
