@@ -60,6 +60,7 @@ from lightning_oomb.models import (  # noqa: F401
     CausalLMModule,
     build_config,
     fused_adamw,
+    glm_4_7_flash_config,
     meta_causal_lm,
     qwen2_5_7b_config,
     with_lora,
@@ -245,7 +246,8 @@ def refusals_in(err: ValueError) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------------- oomb plan
-KNOWN_MODELS = {"Qwen/Qwen2.5-7B": qwen2_5_7b_config}  # hub ids whose shape is known without a download
+# hub ids whose shape is known without a download
+KNOWN_MODELS = {"Qwen/Qwen2.5-7B": qwen2_5_7b_config, "zai-org/GLM-4.7-Flash": glm_4_7_flash_config}
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
           "gib": 2**30, "tib": 2**40}  # fmt: skip
 
@@ -493,12 +495,13 @@ def print_plan(result: MemoryPlan) -> None:
         return
     cfg = result.config
     tails = f"; {hosted_tails_note(result)}" if result.pool.hosted_tails else ""
+    latent = ", mla_pages latent (one head of latents)" if result.pool.values_are_keys else ""
     console = Console(width=max(110, Console().width))
     console.print(
         f"oomb plan: {result.model.family}, {result.batch} x {result.seq_len} tokens, {result.precision}, "
         f"{result.optimizer}, chunk_size {cfg.chunk_size}, layer_checkpointing {cfg.layer_checkpointing}, "
-        f"kv_grad_dtype {cfg.kv_grad_dtype}, grad_accumulation {cfg.grad_accumulation}, offload {cfg.offload} "
-        f"({result.hbm_layers} HBM / {result.host_layers} host layers{tails})"
+        f"kv_grad_dtype {cfg.kv_grad_dtype}, grad_accumulation {cfg.grad_accumulation}{latent}, offload "
+        f"{cfg.offload} ({result.hbm_layers} HBM / {result.host_layers} host layers{tails})"
     )
     table = Table()
     table.add_column("term")

@@ -59,6 +59,34 @@ def qwen2_5_7b_config(**overrides: Any):
     return build_config({**QWEN2_5_7B, **overrides})
 
 
+GLM_4_7_FLASH = {  # zai-org/GLM-4.7-Flash's shape (its config.json's sizes; no weights)
+    "model_type": "glm4_moe_lite",
+    "vocab_size": 154880,
+    "hidden_size": 2048,
+    "intermediate_size": 10240,
+    "moe_intermediate_size": 1536,
+    "num_hidden_layers": 47,
+    "num_attention_heads": 20,
+    "num_key_value_heads": 20,
+    "n_shared_experts": 1,
+    "n_routed_experts": 64,
+    "num_experts_per_tok": 4,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 768,
+    "qk_nope_head_dim": 192,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 256,
+    "max_position_embeddings": 202752,
+    "tie_word_embeddings": False,
+}
+
+
+def glm_4_7_flash_config(**overrides: Any):
+    """A ``Glm4MoeLiteConfig`` shaped like GLM-4.7-Flash (47 layers of multi-head latent attention, 20 heads, a
+    latent of 512 + 64; 64 routed experts, 4 a token, and one shared; vocab 154880)."""
+    return build_config({**GLM_4_7_FLASH, **overrides})
+
+
 class CausalLMModule(LightningModule):
     """Train a Hugging Face ``*ForCausalLM`` on batches ``{"input_ids", "labels"}`` (plus ``position_ids`` for
     packed documents; every key goes to the model call, with ``use_cache=False``: transformers builds the mask

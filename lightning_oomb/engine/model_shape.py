@@ -22,7 +22,7 @@ CALIBRATED = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gemma2", "gemm
               "afmoe", "jamba", "lfm2_moe", "llama4", "llama4_text", "qwen3_next", "kimi_linear", "bamba",
               "falcon_h1", "lfm2", "nemotron_h", "lfm3", "lara_mini", "bailing_hybrid", "cohere",
               "hunyuan_v1_dense", "apertus", "arcee", "nemotron", "stablelm", "gemma4_text",
-              "ernie4_5")  # fmt: skip
+              "ernie4_5", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "minicpm3")  # fmt: skip
 NORM_BYTES = 4  # HF's RMSNorm computes in float32 whatever the model's dtype
 # model types whose decoder layers norm the attention's and the MLP's outputs too (4 hidden-wide norms a layer)
 SANDWICH_NORMS = ("gemma2", "gemma3", "gemma3_text", "afmoe", "lfm3")

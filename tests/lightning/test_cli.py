@@ -457,3 +457,14 @@ def test_oomb_plan_plans_a_sparse_schedules_dense_steps_too(tmp_path, capsys):
     refused = plan_command([*scheduled, f"--host-memory={between}B"])
     assert not refused.fits and refused.config.page_budget is None
     assert "the OOMBSparseBudget schedule's steps at page_budget=None" in capsys.readouterr().out
+
+
+def test_oomb_plan_of_the_glm_example_takes_latents_on_an_h200(capsys):
+    """GLM-4.7-Flash's hub id is planned from its known shape; its 512K rows fit an H200 with 128 GiB of host memory
+    only over latents, which the strategy's ``mla_pages: auto`` decides (and the header says)."""
+    result = plan_command(
+        ["--config", str(EXAMPLES / "configs" / "glm-4.7-flash-lora-512k.yaml"), *H200_ARGS]
+    )
+    assert result.fits and result.config.mla_pages == "latent" and result.pool.values_are_keys
+    assert result.seq_len == 524288 and result.model.num_layers == 47
+    assert "mla_pages latent" in capsys.readouterr().out
