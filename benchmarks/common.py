@@ -5,6 +5,7 @@ the repository root with ``PYTHONPATH=$PWD``)."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import gc
 import json
@@ -266,3 +267,36 @@ def old_module(commit: str, path: str) -> types.ModuleType:
     sys.modules[module.__name__] = module  # dataclasses look their module up
     exec(compile(source, f"{commit}:{path}", "exec"), module.__dict__)
     return module
+
+
+# ------------------------------------------------------------------------------------- one-model step benchmarks
+def step_args(
+    doc: str, argv: list[str] | None, layers: int, tokens: int, out: Path, tiny_tokens: int
+) -> argparse.Namespace:
+    """The arguments of a benchmark timing one model's steps two ways (``--layers``, ``--tokens`` in chunks of
+    ``--chunk``, ``--page``, ``--repeats``, ``--device``, ``--out``); ``--tiny``: ``tiny_tokens`` in chunks of 32,
+    one repeat (a CPU smoke)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=layers)
+    p.add_argument("--tokens", type=int, default=tokens)
+    p.add_argument("--chunk", type=int, default=4096)
+    p.add_argument("--page", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--device", default="cuda")
+    p.add_argument(
+        "--tiny", action="store_true", help=f"a tiny width, {tiny_tokens} tokens in chunks of 32 (CPU smoke)"
+    )
+    p.add_argument("--out", type=Path, default=out)
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.tokens, args.chunk, args.page, args.repeats = tiny_tokens, 32, 16, 1
+    return args
+
+
+def finish(report: Report, out: Path, plot: Callable, table: Callable) -> dict:
+    """Save a step benchmark's JSON, its PNG (``plot(rows, path)``) and Markdown table (``table(data)``, printed)."""
+    report.save()
+    plot(report.rows, out.with_suffix(".png"))
+    out.with_suffix(".md").write_text(table(report.data))
+    print(table(report.data))
+    return report.data

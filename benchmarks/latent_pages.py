@@ -31,9 +31,11 @@ from benchmarks.common import (
     Report,
     build_causal_lm,
     engine_stats,
+    finish,
     free_device_memory,
     measure,
     planned_peak_gib,
+    step_args,
 )
 from lightning_oomb.engine import OOMBConfig, OOMBEngine
 from lightning_oomb.integrations.hf import HFChunkModel
@@ -128,29 +130,12 @@ def table(data: dict) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--tokens", type=int, default=32768)
-    p.add_argument("--chunk", type=int, default=4096)
-    p.add_argument("--page", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--tiny", action="store_true", help="a tiny width, 128 tokens in chunks of 32 (CPU smoke)")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "latent-pages-h200.json")
-    args = p.parse_args(argv)
-    if args.tiny:
-        args.tokens, args.chunk, args.page, args.repeats = 128, 32, 16, 1
-    return args
+    return step_args(__doc__, argv, 2, 32768, ROOT / "benchmarks" / "results" / "latent-pages-h200.json", 128)
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    report = run(args)
-    report.save()
-    plot(report.rows, args.out.with_suffix(".png"))
-    args.out.with_suffix(".md").write_text(table(report.data))
-    print(table(report.data))
-    return report.data
+    return finish(run(args), args.out, plot, table)
 
 
 if __name__ == "__main__":

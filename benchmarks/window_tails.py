@@ -26,7 +26,16 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import GIB, Report, build_causal_lm, engine_stats, free_device_memory, measure
+from benchmarks.common import (
+    GIB,
+    Report,
+    build_causal_lm,
+    engine_stats,
+    finish,
+    free_device_memory,
+    measure,
+    step_args,
+)
 from lightning_oomb.engine import OOMBConfig, OOMBEngine
 from lightning_oomb.integrations.hf import HFChunkModel
 
@@ -121,29 +130,12 @@ def table(data: dict) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--tokens", type=int, default=65536)
-    p.add_argument("--chunk", type=int, default=4096)
-    p.add_argument("--page", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--tiny", action="store_true", help="a tiny width, 256 tokens in chunks of 32 (CPU smoke)")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "window-tails-h200.json")
-    args = p.parse_args(argv)
-    if args.tiny:
-        args.tokens, args.chunk, args.page, args.repeats = 256, 32, 16, 1
-    return args
+    return step_args(__doc__, argv, 6, 65536, ROOT / "benchmarks" / "results" / "window-tails-h200.json", 256)
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    report = run(args)
-    report.save()
-    plot(report.rows, args.out.with_suffix(".png"))
-    args.out.with_suffix(".md").write_text(table(report.data))
-    print(table(report.data))
-    return report.data
+    return finish(run(args), args.out, plot, table)
 
 
 if __name__ == "__main__":
