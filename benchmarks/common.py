@@ -300,3 +300,30 @@ def finish(report: Report, out: Path, plot: Callable, table: Callable) -> dict:
     out.with_suffix(".md").write_text(table(report.data))
     print(table(report.data))
     return report.data
+
+
+@contextlib.contextmanager
+def timed_engine(model, ids: torch.Tensor, config, device: torch.device, repeats: int):
+    """An OOMB engine of ``model`` (HF, layer checkpointing as ``config`` says, no self-check) and its steps on
+    ``ids`` timed (:func:`measure`, one warm-up): yields ``(engine, timing, loss)`` — a last step's loss — and
+    releases the pool and the device memory afterwards."""
+    from lightning_oomb.engine import OOMBEngine
+    from lightning_oomb.integrations.hf import HFChunkModel
+
+    checkpointing = config.layer_checkpointing is True
+    engine = OOMBEngine(
+        HFChunkModel(model, layer_checkpointing=checkpointing, verify_exactness=False), config
+    )
+
+    def step() -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        loss = engine.loss(ids)
+        loss.backward()
+        return loss.detach()
+
+    timing = measure(step, device, repeats, warmup=1)
+    try:
+        yield engine, timing, step().item()
+    finally:
+        engine.pool.release()
+        free_device_memory(device)

@@ -32,13 +32,11 @@ from benchmarks.common import (
     build_causal_lm,
     engine_stats,
     finish,
-    free_device_memory,
-    measure,
     planned_peak_gib,
     step_args,
+    timed_engine,
 )
-from lightning_oomb.engine import OOMBConfig, OOMBEngine
-from lightning_oomb.integrations.hf import HFChunkModel
+from lightning_oomb.engine import OOMBConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_attention_heads=4,
@@ -67,24 +65,12 @@ def run(args) -> Report:
     for method in METHODS:
         config = OOMBConfig(args.chunk, args.page, layer_checkpointing=True, mla_pages=method,
                             kv_grad_dtype="bfloat16" if dtype == torch.bfloat16 else "float32")  # fmt: skip
-        engine = OOMBEngine(HFChunkModel(model, layer_checkpointing=True, verify_exactness=False), config)
-
-        def step(engine=engine) -> torch.Tensor:
-            model.zero_grad(set_to_none=True)
-            loss = engine.loss(ids)
-            loss.backward()
-            return loss.detach()
-
-        timing = measure(step, device, args.repeats, warmup=1)
-        shape = engine.pool.shape
-        planned = planned_peak_gib(
-            engine.model, args.tokens, config, device, "bf16-true" if not args.tiny else "32-true"
-        )
-        report.add({"method": method, **timing, **engine_stats(engine), "kv_heads": shape.kv_heads,
-                    "head_dim": shape.head_dim, "planned_peak_gib": planned, "loss": step().item()})  # fmt: skip
-        engine.pool.release()
-        del engine
-        free_device_memory(device)
+        with timed_engine(model, ids, config, device, args.repeats) as (engine, timing, loss):
+            precision = "32-true" if args.tiny else "bf16-true"
+            planned = planned_peak_gib(engine.model, args.tokens, config, device, precision)
+            shape = engine.pool.shape
+            report.add({"method": method, **timing, **engine_stats(engine), "kv_heads": shape.kv_heads,
+                        "head_dim": shape.head_dim, "planned_peak_gib": planned, "loss": loss})  # fmt: skip
     return report
 
 

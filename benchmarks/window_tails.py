@@ -32,12 +32,10 @@ from benchmarks.common import (
     build_causal_lm,
     engine_stats,
     finish,
-    free_device_memory,
-    measure,
     step_args,
+    timed_engine,
 )
-from lightning_oomb.engine import OOMBConfig, OOMBEngine
-from lightning_oomb.integrations.hf import HFChunkModel
+from lightning_oomb.engine import OOMBConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 GEMMA3_27B = dict(hidden_size=5376, intermediate_size=21504, num_attention_heads=32, num_key_value_heads=16,
@@ -66,21 +64,11 @@ def run(args) -> Report:
     for method, hosted in METHODS.items():
         config = OOMBConfig(args.chunk, args.page, layer_checkpointing=True, offload=True, hbm_budget=1 << 50,
                             host_tails=hosted, kv_grad_dtype="bfloat16" if dtype == torch.bfloat16 else "float32")  # fmt: skip
-        engine = OOMBEngine(HFChunkModel(model, layer_checkpointing=True, verify_exactness=False), config)
-
-        def step(engine=engine) -> torch.Tensor:
-            model.zero_grad(set_to_none=True)
-            loss = engine.loss(ids)
-            loss.backward()
-            return loss.detach()
-
-        timing = measure(step, device, args.repeats, warmup=1)
-        shape = engine.pool.shape
-        report.add({"method": method, **timing, **engine_stats(engine), "hosted_tail_layers": len(shape.hosted_tails),
-                    "tail_host_gib": shape.tail_host_bytes / GIB, "loss": step().item()})  # fmt: skip
-        engine.pool.release()
-        del engine
-        free_device_memory(device)
+        with timed_engine(model, ids, config, device, args.repeats) as (engine, timing, loss):
+            shape = engine.pool.shape
+            report.add({"method": method, **timing, **engine_stats(engine),
+                        "hosted_tail_layers": len(shape.hosted_tails), "tail_host_gib": shape.tail_host_bytes / GIB,
+                        "loss": loss})  # fmt: skip
     return report
 
 
