@@ -32,6 +32,12 @@ while power-of-two tiles would waste 1/8 of the rows at G = 7 (28:4). The heads 
 together (query blocks vary fastest), so their K/V tiles are mostly re-read from L2 (predicted, not measured).
 Packing pays where a call has few queries (decoding), which training chunks never are.
 
+Head dims: the pages and the chunk's tensors are as wide as the model's heads (any width); the tiles are
+:func:`tile_width` wide (the next power of two, at least 16), and every access of a tensor narrower than its tile
+reads and writes only its own columns (:func:`_load`, :func:`_store`; zero columns in the tiles add nothing to a
+score). Whether an access is masked is a compile-time decision: at a power-of-two head dim the kernels compile as
+without it.
+
 Every key range is split into blocks that need no mask (all their keys visible to every query of the block) and
 the few on the causal diagonal / window edge / ragged last page that do; blocks nobody sees are never visited.
 Tiles, warps and stages: by default each kernel runs at its shipped tile (:data:`SM90_DEFAULTS`, the fastest
@@ -140,13 +146,16 @@ SM90_VARIANTS = {"dkdv": ({"SPLIT": True}, {"SPLIT": False})}  # constexprs per 
 # the other tables' dK/dV tiles (wide heads, GPUs without wgmma) were compiled with one masked loop, which spills
 # less there (sm_89: 20 bytes against 76); their speed is not measured
 OTHER_VARIANTS = {"dkdv": ({"SPLIT": False}, {"SPLIT": True})}
-# Wider heads (Gemma 2/3's 256; Gemma 4's 512, DeepSeek's latent attention padded to 256) at the head-dim-128 tiles
+# Wider heads (Gemma 2/3's 256; Gemma 4's 512, DeepSeek's latent attention's 192 tiled at 256) at the 128 tiles
 # spill (dK/dV 2.9 KB at 256, 7-12 KB everywhere at 512) and the dQ tile needs 262 KB of shared memory at 256 (sm_90
 # has 227 KB per block). These tiles compile for sm_90 without spills at every flag on Triton 3.9, within the shared
 # memory (benchmarks/results/kernel-compile-sm90-wide.md; on 3.6 the sparse forward at 256 spills 20 bytes): 32
 # query rows on 8 warps (mma.sync laid along the keys; 128-row wgmma tiles at 256 spill 48-256 bytes with offload's
 # CARRY / ACCUMULATE), 32 or 16 keys per dK/dV step. Whether a spilling wgmma tile is faster is for a GPU to say
-# (OOMB_TRITON_AUTOTUNE=1 tries the space).
+# (OOMB_TRITON_AUTOTUNE=1 tries the space). Narrower pages take the next width's tiles, masked (tile_width): at 192
+# the dense forward spills 20 bytes (ptxas keeps it at 128 registers; 0 at 256), the rest compile as at 256; latent
+# pages (576) tile at 1,024 with the 512 tiles, as when they were stored at 1,024: dQ's needs 272 KB of shared memory
+# and falls back (smaller_configs) to 32 x 16 at 2 stages, 208 KB, spilling 8-228 bytes; dK/dV spills 0.3-1.3 KB.
 SM90_WIDE_DEFAULTS = {
     256: {"forward": (32, 64, 8, 3), "dkdv": (16, 32, 8, 2), "dq": (32, 64, 8, 2)},
     512: {"forward": (32, 32, 8, 2), "dkdv": (16, 16, 8, 2), "dq": (32, 32, 8, 2)},
@@ -257,7 +266,8 @@ def _pruner(mma_rows: str, factor: int, max_regs: int = 64, head: int = 1, kerne
         for i, c in enumerate(configs):
             f = _fitted(c, mma_rows, kwargs["PAGE"], kwargs.get("SPARSE", False))
             key = (*sorted(f.kwargs.items()), f.num_warps, f.num_stages)
-            if i == 0 or factor * f.kwargs[mma_rows] * kwargs["HEAD_DIM"] <= max_regs * 32 * f.num_warps:
+            width = tile_width(kwargs["HEAD_DIM"])
+            if i == 0 or factor * f.kwargs[mma_rows] * width <= max_regs * 32 * f.num_warps:
                 kept.setdefault(key, f)
         return list(kept.values())
 
@@ -405,6 +415,51 @@ _restore_dq = _Restore(lambda a: [(a["DQ"], None)] if a["ACCUMULATE"] else [])
 
 
 # ------------------------------------------------------------------------------------------- shared helpers
+@triton.constexpr_function
+def tile_width(head_dim: int) -> int:
+    """The tiles' head dim for tensors ``head_dim`` wide: the next power of two (``tl.arange``), at least 16 (the
+    K of an MMA). Pages and the chunk's tensors keep ``head_dim``; the columns beyond it are never read (0 in the
+    tiles: they add nothing to a score, and their outputs are never written) — :func:`_load`, :func:`_store`."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+@triton.constexpr_function
+def _narrow(head_dim: int) -> bool:
+    """Whether tensors ``head_dim`` wide are narrower than the tiles: their accesses need a column mask."""
+    return tile_width(head_dim) != head_dim
+
+
+@triton.jit
+def _mask(ok, d, MASK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The mask of a tile access whose head-dim offsets are ``d`` (broadcastable to the tile): ``ok`` with
+    ``MASK``, and the first ``HEAD_DIM`` columns where the tile is wider than the tensors (:func:`tile_width`)."""
+    if not _narrow(HEAD_DIM):
+        return ok
+    elif MASK:
+        return ok & (d < HEAD_DIM)
+    else:
+        return d < HEAD_DIM
+
+
+@triton.jit
+def _load(ptrs, ok, d, MASK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """``ptrs``' tile, 0 outside :func:`_mask` (``ok``: only read with ``MASK``). Whether a mask exists at all is
+    decided at compile time: a tile as wide as the tensors without ``MASK`` is a plain load."""
+    if MASK or _narrow(HEAD_DIM):
+        return tl.load(ptrs, mask=_mask(ok, d, MASK, HEAD_DIM), other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def _store(ptrs, x, ok, d, MASK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Store the tile ``x`` within :func:`_mask` (as :func:`_load`)."""
+    if MASK or _narrow(HEAD_DIM):
+        tl.store(ptrs, x, mask=_mask(ok, d, MASK, HEAD_DIM))
+    else:
+        tl.store(ptrs, x)
+
+
 @triton.jit
 def _clamp(x, lo, hi):
     return tl.minimum(tl.maximum(x, lo), hi)
@@ -528,27 +583,23 @@ def _load_keys(
     K, V, base, start_n, key_hi, stride_kp, stride_kd,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, V_T: tl.constexpr,
 ):  # fmt: skip
-    """Key positions, ``K^T [HEAD_DIM, BLOCK_N]`` and ``V [BLOCK_N, HEAD_DIM]`` (``V^T`` with ``V_T``) of the key
-    block at ``start_n`` whose first key is ``base`` elements into the arenas (:func:`_key_block`); ``K``/``V``
-    point at the program's KV head. With ``MASK`` keys ``>= key_hi`` (ragged last page, end of the key range) are
-    never read."""
+    """Key positions, ``K^T [D, BLOCK_N]`` and ``V [BLOCK_N, D]`` (``V^T`` with ``V_T``; ``D`` the tiles' head dim,
+    :func:`tile_width`) of the key block at ``start_n`` whose first key is ``base`` elements into the arenas
+    (:func:`_key_block`); ``K``/``V`` point at the program's KV head. With ``MASK`` keys ``>= key_hi`` (ragged last
+    page, end of the key range) are never read."""
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, tile_width(HEAD_DIM))
     kt_ptrs = K + base + offs_n[None, :] * stride_kp + offs_d[:, None] * stride_kd
     if V_T:
         v_ptrs = V + base + offs_n[None, :] * stride_kp + offs_d[:, None] * stride_kd
     else:
         v_ptrs = V + base + offs_n[:, None] * stride_kp + offs_d[None, :] * stride_kd
     k_pos = start_n + offs_n
-    if MASK:
-        kt = tl.load(kt_ptrs, mask=k_pos[None, :] < key_hi, other=0.0)
-        if V_T:
-            v = tl.load(v_ptrs, mask=k_pos[None, :] < key_hi, other=0.0)
-        else:
-            v = tl.load(v_ptrs, mask=k_pos[:, None] < key_hi, other=0.0)
+    kt = _load(kt_ptrs, k_pos[None, :] < key_hi, offs_d[:, None], MASK, HEAD_DIM)
+    if V_T:
+        v = _load(v_ptrs, k_pos[None, :] < key_hi, offs_d[:, None], MASK, HEAD_DIM)
     else:
-        kt = tl.load(kt_ptrs)
-        v = tl.load(v_ptrs)
+        v = _load(v_ptrs, k_pos[:, None] < key_hi, offs_d[None, :], MASK, HEAD_DIM)
     return k_pos, kt, v
 
 
@@ -571,19 +622,16 @@ def _query_block(
     b = bh // num_heads
     h = bh % num_heads
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, tile_width(HEAD_DIM))
     row_ok = offs_m < q_len
-    q = tl.load(
-        Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-        mask=row_ok[:, None],
-        other=0.0,
-    )
+    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
+    q = _load(q_ptrs, row_ok[:, None], offs_d[None, :], True, HEAD_DIM)
     kv_head = (h // group) * stride_kh
     K += kv_head
     V += kv_head
     TABLE += b * stride_tb
     rows = bh * q_len + offs_m
-    row_offs = rows[:, None] * HEAD_DIM + offs_d[None, :]
+    row_offs = rows[:, None] * HEAD_DIM + offs_d[None, :]  # (out, dO, dQ, a state's acc: contiguous)
     q_pos = q_start + offs_m
     q_last = q_start + tl.minimum(start_m + BLOCK_M, q_len) - 1
     first = _firsts(FIRST + b * q_len, tl.where(row_ok, offs_m, 0), q_pos, window, ROWS)
@@ -694,16 +742,17 @@ def _fwd_kernel(
             tiles += t_hi - t_lo
         tl.atomic_add(VISITS, tiles)
 
+    cols = tl.arange(0, tile_width(HEAD_DIM))[None, :]
     if CARRY:  # the state's max is in natural-log units, the kernel's in base 2
         m_in = tl.load(LSE + rows, mask=row_ok, other=0.0)
         m_start = m_in * _LOG2E
         m_i = m_start
         l_i = tl.load(L + rows, mask=row_ok, other=0.0)
-        acc = tl.load(OUT + row_offs, mask=row_ok[:, None], other=0.0)
+        acc = _load(OUT + row_offs, row_ok[:, None], cols, True, HEAD_DIM)
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, tile_width(HEAD_DIM)], dtype=tl.float32)
     if SPARSE:  # the selected past pages: window edge / document starts masked, the rest not
         acc, l_i, m_i = _fwd_walk(acc, l_i, m_i, q, K, V, TABLE, SEL, stride_ks, stride_kp, stride_kd, q_pos, first,
                                   t_lo, t_full, t_hi, t_hi, key_hi, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N,
@@ -716,10 +765,11 @@ def _fwd_kernel(
     if CARRY:
         tl.store(LSE + rows, tl.where(m_i == m_start, m_in, m_i / _LOG2E), mask=row_ok)
         tl.store(L + rows, l_i, mask=row_ok)
-        tl.store(OUT + row_offs, acc, mask=row_ok[:, None])
+        _store(OUT + row_offs, acc, row_ok[:, None], cols, True, HEAD_DIM)
     else:  # out = acc / l_i; lse = ln(sum_j exp(s_j)) = (m_i + log2(l_i)) * ln(2)
         tl.store(LSE + rows, (m_i + tl.math.log2(l_i)) / _LOG2E, mask=row_ok)
-        tl.store(OUT + row_offs, (acc / l_i[:, None]).to(OUT.dtype.element_ty), mask=row_ok[:, None])
+        out_ptrs = OUT + row_offs
+        _store(out_ptrs, (acc / l_i[:, None]).to(OUT.dtype.element_ty), row_ok[:, None], cols, True, HEAD_DIM)
 
 
 # --------------------------------------------------------------------------------------------------- backward
@@ -727,10 +777,11 @@ def _fwd_kernel(
 def _bwd_preprocess(OUT, DOUT, DELTA, num_rows, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
     """``delta_i = sum_d dO_id * O_id`` over contiguous ``[rows, HEAD_DIM]``."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs = rows[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    cols = tl.arange(0, tile_width(HEAD_DIM))[None, :]
+    offs = rows[:, None] * HEAD_DIM + cols
     ok = rows < num_rows
-    o = tl.load(OUT + offs, mask=ok[:, None], other=0.0).to(tl.float32)
-    do = tl.load(DOUT + offs, mask=ok[:, None], other=0.0).to(tl.float32)
+    o = _load(OUT + offs, ok[:, None], cols, True, HEAD_DIM).to(tl.float32)
+    do = _load(DOUT + offs, ok[:, None], cols, True, HEAD_DIM).to(tl.float32)
     tl.store(DELTA + rows, tl.sum(o * do, 1), mask=ok)
 
 
@@ -751,7 +802,7 @@ def _bwd_dkdv_inner(
     tiles each). ``FUSED_DQ``: also add the key block's share of dQ into fp32 ``DQ`` (atomically: every key block
     of the rows adds into them)."""
     offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, tile_width(HEAD_DIM))
     # a tile's addresses: a scalar base (its first row) plus offsets that are the same for every tile
     qt_offs = offs_m[None, :] * stride_qm + offs_d[:, None] * stride_qd
     do_offs = offs_m[:, None] * HEAD_DIM + offs_d[None, :]
@@ -770,15 +821,13 @@ def _bwd_dkdv_inner(
         row = g * q_len + start_m  # the tile's first row in DO, LSE, DELTA, DQ
         qt_ptrs = (Q + g * stride_qh + start_m * stride_qm) + qt_offs
         do_ptrs = (DO + row * HEAD_DIM) + do_offs
+        ok = offs_m < q_len - start_m  # (MASK: the rows of the chunk)
+        qt = _load(qt_ptrs, ok[None, :], offs_d[:, None], MASK, HEAD_DIM)
+        do = _load(do_ptrs, ok[:, None], offs_d[None, :], MASK, HEAD_DIM)
         if MASK:
-            ok = offs_m < q_len - start_m
-            qt = tl.load(qt_ptrs, mask=ok[None, :], other=0.0)
-            do = tl.load(do_ptrs, mask=ok[:, None], other=0.0)
             lse = tl.load(LSE + row + offs_m, mask=ok, other=0.0)
             delta = tl.load(DELTA + row + offs_m, mask=ok, other=0.0)
         else:
-            qt = tl.load(qt_ptrs)
-            do = tl.load(do_ptrs)
             lse = tl.load(LSE + row + offs_m)
             delta = tl.load(DELTA + row + offs_m)
         # p^T_ji = exp(s_ij - lse_i), computed as exp2(s * log2(e) - lse * log2(e))
@@ -799,8 +848,10 @@ def _bwd_dkdv_inner(
         if FUSED_DQ:  # dQ += dS K (the dQ kernel's recomputation of P and dP saved)
             dq = tl.dot(tl.trans(dst.to(qt.dtype)), k, input_precision=PRECISION) * scale
             dq_ptrs = (DQ + row * HEAD_DIM) + do_offs
-            if MASK:
-                tl.atomic_add(dq_ptrs, dq, mask=ok[:, None], sem="relaxed")
+            if MASK or _narrow(HEAD_DIM):
+                tl.atomic_add(
+                    dq_ptrs, dq, mask=_mask(ok[:, None], offs_d[None, :], MASK, HEAD_DIM), sem="relaxed"
+                )
             else:
                 tl.atomic_add(dq_ptrs, dq, sem="relaxed")
         it += step
@@ -912,15 +963,15 @@ def _bwd_dkdv_kernel(
     else:
         start_n = (first_key // BLOCK_N + tl.program_id(0)) * BLOCK_N
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, tile_width(HEAD_DIM))
     k_pos = start_n + offs_n
     key_ok = k_pos < key_hi
     # gradient pages have the K/V pages' layout: one offset serves K, V, dK and dV
     tokens = (start_n % PAGE + offs_n)[:, None]
     kv_base = _page_offset(TABLE + b * stride_tb, start_n, stride_ks, PAGE) + kv_head * stride_kh
     kv_offs = tokens * stride_kp + offs_d[None, :] * stride_kd
-    k = tl.load(K + kv_base + kv_offs, mask=key_ok[:, None], other=0.0)
-    v = tl.load(V + kv_base + kv_offs, mask=key_ok[:, None], other=0.0)
+    k = _load(K + kv_base + kv_offs, key_ok[:, None], offs_d[None, :], True, HEAD_DIM)
+    v = _load(V + kv_base + kv_offs, key_ok[:, None], offs_d[None, :], True, HEAD_DIM)
     tile_base = kv_base + (start_n % PAGE) * stride_kp  # the block's first token (the gradient pages' add)
 
     if ROWS:  # per page: rows whose first visible key is at or before the page's last / first key
@@ -940,8 +991,8 @@ def _bwd_dkdv_kernel(
         listed = full_tiles * group  # tiles of the listing blocks computed (every query head's)
     if COUNT:
         tl.atomic_add(VISITS, tl.maximum(hi - lo, 0) // BLOCK_M * group)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dk = tl.zeros([BLOCK_N, tile_width(HEAD_DIM)], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, tile_width(HEAD_DIM)], dtype=tl.float32)
     # every query head that reads this KV head: heads h0 .. h0 + group - 1, walked in the loops of each range
     h0 = kv_head * group
     # this program is the only writer of these gradient-page rows: a plain read-modify-write at the end, no atomics
@@ -982,10 +1033,13 @@ def _bwd_dkdv_kernel(
     if work:
         # the block's offsets again, from its first token: not the K/V loads' offsets, kept through the loops
         tile_offs = offs_n[:, None] * stride_kp + offs_d[None, :] * stride_kd
+        cols = offs_d[None, :]
         dk_ptrs = (DK + tile_base) + tile_offs
-        tl.store(dk_ptrs, (tl.load(dk_ptrs) + dk * scale).to(DK.dtype.element_ty))
+        dk = (_load(dk_ptrs, cols, cols, False, HEAD_DIM) + dk * scale).to(DK.dtype.element_ty)
+        _store(dk_ptrs, dk, cols, cols, False, HEAD_DIM)
         dv_ptrs = (DV + tile_base) + tile_offs
-        tl.store(dv_ptrs, (tl.load(dv_ptrs) + dv).to(DV.dtype.element_ty))
+        dv = (_load(dv_ptrs, cols, cols, False, HEAD_DIM) + dv).to(DV.dtype.element_ty)
+        _store(dv_ptrs, dv, cols, cols, False, HEAD_DIM)
 
 
 @triton.jit
@@ -1063,10 +1117,11 @@ def _bwd_dq_kernel(
                      num_heads, group, q_len, q_start, key_lo, key_hi, window, n_sel, HEAD_DIM, PAGE, BLOCK_M,
                      BLOCK_N, ROWS, SPARSE, K_P2)
     )  # fmt: skip
-    do = tl.load(DO + row_offs, mask=row_ok[:, None], other=0.0)
+    cols = tl.arange(0, tile_width(HEAD_DIM))[None, :]
+    do = _load(DO + row_offs, row_ok[:, None], cols, True, HEAD_DIM)
     lse = tl.load(LSE + rows, mask=row_ok, other=0.0) * _LOG2E
     delta = tl.load(DELTA + rows, mask=row_ok, other=0.0)
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    dq = tl.zeros([BLOCK_M, tile_width(HEAD_DIM)], dtype=tl.float32)
     if SPARSE:
         dq = _bwd_dq_walk(dq, q, do, lse, delta, K, V, TABLE, SEL, stride_ks, stride_kp, stride_kd, q_pos, first,
                           t_lo, t_full, t_hi, t_hi, key_hi, qk_scale, cap, HEAD_DIM, PAGE, BLOCK_N, PRECISION,
@@ -1076,8 +1131,8 @@ def _bwd_dq_kernel(
                       False)  # fmt: skip
     dq = dq * scale
     if ACCUMULATE:  # this program is the only writer of these rows: a plain read-modify-write, no atomics
-        dq = dq + tl.load(DQ + row_offs, mask=row_ok[:, None], other=0.0)
-    tl.store(DQ + row_offs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+        dq = dq + _load(DQ + row_offs, row_ok[:, None], cols, True, HEAD_DIM)
+    _store(DQ + row_offs, dq.to(DQ.dtype.element_ty), row_ok[:, None], cols, True, HEAD_DIM)
 
 
 # -------------------------------------------------------------------------------------------------- launchers
@@ -1103,9 +1158,8 @@ def _check(
             f"paged attention kernels take {_SUPPORTED} with K/V pages in the query dtype; got q {q.dtype}, "
             f"pages {k_pages.dtype}/{v_pages.dtype} — use the torch reference backend for other dtypes."
         )
-    for name, size in (("head_dim", d), ("page size", page)):
-        if size < 16 or size & (size - 1):
-            raise ValueError(f"{name}={size} is not supported — the kernels need a power of two >= 16.")
+    if page < 16 or page & (page - 1):
+        raise ValueError(f"page size={page} is not supported — the kernels need a power of two >= 16.")
     if not (k_pages.is_contiguous() and v_pages.is_contiguous()):
         raise ValueError("K/V arenas must be contiguous [slots, Hkv, P, D] tensors.")
     if q.device.type != "cuda" and not _interpreting():
@@ -1277,8 +1331,6 @@ def attention_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
             f"{out.dtype} {tuple(out.shape)} and {dout.dtype} {tuple(dout.shape)}."
         )
     d = out.shape[-1]
-    if d < 16 or d & (d - 1):
-        raise ValueError(f"head_dim={d} is not supported — the kernels need a power of two >= 16.")
     delta = torch.empty(out.shape[:-1], dtype=torch.float32, device=out.device)
     rows = delta.numel()
     if rows:

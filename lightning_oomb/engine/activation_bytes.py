@@ -37,8 +37,8 @@ def saved_bytes(
     ``other`` (the step's token ids, RoPE cos/sin) — what :class:`~lightning_oomb.engine.memory.SavedTensorMeter`
     measures as its peak. ``restaged_width``: the elements per token of the K and V (one tensor where values are
     keys) of every layer whose op saves its chunk's K/V for the backward's rewrite, summed (host-tier layers and
-    window layers keeping only their tails: ``KVPool.restages``). ``backend``: the attention backend, whose op saves its q and output as wide as the
-    pages (the Triton kernels': head dims zero-padded to a power of two, ``attention.stored_head_dim``);
+    window layers keeping only their tails: ``KVPool.restages``). ``backend``: the attention backend, whose op saves
+    its q and output as wide as the pages (``attention.stored_head_dim``);
     ``mla_pages="latent"``: a latent attention model's op saves them at its latent's width
     (``ModelShape.latent_width``), and the absorption its queries."""
     tokens = batch * min(chunk_size, seq_len)
@@ -208,7 +208,7 @@ def _layer_bytes_per_token(
     copies). ``head_dim``: the layer's own (``ModelShape.layer_head_dims``; default ``shape.head_dim``): its
     projections', norms' and the op's saved q and output widths; ``kv_heads``:
     its own (``ModelShape.layer_kv_heads``; default ``shape.kv_heads``); ``op_head_dim``: the width of the op's saved
-    q and output (the pages': Triton's zero-padded heads; default ``head_dim``); ``shares_kv``: its call passes an
+    q and output (the pages', ``attention.stored_head_dim``; default ``head_dim``); ``shares_kv``: its call passes an
     earlier layer's K/V (``ModelShape.layer_kv_sources``): no key or value projection, norm or their saves."""
     r, c, f = dtypes.activation.itemsize, dtypes.compute.itemsize, NORM_BYTES
     h, heads, kv_heads = shape.hidden_size, shape.num_heads, kv_heads or shape.kv_heads

@@ -170,11 +170,11 @@ def check_kernel_shapes(backend: Backend, page_size: int) -> None:
 
 
 def stored_head_dim(backend: Backend, head_dim: int) -> int:
-    """The pages' head dim for a model's ``head_dim``: the Triton kernels' tiles need a power of two >= 16, so
-    other head dims are stored zero-padded to the next one (Phi-3's 96 as 128; DeepSeek's multi-head latent
-    attention, 192, as 256) — zero query and key columns add nothing to a score, zero value columns make output
-    columns that are cut off. The other backends store them as they are."""
-    return max(16, 1 << (head_dim - 1).bit_length()) if backend == "triton" else head_dim
+    """The pages' head dim for a model's ``head_dim``: the head dim itself on every backend — the Triton kernels
+    tile it at the next power of two (``csrc_triton.paged_attention.tile_width``) but read and write only its
+    columns (Phi-3's 96, DeepSeek's multi-head latent attention's 192 and latent pages' 576 were stored at 128, 256
+    and 1024), and the op's q, output and saved tensors are as wide."""
+    return head_dim
 
 
 def kernels(backend: Backend) -> ModuleType:

@@ -17,8 +17,8 @@ dtypes and an optimizer's states :mod:`~lightning_oomb.engine.step_setup`'s.
   of the engine's own :class:`~lightning_oomb.engine.pages.PoolShape` (sliding-window layers keeping only their
   tails, as the model's windows say) — exactly what ``KVPool.reserve`` allocates
   (HBM tier and staging buffers on the device, the host tier pinned). K/V are in the compute dtype (the autocast
-  dtype under ``*-mixed``: the op casts ``q, k, v`` to it) and, on a GPU, a head dim the Triton kernels cannot tile
-  zero-padded to the next power of two (:func:`~lightning_oomb.engine.attention.stored_head_dim`). A sparse step
+  dtype under ``*-mixed``: the op casts ``q, k, v`` to it) at the head dim the pages store
+  (:func:`~lightning_oomb.engine.attention.stored_head_dim`: the model's, on every backend). A sparse step
   (``page_budget``) adds the page summaries (``PoolShape.summary_bytes``, on the device).
 - *activations*: what autograd saves during one chunk's recompute (:func:`saved_bytes`; calibrated on
   :class:`~lightning_oomb.engine.memory.SavedTensorMeter`); per decoder layer and token of a Llama-style layer (HF's
@@ -271,7 +271,7 @@ def _pool_shape(
     score=None,
 ) -> PoolShape:
     """The pool of ``tokens`` per row in chunks of ``chunk``, as the engine shapes it: each paged layer at its own
-    KV heads and head dim, zero-padded to a power of two for the Triton kernels (a GPU's, or forced)."""
+    KV heads and head dim as the pages store it (:func:`~lightning_oomb.engine.attention.stored_head_dim`)."""
     backend = _backend(config, machine)
     latent = config.mla_pages == "latent" and bool(shape.latent_width)  # one page: keys and values
     shape = shape.attending(config.mla_pages)
@@ -895,7 +895,7 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     )
     below_head = activations - saved["head"]
     embed = shape.num_embeddings * shape.hidden_size * dtypes.activation.itemsize * shape.embedding_trainable
-    # the op's results (kept, parked, reused) are as wide as the pages (zero-padded heads: stored_head_dim)
+    # the op's results (kept, parked, reused) are as wide as the pages (stored_head_dim)
     wide = dataclasses.replace(shape, head_dim=pool.widest_head_dim)
     kept = kept_attention_bytes(wide, dtypes, tokens) if ckpt else 0
     if ckpt and config.offloads:  # parked in host memory until each layer's checkpoint recompute

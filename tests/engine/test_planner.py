@@ -174,10 +174,10 @@ def test_activations_are_what_autograd_saves(family, precision, checkpointing, c
 
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
 def test_the_ops_saved_q_and_output_are_as_wide_as_the_pages(backend):
-    """The Triton kernels store a head dim that is not a power of two >= 16 zero-padded (``stored_head_dim``: 8 as
-    16 here), and the op saves its padded q and output: on the triton backend (the plan's on a GPU) what autograd
-    saves was planned 11.8 % below (the heads' own width); now exactly, and the other backends' as before (the
-    interpreter runs the kernels on CPU: ``tests/conftest.py``)."""
+    """The op saves its q and output as wide as the pages (``stored_head_dim``): on the triton backend (the plan's on
+    a GPU) its pages, q and output are the heads' own 8 wide — the kernels tile them at 16 but read and write 8
+    columns (they were stored zero-padded to 16, and planned so) — and what autograd saves is planned exactly, as on
+    the other backends (the interpreter runs the kernels on CPU: ``tests/conftest.py``)."""
     model = build_causal_lm("qwen2", dtype=torch.float32, vocab_size=64)
     config = OOMBConfig(chunk_size=32, page_size=16, loss_block=32, attention_backend=backend)
     engine = OOMBEngine(HFChunkModel(model), config)
@@ -186,8 +186,8 @@ def test_the_ops_saved_q_and_output_are_as_wide_as_the_pages(backend):
     predicted = plan(engine.model, ids.shape[1], 1, config, "32-true", None, BIG_CPU)
     assert predicted.model.head_dim == 8
     assert predicted.device["activations"] == saved, (predicted.saved, saved)
-    # the pool too: its pages at the padded width on the triton backend (a CPU plan padded them only on a GPU)
-    assert predicted.pool.head_dim == engine.pool.shape.head_dim == (16 if backend == "triton" else 8)
+    # the pool too: its pages at the heads' width on every backend, its bytes the engine's
+    assert predicted.pool.head_dim == engine.pool.shape.head_dim == 8
     assert predicted.device["kv_hbm"] == engine.pool.stats()["hbm_pool_bytes"]
 
 
@@ -549,16 +549,16 @@ def test_a_real_optimizer_is_named_as_given():
 
 
 # --------------------------------------------------------------------------------------------------- fit or not
-def test_results_of_zero_padded_heads_are_planned_at_the_pages_width():
-    """Phi-3's heads (96) are stored 128 wide on a GPU (the Triton pages); the op attends at that width, so the
-    results it keeps for the checkpoint recompute, parks under offload and keeps for ``reuse_attention`` are as
-    wide: the engine's own slot size at 128 (CPU pages stay 96 wide)."""
+def test_results_of_heads_no_power_of_two_are_planned_at_the_pages_width():
+    """Phi-3's heads (96) are stored 96 wide on a GPU too (the Triton kernels tile them at 128 but read 96 columns;
+    the pages were 128 wide); the op attends at that width, so the results it keeps for the checkpoint recompute,
+    parks under offload and keeps for ``reuse_attention`` are as wide: the engine's own slot size at 96."""
     from transformers import Phi3Config
 
     from lightning_oomb.engine.results import result_slot_bytes
 
     config = OOMBConfig(1024, 128, layer_checkpointing=True, reuse_attention=True)
-    for device, width in (("cuda", 128), ("cpu", 96)):
+    for device, width in (("cuda", 96), ("cpu", 96)):
         result = plan(Phi3Config(), 4096, 1, config, "bf16-true", None, Machine(device, 1 << 40, 1 << 40))
         assert result.pool.head_dim == width
         slot = result_slot_bytes(1, 32, 1024, width, torch.bfloat16, torch.float32)

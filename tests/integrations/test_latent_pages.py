@@ -231,12 +231,18 @@ def test_the_strategy_trains_over_latents():
 
 
 def test_the_triton_kernels_attend_over_latents():
-    """The interpreted Triton kernels over latent pages (20 wide, stored at 32) give the torch backend's step."""
+    """The interpreted Triton kernels over latent pages stored at their width (20, tiled at 32; were stored at 32)
+    give the torch backend's step, and the plan's pool bytes are the engine's."""
     from tests.helpers.models import assert_triton_matches_torch
 
-    assert_triton_matches_torch(
-        _model(dtype=torch.float32), _ids(rows=1, tokens=32), options={"mla_pages": "latent"}
-    )
+    model, ids = _model(dtype=torch.float32), _ids(rows=1, tokens=32)
+    config = OOMBConfig(16, 16, attention_backend="triton", mla_pages="latent")
+    engine = OOMBEngine(HFChunkModel(model), config)
+    engine.loss(ids).backward()
+    planned = plan(model.config, ids.shape[1], 1, config, "32-true", None, BIG_CPU)
+    assert planned.pool.head_dim == engine.pool.shape.head_dim == 20
+    assert planned.device["kv_hbm"] == engine.pool.stats()["hbm_pool_bytes"]
+    assert_triton_matches_torch(model, ids, options={"mla_pages": "latent"})
 
 
 def _between(peaks: dict) -> Machine:

@@ -43,6 +43,7 @@ class Case:
     softcap: float | None = None
     docs: tuple[int, ...] = ()  # packed rows: document starts (row b shifted by 3 * b), besides position 0
     select: int = 0  # sparse: a random page selection of up to this many pages per query block
+    v_d: int | None = None  # values this wide, zero-padded to d (DeepSeek's 128 at 192, as the adapter)
 
 
 FP16, BF = torch.float16, torch.bfloat16
@@ -81,6 +82,16 @@ CASES = {
     ),
     "sparse-packed-window-fp16": Case(q_start=80, lq=45, window=30, docs=(21, 40, 77), select=3, dtype=FP16),
     "packed-softcap-bf16-grad-pages": Case(hq=4, q_start=48, docs=(21, 40, 77), softcap=3.0, grad_dtype=BF),
+    # pages at the model's head dim, narrower than the tiles (tile_width): Phi-3's 96, DeepSeek's keys 192 with
+    # values 128 zero-padded to them, latent pages (kv_lora_rank + qk_rope_head_dim: 576, a tiny model's 20)
+    "head-dim-96-window": Case(b=1, hq=2, hkv=1, d=96, q_start=48, lq=37, window=40),
+    "head-dim-192-bf16": Case(b=1, hq=2, hkv=1, d=192, v_d=128, q_start=32, lq=19, softcap=5.0, **BF16),
+    "head-dim-576-packed": Case(b=1, hq=2, hkv=1, d=576, q_start=32, lq=21, docs=(21, 40)),
+    "head-dim-20-gqa": Case(b=1, hq=4, hkv=1, d=20, q_start=32, lq=21),
+    "sparse-head-dim-192": Case(b=1, hq=2, hkv=1, d=192, v_d=128, q_start=64, lq=33, select=2),
+    "sparse-head-dim-576-window": Case(
+        b=1, hq=2, hkv=1, d=576, page=32, q_start=128, lq=40, window=90, select=2
+    ),
 }
 
 
@@ -124,6 +135,9 @@ def make_inputs(case: Case, seed: int = 0):
     table = torch.randperm(slots, generator=gen)[: case.b * n_pages].view(case.b, n_pages).int().to(DEVICE)
     kv = PagedKV(randn(*arena), randn(*arena), randn(*arena, dtype=case.grad_dtype),
                  randn(*arena, dtype=case.grad_dtype), table)  # fmt: skip
+    if case.v_d is not None:  # zero value columns make zero output columns, whose gradient is zero
+        kv.v[..., case.v_d :] = 0
+        dout[..., case.v_d :] = 0
     return q, dout, kv
 
 
@@ -230,7 +244,18 @@ def test_backward_matches_dense(backend: str, case: Case):
 
 
 @pytest.mark.parametrize(
-    "case", ["gqa7-ragged", "window", "fp16", "softcap", "packed-window", "sparse-window", "sparse-packed"]
+    "case",
+    [
+        "gqa7-ragged",
+        "window",
+        "fp16",
+        "softcap",
+        "packed-window",
+        "sparse-window",
+        "sparse-packed",
+        "head-dim-96-window",
+        "sparse-head-dim-192",
+    ],
 )
 def test_triton_matches_reference(case: str):
     """The kernels against their plain-torch reference on the same inputs (the kernels' own oracle)."""
@@ -334,7 +359,7 @@ def test_tile_shapes(monkeypatch, block_m, block_n, window):
     check_backward("triton", case)
 
 
-@pytest.mark.parametrize("case", ["packed-window", "sparse-packed"])
+@pytest.mark.parametrize("case", ["packed-window", "sparse-packed", "head-dim-576-packed"])
 def test_dkdv_split_loops_match(monkeypatch, case):
     """dK/dV's tuning variant without ``SPLIT`` (every query block in one masked loop; the default runs the fully
     visible ones in an unmasked loop of their own) gives the same gradients, on the masks that split the blocks
@@ -474,10 +499,9 @@ def test_rejects_unsupported_inputs():
     q, _, kv = make_inputs(Case(b=1, lq=4, q_start=0))
     with pytest.raises(TypeError, match="torch reference"):
         triton_kernels.paged_attention_forward(q.double(), kv.k, kv.v, kv.page_table, 0, 1.0, None)
-    with pytest.raises(ValueError, match="power of two"):
-        triton_kernels.paged_attention_forward(
-            q[..., :12], kv.k[..., :12], kv.v[..., :12], kv.page_table, 0, 1.0, None
-        )
+    with pytest.raises(ValueError, match="page size=8 is not supported"):
+        triton_kernels.paged_attention_forward(q, kv.k.view(-1, 1, 8, 16), kv.v.view(-1, 1, 8, 16),
+                                               kv.page_table, 0, 1.0, None)  # fmt: skip
     with pytest.raises(ValueError, match="must cover keys"):
         triton_kernels.paged_attention_forward(q, kv.k, kv.v, kv.page_table, 64, 1.0, None)
     huge = q[:, :, :1].expand(1, q.shape[1], 2**31 // (q.shape[1] * q.shape[3]) + 1, q.shape[3])  # no memory
@@ -512,12 +536,13 @@ def test_every_backend_refuses_a_call_outside_the_contract_alike(backend):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("family", "head_dim"),
-    [("mistral", 16), ("qwen2", 12)],
-    ids=["mistral", "qwen2-head-dim-12"],
+    [("mistral", 16), ("qwen2", 12), ("llama", 24)],
+    ids=["mistral", "qwen2-head-dim-12", "phi3-like-head-dim-24"],
 )
 def test_engine_with_triton_matches_torch_backend(causal_lm, family, head_dim):
     """OOMBEngine + HFChunkModel: the Triton backend gives the torch backend's loss and gradients (fp32) — also for
-    a head dim the kernels' tiles cannot take (12: its pages hold 16, zero-padded; Qwen2's biased projections)."""
+    head dims that are no power of two (12: Qwen2's biased projections; 24: as Phi-3's 96 is 3/4 of 128), whose
+    pages the Triton backend stores at the model's head dim as the others do (were zero-padded to 16 and 32)."""
     from lightning_oomb.engine import OOMBConfig, OOMBEngine
     from lightning_oomb.integrations.hf import HFChunkModel
 
@@ -534,11 +559,36 @@ def test_engine_with_triton_matches_torch_backend(causal_lm, family, head_dim):
         loss = engine.loss(ids)
         loss.backward()
         results[backend] = loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-        assert engine.pool.shape.head_dim == (16 if backend == "triton" else head_dim)
+        assert engine.pool.shape.head_dim == head_dim
     (loss_t, grads_t), (loss_k, grads_k) = results["torch"], results["triton"]
     assert torch.allclose(loss_k, loss_t, rtol=1e-5, atol=0)
     for name, grad in grads_t.items():
         assert_close(grads_k[name], grad, 1e-4, name)
+
+
+@pytest.mark.slow
+def test_deepseek_pages_are_stored_at_the_keys_width():
+    """DeepSeek-V3's multi-head latent attention (keys 8 + 4 = 12 wide, values 8 zero-padded to them by the
+    adapter): the Triton backend's pool stores its pages 12 wide (were 16), its step is the torch backend's, and
+    the plan's pool bytes are the engine's."""
+    from lightning_oomb.engine import OOMBConfig, OOMBEngine
+    from lightning_oomb.engine.planner import plan
+    from lightning_oomb.integrations.hf import HFChunkModel
+    from tests.engine.test_planner import BIG_CPU
+    from tests.helpers.models import assert_triton_matches_torch
+    from tests.integrations.test_hf_adapter import MLA, newer_family
+
+    torch.manual_seed(0)
+    model = newer_family("deepseek_v3", **MLA, q_lora_rank=16, v_head_dim=8, n_group=1, topk_group=1)
+    model = model.float().to(DEVICE)
+    ids = torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    config = OOMBConfig(chunk_size=16, page_size=16, attention_backend="triton")
+    engine = OOMBEngine(HFChunkModel(model), config)
+    engine.loss(ids).backward()
+    assert engine.pool.shape.head_dim == 12
+    planned = plan(engine.model, ids.shape[1], 1, config, "32-true", None, BIG_CPU)
+    assert planned.pool.head_dim == 12 and planned.device["kv_hbm"] == engine.pool.stats()["hbm_pool_bytes"]
+    assert_triton_matches_torch(model, ids)
 
 
 def test_packed_short_documents_cost_what_they_cost_apart():

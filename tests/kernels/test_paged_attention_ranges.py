@@ -38,6 +38,9 @@ CASES = {  # q_start > 0, Lq not a multiple of the page, GQA 2, batch 2
     "fp16-window": Case(b=1, hq=2, hkv=1, q_start=24, lq=21, window=12, dtype=torch.float16),
     # selections of up to 2 of the 4 past pages, some outside the window
     "sparse-window": Case(hq=4, hkv=2, q_start=64, lq=37, window=40, select=2),
+    # pages at head dims narrower than the tiles: Phi-3's 96; latent pages' 576 with a selection
+    "head-dim-96-window": Case(b=1, hq=2, hkv=1, d=96, q_start=40, lq=37, window=30),
+    "sparse-head-dim-576-window": Case(hq=2, hkv=1, d=576, q_start=64, lq=37, window=40, select=2),
 }
 
 
@@ -453,6 +456,8 @@ PART_CASES = {  # (case, block, sinks)
     ),
     "fp16-spans-sparse": (Case(b=1, hq=2, q_start=64, lq=33, select=2, dtype=torch.float16), 24, False),
     "spans-in-documents-sinks": (Case(hq=4, hkv=2, q_start=40, docs=(21, 40, 60)), 13, True),
+    # DeepSeek's keys 192 wide, values 128 zero-padded to them (pages 192 wide, tiles 256)
+    "head-dim-192-sparse-sinks": (Case(b=1, hq=2, d=192, v_d=128, q_start=64, lq=33, select=2), None, True),
 }
 
 
