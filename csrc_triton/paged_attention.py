@@ -923,6 +923,7 @@ def _bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
     ROWS: tl.constexpr, COUNT: tl.constexpr, SPARSE: tl.constexpr, R_P2: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr = False, FUSED_DQ: tl.constexpr = False,
+    ONE_GRAD: tl.constexpr = False,
 ):  # fmt: skip
     """Key blocks from the one holding ``first_key`` up to ``key_hi`` (keys >= ``key_hi`` are never read);
     ``FUSED_DQ``: dQ too, added into fp32 ``DQ`` (see :func:`fused_dq`). With
@@ -1035,11 +1036,15 @@ def _bwd_dkdv_kernel(
         tile_offs = offs_n[:, None] * stride_kp + offs_d[None, :] * stride_kd
         cols = offs_d[None, :]
         dk_ptrs = (DK + tile_base) + tile_offs
-        dk = (_load(dk_ptrs, cols, cols, False, HEAD_DIM) + dk * scale).to(DK.dtype.element_ty)
-        _store(dk_ptrs, dk, cols, cols, False, HEAD_DIM)
-        dv_ptrs = (DV + tile_base) + tile_offs
-        dv = (_load(dv_ptrs, cols, cols, False, HEAD_DIM) + dv).to(DV.dtype.element_ty)
-        _store(dv_ptrs, dv, cols, cols, False, HEAD_DIM)
+        if ONE_GRAD:  # values are keys: one gradient page takes dK and dV, added once (no second read of it)
+            dk = (_load(dk_ptrs, cols, cols, False, HEAD_DIM) + (dk * scale + dv)).to(DK.dtype.element_ty)
+            _store(dk_ptrs, dk, cols, cols, False, HEAD_DIM)
+        else:
+            dk = (_load(dk_ptrs, cols, cols, False, HEAD_DIM) + dk * scale).to(DK.dtype.element_ty)
+            _store(dk_ptrs, dk, cols, cols, False, HEAD_DIM)
+            dv_ptrs = (DV + tile_base) + tile_offs
+            dv = (_load(dv_ptrs, cols, cols, False, HEAD_DIM) + dv).to(DV.dtype.element_ty)
+            _store(dv_ptrs, dv, cols, cols, False, HEAD_DIM)
 
 
 @triton.jit
@@ -1414,7 +1419,8 @@ def paged_attention_backward(
     visits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Return ``dq`` (dtype of ``q``) and **add** dK, dV of every page read into ``dk_pages``, ``dv_pages``
-    (float32 or bfloat16 ``[slots, Hkv, P, D]``, same layout as the K/V arenas).
+    (float32 or bfloat16 ``[slots, Hkv, P, D]``, same layout as the K/V arenas; one tensor for both where values
+    are keys — ``v_pages`` is ``k_pages`` — which takes their sum, each tile read and written once).
 
     ``key_range=(lo, hi)``: only keys ``[lo, hi)`` (``out``, ``lse`` are still the final ones, over all keys).
     ``delta``: a precomputed ``rowsum(dout * out)`` (fp32 ``[B, Hq, Lq]``). ``dq``: an fp32 ``[B, Hq, Lq, D]``
@@ -1471,6 +1477,7 @@ def paged_attention_backward(
             HEAD_DIM=d, PAGE=page, PRECISION=precision, SOFTCAP=softcap is not None, ROWS=first is not None,
             COUNT=visits is not None, SPARSE=select is not None, FUSED_DQ=fused,
             R_P2=1 if select is None else triton.next_power_of_2(select.shape[1]),
+            ONE_GRAD=dk_pages.data_ptr() == dv_pages.data_ptr(),
         )  # fmt: skip
     if fused:
         return dq if accumulate else dq.to(q.dtype)

@@ -611,3 +611,35 @@ def test_packed_short_documents_cost_what_they_cost_apart():
     packed, apart = visits(docs), visits(None, lq=32)
     assert packed == (4 * apart[0], 4 * apart[1]) == (12 * case.hq, 12 * case.hq)
     assert visits(None) == (36 * case.hq, 36 * case.hq)  # the causal triangle without documents
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["dq-kernel", "fused-dq"])
+@pytest.mark.parametrize("case", ["gqa7-ragged", "sparse-window", "head-dim-96-window"])
+def test_values_that_are_keys_share_one_page_and_one_gradient_page(monkeypatch, case: str, fused: bool):
+    """Latent attention's pages (``values_are_keys``): ``v_pages`` is ``k_pages`` and ``dv_pages`` is ``dk_pages``;
+    the kernels add dK + dV into the one gradient page (each tile read and written once), as the reference with
+    two pages of the same values adds both. (The interpreter runs a program's two adds in order, so it cannot see
+    the race a GPU would have between them; ``tests/engine/test_cuda_paths.py`` checks latent pages there.)"""
+    monkeypatch.setenv("OOMB_TRITON_FUSED_DQ", "1" if fused else "0")
+    case = CASES[case]
+    q, dout, kv = make_inputs(case)
+    scale, tol, terms = case.d**-0.5, TOLERANCE[case.dtype], score_terms(case)
+    results = {}
+    for backend in BACKENDS:
+        ops, one = kernels(backend), kv.dk.clone()
+        out, lse = ops.paged_attention_forward(q, kv.k, kv.k, kv.page_table, case.q_start, scale, case.window,
+                                               **terms)  # fmt: skip
+        dq = ops.paged_attention_backward(q, out, lse, dout, kv.k, kv.k, one, one, kv.page_table, case.q_start,
+                                          scale, case.window, **terms)  # fmt: skip
+        results[backend] = out, dq, one - kv.dk
+    two = copy_grads(kv)  # the reference with V pages apart, holding the keys' values
+    ops = kernels("torch")
+    out, lse = ops.paged_attention_forward(q, kv.k, kv.k.clone(), kv.page_table, case.q_start, scale, case.window,
+                                           **terms)  # fmt: skip
+    ops.paged_attention_backward(q, out, lse, dout, kv.k, kv.k.clone(), two.dk, two.dv, kv.page_table,
+                                 case.q_start, scale, case.window, **terms)  # fmt: skip
+    summed = (two.dk - kv.dk) + (two.dv - kv.dv)
+    for backend, (got_out, _, added) in results.items():
+        assert_close(got_out, out, tol, f"{backend} out")
+        assert_close(added, summed, max(tol, TOLERANCE[case.grad_dtype]), f"{backend} dK + dV")
+    assert_close(results["triton"][1], results["torch"][1], tol, "dq")
