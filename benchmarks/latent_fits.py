@@ -7,8 +7,8 @@ models one GPU can train — each built from its published config numbers on the
 nothing downloaded): GLM-4.7-Flash (transformers' ``Glm4MoeLiteConfig`` defaults), DeepSeek-V2-Lite, MiniCPM3-4B
 and Youtu-LLM-2B (their config classes' defaults) — with rank-16 LoRA adapters on every attention and MLP projection
 (routed experts' weights stay frozen), AdamW on the adapters, ``precision="bf16-true"``. Every figure is a
-**prediction** of the planner; the time a step takes over latents (each head attends 576 wide, the pages padded to
-1,024 on a GPU) is what ``benchmarks/latent_pages.py`` measures on a GPU.
+**prediction** of the planner; the time a step takes over latents (each head attends 576 wide, tiled at 1,024 by
+the Triton kernels) is what ``benchmarks/latent_pages.py`` measures on a GPU.
 
     PYTHONPATH=$PWD python benchmarks/latent_fits.py --out benchmarks/results/latent-fits.json
 """

@@ -7,14 +7,15 @@ A layer-reduced GLM-4.7-Flash shape (transformers' ``Glm4MoeLiteConfig`` default
 MoE; bf16; random weights) takes forward + backward of one ``--tokens`` sequence in chunks of ``--chunk`` with layer
 checkpointing, every page on the GPU:
 
-- ``expanded``: the pages hold 20 heads of keys and values, each zero-padded to 256 (bf16: 20 KiB per token and
-  layer, and float32 gradient pages twice that);
-- ``latent``: one head of 576, stored at 1,024 (the Triton kernels' power of two: 4 KiB per token and layer), which
-  every query head attends at that width (the queries absorb ``kv_b_proj``'s keys half).
+- ``expanded``: the pages hold 20 heads of keys and values, 256 + 256 wide (bf16: 20 KiB per token and layer, and
+  float32 gradient pages twice that);
+- ``latent``: one head of 576 serving as keys and values, one page tensor and one gradient page (1.1 KiB per token
+  and layer, 17.8x less), which every query head attends at that width (the queries absorb ``kv_b_proj``'s keys
+  half), the Triton kernels tiling it at 1,024.
 
 Reported per method: the step time (median of ``--repeats`` after one warm-up), the peak GPU memory next to the
-planner's, the pool's bytes and the loss. Predicted: the latent pool 5x smaller, its attention ~4x the FLOPs (1,024
-+ 1,024 against 256 + 256 per head and key). Writes JSON (``--out``), a PNG and a Markdown table next to it.
+planner's, the pool's bytes and the loss. Predicted: the latent pool 17.8x smaller, its attention ~4x the FLOPs
+(1,024-wide tiles against 256-wide ones). Writes JSON (``--out``), a PNG and a Markdown table next to it.
 
     PYTHONPATH=$PWD python3 benchmarks/latent_pages.py --out benchmarks/results/latent-pages-h200.json
     PYTHONPATH=$PWD python benchmarks/latent_pages.py --tiny --device cpu --out /tmp/latent-pages.json  # smoke

@@ -177,6 +177,16 @@ def stored_head_dim(backend: Backend, head_dim: int) -> int:
     return head_dim
 
 
+def kernel_head_dim(backend: Backend, head_dim: int) -> int:
+    """The head width the backend's attention computes at: the Triton kernels' tiles
+    (``csrc_triton.paged_attention.tile_width``: the next power of two), else ``head_dim``."""
+    if backend != "triton":
+        return head_dim
+    from csrc_triton.paged_attention import tile_width
+
+    return tile_width(head_dim)
+
+
 def kernels(backend: Backend) -> ModuleType:
     """The module implementing the backend's ``paged_attention_forward`` / ``paged_attention_backward``."""
     if backend == "triton":

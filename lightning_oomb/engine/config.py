@@ -140,16 +140,18 @@ class OOMBConfig:
             (no rank attends in the recompute).
         mla_pages: what the pages of multi-head latent attention layers hold (DeepSeek-V2/V3, GLM-4.7-Flash,
             Kimi-Linear, MiniCPM3, Youtu, LongCat-Flash...: attention modules with a ``kv_b_proj``): ``"expanded"``
-            (default) every head's keys and values, as the model makes them (DeepSeek-V2-Lite: 16 heads x (192 +
-            128) values per token and layer, padded to 256 + 256 on a GPU); ``"latent"``: the layer's latent, one
-            head of ``kv_lora_rank + qk_rope_head_dim`` values (576) serving as keys and values, with
-            ``kv_b_proj``'s key half absorbed into the queries and its value half applied to the output (the
-            method DeepSeek's inference uses): 9-14x fewer page bytes per token (K/V and their gradient pages
-            alike) for 2.2-3.4x the attention FLOPs (each head attends at 576 wide). Exact (the same function,
-            rounded otherwise); refused for a model without such layers and under LoRA dropout on ``kv_b_proj``.
-            ``"auto"`` (the strategies' default): their memory plan keeps ``"expanded"`` where the step fits with
-            it (its other options decided for it: offload, checkpointing, 16-bit gradient pages), else
-            ``"latent"``; undecided (a bare engine) and for models without latent attention: ``"expanded"``.
+            every head's keys and values, as the model makes them (GLM-4.7-Flash: 20 heads x (256 + 256) values
+            per token and layer); ``"latent"``: the layer's latent, one head of ``kv_lora_rank + qk_rope_head_dim``
+            values (576) serving as keys and values — one page tensor for both and one gradient page for both
+            gradients (``PoolShape.values_are_keys``) — with ``kv_b_proj``'s key half absorbed into the queries and
+            its value half applied to the output (the method DeepSeek's inference uses): 17.8x fewer page bytes
+            per token for GLM-4.7-Flash, 14.2x for DeepSeek-V2-Lite, for more attention FLOPs (each head attends
+            576 wide, tiled at 1,024 by the Triton kernels: 4x the expanded pages' 256-wide tiles). Exact (the same
+            function, rounded otherwise); refused for a model without such layers and under LoRA dropout on
+            ``kv_b_proj``. ``"auto"`` (the strategies' default): their memory plan keeps ``"expanded"`` where the
+            step fits with it (its other options decided for it: offload, checkpointing, 16-bit gradient pages),
+            else ``"latent"``; undecided (a bare engine, whose default is ``"expanded"``) and for models without
+            latent attention: ``"expanded"``.
     """
 
     chunk_size: int = 4096

@@ -154,7 +154,7 @@ from lightning_oomb.engine.activation_bytes import (
     saved_bytes,
     scan_views,
 )
-from lightning_oomb.engine.attention import stored_head_dim
+from lightning_oomb.engine.attention import kernel_head_dim, stored_head_dim
 from lightning_oomb.engine.config import OOMBConfig
 from lightning_oomb.engine.context import check_context
 from lightning_oomb.engine.errors import OOMBConfigError
@@ -938,7 +938,8 @@ def _plan(inputs: _Inputs, config: OOMBConfig, batch: int, seq_len: int, devices
     result.fits = result.device_fits and result.host_fits
     result.notes = _notes(inputs, config)
     if machine.rates is not None:
-        dense, attention = step_flops(shape.attending(config.mla_pages), seq_len, config, batch)
+        width = kernel_head_dim(backend, shape.attending(config.mla_pages).head_dim)
+        dense, attention = step_flops(shape, seq_len, config, batch, attention_width=width)
         kv, grad = (pool.page_bytes(part) / config.page_size for part in ("kv", "grad"))
         parked = parked_bytes(shape, dtypes, tokens) if parks else 0
         copies = copy_bytes(

@@ -78,10 +78,13 @@ def step_flops(
     batch: int = 1,
     reference: bool = False,
     layers: int | None = None,
+    attention_width: int | None = None,
 ) -> tuple[float, float]:
     """``(matmul, attention)`` FLOPs of one OOMB training step (the module docstring) on ``batch x seq_len``
     tokens, or of the reference's (``reference=True``: full-sequence training, checkpointed per layer as
-    ``config.layer_checkpointing`` says); ``layers``: decoder layers counted (default: the model's)."""
+    ``config.layer_checkpointing`` says); ``layers``: decoder layers counted (default: the model's);
+    ``attention_width``: the head width the attention computes at (default ``shape.head_dim``; the Triton
+    kernels': their tiles', ``attention.kernel_head_dim``; latent pages': the latent's)."""
     layers = shape.num_layers if layers is None else layers
     h = shape.hidden_size
     down = h * shape.mean_mlp_width  # the MLP's down projection: a third of its weights
@@ -113,7 +116,8 @@ def step_flops(
             kept = config.reused_chunks(chunks)
             forward, again = _pairs(seq_len, config.chunk_size, window, past_cap, first_again=chunks - kept)
         attention += count * (forward * (1 + ATTENTION_BACKWARD) + again)
-    return dense, 4 * shape.head_dim * shape.num_heads * batch * attention
+    width = shape.head_dim if attention_width is None else attention_width
+    return dense, 4 * width * shape.num_heads * batch * attention
 
 
 def _pairs(seq_len: int, chunk: int, window: int | None, past_cap: float, first_again: int = 0):
