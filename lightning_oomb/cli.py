@@ -65,7 +65,7 @@ from lightning_oomb.models import (  # noqa: F401
     qwen2_5_7b_config,
     with_lora,
 )
-from lightning_oomb.strategy import hosted_tails_note, most_micro_batches, widest_other_budgets
+from lightning_oomb.strategy import most_micro_batches, widest_other_budgets
 
 _STRATEGY = "--trainer.strategy"
 
@@ -493,16 +493,8 @@ def print_plan(result: MemoryPlan) -> None:
     except ImportError:
         print(result.format())
         return
-    cfg = result.config
-    tails = f"; {hosted_tails_note(result)}" if result.pool.hosted_tails else ""
-    latent = ", mla_pages latent (one head of latents)" if result.pool.values_are_keys else ""
     console = Console(width=max(110, Console().width))
-    console.print(
-        f"oomb plan: {result.model.family}, {result.batch} x {result.seq_len} tokens, {result.precision}, "
-        f"{result.optimizer}, chunk_size {cfg.chunk_size}, layer_checkpointing {cfg.layer_checkpointing}, "
-        f"kv_grad_dtype {cfg.kv_grad_dtype}, grad_accumulation {cfg.grad_accumulation}{latent}, offload "
-        f"{cfg.offload} ({result.hbm_layers} HBM / {result.host_layers} host layers{tails})"
-    )
+    console.print(f"oomb plan: {result.header()}")
     table = Table()
     table.add_column("term")
     table.add_column("device", justify="right")

@@ -58,15 +58,6 @@ def most_micro_batches(trainer) -> int:
     return max([trainer.accumulate_grad_batches, *scheduled])
 
 
-def hosted_tails_note(result) -> str:
-    """``"the tails of N window layers in host memory"`` where the memory plan ``result`` keeps window layers' tails
-    there (``PoolShape.hosted_tails``: they count among the HBM layers, a ring of two tail groups staying on the
-    device), else ``""``."""
-    hosted = len(result.pool.hosted_tails)
-    layers = "window layer" if hosted == 1 else "window layers"
-    return f"the tails of {hosted} {layers} in host memory" if hosted else ""
-
-
 def widest_other_budgets(scheduled: frozenset[int | None] | None, own: int | None) -> list[int | None]:
     """The page budgets of a schedule (``scheduled``) whose steps may need more memory than the strategy's own
     budget ``own``: a dense step's (``None``, the most attention memory) and the largest sparse one (the page
@@ -222,7 +213,7 @@ class _OOMBStrategyMixin:
         ]
         rank_zero_info(
             f"OOMB memory plan: {result.summary()}"
-            + (f"; {hosted_tails_note(result)}" if result.pool.hosted_tails else "")
+            + (f"; {result.hosted_tails_note()}" if result.pool.hosted_tails else "")
             + (f"; decided {', '.join(decided)}" if decided else "")
         )
         # the plan decided the "auto" options (again, for a new shape): for the engine and the model (the strategy's

@@ -454,9 +454,29 @@ class MemoryPlan:
             "optimizer_transients": "a fused optimizer",
         }.get(key, chunk)
 
+    def header(self) -> str:
+        """What is planned: the model, the step, the precision and optimizer, and the options as decided."""
+        cfg = self.config
+        latent = ", mla_pages latent (one head of latents)" if self.pool.values_are_keys else ""
+        tails = f"; {self.hosted_tails_note()}" if self.pool.hosted_tails else ""
+        return (
+            f"{self.model.family}, {self.batch} x {self.seq_len} tokens, {self.precision}, {self.optimizer}, "
+            f"chunk_size {cfg.chunk_size}, layer_checkpointing {cfg.layer_checkpointing}, kv_grad_dtype "
+            f"{cfg.kv_grad_dtype}, grad_accumulation {cfg.grad_accumulation}{latent}, offload {cfg.offload} "
+            f"({self.hbm_layers} HBM / {self.host_layers} host layers{tails})"
+        )
+
+    def hosted_tails_note(self) -> str:
+        """``"the tails of N window layers in host memory"`` where the plan keeps window layers' tails there
+        (``PoolShape.hosted_tails``: they count among the HBM layers, a ring of two tail groups staying on the
+        device), else ``""``."""
+        hosted = len(self.pool.hosted_tails)
+        layers = "window layer" if hosted == 1 else "window layers"
+        return f"the tails of {hosted} {layers} in host memory" if hosted else ""
+
     def format(self) -> str:
-        """A plain-text table of every term, the verdict and the options."""
-        lines = [f"{'term':<34}{'device':>14}{'host':>14}"]
+        """A plain-text table of every term (after :meth:`header`), the verdict and the options."""
+        lines = [self.header(), f"{'term':<34}{'device':>14}{'host':>14}"]
         for label, dev, host in self.rows():
             lines.append(f"{label:<34}{gib(dev):>14}{gib(host):>14}")
         lines += [f"{'peak (' + self.peak_phase + ')':<34}{gib(self.peak_device):>14}{gib(self.host_tier):>14}",

@@ -468,3 +468,13 @@ def test_oomb_plan_of_the_glm_example_takes_latents_on_an_h200(capsys):
     assert result.fits and result.config.mla_pages == "latent" and result.pool.values_are_keys
     assert result.seq_len == 524288 and result.model.num_layers == 47
     assert "mla_pages latent" in capsys.readouterr().out
+
+
+def test_the_plain_text_plan_names_the_decisions_as_the_rich_one_does():
+    """Without ``rich`` the plan prints ``MemoryPlan.format()``: its first line is the header the rich table has —
+    the options as decided, latent pages and hosted tails included (it had no header)."""
+    result = plan_command(
+        ["--config", str(EXAMPLES / "configs" / "glm-4.7-flash-lora-512k.yaml"), *H200_ARGS]
+    )
+    first = result.format().splitlines()[0]
+    assert first == result.header() and "mla_pages latent" in first and "offload True" in first
