@@ -72,8 +72,8 @@ def oomb_attention_forward(
         def attend(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
             return paged_attention(q, kv, kv, oomb_chunk, layer, scale, sliding_window, softcap, s_aux, block)
 
-        check = oomb_chunk.sweep == "forward"
-        return attend_latent(module, query, key, value, attend, check).contiguous(), None
+        check, shift_free = oomb_chunk.sweep == "forward", softcap is None and s_aux is None
+        return attend_latent(module, query, key, value, attend, check, shift_free).contiguous(), None
     width = value.shape[-1]
     query, key, value = _one_head_dim(query, key, value, oomb_chunk.shape.call_head_dim_of(layer))
     out = paged_attention(query, key, value, oomb_chunk, layer, scale, sliding_window, softcap, s_aux, block)

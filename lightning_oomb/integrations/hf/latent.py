@@ -88,15 +88,23 @@ def keeping_latents(modules: list[torch.nn.Module]) -> Iterator[None]:
 _ABSORBING: set[int] = set()  # ids of the modules whose kv_b_proj maps the identity now: no latent to keep
 
 
-def _weight(module: torch.nn.Module, like: torch.Tensor) -> torch.Tensor:
+def _weight(module: torch.nn.Module, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``kv_b_proj``'s weight as it maps a latent, ``[kv_lora_rank, heads, nope + v]``: the identity mapped (an
-    adapter's update included, with its gradient)."""
+    adapter's update included, with its gradient); and where ``kv_b_proj`` adds a bias (a user's ``Linear`` with
+    one, LoRA's ``lora_bias``) that bias ``[heads, nope + v]``, mapped from a zero row and taken off the weight."""
+    rank = module.kv_lora_rank
+    biased = any(getattr(m, "bias", None) is not None for m in module.kv_b_proj.modules())
+    eye = torch.eye(rank, dtype=like.dtype, device=like.device)
     _ABSORBING.add(id(module))
     try:
-        mapped = module.kv_b_proj(torch.eye(module.kv_lora_rank, dtype=like.dtype, device=like.device))
+        mapped = module.kv_b_proj(F.pad(eye, (0, 0, 0, 1)) if biased else eye)
     finally:
         _ABSORBING.discard(id(module))
-    return mapped.view(module.kv_lora_rank, -1, module.qk_nope_head_dim + module.v_head_dim)
+    width = module.qk_nope_head_dim + module.v_head_dim
+    if not biased:
+        return mapped.view(rank, -1, width), None
+    bias = mapped[rank:]
+    return (mapped[:rank] - bias).view(rank, -1, width), bias.view(-1, width)
 
 
 def attend_latent(
@@ -106,12 +114,15 @@ def attend_latent(
     value: torch.Tensor,
     attend: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     check: bool,
+    shift_free: bool = True,
 ) -> torch.Tensor:
     """The attention output ``[B, L, Hq, value width]`` of a latent attention call given the model's ``query
     [B, Hq, L, nope + rope]``, expanded ``key`` and ``value`` (only ``key``'s rotated part is read), attending with
     ``attend(q, kv) -> out`` over one latent head (``q [B, Hq, L, rank + rope]``, ``kv [B, 1, L, rank + rope]``).
     ``check``: compare the latent against the keys the model expanded from it (first and last token), which finds
-    a model whose ``kv_b_proj`` input is not the latent the keys are made of."""
+    a model whose ``kv_b_proj`` input is not the latent the keys are made of. A bias of ``kv_b_proj``: its value
+    half is added to the output (the probabilities sum to 1), its key half shifts all of a query's scores alike and
+    is left out — exact where the scores are ``shift_free`` (no softcap, no sink logits), else refused."""
     latent = LATENTS.get(id(module))
     LATENTS[id(module)] = None
     batch, heads, length, _ = query.shape
@@ -122,10 +133,15 @@ def attend_latent(
             "mla_pages='latent' cannot find the latent its keys are made of — use mla_pages='expanded'."
         )
     latent = latent.reshape(batch, 1, length, rank)
-    weight = _weight(module, latent)
+    weight, bias = _weight(module, latent)
     w_keys, w_values = weight[..., :nope], weight[..., nope:]
+    if bias is not None and not shift_free:
+        raise OOMBConfigError(
+            f"mla_pages='latent' with a bias on {type(module).__name__}'s kv_b_proj and a softcap or sink logits: "
+            "the key bias's share of the scores cannot be left out — use mla_pages='expanded'."
+        )
     if check:
-        _check_latent(module, latent, key[..., :nope], w_keys)
+        _check_latent(module, latent, key[..., :nope], w_keys, None if bias is None else bias[:, :nope])
     rope = module.qk_rope_head_dim
     # per head, zero rows where the other operand's columns are rotated ones: each product reads a whole tensor
     # (no sliced copy for autograd to save beside the query and the op's output, which it keeps anyway)
@@ -134,14 +150,18 @@ def attend_latent(
     kv = torch.cat((latent.to(key.dtype), key[:, :1, :, nope:]), dim=-1)
     out = attend(q, kv)
     expand = F.pad(w_values.permute(1, 0, 2), (0, 0, 0, rope)).to(out.dtype)  # [Hq, rank + rope, v]
-    out = (out @ expand).transpose(1, 2)
+    out = out @ expand
+    if bias is not None:
+        out = out + bias[:, None, nope:].to(out.dtype)
+    out = out.transpose(1, 2)
     return F.pad(out, (0, value.shape[-1] - out.shape[-1])) if value.shape[-1] > out.shape[-1] else out
 
 
-def _check_latent(module, latent: torch.Tensor, keys: torch.Tensor, w_keys: torch.Tensor) -> None:
+def _check_latent(module, latent: torch.Tensor, keys: torch.Tensor, w_keys: torch.Tensor, b_keys) -> None:
     with torch.no_grad():
         ends = [0, latent.shape[2] - 1]
-        made = torch.einsum("bxlr,rhd->bhld", latent[:, :, ends].to(w_keys.dtype), w_keys).to(keys.dtype)
+        made = torch.einsum("bxlr,rhd->bhld", latent[:, :, ends].to(w_keys.dtype), w_keys)
+        made = (made if b_keys is None else made + b_keys[:, None]).to(keys.dtype)
         given = keys[:, :, ends]
         scale = given.abs().amax().clamp_min(torch.finfo(given.dtype).tiny)
         tolerance = min(latent.shape[-1] * torch.finfo(given.dtype).eps, 0.125)  # (summed in another order)
