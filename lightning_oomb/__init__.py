@@ -9,6 +9,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_oomb.context_parallel import OOMBContextParallelStrategy
 from lightning_oomb.engine import OOMBConfig, OOMBConfigError, OOMBEngine, OOMBOutOfMemoryError
 from lightning_oomb.engine.planner import plan  # lightning_oomb.plan(...): a step's memory, before allocating
+from lightning_oomb.integrations import hf  # noqa: F401  (the planner reads a Hugging Face model as its adapter)
 from lightning_oomb.strategy import OOMBStrategy
 
 __version__ = "0.1.0.dev0"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -455,12 +455,21 @@ class ModelShape:
         return self.conv_state_elements * compute.itemsize + self.recurrent_state_elements * 4
 
 
-def model_shape(model: Any) -> ModelShape:
+# how an integration adapts a model of its kind for the engine (the Hugging Face adapter: registered by
+# ``lightning_oomb.integrations.hf``; the engine imports no integration): a model, or the model a config builds, is
+# read through its adapter — a hybrid's attention layers and carried states, windows, KV heads — as the strategies'
+# plans read it; a reader returns ``None`` for a model it does not adapt
+ADAPTER_READERS: list[Callable[[torch.nn.Module], Any]] = []
+
+
+def model_shape(model: Any, *, adapted: bool = True) -> ModelShape:
     """The :class:`ModelShape` of ``model``: a :class:`ModelShape`, a transformers config (a multimodal one's
     decoder config; or a ``{"model_type": ...}``-style dict of its fields: read as the model it builds shows it,
     :func:`_with_built_model`), an ``nn.Module`` holding one (its parameters are counted exactly), a ChunkModel
     adapter around one, or any ChunkModel ``nn.Module`` (its parameters counted exactly, its MLPs, widths and head
-    count read off its modules, its carried states as it declares them: :func:`_shape_of_chunk_model`)."""
+    count read off its modules, its carried states as it declares them: :func:`_shape_of_chunk_model`). A model
+    (built or from a config) is read through its adapter where an :data:`ADAPTER_READERS` entry makes one
+    (``adapted``)."""
     if isinstance(model, ModelShape):
         return model
     if isinstance(model, Mapping):
@@ -468,10 +477,11 @@ def model_shape(model: Any) -> ModelShape:
     config = _text_config(getattr(model, "config", None))
     model = _text_config(model)
     if isinstance(model, torch.nn.Module) and _is_config(config):
-        return _with_parameters(_with_layers(_shape_of_config(config), model), model)
+        shape = _with_parameters(_with_layers(_shape_of_config(config), model), model)
+        return _adapted(shape, model) if adapted else shape
     inner = getattr(model, "model", None)  # e.g. the Hugging Face adapter around a PreTrainedModel
     if not isinstance(model, torch.nn.Module) and isinstance(inner, torch.nn.Module):
-        return _with_adapter(model_shape(inner), model)
+        return _with_adapter(model_shape(inner, adapted=False), model)
     if _is_config(model):
         return _with_built_model(_shape_of_config(model), model)
     if isinstance(model, torch.nn.Module) and hasattr(model, "num_layers") and hasattr(model, "lm_head"):
@@ -500,8 +510,19 @@ def _with_built_model(shape: ModelShape, config: Any) -> ModelShape:
     except Exception:  # noqa: BLE001  (the config's fields alone)
         return shape
     counted = _with_parameters(shape, module)
-    return dataclasses.replace(_with_layers(shape, module), params=counted.params, trainable=counted.trainable,
-                               largest_param=counted.largest_param)  # fmt: skip
+    built = dataclasses.replace(_with_layers(shape, module), params=counted.params, trainable=counted.trainable,
+                                largest_param=counted.largest_param)  # fmt: skip
+    return _adapted(built, module)
+
+
+def _adapted(shape: ModelShape, module: torch.nn.Module) -> ModelShape:
+    """``shape`` with what ``module``'s adapter declares (:data:`ADAPTER_READERS`, :func:`_with_adapter`), if one
+    adapts it."""
+    for read in ADAPTER_READERS:
+        adapter = read(module)
+        if adapter is not None:
+            return _with_adapter(shape, adapter)
+    return shape
 
 
 class _AttrDict(dict):

@@ -204,3 +204,26 @@ def test_zayas_layers_are_planned_as_autograd_saves_them(precision):
     predicted, saved, _ = measure("zaya", precision, False, 64, seq_len=256, vocab=64, build=build_hybrid)
     assert predicted.model.l2_qk_norms and predicted.model.scaled_residuals == 2
     assert abs(predicted.device["activations"] / saved - 1) <= 0.01, (predicted.saved, saved)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "kimi_linear", "bamba", "lfm2"])
+def test_a_hybrids_config_alone_is_planned_as_the_strategies_plan_it(family):
+    """``lightning_oomb.plan(config)`` and ``plan(model)`` read a Hugging Face model through its adapter, as the
+    strategies' plans (``plan(adapter)``) and ``oomb plan`` do: a hybrid's pool holds its attention layers only and
+    its carried states are counted (both were planned as if every layer attended and nothing was carried: 4
+    layers' pages for Qwen3-Next's and Kimi-Linear's one attention layer in four)."""
+    from lightning_oomb import plan
+    from lightning_oomb.engine import OOMBConfig
+    from lightning_oomb.engine.planner import Machine
+    from lightning_oomb.integrations.hf import HFChunkModel
+
+    model = build_hybrid(family)
+    config, machine = OOMBConfig(32, 16), Machine("cpu", 1 << 40, 1 << 40)
+    plans = [plan(source, 128, 2, config, "64-true", None, machine) for source in (model.config, model,
+                                                                                  HFChunkModel(model))]  # fmt: skip
+    attention = HFChunkModel(model).num_layers
+    assert attention < model.config.num_hidden_layers
+    for planned in plans:
+        assert planned.pool.num_layers == attention
+        assert planned.device["kv_hbm"] == plans[2].device["kv_hbm"]
+        assert planned.device["carried_states"] == plans[2].device["carried_states"] > 0

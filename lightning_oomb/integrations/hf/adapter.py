@@ -186,6 +186,20 @@ def tiled_mlps(mlps: list[torch.nn.Module], tile: int | None) -> Iterator[None]:
                 mlp.forward = forward
 
 
+def adapter_for_planning(module: torch.nn.Module) -> HFChunkModel | None:
+    """The adapter the memory planner reads a Hugging Face causal LM through (a hybrid's attention layers and
+    carried states, its windows, as the strategies' plans read them; no self-check); ``None`` for another module or
+    a model the adapter refuses (the plan reads its config alone)."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(module, PreTrainedModel) or module.get_output_embeddings() is None:
+        return None
+    try:
+        return HFChunkModel(module, verify_exactness=False)
+    except OOMBConfigError:
+        return None
+
+
 def verify_exactness_of(model: torch.nn.Module, mla_pages: str = "expanded") -> bool:
     """The self-check of :func:`~lightning_oomb.integrations.hf.support.verify_exactness` for ``model`` (its latent
     attention layers' pages as ``mla_pages`` says): raises on a mismatch, returns whether the check could run."""
