@@ -49,7 +49,7 @@ def check_latent_modules(modules: list[torch.nn.Module], model_name: str) -> Non
         raise OOMBConfigError(
             f"mla_pages='latent' needs multi-head latent attention layers (DeepSeek-V2/V3-like: a kv_b_proj and "
             f"kv_lora_rank), and {model_name}'s attention layers are not all such layers — use "
-            "mla_pages='expanded' (the default)."
+            "mla_pages='expanded' (or 'auto', the strategies' default)."
         )
     for module in modules:
         dropping = [m for m in module.kv_b_proj.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
@@ -58,7 +58,7 @@ def check_latent_modules(modules: list[torch.nn.Module], model_name: str) -> Non
                 f"mla_pages='latent' with dropout on {model_name}'s kv_b_proj (p={dropping[0].p}, e.g. LoRA's "
                 "lora_dropout): the absorbed weight would drop the latent's columns instead of each token's — set "
                 "the adapter's dropout to 0, leave kv_b_proj out of its target modules, or use "
-                "mla_pages='expanded'."
+                "mla_pages='expanded' (with 'auto' the memory plan chose latents: the expanded pages do not fit)."
             )
 
 
